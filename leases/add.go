@@ -1,0 +1,333 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
+// free addresses keep being taken by others between view and commit.
+const maxAddAttempts = 16
+
+// addState is what one ADD carries across its attempts.
+type addState struct {
+	req   allocator.Request
+	owner string
+	// fresh is a lease taken from the keeper for a pod that has none yet; given back
+	// unless a transaction binds keys to it.
+	fresh clientv3.LeaseID
+	// lost are addresses this ADD found taken since its view was built.
+	lost map[netip.Addr]bool
+}
+
+func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
+
+// Add allocates one address from every range set of the request's pool for the attachment
+// (container ID + interface), or returns the addresses it already has. All addresses, the
+// owner index and the pod record are created in one transaction on the pod's lease, guarded
+// by create-if-absent on every address, its quarantine key and the owner index.
+//
+// Errors wrap allocator.ErrInvalidConfig or ErrInvalidName (bad request), ErrPoolMismatch,
+// ErrNotInRange or ErrAddressInUse (requested addresses), ErrPoolExhausted (no free address;
+// also ErrOnlyQuarantined when only resting addresses are free), or ErrUnavailable (etcd
+// unreachable, or the owner's keys are held by another node identity until they expire).
+func (a *Agent) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
+	owner, err := a.validate(&req)
+	if err != nil {
+		return allocator.Result{}, err
+	}
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool)}
+	defer func() {
+		if st.fresh != 0 {
+			a.keeper.Return(st.fresh)
+		}
+	}()
+	for range maxAddAttempts {
+		p, err := a.pools.ensure(ctx, req.Pool)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		p.await(ctx)
+		requested, err := p.spec.MatchRequested(req.RequestedIPs)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		res, done, err := a.tryAdd(ctx, p, st, requested)
+		if done || err != nil {
+			return res, err
+		}
+	}
+	return allocator.Result{}, fmt.Errorf("%w: pool %q: gave up after %d transactions because other owners kept taking the chosen addresses first; retry",
+		allocator.ErrUnavailable, req.Pool.Name, maxAddAttempts)
+}
+
+// tryAdd runs one claim transaction. It returns done=false when the caller should try again
+// with what the failed transaction taught the view.
+func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []netip.Addr) (allocator.Result, bool, error) {
+	req, owner := st.req, st.owner
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+
+	lease, known := a.podLease(owner)
+	if !known {
+		if st.fresh == 0 {
+			id, err := a.keeper.Take(octx)
+			if err != nil {
+				return allocator.Result{}, false, a.unavailable("grant pod lease", err)
+			}
+			st.fresh = id
+		}
+		lease = st.fresh
+	}
+
+	addrs := make([]netip.Addr, len(p.spec.Ranges))
+	var reserved []netip.Addr
+	for i := range p.spec.Ranges {
+		if requested[i].IsValid() {
+			addrs[i] = requested[i]
+			continue
+		}
+		addr, err := p.view.reserve(&p.spec, i, st.skip)
+		if err != nil {
+			p.view.settle(reserved, 0)
+			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.spec.Name, err)
+		}
+		addrs[i] = addr
+		reserved = append(reserved, addr)
+	}
+
+	now := time.Now().UTC()
+	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
+	podKey := PodKey(a.cfg.Cluster, a.cfg.Node, owner)
+	withLease := clientv3.WithLease(lease)
+	cmps := []clientv3.Cmp{
+		clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0),
+		clientv3.Compare(clientv3.ModRevision(PoolKey(p.spec.Name)), "=", p.rev),
+	}
+	var puts []clientv3.Op
+	if !known {
+		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(podKey), "=", 0))
+		puts = append(puts, clientv3.OpPut(podKey, mustJSON(a.podRecord(req, owner, lease, now)), withLease))
+	} else {
+		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(podKey), "=", lease))
+	}
+	gets := []clientv3.Op{
+		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
+	}
+	for _, addr := range addrs {
+		ipKey, qKey := IPKey(p.spec.Name, addr), QuarantineKey(p.spec.Name, addr)
+		cmps = append(cmps,
+			clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
+			clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0))
+		puts = append(puts, clientv3.OpPut(ipKey, mustJSON(a.allocation(req, owner, lease, now)), withLease))
+		gets = append(gets, clientv3.OpGet(ipKey), clientv3.OpGet(qKey))
+	}
+	puts = append(puts, clientv3.OpPut(ownerKey, mustJSON(a.ownerRecord(req, addrs, lease, now)), withLease))
+
+	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	if err != nil {
+		p.view.settle(reserved, 0)
+		// The transaction may have been applied even though its answer was lost. The lease
+		// stays with the owner so it is never handed to another pod; a retried ADD finds
+		// its own keys, and a DEL revokes the lease.
+		if st.fresh != 0 {
+			a.setPodLease(owner, st.fresh)
+			st.fresh = 0
+		}
+		return allocator.Result{}, false, a.unavailable("claim addresses", err)
+	}
+	a.ok()
+	if resp.Succeeded {
+		p.view.settle(addrs, resp.Header.Revision)
+		a.setPodLease(owner, lease)
+		st.fresh = 0
+		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
+		res, err := result(&p.spec, addrs)
+		return res, true, err
+	}
+	p.view.settle(reserved, 0)
+	return a.learn(ctx, p, st, requested, addrs, lease, known, resp)
+}
+
+// learn reads the else branch of a failed claim: the attachment may exist already (an
+// idempotent ADD), the pool definition may have changed, or some addresses were taken.
+func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, addrs []netip.Addr,
+	lease clientv3.LeaseID, known bool, resp *clientv3.TxnResponse) (allocator.Result, bool, error) {
+	kv := func(i int) *mvccpb.KeyValue {
+		if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
+			return kvs[0]
+		}
+		return nil
+	}
+	ownerKV, podKV, poolKV := kv(0), kv(1), kv(2)
+	if ownerKV != nil {
+		return a.existing(ctx, p, st, ownerKV)
+	}
+	if poolKV == nil || poolKV.ModRevision != p.rev {
+		a.pools.invalidate(p.spec.Name)
+		return allocator.Result{}, false, nil
+	}
+	switch {
+	case !known && podKV != nil:
+		// The pod has keys on another interface already, from before this agent's memory.
+		if err := a.resumePod(ctx, st.owner, podKV); err != nil {
+			return allocator.Result{}, false, err
+		}
+		return allocator.Result{}, false, nil
+	case known && (podKV == nil || clientv3.LeaseID(podKV.Lease) != lease):
+		// The pod lease this agent remembered no longer carries the pod record.
+		a.setPodLease(st.owner, 0)
+		if podKV == nil && a.keeper.Holds(lease) && st.fresh == 0 {
+			st.fresh = lease
+		}
+		return allocator.Result{}, false, nil
+	}
+	for i, addr := range addrs {
+		if ipKV := kv(3 + 2*i); ipKV != nil {
+			p.view.markAllocated(addr, ipKV.CreateRevision)
+			st.lost[addr] = true
+			if requested[i] == addr {
+				holder, _ := decode[Allocation](string(ipKV.Key), ipKV.Value)
+				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
+					allocator.ErrAddressInUse, addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
+					holder.Cluster, holder.Node, holder.ContainerID)
+			}
+		}
+		if qKV := kv(4 + 2*i); qKV != nil {
+			rec, _ := decode[QuarantineRecord](string(qKV.Key), qKV.Value)
+			p.view.markQuarantined(addr, rec.Until)
+			st.lost[addr] = true
+			if requested[i] == addr {
+				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q rests in quarantine until %s after its release by %s",
+					allocator.ErrAddressInUse, addr, p.spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
+			}
+		}
+	}
+	return allocator.Result{}, false, nil
+}
+
+// existing answers an ADD for an attachment that already has addresses. The same container
+// gets them again. A new container of the same pod (a sandbox re-created without a DEL)
+// takes the attachment over, keeping the addresses; the old container's late DEL then
+// compares its container ID and releases nothing.
+func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue) (allocator.Result, bool, error) {
+	rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+	if err != nil {
+		return allocator.Result{}, false, err
+	}
+	if rec.NodeUID != a.cfg.NodeUID {
+		return allocator.Result{}, false, a.foreign(st.owner, string(kv.Key), rec.Node, rec.NodeUID, clientv3.LeaseID(kv.Lease))
+	}
+	lease := clientv3.LeaseID(kv.Lease)
+	if !a.keeper.Holds(lease) {
+		octx, cancel := a.opCtx(ctx)
+		defer cancel()
+		if err := a.keeper.Adopt(octx, lease); err != nil {
+			return allocator.Result{}, false, a.unavailable("resume the pod lease", err)
+		}
+	}
+	a.setPodLease(st.owner, lease)
+	if rec.ContainerID != st.req.ContainerID {
+		if err := a.rebind(ctx, p, st, kv, rec, lease); err != nil {
+			return allocator.Result{}, false, err
+		}
+	}
+	res, err := result(&p.spec, rec.IPs)
+	return res, true, err
+}
+
+// rebind moves an attachment's keys to a new container ID in one transaction that
+// compares the owner index's revision and every address's lease.
+func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec OwnerRecord, lease clientv3.LeaseID) error {
+	now := time.Now().UTC()
+	withLease := clientv3.WithLease(lease)
+	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
+	var puts []clientv3.Op
+	for _, addr := range rec.IPs {
+		key := IPKey(p.spec.Name, addr)
+		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
+		puts = append(puts, clientv3.OpPut(key, mustJSON(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
+	}
+	newRec := rec
+	newRec.ContainerID = st.req.ContainerID
+	puts = append(puts,
+		clientv3.OpPut(string(kv.Key), mustJSON(newRec), withLease),
+		clientv3.OpPut(PodKey(a.cfg.Cluster, a.cfg.Node, st.owner), mustJSON(a.podRecord(st.req, st.owner, lease, now)), withLease))
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
+	if err != nil {
+		return a.unavailable("re-bind attachment to the new container", err)
+	}
+	if !resp.Succeeded {
+		return fmt.Errorf("%w: attachment %s changed while it was re-bound to container %s; retry",
+			allocator.ErrUnavailable, kv.Key, st.req.ContainerID)
+	}
+	a.log.Info("attachment re-bound to a new container of the same owner",
+		"owner", st.owner, "ifname", st.req.IfName, "pool", p.spec.Name, "old_container", rec.ContainerID, "container", st.req.ContainerID)
+	return nil
+}
+
+// resumePod takes over the lease of a pod record this node identity wrote earlier.
+func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyValue) error {
+	rec, err := decode[PodRecord](string(podKV.Key), podKV.Value)
+	if err != nil {
+		return err
+	}
+	lease := clientv3.LeaseID(podKV.Lease)
+	if rec.NodeUID != a.cfg.NodeUID {
+		return a.foreign(owner, string(podKV.Key), a.cfg.Node, rec.NodeUID, lease)
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if err := a.keeper.Adopt(octx, lease); err != nil {
+		return a.unavailable("resume the pod lease", err)
+	}
+	a.setPodLease(owner, lease)
+	return nil
+}
+
+// foreign is the error for keys of this owner that another node identity holds: they are
+// never adopted (a replaced node, seed 003); they leave with their lease.
+func (a *Agent) foreign(owner, key, node, uid string, lease clientv3.LeaseID) error {
+	return fmt.Errorf("%w: owner %s already has %s, written by node %s with identity %s (this agent is %s); "+
+		"leasehold never adopts another node identity's allocations: they expire with lease %s within %s; retry after that, "+
+		"or release them with leaseholdctl",
+		allocator.ErrUnavailable, owner, key, node, uid, a.cfg.NodeUID, LeaseHex(lease), a.cfg.LeaseTTL)
+}
+
+func result(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, error) {
+	res := allocator.Result{IPs: make([]allocator.IPConfig, 0, len(addrs))}
+	for _, addr := range addrs {
+		c, err := spec.IPConfig(addr)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		res.IPs = append(res.IPs, c)
+	}
+	return res, nil
+}
+
+func (a *Agent) allocation(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) Allocation {
+	return Allocation{Owner: owner, Cluster: a.cfg.Cluster, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Pod: req.Pod,
+		ContainerID: req.ContainerID, IfName: req.IfName, Network: req.Network, LeaseID: LeaseHex(lease), Created: now}
+}
+
+func (a *Agent) ownerRecord(req allocator.Request, addrs []netip.Addr, lease clientv3.LeaseID, now time.Time) OwnerRecord {
+	return OwnerRecord{IPs: addrs, ContainerID: req.ContainerID, Network: req.Network, Node: a.cfg.Node,
+		NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Created: now}
+}
+
+func (a *Agent) podRecord(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) PodRecord {
+	return PodRecord{Owner: owner, Pod: req.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: req.Netns,
+		ContainerID: req.ContainerID, Created: now}
+}

@@ -1,0 +1,336 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+func dualStack(name, v4, v6 string) allocator.PoolSpec {
+	return allocator.PoolSpec{Name: name, Ranges: []allocator.RangeSet{
+		{{Subnet: netip.MustParsePrefix(v4)}},
+		{{Subnet: netip.MustParsePrefix(v6)}},
+	}}
+}
+
+func addReq(pool allocator.PoolSpec, container, ifName, podUID string) allocator.Request {
+	return allocator.Request{Network: pool.Name, Pool: pool, ContainerID: container, IfName: ifName,
+		Pod: allocator.PodRef{UID: podUID, Namespace: "default", Name: "pod-" + container}}
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestAddIsIdempotentAndWritesOneLeasePerOwner(t *testing.T) {
+	cluster := uniq("c")
+	a := startAgent(t, cluster, "n1", "uid1")
+	pool := dualStack(uniq("p"), "10.1.0.0/24", "fd01::/64")
+	ctx := ctxT(t)
+
+	first, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatalf("add: %v", err)
+	}
+	if len(first.IPs) != 2 || !first.IPs[0].Address.Addr().Is4() || !first.IPs[1].Address.Addr().Is6() {
+		t.Fatalf("want one IPv4 and one IPv6 address, got %+v", first)
+	}
+	again, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatalf("repeated add: %v", err)
+	}
+	if fmt.Sprint(again) != fmt.Sprint(first) {
+		t.Errorf("repeated ADD returned %v, first returned %v", again, first)
+	}
+	// A second interface of the same pod shares the pod lease.
+	if _, err := a.Add(ctx, addReq(pool, "c1", "net1", "u1")); err != nil {
+		t.Fatalf("add net1: %v", err)
+	}
+	keys := dump(t, newClient(t), Prefix)
+	leases := map[int64]bool{}
+	for k, l := range keys {
+		if !strings.Contains(k, "/"+pool.Name) && !strings.Contains(k, "/pods/u1") {
+			continue
+		}
+		if strings.HasPrefix(k, PoolKey("")) {
+			if l != 0 {
+				t.Errorf("pool definition %s is on lease %x, want none", k, l)
+			}
+			continue
+		}
+		if l == 0 {
+			t.Errorf("key %s has no lease", k)
+		}
+		leases[l] = true
+	}
+	if len(leases) != 1 {
+		t.Errorf("want every key of pod u1 on one lease, got %d leases: %v", len(leases), keys)
+	}
+	if n := keysWith(keys, IPsPrefix(pool.Name)); n != 4 {
+		t.Errorf("want 4 allocation keys (2 interfaces x 2 families), got %d", n)
+	}
+}
+
+func TestConcurrentAddsFromTwoAgentsGetDistinctAddresses(t *testing.T) {
+	cluster := uniq("c")
+	agents := []*Agent{startAgent(t, cluster, "n1", "uid1"), startAgent(t, cluster, "n2", "uid2")}
+	pool := dualStack(uniq("p"), "10.2.0.0/25", "fd02::/120")
+	ctx := ctxT(t)
+	const n = 100
+	results := make([]allocator.Result, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			results[i], errs[i] = agents[i%2].Add(ctx, addReq(pool, fmt.Sprintf("ctr%d", i), "eth0", ""))
+		})
+	}
+	wg.Wait()
+	seen := map[netip.Addr]int{}
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("add %d: %v", i, errs[i])
+		}
+		for _, ip := range results[i].IPs {
+			if j, dup := seen[ip.Address.Addr()]; dup {
+				t.Errorf("address %s given to containers %d and %d", ip.Address.Addr(), j, i)
+			}
+			seen[ip.Address.Addr()] = i
+		}
+	}
+	if len(seen) != 2*n {
+		t.Errorf("want %d distinct addresses, got %d", 2*n, len(seen))
+	}
+}
+
+func TestExhaustedPoolNamesPoolAndSize(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.3.0.0/29")}}}}
+	ctx := ctxT(t)
+	for i := range 5 { // .2 to .6: .0 network, .1 gateway, .7 broadcast
+		if _, err := a.Add(ctx, addReq(pool, fmt.Sprintf("x%d", i), "eth0", "")); err != nil {
+			t.Fatalf("add %d: %v", i, err)
+		}
+	}
+	_, err := a.Add(ctx, addReq(pool, "x-last", "eth0", ""))
+	if !errors.Is(err, allocator.ErrPoolExhausted) {
+		t.Fatalf("want ErrPoolExhausted, got %v", err)
+	}
+	if !strings.Contains(err.Error(), pool.Name) || !strings.Contains(err.Error(), "5") {
+		t.Errorf("error should name pool %s and its size 5: %v", pool.Name, err)
+	}
+}
+
+func TestDelReleasesOnlyTheOwnersKeysAndRevokesTheLease(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	pool := dualStack(uniq("p"), "10.4.0.0/24", "fd04::/64")
+	ctx := ctxT(t)
+	for _, c := range []string{"keep", "drop"} {
+		if _, err := a.Add(ctx, addReq(pool, c, "eth0", "uid-"+c)); err != nil {
+			t.Fatalf("add %s: %v", c, err)
+		}
+	}
+	cli := newClient(t)
+	before := dump(t, cli, Prefix)
+	dropLease, _ := a.podLease("uid-drop")
+	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
+		t.Fatalf("del: %v", err)
+	}
+	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
+		t.Fatalf("repeated del must succeed: %v", err)
+	}
+	after := dump(t, cli, Prefix)
+	for k, l := range before {
+		_, still := after[k]
+		mine := l == int64(dropLease)
+		if mine && still {
+			t.Errorf("key %s of the deleted owner survived DEL", k)
+		}
+		if !mine && !still {
+			t.Errorf("DEL of another owner removed %s", k)
+		}
+	}
+	ttl, err := cli.TimeToLive(ctx, dropLease)
+	if err != nil || ttl.TTL > 0 {
+		t.Errorf("pod lease %s should be revoked, TimeToLive says ttl=%v err=%v", LeaseHex(dropLease), ttl.TTL, err)
+	}
+}
+
+func TestStaleDelOfAnotherContainerReleasesNothing(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	pool := dualStack(uniq("p"), "10.5.0.0/24", "fd05::/64")
+	ctx := ctxT(t)
+	first, err := a.Add(ctx, addReq(pool, "sandbox-1", "eth0", "pod-uid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The pod's sandbox is re-created without a DEL: the attachment moves to the new container.
+	second, err := a.Add(ctx, addReq(pool, "sandbox-2", "eth0", "pod-uid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(first) != fmt.Sprint(second) {
+		t.Errorf("same pod, same interface: want the same addresses, got %v then %v", first, second)
+	}
+	// The old sandbox's late DEL must not release the new sandbox's addresses.
+	if err := a.Del(ctx, addReq(pool, "sandbox-1", "eth0", "pod-uid")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Check(ctx, addReq(pool, "sandbox-2", "eth0", "pod-uid")); err != nil {
+		t.Errorf("CHECK of the new sandbox after the stale DEL: %v", err)
+	}
+}
+
+func TestCheck(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	pool := dualStack(uniq("p"), "10.6.0.0/24", "fd06::/64")
+	ctx := ctxT(t)
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := a.Check(ctx, addReq(pool, "c1", "eth0", ""))
+	if err != nil || fmt.Sprint(got) != fmt.Sprint(res) {
+		t.Errorf("CHECK = %v, %v; want %v", got, err, res)
+	}
+	if _, err := a.Check(ctx, addReq(pool, "c2", "eth0", "")); !errors.Is(err, allocator.ErrNotAllocated) {
+		t.Errorf("CHECK of an unknown container: want ErrNotAllocated, got %v", err)
+	}
+	// Someone rewrites the allocation by hand onto another lease: CHECK reports a conflict.
+	cli := newClient(t)
+	l, err := cli.Grant(ctx, 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := IPKey(pool.Name, res.IPs[0].Address.Addr())
+	if _, err := cli.Put(ctx, key, `{"owner":"intruder"}`, clientv3.WithLease(l.ID)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Check(ctx, addReq(pool, "c1", "eth0", "")); !errors.Is(err, allocator.ErrConflict) {
+		t.Errorf("CHECK after a foreign rewrite: want ErrConflict, got %v", err)
+	}
+	// DEL leaves the intruder's key alone: it is not on the owner's lease.
+	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "")); err != nil {
+		t.Fatal(err)
+	}
+	if keys := dump(t, cli, key); len(keys) != 1 {
+		t.Errorf("DEL removed a key that was not on the owner's lease")
+	}
+}
+
+func TestPoolDefinitionMismatchShowsBoth(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	name := uniq("p")
+	ctx := ctxT(t)
+	if _, err := a.Add(ctx, addReq(dualStack(name, "10.7.0.0/24", "fd07::/64"), "c1", "eth0", "")); err != nil {
+		t.Fatal(err)
+	}
+	_, err := a.Add(ctx, addReq(dualStack(name, "10.8.0.0/24", "fd07::/64"), "c2", "eth0", ""))
+	if !errors.Is(err, allocator.ErrPoolMismatch) {
+		t.Fatalf("want ErrPoolMismatch, got %v", err)
+	}
+	if !strings.Contains(err.Error(), "10.7.0.0/24") || !strings.Contains(err.Error(), "10.8.0.0/24") {
+		t.Errorf("mismatch error should show both definitions: %v", err)
+	}
+}
+
+func TestRefusedRequestsLeaveEtcdUnchanged(t *testing.T) {
+	cluster := uniq("c")
+	a := startAgent(t, cluster, "n1", "uid1")
+	pool := dualStack(uniq("p"), "10.9.0.0/24", "fd09::/64")
+	ctx := ctxT(t)
+	taken, err := a.Add(ctx, addReq(pool, "holder", "eth0", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli := newClient(t)
+	before := dump(t, cli, Prefix)
+	cases := []struct {
+		name string
+		req  allocator.Request
+		want error
+	}{
+		// The requested address is someone else's.
+		{"requested taken", func() allocator.Request {
+			r := addReq(pool, "x1", "eth0", "")
+			r.RequestedIPs = []netip.Addr{taken.IPs[0].Address.Addr()}
+			return r
+		}(), allocator.ErrAddressInUse},
+		// Outside every range of the pool.
+		{"requested outside", func() allocator.Request {
+			r := addReq(pool, "x2", "eth0", "")
+			r.RequestedIPs = []netip.Addr{netip.MustParseAddr("192.168.1.1")}
+			return r
+		}(), allocator.ErrNotInRange},
+		// A container ID that would escape its key component.
+		{"container with slash", addReq(pool, "../../x", "eth0", ""), allocator.ErrInvalidName},
+		// An interface name that is empty.
+		{"empty ifname", addReq(pool, "x3", "", ""), allocator.ErrInvalidName},
+		// A pool definition that disagrees with the stored one.
+		{"pool mismatch", addReq(dualStack(pool.Name, "10.10.0.0/24", "fd09::/64"), "x4", "eth0", ""), allocator.ErrPoolMismatch},
+		// Ranges that overlap.
+		{"overlap", addReq(dualStack(uniq("p"), "10.11.0.0/24", "10.11.0.0/25"), "x5", "eth0", ""), allocator.ErrInvalidConfig},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := a.Add(ctx, tc.req); !errors.Is(err, tc.want) {
+				t.Errorf("want %v, got %v", tc.want, err)
+			}
+		})
+	}
+	after := dump(t, cli, Prefix)
+	for k := range after {
+		if _, ok := before[k]; !ok && !strings.HasPrefix(k, NodesPrefix(cluster)+"n1") {
+			t.Errorf("refused request wrote %s", k)
+		}
+	}
+	for k := range before {
+		if _, ok := after[k]; !ok {
+			t.Errorf("refused request removed %s", k)
+		}
+	}
+}
+
+func TestQuarantineHoldsReleasedAddress(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 3 * time.Second })
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.12.0.0/30")}}}}
+	ctx := ctxT(t)
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "")) // the /30's only address: .2
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "")); err != nil {
+		t.Fatal(err)
+	}
+	released := time.Now()
+	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
+	if !errors.Is(err, allocator.ErrOnlyQuarantined) || !errors.Is(err, allocator.ErrPoolExhausted) {
+		t.Fatalf("while quarantined: want ErrOnlyQuarantined, got %v", err)
+	}
+	var got allocator.Result
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		if got, err = a.Add(ctx, addReq(pool, "c2", "eth0", "")); err == nil {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatalf("address never left quarantine: %v", err)
+	}
+	if waited := time.Since(released); waited < 3*time.Second {
+		t.Errorf("address reused after %s, before the 3s quarantine", waited)
+	}
+	if got.IPs[0].Address != res.IPs[0].Address {
+		t.Errorf("want the released %s again, got %s", res.IPs[0].Address, got.IPs[0].Address)
+	}
+}

@@ -1,0 +1,126 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Check verifies that the attachment's addresses are held in etcd by this owner and
+// container, on a lease that is alive and that this agent keeps renewing. It returns the
+// addresses.
+//
+// Errors wrap allocator.ErrNotAllocated (no allocation, another container holds it, or its
+// lease is expiring), allocator.ErrConflict (an address is held by another owner), or
+// allocator.ErrUnavailable.
+func (a *Agent) Check(ctx context.Context, req allocator.Request) (allocator.Result, error) {
+	owner, err := a.validate(&req)
+	if err != nil {
+		return allocator.Result{}, err
+	}
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	p, err := a.pools.ensure(ctx, req.Pool)
+	if err != nil {
+		return allocator.Result{}, err
+	}
+	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, ownerKey)
+	if err != nil {
+		return allocator.Result{}, a.unavailable("read "+ownerKey, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return allocator.Result{}, fmt.Errorf("%w: container %s interface %s has no addresses in pool %q (no key %s)",
+			allocator.ErrNotAllocated, req.ContainerID, req.IfName, p.spec.Name, ownerKey)
+	}
+	kv := resp.Kvs[0]
+	rec, err := decode[OwnerRecord](ownerKey, kv.Value)
+	if err != nil {
+		return allocator.Result{}, err
+	}
+	if rec.ContainerID != req.ContainerID {
+		return allocator.Result{}, fmt.Errorf("%w: interface %s of owner %s in pool %q belongs to container %s, not %s",
+			allocator.ErrNotAllocated, req.IfName, owner, p.spec.Name, rec.ContainerID, req.ContainerID)
+	}
+	lease := clientv3.LeaseID(kv.Lease)
+	ops := make([]clientv3.Op, 0, len(rec.IPs))
+	for _, addr := range rec.IPs {
+		ops = append(ops, clientv3.OpGet(IPKey(p.spec.Name, addr)))
+	}
+	tresp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return allocator.Result{}, a.unavailable("read the attachment's addresses", err)
+	}
+	for i, addr := range rec.IPs {
+		kvs := tresp.Responses[i].GetResponseRange().Kvs
+		if len(kvs) == 0 {
+			return allocator.Result{}, fmt.Errorf("%w: owner index %s names %s, but %s does not exist",
+				allocator.ErrConflict, ownerKey, addr, IPKey(p.spec.Name, addr))
+		}
+		holder, err := decode[Allocation](string(kvs[0].Key), kvs[0].Value)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		if clientv3.LeaseID(kvs[0].Lease) != lease || holder.Owner != owner || holder.ContainerID != req.ContainerID {
+			return allocator.Result{}, fmt.Errorf("%w: %s in pool %q is held by owner %s container %s on lease %x, not by this attachment (owner %s container %s lease %s)",
+				allocator.ErrConflict, addr, p.spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, LeaseHex(lease))
+		}
+	}
+	ttl, err := a.cli.TimeToLive(octx, lease)
+	if err != nil {
+		return allocator.Result{}, a.unavailable("read the pod lease", err)
+	}
+	a.ok()
+	if ttl.TTL <= 0 {
+		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s has expired", allocator.ErrNotAllocated, LeaseHex(lease), owner)
+	}
+	if !a.keeper.Holds(lease) {
+		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s is not renewed by this agent (node %s, identity %s); it expires in %ds",
+			allocator.ErrNotAllocated, LeaseHex(lease), owner, a.cfg.Node, a.cfg.NodeUID, ttl.TTL)
+	}
+	return result(&p.spec, rec.IPs)
+}
+
+// statusProbeAfter is how old the last successful etcd call may be before STATUS asks
+// etcd again: containerd polls STATUS every few seconds, and an agent in use talks to
+// etcd far more often than that.
+const statusProbeAfter = 5 * time.Second
+
+// Status reports whether an ADD for the pool could succeed now: etcd answers and every
+// range set has a free address in the agent's view. It costs no etcd call while the agent
+// has heard from etcd recently.
+//
+// Errors wrap allocator.ErrUnavailable, ErrPoolExhausted, ErrPoolMismatch or ErrInvalidConfig.
+func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) error {
+	if req.Pool.Name == "" {
+		req.Pool.Name = req.Network
+	}
+	if len(req.Pool.Ranges) > 0 {
+		if err := req.Pool.Canonicalize(); err != nil {
+			return err
+		}
+	}
+	if time.Since(time.Unix(0, a.lastOK.Load())) > statusProbeAfter {
+		octx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		if _, err := a.cli.Get(octx, PoolKey(req.Pool.Name), clientv3.WithCountOnly()); err != nil {
+			return a.unavailable("etcd does not answer", err)
+		}
+		a.ok()
+	}
+	p, err := a.pools.ensure(ctx, req.Pool)
+	if err != nil {
+		return err
+	}
+	p.await(ctx)
+	if err := p.view.free(&p.spec); err != nil {
+		return fmt.Errorf("pool %q: %w", p.spec.Name, err)
+	}
+	return nil
+}

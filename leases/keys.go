@@ -1,0 +1,132 @@
+package leases
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Prefix is the root of every key leasehold writes. The v1 layout below it is stable:
+// admins' scripts read it with plain etcdctl.
+const Prefix = "/leasehold/v1/"
+
+// Key families under Prefix. ARCHITECTURE.md documents each with the etcdctl command
+// an admin types.
+const (
+	poolsDir      = Prefix + "pools/"
+	ipsDir        = Prefix + "ips/"
+	ownersDir     = Prefix + "owners/"
+	nodesDir      = Prefix + "nodes/"
+	quarantineDir = Prefix + "quarantine/"
+)
+
+// PoolKey is /leasehold/v1/pools/<pool>: the pool's definition (no lease).
+func PoolKey(pool string) string { return poolsDir + pool }
+
+// PoolsPrefix is the prefix of every pool definition.
+func PoolsPrefix() string { return poolsDir }
+
+// IPKey is /leasehold/v1/ips/<pool>/<ip>: one allocation, on its owner's pod lease.
+func IPKey(pool string, ip netip.Addr) string { return ipsDir + pool + "/" + ip.String() }
+
+// IPsPrefix is the prefix of every allocation of pool; with pool "" of every pool.
+func IPsPrefix(pool string) string {
+	if pool == "" {
+		return ipsDir
+	}
+	return ipsDir + pool + "/"
+}
+
+// QuarantineKey is /leasehold/v1/quarantine/<pool>/<ip>: a released address resting
+// before reuse, on a short quarantine lease.
+func QuarantineKey(pool string, ip netip.Addr) string {
+	return quarantineDir + pool + "/" + ip.String()
+}
+
+// QuarantinePrefix is the prefix of pool's quarantined addresses.
+func QuarantinePrefix(pool string) string { return quarantineDir + pool + "/" }
+
+// OwnerKey is /leasehold/v1/owners/<cluster>/<owner>/<ifname>/<pool>: the owner index
+// of one attachment, naming its addresses, on the pod lease.
+func OwnerKey(cluster, owner, ifName, pool string) string {
+	return ownersDir + cluster + "/" + owner + "/" + ifName + "/" + pool
+}
+
+// OwnerPrefix is the prefix of every attachment of one owner in cluster.
+func OwnerPrefix(cluster, owner string) string { return ownersDir + cluster + "/" + owner + "/" }
+
+// OwnersPrefix is the prefix of every owner index of cluster; with cluster "" of all clusters.
+func OwnersPrefix(cluster string) string {
+	if cluster == "" {
+		return ownersDir
+	}
+	return ownersDir + cluster + "/"
+}
+
+// NodeKey is /leasehold/v1/nodes/<cluster>/<node>: the agent's node record, on the node lease.
+func NodeKey(cluster, node string) string { return nodesDir + cluster + "/" + node }
+
+// NodesPrefix is the prefix of every node record of cluster; with cluster "" of all clusters.
+func NodesPrefix(cluster string) string {
+	if cluster == "" {
+		return nodesDir
+	}
+	return nodesDir + cluster + "/"
+}
+
+// PodKey is /leasehold/v1/nodes/<cluster>/<node>/pods/<owner>: the pod record, on the pod lease.
+func PodKey(cluster, node, owner string) string { return PodsPrefix(cluster, node) + owner }
+
+// PodsPrefix is the prefix of every pod record of one node.
+func PodsPrefix(cluster, node string) string { return nodesDir + cluster + "/" + node + "/pods/" }
+
+// ParseIPKey splits an allocation key into its pool and address.
+func ParseIPKey(key string) (pool string, ip netip.Addr, err error) {
+	return parsePoolAddr(ipsDir, key)
+}
+
+// ParseQuarantineKey splits a quarantine key into its pool and address.
+func ParseQuarantineKey(key string) (pool string, ip netip.Addr, err error) {
+	return parsePoolAddr(quarantineDir, key)
+}
+
+func parsePoolAddr(dir, key string) (string, netip.Addr, error) {
+	rest, ok := strings.CutPrefix(key, dir)
+	if !ok {
+		return "", netip.Addr{}, fmt.Errorf("key %q is not under %s", key, dir)
+	}
+	pool, addr, ok := strings.Cut(rest, "/")
+	if !ok {
+		return "", netip.Addr{}, fmt.Errorf("key %q has no address part", key)
+	}
+	ip, err := netip.ParseAddr(addr)
+	if err != nil {
+		return "", netip.Addr{}, fmt.Errorf("key %q: %w", key, err)
+	}
+	return pool, ip, nil
+}
+
+// ParseOwnerKey splits an owner index key into its parts.
+func ParseOwnerKey(key string) (cluster, owner, ifName, pool string, err error) {
+	rest, ok := strings.CutPrefix(key, ownersDir)
+	if !ok {
+		return "", "", "", "", fmt.Errorf("key %q is not under %s", key, ownersDir)
+	}
+	parts := strings.Split(rest, "/")
+	if len(parts) != 4 {
+		return "", "", "", "", fmt.Errorf("key %q: want %s<cluster>/<owner>/<ifname>/<pool>", key, ownersDir)
+	}
+	return parts[0], parts[1], parts[2], parts[3], nil
+}
+
+// validateNames checks every name that becomes a key component, naming the first bad one.
+func validateNames(pairs ...string) error {
+	for i := 0; i+1 < len(pairs); i += 2 {
+		if err := allocator.ValidateName(pairs[i], pairs[i+1]); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -1,0 +1,122 @@
+package leases
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// pool is a pool definition this agent has checked against etcd, with its view. A pool
+// value never changes; a re-read definition replaces it in the cache.
+type pool struct {
+	spec allocator.PoolSpec
+	// rev is the ModRevision of the stored definition; every ADD compares it, so a
+	// definition changed under the agent makes the ADD re-read it instead of using a stale one.
+	rev  int64
+	view *view
+}
+
+// pools caches the stored definitions of the pools this agent serves.
+type pools struct {
+	cli *clientv3.Client
+	log *slog.Logger
+	ctx context.Context // lives as long as the agent; views run on it
+
+	mu sync.Mutex
+	m  map[string]*pool
+}
+
+func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger) *pools {
+	return &pools{cli: cli, log: log, ctx: ctx, m: make(map[string]*pool)}
+}
+
+// ensure returns the stored definition of spec.Name, creating it from spec if no definition
+// exists. A spec with no ranges refers to a stored definition by name. A spec that disagrees
+// with the stored definition is refused with allocator.ErrPoolMismatch showing both.
+func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, error) {
+	ps.mu.Lock()
+	p, ok := ps.m[spec.Name]
+	ps.mu.Unlock()
+	if ok && p.rev > 0 && (len(spec.Ranges) == 0 || p.spec.Equal(spec)) {
+		return p, nil
+	}
+	stored, rev, err := ps.load(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	if len(spec.Ranges) > 0 && !stored.Equal(spec) {
+		return nil, fmt.Errorf("%w: pool %q is stored in etcd as %s, but this network's configuration says %s; "+
+			"make the ranges match the stored definition, or name another pool with \"pool\" in the ipam configuration",
+			allocator.ErrPoolMismatch, spec.Name, stored.String(), spec.String())
+	}
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if old, ok := ps.m[spec.Name]; ok {
+		p = &pool{spec: stored, rev: rev, view: old.view}
+	} else {
+		p = &pool{spec: stored, rev: rev, view: newView(spec.Name, ps.cli, ps.log)}
+		go p.view.run(ps.ctx)
+	}
+	ps.m[spec.Name] = p
+	return p, nil
+}
+
+// await blocks until p's view has been listed once, or ctx ends. An ADD may go ahead
+// without it (the transaction decides), but candidates are better with it.
+func (p *pool) await(ctx context.Context) {
+	select {
+	case <-p.view.synced:
+	case <-ctx.Done():
+	}
+}
+
+// invalidate makes the next ensure re-read the stored definition.
+func (ps *pools) invalidate(name string) {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if p, ok := ps.m[name]; ok {
+		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view}
+	}
+}
+
+// load reads the stored definition, creating it from spec when absent.
+func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, int64, error) {
+	key := PoolKey(spec.Name)
+	var txn clientv3.Txn
+	if len(spec.Ranges) > 0 {
+		txn = ps.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, mustJSON(spec))).
+			Else(clientv3.OpGet(key))
+	} else {
+		txn = ps.cli.Txn(ctx).Then(clientv3.OpGet(key))
+	}
+	resp, err := txn.Commit()
+	if err != nil {
+		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: read pool %q from etcd: %w", allocator.ErrUnavailable, spec.Name, err)
+	}
+	if resp.Succeeded && len(spec.Ranges) > 0 {
+		ps.log.Info("pool defined", "pool", spec.Name, "spec", spec.String())
+		return spec, resp.Header.Revision, nil
+	}
+	kvs := resp.Responses[0].GetResponseRange().Kvs
+	if len(kvs) == 0 {
+		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: pool %q is not defined in etcd (%s) and the configuration gives no ranges; "+
+			"add \"ranges\" to the ipam configuration or create the pool with leaseholdctl pool create",
+			allocator.ErrInvalidConfig, spec.Name, key)
+	}
+	var stored allocator.PoolSpec
+	if err := json.Unmarshal(kvs[0].Value, &stored); err != nil {
+		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: pool definition at %s is unreadable (%v); inspect it with: etcdctl get %s",
+			allocator.ErrInvalidConfig, key, err, key)
+	}
+	if err := stored.Canonicalize(); err != nil {
+		return allocator.PoolSpec{}, 0, fmt.Errorf("pool definition at %s is invalid: %w", key, err)
+	}
+	return stored, kvs[0].ModRevision, nil
+}

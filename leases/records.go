@@ -1,0 +1,95 @@
+package leases
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Allocation is the value of /leasehold/v1/ips/<pool>/<ip>: who holds the address.
+type Allocation struct {
+	Owner       string           `json:"owner"`
+	Cluster     string           `json:"cluster"`
+	Node        string           `json:"node"`
+	NodeUID     string           `json:"nodeUID"`
+	Pod         allocator.PodRef `json:"pod,omitzero"`
+	ContainerID string           `json:"containerID"`
+	IfName      string           `json:"ifName"`
+	Network     string           `json:"network"`
+	// LeaseID is the pod lease, in etcdctl's hex form.
+	LeaseID string    `json:"leaseID"`
+	Created time.Time `json:"created"`
+}
+
+// OwnerRecord is the value of /leasehold/v1/owners/<cluster>/<owner>/<ifname>/<pool>:
+// the addresses of one attachment, in range-set order.
+type OwnerRecord struct {
+	IPs         []netip.Addr `json:"ips"`
+	ContainerID string       `json:"containerID"`
+	Network     string       `json:"network"`
+	Node        string       `json:"node"`
+	NodeUID     string       `json:"nodeUID"`
+	LeaseID     string       `json:"leaseID"`
+	Created     time.Time    `json:"created"`
+}
+
+// PodRecord is the value of /leasehold/v1/nodes/<cluster>/<node>/pods/<owner>: the pod
+// lease and what the node needs to decide whether the sandbox still exists.
+type PodRecord struct {
+	Owner       string           `json:"owner"`
+	Pod         allocator.PodRef `json:"pod,omitzero"`
+	NodeUID     string           `json:"nodeUID"`
+	LeaseID     string           `json:"leaseID"`
+	Netns       string           `json:"netns,omitempty"`
+	ContainerID string           `json:"containerID"`
+	Created     time.Time        `json:"created"`
+}
+
+// NodeRecord is the value of /leasehold/v1/nodes/<cluster>/<node>: the agent now serving
+// the node, on the agent's own lease.
+type NodeRecord struct {
+	UID     string    `json:"uid"`
+	Version string    `json:"version"`
+	Started time.Time `json:"started"`
+	LeaseID string    `json:"leaseID"`
+}
+
+// QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<ip>.
+type QuarantineRecord struct {
+	ReleasedBy string    `json:"releasedBy"`
+	Until      time.Time `json:"until"`
+}
+
+// LeaseHex renders a lease ID as etcdctl prints it (etcdctl lease timetolive <hex>).
+func LeaseHex(id clientv3.LeaseID) string { return fmt.Sprintf("%x", int64(id)) }
+
+// ParseLeaseHex reads a lease ID in etcdctl's hex form.
+func ParseLeaseHex(s string) (clientv3.LeaseID, error) {
+	var v int64
+	if _, err := fmt.Sscanf(s, "%x", &v); err != nil {
+		return 0, fmt.Errorf("lease ID %q is not hex: %w", s, err)
+	}
+	return clientv3.LeaseID(v), nil
+}
+
+func mustJSON(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		// Only plain structs of strings, addresses and times reach here.
+		panic(fmt.Sprintf("leasehold: marshal %T: %v", v, err))
+	}
+	return string(b)
+}
+
+func decode[T any](key string, value []byte) (T, error) {
+	var v T
+	if err := json.Unmarshal(value, &v); err != nil {
+		return v, fmt.Errorf("key %s holds a value leasehold cannot read (%w); inspect it with: etcdctl get %s", key, err, key)
+	}
+	return v, nil
+}

@@ -1,0 +1,229 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Del releases one attachment's addresses. It deletes only keys this attachment holds: the
+// owner index must still name the request's container ID (a DEL replayed after the address
+// went to someone else releases nothing), and each address must still be on the owner's
+// lease. Released addresses go to quarantine in the same transaction. When the owner has no
+// attachment left, its pod lease is revoked. Releasing nothing is not an error.
+//
+// Errors wrap allocator.ErrInvalidName or ErrUnavailable.
+func (a *Agent) Del(ctx context.Context, req allocator.Request) error {
+	owner, err := a.validate(&req)
+	if err != nil {
+		return err
+	}
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	if err := a.release(ctx, req, owner); err != nil {
+		return err
+	}
+	return a.dropPodIfEmpty(ctx, owner)
+}
+
+func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) error {
+	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, ownerKey)
+	if err != nil {
+		return a.unavailable("read owner index "+ownerKey, err)
+	}
+	a.ok()
+	if len(resp.Kvs) == 0 {
+		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
+		return nil
+	}
+	kv := resp.Kvs[0]
+	rec, err := decode[OwnerRecord](ownerKey, kv.Value)
+	if err != nil {
+		return err
+	}
+	if rec.ContainerID != req.ContainerID {
+		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
+			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
+		return nil
+	}
+	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec)
+}
+
+// releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
+// the attachment's lease (written by hand or by a later owner), and quarantines the rest.
+func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord) error {
+	lease := clientv3.LeaseID(kv.Lease)
+	ips := rec.IPs
+	for range 3 {
+		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
+		ops := []clientv3.Op{clientv3.OpDelete(string(kv.Key))}
+		var gets []clientv3.Op
+		for _, addr := range ips {
+			key := IPKey(pool, addr)
+			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
+			ops = append(ops, clientv3.OpDelete(key))
+			gets = append(gets, clientv3.OpGet(key, clientv3.WithKeysOnly()))
+		}
+		octx, cancel := a.opCtx(ctx)
+		qops, err := a.quarantineOps(octx, pool, owner, ips)
+		if err != nil {
+			cancel()
+			return err
+		}
+		resp, err := a.cli.Txn(octx).If(cmps...).Then(append(ops, qops...)...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
+		cancel()
+		if err != nil {
+			return a.unavailable("release "+string(kv.Key), err)
+		}
+		a.ok()
+		if resp.Succeeded {
+			a.log.Debug("released", "owner", owner, "pool", pool, "ips", ips)
+			return nil
+		}
+		if len(resp.Responses[len(ips)].GetResponseRange().Kvs) == 0 ||
+			resp.Responses[len(ips)].GetResponseRange().Kvs[0].ModRevision != kv.ModRevision {
+			return nil // the owner index changed or went away meanwhile: not ours to release any more
+		}
+		// Keep only the addresses still on this lease.
+		var still []netip.Addr
+		for i, addr := range ips {
+			kvs := resp.Responses[i].GetResponseRange().Kvs
+			if len(kvs) > 0 && clientv3.LeaseID(kvs[0].Lease) == lease {
+				still = append(still, addr)
+			} else {
+				a.log.Warn("address of the attachment is not on its lease; leaving it alone",
+					"owner", owner, "pool", pool, "ip", addr, "lease", LeaseHex(lease))
+			}
+		}
+		ips = still
+	}
+	return fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
+}
+
+// quarantineOps puts each released address into quarantine on a shared short lease.
+func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []netip.Addr) ([]clientv3.Op, error) {
+	if a.cfg.Quarantine < 0 || len(ips) == 0 {
+		return nil, nil
+	}
+	lease, until, err := a.keeper.QuarantineLease(ctx, a.cfg.Quarantine)
+	if err != nil {
+		return nil, a.unavailable("quarantine released addresses", err)
+	}
+	rec := mustJSON(QuarantineRecord{ReleasedBy: owner, Until: until.UTC()})
+	ops := make([]clientv3.Op, 0, len(ips))
+	for _, addr := range ips {
+		ops = append(ops, clientv3.OpPut(QuarantineKey(pool, addr), rec, clientv3.WithLease(lease)))
+	}
+	return ops, nil
+}
+
+// dropPodIfEmpty revokes the owner's pod lease (deleting the pod record with it) once the
+// owner has no attachment left in this cluster.
+func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string) error {
+	lease, ok := a.podLease(owner)
+	if !ok {
+		return nil
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return a.unavailable("count the owner's attachments", err)
+	}
+	if resp.Count > 0 {
+		return nil
+	}
+	if err := a.keeper.Revoke(lease); err != nil {
+		return a.unavailable("revoke the pod lease", err)
+	}
+	a.setPodLease(owner, 0)
+	a.log.Debug("pod lease revoked", "owner", owner, "lease", LeaseHex(lease))
+	return nil
+}
+
+// GC releases every attachment of the request's network that this node identity made and
+// the runtime no longer lists in ValidAttachments (CNI 1.1 GC). Attachments younger than the
+// GC grace are kept, so an ADD that finished after the runtime built its list is not undone.
+// It keeps going when one release fails and returns all failures joined.
+func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) error {
+	if req.Pool.Name == "" {
+		req.Pool.Name = req.Network
+	}
+	if err := allocator.ValidateName("pool", req.Pool.Name); err != nil {
+		return err
+	}
+	valid := make(map[allocator.Attachment]bool, len(req.ValidAttachments))
+	for _, at := range req.ValidAttachments {
+		valid[at] = true
+	}
+	octx, cancel := a.opCtx(ctx)
+	pods, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list this node's pods", err)
+	}
+	cutoff := time.Now().Add(-a.cfg.GCGrace)
+	var errs []error
+	for _, pkv := range pods.Kvs {
+		prec, err := decode[PodRecord](string(pkv.Key), pkv.Value)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if prec.NodeUID != a.cfg.NodeUID {
+			continue // another identity's pod: it expires with its lease, never collected here
+		}
+		if err := a.gcOwner(ctx, req, prec.Owner, valid, cutoff); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool, cutoff time.Time) error {
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list attachments of "+owner, err)
+	}
+	var errs []error
+	for _, kv := range resp.Kvs {
+		_, _, ifName, pool, err := ParseOwnerKey(string(kv.Key))
+		if err != nil || pool != req.Pool.Name {
+			continue
+		}
+		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if rec.NodeUID != a.cfg.NodeUID || rec.Network != req.Network || rec.Created.After(cutoff) ||
+			valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}] {
+			continue
+		}
+		a.log.Info("GC releases an attachment the runtime no longer lists",
+			"owner", owner, "container", rec.ContainerID, "ifname", ifName, "pool", pool, "ips", rec.IPs)
+		if err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		if err := a.dropPodIfEmpty(ctx, owner); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,250 @@
+package leases
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/netip"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// view is the agent's watch-fed picture of one pool: which addresses are allocated and
+// which rest in quarantine. It is a hint for choosing candidates, never the authority:
+// every claim is a create-if-absent transaction, so a stale view costs a retry, never a
+// duplicate. Choosing from it costs no etcd read.
+type view struct {
+	pool string
+	cli  *clientv3.Client
+	log  *slog.Logger
+
+	mu          sync.Mutex
+	allocated   map[netip.Addr]int64 // address -> revision that created it
+	quarantined map[netip.Addr]time.Time
+	pending     map[netip.Addr]struct{} // chosen by an ADD whose transaction is in flight
+	last        map[int]netip.Addr      // range set -> the address it handed out last
+	rev         int64                   // revision the view reflects
+	synced      chan struct{}
+}
+
+func newView(pool string, cli *clientv3.Client, log *slog.Logger) *view {
+	return &view{
+		pool:        pool,
+		cli:         cli,
+		log:         log.With("pool", pool),
+		allocated:   make(map[netip.Addr]int64),
+		quarantined: make(map[netip.Addr]time.Time),
+		pending:     make(map[netip.Addr]struct{}),
+		last:        make(map[int]netip.Addr),
+		synced:      make(chan struct{}),
+	}
+}
+
+// unlocked implements allocator.Taken over a view whose lock the caller holds.
+type unlocked struct{ v *view }
+
+func (u unlocked) Allocated(a netip.Addr) bool {
+	_, ok := u.v.allocated[a]
+	return ok
+}
+
+func (u unlocked) Quarantined(a netip.Addr) (time.Time, bool) {
+	t, ok := u.v.quarantined[a]
+	return t, ok
+}
+
+// reserve picks a free address of range set `set` that no other in-flight ADD of this
+// agent holds and skip does not refuse, and marks it pending.
+func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	addr, err := spec.Next(set, v.from(spec, set), unlocked{v}, func(a netip.Addr) bool {
+		if _, ok := v.pending[a]; ok {
+			return true
+		}
+		return skip != nil && skip(a)
+	})
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	v.pending[addr] = struct{}{}
+	v.last[set] = addr
+	return addr, nil
+}
+
+// from is where the round-robin search of a range set starts: after the address handed
+// out last, so a crash-looping container does not get the same address straight back.
+func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
+	last, ok := v.last[set]
+	if !ok {
+		return netip.Addr{}
+	}
+	return spec.Ranges[set].After(last)
+}
+
+// settle ends the pending state of addrs; when rev > 0 the transaction created them at rev.
+func (v *view) settle(addrs []netip.Addr, rev int64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, a := range addrs {
+		delete(v.pending, a)
+		if rev > 0 && v.allocated[a] < rev {
+			v.allocated[a] = rev
+		}
+	}
+}
+
+// markAllocated records what a failed transaction learned: addr was created at rev.
+func (v *view) markAllocated(a netip.Addr, rev int64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.allocated[a] < rev {
+		v.allocated[a] = rev
+	}
+}
+
+// markQuarantined records what a failed transaction learned about a quarantined address.
+func (v *view) markQuarantined(a netip.Addr, until time.Time) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.quarantined[a] = until
+}
+
+// free reports whether an ADD could find an address in every range set now.
+func (v *view) free(spec *allocator.PoolSpec) error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for set := range spec.Ranges {
+		if _, err := spec.Next(set, v.from(spec, set), unlocked{v}, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// counts returns how many addresses the view holds as allocated and quarantined.
+func (v *view) counts() (allocated, quarantined int) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return len(v.allocated), len(v.quarantined)
+}
+
+// run lists the pool, then follows it with watches until ctx ends, listing again after a
+// broken watch (compaction, etcd restart).
+func (v *view) run(ctx context.Context) {
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		rev, err := v.list(ctx)
+		if err != nil {
+			v.log.Warn("listing pool failed; candidates come from the last known view", "err", err, "retry_in", backoff)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 5*time.Second)
+			continue
+		}
+		backoff = 100 * time.Millisecond
+		v.follow(ctx, rev)
+	}
+}
+
+func (v *view) list(ctx context.Context) (int64, error) {
+	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	resp, err := v.cli.Txn(lctx).Then(
+		clientv3.OpGet(IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return 0, err
+	}
+	allocated := make(map[netip.Addr]int64, len(resp.Responses[0].GetResponseRange().Kvs))
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+		if _, ip, err := ParseIPKey(string(kv.Key)); err == nil {
+			allocated[ip] = kv.CreateRevision
+		}
+	}
+	quarantined := make(map[netip.Addr]time.Time)
+	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+		v.applyQuarantine(quarantined, kv.Key, kv.Value)
+	}
+	v.mu.Lock()
+	v.allocated, v.quarantined, v.rev = allocated, quarantined, resp.Header.Revision
+	v.mu.Unlock()
+	select {
+	case <-v.synced:
+	default:
+		close(v.synced)
+	}
+	return resp.Header.Revision, nil
+}
+
+func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
+	_, ip, err := ParseQuarantineKey(string(key))
+	if err != nil {
+		return
+	}
+	var rec QuarantineRecord
+	if json.Unmarshal(value, &rec) != nil || rec.Until.IsZero() {
+		rec.Until = time.Now() // unreadable record: still taken, expiry unknown
+	}
+	m[ip] = rec.Until
+}
+
+func (v *view) follow(ctx context.Context, rev int64) {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	ips := v.cli.Watch(wctx, IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	qs := v.cli.Watch(wctx, QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	for {
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case resp, ok = <-ips:
+		case resp, ok = <-qs:
+		}
+		if !ok || resp.Err() != nil {
+			if ctx.Err() == nil {
+				v.log.Info("pool watch ended; listing again", "err", resp.Err())
+			}
+			return
+		}
+		v.apply(resp)
+	}
+}
+
+func (v *view) apply(resp clientv3.WatchResponse) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, ev := range resp.Events {
+		key := string(ev.Kv.Key)
+		if _, ip, err := ParseIPKey(key); err == nil {
+			switch ev.Type {
+			case clientv3.EventTypePut:
+				if v.allocated[ip] < ev.Kv.CreateRevision {
+					v.allocated[ip] = ev.Kv.CreateRevision
+				}
+			case clientv3.EventTypeDelete:
+				// A delete older than a creation this agent already saw is stale.
+				if v.allocated[ip] <= ev.Kv.ModRevision {
+					delete(v.allocated, ip)
+				}
+			}
+			continue
+		}
+		if _, ip, err := ParseQuarantineKey(key); err == nil {
+			if ev.Type == clientv3.EventTypeDelete {
+				delete(v.quarantined, ip)
+			} else {
+				v.applyQuarantine(v.quarantined, ev.Kv.Key, ev.Kv.Value)
+			}
+		}
+	}
+	v.rev = resp.Header.Revision
+}
