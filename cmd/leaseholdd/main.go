@@ -1,0 +1,164 @@
+// Command leaseholdd is leasehold's node agent: it holds the etcd client and the pods'
+// leases, and serves the leasehold CNI plugin on a unix socket.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/leases/etcdserver"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stderr))
+}
+
+type options struct {
+	socket, node, cluster, nodeUID         string
+	endpoints, cacert, cert, key           string
+	username, password                     string
+	embeddedDir, embeddedURL, embeddedPeer string
+	leaseTTL, quarantine, gcGrace          time.Duration
+	spare                                  int
+	logLevel                               string
+	showVersion                            bool
+}
+
+func parse(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	host, _ := os.Hostname()
+	fs := flag.NewFlagSet("leaseholdd", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.socket, "socket", agentapi.DefaultSocket, "unix socket the plugin talks to (created 0600)")
+	fs.StringVar(&o.node, "node", host, "node name (default: the hostname)")
+	fs.StringVar(&o.cluster, "cluster", "default", "cluster ID; clusters sharing one etcd keep their owners apart by it")
+	fs.StringVar(&o.nodeUID, "node-uid", "", "node identity for this boot (default: machine ID + boot ID)")
+	fs.StringVar(&o.endpoints, "etcd-endpoints", "", "comma-separated etcd client URLs")
+	fs.StringVar(&o.cacert, "etcd-cacert", "", "CA bundle that signs etcd's server certificate")
+	fs.StringVar(&o.cert, "etcd-cert", "", "client certificate for etcd")
+	fs.StringVar(&o.key, "etcd-key", "", "client key for etcd")
+	fs.StringVar(&o.username, "etcd-username", "", "etcd user (password from $LEASEHOLD_ETCD_PASSWORD)")
+	fs.StringVar(&o.embeddedDir, "embedded-etcd", "", "run a single-member etcd in-process with its data in `DIR` (one-machine use and demos)")
+	fs.StringVar(&o.embeddedURL, "embedded-etcd-client-url", "http://127.0.0.1:2379", "loopback client URL of the embedded etcd (for etcdctl)")
+	fs.StringVar(&o.embeddedPeer, "embedded-etcd-peer-url", "http://127.0.0.1:2380", "peer URL of the embedded etcd")
+	fs.DurationVar(&o.leaseTTL, "lease-ttl", leases.DefaultLeaseTTL, "TTL of pod and node leases")
+	fs.DurationVar(&o.quarantine, "quarantine", leases.DefaultQuarantine, "how long a released address rests before reuse (0s disables)")
+	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC")
+	fs.IntVar(&o.spare, "spare-leases", 8, "pre-granted leases kept ready for new pods")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if (o.endpoints == "") == (o.embeddedDir == "") {
+		return nil, errors.New("give exactly one of --etcd-endpoints URLS or --embedded-etcd DIR")
+	}
+	o.password = os.Getenv("LEASEHOLD_ETCD_PASSWORD")
+	return o, nil
+}
+
+func run(args []string, stderr io.Writer) int {
+	o, err := parse(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "leaseholdd:", err)
+		return 2
+	}
+	if o.showVersion {
+		fmt.Fprintln(os.Stdout, "leaseholdd", version)
+		return 0
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(o.logLevel)); err != nil {
+		fmt.Fprintln(stderr, "leaseholdd: --log-level:", err)
+		return 2
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	if err := serve(o, log); err != nil {
+		log.Error("leaseholdd stopped", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func serve(o *options, log *slog.Logger) error {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+
+	endpoints := o.endpoints
+	if o.embeddedDir != "" {
+		dir, err := filepath.Abs(o.embeddedDir)
+		if err != nil {
+			return err
+		}
+		srv, err := etcdserver.Start(etcdserver.Config{Dir: dir, ClientURL: o.embeddedURL, PeerURL: o.embeddedPeer})
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+		endpoints = srv.ClientURL
+		log.Info("embedded etcd serving", "dir", dir, "client_url", srv.ClientURL)
+	}
+	uid := o.nodeUID
+	if uid == "" {
+		var err error
+		if uid, err = leases.DefaultNodeUID(); err != nil {
+			return err
+		}
+	}
+	cli, err := leases.ClientConfig{
+		Endpoints: strings.Split(endpoints, ","), CACert: o.cacert, Cert: o.cert, Key: o.key,
+		Username: o.username, Password: o.password,
+	}.Dial()
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	agent, err := leases.Start(sctx, cli, leases.Config{
+		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: quarantine(o.quarantine),
+		SpareLeases: o.spare, GCGrace: o.gcGrace, Version: version, Logger: log,
+	})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("start agent against etcd %s: %w", endpoints, err)
+	}
+	defer agent.Close()
+
+	l, err := agentapi.Listen(o.socket)
+	if err != nil {
+		return err
+	}
+	log.Info("serving the CNI plugin", "socket", o.socket, "cluster", o.cluster, "node", o.node, "node_uid", uid,
+		"lease_ttl", o.leaseTTL, "quarantine", o.quarantine)
+	return agentapi.Serve(ctx, l, agent, log)
+}
+
+// quarantine maps the flag (0 disables) onto the agent's setting (negative disables).
+func quarantine(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}

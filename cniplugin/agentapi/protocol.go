@@ -1,0 +1,112 @@
+package agentapi
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// The wire format. A client connects to the agent's unix socket, writes one WireRequest
+// as JSON, half-closes its side, reads one WireResponse as JSON and closes:
+//
+//	-> {"version": 1, "op": "add", "timeoutMs": 29000, "request": {allocator.Request}}
+//	<- {"version": 1, "result": {allocator.Result}}                         add, check
+//	<- {"version": 1}                                                       del, gc, status
+//	<- {"version": 1, "error": {"code": 102, "msg": "...", "sentinel": "ErrPoolExhausted"}}
+//
+// "request" is an allocator.Request for add, del and check, an allocator.GCRequest for gc
+// and an allocator.StatusRequest for status. Unknown fields inside it are ignored: a
+// change of meaning needs a new ProtocolVersion, which the server refuses clearly.
+// Either direction is at most MaxMessageSize bytes.
+
+// ProtocolVersion is the version of the wire format this package speaks. A server answers
+// a request of any other version with an ErrProtocol error (code 6) and does nothing.
+const ProtocolVersion = 1
+
+// MaxMessageSize bounds one request or response (1 MiB). A larger request is refused
+// with an ErrProtocol error; a larger response is treated as undecodable.
+const MaxMessageSize = 1 << 20
+
+// The operations, one per CNI command that reaches the agent.
+const (
+	OpAdd    = "add"
+	OpDel    = "del"
+	OpCheck  = "check"
+	OpGC     = "gc"
+	OpStatus = "status"
+)
+
+// DefaultSocket is where leaseholdd listens unless configured otherwise.
+const DefaultSocket = "/run/leasehold/leaseholdd.sock"
+
+// DefaultTimeout bounds a Client call whose Timeout is zero.
+const DefaultTimeout = 30 * time.Second
+
+// WireRequest is the envelope of one request.
+type WireRequest struct {
+	// Version is the client's ProtocolVersion.
+	Version int `json:"version"`
+	// Op is one of the Op constants.
+	Op string `json:"op"`
+	// TimeoutMillis is how long the client will wait for the answer; the server stops
+	// working on the request after that (bounded by its own maximum). Zero means the
+	// server's default.
+	TimeoutMillis int64 `json:"timeoutMs,omitempty"`
+	// Request is the operation's argument (see the wire format above).
+	Request json.RawMessage `json:"request"`
+}
+
+// WireResponse is the envelope of one response: Error set on failure, Result set on a
+// successful add or check, neither on a successful del, gc or status.
+type WireResponse struct {
+	// Version is the server's ProtocolVersion.
+	Version int               `json:"version"`
+	Result  *allocator.Result `json:"result,omitempty"`
+	Error   *Error            `json:"error,omitempty"`
+}
+
+// errTooLarge is wrapped (with ErrProtocol) by readMessage for an oversize message.
+var errTooLarge = errors.New("message too large")
+
+// readMessage decodes one JSON value of at most MaxMessageSize bytes from r into v.
+// Undecodable, truncated or oversize messages yield errors wrapping ErrProtocol (an
+// oversize one also errTooLarge, a truncated one also io.ErrUnexpectedEOF). Other I/O
+// errors (timeouts, resets, io.EOF before any byte) are returned as they are.
+func readMessage(r io.Reader, v any) error {
+	lr := &io.LimitedReader{R: r, N: MaxMessageSize + 1}
+	dec := json.NewDecoder(lr)
+	err := dec.Decode(v)
+	if lr.N <= 0 {
+		return fmt.Errorf("%w: %w: more than %d bytes", ErrProtocol, errTooLarge, MaxMessageSize)
+	}
+	if err == nil {
+		return nil
+	}
+	var syn *json.SyntaxError
+	var typ *json.UnmarshalTypeError
+	if errors.As(err, &syn) || errors.As(err, &typ) {
+		return fmt.Errorf("%w: undecodable JSON: %w", ErrProtocol, err)
+	}
+	if errors.Is(err, io.ErrUnexpectedEOF) {
+		return fmt.Errorf("%w: message cut short after %d bytes: %w", ErrProtocol, dec.InputOffset(), err)
+	}
+	return err
+}
+
+// writeMessage encodes v as JSON to w, refusing to write more than MaxMessageSize bytes.
+// Errors wrap ErrProtocol for encoding or size, else they are w's.
+func writeMessage(w io.Writer, v any) error {
+	data, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Errorf("%w: encoding message: %w", ErrProtocol, err)
+	}
+	if len(data) > MaxMessageSize {
+		return fmt.Errorf("%w: %w: %d bytes, at most %d allowed", ErrProtocol, errTooLarge, len(data), MaxMessageSize)
+	}
+	_, err = w.Write(data)
+	return err
+}

@@ -1,0 +1,253 @@
+package agentapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Server limits. They are variables only so that tests can shorten them.
+var (
+	// readTimeout bounds reading one request: a client that connects and sends nothing
+	// holds its own goroutine for at most this long and nobody else's.
+	readTimeout = 10 * time.Second
+	// writeTimeout bounds writing one response.
+	writeTimeout = 10 * time.Second
+	// defaultRequestTime is a request's deadline when the client names none.
+	defaultRequestTime = DefaultTimeout
+	// maxRequestTime caps the deadline a client may ask for.
+	maxRequestTime = 2 * time.Minute
+	// shutdownGrace bounds how long Serve waits for in-flight requests once ctx is done;
+	// after it their contexts are cancelled.
+	shutdownGrace = 15 * time.Second
+	// maxInFlight bounds how many requests run in the Service at once; more wait for a
+	// slot until their deadline and then fail with code 11.
+	maxInFlight = 64
+)
+
+// Serve answers plugin requests on l with svc until ctx is done, then stops accepting,
+// waits up to 15 s for requests in flight (cancelling their contexts after that) and
+// closes l. Each connection is served on its own goroutine: reading the request is
+// bounded by 10 s and 1 MiB, and the request runs with a deadline of the client's
+// timeout (at most 2 min, 30 s when unset) on a context that is not cancelled by ctx,
+// so a shutdown lets it finish. At most 64 requests run in svc at once.
+//
+// Serve returns nil after a clean shutdown; an error when accepting fails for good
+// (wrapping the listener's error) or when requests were still running after the grace
+// period. A nil log discards logs.
+func Serve(ctx context.Context, l net.Listener, svc Service, log *slog.Logger) error {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	reqBase, cancelRequests := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelRequests()
+	s := &server{svc: svc, log: log, stopping: ctx, base: reqBase, slots: make(chan struct{}, maxInFlight)}
+
+	stopClose := context.AfterFunc(ctx, func() { _ = l.Close() })
+	defer stopClose()
+
+	var wg sync.WaitGroup
+	var acceptErr error
+	var backoff time.Duration
+	for {
+		conn, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				break
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || isResourceLimit(err) {
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				log.Warn("agentapi: accept failed, retrying", "addr", l.Addr(), "err", err, "backoff", backoff)
+				time.Sleep(backoff)
+				continue
+			}
+			acceptErr = fmt.Errorf("agentapi: accepting on %s: %w", l.Addr(), err)
+			break
+		}
+		backoff = 0
+		wg.Go(func() { s.handle(conn) })
+	}
+	_ = l.Close()
+
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return acceptErr
+	case <-time.After(shutdownGrace):
+	}
+	n := s.inFlight.Load()
+	cancelRequests()
+	select {
+	case <-done:
+	case <-time.After(time.Second):
+	}
+	return errors.Join(acceptErr, fmt.Errorf("agentapi: %d requests still running %s after shutdown began; cancelled them", n, shutdownGrace))
+}
+
+type server struct {
+	svc      Service
+	log      *slog.Logger
+	stopping context.Context // done when Serve should stop
+	base     context.Context // parent of every request's context
+	slots    chan struct{}
+	inFlight atomic.Int64
+}
+
+// handle serves one connection: read one request, answer it, close.
+func (s *server) handle(conn net.Conn) {
+	s.inFlight.Add(1)
+	defer s.inFlight.Add(-1)
+	defer conn.Close()
+
+	_ = conn.SetReadDeadline(time.Now().Add(readTimeout))
+	// A shutdown cuts short a client that has not sent its request yet.
+	stopCut := context.AfterFunc(s.stopping, func() { _ = conn.SetReadDeadline(time.Now()) })
+	var req WireRequest
+	err := readMessage(conn, &req)
+	stopCut()
+
+	var resp WireResponse
+	switch {
+	case err == nil:
+		resp = s.dispatch(&req)
+	case errors.Is(err, io.EOF):
+		// Connected and closed without a byte: a liveness probe (see Listen). Nothing to say.
+		s.log.Debug("agentapi: empty connection")
+		return
+	case s.stopping.Err() != nil:
+		resp.Error = &Error{Code: CodeTryAgainLater, Msg: "leaseholdd is shutting down; try again", Sentinel: "ErrUnavailable"}
+	case isTimeout(err):
+		resp.Error = &Error{Code: CodeDecodingFailure, Sentinel: "ErrProtocol",
+			Msg: fmt.Sprintf("agent protocol error: no complete request within %s", readTimeout)}
+	default:
+		resp.Error = ErrorFrom(fmt.Errorf("reading request: %w", err))
+	}
+	if err != nil {
+		s.log.Warn("agentapi: request not read", "code", resp.Error.Code, "err", resp.Error.Msg)
+	}
+	resp.Version = ProtocolVersion
+
+	_ = conn.SetWriteDeadline(time.Now().Add(writeTimeout))
+	if err := writeMessage(conn, &resp); err != nil {
+		s.log.Warn("agentapi: writing response", "op", req.Op, "err", err)
+		return
+	}
+	if errors.Is(err, errTooLarge) {
+		// Let the client finish writing so that it reads our answer instead of a reset.
+		if uc, ok := conn.(interface{ CloseWrite() error }); ok {
+			_ = uc.CloseWrite()
+		}
+		_, _ = io.Copy(io.Discard, conn) // bounded by the read deadline
+	}
+}
+
+// dispatch runs one decoded request and returns its response (Version unset).
+func (s *server) dispatch(req *WireRequest) WireResponse {
+	start := time.Now()
+	if req.Version != ProtocolVersion {
+		return errResponse(fmt.Errorf("%w: leaseholdd speaks protocol version %d but the request has version %d; "+
+			"install the leasehold plugin and leaseholdd from the same release", ErrProtocol, ProtocolVersion, req.Version))
+	}
+	timeout := defaultRequestTime
+	if req.TimeoutMillis > 0 {
+		timeout = min(time.Duration(req.TimeoutMillis)*time.Millisecond, maxRequestTime)
+	}
+	ctx, cancel := context.WithTimeout(s.base, timeout)
+	defer cancel()
+
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	case <-ctx.Done():
+		return errResponse(fmt.Errorf("%w: leaseholdd is busy (%d requests running); try again", allocator.ErrUnavailable, maxInFlight))
+	}
+
+	var resp WireResponse
+	var attrs []any
+	var err error
+	switch req.Op {
+	case OpAdd, OpDel, OpCheck:
+		var r allocator.Request
+		if err = decodeBody(req, &r); err != nil {
+			break
+		}
+		attrs = []any{"network", r.Network, "containerID", r.ContainerID, "ifName", r.IfName, "owner", r.OwnerID()}
+		var res allocator.Result
+		switch req.Op {
+		case OpAdd:
+			res, err = s.svc.Add(ctx, r)
+		case OpCheck:
+			res, err = s.svc.Check(ctx, r)
+		default:
+			err = s.svc.Del(ctx, r)
+		}
+		if err == nil && req.Op != OpDel {
+			resp.Result = &res
+		}
+	case OpGC:
+		var r allocator.GCRequest
+		if err = decodeBody(req, &r); err == nil {
+			attrs = []any{"network", r.Network, "valid", len(r.ValidAttachments)}
+			err = s.svc.GC(ctx, r)
+		}
+	case OpStatus:
+		var r allocator.StatusRequest
+		if err = decodeBody(req, &r); err == nil {
+			attrs = []any{"network", r.Network}
+			err = s.svc.Status(ctx, r)
+		}
+	default:
+		err = fmt.Errorf("%w: unknown operation %q; leaseholdd knows %s, %s, %s, %s and %s",
+			ErrProtocol, req.Op, OpAdd, OpDel, OpCheck, OpGC, OpStatus)
+	}
+	attrs = append(attrs, "op", req.Op, "took", time.Since(start))
+	if err != nil {
+		resp = errResponse(err)
+		attrs = append(attrs, "code", resp.Error.Code, "err", resp.Error.Msg)
+		level := slog.LevelWarn
+		if resp.Error.Code == CodeInternal {
+			level = slog.LevelError
+		}
+		s.log.Log(ctx, level, "agentapi: request failed", attrs...)
+		return resp
+	}
+	s.log.Debug("agentapi: request done", attrs...)
+	return resp
+}
+
+// decodeBody decodes the op-specific request; errors wrap ErrProtocol.
+func decodeBody(req *WireRequest, v any) error {
+	if len(req.Request) == 0 || string(req.Request) == "null" {
+		return fmt.Errorf("%w: %s request has no \"request\" body", ErrProtocol, req.Op)
+	}
+	if err := json.Unmarshal(req.Request, v); err != nil {
+		return fmt.Errorf("%w: decoding %s request: %w", ErrProtocol, req.Op, err)
+	}
+	return nil
+}
+
+func errResponse(err error) WireResponse { return WireResponse{Error: ErrorFrom(err)} }
+
+// isResourceLimit reports whether an accept error is the process or system running out
+// of file descriptors or buffers, which passes once other connections close.
+func isResourceLimit(err error) bool {
+	return errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) ||
+		errors.Is(err, syscall.ENOBUFS) || errors.Is(err, syscall.ENOMEM)
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}

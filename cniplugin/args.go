@@ -1,0 +1,124 @@
+package cniplugin
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// CNIArgs is what leasehold reads from the CNI_ARGS environment variable.
+type CNIArgs struct {
+	// IPs are the addresses asked for with IP= (comma separated), in order.
+	IPs []netip.Addr
+	// Pod is filled from K8S_POD_UID, K8S_POD_NAMESPACE and K8S_POD_NAME.
+	Pod allocator.PodRef
+}
+
+// ParseCNIArgs parses CNI_ARGS: ';'-separated KEY=VALUE pairs. Keys are case-sensitive;
+// keys other than IP, K8S_POD_UID, K8S_POD_NAMESPACE and K8S_POD_NAME are ignored
+// (runtimes pass many, IgnoreUnknown among them). Empty segments (a trailing ';') are
+// skipped. A VALUE may contain '='. IP= may be empty (no request) and empty entries
+// in its list are skipped.
+//
+// Errors wrap allocator.ErrInvalidConfig: a segment without '=' or with an empty key, a
+// key leasehold reads given twice with different values, or an IP= entry that is not an
+// address (see ParseRequestedIP). The pod UID is validated by ParseConfig, not here.
+func ParseCNIArgs(s string) (CNIArgs, error) {
+	var out CNIArgs
+	seen := map[string]string{}
+	for seg := range strings.SplitSeq(s, ";") {
+		if strings.TrimSpace(seg) == "" {
+			continue
+		}
+		key, val, ok := strings.Cut(seg, "=")
+		if !ok || key == "" {
+			return CNIArgs{}, fmt.Errorf("%w: CNI_ARGS: %q is not a KEY=VALUE pair; separate pairs with ';'",
+				allocator.ErrInvalidConfig, seg)
+		}
+		switch key {
+		case "IP", "K8S_POD_UID", "K8S_POD_NAMESPACE", "K8S_POD_NAME":
+		default:
+			continue
+		}
+		if prev, dup := seen[key]; dup && prev != val {
+			return CNIArgs{}, fmt.Errorf("%w: CNI_ARGS gives %s twice (%q and %q); give it once",
+				allocator.ErrInvalidConfig, key, prev, val)
+		}
+		seen[key] = val
+		switch key {
+		case "IP":
+			out.IPs = out.IPs[:0]
+			for item := range strings.SplitSeq(val, ",") {
+				if strings.TrimSpace(item) == "" {
+					continue
+				}
+				ip, err := ParseRequestedIP("CNI_ARGS IP", item)
+				if err != nil {
+					return CNIArgs{}, err
+				}
+				out.IPs = append(out.IPs, ip)
+			}
+		case "K8S_POD_UID":
+			out.Pod.UID = val
+		case "K8S_POD_NAMESPACE":
+			out.Pod.Namespace = val
+		case "K8S_POD_NAME":
+			out.Pod.Name = val
+		}
+	}
+	return out, nil
+}
+
+// ParseRequestedIP parses one requested address as host-local does: "10.1.2.3" or
+// "10.1.2.3/24" (the prefix length is ignored; the pool's subnet decides it). Spaces
+// around it are trimmed and an IPv4-mapped IPv6 form becomes IPv4. source names where
+// it came from for the error, which wraps allocator.ErrInvalidConfig.
+func ParseRequestedIP(source, s string) (netip.Addr, error) {
+	s = strings.TrimSpace(s)
+	text := s
+	if p, err := netip.ParsePrefix(s); err == nil {
+		text = p.Addr().String()
+	}
+	a, err := netip.ParseAddr(text)
+	if err != nil || a.Zone() != "" {
+		return netip.Addr{}, fmt.Errorf("%w: %s: %q is not an IP address; write it as 10.1.2.3 or fd00::3 "+
+			"(optionally with a prefix length, which is ignored)", allocator.ErrInvalidConfig, source, s)
+	}
+	return a.Unmap(), nil
+}
+
+// requestedIPs merges the requested addresses of the three sources host-local reads,
+// in its order (CNI_ARGS, args.cni.ips, runtimeConfig.ips), dropping repeats: runtimes
+// often pass the same address through two of them.
+func requestedIPs(fromEnv []netip.Addr, argsIPs, runtimeIPs []string) ([]netip.Addr, error) {
+	out := make([]netip.Addr, 0, len(fromEnv)+len(argsIPs)+len(runtimeIPs))
+	add := func(a netip.Addr) {
+		for _, b := range out {
+			if a == b {
+				return
+			}
+		}
+		out = append(out, a)
+	}
+	for _, a := range fromEnv {
+		add(a)
+	}
+	for _, src := range []struct {
+		name string
+		ips  []string
+	}{{"args.cni.ips", argsIPs}, {"runtimeConfig.ips", runtimeIPs}} {
+		for i, s := range src.ips {
+			a, err := ParseRequestedIP(fmt.Sprintf("%s[%d]", src.name, i), s)
+			if err != nil {
+				return nil, err
+			}
+			add(a)
+		}
+	}
+	if len(out) == 0 {
+		return nil, nil
+	}
+	return out, nil
+}

@@ -1,0 +1,191 @@
+package cniplugin
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/agentapi"
+)
+
+// DefaultSocket is the agent socket used when ipam.socket is not set.
+const DefaultSocket = agentapi.DefaultSocket
+
+// DefaultTimeout bounds the plugin's conversation with the agent when ipam.timeout is
+// not set.
+const DefaultTimeout = 30 * time.Second
+
+// ErrUndecodable: the network configuration is not JSON at all. Errors wrapping it also
+// wrap allocator.ErrInvalidConfig; the plugin reports them with CNI code 6 instead of 7.
+var ErrUndecodable = errors.New("network configuration is not valid JSON")
+
+// Config is a parsed and checked network configuration plus the runtime's arguments.
+type Config struct {
+	// CNIVersion is the configuration's cniVersion; results are printed in it.
+	CNIVersion string
+	// Name is the network name.
+	Name string
+	// IPAM is the ipam object as written.
+	IPAM IPAMConfig
+	// Routes are IPAM.Routes checked against the pool and with same-destination
+	// priorities assigned (see ResolveRoutes); they go into the result as they are.
+	Routes []Route
+	// Request is the agent request for ADD, DEL and CHECK: network, canonical pool,
+	// attachment, pod and requested addresses.
+	Request allocator.Request
+	// ValidAttachments is the netconf's "cni.dev/valid-attachments" (GC only): nil when
+	// the key is absent, empty when it is an empty list.
+	ValidAttachments []allocator.Attachment
+	// PrevResult is the parsed "prevResult", or nil.
+	PrevResult types.Result
+}
+
+// rawNetConf is the part of the network configuration leasehold reads. Everything
+// else at the top level belongs to other plugins and is ignored.
+type rawNetConf struct {
+	CNIVersion string          `json:"cniVersion"`
+	Name       string          `json:"name"`
+	IPAM       json.RawMessage `json:"ipam"`
+	Args       *struct {
+		CNI *struct {
+			IPs []string `json:"ips"`
+		} `json:"cni"`
+	} `json:"args"`
+	RuntimeConfig *struct {
+		IPs      []string          `json:"ips"`
+		IPRanges []json.RawMessage `json:"ipRanges"`
+	} `json:"runtimeConfig"`
+	PrevResult       map[string]any         `json:"prevResult"`
+	ValidAttachments []allocator.Attachment `json:"cni.dev/valid-attachments"`
+}
+
+// ParseConfig parses the network configuration given on stdin together with the
+// runtime's CNI_ARGS, CNI_CONTAINERID, CNI_IFNAME and CNI_NETNS, and checks all of it
+// before anything is sent to the agent:
+//
+//   - the top level may carry any fields (they belong to other plugins); leasehold
+//     reads cniVersion, name, ipam, args.cni.ips, runtimeConfig.ips, prevResult and
+//     cni.dev/valid-attachments;
+//   - the ipam object is leasehold's: an unknown field or a value of the wrong type is
+//     an error naming the field;
+//   - the pool (ranges, exclude, name) is canonicalized with allocator's
+//     PoolSpec.Canonicalize; routes are checked against it (ResolveRoutes);
+//   - containerID, ifName and the pod UID, when not empty, must pass
+//     allocator.ValidateName (they become parts of etcd keys). Empty ones are allowed
+//     here because GC and STATUS have none; the handlers require them where needed;
+//   - requested addresses come from CNI_ARGS IP=, args.cni.ips and runtimeConfig.ips.
+//
+// Errors wrap allocator.ErrInvalidConfig or allocator.ErrInvalidName and say what to
+// fix; an input that is not JSON also wraps ErrUndecodable.
+func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Config, error) {
+	var nc rawNetConf
+	if err := json.Unmarshal(stdin, &nc); err != nil {
+		return nil, jsonError("", err)
+	}
+	if nc.CNIVersion == "" {
+		return nil, fmt.Errorf("%w: network configuration has no cniVersion; set it, for example \"cniVersion\": \"1.1.0\"",
+			allocator.ErrInvalidConfig)
+	}
+	if err := allocator.ValidateName("network", nc.Name); err != nil {
+		return nil, fmt.Errorf("network configuration \"name\": %w", err)
+	}
+	ipam, err := parseIPAM(nc.IPAM)
+	if err != nil {
+		return nil, err
+	}
+	if ipam.Pool == "" {
+		ipam.Pool = nc.Name
+	}
+	pool := allocator.PoolSpec{Name: ipam.Pool, Ranges: cloneRanges(ipam.Ranges), Exclude: slices.Clone(ipam.Exclude)}
+	if err := pool.Canonicalize(); err != nil {
+		return nil, fmt.Errorf("ipam: %w", err)
+	}
+	routes, err := ResolveRoutes(ipam.Routes, pool)
+	if err != nil {
+		return nil, err
+	}
+
+	for _, n := range []struct{ kind, val string }{{"container ID", containerID}, {"interface", ifName}} {
+		if n.val != "" {
+			if err := allocator.ValidateName(n.kind, n.val); err != nil {
+				return nil, err
+			}
+		}
+	}
+	args, err := ParseCNIArgs(cniArgs)
+	if err != nil {
+		return nil, err
+	}
+	if args.Pod.UID != "" {
+		if err := allocator.ValidateName("pod UID", args.Pod.UID); err != nil {
+			return nil, fmt.Errorf("CNI_ARGS K8S_POD_UID: %w", err)
+		}
+	}
+	var argsIPs, runtimeIPs []string
+	if nc.Args != nil && nc.Args.CNI != nil {
+		argsIPs = nc.Args.CNI.IPs
+	}
+	if nc.RuntimeConfig != nil {
+		runtimeIPs = nc.RuntimeConfig.IPs
+		if len(nc.RuntimeConfig.IPRanges) > 0 {
+			return nil, fmt.Errorf("%w: runtimeConfig.ipRanges is not supported: a leasehold pool is defined once, "+
+				"in ipam.ranges; remove the \"ipRanges\" capability from the network configuration",
+				allocator.ErrInvalidConfig)
+		}
+	}
+	ips, err := requestedIPs(args.IPs, argsIPs, runtimeIPs)
+	if err != nil {
+		return nil, err
+	}
+
+	cfg := &Config{
+		CNIVersion: nc.CNIVersion,
+		Name:       nc.Name,
+		IPAM:       *ipam,
+		Routes:     routes,
+		Request: allocator.Request{
+			Network:      nc.Name,
+			Pool:         pool,
+			ContainerID:  containerID,
+			IfName:       ifName,
+			Netns:        netns,
+			Pod:          args.Pod,
+			RequestedIPs: ips,
+		},
+		ValidAttachments: nc.ValidAttachments,
+	}
+	if nc.PrevResult != nil {
+		pc := types.PluginConf{CNIVersion: nc.CNIVersion, RawPrevResult: nc.PrevResult}
+		if err := version.ParsePrevResult(&pc); err != nil {
+			return nil, fmt.Errorf("%w: prevResult: %v; the runtime passed a result leasehold cannot read",
+				allocator.ErrInvalidConfig, err)
+		}
+		cfg.PrevResult = pc.PrevResult
+	}
+	return cfg, nil
+}
+
+// GCRequest is the agent request for CNI GC: this network and pool, and the runtime's
+// valid attachments. Because GC releases every allocation not listed, a configuration
+// without "cni.dev/valid-attachments" is refused (an error wrapping
+// allocator.ErrInvalidConfig) rather than read as "nothing is valid"; an explicit empty
+// list is passed on as it is. The returned ValidAttachments is never nil.
+func (c *Config) GCRequest() (allocator.GCRequest, error) {
+	if c.ValidAttachments == nil {
+		return allocator.GCRequest{}, fmt.Errorf("%w: GC without \"cni.dev/valid-attachments\": refusing to release "+
+			"every allocation of network %s; the runtime must list the attachments that are still valid",
+			allocator.ErrInvalidConfig, c.Name)
+	}
+	return allocator.GCRequest{Network: c.Name, Pool: c.Request.Pool, ValidAttachments: c.ValidAttachments}, nil
+}
+
+// StatusRequest is the agent request for CNI STATUS.
+func (c *Config) StatusRequest() allocator.StatusRequest {
+	return allocator.StatusRequest{Network: c.Name, Pool: c.Request.Pool}
+}
