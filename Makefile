@@ -5,8 +5,9 @@ VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS   := -s -w -X main.version=$(VERSION)
 TOOLS_MOD := integration/tools
 
-# The plugin binary links no etcd, gRPC or netlink; CGO off keeps it static for any host.
-export CGO_ENABLED ?= 0
+# The binaries are static (no cgo) so they run on any host; the race detector in `make test`
+# needs cgo, so CGO_ENABLED is set per build command, not exported.
+GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
 .PHONY: all build tools test test-unit test-integration demo bench lint clean
 
@@ -14,9 +15,9 @@ all: build
 
 build:
 	@mkdir -p $(BIN)/cni
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/leasehold ./cmd/leasehold
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/leaseholdd ./cmd/leaseholdd
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/leaseholdctl ./cmd/leaseholdctl
+	$(GOBUILD) -ldflags '$(LDFLAGS)' -o $(BIN)/leasehold ./cmd/leasehold
+	$(GOBUILD) -ldflags '$(LDFLAGS)' -o $(BIN)/leaseholdd ./cmd/leaseholdd
+	$(GOBUILD) -ldflags '$(LDFLAGS)' -o $(BIN)/leaseholdctl ./cmd/leaseholdctl
 	cp $(BIN)/leasehold $(BIN)/cni/leasehold
 
 # Programs the tests drive, built from the versions pinned in integration/tools/go.mod:
@@ -24,14 +25,14 @@ build:
 tools: $(BIN)/etcd $(BIN)/etcdctl $(BIN)/cnitool $(BIN)/cni/bridge
 
 $(BIN)/etcd: $(TOOLS_MOD)/go.mod $(TOOLS_MOD)/etcd/main.go
-	cd $(TOOLS_MOD) && $(GO) build -trimpath -o $(BIN)/etcd ./etcd
+	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcd ./etcd
 $(BIN)/etcdctl: $(TOOLS_MOD)/go.mod
-	cd $(TOOLS_MOD) && $(GO) build -trimpath -o $(BIN)/etcdctl go.etcd.io/etcd/etcdctl/v3
+	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcdctl go.etcd.io/etcd/etcdctl/v3
 $(BIN)/cnitool: $(TOOLS_MOD)/go.mod
-	cd $(TOOLS_MOD) && $(GO) build -trimpath -o $(BIN)/cnitool github.com/containernetworking/cni/cnitool
+	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/cnitool github.com/containernetworking/cni/cnitool
 $(BIN)/cni/bridge: $(TOOLS_MOD)/go.mod
 	@mkdir -p $(BIN)/cni
-	cd $(TOOLS_MOD) && $(GO) build -trimpath -o $(BIN)/cni/ \
+	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/cni/ \
 		github.com/containernetworking/plugins/plugins/main/bridge \
 		github.com/containernetworking/plugins/plugins/main/macvlan \
 		github.com/containernetworking/plugins/plugins/main/loopback \

@@ -65,13 +65,14 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&g.node, "node", "", "alloc list: only this node")
 	fs.StringVar(&g.owner, "owner", "", "alloc list: only this owner (pod UID or container ID)")
 	fs.StringVar(&g.ns, "namespace", "", "alloc list: only pods of this namespace")
-	if err := fs.Parse(args); err != nil {
+	words, err := parseInterspersed(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
 		}
 		return exitUsage
 	}
-	cmd := strings.Join(fs.Args(), " ")
+	cmd := strings.Join(words, " ")
 	if g.output != "table" && g.output != "json" {
 		fmt.Fprintf(stderr, "leaseholdctl: -o %q: want table or json\n", g.output)
 		return exitUsage
@@ -104,6 +105,22 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return exitError
 	}
 	return exitOK
+}
+
+// parseInterspersed parses flags placed anywhere, before or after the command words
+// (`leaseholdctl alloc list --pool net1`), and returns the words.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var words []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return words, nil
+		}
+		words = append(words, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
 }
 
 func env(name, def string) string {

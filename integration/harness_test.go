@@ -1,0 +1,240 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/types"
+	types100 "github.com/containernetworking/cni/pkg/types/100"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/leases/etcdserver"
+)
+
+// binDir is where make put the binaries under test and the tools.
+func binDir(t testing.TB) string {
+	t.Helper()
+	dir := os.Getenv("LEASEHOLD_BIN")
+	if dir == "" {
+		abs, err := filepath.Abs("../bin")
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir = abs
+	}
+	for _, b := range []string{"leasehold", "leaseholdd", "leaseholdctl", "etcd", "etcdctl"} {
+		if _, err := os.Stat(filepath.Join(dir, b)); err != nil {
+			t.Fatalf("binary %s missing in %s: run `make build tools` (or `make test`) first: %v", b, dir, err)
+		}
+	}
+	return dir
+}
+
+// etcdProc is etcd running as its own process.
+type etcdProc struct {
+	URL string
+	cmd *exec.Cmd
+}
+
+// startEtcdProcess runs bin/etcd with its data in a temporary directory, fsync on, and
+// waits until it answers.
+func startEtcdProcess(t testing.TB) *etcdProc {
+	t.Helper()
+	ctx := context.Background()
+	curl, err := etcdserver.FreeLoopbackURL(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	purl, err := etcdserver.FreeLoopbackURL(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	var logs bytes.Buffer
+	cmd := exec.Command(filepath.Join(binDir(t), "etcd"),
+		"--name", "it", "--data-dir", dir,
+		"--listen-client-urls", curl, "--advertise-client-urls", curl,
+		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+		"--initial-cluster", "it="+purl, "--log-level", "error")
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start etcd: %v", err)
+	}
+	p := &etcdProc{URL: curl, cmd: cmd}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			t.Logf("etcd output:\n%s", logs.String())
+		}
+	})
+	cli := etcdClient(t, curl)
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		c, cancel := context.WithTimeout(ctx, time.Second)
+		_, err := cli.Get(c, "health")
+		cancel()
+		if err == nil {
+			return p
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("etcd at %s did not answer within 20s: %v\n%s", curl, err, logs.String())
+		}
+	}
+}
+
+func etcdClient(t testing.TB, url string) *clientv3.Client {
+	t.Helper()
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{url}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// agentProc is leaseholdd running as its own process.
+type agentProc struct {
+	Socket string
+	cmd    *exec.Cmd
+	logs   *bytes.Buffer
+}
+
+// startAgent runs bin/leaseholdd against endpoint (or, with endpoint "", on an embedded
+// etcd in a temporary directory) and waits for its socket.
+func startAgent(t testing.TB, endpoint string, extra ...string) *agentProc {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "leaseholdd.sock")
+	args := []string{"--socket", sock, "--node", "node-a", "--node-uid", "uid-a", "--lease-ttl", "10s", "--quarantine", "0s"}
+	if endpoint != "" {
+		args = append(args, "--etcd-endpoints", endpoint)
+	}
+	args = append(args, extra...)
+	var logs bytes.Buffer
+	cmd := exec.Command(filepath.Join(binDir(t), "leaseholdd"), args...)
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start leaseholdd: %v", err)
+	}
+	a := &agentProc{Socket: sock, cmd: cmd, logs: &logs}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			t.Logf("leaseholdd output:\n%s", logs.String())
+		}
+	})
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
+			return a
+		}
+		if cmd.ProcessState != nil || time.Now().After(deadline) {
+			t.Fatalf("leaseholdd did not serve %s within 30s:\n%s", sock, logs.String())
+		}
+	}
+}
+
+var seq atomic.Int64
+
+func uniq(prefix string) string { return fmt.Sprintf("%s%d", prefix, seq.Add(1)) }
+
+// netconf is a CNI network configuration with leasehold as IPAM.
+func netconf(name, socket string, ipam map[string]any) []byte {
+	ipam["type"] = "leasehold"
+	ipam["socket"] = socket
+	conf := map[string]any{"cniVersion": "1.1.0", "name": name, "type": "leasehold", "ipam": ipam}
+	b, err := json.Marshal(conf)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+func dualStackIPAM(v4, v6 string) map[string]any {
+	return map[string]any{"ranges": []any{
+		[]any{map[string]any{"subnet": v4}},
+		[]any{map[string]any{"subnet": v6}},
+	}}
+}
+
+// plugin runs the leasehold plugin binary the way a runtime does.
+type plugin struct{ path string }
+
+func newPlugin(t testing.TB) plugin { return plugin{path: filepath.Join(binDir(t), "leasehold")} }
+
+func (p plugin) args(cmd, container, ifName, cniArgs string) *invoke.Args {
+	return &invoke.Args{Command: cmd, ContainerID: container, NetNS: "/var/run/netns/" + container,
+		IfName: ifName, PluginArgsStr: cniArgs, Path: filepath.Dir(p.path)}
+}
+
+func (p plugin) add(ctx context.Context, conf []byte, container, ifName, cniArgs string) (*types100.Result, error) {
+	r, err := invoke.ExecPluginWithResult(ctx, p.path, conf, p.args("ADD", container, ifName, cniArgs), nil)
+	if err != nil {
+		return nil, err
+	}
+	return types100.NewResultFromResult(r)
+}
+
+func (p plugin) del(ctx context.Context, conf []byte, container, ifName, cniArgs string) error {
+	return invoke.ExecPluginWithoutResult(ctx, p.path, conf, p.args("DEL", container, ifName, cniArgs), nil)
+}
+
+func (p plugin) check(ctx context.Context, conf []byte, container, ifName, cniArgs string) error {
+	return invoke.ExecPluginWithoutResult(ctx, p.path, conf, p.args("CHECK", container, ifName, cniArgs), nil)
+}
+
+// cniCode returns the CNI error code of err, or 0 when err is not a CNI error.
+func cniCode(err error) uint {
+	var e *types.Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return 0
+}
+
+// snapshot returns every key under prefix with its value and lease.
+func snapshot(t testing.TB, cli *clientv3.Client, prefix string) map[string]string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]string{}
+	for _, kv := range resp.Kvs {
+		out[string(kv.Key)] = fmt.Sprintf("lease=%x %s", kv.Lease, kv.Value)
+	}
+	return out
+}
+
+func keysUnder(m map[string]string, prefix string) []string {
+	var out []string
+	for k := range m {
+		if strings.HasPrefix(k, prefix) {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+func etcdserverFreeURL() (string, error) { return etcdserver.FreeLoopbackURL(context.Background()) }

@@ -1,0 +1,279 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/leases"
+)
+
+// TestConcurrentPluginAddsGetDistinctAddresses is issue 2's acceptance test: 200 ADDs at
+// once through the real plugin binary, against leaseholdd and etcd as separate processes.
+func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	agent := startAgent(t, etcd.URL)
+	cli := etcdClient(t, etcd.URL)
+	pl := newPlugin(t)
+	name := uniq("net")
+	conf := netconf(name, agent.Socket, dualStackIPAM("10.20.0.0/23", "fd20::/64"))
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	const n = 200
+	type got struct {
+		v4, v6 netip.Addr
+		err    error
+	}
+	results := make([]got, n)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 50) // 50 runtimes' worth of concurrent execs
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			res, err := pl.add(ctx, conf, fmt.Sprintf("ctr%03d", i), "eth0", fmt.Sprintf("K8S_POD_UID=uid-%03d;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p%03d", i, i))
+			if err != nil {
+				results[i].err = err
+				return
+			}
+			for _, ip := range res.IPs {
+				if ip.Address.IP.To4() != nil {
+					results[i].v4, _ = netip.AddrFromSlice(ip.Address.IP.To4())
+				} else {
+					results[i].v6, _ = netip.AddrFromSlice(ip.Address.IP)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	v4s, v6s := map[netip.Addr]int{}, map[netip.Addr]int{}
+	for i, r := range results {
+		if r.err != nil {
+			t.Fatalf("ADD %d: %v", i, r.err)
+		}
+		if !r.v4.IsValid() || !r.v6.IsValid() {
+			t.Fatalf("ADD %d: want one IPv4 and one IPv6 address, got %v %v", i, r.v4, r.v6)
+		}
+		if j, dup := v4s[r.v4]; dup {
+			t.Errorf("IPv4 %s handed to containers %d and %d", r.v4, j, i)
+		}
+		if j, dup := v6s[r.v6]; dup {
+			t.Errorf("IPv6 %s handed to containers %d and %d", r.v6, j, i)
+		}
+		v4s[r.v4], v6s[r.v6] = i, i
+	}
+	if len(v4s) != n || len(v6s) != n {
+		t.Errorf("want %d distinct addresses per family, got %d IPv4 and %d IPv6", n, len(v4s), len(v6s))
+	}
+
+	// Every allocation, owner index and pod record in etcd is bound to a lease.
+	keys := snapshot(t, cli, leases.Prefix)
+	if got := len(keysUnder(keys, leases.IPsPrefix(name))); got != 2*n {
+		t.Errorf("want %d allocation keys in etcd, got %d", 2*n, got)
+	}
+	for k, v := range keys {
+		if strings.HasPrefix(k, leases.PoolKey("")) {
+			continue
+		}
+		if strings.HasPrefix(v, "lease=0 ") {
+			t.Errorf("key %s carries no lease", k)
+		}
+	}
+
+	// A repeated ADD returns the same addresses.
+	again, err := pl.add(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p007")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ip := range again.IPs {
+		a, _ := netip.AddrFromSlice(ip.Address.IP)
+		a = a.Unmap()
+		if a != results[7].v4 && a != results[7].v6 {
+			t.Errorf("repeated ADD returned %s, first ADD returned %s and %s", a, results[7].v4, results[7].v6)
+		}
+	}
+	if err := pl.check(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+		t.Errorf("CHECK: %v", err)
+	}
+
+	// DEL frees exactly the owner's keys: its two addresses, owner index and pod record.
+	before := snapshot(t, cli, leases.Prefix)
+	if err := pl.del(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+		t.Fatal(err)
+	}
+	after := snapshot(t, cli, leases.Prefix)
+	var gone []string
+	for k := range before {
+		if _, ok := after[k]; !ok {
+			gone = append(gone, k)
+		}
+	}
+	want := []string{
+		leases.IPKey(name, results[7].v4), leases.IPKey(name, results[7].v6),
+		leases.OwnerKey("default", "uid-007", "eth0", name), leases.PodKey("default", "node-a", "uid-007"),
+	}
+	if fmt.Sprint(sorted(gone)) != fmt.Sprint(sorted(want)) {
+		t.Errorf("DEL removed %v, want exactly %v", sorted(gone), sorted(want))
+	}
+	if len(after) != len(before)-len(want) {
+		t.Errorf("DEL changed the key count from %d to %d, want %d", len(before), len(after), len(before)-len(want))
+	}
+	if err := pl.del(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+		t.Errorf("repeated DEL must succeed: %v", err)
+	}
+}
+
+// TestRefusedRequestsThroughThePlugin: bad input gets a CNI error with the right code and a
+// message a user can act on, and etcd is left unchanged.
+func TestRefusedRequestsThroughThePlugin(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	agent := startAgent(t, etcd.URL)
+	cli := etcdClient(t, etcd.URL)
+	pl := newPlugin(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	name := uniq("net")
+	good := netconf(name, agent.Socket, dualStackIPAM("10.21.0.0/24", "fd21::/64"))
+	held, err := pl.add(ctx, good, "holder", "eth0", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldV4 := held.IPs[0].Address.IP.String()
+	before := snapshot(t, cli, leases.Prefix)
+
+	cases := []struct {
+		name      string
+		conf      []byte
+		container string
+		cniArgs   string
+		code      uint
+		mention   string
+	}{
+		// Not JSON at all.
+		{"malformed json", []byte(`{"cniVersion":"1.1.0","name":`), "x1", "", 6, ""},
+		// A typo in an ipam field must not be silently ignored.
+		{"unknown ipam field", netconf(name, agent.Socket, map[string]any{"rangez": []any{}}), "x2", "", 7, "rangez"},
+		// ranges of the wrong JSON type.
+		{"wrong type", netconf(name, agent.Socket, map[string]any{"ranges": "10.0.0.0/8"}), "x3", "", 7, "ranges"},
+		// Not a CIDR.
+		{"invalid cidr", netconf(name, agent.Socket, map[string]any{"ranges": []any{[]any{map[string]any{"subnet": "10.300.0.0/16"}}}}), "x4", "", 7, "10.300.0.0/16"},
+		// rangeStart outside its subnet.
+		{"rangeStart outside", netconf(uniq("net"), agent.Socket, map[string]any{"ranges": []any{[]any{map[string]any{"subnet": "10.22.0.0/24", "rangeStart": "10.23.0.5"}}}}), "x5", "", 7, "10.23.0.5"},
+		// Two range sets sharing addresses.
+		{"overlapping ranges", netconf(uniq("net"), agent.Socket, dualStackIPAM("10.24.0.0/16", "10.24.1.0/24")), "x6", "", 7, "overlap"},
+		// The requested address lies in no range.
+		{"requested outside", good, "x7", "IP=192.168.77.7", 100, "192.168.77.7"},
+		// The requested address belongs to another owner.
+		{"requested taken", good, "x8", "IP=" + heldV4, 101, heldV4},
+		// A container ID that would become a path outside its key: CNI_CONTAINERID is an
+		// environment variable, so the code is 4 (invalid environment variables).
+		{"hostile container id", good, "../../etc", "", 4, "../../etc"},
+		// A pod UID that would escape its key component.
+		{"hostile pod uid", good, "x10", "K8S_POD_UID=a/../../b", 7, "a/../../b"},
+		// Same pool name, other ranges: refused, showing both definitions.
+		{"pool mismatch", netconf(name, agent.Socket, dualStackIPAM("10.25.0.0/24", "fd21::/64")), "x9", "", 7, "10.21.0.0/24"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := pl.add(ctx, tc.conf, tc.container, "eth0", tc.cniArgs)
+			if err == nil {
+				t.Fatal("ADD succeeded, want an error")
+			}
+			if got := cniCode(err); got != tc.code {
+				t.Errorf("CNI code %d, want %d (error: %v)", got, tc.code, err)
+			}
+			if tc.mention != "" && !strings.Contains(err.Error(), tc.mention) {
+				t.Errorf("error should mention %q: %v", tc.mention, err)
+			}
+		})
+	}
+	after := snapshot(t, cli, leases.Prefix)
+	if fmt.Sprint(after) != fmt.Sprint(before) {
+		for k, v := range after {
+			if before[k] != v {
+				t.Errorf("refused requests changed %s: %q -> %q", k, before[k], v)
+			}
+		}
+		for k := range before {
+			if _, ok := after[k]; !ok {
+				t.Errorf("refused requests deleted %s", k)
+			}
+		}
+	}
+}
+
+// TestAgentUnreachable: the plugin fails with a CNI error that says so and names the socket.
+func TestAgentUnreachable(t *testing.T) {
+	pl := newPlugin(t)
+	sock := filepath.Join(t.TempDir(), "nobody.sock")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := pl.add(ctx, netconf("n", sock, dualStackIPAM("10.26.0.0/24", "fd26::/64")), "c1", "eth0", "")
+	if err == nil {
+		t.Fatal("ADD without an agent succeeded")
+	}
+	if cniCode(err) != 11 || !strings.Contains(err.Error(), sock) {
+		t.Errorf("want code 11 (try again later) naming %s, got code %d: %v", sock, cniCode(err), err)
+	}
+}
+
+// TestEmbeddedEtcdIsInspectableWithEtcdctl: leaseholdd --embedded-etcd serves its client URL
+// on loopback, and plain etcdctl reads the allocations the plugin made.
+func TestEmbeddedEtcdIsInspectableWithEtcdctl(t *testing.T) {
+	curl := freeURL(t)
+	agent := startAgent(t, "", "--embedded-etcd", t.TempDir(), "--embedded-etcd-client-url", curl,
+		"--embedded-etcd-peer-url", freeURL(t))
+	pl := newPlugin(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	name := uniq("net")
+	res, err := pl.add(ctx, netconf(name, agent.Socket, dualStackIPAM("10.27.0.0/24", "fd27::/64")), "c1", "eth0", "K8S_POD_UID=pod-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "etcdctl"), "--endpoints", curl,
+		"get", "--prefix", leases.IPsPrefix(name), "--keys-only").CombinedOutput()
+	if err != nil {
+		t.Fatalf("etcdctl: %v\n%s", err, out)
+	}
+	for _, ip := range res.IPs {
+		if !strings.Contains(string(out), leases.IPsPrefix(name)+ip.Address.IP.String()) {
+			t.Errorf("etcdctl does not show %s:\n%s", ip.Address.IP, out)
+		}
+	}
+	ctl, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", curl, "alloc", "list", "--pool", name).CombinedOutput()
+	if err != nil {
+		t.Fatalf("leaseholdctl: %v\n%s", err, ctl)
+	}
+	if !strings.Contains(string(ctl), "pod-1") || !strings.Contains(string(ctl), res.IPs[0].Address.IP.String()) {
+		t.Errorf("leaseholdctl alloc list does not show the allocation:\n%s", ctl)
+	}
+}
+
+func freeURL(t testing.TB) string {
+	t.Helper()
+	u, err := etcdserverFreeURL()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
+func sorted(s []string) []string {
+	out := append([]string(nil), s...)
+	for i := range out {
+		for j := i + 1; j < len(out); j++ {
+			if out[j] < out[i] {
+				out[i], out[j] = out[j], out[i]
+			}
+		}
+	}
+	return out
+}
