@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -106,51 +107,109 @@ func etcdClient(t testing.TB, url string) *clientv3.Client {
 
 // agentProc is leaseholdd running as its own process.
 type agentProc struct {
-	Socket string
-	cmd    *exec.Cmd
-	logs   *bytes.Buffer
+	Socket   string
+	StateDir string
+	args     []string
+	cmd      *exec.Cmd
+	logs     *syncBuffer
+	done     chan struct{}
 }
 
-// startAgent runs bin/leaseholdd against endpoint (or, with endpoint "", on an embedded
-// etcd in a temporary directory) and waits for its socket.
+// startAgent runs bin/leaseholdd against endpoint (or, with endpoint "", on an embedded etcd
+// named in extra) and waits for its socket. Defaults: node node-a, identity uid-a, a private
+// state directory, 10s leases, no quarantine, no sandbox liveness; extra flags override them.
 func startAgent(t testing.TB, endpoint string, extra ...string) *agentProc {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "leaseholdd.sock")
-	args := []string{"--socket", sock, "--node", "node-a", "--node-uid", "uid-a", "--lease-ttl", "10s", "--quarantine", "0s"}
+	dir := t.TempDir()
+	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
+	a.args = []string{"--socket", a.Socket, "--state-dir", a.StateDir, "--node", "node-a", "--node-uid", "uid-a",
+		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--log-level", "debug"}
 	if endpoint != "" {
-		args = append(args, "--etcd-endpoints", endpoint)
+		a.args = append(a.args, "--etcd-endpoints", endpoint)
 	}
-	args = append(args, extra...)
-	var logs bytes.Buffer
-	cmd := exec.Command(filepath.Join(binDir(t), "leaseholdd"), args...)
-	cmd.Stdout, cmd.Stderr = &logs, &logs
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start leaseholdd: %v", err)
-	}
-	a := &agentProc{Socket: sock, cmd: cmd, logs: &logs}
+	a.args = append(a.args, extra...)
+	a.logs = &syncBuffer{}
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
+		a.stop()
 		if t.Failed() {
-			t.Logf("leaseholdd output:\n%s", logs.String())
+			t.Logf("leaseholdd %v output:\n%s", a.args, a.logs.String())
 		}
 	})
+	a.start(t)
+	return a
+}
+
+func (a *agentProc) start(t testing.TB) {
+	t.Helper()
+	a.cmd = exec.Command(filepath.Join(binDir(t), "leaseholdd"), a.args...)
+	a.cmd.Stdout, a.cmd.Stderr = a.logs, a.logs
+	if err := a.cmd.Start(); err != nil {
+		t.Fatalf("start leaseholdd: %v", err)
+	}
+	a.done = make(chan struct{})
+	go func(cmd *exec.Cmd, done chan struct{}) { _ = cmd.Wait(); close(done) }(a.cmd, a.done)
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if c, err := net.Dial("unix", sock); err == nil {
+		if c, err := net.Dial("unix", a.Socket); err == nil {
 			c.Close()
-			return a
+			return
 		}
-		if cmd.ProcessState != nil || time.Now().After(deadline) {
-			t.Fatalf("leaseholdd did not serve %s within 30s:\n%s", sock, logs.String())
+		select {
+		case <-a.done:
+			t.Fatalf("leaseholdd exited before serving %s:\n%s", a.Socket, a.logs.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("leaseholdd did not serve %s within 30s:\n%s", a.Socket, a.logs.String())
 		}
 	}
+}
+
+// kill stops the agent with SIGKILL: no cleanup of any kind runs, as when a node dies.
+func (a *agentProc) kill() {
+	if a.cmd == nil {
+		return
+	}
+	_ = a.cmd.Process.Kill()
+	<-a.done
+	a.cmd = nil
+}
+
+// restart starts the agent again with the same flags, socket and state directory.
+func (a *agentProc) restart(t testing.TB) {
+	t.Helper()
+	a.start(t)
+}
+
+func (a *agentProc) stop() {
+	if a.cmd == nil {
+		return
+	}
+	_ = a.cmd.Process.Signal(os.Interrupt)
+	select {
+	case <-a.done:
+	case <-time.After(10 * time.Second):
+		_ = a.cmd.Process.Kill()
+		<-a.done
+	}
+	a.cmd = nil
+}
+
+// syncBuffer collects a process's output from its copying goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 var seq atomic.Int64
@@ -238,3 +297,8 @@ func keysUnder(m map[string]string, prefix string) []string {
 }
 
 func etcdserverFreeURL() (string, error) { return etcdserver.FreeLoopbackURL(context.Background()) }
+
+func invokeWithoutResult(ctx context.Context, pl plugin, cmd string, conf []byte) error {
+	args := &invoke.Args{Command: cmd, Path: filepath.Dir(pl.path)}
+	return invoke.ExecPluginWithoutResult(ctx, pl.path, conf, args, nil)
+}

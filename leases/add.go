@@ -140,7 +140,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// stays with the owner so it is never handed to another pod; a retried ADD finds
 		// its own keys, and a DEL revokes the lease.
 		if st.fresh != 0 {
-			a.setPodLease(owner, st.fresh)
+			a.notePod(req, owner, st.fresh, nil)
 			st.fresh = 0
 		}
 		return allocator.Result{}, false, a.unavailable("claim addresses", err)
@@ -148,7 +148,8 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	a.ok()
 	if resp.Succeeded {
 		p.view.settle(addrs, resp.Header.Revision)
-		a.setPodLease(owner, lease)
+		a.notePod(req, owner, lease, &attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
+			ContainerID: req.ContainerID, IPs: addrs, Created: now})
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
@@ -184,8 +185,9 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 		}
 		return allocator.Result{}, false, nil
 	case known && (podKV == nil || clientv3.LeaseID(podKV.Lease) != lease):
-		// The pod lease this agent remembered no longer carries the pod record.
-		a.setPodLease(st.owner, 0)
+		// The pod lease this agent remembered no longer carries the pod record: its keys
+		// are gone (expired or revoked); the ADD starts over as for a new pod.
+		a.dropPod(st.owner)
 		if podKV == nil && a.keeper.Holds(lease) && st.fresh == 0 {
 			st.fresh = lease
 		}
@@ -235,12 +237,13 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, a.unavailable("resume the pod lease", err)
 		}
 	}
-	a.setPodLease(st.owner, lease)
 	if rec.ContainerID != st.req.ContainerID {
 		if err := a.rebind(ctx, p, st, kv, rec, lease); err != nil {
 			return allocator.Result{}, false, err
 		}
 	}
+	a.notePod(st.req, st.owner, lease, &attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
+		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created})
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
 }
@@ -292,7 +295,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.setPodLease(owner, lease)
+	a.notePod(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease, nil)
 	return nil
 }
 

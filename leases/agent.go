@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -29,8 +30,17 @@ type Config struct {
 	SpareLeases int
 	// OpTimeout bounds every etcd call; default 10s.
 	OpTimeout time.Duration
-	// GCGrace protects attachments created less than this long ago from CNI GC; default 10s.
+	// GCGrace protects attachments created less than this long ago from CNI GC; default
+	// 10s, negative for none.
 	GCGrace time.Duration
+	// StateDir holds the local journal of this node's pods (one file each); empty keeps
+	// none, and a restart after a lease loss then cannot re-claim.
+	StateDir string
+	// LivenessInterval is how often the agent looks for sandboxes whose network namespace
+	// is gone; default 10s, negative disables.
+	LivenessInterval time.Duration
+	// LivenessGrace protects a pod from the liveness check this long after an ADD; default 30s.
+	LivenessGrace time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -64,6 +74,17 @@ func (c *Config) fill() error {
 	if c.GCGrace == 0 {
 		c.GCGrace = 10 * time.Second
 	}
+	if c.LivenessInterval == 0 {
+		c.LivenessInterval = 10 * time.Second
+	}
+	if c.LivenessGrace == 0 {
+		c.LivenessGrace = 30 * time.Second
+	}
+	if c.StateDir != "" {
+		if err := os.MkdirAll(c.StateDir, 0o700); err != nil {
+			return fmt.Errorf("state directory %s: %w (give --state-dir a writable directory)", c.StateDir, err)
+		}
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -83,11 +104,16 @@ type Agent struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
+	journal journal
+	lost    chan struct{} // wakes the re-claim loop
+	wg      sync.WaitGroup
+
 	mu        sync.Mutex
-	pods      map[string]clientv3.LeaseID // owner -> pod lease this agent keeps alive
+	pods      map[string]*podState // owner -> pod whose lease this agent keeps alive
 	nodeLease clientv3.LeaseID
 
-	lastOK atomic.Int64 // unix nanos of the last etcd call that succeeded
+	lastOK    atomic.Int64 // unix nanos of the last etcd call that succeeded
+	conflicts atomic.Int64 // addresses found taken by another owner on re-claim
 }
 
 // Start registers the node (its record on the agent's own lease) and returns a serving agent.
@@ -103,7 +129,9 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		log:    cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:    actx,
 		cancel: cancel,
-		pods:   make(map[string]clientv3.LeaseID),
+		pods:    make(map[string]*podState),
+		journal: journal{dir: cfg.StateDir},
+		lost:    make(chan struct{}, 1),
 	}
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
 	a.pools = newPools(actx, cli, a.log)
@@ -111,6 +139,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		a.Close()
 		return nil, err
 	}
+	if err := a.recover(ctx); err != nil {
+		a.Close()
+		return nil, err
+	}
+	a.wg.Add(2)
+	go a.reclaimLoop()
+	go a.livenessLoop()
 	return a, nil
 }
 
@@ -138,6 +173,7 @@ func (a *Agent) register(ctx context.Context) error {
 // agent with the same node identity adopts them, and otherwise they expire after their TTL.
 func (a *Agent) Close() {
 	a.cancel()
+	a.wg.Wait()
 	a.mu.Lock()
 	node := a.nodeLease
 	a.mu.Unlock()
@@ -163,32 +199,98 @@ func (a *Agent) unavailable(what string, err error) error {
 	return fmt.Errorf("%w: %s: %w", allocator.ErrUnavailable, what, err)
 }
 
+// Conflicts is how many addresses this agent found held by another owner when it
+// re-claimed a lost lease.
+func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
+
+// podLease returns the lease of a pod this agent holds, if it holds one.
 func (a *Agent) podLease(owner string) (clientv3.LeaseID, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	id, ok := a.pods[owner]
-	return id, ok
+	if ps, ok := a.pods[owner]; ok && ps.lease != 0 && !ps.lost {
+		return ps.lease, true
+	}
+	return 0, false
 }
 
-func (a *Agent) setPodLease(owner string, id clientv3.LeaseID) {
+// notePod records that owner's keys are on lease (after a claim, an adoption, or an
+// ambiguous commit), creating the pod's state if needed. The caller holds the owner lock.
+func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.LeaseID, at *attachment) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
-	if id == 0 {
-		delete(a.pods, owner)
+	ps, ok := a.pods[owner]
+	if !ok {
+		ps = &podState{Owner: owner, NodeUID: a.cfg.NodeUID}
+		a.pods[owner] = ps
+	}
+	ps.setLease(lease)
+	ps.lost = false
+	ps.lastAdd = time.Now()
+	if req.Pod != (allocator.PodRef{}) {
+		ps.Pod = req.Pod
+	}
+	if req.Netns != "" {
+		ps.Netns = req.Netns
+	}
+	if at != nil {
+		ps.put(*at)
+	}
+	snap := ps.clone()
+	a.mu.Unlock()
+	a.persist(snap)
+}
+
+// dropAttachment forgets one attachment of owner. The caller holds the owner lock.
+func (a *Agent) dropAttachment(owner, ifName, pool string) {
+	a.mu.Lock()
+	ps, ok := a.pods[owner]
+	if !ok {
+		a.mu.Unlock()
 		return
 	}
-	a.pods[owner] = id
+	ps.drop(ifName, pool)
+	snap := ps.clone()
+	a.mu.Unlock()
+	a.persist(snap)
+}
+
+// dropPod forgets owner entirely (its lease was revoked). The caller holds the owner lock.
+func (a *Agent) dropPod(owner string) {
+	a.mu.Lock()
+	delete(a.pods, owner)
+	a.mu.Unlock()
+	if err := a.journal.remove(owner); err != nil {
+		a.log.Error("journal: remove pod", "owner", owner, "err", err)
+	}
+}
+
+func (a *Agent) persist(ps podState) {
+	if err := a.journal.save(ps); err != nil {
+		// The allocation stands in etcd; only re-claim after a long outage depends on it.
+		a.log.Error("journal: save pod; re-claim after a lease loss may miss it", "owner", ps.Owner, "err", err)
+	}
 }
 
 // leaseLost runs when the keeper could not renew a lease in time: etcd has deleted (or
-// will delete) every key on it.
+// will delete) every key on it. The pods on it are queued for re-claim.
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
-	for owner, l := range a.pods {
-		if l == id {
-			delete(a.pods, owner)
-			a.log.Error("pod lease lost; its addresses are no longer held", "owner", owner, "lease", LeaseHex(id))
+	node := a.nodeLease == id
+	n := 0
+	for owner, ps := range a.pods {
+		if ps.lease == id {
+			ps.lost = true
+			n++
+			a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", LeaseHex(id))
+		}
+	}
+	a.mu.Unlock()
+	if node {
+		a.log.Error("node lease lost; the node record will be written again", "lease", LeaseHex(id))
+	}
+	if node || n > 0 {
+		select {
+		case a.lost <- struct{}{}:
+		default:
 		}
 	}
 }

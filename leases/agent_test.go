@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -332,5 +333,77 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 	}
 	if got.IPs[0].Address != res.IPs[0].Address {
 		t.Errorf("want the released %s again, got %s", res.IPs[0].Address, got.IPs[0].Address)
+	}
+}
+
+// TestStaleDelAfterTheAddressWentToAnotherOwner is the ABA case: owner A's address is released,
+// rests in quarantine, goes to owner B; A's DEL replayed now must not touch B.
+func TestStaleDelAfterTheAddressWentToAnotherOwner(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 2 * time.Second })
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.13.0.0/30")}}}}
+	ctx := ctxT(t)
+	first, err := a.Add(ctx, addReq(pool, "ctr-a", "eth0", "uid-a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "ctr-a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	var second allocator.Result
+	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		if second, err = a.Add(ctx, addReq(pool, "ctr-b", "eth0", "uid-b")); err == nil {
+			break
+		}
+	}
+	if err != nil || second.IPs[0].Address != first.IPs[0].Address {
+		t.Fatalf("owner B should get A's old address %s after quarantine: %v %v", first.IPs[0].Address, second, err)
+	}
+	if err := a.Del(ctx, addReq(pool, "ctr-a", "eth0", "uid-a")); err != nil {
+		t.Fatalf("replayed DEL: %v", err)
+	}
+	if _, err := a.Check(ctx, addReq(pool, "ctr-b", "eth0", "uid-b")); err != nil {
+		t.Errorf("owner B lost its address to A's replayed DEL: %v", err)
+	}
+}
+
+// TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace: a pod whose netns path vanishes is
+// released by the node itself, but never within the grace after its ADD.
+func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
+	const grace = 2 * time.Second
+	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) {
+		c.LivenessInterval = 100 * time.Millisecond
+		c.LivenessGrace = grace
+	})
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.14.0.0/24")}}}}
+	ctx := ctxT(t)
+	netns := t.TempDir() + "/netns"
+	if err := os.WriteFile(netns, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	req := addReq(pool, "ctr", "eth0", "uid-x")
+	req.Netns = netns
+	res, err := a.Add(ctx, req)
+	added := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(netns); err != nil {
+		t.Fatal(err)
+	}
+	cli := newClient(t)
+	key := IPKey(pool.Name, res.IPs[0].Address.Addr())
+	for time.Since(added) < grace-300*time.Millisecond {
+		if len(dump(t, cli, key)) == 0 {
+			t.Fatalf("released %s after the ADD, inside the %s grace", time.Since(added), grace)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for deadline := time.Now().Add(5 * time.Second); len(dump(t, cli, key)) > 0; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the gone sandbox's address was never released")
+		}
+	}
+	if _, ok := a.podLease("uid-x"); ok {
+		t.Errorf("agent still holds the gone pod's lease")
 	}
 }

@@ -101,6 +101,11 @@ func (k *Keeper) Adopt(ctx context.Context, id clientv3.LeaseID) error {
 	return k.keepAlive(id)
 }
 
+// Resume keeps renewing a lease this node identity granted earlier without asking etcd
+// first: if the lease is gone, the first keep-alive answer says so and the lease is
+// reported lost. An agent restarting with thousands of pods resumes them all at once.
+func (k *Keeper) Resume(id clientv3.LeaseID) error { return k.keepAlive(id) }
+
 // Holds reports whether the keeper keeps id alive.
 func (k *Keeper) Holds(id clientv3.LeaseID) bool {
 	k.mu.Lock()

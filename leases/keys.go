@@ -20,6 +20,7 @@ const (
 	ownersDir     = Prefix + "owners/"
 	nodesDir      = Prefix + "nodes/"
 	quarantineDir = Prefix + "quarantine/"
+	conflictsDir  = Prefix + "conflicts/"
 )
 
 // PoolKey is /leasehold/v1/pools/<pool>: the pool's definition (no lease).
@@ -63,6 +64,21 @@ func OwnersPrefix(cluster string) string {
 		return ownersDir
 	}
 	return ownersDir + cluster + "/"
+}
+
+// ConflictKey is /leasehold/v1/conflicts/<cluster>/<owner>/<ifname>/<pool>: an attachment
+// whose addresses were taken by another owner while its lease was lost. It lives on the
+// pod's lease, so it leaves with the pod.
+func ConflictKey(cluster, owner, ifName, pool string) string {
+	return conflictsDir + cluster + "/" + owner + "/" + ifName + "/" + pool
+}
+
+// ConflictsPrefix is the prefix of every conflict record of cluster; with cluster "" of all.
+func ConflictsPrefix(cluster string) string {
+	if cluster == "" {
+		return conflictsDir
+	}
+	return conflictsDir + cluster + "/"
 }
 
 // NodeKey is /leasehold/v1/nodes/<cluster>/<node>: the agent's node record, on the node lease.

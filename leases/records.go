@@ -59,6 +59,25 @@ type NodeRecord struct {
 	LeaseID string    `json:"leaseID"`
 }
 
+// ConflictRecord is the value of /leasehold/v1/conflicts/<cluster>/<owner>/<ifname>/<pool>.
+type ConflictRecord struct {
+	ContainerID string         `json:"containerID"`
+	Node        string         `json:"node"`
+	NodeUID     string         `json:"nodeUID"`
+	Taken       []TakenByOther `json:"taken"`
+	Detected    time.Time      `json:"detected"`
+}
+
+// TakenByOther names an address of a conflict and who holds it now.
+type TakenByOther struct {
+	IP          netip.Addr `json:"ip"`
+	Holder      string     `json:"holder"`
+	Cluster     string     `json:"cluster,omitempty"`
+	Node        string     `json:"node,omitempty"`
+	ContainerID string     `json:"containerID,omitempty"`
+	Quarantined bool       `json:"quarantined,omitempty"`
+}
+
 // QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<ip>.
 type QuarantineRecord struct {
 	ReleasedBy string    `json:"releasedBy"`

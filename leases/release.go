@@ -51,6 +51,11 @@ func (a *Agent) release(ctx context.Context, req allocator.Request, owner string
 	if err != nil {
 		return err
 	}
+	if rec.NodeUID != a.cfg.NodeUID {
+		a.log.Warn("DEL for an attachment made by another node identity; nothing released, it expires with its lease",
+			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder_node_uid", rec.NodeUID)
+		return nil
+	}
 	if rec.ContainerID != req.ContainerID {
 		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
@@ -87,6 +92,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		}
 		a.ok()
 		if resp.Succeeded {
+			if _, _, ifName, _, err := ParseOwnerKey(string(kv.Key)); err == nil {
+				a.dropAttachment(owner, ifName, pool)
+			}
 			a.log.Debug("released", "owner", owner, "pool", pool, "ips", ips)
 			return nil
 		}
@@ -146,7 +154,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string) error {
 	if err := a.keeper.Revoke(lease); err != nil {
 		return a.unavailable("revoke the pod lease", err)
 	}
-	a.setPodLease(owner, 0)
+	a.dropPod(owner)
 	a.log.Debug("pod lease revoked", "owner", owner, "lease", LeaseHex(lease))
 	return nil
 }

@@ -34,6 +34,8 @@ type options struct {
 	username, password                     string
 	embeddedDir, embeddedURL, embeddedPeer string
 	leaseTTL, quarantine, gcGrace          time.Duration
+	stateDir                               string
+	livenessInterval, livenessGrace        time.Duration
 	spare                                  int
 	logLevel                               string
 	showVersion                            bool
@@ -58,7 +60,10 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.embeddedPeer, "embedded-etcd-peer-url", "http://127.0.0.1:2380", "peer URL of the embedded etcd")
 	fs.DurationVar(&o.leaseTTL, "lease-ttl", leases.DefaultLeaseTTL, "TTL of pod and node leases")
 	fs.DurationVar(&o.quarantine, "quarantine", leases.DefaultQuarantine, "how long a released address rests before reuse (0s disables)")
-	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC")
+	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC (0s: none)")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/leasehold", "local journal of this node's pods, for re-claim after a lease loss")
+	fs.DurationVar(&o.livenessInterval, "liveness-interval", 10*time.Second, "how often to look for sandboxes whose netns is gone (0s disables)")
+	fs.DurationVar(&o.livenessGrace, "liveness-grace", 30*time.Second, "a pod is never released for a missing netns this soon after an ADD")
 	fs.IntVar(&o.spare, "spare-leases", 8, "pre-granted leases kept ready for new pods")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -137,8 +142,9 @@ func serve(o *options, log *slog.Logger) error {
 
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	agent, err := leases.Start(sctx, cli, leases.Config{
-		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: quarantine(o.quarantine),
-		SpareLeases: o.spare, GCGrace: o.gcGrace, Version: version, Logger: log,
+		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine),
+		SpareLeases: o.spare, GCGrace: disabledIfZero(o.gcGrace), Version: version, Logger: log,
+		StateDir: o.stateDir, LivenessInterval: disabledIfZero(o.livenessInterval), LivenessGrace: o.livenessGrace,
 	})
 	cancel()
 	if err != nil {
@@ -155,8 +161,9 @@ func serve(o *options, log *slog.Logger) error {
 	return agentapi.Serve(ctx, l, agent, log)
 }
 
-// quarantine maps the flag (0 disables) onto the agent's setting (negative disables).
-func quarantine(d time.Duration) time.Duration {
+// disabledIfZero maps a flag where 0 disables onto the agent's setting, where 0 means the
+// default and a negative value disables.
+func disabledIfZero(d time.Duration) time.Duration {
 	if d == 0 {
 		return -1
 	}

@@ -1,0 +1,358 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// recover runs once when the agent starts, before it serves. For each pod record of this node
+// written by this node identity it resumes the pod's lease if the sandbox still exists and
+// releases the pod if its network namespace is gone. Pods in the local journal whose lease
+// expired while the agent was away are queued for re-claim. Records of other node
+// identities (a previous machine under this name) are left alone to expire.
+func (a *Agent) recover(ctx context.Context) error {
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list this node's pod records", err)
+	}
+	journaled, errs := a.journal.load()
+	for _, err := range errs {
+		a.log.Error("journal", "err", err)
+	}
+	fromJournal := make(map[string]podState, len(journaled))
+	for _, ps := range journaled {
+		fromJournal[ps.Owner] = ps
+	}
+	var resumed, released, foreign int
+	for _, kv := range resp.Kvs {
+		rec, err := decode[PodRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			a.log.Error("pod record unreadable; leaving it to its lease", "err", err)
+			continue
+		}
+		if rec.NodeUID != a.cfg.NodeUID {
+			foreign++
+			continue
+		}
+		ps, ok := fromJournal[rec.Owner]
+		delete(fromJournal, rec.Owner)
+		if !ok {
+			ps = podState{Owner: rec.Owner, Pod: rec.Pod, Netns: rec.Netns, NodeUID: rec.NodeUID}
+		}
+		ps.setLease(clientv3.LeaseID(kv.Lease))
+		if ps.Netns == "" {
+			ps.Netns = rec.Netns
+		}
+		a.mu.Lock()
+		a.pods[ps.Owner] = &ps
+		a.mu.Unlock()
+		if sandboxGone(ps.Netns) {
+			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
+			unlock := a.locks.lock(ps.Owner)
+			err := a.releaseOwner(ctx, ps.Owner)
+			unlock()
+			if err != nil {
+				return err
+			}
+			released++
+			continue
+		}
+		if err := a.keeper.Resume(ps.lease); err != nil {
+			return a.unavailable("resume pod lease", err)
+		}
+		if !ok {
+			a.persist(ps.clone())
+		}
+		resumed++
+	}
+	var lost int
+	for _, ps := range fromJournal {
+		if ps.NodeUID != a.cfg.NodeUID || sandboxGone(ps.Netns) {
+			// A previous boot's pod, or one whose sandbox is gone: nothing to keep.
+			if err := a.journal.remove(ps.Owner); err != nil {
+				a.log.Error("journal: remove pod", "owner", ps.Owner, "err", err)
+			}
+			continue
+		}
+		ps.lost = true
+		a.mu.Lock()
+		a.pods[ps.Owner] = &ps
+		a.mu.Unlock()
+		lost++
+	}
+	if lost > 0 {
+		a.lost <- struct{}{}
+	}
+	a.log.Info("recovered this node's pods", "resumed", resumed, "released", released, "to_reclaim", lost,
+		"other_identities_left_to_expire", foreign)
+	return nil
+}
+
+// releaseOwner releases every attachment this node identity made for owner and revokes the
+// owner's lease. The caller holds the owner lock.
+func (a *Agent) releaseOwner(ctx context.Context, owner string) error {
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list attachments of "+owner, err)
+	}
+	var errs []error
+	for _, kv := range resp.Kvs {
+		_, _, _, pool, err := ParseOwnerKey(string(kv.Key))
+		if err != nil {
+			continue
+		}
+		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if rec.NodeUID != a.cfg.NodeUID {
+			continue
+		}
+		if err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		errs = append(errs, a.dropPodIfEmpty(ctx, owner))
+	}
+	return errors.Join(errs...)
+}
+
+// livenessLoop releases the pods whose sandbox is gone: the node's own knowledge, never
+// another component's. A pod is left alone within LivenessGrace of an ADD.
+func (a *Agent) livenessLoop() {
+	defer a.wg.Done()
+	if a.cfg.LivenessInterval < 0 {
+		return
+	}
+	t := time.NewTicker(a.cfg.LivenessInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
+			a.releaseGoneSandboxes(a.ctx)
+		}
+	}
+}
+
+func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
+	type cand struct{ owner, netns string }
+	var cands []cand
+	a.mu.Lock()
+	for owner, ps := range a.pods {
+		if ps.Netns != "" && !ps.lost && time.Since(ps.lastAdd) > a.cfg.LivenessGrace {
+			cands = append(cands, cand{owner, ps.Netns})
+		}
+	}
+	a.mu.Unlock()
+	for _, c := range cands {
+		if !sandboxGone(c.netns) {
+			continue
+		}
+		unlock := a.locks.lock(c.owner)
+		a.mu.Lock()
+		ps, ok := a.pods[c.owner]
+		still := ok && !ps.lost && time.Since(ps.lastAdd) > a.cfg.LivenessGrace && sandboxGone(ps.Netns)
+		a.mu.Unlock()
+		if still {
+			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", c.owner, "netns", c.netns)
+			if err := a.releaseOwner(ctx, c.owner); err != nil {
+				a.log.Warn("release of a gone sandbox failed; will retry", "owner", c.owner, "err", err)
+			}
+		}
+		unlock()
+	}
+}
+
+// reclaimLoop re-claims lost leases whenever the keeper reports one, retrying with backoff
+// until etcd answers.
+func (a *Agent) reclaimLoop() {
+	defer a.wg.Done()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-a.lost:
+		}
+		backoff := 200 * time.Millisecond
+		for a.ctx.Err() == nil {
+			err := a.reclaimAll(a.ctx)
+			if err == nil {
+				break
+			}
+			a.log.Warn("re-claim incomplete; retrying", "err", err, "retry_in", backoff)
+			select {
+			case <-a.ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 10*time.Second)
+		}
+	}
+}
+
+func (a *Agent) reclaimAll(ctx context.Context) error {
+	a.mu.Lock()
+	nodeLost := a.nodeLease != 0 && !a.keeper.Holds(a.nodeLease)
+	var owners []string
+	for owner, ps := range a.pods {
+		if ps.lost {
+			owners = append(owners, owner)
+		}
+	}
+	a.mu.Unlock()
+	if nodeLost {
+		if err := a.register(ctx); err != nil {
+			return err
+		}
+	}
+	var errs []error
+	for _, owner := range owners {
+		errs = append(errs, a.reclaim(ctx, owner))
+	}
+	return errors.Join(errs...)
+}
+
+// reclaim restores the keys of one pod whose lease was lost while its sandbox still runs:
+// with create-if-absent on a fresh lease, attachment by attachment. An address another owner
+// took meanwhile is a conflict: logged at error level, counted, recorded under
+// /leasehold/v1/conflicts/, and reported by CHECK. It is never taken back.
+func (a *Agent) reclaim(ctx context.Context, owner string) error {
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	a.mu.Lock()
+	ps, ok := a.pods[owner]
+	if !ok || !ps.lost {
+		a.mu.Unlock()
+		return nil
+	}
+	snap := ps.clone()
+	a.mu.Unlock()
+	if sandboxGone(snap.Netns) {
+		a.log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
+		a.dropPod(owner)
+		return nil
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	// The client gives up on a lease after one TTL without an answer; etcd may not have
+	// expired it yet. Then the old lease is simply resumed.
+	if snap.lease != 0 {
+		ttl, err := a.cli.TimeToLive(octx, snap.lease)
+		if err != nil {
+			return a.unavailable("look up the lost lease", err)
+		}
+		if ttl.TTL > 0 {
+			if err := a.keeper.Resume(snap.lease); err != nil {
+				return err
+			}
+			a.notePodQuiet(owner, snap.lease)
+			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", LeaseHex(snap.lease))
+			return nil
+		}
+	}
+	lease, err := a.keeper.Take(octx)
+	if err != nil {
+		return a.unavailable("grant a lease for re-claim", err)
+	}
+	req := allocator.Request{Pod: snap.Pod, Netns: snap.Netns}
+	for _, at := range snap.Attachments {
+		if err := a.reclaimAttachment(octx, snap, at, lease); err != nil {
+			a.keeper.Return(lease) // nothing of this attempt is on it unless an earlier attachment made it
+			return err
+		}
+	}
+	pr := PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: snap.Netns, Created: time.Now().UTC()}
+	if len(snap.Attachments) > 0 {
+		pr.ContainerID = snap.Attachments[0].ContainerID
+	}
+	if _, err := a.cli.Put(octx, PodKey(a.cfg.Cluster, a.cfg.Node, owner), mustJSON(pr), clientv3.WithLease(lease)); err != nil {
+		return a.unavailable("write the pod record", err)
+	}
+	a.notePod(req, owner, lease, nil)
+	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", LeaseHex(lease), "attachments", len(snap.Attachments))
+	return nil
+}
+
+// notePodQuiet marks owner's lease as held again without touching its ADD time.
+func (a *Agent) notePodQuiet(owner string, lease clientv3.LeaseID) {
+	a.mu.Lock()
+	if ps, ok := a.pods[owner]; ok {
+		ps.setLease(lease)
+		ps.lost = false
+	}
+	a.mu.Unlock()
+}
+
+func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) error {
+	ownerKey := OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
+	withLease := clientv3.WithLease(lease)
+	claim := slices.Clone(at.IPs)
+	var taken []TakenByOther
+	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
+	for range 4 {
+		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0)}
+		puts := []clientv3.Op{clientv3.OpPut(ownerKey, mustJSON(OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID,
+			Network: at.Network, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Created: at.Created}), withLease)}
+		gets := []clientv3.Op{clientv3.OpGet(ownerKey)}
+		for _, ip := range claim {
+			key := IPKey(at.Pool, ip)
+			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
+			puts = append(puts, clientv3.OpPut(key, mustJSON(a.allocation(req, ps.Owner, lease, at.Created)), withLease))
+			gets = append(gets, clientv3.OpGet(key))
+		}
+		if len(taken) > 0 {
+			puts = append(puts, clientv3.OpPut(ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool), mustJSON(ConflictRecord{
+				ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Taken: taken, Detected: time.Now().UTC(),
+			}), withLease))
+		}
+		resp, err := a.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+		if err != nil {
+			return a.unavailable("re-claim "+ownerKey, err)
+		}
+		if resp.Succeeded {
+			if len(taken) > 0 {
+				a.conflicts.Add(int64(len(taken)))
+				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
+					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken,
+					"record", ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool))
+			}
+			return nil
+		}
+		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
+			rec, _ := decode[OwnerRecord](ownerKey, kvs[0].Value)
+			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
+				return nil // already re-claimed
+			}
+			return fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
+				allocator.ErrConflict, ownerKey, rec.NodeUID, rec.ContainerID)
+		}
+		var still []netip.Addr
+		for i, ip := range claim {
+			kvs := resp.Responses[1+i].GetResponseRange().Kvs
+			if len(kvs) == 0 {
+				still = append(still, ip)
+				continue
+			}
+			holder, _ := decode[Allocation](string(kvs[0].Key), kvs[0].Value)
+			taken = append(taken, TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster, Node: holder.Node, ContainerID: holder.ContainerID})
+		}
+		claim = still
+	}
+	return fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, ownerKey)
+}
