@@ -124,11 +124,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	actx, cancel := context.WithCancel(context.Background())
 	a := &Agent{
-		cfg:    cfg,
-		cli:    cli,
-		log:    cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
-		ctx:    actx,
-		cancel: cancel,
+		cfg:     cfg,
+		cli:     cli,
+		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
+		ctx:     actx,
+		cancel:  cancel,
 		pods:    make(map[string]*podState),
 		journal: journal{dir: cfg.StateDir},
 		lost:    make(chan struct{}, 1),
