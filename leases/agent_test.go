@@ -407,3 +407,39 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 		t.Errorf("agent still holds the gone pod's lease")
 	}
 }
+
+// TestRestartWithoutJournalRebuildsItFromEtcd: an agent whose state directory was wiped
+// resumes its pods from their records in etcd and writes their attachments to the journal
+// again, so a later lease loss can still be re-claimed.
+func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
+	cluster, state := uniq("c"), t.TempDir()
+	netns := t.TempDir() + "/netns"
+	if err := os.WriteFile(netns, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	withState := func(c *Config) { c.StateDir = state }
+	pool := dualStack(uniq("p"), "10.15.0.0/24", "fd15::/64")
+	ctx := ctxT(t)
+	first := startAgent(t, cluster, "n1", "uid1", withState)
+	req := addReq(pool, "ctr", "eth0", "uid-j")
+	req.Netns = netns
+	res, err := first.Add(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Close() // pod leases live on
+	if err := os.RemoveAll(state); err != nil {
+		t.Fatal(err)
+	}
+	second := startAgent(t, cluster, "n1", "uid1", withState)
+	if _, ok := second.podLease("uid-j"); !ok {
+		t.Fatal("restarted agent did not resume the pod's lease")
+	}
+	pods, errs := journal{dir: state}.load()
+	if len(errs) > 0 || len(pods) != 1 || len(pods[0].Attachments) != 1 {
+		t.Fatalf("rebuilt journal: %+v, errors %v", pods, errs)
+	}
+	if got := pods[0].Attachments[0].IPs; fmt.Sprint(got) != fmt.Sprint([]netip.Addr{res.IPs[0].Address.Addr(), res.IPs[1].Address.Addr()}) {
+		t.Errorf("journal names %v, the pod holds %v", got, res.IPs)
+	}
+}

@@ -47,7 +47,12 @@ func (a *Agent) recover(ctx context.Context) error {
 		ps, ok := fromJournal[rec.Owner]
 		delete(fromJournal, rec.Owner)
 		if !ok {
+			// Not in the journal (a wiped state directory): rebuild from etcd, so that a
+			// later re-claim knows the pod's attachments.
 			ps = podState{Owner: rec.Owner, Pod: rec.Pod, Netns: rec.Netns, NodeUID: rec.NodeUID}
+			if ps.Attachments, err = a.attachmentsOf(ctx, rec.Owner); err != nil {
+				return err
+			}
 		}
 		ps.setLease(clientv3.LeaseID(kv.Lease))
 		if ps.Netns == "" {
@@ -98,37 +103,34 @@ func (a *Agent) recover(ctx context.Context) error {
 	return nil
 }
 
-// releaseOwner releases every attachment this node identity made for owner and revokes the
-// owner's lease. The caller holds the owner lock.
-func (a *Agent) releaseOwner(ctx context.Context, owner string) error {
+// attachmentsOf reads the attachments this node identity holds for owner.
+func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, error) {
 	octx, cancel := a.opCtx(ctx)
+	defer cancel()
 	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
-	cancel()
 	if err != nil {
-		return a.unavailable("list attachments of "+owner, err)
+		return nil, a.unavailable("list attachments of "+owner, err)
 	}
-	var errs []error
+	var out []attachment
 	for _, kv := range resp.Kvs {
-		_, _, _, pool, err := ParseOwnerKey(string(kv.Key))
+		_, _, ifName, pool, err := ParseOwnerKey(string(kv.Key))
 		if err != nil {
 			continue
 		}
 		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
-		if err != nil {
-			errs = append(errs, err)
+		if err != nil || rec.NodeUID != a.cfg.NodeUID {
 			continue
 		}
-		if rec.NodeUID != a.cfg.NodeUID {
-			continue
-		}
-		if err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
-			errs = append(errs, err)
-		}
+		out = append(out, attachment{IfName: ifName, Pool: pool, Network: rec.Network, ContainerID: rec.ContainerID,
+			IPs: rec.IPs, Created: rec.Created})
 	}
-	if len(errs) == 0 {
-		errs = append(errs, a.dropPodIfEmpty(ctx, owner))
-	}
-	return errors.Join(errs...)
+	return out, nil
+}
+
+// releaseOwner releases every attachment this node identity made for owner and revokes the
+// owner's lease. The caller holds the owner lock.
+func (a *Agent) releaseOwner(ctx context.Context, owner string) error {
+	return a.releaseWhere(ctx, owner, func(string, string, OwnerRecord) bool { return true })
 }
 
 // livenessLoop releases the pods whose sandbox is gone: the node's own knowledge, never

@@ -201,6 +201,21 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) error {
 func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool, cutoff time.Time) error {
 	unlock := a.locks.lock(owner)
 	defer unlock()
+	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec OwnerRecord) bool {
+		collect := pool == req.Pool.Name && rec.Network == req.Network && !rec.Created.After(cutoff) &&
+			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
+		if collect {
+			a.log.Info("GC releases an attachment the runtime no longer lists",
+				"owner", owner, "container", rec.ContainerID, "ifname", ifName, "pool", pool, "ips", rec.IPs)
+		}
+		return collect
+	})
+}
+
+// releaseWhere releases each attachment of owner made by this node identity for which
+// pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
+// release fails and joins the errors. The caller holds the owner lock.
+func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec OwnerRecord) bool) error {
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	cancel()
@@ -210,7 +225,7 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 	var errs []error
 	for _, kv := range resp.Kvs {
 		_, _, ifName, pool, err := ParseOwnerKey(string(kv.Key))
-		if err != nil || pool != req.Pool.Name {
+		if err != nil {
 			continue
 		}
 		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
@@ -218,20 +233,15 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 			errs = append(errs, err)
 			continue
 		}
-		if rec.NodeUID != a.cfg.NodeUID || rec.Network != req.Network || rec.Created.After(cutoff) ||
-			valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}] {
+		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
 			continue
 		}
-		a.log.Info("GC releases an attachment the runtime no longer lists",
-			"owner", owner, "container", rec.ContainerID, "ifname", ifName, "pool", pool, "ips", rec.IPs)
 		if err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	if len(errs) == 0 {
-		if err := a.dropPodIfEmpty(ctx, owner); err != nil {
-			errs = append(errs, err)
-		}
+		errs = append(errs, a.dropPodIfEmpty(ctx, owner))
 	}
 	return errors.Join(errs...)
 }
