@@ -117,13 +117,15 @@ type agentProc struct {
 
 // startAgent runs bin/leaseholdd against endpoint (or, with endpoint "", on an embedded etcd
 // named in extra) and waits for its socket. Defaults: node node-a, identity uid-a, a private
-// state directory, 10s leases, no quarantine, no sandbox liveness; extra flags override them.
+// state directory, 10s leases, no quarantine, no sandbox liveness, no host address
+// publication (this machine's own addresses would change etcd under the tests' snapshots);
+// extra flags override them.
 func startAgent(t testing.TB, endpoint string, extra ...string) *agentProc {
 	t.Helper()
 	dir := t.TempDir()
 	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
 	a.args = []string{"--socket", a.Socket, "--state-dir", a.StateDir, "--node", "node-a", "--node-uid", "uid-a",
-		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--log-level", "debug"}
+		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--publish-host-addresses=false", "--log-level", "debug"}
 	if endpoint != "" {
 		a.args = append(a.args, "--etcd-endpoints", endpoint)
 	}

@@ -124,12 +124,15 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
 	}
 	for _, addr := range addrs {
-		ipKey, qKey := IPKey(p.spec.Name, addr), QuarantineKey(p.spec.Name, addr)
+		ipKey, qKey, hostPrefix := IPKey(p.spec.Name, addr), QuarantineKey(p.spec.Name, addr), HostIPPrefix(addr)
 		cmps = append(cmps,
 			clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
-			clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0))
+			clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0),
+			// No node publishes the address as its own (an empty range compares as absent).
+			clientv3.Compare(clientv3.CreateRevision(hostPrefix), "=", 0).WithPrefix())
 		puts = append(puts, clientv3.OpPut(ipKey, mustJSON(a.allocation(req, owner, lease, now)), withLease))
-		gets = append(gets, clientv3.OpGet(ipKey), clientv3.OpGet(qKey))
+		gets = append(gets, clientv3.OpGet(ipKey), clientv3.OpGet(qKey),
+			clientv3.OpGet(hostPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
 	}
 	puts = append(puts, clientv3.OpPut(ownerKey, mustJSON(a.ownerRecord(req, addrs, lease, now)), withLease))
 
@@ -193,8 +196,17 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 		}
 		return allocator.Result{}, false, nil
 	}
+	const perAddr = 3 // gets per address in the else branch: allocation, quarantine, host
 	for i, addr := range addrs {
-		if ipKV := kv(3 + 2*i); ipKV != nil {
+		if hostKV := kv(3 + perAddr*i + 2); hostKV != nil {
+			p.view.markHost(string(hostKV.Key), addr)
+			st.lost[addr] = true
+			if requested[i] == addr {
+				return allocator.Result{}, false, fmt.Errorf("%w: %s is a host address: %s publishes it as its own, so no pool hands it out",
+					allocator.ErrAddressInUse, addr, hostKV.Key)
+			}
+		}
+		if ipKV := kv(3 + perAddr*i); ipKV != nil {
 			p.view.markAllocated(addr, ipKV.CreateRevision)
 			st.lost[addr] = true
 			if requested[i] == addr {
@@ -204,7 +216,7 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 					holder.Cluster, holder.Node, holder.ContainerID)
 			}
 		}
-		if qKV := kv(4 + 2*i); qKV != nil {
+		if qKV := kv(3 + perAddr*i + 1); qKV != nil {
 			rec, _ := decode[QuarantineRecord](string(qKV.Key), qKV.Value)
 			p.view.markQuarantined(addr, rec.Until)
 			st.lost[addr] = true

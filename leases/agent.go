@@ -41,6 +41,15 @@ type Config struct {
 	LivenessInterval time.Duration
 	// LivenessGrace protects a pod from the liveness check this long after an ADD; default 30s.
 	LivenessGrace time.Duration
+	// PublishHostAddrs makes the agent publish the node's own addresses under
+	// /leasehold/v1/hostips/, so that no pool hands them out (seed 000).
+	PublishHostAddrs bool
+	// HostNetns is the network namespace whose addresses are the node's; "" is the
+	// agent's own (host networking).
+	HostNetns string
+	// HostResync is how often the host addresses are listed again besides following
+	// netlink events; default 15s.
+	HostResync time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -79,6 +88,9 @@ func (c *Config) fill() error {
 	}
 	if c.LivenessGrace == 0 {
 		c.LivenessGrace = 30 * time.Second
+	}
+	if c.HostResync <= 0 {
+		c.HostResync = 15 * time.Second
 	}
 	if c.StateDir != "" {
 		if err := os.MkdirAll(c.StateDir, 0o700); err != nil {
@@ -146,6 +158,10 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.wg.Add(2)
 	go a.reclaimLoop()
 	go a.livenessLoop()
+	if cfg.PublishHostAddrs {
+		a.wg.Add(1)
+		go a.publishHosts(actx)
+	}
 	return a, nil
 }
 

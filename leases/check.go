@@ -2,12 +2,16 @@ package leases
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net/netip"
+	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/leases/kernel"
 )
 
 // Check verifies that the attachment's addresses are held in etcd by this owner and
@@ -84,7 +88,36 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (allocator.Res
 		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s is not renewed by this agent (node %s, identity %s); it expires in %ds",
 			allocator.ErrNotAllocated, LeaseHex(lease), owner, a.cfg.Node, a.cfg.NodeUID, ttl.TTL)
 	}
+	if err := checkSandbox(req.Netns, req.IfName, rec.IPs); err != nil {
+		return allocator.Result{}, err
+	}
 	return result(&p.spec, rec.IPs)
+}
+
+// checkSandbox looks at the attachment's interface inside the sandbox: an address whose
+// IPv6 duplicate address detection failed is a duplicate on the link. A tentative address
+// (DAD still running) counts as present. A missing namespace, interface or address is left
+// to the main plugin's CHECK, which owns the interface.
+func checkSandbox(netns, ifName string, ips []netip.Addr) error {
+	if netns == "" {
+		return nil
+	}
+	addrs, err := kernel.LinkAddrs(netns, ifName)
+	if errors.Is(err, kernel.ErrNoNetns) || errors.Is(err, kernel.ErrNoLink) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("%w: look inside the sandbox: %w", allocator.ErrUnavailable, err)
+	}
+	for _, ad := range addrs {
+		if ad.DADFailed && slices.Contains(ips, ad.Prefix.Addr()) {
+			return fmt.Errorf("%w: duplicate address detected: %s on %s in %s failed IPv6 duplicate address detection, "+
+				"so another host on the link uses it; find the other holder (leaseholdctl alloc list, or the link's neighbours) "+
+				"and recreate this pod once it is resolved",
+				allocator.ErrConflict, ad.Prefix.Addr(), ifName, netns)
+		}
+	}
+	return nil
 }
 
 // statusProbeAfter is how old the last successful etcd call may be before STATUS asks

@@ -21,7 +21,32 @@ const (
 	nodesDir      = Prefix + "nodes/"
 	quarantineDir = Prefix + "quarantine/"
 	conflictsDir  = Prefix + "conflicts/"
+	hostIPsDir    = Prefix + "hostips/"
 )
+
+// HostIPKey is /leasehold/v1/hostips/<ip>/<cluster>/<node>: an address the node itself uses,
+// published by its agent on the node lease; no pool hands it out.
+func HostIPKey(ip netip.Addr, cluster, node string) string {
+	return HostIPPrefix(ip) + cluster + "/" + node
+}
+
+// HostIPPrefix is the prefix of every node's key for ip; with an invalid ip, of all host addresses.
+func HostIPPrefix(ip netip.Addr) string {
+	if !ip.IsValid() {
+		return hostIPsDir
+	}
+	return hostIPsDir + ip.String() + "/"
+}
+
+// ParseHostIPKey returns the address of a host address key.
+func ParseHostIPKey(key string) (netip.Addr, error) {
+	rest, ok := strings.CutPrefix(key, hostIPsDir)
+	if !ok {
+		return netip.Addr{}, fmt.Errorf("key %q is not under %s", key, hostIPsDir)
+	}
+	addr, _, _ := strings.Cut(rest, "/")
+	return netip.ParseAddr(addr)
+}
 
 // PoolKey is /leasehold/v1/pools/<pool>: the pool's definition (no lease).
 func PoolKey(pool string) string { return poolsDir + pool }

@@ -25,6 +25,8 @@ type view struct {
 	mu          sync.Mutex
 	allocated   map[netip.Addr]int64 // address -> revision that created it
 	quarantined map[netip.Addr]time.Time
+	hosts       map[string]netip.Addr // host address key -> address (several nodes may share one)
+	hostCount   map[netip.Addr]int
 	pending     map[netip.Addr]struct{} // chosen by an ADD whose transaction is in flight
 	last        map[int]netip.Addr      // range set -> the address it handed out last
 	rev         int64                   // revision the view reflects
@@ -38,6 +40,8 @@ func newView(pool string, cli *clientv3.Client, log *slog.Logger) *view {
 		log:         log.With("pool", pool),
 		allocated:   make(map[netip.Addr]int64),
 		quarantined: make(map[netip.Addr]time.Time),
+		hosts:       make(map[string]netip.Addr),
+		hostCount:   make(map[netip.Addr]int),
 		pending:     make(map[netip.Addr]struct{}),
 		last:        make(map[int]netip.Addr),
 		synced:      make(chan struct{}),
@@ -49,7 +53,7 @@ type unlocked struct{ v *view }
 
 func (u unlocked) Allocated(a netip.Addr) bool {
 	_, ok := u.v.allocated[a]
-	return ok
+	return ok || u.v.hostCount[a] > 0
 }
 
 func (u unlocked) Quarantined(a netip.Addr) (time.Time, bool) {
@@ -114,6 +118,29 @@ func (v *view) markQuarantined(a netip.Addr, until time.Time) {
 	v.quarantined[a] = until
 }
 
+// markHost records what a failed transaction learned: a node publishes addr as its own.
+func (v *view) markHost(key string, a netip.Addr) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.addHost(key, a)
+}
+
+func (v *view) addHost(key string, a netip.Addr) {
+	if _, ok := v.hosts[key]; !ok {
+		v.hosts[key] = a
+		v.hostCount[a]++
+	}
+}
+
+func (v *view) removeHost(key string) {
+	if a, ok := v.hosts[key]; ok {
+		delete(v.hosts, key)
+		if v.hostCount[a]--; v.hostCount[a] <= 0 {
+			delete(v.hostCount, a)
+		}
+	}
+}
+
 // free reports whether an ADD could find an address in every range set now.
 func (v *view) free(spec *allocator.PoolSpec) error {
 	v.mu.Lock()
@@ -160,6 +187,7 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	resp, err := v.cli.Txn(lctx).Then(
 		clientv3.OpGet(IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 		clientv3.OpGet(QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+		clientv3.OpGet(HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
 		return 0, err
@@ -176,6 +204,12 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	}
 	v.mu.Lock()
 	v.allocated, v.quarantined, v.rev = allocated, quarantined, resp.Header.Revision
+	v.hosts, v.hostCount = make(map[string]netip.Addr), make(map[netip.Addr]int)
+	for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
+		if ip, err := ParseHostIPKey(string(kv.Key)); err == nil {
+			v.addHost(string(kv.Key), ip)
+		}
+	}
 	v.mu.Unlock()
 	select {
 	case <-v.synced:
@@ -202,12 +236,14 @@ func (v *view) follow(ctx context.Context, rev int64) {
 	defer cancel()
 	ips := v.cli.Watch(wctx, IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	qs := v.cli.Watch(wctx, QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	hs := v.cli.Watch(wctx, HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	for {
 		var resp clientv3.WatchResponse
 		var ok bool
 		select {
 		case resp, ok = <-ips:
 		case resp, ok = <-qs:
+		case resp, ok = <-hs:
 		}
 		if !ok || resp.Err() != nil {
 			if ctx.Err() == nil {
@@ -235,6 +271,14 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 				if v.allocated[ip] <= ev.Kv.ModRevision {
 					delete(v.allocated, ip)
 				}
+			}
+			continue
+		}
+		if ip, err := ParseHostIPKey(key); err == nil {
+			if ev.Type == clientv3.EventTypeDelete {
+				v.removeHost(key)
+			} else {
+				v.addHost(key, ip)
 			}
 			continue
 		}

@@ -36,6 +36,9 @@ type options struct {
 	leaseTTL, quarantine, gcGrace          time.Duration
 	stateDir                               string
 	livenessInterval, livenessGrace        time.Duration
+	publishHosts                           bool
+	hostNetns                              string
+	hostResync                             time.Duration
 	spare                                  int
 	logLevel                               string
 	showVersion                            bool
@@ -64,6 +67,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/leasehold", "local journal of this node's pods, for re-claim after a lease loss")
 	fs.DurationVar(&o.livenessInterval, "liveness-interval", 10*time.Second, "how often to look for sandboxes whose netns is gone (0s disables)")
 	fs.DurationVar(&o.livenessGrace, "liveness-grace", 30*time.Second, "a pod is never released for a missing netns this soon after an ADD")
+	fs.BoolVar(&o.publishHosts, "publish-host-addresses", true, "publish this node's own addresses so that no pool hands them out")
+	fs.StringVar(&o.hostNetns, "host-netns", "", "network namespace whose addresses are the node's (default: the agent's own)")
+	fs.DurationVar(&o.hostResync, "host-resync", 15*time.Second, "how often host addresses are listed again besides netlink events")
 	fs.IntVar(&o.spare, "spare-leases", 8, "pre-granted leases kept ready for new pods")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -144,6 +150,7 @@ func serve(o *options, log *slog.Logger) error {
 	agent, err := leases.Start(sctx, cli, leases.Config{
 		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine),
 		SpareLeases: o.spare, GCGrace: disabledIfZero(o.gcGrace), Version: version, Logger: log,
+		PublishHostAddrs: o.publishHosts, HostNetns: o.hostNetns, HostResync: o.hostResync,
 		StateDir: o.stateDir, LivenessInterval: disabledIfZero(o.livenessInterval), LivenessGrace: o.livenessGrace,
 	})
 	cancel()

@@ -1,0 +1,192 @@
+package leases
+
+import (
+	"context"
+	"net/netip"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/leases/kernel"
+)
+
+// hostSet decides which of the node's own addresses are published (seed 000). It is pure
+// logic, fed by netlink events and periodic scans:
+//   - tentative IPv6 addresses (DAD still running) and DAD-failed ones count as present;
+//   - link-local, loopback, multicast and host-scope addresses are never published;
+//   - a failed scan changes nothing, and an address missing from a complete scan is removed
+//     only after it was missing from removeAfter scans in a row;
+//   - an address the kernel reports deleted is removed at once.
+type hostSet struct {
+	removeAfter int
+	published   map[netip.Addr]string // address -> interface
+	absent      map[netip.Addr]int    // complete scans in a row without the address
+}
+
+func newHostSet(removeAfter int) *hostSet {
+	return &hostSet{removeAfter: max(removeAfter, 1), published: map[netip.Addr]string{}, absent: map[netip.Addr]int{}}
+}
+
+func publishable(a kernel.Addr) bool {
+	ip := a.Prefix.Addr()
+	const hostScope = 254
+	return ip.IsValid() && !ip.IsLoopback() && !ip.IsLinkLocalUnicast() && !ip.IsMulticast() &&
+		!ip.IsUnspecified() && a.Scope != hostScope
+}
+
+// event applies one kernel notification and reports whether the published set changed.
+func (h *hostSet) event(ev kernel.Event) bool {
+	if !publishable(ev.Addr) {
+		return false
+	}
+	ip := ev.Addr.Prefix.Addr()
+	delete(h.absent, ip)
+	if ev.Removed {
+		if _, ok := h.published[ip]; ok {
+			delete(h.published, ip)
+			return true
+		}
+		return false
+	}
+	if _, ok := h.published[ip]; ok {
+		return false
+	}
+	h.published[ip] = ev.Addr.Link
+	return true
+}
+
+// scan applies a complete listing (or its failure) and reports whether the set changed.
+func (h *hostSet) scan(addrs []kernel.Addr, err error) bool {
+	if err != nil {
+		return false // a failed scan never shrinks, nor grows, what is published
+	}
+	changed := false
+	seen := make(map[netip.Addr]bool, len(addrs))
+	for _, a := range addrs {
+		if !publishable(a) {
+			continue
+		}
+		ip := a.Prefix.Addr()
+		seen[ip] = true
+		delete(h.absent, ip)
+		if _, ok := h.published[ip]; !ok {
+			h.published[ip] = a.Link
+			changed = true
+		}
+	}
+	for ip := range h.published {
+		if seen[ip] {
+			continue
+		}
+		h.absent[ip]++
+		if h.absent[ip] >= h.removeAfter {
+			delete(h.published, ip)
+			delete(h.absent, ip)
+			changed = true
+		}
+	}
+	return changed
+}
+
+// hostRecord is the value of a host address key.
+type hostRecord struct {
+	Interface string    `json:"interface,omitempty"`
+	Since     time.Time `json:"since"`
+}
+
+// publishHosts keeps /leasehold/v1/hostips/<ip>/<cluster>/<node> equal to the node's
+// published host addresses, on the node lease, until ctx ends.
+func (a *Agent) publishHosts(ctx context.Context) {
+	defer a.wg.Done()
+	set := newHostSet(3)
+	written := map[netip.Addr]bool{}
+	var writtenLease clientv3.LeaseID
+	resync := time.NewTicker(a.cfg.HostResync)
+	defer resync.Stop()
+	var events <-chan kernel.Event
+	var done chan struct{}
+	subscribe := func() {
+		if done != nil {
+			close(done)
+		}
+		done = make(chan struct{})
+		ch, err := kernel.Watch(a.cfg.HostNetns, done, func(err error) { a.log.Warn("host address events", "err", err) })
+		if err != nil {
+			a.log.Warn("cannot follow host address events; relying on scans", "err", err)
+			events = nil
+			return
+		}
+		events = ch
+	}
+	subscribe()
+	defer func() { close(done) }()
+	set.scan(kernel.AllAddrs(a.cfg.HostNetns))
+	dirty := true
+	for {
+		if dirty {
+			a.mu.Lock()
+			lease := a.nodeLease
+			a.mu.Unlock()
+			if err := a.writeHosts(ctx, set, written, writtenLease != lease, lease); err != nil {
+				a.log.Warn("publishing host addresses failed; retrying", "err", err)
+			} else {
+				writtenLease, dirty = lease, false
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case ev, ok := <-events:
+			if !ok {
+				subscribe()
+				dirty = set.scan(kernel.AllAddrs(a.cfg.HostNetns)) || dirty
+				continue
+			}
+			dirty = set.event(ev) || dirty
+		case <-resync.C:
+			if events == nil {
+				subscribe()
+			}
+			dirty = set.scan(kernel.AllAddrs(a.cfg.HostNetns)) || dirty
+			a.mu.Lock()
+			dirty = dirty || a.nodeLease != writtenLease
+			a.mu.Unlock()
+		}
+	}
+}
+
+// writeHosts puts added addresses and deletes removed ones in one transaction; with all it
+// puts every published address again (after the node lease changed).
+func (a *Agent) writeHosts(ctx context.Context, set *hostSet, written map[netip.Addr]bool, all bool, lease clientv3.LeaseID) error {
+	var ops []clientv3.Op
+	var added, removed []netip.Addr
+	for ip, link := range set.published {
+		if all || !written[ip] {
+			ops = append(ops, clientv3.OpPut(HostIPKey(ip, a.cfg.Cluster, a.cfg.Node),
+				mustJSON(hostRecord{Interface: link, Since: time.Now().UTC()}), clientv3.WithLease(lease)))
+			added = append(added, ip)
+		}
+	}
+	for ip := range written {
+		if _, ok := set.published[ip]; !ok {
+			ops = append(ops, clientv3.OpDelete(HostIPKey(ip, a.cfg.Cluster, a.cfg.Node)))
+			removed = append(removed, ip)
+		}
+	}
+	if len(ops) == 0 {
+		return nil
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if _, err := a.cli.Txn(octx).Then(ops...).Commit(); err != nil {
+		return err
+	}
+	for _, ip := range added {
+		written[ip] = true
+	}
+	for _, ip := range removed {
+		delete(written, ip)
+	}
+	a.log.Info("host addresses published", "added", added, "removed", removed)
+	return nil
+}

@@ -1,0 +1,243 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/leases/kernel"
+)
+
+// needRoot skips outside CI when the test cannot create network namespaces; in CI, which
+// runs as root, it fails instead, so the kernel tests are never silently skipped there.
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("CI") != "" {
+		t.Fatal("kernel tests need root, and CI runs as root")
+	}
+	t.Skip("kernel tests need root")
+}
+
+func ip(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+		t.Fatalf("ip %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+}
+
+// testNetns creates a network namespace and returns its path.
+func testNetns(t *testing.T) string {
+	t.Helper()
+	name := uniq("lhk")
+	ip(t, "netns", "add", name)
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
+	return "/var/run/netns/" + name
+}
+
+func nsName(path string) string { return path[strings.LastIndex(path, "/")+1:] }
+
+// vethIn creates a veth pair with ends a (in nsA) and b (in nsB), both up.
+func vethIn(t *testing.T, nsA, a, nsB, b string) {
+	t.Helper()
+	tmpA, tmpB := uniq("lhva"), uniq("lhvb")
+	ip(t, "link", "add", tmpA, "type", "veth", "peer", "name", tmpB)
+	ip(t, "link", "set", tmpA, "netns", nsName(nsA), "name", a)
+	ip(t, "link", "set", tmpB, "netns", nsName(nsB), "name", b)
+	ip(t, "-n", nsName(nsA), "link", "set", a, "up")
+	ip(t, "-n", nsName(nsB), "link", "set", b, "up")
+}
+
+// TestSeed000HostAddressesNeverFlapUnderDAD reproduces the OVN-Kubernetes report: an IPv6
+// address goes through real duplicate address detection while host-address resyncs run back
+// to back. The published set must gain the address and never lose it (no delete of any of
+// the node's host keys) until the kernel removes it; then it goes at once.
+func TestSeed000HostAddressesNeverFlapUnderDAD(t *testing.T) {
+	needRoot(t)
+	host := testNetns(t)
+	vethIn(t, host, "uplink", host, "uplink-peer")
+	ip(t, "-n", nsName(host), "addr", "add", "10.99.0.1/24", "dev", "uplink")
+	cluster := uniq("c")
+	cli := newClient(t)
+	ctx := ctxT(t)
+	rev, err := cli.Get(ctx, "rev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	watch := cli.Watch(ctx, HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev.Header.Revision+1))
+	startAgent(t, cluster, "n1", "uid1", func(c *Config) {
+		c.PublishHostAddrs, c.HostNetns, c.HostResync = true, host, 5*time.Millisecond
+	})
+	// Five DAD probes a second apart keep the address tentative for about five seconds.
+	ip(t, "netns", "exec", nsName(host), "sysctl", "-qw", "net.ipv6.conf.uplink.dad_transmits=5")
+	v6 := netip.MustParseAddr("2001:db8:77::1")
+	v6Key := HostIPKey(v6, cluster, "n1")
+	ip(t, "-n", nsName(host), "addr", "add", v6.String()+"/64", "dev", "uplink")
+	// Follow both sides until DAD is over: the kernel's flags and what etcd publishes.
+	publishedWhileTentative, dadDone := false, false
+	deletes := 0
+	for end := time.Now().Add(15 * time.Second); !dadDone; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatal("DAD did not finish within 15s")
+		}
+		addrs, err := kernel.LinkAddrs(host, "uplink")
+		if err != nil {
+			t.Fatal(err)
+		}
+		tentative := false
+		for _, a := range addrs {
+			if a.Prefix.Addr() == v6 {
+				tentative = a.Tentative
+				dadDone = !a.Tentative
+			}
+		}
+		if tentative && len(dump(t, cli, v6Key)) == 1 {
+			publishedWhileTentative = true
+		}
+		for drained := false; !drained; {
+			select {
+			case wr := <-watch:
+				for _, ev := range wr.Events {
+					if strings.HasSuffix(string(ev.Kv.Key), "/"+cluster+"/n1") && ev.Type == clientv3.EventTypeDelete {
+						deletes++
+						t.Errorf("host key %s deleted while its address was present: the published set flapped", ev.Kv.Key)
+					}
+				}
+			default:
+				drained = true
+			}
+		}
+	}
+	if !publishedWhileTentative {
+		t.Errorf("%s was not published while tentative: a tentative address must count as present", v6)
+	}
+	// Resyncs keep running back to back after DAD: still published, still no delete.
+	time.Sleep(time.Second)
+	for drained := false; !drained; {
+		select {
+		case wr := <-watch:
+			for _, ev := range wr.Events {
+				if strings.HasSuffix(string(ev.Kv.Key), "/"+cluster+"/n1") && ev.Type == clientv3.EventTypeDelete {
+					t.Errorf("host key %s deleted after DAD while the address was present", ev.Kv.Key)
+				}
+			}
+		default:
+			drained = true
+		}
+	}
+	for _, want := range []netip.Addr{v6, netip.MustParseAddr("10.99.0.1")} {
+		if len(dump(t, cli, HostIPKey(want, cluster, "n1"))) != 1 {
+			t.Errorf("%s is not published", want)
+		}
+	}
+	// The kernel removes it: the key goes at once.
+	ip(t, "-n", nsName(host), "addr", "del", v6.String()+"/64", "dev", "uplink")
+	for end := time.Now().Add(5 * time.Second); len(dump(t, cli, HostIPKey(v6, cluster, "n1"))) > 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("%s removed by the kernel but still published", v6)
+		}
+	}
+}
+
+// TestHostAddressIsNeverHandedOut: an address a node publishes as its own is skipped by
+// candidate choice and refused when requested, in any pool and any cluster.
+func TestHostAddressIsNeverHandedOut(t *testing.T) {
+	needRoot(t)
+	host := testNetns(t)
+	vethIn(t, host, "uplink", host, "uplink-peer")
+	ip(t, "-n", nsName(host), "addr", "add", "10.98.0.2/24", "dev", "uplink")
+	publisher := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) {
+		c.PublishHostAddrs, c.HostNetns, c.HostResync = true, host, time.Second
+	})
+	_ = publisher
+	cli := newClient(t)
+	hostAddr := netip.MustParseAddr("10.98.0.2")
+	for end := time.Now().Add(5 * time.Second); len(dump(t, cli, HostIPPrefix(hostAddr))) == 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatal("host address never published")
+		}
+	}
+	other := startAgent(t, uniq("c"), "n2", "uid2") // another cluster allocating from a pool over the host's subnet
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.98.0.0/29")}}}}
+	ctx := ctxT(t)
+	req := addReq(pool, "wants-host", "eth0", "")
+	req.RequestedIPs = []netip.Addr{hostAddr}
+	if _, err := other.Add(ctx, req); !errors.Is(err, allocator.ErrAddressInUse) || !strings.Contains(err.Error(), "host address") {
+		t.Errorf("requesting a host address: want ErrAddressInUse naming it a host address, got %v", err)
+	}
+	for i := range 4 { // .2 is the host's; .3-.6 are free
+		res, err := other.Add(ctx, addReq(pool, uniq("ctr"), "eth0", ""))
+		if err != nil {
+			t.Fatalf("add %d: %v", i, err)
+		}
+		if res.IPs[0].Address.Addr() == hostAddr {
+			t.Fatalf("handed out the host address %s", hostAddr)
+		}
+	}
+	if _, err := other.Add(ctx, addReq(pool, "one-too-many", "eth0", "")); !errors.Is(err, allocator.ErrPoolExhausted) {
+		t.Errorf("with the host address excluded the /29 holds 4 pods; the fifth: want ErrPoolExhausted, got %v", err)
+	}
+}
+
+// TestCheckReportsDADFailureAsDuplicate: CHECK looks inside the sandbox. While DAD runs the
+// address is tentative and CHECK passes; once DAD finds the same address on the veth peer,
+// CHECK fails with a conflict naming the address and the interface.
+func TestCheckReportsDADFailureAsDuplicate(t *testing.T) {
+	needRoot(t)
+	sandboxNs, peerNs := testNetns(t), testNetns(t)
+	vethIn(t, sandboxNs, "eth0", peerNs, "peer0")
+	dup := netip.MustParseAddr("fd77::5")
+	ip(t, "-n", nsName(peerNs), "addr", "add", dup.String()+"/64", "dev", "peer0") // the other holder on the link
+	for end := time.Now().Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		addrs, err := kernel.LinkAddrs(peerNs, "peer0")
+		if err == nil && len(addrs) > 0 && hasSettled(addrs, dup) {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatal("peer's address never finished DAD")
+		}
+	}
+	a := startAgent(t, uniq("c"), "n1", "uid1")
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("fd77::/64")}}}}
+	ctx := ctxT(t)
+	req := addReq(pool, "ctr", "eth0", "")
+	req.Netns = sandboxNs
+	req.RequestedIPs = []netip.Addr{dup}
+	if _, err := a.Add(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	ip(t, "-n", nsName(sandboxNs), "addr", "add", dup.String()+"/64", "dev", "eth0")
+	if _, err := a.Check(ctx, req); err != nil {
+		t.Errorf("CHECK while DAD runs (tentative counts as present): %v", err)
+	}
+	var err error
+	for end := time.Now().Add(8 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		if _, err = a.Check(ctx, req); err != nil {
+			break
+		}
+	}
+	if !errors.Is(err, allocator.ErrConflict) || !strings.Contains(err.Error(), dup.String()) || !strings.Contains(err.Error(), "eth0") {
+		t.Fatalf("CHECK after DAD failed: want ErrConflict naming %s and eth0, got %v", dup, err)
+	}
+}
+
+func hasSettled(addrs []kernel.Addr, want netip.Addr) bool {
+	for _, a := range addrs {
+		if a.Prefix.Addr() == want {
+			return !a.Tentative && !a.DADFailed
+		}
+	}
+	return false
+}
+
+var _ = context.Background
