@@ -111,21 +111,9 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		return nil, err
 	}
 
-	for _, n := range []struct{ kind, val string }{{"container ID", containerID}, {"interface", ifName}} {
-		if n.val != "" {
-			if err := allocator.ValidateName(n.kind, n.val); err != nil {
-				return nil, err
-			}
-		}
-	}
-	args, err := ParseCNIArgs(cniArgs)
+	args, err := attachmentArgs(cniArgs, containerID, ifName)
 	if err != nil {
 		return nil, err
-	}
-	if args.Pod.UID != "" {
-		if err := allocator.ValidateName("pod UID", args.Pod.UID); err != nil {
-			return nil, fmt.Errorf("CNI_ARGS K8S_POD_UID: %w", err)
-		}
 	}
 	var argsIPs, runtimeIPs []string
 	if nc.Args != nil && nc.Args.CNI != nil {
@@ -188,4 +176,25 @@ func (c *Config) GCRequest() (allocator.GCRequest, error) {
 // StatusRequest is the agent request for CNI STATUS.
 func (c *Config) StatusRequest() allocator.StatusRequest {
 	return allocator.StatusRequest{Network: c.Name, Pool: c.Request.Pool}
+}
+
+// attachmentArgs validates the names an attachment's keys are made of and parses CNI_ARGS.
+func attachmentArgs(cniArgs, containerID, ifName string) (CNIArgs, error) {
+	for _, n := range []struct{ kind, val string }{{"container ID", containerID}, {"interface", ifName}} {
+		if n.val != "" {
+			if err := allocator.ValidateName(n.kind, n.val); err != nil {
+				return CNIArgs{}, err
+			}
+		}
+	}
+	args, err := ParseCNIArgs(cniArgs)
+	if err != nil {
+		return CNIArgs{}, err
+	}
+	if args.Pod.UID != "" {
+		if err := allocator.ValidateName("pod UID", args.Pod.UID); err != nil {
+			return CNIArgs{}, fmt.Errorf("CNI_ARGS K8S_POD_UID: %w", err)
+		}
+	}
+	return args, nil
 }

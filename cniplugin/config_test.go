@@ -183,6 +183,8 @@ func TestParseConfigInvalid(t *testing.T) {
 		{"route_dup_priority.json", "both go to ::/0 with priority 100", allocator.ErrInvalidConfig},
 		{"route_auto_collides.json", "would get priority 1024", allocator.ErrInvalidConfig},
 		{"route_gw_family.json", "different address families", allocator.ErrInvalidConfig},
+		// A second router inside the range would one day be handed to a pod.
+		{"route_gw_in_range.json", `gateway 10.0.0.2 lies inside a range of pool n, so the pool could hand the router's address to a pod; add "10.0.0.2" to "exclude"`, allocator.ErrInvalidConfig},
 		{"route_gw_offlink.json", "gateway 192.168.1.1 is not on-link: it lies in no subnet of pool n; add the subnet or drop gw", allocator.ErrInvalidConfig},
 		{"route_no_family.json", "pool n has no IPv6 range set", allocator.ErrInvalidConfig},
 		{"route_bad_dst.json", `ipam.routes[0].dst "default" is not a CIDR`, allocator.ErrInvalidConfig},

@@ -79,9 +79,12 @@ func (p *Plugin) CmdAdd(args *skel.CmdArgs) error {
 // CmdDel releases the attachment's addresses. Releasing nothing is success. Errors are
 // *types.Error as for CmdAdd.
 func (p *Plugin) CmdDel(args *skel.CmdArgs) error {
-	cfg, err := p.attachmentConfig(args)
+	cfg, err := p.releaseConfig(args)
 	if err != nil {
 		return err
+	}
+	if cfg.Request.ContainerID == "" || cfg.Request.IfName == "" {
+		return types.NewError(types.ErrInvalidEnvironmentVariables, "CNI_CONTAINERID and CNI_IFNAME must both be set for DEL", "")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
 	defer cancel()
@@ -126,7 +129,7 @@ func (p *Plugin) CmdCheck(args *skel.CmdArgs) error {
 // *types.Error as for CmdAdd; a configuration without that key is refused with code 7
 // (see Config.GCRequest).
 func (p *Plugin) CmdGC(args *skel.CmdArgs) error {
-	cfg, err := p.config(args)
+	cfg, err := p.releaseConfig(args)
 	if err != nil {
 		return err
 	}
@@ -161,6 +164,16 @@ func (p *Plugin) CmdStatus(args *skel.CmdArgs) error {
 // config parses the configuration of args; errors are *types.Error (6 or 7).
 func (p *Plugin) config(args *skel.CmdArgs) (*Config, error) {
 	cfg, err := ParseConfig(args.StdinData, args.Args, args.ContainerID, args.IfName, args.Netns)
+	if err != nil {
+		return nil, cniError(err)
+	}
+	return cfg, nil
+}
+
+// releaseConfig is config for DEL and GC, which must work with a configuration that no
+// longer validates (see ParseReleaseConfig).
+func (p *Plugin) releaseConfig(args *skel.CmdArgs) (*Config, error) {
+	cfg, err := ParseReleaseConfig(args.StdinData, args.Args, args.ContainerID, args.IfName, args.Netns)
 	if err != nil {
 		return nil, cniError(err)
 	}

@@ -95,7 +95,10 @@ func parseRoutes(raw []rawRoute) ([]Route, error) {
 //   - the pool has a range set of the route's family (otherwise the interface would get
 //     no address of that family to route from);
 //   - a gateway lies in the subnet of some range of the pool, that is on-link for the
-//     interface the addresses go to.
+//     interface the addresses go to;
+//   - a gateway is not an address the pool could hand out (a range's own gateway and
+//     excluded addresses are fine; another address inside a range would one day be a
+//     pod's, a duplicate of the router).
 //
 // Same-destination routes. Routes that share destination, table and scope form a
 // group (an absent table counts as the main table, 254; an absent scope as universe,
@@ -196,15 +199,23 @@ func checkRoute(i int, r Route, pool allocator.PoolSpec) error {
 	if !r.GW.IsValid() {
 		return nil
 	}
+	onLink := false
 	for _, s := range pool.Ranges {
 		for _, rg := range s {
-			if rg.Subnet.Contains(r.GW) {
-				return nil
-			}
+			onLink = onLink || rg.Subnet.Contains(r.GW)
 		}
 	}
-	return fmt.Errorf("%w: ipam.routes[%d]: gateway %s is not on-link: it lies in no subnet of pool %s; "+
-		"add the subnet or drop gw", allocator.ErrInvalidConfig, i, r.GW, pool.Name)
+	if !onLink {
+		return fmt.Errorf("%w: ipam.routes[%d]: gateway %s is not on-link: it lies in no subnet of pool %s; "+
+			"add the subnet or drop gw", allocator.ErrInvalidConfig, i, r.GW, pool.Name)
+	}
+	// A router's address the pool could hand to a pod would be a duplicate on the link.
+	if pool.Allocatable(r.GW) == nil {
+		return fmt.Errorf("%w: ipam.routes[%d]: gateway %s lies inside a range of pool %s, so the pool could hand the "+
+			"router's address to a pod; add %q to \"exclude\" or move the range past it",
+			allocator.ErrInvalidConfig, i, r.GW, pool.Name, r.GW.String())
+	}
+	return nil
 }
 
 // CNI returns r as a CNI route.

@@ -1,6 +1,8 @@
 package cniplugin
 
 import (
+	"net/netip"
+
 	"errors"
 	"strings"
 	"testing"
@@ -48,7 +50,7 @@ func TestResolveRoutes(t *testing.T) {
 	pool := allocator.PoolSpec{Name: "p", Ranges: []allocator.RangeSet{
 		{{Subnet: pfx("10.0.0.0/24")}, {Subnet: pfx("10.0.1.0/24")}},
 		{{Subnet: pfx("2001:db8::/64")}},
-	}}
+	}, Exclude: []netip.Prefix{pfx("10.0.0.2/31"), pfx("2001:db8::2/127")}} // the second routers
 	if err := pool.Canonicalize(); err != nil {
 		t.Fatal(err)
 	}

@@ -277,3 +277,32 @@ func sorted(s []string) []string {
 	}
 	return out
 }
+
+// TestDelWorksWhenTheConfigurationNoLongerValidates: the network's configuration was
+// changed after the ADD into one leasehold refuses (here an off-link route). DEL must still
+// release the addresses, or the runtime could never tear the sandbox down.
+func TestDelWorksWhenTheConfigurationNoLongerValidates(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	agent := startAgent(t, etcd.URL)
+	cli := etcdClient(t, etcd.URL)
+	pl := newPlugin(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	name := uniq("net")
+	good := dualStackIPAM("10.28.0.0/24", "fd28::/64")
+	if _, err := pl.add(ctx, netconf(name, agent.Socket, good), "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+		t.Fatal(err)
+	}
+	bad := dualStackIPAM("10.28.0.0/24", "fd28::/64")
+	bad["routes"] = []any{map[string]any{"dst": "0.0.0.0/0", "gw": "192.168.1.1"}}
+	badConf := netconf(name, agent.Socket, bad)
+	if _, err := pl.add(ctx, badConf, "c2", "eth0", ""); cniCode(err) != 7 {
+		t.Fatalf("the changed configuration should be refused for ADD, got %v", err)
+	}
+	if err := pl.del(ctx, badConf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+		t.Fatalf("DEL with the changed configuration: %v", err)
+	}
+	if left := keysUnder(snapshot(t, cli, leases.Prefix), leases.IPsPrefix(name)); len(left) != 0 {
+		t.Errorf("DEL left %v", left)
+	}
+}

@@ -311,10 +311,12 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The quarantine holds from the release transaction, which runs inside Del: measure from
+	// before the call, so time Del spends after its transaction cannot shorten it.
+	released := time.Now()
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "")); err != nil {
 		t.Fatal(err)
 	}
-	released := time.Now()
 	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
 	if !errors.Is(err, allocator.ErrOnlyQuarantined) || !errors.Is(err, allocator.ErrPoolExhausted) {
 		t.Fatalf("while quarantined: want ErrOnlyQuarantined, got %v", err)
@@ -382,8 +384,8 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	}
 	req := addReq(pool, "ctr", "eth0", "uid-x")
 	req.Netns = netns
+	added := time.Now() // the grace runs from inside Add, so from no earlier than this
 	res, err := a.Add(ctx, req)
-	added := time.Now()
 	if err != nil {
 		t.Fatal(err)
 	}
