@@ -103,7 +103,13 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		ipam.Pool = nc.Name
 	}
 	pool := allocator.PoolSpec{Name: ipam.Pool, Ranges: cloneRanges(ipam.Ranges), Exclude: slices.Clone(ipam.Exclude)}
-	if err := pool.Canonicalize(); err != nil {
+	if len(pool.Ranges) == 0 {
+		// A reference to a pool defined in etcd (leaseholdctl pool create): the agent uses
+		// the stored definition.
+		if err := allocator.ValidateName("pool", pool.Name); err != nil {
+			return nil, fmt.Errorf("ipam.pool: %w", err)
+		}
+	} else if err := pool.Canonicalize(); err != nil {
 		return nil, fmt.Errorf("ipam: %w", err)
 	}
 	routes, err := ResolveRoutes(ipam.Routes, pool)

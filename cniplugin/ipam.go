@@ -129,9 +129,14 @@ func parseIPAM(data json.RawMessage) (*IPAMConfig, error) {
 		}
 		out.Ranges = append(out.Ranges, rs)
 	}
-	if len(out.Ranges) == 0 {
+	if len(out.Ranges) == 0 && raw.Pool == "" {
 		return nil, fmt.Errorf("%w: ipam has no ranges; add \"ranges\": [[{\"subnet\": \"10.10.0.0/16\"}]] "+
-			"(or host-local's single \"subnet\")", allocator.ErrInvalidConfig)
+			"(or host-local's single \"subnet\"), or name a pool defined in etcd with \"pool\"", allocator.ErrInvalidConfig)
+	}
+	if len(out.Ranges) == 0 && len(raw.Exclude) > 0 {
+		return nil, fmt.Errorf("%w: ipam.exclude without ranges: excluded addresses belong to the definition of pool %q "+
+			"in etcd; give them with leaseholdctl pool create --exclude, or give the ranges here too",
+			allocator.ErrInvalidConfig, raw.Pool)
 	}
 	for i, s := range raw.Exclude {
 		p, err := parseExclude(s)

@@ -185,6 +185,12 @@ func checkRoute(i int, r Route, pool allocator.PoolSpec) error {
 		return fmt.Errorf("%w: ipam.routes[%d]: gateway %s and destination %s are of different address families; "+
 			"use an IPv%d gateway or drop gw", allocator.ErrInvalidConfig, i, r.GW, r.Dst, fam)
 	}
+	if len(pool.Ranges) == 0 {
+		// The pool is a reference to a definition in etcd that the plugin does not see;
+		// what needs the ranges (family present, gateway on-link and not allocatable) is
+		// the pool creator's to get right.
+		return nil
+	}
 	hasFamily := false
 	for _, s := range pool.Ranges {
 		if s.Family() == fam {

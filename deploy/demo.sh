@@ -31,7 +31,7 @@ say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 say "starting leaseholdd with an embedded etcd in $work/etcd (client URL $endpoint)"
 "$BIN/leaseholdd" --embedded-etcd "$work/etcd" --embedded-etcd-client-url "$endpoint" \
   --embedded-etcd-peer-url "http://127.0.0.1:${pport}" --socket "$sock" --node demo-node \
-  --node-uid demo-uid --state-dir "$work/state" --quarantine 5s --log-level warn 2>"$work/leaseholdd.log" &
+  --node-uid demo-uid --state-dir "$work/state" --quarantine 5s --metrics-addr "" --log-level warn 2>"$work/leaseholdd.log" &
 agent_pid=$!
 for _ in $(seq 1 300); do [ -S "$sock" ] && break; sleep 0.1; done
 [ -S "$sock" ] || { echo "leaseholdd did not start:"; cat "$work/leaseholdd.log"; exit 1; }

@@ -125,7 +125,7 @@ func startAgent(t testing.TB, endpoint string, extra ...string) *agentProc {
 	dir := t.TempDir()
 	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
 	a.args = []string{"--socket", a.Socket, "--state-dir", a.StateDir, "--node", "node-a", "--node-uid", "uid-a",
-		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--publish-host-addresses=false", "--log-level", "debug"}
+		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--publish-host-addresses=false", "--metrics-addr", "", "--log-level", "debug"}
 	if endpoint != "" {
 		a.args = append(a.args, "--etcd-endpoints", endpoint)
 	}

@@ -38,7 +38,8 @@ func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
 // ErrNotInRange or ErrAddressInUse (requested addresses), ErrPoolExhausted (no free address;
 // also ErrOnlyQuarantined when only resting addresses are free), or ErrUnavailable (etcd
 // unreachable, or the owner's keys are held by another node identity until they expire).
-func (a *Agent) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
+func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
+	defer a.metrics.observe("add", time.Now(), &err)
 	owner, err := a.validate(&req)
 	if err != nil {
 		return allocator.Result{}, err
@@ -51,7 +52,10 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (allocator.Resul
 			a.keeper.Return(st.fresh)
 		}
 	}()
-	for range maxAddAttempts {
+	for attempt := range maxAddAttempts {
+		if attempt > 0 {
+			a.metrics.casRetries.Inc()
+		}
 		p, err := a.pools.ensure(ctx, req.Pool)
 		if err != nil {
 			return allocator.Result{}, err
@@ -136,7 +140,9 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	puts = append(puts, clientv3.OpPut(ownerKey, mustJSON(a.ownerRecord(req, addrs, lease, now)), withLease))
 
+	start := time.Now()
 	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	a.metrics.rtt("claim", start)
 	if err != nil {
 		p.view.settle(reserved, 0)
 		// The transaction may have been applied even though its answer was lost. The lease

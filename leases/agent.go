@@ -124,6 +124,7 @@ type Agent struct {
 	pods      map[string]*podState // owner -> pod whose lease this agent keeps alive
 	nodeLease clientv3.LeaseID
 
+	metrics   *metrics
 	lastOK    atomic.Int64 // unix nanos of the last etcd call that succeeded
 	conflicts atomic.Int64 // addresses found taken by another owner on re-claim
 }
@@ -145,8 +146,10 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		journal: journal{dir: cfg.StateDir},
 		lost:    make(chan struct{}, 1),
 	}
+	a.metrics = newMetrics(a)
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
 	a.pools = newPools(actx, cli, a.log)
+	a.pools.onMismatch = a.recordPoolConflict
 	if err := a.register(ctx); err != nil {
 		a.Close()
 		return nil, err
@@ -213,6 +216,23 @@ func (a *Agent) ok() { a.lastOK.Store(time.Now().UnixNano()) }
 // unavailable wraps an etcd error so that the runtime retries.
 func (a *Agent) unavailable(what string, err error) error {
 	return fmt.Errorf("%w: %s: %w", allocator.ErrUnavailable, what, err)
+}
+
+// recordPoolConflict leaves a refused pool definition under /leasehold/v1/poolconflicts/
+// on the node lease, so that the clusters already using the pool hear of it (their agents
+// log it) and leaseholdctl lists it; it leaves with this node.
+func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator.PoolSpec) {
+	a.mu.Lock()
+	lease := a.nodeLease
+	a.mu.Unlock()
+	rec := PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: time.Now().UTC()}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if _, err := a.cli.Put(octx, PoolConflictKey(stored.Name, a.cfg.Cluster, a.cfg.Node), mustJSON(rec), clientv3.WithLease(lease)); err != nil {
+		a.log.Warn("could not record the pool definition conflict", "pool", stored.Name, "err", err)
+	}
+	a.log.Error("pool definition conflict: this node's configuration defines the pool differently from etcd",
+		"pool", stored.Name, "stored", stored.String(), "wanted", wanted.String())
 }
 
 // Conflicts is how many addresses this agent found held by another owner when it
@@ -289,6 +309,7 @@ func (a *Agent) persist(ps podState) {
 // leaseLost runs when the keeper could not renew a lease in time: etcd has deleted (or
 // will delete) every key on it. The pods on it are queued for re-claim.
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
+	a.metrics.leaseLost.Inc()
 	a.mu.Lock()
 	node := a.nodeLease == id
 	n := 0

@@ -21,7 +21,8 @@ import (
 // Errors wrap allocator.ErrNotAllocated (no allocation, another container holds it, or its
 // lease is expiring), allocator.ErrConflict (an address is held by another owner), or
 // allocator.ErrUnavailable.
-func (a *Agent) Check(ctx context.Context, req allocator.Request) (allocator.Result, error) {
+func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
+	defer a.metrics.observe("check", time.Now(), &err)
 	owner, err := a.validate(&req)
 	if err != nil {
 		return allocator.Result{}, err
@@ -130,7 +131,8 @@ const statusProbeAfter = 5 * time.Second
 // has heard from etcd recently.
 //
 // Errors wrap allocator.ErrUnavailable, ErrPoolExhausted, ErrPoolMismatch or ErrInvalidConfig.
-func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) error {
+func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err error) {
+	defer a.metrics.observe("status", time.Now(), &err)
 	if req.Pool.Name == "" {
 		req.Pool.Name = req.Network
 	}

@@ -22,7 +22,22 @@ const (
 	quarantineDir = Prefix + "quarantine/"
 	conflictsDir  = Prefix + "conflicts/"
 	hostIPsDir    = Prefix + "hostips/"
+	poolConflicts = Prefix + "poolconflicts/"
 )
+
+// PoolConflictKey is /leasehold/v1/poolconflicts/<pool>/<cluster>/<node>: a node of cluster
+// wanted pool defined differently from the stored definition; on that node's lease.
+func PoolConflictKey(pool, cluster, node string) string {
+	return PoolConflictsPrefix(pool) + cluster + "/" + node
+}
+
+// PoolConflictsPrefix is the prefix of pool's definition conflicts; with pool "" of all.
+func PoolConflictsPrefix(pool string) string {
+	if pool == "" {
+		return poolConflicts
+	}
+	return poolConflicts + pool + "/"
+}
 
 // HostIPKey is /leasehold/v1/hostips/<ip>/<cluster>/<node>: an address the node itself uses,
 // published by its agent on the node lease; no pool hands it out.

@@ -28,6 +28,9 @@ type pools struct {
 	log *slog.Logger
 	ctx context.Context // lives as long as the agent; views run on it
 
+	// onMismatch, if set, records a refused definition where the pool's other users see it.
+	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
+
 	mu sync.Mutex
 	m  map[string]*pool
 }
@@ -51,6 +54,9 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 		return nil, err
 	}
 	if len(spec.Ranges) > 0 && !stored.Equal(spec) {
+		if ps.onMismatch != nil {
+			ps.onMismatch(ctx, spec, stored)
+		}
 		return nil, fmt.Errorf("%w: pool %q is stored in etcd as %s, but this network's configuration says %s; "+
 			"make the ranges match the stored definition, or name another pool with \"pool\" in the ipam configuration",
 			allocator.ErrPoolMismatch, spec.Name, stored.String(), spec.String())

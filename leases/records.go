@@ -78,6 +78,15 @@ type TakenByOther struct {
 	Quarantined bool       `json:"quarantined,omitempty"`
 }
 
+// PoolConflictRecord is the value of /leasehold/v1/poolconflicts/<pool>/<cluster>/<node>.
+type PoolConflictRecord struct {
+	Cluster  string             `json:"cluster"`
+	Node     string             `json:"node"`
+	Wanted   allocator.PoolSpec `json:"wanted"`
+	Stored   allocator.PoolSpec `json:"stored"`
+	Detected time.Time          `json:"detected"`
+}
+
 // QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<ip>.
 type QuarantineRecord struct {
 	ReleasedBy string    `json:"releasedBy"`

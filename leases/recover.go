@@ -287,6 +287,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		return a.unavailable("write the pod record", err)
 	}
 	a.notePod(req, owner, lease, nil)
+	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", LeaseHex(lease), "attachments", len(snap.Attachments))
 	return nil
 }

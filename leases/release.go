@@ -20,7 +20,8 @@ import (
 // attachment left, its pod lease is revoked. Releasing nothing is not an error.
 //
 // Errors wrap allocator.ErrInvalidName or ErrUnavailable.
-func (a *Agent) Del(ctx context.Context, req allocator.Request) error {
+func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
+	defer a.metrics.observe("del", time.Now(), &err)
 	owner, err := a.validate(&req)
 	if err != nil {
 		return err
@@ -85,7 +86,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 			cancel()
 			return err
 		}
+		start := time.Now()
 		resp, err := a.cli.Txn(octx).If(cmps...).Then(append(ops, qops...)...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
+		a.metrics.rtt("release", start)
 		cancel()
 		if err != nil {
 			return a.unavailable("release "+string(kv.Key), err)
@@ -163,7 +166,8 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string) error {
 // the runtime no longer lists in ValidAttachments (CNI 1.1 GC). Attachments younger than the
 // GC grace are kept, so an ADD that finished after the runtime built its list is not undone.
 // It keeps going when one release fails and returns all failures joined.
-func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) error {
+func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
+	defer a.metrics.observe("gc", time.Now(), &err)
 	if req.Pool.Name == "" {
 		req.Pool.Name = req.Network
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"net/netip"
+	"strings"
 	"sync"
 	"time"
 
@@ -237,6 +238,7 @@ func (v *view) follow(ctx context.Context, rev int64) {
 	ips := v.cli.Watch(wctx, IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	qs := v.cli.Watch(wctx, QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	hs := v.cli.Watch(wctx, HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	pcs := v.cli.Watch(wctx, PoolConflictsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	for {
 		var resp clientv3.WatchResponse
 		var ok bool
@@ -244,6 +246,7 @@ func (v *view) follow(ctx context.Context, rev int64) {
 		case resp, ok = <-ips:
 		case resp, ok = <-qs:
 		case resp, ok = <-hs:
+		case resp, ok = <-pcs:
 		}
 		if !ok || resp.Err() != nil {
 			if ctx.Err() == nil {
@@ -271,6 +274,14 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 				if v.allocated[ip] <= ev.Kv.ModRevision {
 					delete(v.allocated, ip)
 				}
+			}
+			continue
+		}
+		if strings.HasPrefix(key, PoolConflictsPrefix(v.pool)) {
+			if ev.Type == clientv3.EventTypePut {
+				rec, _ := decode[PoolConflictRecord](key, ev.Kv.Value)
+				v.log.Error("another node defines this pool differently; its ADDs are refused until the definitions agree",
+					"other_cluster", rec.Cluster, "other_node", rec.Node, "stored", rec.Stored.String(), "wanted", rec.Wanted.String(), "record", key)
 			}
 			continue
 		}

@@ -39,6 +39,7 @@ type options struct {
 	publishHosts                           bool
 	hostNetns                              string
 	hostResync                             time.Duration
+	metricsAddr                            string
 	spare                                  int
 	logLevel                               string
 	showVersion                            bool
@@ -70,6 +71,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.publishHosts, "publish-host-addresses", true, "publish this node's own addresses so that no pool hands them out")
 	fs.StringVar(&o.hostNetns, "host-netns", "", "network namespace whose addresses are the node's (default: the agent's own)")
 	fs.DurationVar(&o.hostResync, "host-resync", 15*time.Second, "how often host addresses are listed again besides netlink events")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "127.0.0.1:9615", "address serving /metrics, /healthz and /readyz (empty disables)")
 	fs.IntVar(&o.spare, "spare-leases", 8, "pre-granted leases kept ready for new pods")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
@@ -159,6 +161,13 @@ func serve(o *options, log *slog.Logger) error {
 	}
 	defer agent.Close()
 
+	if o.metricsAddr != "" {
+		stopHTTP, err := serveHTTP(ctx, o.metricsAddr, agent, log)
+		if err != nil {
+			return err
+		}
+		defer stopHTTP()
+	}
 	l, err := agentapi.Listen(o.socket)
 	if err != nil {
 		return err

@@ -1,0 +1,94 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+func httpGet(t *testing.T, url string) (int, string) {
+	t.Helper()
+	c := http.Client{Timeout: 5 * time.Second}
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// metricValue finds one sample in Prometheus text output by name and label substring.
+func metricValue(t *testing.T, text, name, labels string) float64 {
+	t.Helper()
+	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + `\{([^}]*)\} (\S+)$`)
+	for _, m := range re.FindAllStringSubmatch(text, -1) {
+		if strings.Contains(m[1], labels) {
+			v, err := strconv.ParseFloat(m[2], 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return v
+		}
+	}
+	t.Fatalf("no sample %s{%s} in:\n%s", name, labels, text)
+	return 0
+}
+
+// TestMetricsAndHealth: leaseholdd serves Prometheus metrics that count what happened, and
+// /readyz follows etcd's reachability while /healthz stays up.
+func TestMetricsAndHealth(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	addr := strings.TrimPrefix(freeURL(t), "http://")
+	agent := startAgent(t, etcd.URL, "--metrics-addr", addr)
+	pl := newPlugin(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	name := uniq("net")
+	conf := netconf(name, agent.Socket, dualStackIPAM("10.39.0.0/28", "fd39::/64"))
+	for i := range 3 {
+		if _, err := pl.add(ctx, conf, fmt.Sprintf("m%d", i), "eth0", ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pl.del(ctx, conf, "m0", "eth0", ""); err != nil {
+		t.Fatal(err)
+	}
+	_, text := httpGet(t, "http://"+addr+"/metrics")
+	if got := metricValue(t, text, "leasehold_operation_duration_seconds_count", `op="add",result="ok"`); got != 3 {
+		t.Errorf("ADD count %v, want 3", got)
+	}
+	if got := metricValue(t, text, "leasehold_operation_duration_seconds_count", `op="del",result="ok"`); got != 1 {
+		t.Errorf("DEL count %v, want 1", got)
+	}
+	if got := metricValue(t, text, "leasehold_pool_addresses", `pool="`+name+`",set="0",state="allocated"`); got != 2 {
+		t.Errorf("allocated in set 0: %v, want 2", got)
+	}
+	if got := metricValue(t, text, "leasehold_pool_addresses", `pool="`+name+`",set="0",state="size"`); got != 13 {
+		t.Errorf("size of set 0 (a /28 less network, gateway, broadcast): %v, want 13", got)
+	}
+	if got := metricValue(t, text, "leasehold_etcd_request_duration_seconds_count", `kind="claim"`); got < 3 {
+		t.Errorf("claim round trips counted: %v, want at least 3", got)
+	}
+	if code, _ := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
+		t.Errorf("/healthz = %d", code)
+	}
+	if code, body := httpGet(t, "http://"+addr+"/readyz"); code != 200 {
+		t.Errorf("/readyz with etcd up = %d %s", code, body)
+	}
+	_ = etcd.cmd.Process.Kill()
+	_ = etcd.cmd.Wait()
+	waitFor(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
+		code, _ := httpGet(t, "http://"+addr+"/readyz")
+		return code == http.StatusServiceUnavailable
+	})
+	if code, _ := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
+		t.Errorf("/healthz must stay up while etcd is away, got %d", code)
+	}
+}

@@ -1,0 +1,169 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/big"
+	"net/netip"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// metrics is the agent's Prometheus instrumentation, on a registry of its own so that
+// several agents in one process (tests) do not collide.
+type metrics struct {
+	reg        *prometheus.Registry
+	ops        *prometheus.HistogramVec
+	casRetries prometheus.Counter
+	leaseLost  prometheus.Counter
+	reclaims   prometheus.Counter
+	etcdRTT    *prometheus.HistogramVec
+}
+
+func newMetrics(a *Agent) *metrics {
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		ops: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "leasehold_operation_duration_seconds",
+			Help:    "Time the agent spent on a CNI operation, by operation and result.",
+			Buckets: []float64{.0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}, []string{"op", "result"}),
+		casRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_cas_retries_total",
+			Help: "Claim transactions retried because another owner took a chosen address first.",
+		}),
+		leaseLost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_keepalive_failures_total",
+			Help: "Leases this agent held that stopped being renewed (agent or etcd away longer than the TTL).",
+		}),
+		reclaims: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_reclaims_total",
+			Help: "Pods whose keys were re-claimed after their lease was lost.",
+		}),
+		etcdRTT: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "leasehold_etcd_request_duration_seconds",
+			Help:    "Round-trip time of the agent's etcd transactions, by kind.",
+			Buckets: []float64{.0002, .0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1},
+		}, []string{"kind"}),
+	}
+	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_leases_held",
+			Help: "Leases this agent keeps alive: pods, the node, pre-granted spares.",
+		}, func() float64 { return float64(a.keeper.Held()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "leasehold_conflicts_total",
+			Help: "Addresses found held by another owner when re-claiming a lost lease.",
+		}, func() float64 { return float64(a.conflicts.Load()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_pods",
+			Help: "Pods this agent holds a lease for.",
+		}, func() float64 {
+			a.mu.Lock()
+			defer a.mu.Unlock()
+			return float64(len(a.pods))
+		}),
+		&poolCollector{a: a},
+	)
+	return m
+}
+
+// observe records one operation; use as defer a.metrics.observe("add", time.Now(), &err).
+func (m *metrics) observe(op string, start time.Time, err *error) {
+	result := "ok"
+	if *err != nil {
+		result = "error"
+	}
+	m.ops.WithLabelValues(op, result).Observe(time.Since(start).Seconds())
+}
+
+// rtt records an etcd round trip that started at start.
+func (m *metrics) rtt(kind string, start time.Time) {
+	m.etcdRTT.WithLabelValues(kind).Observe(time.Since(start).Seconds())
+}
+
+// poolCollector reports, at scrape time, each served pool's size, allocated, quarantined
+// and free addresses per range set, from the agent's view (no etcd call).
+type poolCollector struct{ a *Agent }
+
+var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
+	"Addresses of a pool's range set by state (size, allocated, quarantined, free), as this agent's view sees them.",
+	[]string{"pool", "set", "state"}, nil)
+
+func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolDesc }
+
+func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
+	c.a.pools.mu.Lock()
+	served := make([]*pool, 0, len(c.a.pools.m))
+	for _, p := range c.a.pools.m {
+		served = append(served, p)
+	}
+	c.a.pools.mu.Unlock()
+	for _, p := range served {
+		if p.rev <= 0 {
+			continue
+		}
+		alloc, quar := p.view.perSet(&p.spec)
+		for set := range p.spec.Ranges {
+			size, _ := new(big.Float).SetInt(p.spec.SetSize(set)).Float64()
+			label := fmt.Sprint(set)
+			emit := func(state string, v float64) {
+				ch <- prometheus.MustNewConstMetric(poolDesc, prometheus.GaugeValue, v, p.spec.Name, label, state)
+			}
+			emit("size", size)
+			emit("allocated", float64(alloc[set]))
+			emit("quarantined", float64(quar[set]))
+			emit("free", max(size-float64(alloc[set]+quar[set]), 0))
+		}
+	}
+}
+
+// perSet counts the view's allocated and quarantined addresses by range set.
+func (v *view) perSet(spec *allocator.PoolSpec) (allocated, quarantined map[int]int) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	allocated, quarantined = map[int]int{}, map[int]int{}
+	count := func(m map[int]int, a netip.Addr) {
+		if set, ok := spec.SetOf(a); ok && spec.Allocatable(a) == nil {
+			m[set]++
+		}
+	}
+	for a := range v.allocated {
+		count(allocated, a)
+	}
+	for a := range v.quarantined {
+		if _, alloc := v.allocated[a]; !alloc {
+			count(quarantined, a)
+		}
+	}
+	return allocated, quarantined
+}
+
+// Metrics is the agent's Prometheus registry (leaseholdd serves it on --metrics-addr).
+func (a *Agent) Metrics() *prometheus.Registry { return a.metrics.reg }
+
+// ErrNotReady is wrapped by Ready's errors.
+var ErrNotReady = errors.New("agent not ready")
+
+// Ready reports whether the agent can serve ADDs: it has heard from etcd within the last
+// few seconds, or etcd answers a small read now. It backs leaseholdd's /readyz.
+func (a *Agent) Ready(ctx context.Context) error {
+	if a.ctx.Err() != nil {
+		return fmt.Errorf("%w: shutting down", ErrNotReady)
+	}
+	if time.Since(time.Unix(0, a.lastOK.Load())) <= statusProbeAfter {
+		return nil
+	}
+	octx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if _, err := a.cli.Get(octx, NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly()); err != nil {
+		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
+	}
+	a.ok()
+	return nil
+}
