@@ -117,6 +117,7 @@ type Agent struct {
 	cancel context.CancelFunc
 
 	journal journal
+	unlock  func()        // releases the state directory's lock
 	lost    chan struct{} // wakes the re-claim loop
 	wg      sync.WaitGroup
 
@@ -135,8 +136,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	if err := cfg.fill(); err != nil {
 		return nil, err
 	}
+	unlock := func() {}
+	if cfg.StateDir != "" {
+		var err error
+		if unlock, err = lockStateDir(cfg.StateDir); err != nil {
+			return nil, err
+		}
+	}
 	actx, cancel := context.WithCancel(context.Background())
 	a := &Agent{
+		unlock:  unlock,
 		cfg:     cfg,
 		cli:     cli,
 		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
@@ -202,6 +211,7 @@ func (a *Agent) Close() {
 		}
 	}
 	a.keeper.Close()
+	a.unlock()
 }
 
 // LeasesHeld is the number of leases this agent keeps alive (pods, node, spares).

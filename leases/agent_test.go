@@ -445,3 +445,22 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 		t.Errorf("journal names %v, the pod holds %v", got, res.IPs)
 	}
 }
+
+// TestSecondAgentForTheSameNodeIsRefused: two agents on one node's state directory would both
+// renew and release its pods; the second is refused while the first runs, and starts once
+// the first is gone.
+func TestSecondAgentForTheSameNodeIsRefused(t *testing.T) {
+	cluster, state := uniq("c"), t.TempDir()
+	first := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.StateDir = state })
+	ctx := ctxT(t)
+	_, err := Start(ctx, newClient(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
+	if !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), "locked by pid") {
+		t.Fatalf("second agent on the same state directory: want ErrAgentRunning naming the holder, got %v", err)
+	}
+	first.Close()
+	second, err := Start(ctx, newClient(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
+	if err != nil {
+		t.Fatalf("agent after the first stopped: %v", err)
+	}
+	second.Close()
+}

@@ -1,6 +1,7 @@
 package leases
 
 import (
+	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
@@ -77,4 +78,19 @@ func (cfg ClientConfig) Dial() (*clientv3.Client, error) {
 		return nil, fmt.Errorf("connect to etcd at %s: %w", strings.Join(cfg.Endpoints, ","), err)
 	}
 	return cli, nil
+}
+
+// CheckConnection asks etcd for one small read within timeout and turns a failure into an
+// error an operator can act on. Agents call it at start, so a wrong endpoint, a rejected
+// certificate or missing credentials stop the start with a reason, not a hang.
+func CheckConnection(ctx context.Context, cli *clientv3.Client, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	_, err := cli.Get(ctx, PoolsPrefix(), clientv3.WithCountOnly(), clientv3.WithPrefix())
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("etcd at %s did not answer a read within %s: %w; check the endpoints, that etcd runs, the TLS "+
+		"files (a server requiring client certificates refuses a client without one) and the user's permissions",
+		strings.Join(cli.Endpoints(), ","), timeout, err)
 }

@@ -186,3 +186,15 @@ func validateNames(pairs ...string) error {
 	}
 	return nil
 }
+
+// RolePrefixes are the key prefixes one cluster's agents read and write: the shared ones
+// (pool definitions, allocations, quarantine, host addresses, pool conflicts: one address
+// has one owner across clusters, so every cluster must see them) and the cluster's own
+// owners, nodes and conflicts. An etcd role per cluster granting readwrite on exactly
+// these keeps a cluster's credentials away from other clusters' owners (deploy/etcd).
+func RolePrefixes(cluster string) []string {
+	return []string{
+		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts,
+		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster),
+	}
+}

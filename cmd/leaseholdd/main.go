@@ -147,6 +147,9 @@ func serve(o *options, log *slog.Logger) error {
 		return err
 	}
 	defer cli.Close()
+	if err := leases.CheckConnection(ctx, cli, 10*time.Second); err != nil {
+		return err
+	}
 
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	agent, err := leases.Start(sctx, cli, leases.Config{
