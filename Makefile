@@ -9,7 +9,7 @@ TOOLS_MOD := integration/tools
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
-.PHONY: all build tools test test-unit test-integration demo bench lint clean
+.PHONY: all build tools test test-unit demo bench soak lint clean
 
 all: build
 
@@ -45,6 +45,10 @@ test: build tools
 
 test-unit:
 	$(GO) test -count=1 ./allocator/... ./cniplugin/...
+
+# Long randomized histories against real etcd (hours with a large LEASEHOLD_MODEL_STEPS).
+soak:
+	LEASEHOLD_MODEL_STEPS=$${LEASEHOLD_MODEL_STEPS:-20000} $(GO) test -count=1 -timeout 0 -run TestModelRandomHistories -v ./leases/
 
 demo: build tools
 	BIN=$(BIN) ./deploy/demo.sh

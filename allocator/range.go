@@ -247,3 +247,36 @@ func (s RangeSet) After(addr netip.Addr) netip.Addr {
 	}
 	return s[(i+1)%len(s)].RangeStart
 }
+
+// Spread returns the address of range set s at position u (0 <= u < 1) of its span, counting
+// every address from each range's start to its end: a starting point for candidate search
+// that lets allocators on different nodes begin in different places instead of all racing
+// for the same first addresses. A set with no ranges returns the zero Addr.
+func (s RangeSet) Spread(u float64) netip.Addr {
+	total := new(big.Int)
+	spans := make([]*big.Int, len(s))
+	for i, r := range s {
+		spans[i] = countBetween(r.RangeStart, r.RangeEnd)
+		total.Add(total, spans[i])
+	}
+	if total.Sign() == 0 {
+		return netip.Addr{}
+	}
+	u = min(max(u, 0), 1)
+	// off = floor(u * total), computed in big.Float so a /64 keeps its precision.
+	off, _ := new(big.Float).Mul(new(big.Float).SetInt(total), big.NewFloat(u)).Int(nil)
+	if off.Cmp(total) >= 0 {
+		off.Sub(total, big.NewInt(1))
+	}
+	for i, r := range s {
+		if off.Cmp(spans[i]) < 0 {
+			n := addrInt(r.RangeStart)
+			n.Add(n, off)
+			b := n.FillBytes(make([]byte, r.RangeStart.BitLen()/8))
+			a, _ := netip.AddrFromSlice(b)
+			return a
+		}
+		off.Sub(off, spans[i])
+	}
+	return s[0].RangeStart
+}

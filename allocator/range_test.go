@@ -259,3 +259,31 @@ func TestRangeSetOverlaps(t *testing.T) {
 		})
 	}
 }
+
+func TestRangeSetSpread(t *testing.T) {
+	set := allocator.RangeSet{
+		{Subnet: netip.MustParsePrefix("10.0.0.0/24"), RangeStart: netip.MustParseAddr("10.0.0.10"), RangeEnd: netip.MustParseAddr("10.0.0.19")},
+		{Subnet: netip.MustParsePrefix("10.0.1.0/24"), RangeStart: netip.MustParseAddr("10.0.1.0"), RangeEnd: netip.MustParseAddr("10.0.1.9")},
+	}
+	v6 := allocator.RangeSet{{Subnet: netip.MustParsePrefix("fd00::/64"), RangeStart: netip.MustParseAddr("fd00::1"), RangeEnd: netip.MustParseAddr("fd00::ffff:ffff:ffff:ffff")}}
+	tests := []struct {
+		name string
+		set  allocator.RangeSet
+		u    float64
+		want string
+	}{
+		{"start", set, 0, "10.0.0.10"},                             // position 0 is the first range's start
+		{"inside the first range", set, 0.25, "10.0.0.15"},         // 5 of 20
+		{"into the second range", set, 0.5, "10.0.1.0"},            // 10 of 20 crosses into range two
+		{"last", set, 0.999, "10.0.1.9"},                           // never past the end
+		{"clamped above", set, 7, "10.0.1.9"},                      // out-of-range positions are clamped
+		{"a /64 keeps its precision", v6, 0.5, "fd00::8000:0:0:0"}, // half of 2^64-1 from fd00::1
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := tc.set.Spread(tc.u); got.String() != tc.want {
+				t.Errorf("Spread(%v) = %s, want %s", tc.u, got, tc.want)
+			}
+		})
+	}
+}

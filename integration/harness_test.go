@@ -45,13 +45,29 @@ func binDir(t testing.TB) string {
 
 // etcdProc is etcd running as its own process.
 type etcdProc struct {
-	URL string
-	cmd *exec.Cmd
+	URL  string
+	cmd  *exec.Cmd
+	done chan struct{}
 }
 
 // startEtcdProcess runs bin/etcd with its data in a temporary directory, fsync on, and
-// waits until it answers.
+// waits until it answers. A port found free can be taken by another process before etcd
+// binds it (test packages run in parallel), so an etcd that exits at once is started again
+// on new ports.
 func startEtcdProcess(t testing.TB) *etcdProc {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		p, exited, logs := tryEtcdProcess(t)
+		if p != nil {
+			return p
+		}
+		if attempt == 3 || !exited {
+			t.Fatalf("etcd did not start:\n%s", logs)
+		}
+	}
+}
+
+func tryEtcdProcess(t testing.TB) (p *etcdProc, exited bool, logs string) {
 	t.Helper()
 	ctx := context.Background()
 	curl, err := etcdserver.FreeLoopbackURL(ctx)
@@ -62,37 +78,59 @@ func startEtcdProcess(t testing.TB) *etcdProc {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	var logs bytes.Buffer
+	out := &syncBuffer{}
 	cmd := exec.Command(filepath.Join(binDir(t), "etcd"),
-		"--name", "it", "--data-dir", dir,
+		"--name", "it", "--data-dir", t.TempDir(),
 		"--listen-client-urls", curl, "--advertise-client-urls", curl,
 		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
 		"--initial-cluster", "it="+purl, "--log-level", "error")
-	cmd.Stdout, cmd.Stderr = &logs, &logs
+	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start etcd: %v", err)
 	}
-	p := &etcdProc{URL: curl, cmd: cmd}
-	t.Cleanup(func() {
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	stop := func() {
 		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		if t.Failed() {
-			t.Logf("etcd output:\n%s", logs.String())
-		}
-	})
-	cli := etcdClient(t, curl)
+		<-done
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{curl}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		stop()
+		t.Fatal(err)
+	}
+	defer cli.Close()
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		select {
+		case <-done:
+			return nil, true, out.String()
+		default:
+		}
 		c, cancel := context.WithTimeout(ctx, time.Second)
 		_, err := cli.Get(c, "health")
 		cancel()
 		if err == nil {
-			return p
+			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("etcd at %s did not answer within 20s: %v\n%s", curl, err, logs.String())
+			stop()
+			return nil, false, fmt.Sprintf("no answer at %s within 20s: %v\n%s", curl, err, out.String())
 		}
 	}
+	p = &etcdProc{URL: curl, cmd: cmd, done: done}
+	t.Cleanup(func() {
+		p.kill()
+		if t.Failed() {
+			t.Logf("etcd output:\n%s", out.String())
+		}
+	})
+	return p, false, ""
+}
+
+// kill stops etcd with SIGKILL and waits for it.
+func (p *etcdProc) kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
 }
 
 func etcdClient(t testing.TB, url string) *clientv3.Client {

@@ -82,8 +82,7 @@ func TestMetricsAndHealth(t *testing.T) {
 	if code, body := httpGet(t, "http://"+addr+"/readyz"); code != 200 {
 		t.Errorf("/readyz with etcd up = %d %s", code, body)
 	}
-	_ = etcd.cmd.Process.Kill()
-	_ = etcd.cmd.Wait()
+	etcd.kill()
 	waitFor(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
 		code, _ := httpGet(t, "http://"+addr+"/readyz")
 		return code == http.StatusServiceUnavailable

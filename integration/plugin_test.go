@@ -195,6 +195,13 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 		})
 	}
 	after := snapshot(t, cli, leases.Prefix)
+	// The one write a refused request makes: the pool mismatch leaves a report for the pool's
+	// other users under poolconflicts/, on the node lease. No allocation state changes.
+	for k := range after {
+		if strings.HasPrefix(k, leases.PoolConflictsPrefix("")) {
+			delete(after, k)
+		}
+	}
 	if fmt.Sprint(after) != fmt.Sprint(before) {
 		for k, v := range after {
 			if before[k] != v {

@@ -2,6 +2,7 @@ package leases
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"time"
@@ -62,6 +63,16 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		}
 		p.await(ctx)
 		requested, err := p.spec.MatchRequested(req.RequestedIPs)
+		if errors.Is(err, allocator.ErrNotInRange) {
+			// The address may lie in a range added since the definition was read.
+			octx, cancel := a.opCtx(ctx)
+			_, changed, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
+			cancel()
+			if rerr == nil && changed {
+				a.pools.invalidate(p.spec.Name)
+				continue
+			}
+		}
 		if err != nil {
 			return allocator.Result{}, err
 		}
@@ -103,6 +114,20 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		addr, err := p.view.reserve(&p.spec, i, st.skip)
 		if err != nil {
 			p.view.settle(reserved, 0)
+			// No free address in the cached view. A repeated ADD needs none, and the pool may
+			// have grown since the definition was read: only on this path does the agent read
+			// the owner index and the definition's revision first (the hot path learns both
+			// from the claim's else branch).
+			kv, changed, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
+			switch {
+			case rerr != nil:
+				return allocator.Result{}, false, rerr
+			case kv != nil:
+				return a.existing(ctx, p, st, kv)
+			case changed:
+				a.pools.invalidate(p.spec.Name)
+				return allocator.Result{}, false, nil
+			}
 			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.spec.Name, err)
 		}
 		addrs[i] = addr
@@ -215,6 +240,9 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 		if ipKV := kv(3 + perAddr*i); ipKV != nil {
 			p.view.markAllocated(addr, ipKV.CreateRevision)
 			st.lost[addr] = true
+			if requested[i] != addr {
+				p.view.scatter(&p.spec, i)
+			}
 			if requested[i] == addr {
 				holder, _ := decode[Allocation](string(ipKV.Key), ipKV.Value)
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
@@ -233,6 +261,26 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 		}
 	}
 	return allocator.Result{}, false, nil
+}
+
+func ownerKeyOf(a *Agent, st *addState, p *pool) string {
+	return OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.spec.Name)
+}
+
+// recheck reads, in one transaction, an attachment's owner index (nil when there is none)
+// and whether the pool's stored definition changed since p was read.
+func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (*mvccpb.KeyValue, bool, error) {
+	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(PoolKey(p.spec.Name), clientv3.WithKeysOnly())).Commit()
+	if err != nil {
+		return nil, false, a.unavailable("read "+ownerKey, err)
+	}
+	var kv *mvccpb.KeyValue
+	if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
+		kv = kvs[0]
+	}
+	pools := resp.Responses[1].GetResponseRange().Kvs
+	changed := len(pools) == 0 || pools[0].ModRevision != p.rev
+	return kv, changed, nil
 }
 
 // existing answers an ADD for an attachment that already has addresses. The same container

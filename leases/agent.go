@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"os"
 	"sync"
@@ -159,6 +160,9 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
 	a.pools = newPools(actx, cli, a.log)
 	a.pools.onMismatch = a.recordPoolConflict
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
+	a.pools.seed = h.Sum64()
 	if err := a.register(ctx); err != nil {
 		a.Close()
 		return nil, err

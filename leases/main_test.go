@@ -30,25 +30,35 @@ func runWithEtcd(m *testing.M) int {
 		return 1
 	}
 	defer os.RemoveAll(dir)
-	ctx := context.Background()
-	curl, err := etcdserver.FreeLoopbackURL(ctx)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	purl, err := etcdserver.FreeLoopbackURL(ctx)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	srv, err := etcdserver.Start(etcdserver.Config{Dir: dir, ClientURL: curl, PeerURL: purl})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+	// A free port can be taken by another process before etcd binds it (test packages run
+	// in parallel): try again with new ports.
+	var srv *etcdserver.Server
+	for attempt := 1; ; attempt++ {
+		srv, err = startEmbedded(dir)
+		if err == nil {
+			break
+		}
+		if attempt == 3 {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
 	}
 	defer srv.Close()
 	testEndpoint = srv.ClientURL
 	return m.Run()
+}
+
+func startEmbedded(dir string) (*etcdserver.Server, error) {
+	ctx := context.Background()
+	curl, err := etcdserver.FreeLoopbackURL(ctx)
+	if err != nil {
+		return nil, err
+	}
+	purl, err := etcdserver.FreeLoopbackURL(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return etcdserver.Start(etcdserver.Config{Dir: dir, ClientURL: curl, PeerURL: purl})
 }
 
 func newClient(t testing.TB) *clientv3.Client {

@@ -27,6 +27,8 @@ type pools struct {
 	cli *clientv3.Client
 	log *slog.Logger
 	ctx context.Context // lives as long as the agent; views run on it
+	// seed spreads this agent's candidate search over each range (see view.from).
+	seed uint64
 
 	// onMismatch, if set, records a refused definition where the pool's other users see it.
 	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
@@ -66,7 +68,7 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 	if old, ok := ps.m[spec.Name]; ok {
 		p = &pool{spec: stored, rev: rev, view: old.view}
 	} else {
-		p = &pool{spec: stored, rev: rev, view: newView(spec.Name, ps.cli, ps.log)}
+		p = &pool{spec: stored, rev: rev, view: newView(spec.Name, ps.cli, ps.log, ps.seed)}
 		go p.view.run(ps.ctx)
 	}
 	ps.m[spec.Name] = p

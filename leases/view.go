@@ -3,7 +3,10 @@ package leases
 import (
 	"context"
 	"encoding/json"
+	"fmt"
+	"hash/fnv"
 	"log/slog"
+	"math/rand/v2"
 	"net/netip"
 	"strings"
 	"sync"
@@ -29,12 +32,13 @@ type view struct {
 	hosts       map[string]netip.Addr // host address key -> address (several nodes may share one)
 	hostCount   map[netip.Addr]int
 	pending     map[netip.Addr]struct{} // chosen by an ADD whose transaction is in flight
-	last        map[int]netip.Addr      // range set -> the address it handed out last
+	next        map[int]netip.Addr      // range set -> where the next search starts
+	seed        uint64                  // spreads different agents over the range
 	rev         int64                   // revision the view reflects
 	synced      chan struct{}
 }
 
-func newView(pool string, cli *clientv3.Client, log *slog.Logger) *view {
+func newView(pool string, cli *clientv3.Client, log *slog.Logger, seed uint64) *view {
 	return &view{
 		pool:        pool,
 		cli:         cli,
@@ -44,7 +48,8 @@ func newView(pool string, cli *clientv3.Client, log *slog.Logger) *view {
 		hosts:       make(map[string]netip.Addr),
 		hostCount:   make(map[netip.Addr]int),
 		pending:     make(map[netip.Addr]struct{}),
-		last:        make(map[int]netip.Addr),
+		next:        make(map[int]netip.Addr),
+		seed:        seed,
 		synced:      make(chan struct{}),
 	}
 }
@@ -77,18 +82,30 @@ func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) 
 		return netip.Addr{}, err
 	}
 	v.pending[addr] = struct{}{}
-	v.last[set] = addr
+	v.next[set] = spec.Ranges[set].After(addr)
 	return addr, nil
 }
 
-// from is where the round-robin search of a range set starts: after the address handed
-// out last, so a crash-looping container does not get the same address straight back.
+// from is where the round-robin search of a range set starts: after the address handed out
+// last, so a crash-looping container does not get the same address straight back. An
+// agent's first search starts at a place of the range derived from its identity, so that
+// agents on different nodes begin in different places instead of racing for the same
+// first addresses.
 func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
-	last, ok := v.last[set]
-	if !ok {
-		return netip.Addr{}
+	if next, ok := v.next[set]; ok {
+		return next
 	}
-	return spec.Ranges[set].After(last)
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%d/%s/%d", v.seed, v.pool, set)
+	return spec.Ranges[set].Spread(float64(h.Sum64()>>11) / (1 << 53))
+}
+
+// scatter moves the next search of a range set to a random place, after this agent lost a
+// race there: the winner is likely to take the addresses right after it too.
+func (v *view) scatter(spec *allocator.PoolSpec, set int) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.next[set] = spec.Ranges[set].Spread(rand.Float64())
 }
 
 // settle ends the pending state of addrs; when rev > 0 the transaction created them at rev.
@@ -177,8 +194,20 @@ func (v *view) run(ctx context.Context) {
 			backoff = min(2*backoff, 5*time.Second)
 			continue
 		}
-		backoff = 100 * time.Millisecond
+		started := time.Now()
 		v.follow(ctx, rev)
+		// A watch that ends at once (permission denied, an etcd going down) must not turn
+		// into a tight loop of lists: back off unless it ran for a while.
+		if time.Since(started) < 5*time.Second {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 5*time.Second)
+		} else {
+			backoff = 100 * time.Millisecond
+		}
 	}
 }
 

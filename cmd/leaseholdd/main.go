@@ -81,6 +81,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
+	if o.showVersion {
+		return o, nil
+	}
 	if (o.endpoints == "") == (o.embeddedDir == "") {
 		return nil, errors.New("give exactly one of --etcd-endpoints URLS or --embedded-etcd DIR")
 	}

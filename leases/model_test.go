@@ -1,0 +1,412 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// TestModelRandomHistories drives several agents and owners through random interleavings of
+// ADD, DEL, CHECK, GC, agent restarts and lease losses against the real etcd, records the
+// history, and after every step checks the state against a simple model:
+//
+//   - at most one owner per address: no two owner indexes name one address of a pool, and
+//     every allocation key is named by exactly one owner index on the same lease;
+//   - ADD is idempotent: an ADD for an attachment the model holds returns its addresses;
+//   - release is owner-compared: a DEL, GC or stale DEL never removes another owner's keys;
+//   - quarantine is respected: a released address goes to no other owner before it ends.
+//
+// A simpler model than a linearizability checker (porcupine) suffices because every
+// invariant is a predicate over etcd's state at quiet points between steps, and every
+// operation of one owner is serialised by its agent; etcd's own linearizability is etcd's
+// to prove. The seed is printed on failure; LEASEHOLD_MODEL_SEED replays it and
+// LEASEHOLD_MODEL_STEPS runs longer (make soak).
+func TestModelRandomHistories(t *testing.T) {
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("LEASEHOLD_MODEL_SEED"); s != "" {
+		seed, _ = strconv.ParseUint(s, 10, 64)
+	}
+	steps := 150
+	if s := os.Getenv("LEASEHOLD_MODEL_STEPS"); s != "" {
+		steps, _ = strconv.Atoi(s)
+	}
+	m := newModel(t, seed)
+	defer func() {
+		if t.Failed() {
+			t.Logf("replay with LEASEHOLD_MODEL_SEED=%d; last steps:\n%s", seed, m.tail(400))
+		}
+	}()
+	for i := range steps {
+		m.step(i)
+		m.check()
+		if t.Failed() {
+			return
+		}
+	}
+	t.Logf("seed %d: %d steps, %d ADDs, %d DELs, %d GCs, %d restarts, %d lease losses", seed, steps,
+		m.count["add"], m.count["del"], m.count["gc"], m.count["restart"], m.count["lose"])
+}
+
+const modelQuarantine = 2 * time.Second
+
+type modelNode struct {
+	name, uid, state string
+	agent            *Agent
+}
+
+type attKey struct{ owner, ifName string }
+
+type model struct {
+	t       *testing.T
+	rng     *rand.Rand
+	cluster string
+	pool    allocator.PoolSpec
+	cli     *clientv3.Client
+	nodes   []*modelNode
+	home    map[string]int           // owner -> node index
+	held    map[attKey][]netip.Addr  // what the model believes each attachment holds
+	ctr     map[attKey]string        // its container ID
+	freed   map[netip.Addr]time.Time // address -> when its holder released it
+	history []string
+	count   map[string]int
+	mu      sync.Mutex
+}
+
+func newModel(t *testing.T, seed uint64) *model {
+	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: uniq("model"),
+		pool: allocator.PoolSpec{Name: uniq("mp"), Ranges: []allocator.RangeSet{
+			{{Subnet: netip.MustParsePrefix("10.77.0.0/27")}}, // 29 addresses for 24 owners x 2 interfaces: exhaustion happens
+			{{Subnet: netip.MustParsePrefix("fd77::/120")}},
+		}},
+		cli: newClient(t), home: map[string]int{}, held: map[attKey][]netip.Addr{}, ctr: map[attKey]string{},
+		freed: map[netip.Addr]time.Time{}, count: map[string]int{}}
+	for i := range 3 {
+		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
+		n.agent = m.start(n)
+		m.nodes = append(m.nodes, n)
+	}
+	return m
+}
+
+func (m *model) start(n *modelNode) *Agent {
+	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
+		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
+	})
+}
+
+func (m *model) log(format string, args ...any) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.history = append(m.history, fmt.Sprintf(format, args...))
+}
+
+func (m *model) tail(n int) string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return strings.Join(m.history[max(0, len(m.history)-n):], "\n")
+}
+
+func (m *model) req(k attKey, container string) allocator.Request {
+	return allocator.Request{Network: m.pool.Name, Pool: m.pool, ContainerID: container, IfName: k.ifName,
+		Pod: allocator.PodRef{UID: k.owner, Namespace: "ns", Name: k.owner}}
+}
+
+// step runs one to three random operations at once, on distinct owners.
+func (m *model) step(i int) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	switch r := m.rng.IntN(100); {
+	case r < 4:
+		m.restart(i)
+		return
+	case r < 8:
+		m.lose(ctx, i)
+		return
+	case r < 11:
+		m.gc(ctx, i)
+		return
+	}
+	// Plan the whole step first: its operations run at once on distinct owners.
+	type planned struct {
+		node *modelNode
+		k    attKey
+		op   int
+		roll int // drawn here, not in the goroutine: the generator is not shared
+	}
+	var plan []planned
+	used := map[string]bool{}
+	for range 1 + m.rng.IntN(3) {
+		k := attKey{owner: fmt.Sprintf("pod%02d", m.rng.IntN(24)), ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
+		if used[k.owner] {
+			continue
+		}
+		used[k.owner] = true
+		if _, ok := m.home[k.owner]; !ok {
+			m.home[k.owner] = m.rng.IntN(len(m.nodes))
+		}
+		plan = append(plan, planned{m.nodes[m.home[k.owner]], k, m.rng.IntN(10), m.rng.IntN(4)})
+	}
+	var wg sync.WaitGroup
+	for _, p := range plan {
+		wg.Go(func() { m.do(ctx, i, p.node, p.k, p.op, p.roll, used) })
+	}
+	wg.Wait()
+}
+
+// do runs one operation; busy names the owners with an operation in this step (their keys
+// may change concurrently, so the DEL check leaves them out).
+func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, roll int, busy map[string]bool) {
+	m.mu.Lock()
+	held, have := m.held[k]
+	container := m.ctr[k]
+	m.mu.Unlock()
+	switch {
+	case op < 5: // ADD: a new attachment, or a retry of an existing one
+		if !have {
+			container = fmt.Sprintf("%s-%s-%d", k.owner, k.ifName, i)
+		}
+		res, err := node.agent.Add(ctx, m.req(k, container))
+		m.log("%d %s ADD %v %s -> %v %v", i, node.name, k, container, addrs(res), err)
+		m.inc("add")
+		if err != nil {
+			if have {
+				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
+			}
+			return
+		}
+		got := addrs(res)
+		if have && fmt.Sprint(got) != fmt.Sprint(held) {
+			m.t.Errorf("step %d: ADD of %v is not idempotent: had %v, got %v", i, k, held, got)
+		}
+		m.mu.Lock()
+		for _, a := range got {
+			if at, ok := m.freed[a]; ok && !have && time.Since(at) < modelQuarantine {
+				m.t.Errorf("step %d: %s handed to %v %s after its release, inside the %s quarantine", i, a, k, time.Since(at), modelQuarantine)
+			}
+			delete(m.freed, a)
+		}
+		m.held[k], m.ctr[k] = got, container
+		m.mu.Unlock()
+	case op < 8: // DEL, sometimes replayed for an older container (must release nothing)
+		stale := have && roll == 0
+		c := container
+		switch {
+		case !have:
+			c = fmt.Sprintf("%s-%s-never", k.owner, k.ifName) // DEL of what was never added
+		case stale:
+			c = container + "-old" // a replayed DEL of an earlier sandbox
+		}
+		before := m.keysOfOthers(busy)
+		err := node.agent.Del(ctx, m.req(k, c))
+		m.log("%d %s DEL %v %s stale=%v -> %v", i, node.name, k, c, stale || !have, err)
+		m.inc("del")
+		if err != nil {
+			m.t.Errorf("step %d: DEL %v: %v", i, k, err)
+			return
+		}
+		after := m.keysOfOthers(busy)
+		for key, rev := range before {
+			if after[key] != rev {
+				m.t.Errorf("step %d: DEL of %v %s changed another owner's %s", i, k, c, key)
+			}
+		}
+		if have && !stale {
+			m.release(k, held)
+		}
+	default: // CHECK
+		_, err := node.agent.Check(ctx, m.req(k, container))
+		m.log("%d %s CHECK %v -> %v", i, node.name, k, err)
+		if have && err != nil {
+			m.t.Errorf("step %d: CHECK of held %v: %v", i, k, err)
+		}
+	}
+}
+
+func (m *model) inc(what string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.count[what]++
+}
+
+func (m *model) release(k attKey, held []netip.Addr) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, a := range held {
+		m.freed[a] = time.Now()
+	}
+	delete(m.held, k)
+	delete(m.ctr, k)
+}
+
+// restart stops one agent and starts it again with the same identity and state directory.
+func (m *model) restart(i int) {
+	n := m.nodes[m.rng.IntN(len(m.nodes))]
+	n.agent.Close()
+	n.agent = m.start(n)
+	m.log("%d %s RESTART", i, n.name)
+	m.count["restart"]++
+}
+
+// lose revokes one held pod lease behind its agent's back, as etcd does when the agent is
+// away longer than the TTL; the agent must re-claim the pod's addresses.
+func (m *model) lose(ctx context.Context, i int) {
+	owners := make([]string, 0, len(m.home))
+	for owner := range m.home {
+		owners = append(owners, owner)
+	}
+	sort.Strings(owners)
+	start := m.rng.IntN(len(owners) + 1)
+	for j := range owners {
+		owner := owners[(start+j)%len(owners)]
+		ni := m.home[owner]
+		lease, ok := m.nodes[ni].agent.podLease(owner)
+		if !ok {
+			continue
+		}
+		if _, err := m.cli.Revoke(ctx, lease); err != nil {
+			m.t.Fatalf("step %d: revoke: %v", i, err)
+		}
+		m.log("%d LOSE lease of %s on %s", i, owner, m.nodes[ni].name)
+		m.count["lose"]++
+		// The model's expectation stays: the agent re-claims (nobody else can take the
+		// addresses: the pool's other users are this model's agents, which see them in
+		// quarantine or allocated... unless a concurrent ADD wins first; wait for re-claim).
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			if _, ok := m.nodes[ni].agent.podLease(owner); ok {
+				if l, _ := m.nodes[ni].agent.podLease(owner); l != lease {
+					return
+				}
+			}
+			if time.Now().After(deadline) {
+				m.t.Errorf("step %d: lease of %s was never re-claimed", i, owner)
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
+
+// gc runs CNI GC on one node with a random part of its attachments listed as valid.
+func (m *model) gc(ctx context.Context, i int) {
+	ni := m.rng.IntN(len(m.nodes))
+	var valid []allocator.Attachment
+	var dropped []attKey
+	m.mu.Lock()
+	keys := make([]attKey, 0, len(m.ctr))
+	for k := range m.ctr {
+		keys = append(keys, k)
+	}
+	sort.Slice(keys, func(a, b int) bool { return keys[a].owner+keys[a].ifName < keys[b].owner+keys[b].ifName })
+	for _, k := range keys {
+		c := m.ctr[k]
+		if m.home[k.owner] != ni {
+			continue
+		}
+		if m.rng.IntN(2) == 0 {
+			valid = append(valid, allocator.Attachment{ContainerID: c, IfName: k.ifName})
+		} else {
+			dropped = append(dropped, k)
+		}
+	}
+	held := map[attKey][]netip.Addr{}
+	for _, k := range dropped {
+		held[k] = m.held[k]
+	}
+	m.mu.Unlock()
+	err := m.nodes[ni].agent.GC(ctx, allocator.GCRequest{Network: m.pool.Name, Pool: m.pool, ValidAttachments: valid})
+	m.log("%d %s GC valid=%d dropped=%v -> %v", i, m.nodes[ni].name, len(valid), dropped, err)
+	m.count["gc"]++
+	if err != nil {
+		m.t.Errorf("step %d: GC: %v", i, err)
+	}
+	for _, k := range dropped {
+		m.release(k, held[k])
+	}
+}
+
+// keysOfOthers returns the allocation keys, with their revisions, of owners not in busy.
+func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := m.cli.Get(ctx, IPsPrefix(m.pool.Name), clientv3.WithPrefix())
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, kv := range resp.Kvs {
+		if a, err := decode[Allocation](string(kv.Key), kv.Value); err == nil && !busy[a.Owner] {
+			out[string(kv.Key)] = kv.ModRevision
+		}
+	}
+	return out
+}
+
+// check compares etcd with the model at a quiet point.
+func (m *model) check() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := m.cli.Txn(ctx).Then(
+		clientv3.OpGet(IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	allocLease := map[netip.Addr]int64{}
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+		_, ip, _ := ParseIPKey(string(kv.Key))
+		allocLease[ip] = kv.Lease
+	}
+	namedBy := map[netip.Addr]string{}
+	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			m.t.Error(err)
+			continue
+		}
+		for _, ip := range rec.IPs {
+			if other, dup := namedBy[ip]; dup {
+				m.t.Errorf("%s is named by two owner indexes: %s and %s", ip, other, kv.Key)
+			}
+			namedBy[ip] = string(kv.Key)
+			if allocLease[ip] != kv.Lease {
+				m.t.Errorf("%s: owner index %s on lease %x, allocation on %x", ip, kv.Key, kv.Lease, allocLease[ip])
+			}
+		}
+	}
+	for ip := range allocLease {
+		if _, ok := namedBy[ip]; !ok {
+			m.t.Errorf("allocation %s is named by no owner index", ip)
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for k, held := range m.held {
+		for _, ip := range held {
+			if namedBy[ip] != OwnerKey(m.cluster, k.owner, k.ifName, m.pool.Name) {
+				m.t.Errorf("model: %v holds %s, etcd: %q", k, ip, namedBy[ip])
+			}
+		}
+	}
+}
+
+func addrs(res allocator.Result) []netip.Addr {
+	out := make([]netip.Addr, 0, len(res.IPs))
+	for _, c := range res.IPs {
+		out = append(out, c.Address.Addr())
+	}
+	return out
+}
