@@ -1,12 +1,16 @@
 package leases
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"net/netip"
+	"slices"
 	"sort"
+	"strings"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -22,9 +26,237 @@ type AllocationEntry struct {
 	Key   string `json:"key"`
 	// Unreadable is set when the value is not an allocation record.
 	Unreadable string `json:"unreadable,omitempty"`
+	// BoundLease, CreateRevision and ModRevision are the key's metadata as etcd reports it.
+	BoundLease     clientv3.LeaseID `json:"-"`
+	CreateRevision int64            `json:"-"`
+	ModRevision    int64            `json:"-"`
+	Raw            []byte           `json:"-"` // the value as stored
 }
 
-// ListPools returns every stored pool definition, sorted by name.
+// Record is one key of a leasehold record type T, decoded, with etcd's metadata.
+type Record[T any] struct {
+	Key   string `json:"key"`
+	Value T      `json:"value"`
+	// Lease is the lease the key is bound to; 0 means none.
+	Lease          clientv3.LeaseID `json:"-"`
+	CreateRevision int64            `json:"-"`
+	ModRevision    int64            `json:"-"`
+	// Unreadable is set (and Value is partial) when the value does not decode as T.
+	Unreadable string `json:"unreadable,omitempty"`
+	Raw        []byte `json:"-"` // the value as stored
+}
+
+// PoolEntry is a stored pool definition. Value is canonical unless Invalid is set.
+type PoolEntry struct {
+	Record[allocator.PoolSpec]
+	// Name is the pool name taken from the key.
+	Name string
+	// Invalid says why the definition cannot be used (it does not canonicalize, or names
+	// another pool than its key).
+	Invalid string
+}
+
+// OwnerEntry is an owner index key owners/<cluster>/<owner>/<ifname>/<pool>.
+type OwnerEntry struct {
+	Record[OwnerRecord]
+	Cluster, Owner, IfName, Pool string
+}
+
+// NodeEntry is a node record nodes/<cluster>/<node>.
+type NodeEntry struct {
+	Record[NodeRecord]
+	Cluster, Node string
+}
+
+// PodEntry is a pod record nodes/<cluster>/<node>/pods/<owner>.
+type PodEntry struct {
+	Record[PodRecord]
+	Cluster, Node, Owner string
+}
+
+// QuarantineEntry is a quarantine key quarantine/<pool>/<ip>.
+type QuarantineEntry struct {
+	Record[QuarantineRecord]
+	Pool string
+	IP   netip.Addr
+}
+
+// ConflictEntry is a conflict record conflicts/<cluster>/<owner>/<ifname>/<pool>.
+type ConflictEntry struct {
+	Record[ConflictRecord]
+	Cluster, Owner, IfName, Pool string
+}
+
+// HostIPEntry is a host address key hostips/<ip>/<cluster>/<node>.
+type HostIPEntry struct {
+	Key           string
+	IP            netip.Addr
+	Cluster, Node string
+	Lease         clientv3.LeaseID
+}
+
+// BadKey is a key inside one of leasehold's key families whose name has not the family's shape.
+type BadKey struct {
+	Key    string
+	Lease  clientv3.LeaseID
+	Reason string
+}
+
+// State is every key under Prefix, read in one request (so at one revision) and sorted by
+// family. Keys of families this version does not know are left out.
+type State struct {
+	Revision    int64
+	Pools       []PoolEntry
+	Allocations []AllocationEntry
+	Owners      []OwnerEntry
+	Nodes       []NodeEntry
+	Pods        []PodEntry
+	Quarantine  []QuarantineEntry
+	Conflicts   []ConflictEntry
+	HostIPs     []HostIPEntry
+	BadKeys     []BadKey
+}
+
+// ReadState reads the whole state at one revision. It fails only when etcd does: values that
+// do not decode are kept with Unreadable set, for doctor to report.
+func ReadState(ctx context.Context, cli *clientv3.Client) (*State, error) {
+	return ReadKeys(ctx, cli, Prefix)
+}
+
+// ReadKeys reads every key under each of prefixes (a full key is its own prefix; prefixes must
+// not overlap) in one transaction, so at one revision, and files them as ReadState does.
+func ReadKeys(ctx context.Context, cli *clientv3.Client, prefixes ...string) (*State, error) {
+	ops := make([]clientv3.Op, len(prefixes))
+	for i, p := range prefixes {
+		ops[i] = clientv3.OpGet(p, clientv3.WithPrefix())
+	}
+	resp, err := cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", strings.Join(prefixes, ", "), err)
+	}
+	st := &State{Revision: resp.Header.Revision}
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			st.add(kv)
+		}
+	}
+	slices.SortFunc(st.Allocations, func(a, b AllocationEntry) int {
+		return cmp.Or(strings.Compare(a.Pool, b.Pool), a.IP.Compare(b.IP))
+	})
+	return st, nil
+}
+
+func record[T any](kv *mvccpb.KeyValue) Record[T] {
+	r := Record[T]{Key: string(kv.Key), Lease: clientv3.LeaseID(kv.Lease), CreateRevision: kv.CreateRevision,
+		ModRevision: kv.ModRevision, Raw: kv.Value}
+	if err := json.Unmarshal(kv.Value, &r.Value); err != nil {
+		r.Unreadable = err.Error()
+	}
+	return r
+}
+
+// add files kv under its family. Etcd returns keys sorted, so every family stays sorted by key.
+func (st *State) add(kv *mvccpb.KeyValue) {
+	key := string(kv.Key)
+	rest := strings.TrimPrefix(key, Prefix)
+	family, rest, _ := strings.Cut(rest, "/")
+	parts := strings.Split(rest, "/")
+	bad := func(reason string) {
+		st.BadKeys = append(st.BadKeys, BadKey{Key: key, Lease: clientv3.LeaseID(kv.Lease), Reason: reason})
+	}
+	switch family {
+	case "pools":
+		if len(parts) != 1 || parts[0] == "" {
+			bad("want " + poolsDir + "<pool>")
+			return
+		}
+		e := PoolEntry{Record: record[allocator.PoolSpec](kv), Name: parts[0]}
+		if e.Unreadable == "" {
+			if err := e.Value.Canonicalize(); err != nil {
+				e.Invalid = err.Error()
+			} else if e.Value.Name != e.Name {
+				e.Invalid = fmt.Sprintf("the definition names pool %q, not %q", e.Value.Name, e.Name)
+			}
+		}
+		st.Pools = append(st.Pools, e)
+	case "ips":
+		e, err := allocationEntry(kv)
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Allocations = append(st.Allocations, e)
+	case "owners":
+		c, o, i, p, err := ParseOwnerKey(key)
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Owners = append(st.Owners, OwnerEntry{Record: record[OwnerRecord](kv), Cluster: c, Owner: o, IfName: i, Pool: p})
+	case "nodes":
+		switch {
+		case len(parts) == 2:
+			st.Nodes = append(st.Nodes, NodeEntry{Record: record[NodeRecord](kv), Cluster: parts[0], Node: parts[1]})
+		case len(parts) == 4 && parts[2] == "pods":
+			st.Pods = append(st.Pods, PodEntry{Record: record[PodRecord](kv), Cluster: parts[0], Node: parts[1], Owner: parts[3]})
+		default:
+			bad("want " + nodesDir + "<cluster>/<node> or " + nodesDir + "<cluster>/<node>/pods/<owner>")
+		}
+	case "quarantine":
+		pool, ip, err := ParseQuarantineKey(key)
+		if err == nil && (QuarantineKey(pool, ip) != key || ip.Is4In6() || ip.Zone() != "") {
+			err = fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip)
+		}
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[QuarantineRecord](kv), Pool: pool, IP: ip})
+	case "conflicts":
+		if len(parts) != 4 {
+			bad("want " + conflictsDir + "<cluster>/<owner>/<ifname>/<pool>")
+			return
+		}
+		st.Conflicts = append(st.Conflicts, ConflictEntry{Record: record[ConflictRecord](kv),
+			Cluster: parts[0], Owner: parts[1], IfName: parts[2], Pool: parts[3]})
+	case "hostips":
+		ip, err := netip.ParseAddr(parts[0])
+		if err != nil || len(parts) != 3 {
+			bad("want " + hostIPsDir + "<ip>/<cluster>/<node>")
+			return
+		}
+		st.HostIPs = append(st.HostIPs, HostIPEntry{Key: key, IP: ip, Cluster: parts[1], Node: parts[2], Lease: clientv3.LeaseID(kv.Lease)})
+	}
+}
+
+// allocationEntry decodes an allocation key; an error means the key itself is malformed.
+func allocationEntry(kv *mvccpb.KeyValue) (AllocationEntry, error) {
+	key := string(kv.Key)
+	p, ip, err := ParseIPKey(key)
+	if err != nil {
+		return AllocationEntry{}, err
+	}
+	if IPKey(p, ip) != key || ip.Is4In6() || ip.Zone() != "" {
+		return AllocationEntry{}, fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip.Unmap().WithZone(""))
+	}
+	e := AllocationEntry{Pool: p, IP: ip, Lease: LeaseHex(clientv3.LeaseID(kv.Lease)), Key: key,
+		BoundLease: clientv3.LeaseID(kv.Lease), CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}
+	if err := json.Unmarshal(kv.Value, &e.Allocation); err != nil {
+		e.Unreadable = err.Error()
+	}
+	return e, nil
+}
+
+// Pool returns the stored definition of name, if the state has one.
+func (st *State) Pool(name string) (PoolEntry, bool) {
+	if i := slices.IndexFunc(st.Pools, func(p PoolEntry) bool { return p.Name == name }); i >= 0 {
+		return st.Pools[i], true
+	}
+	return PoolEntry{}, false
+}
+
+// ListPools returns every stored pool definition, sorted by name. An unreadable definition
+// fails the whole list, naming the key.
 func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec, error) {
 	resp, err := cli.Get(ctx, PoolsPrefix(), clientv3.WithPrefix())
 	if err != nil {
@@ -32,40 +264,135 @@ func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec,
 	}
 	out := make([]allocator.PoolSpec, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
-		var spec allocator.PoolSpec
-		if err := json.Unmarshal(kv.Value, &spec); err != nil {
-			return nil, fmt.Errorf("pool definition %s is unreadable (%w); inspect it with: etcdctl get %s", kv.Key, err, kv.Key)
+		if r := record[allocator.PoolSpec](kv); r.Unreadable == "" {
+			out = append(out, r.Value)
+		} else {
+			return nil, fmt.Errorf("pool definition %s is unreadable (%s); inspect it with: etcdctl get %s", kv.Key, r.Unreadable, kv.Key)
 		}
-		out = append(out, spec)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
 }
 
 // ListAllocations returns the allocations of pool (every pool when pool is ""), sorted by
-// pool and address.
+// pool and address. Keys that are not allocation keys are skipped.
 func ListAllocations(ctx context.Context, cli *clientv3.Client, pool string) ([]AllocationEntry, error) {
-	resp, err := cli.Get(ctx, IPsPrefix(pool), clientv3.WithPrefix())
+	st, err := ReadKeys(ctx, cli, IPsPrefix(pool))
 	if err != nil {
-		return nil, fmt.Errorf("list allocations: %w", err)
+		return nil, err
 	}
-	out := make([]AllocationEntry, 0, len(resp.Kvs))
-	for _, kv := range resp.Kvs {
-		p, ip, err := ParseIPKey(string(kv.Key))
-		if err != nil {
+	return st.Allocations, nil
+}
+
+// LeaseTTL is a lease's remaining and granted TTL in seconds. TTL is -1 when the key has no
+// lease or etcd no longer has the lease.
+type LeaseTTL struct {
+	TTL        int64 `json:"ttl"`
+	GrantedTTL int64 `json:"grantedTTL"`
+}
+
+// TimeToLive asks etcd how long lease has left; a lease etcd does not know is TTL -1, not an
+// error. Lease 0 (no lease) is TTL -1 without a request.
+func TimeToLive(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseID) (LeaseTTL, error) {
+	if lease == 0 {
+		return LeaseTTL{TTL: -1}, nil
+	}
+	resp, err := cli.TimeToLive(ctx, lease)
+	if isLeaseNotFound(err) {
+		return LeaseTTL{TTL: -1}, nil
+	}
+	if err != nil {
+		return LeaseTTL{}, fmt.Errorf("look up lease %s: %w", LeaseHex(lease), err)
+	}
+	return LeaseTTL{TTL: resp.TTL, GrantedTTL: resp.GrantedTTL}, nil
+}
+
+// readPool reads a pool's definition and every allocation of the pool in one transaction.
+func readPool(ctx context.Context, cli *clientv3.Client, pool string) (PoolEntry, []AllocationEntry, int64, error) {
+	if err := allocator.ValidateName("pool", pool); err != nil {
+		return PoolEntry{}, nil, 0, err
+	}
+	st, err := ReadKeys(ctx, cli, PoolKey(pool), IPsPrefix(pool))
+	if err != nil {
+		return PoolEntry{}, nil, 0, err
+	}
+	p, ok := st.Pool(pool)
+	switch {
+	case !ok:
+		return PoolEntry{}, nil, 0, fmt.Errorf("%w: pool %s has no definition (%s); see leaseholdctl pool list", ErrNotFound, pool, PoolKey(pool))
+	case p.Unreadable != "":
+		return PoolEntry{}, nil, 0, fmt.Errorf("pool definition %s is unreadable (%s); inspect it with: etcdctl get %s", p.Key, p.Unreadable, p.Key)
+	case p.Invalid != "":
+		return PoolEntry{}, nil, 0, fmt.Errorf("pool definition %s is invalid: %s", p.Key, p.Invalid)
+	}
+	return p, st.Allocations, st.Revision, nil
+}
+
+// setFor returns the range set of spec that r belongs to: set itself when it is >= 0, else the
+// only set of r's address family.
+func setFor(spec allocator.PoolSpec, set int, r allocator.Range) (int, error) {
+	if set >= 0 {
+		if set >= len(spec.Ranges) {
+			return 0, fmt.Errorf("%w: pool %s has range sets 0-%d, not %d; a new range set would change what every "+
+				"attachment gets, so define a new pool for it", allocator.ErrInvalidConfig, spec.Name, len(spec.Ranges)-1, set)
+		}
+		return set, nil
+	}
+	fam := allocator.RangeSet{r}.Family()
+	found := -1
+	for i, s := range spec.Ranges {
+		if s.Family() == fam {
+			if found >= 0 {
+				return 0, fmt.Errorf("%w: pool %s has several IPv%d range sets (%d and %d); say which with --set",
+					allocator.ErrInvalidConfig, spec.Name, fam, found, i)
+			}
+			found = i
+		}
+	}
+	if found < 0 {
+		return 0, fmt.Errorf("%w: pool %s has no IPv%d range set", allocator.ErrInvalidConfig, spec.Name, fam)
+	}
+	return found, nil
+}
+
+// findRange locates the range match names in spec.
+func findRange(spec allocator.PoolSpec, set int, match allocator.Range) (int, int, error) {
+	sub := match.Subnet.Masked()
+	var found [][2]int
+	for i, s := range spec.Ranges {
+		if set >= 0 && i != set {
 			continue
 		}
-		e := AllocationEntry{Pool: p, IP: ip, Lease: fmt.Sprintf("%x", kv.Lease), Key: string(kv.Key)}
-		if err := json.Unmarshal(kv.Value, &e.Allocation); err != nil {
-			e.Unreadable = err.Error()
+		for j, r := range s {
+			if r.Subnet == sub && (!match.RangeStart.IsValid() || r.RangeStart == match.RangeStart) {
+				found = append(found, [2]int{i, j})
+			}
 		}
-		out = append(out, e)
 	}
-	sort.Slice(out, func(i, j int) bool {
-		if out[i].Pool != out[j].Pool {
-			return out[i].Pool < out[j].Pool
+	switch {
+	case len(found) == 0:
+		return 0, 0, fmt.Errorf("%w: no range with subnet %s in %s", ErrNotFound, sub, spec.String())
+	case len(found) > 1:
+		var names []string
+		for _, f := range found {
+			names = append(names, fmt.Sprintf("set %d: %s", f[0], spec.Ranges[f[0]][f[1]]))
 		}
-		return out[i].IP.Less(out[j].IP)
-	})
-	return out, nil
+		return 0, 0, fmt.Errorf("%w: pool %s has several ranges with subnet %s (%s); name one with --set and start=",
+			allocator.ErrInvalidConfig, spec.Name, sub, strings.Join(names, "; "))
+	}
+	i, j := found[0][0], found[0][1]
+	if len(spec.Ranges[i]) == 1 {
+		return 0, 0, fmt.Errorf("%w: range %s is the only one of set %d of pool %s; a range set cannot be empty "+
+			"(removing the set would change what every attachment gets: define a new pool instead)",
+			allocator.ErrInvalidConfig, spec.Ranges[i][j], i, spec.Name)
+	}
+	return i, j, nil
+}
+
+// podName is "namespace/name", or "-" when the runtime named no pod.
+func podName(p allocator.PodRef) string {
+	if p.Name == "" {
+		return "-"
+	}
+	return p.Namespace + "/" + p.Name
 }

@@ -1,96 +1,213 @@
-// Command leaseholdctl is leasehold's admin tool: it reads (and, for repairs, writes)
+// Command leaseholdctl is leasehold's admin tool: it reads, checks and (for repairs) writes
 // leasehold's keys in etcd. Its connection flags follow etcdctl's.
 package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
-	"text/tabwriter"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/leases"
 )
 
-// Exit codes scripts can rely on.
+// version is set at build time (-ldflags -X main.version=...).
+var version = "dev"
+
+// Exit codes scripts can rely on; the usage text documents them.
 const (
-	exitOK    = 0
-	exitError = 1 // the command ran and failed (etcd unreachable, bad data)
-	exitUsage = 2 // the command line is wrong
+	exitOK       = 0
+	exitError    = 1 // the operation failed or was refused
+	exitUsage    = 2 // the command line is wrong
+	exitProblems = 3 // doctor found problems
+	exitNotFound = 4 // the named allocation, pool or range does not exist
 )
 
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-const usage = `leaseholdctl: inspect leasehold's state in etcd
+const usage = `leaseholdctl: inspect, check and repair leasehold's state in etcd
 
-usage: leaseholdctl [flags] COMMAND
+usage: leaseholdctl [flags] COMMAND [ARGS] [flags]   (flags go before or after the command words)
 
-commands:
-  pool list        pool definitions with their ranges and how many addresses are allocated
-  alloc list       allocations (filter with --pool, --node, --owner, --namespace)
+pools:
+  pool list                       every pool, per range set: ranges, size, allocated, quarantined, hosts, free
+  pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster
+  pool create NAME --range SPEC [--range SPEC]... [--exclude CIDR]... [--set N]
+                                  define a pool if absent; an identical definition is a no-op (exit 0),
+                                  a different one is refused showing both (exit 1)
+  pool add-range NAME --range SPEC [--set N]
+                                  add a range to a range set; every allocation is kept
+  pool remove-range NAME --subnet SUBNET[,start=ADDR] [--set N]
+                                  remove a range; refused while it has allocations, listing each holder
+allocations:
+  alloc list                      allocations; filters --pool --cluster --node --owner --namespace
+  alloc show IP [--pool P]        who holds IP (in every pool holding it): owner, pod, node, container,
+                                  interface, network, lease ID and TTL left, created
+  alloc release IP --pool P [--force] [--quarantine 30s]
+                                  release IP with its attachment's owner index and other addresses on the
+                                  same lease, owner-compared; a lease an agent still renews needs --force
+nodes and problems:
+  node list                       agents: identity, version, started, lease TTL left, last renewal, pods
+  conflicts                       addresses a pod lost to another owner while its lease was lost
+  doctor                          check every invariant; print each problem with the command that fixes it
+  version                         print leaseholdctl's version
 
-flags (etcdctl-compatible; each also read from ETCDCTL_ENDPOINTS, ETCDCTL_CACERT, ...):
+SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
+  --range 10.10.0.0/16,start=10.10.1.0,end=10.10.9.255,gw=10.10.0.1 --range fd10::/64
+  Defaults as host-local's: start = network+1, end = broadcast-1 (IPv4) or the last address, gw =
+  network+1. An attachment gets one address per range set. Ranges without set= go to --set N when
+  given; otherwise ranges of one family form one set, numbered in order of first appearance (the
+  example above makes set 0 IPv4 and set 1 IPv6). add-range and remove-range pick the pool's only
+  set of the range's family unless --set says which.
+--exclude CIDR: an address or prefix never handed out; repeatable or comma-separated.
+--cluster C: alloc list, node list, conflicts and doctor show only cluster C's records; pool show
+  lists only C's holders.
+
+exit codes:
+  0  ok (doctor: no problem found)
+  1  the operation failed or was refused: etcd error, pool defined differently, range in use,
+     live lease without --force, concurrent changes
+  2  usage error: unknown command or flag, flag not valid for the command, malformed argument
+  3  doctor found problems
+  4  not found: alloc show/release of an address without allocation, pool show/add-range/
+     remove-range of an unknown pool or range
+
+flags (connection flags are etcdctl's; each defaults from ETCDCTL_<FLAG>, e.g. ETCDCTL_ENDPOINTS,
+ETCDCTL_USER, ETCDCTL_COMMAND_TIMEOUT):
 `
 
+// globals are the parsed flags.
 type globals struct {
-	endpoints, cacert, cert, key, user string
-	output, pool, node, owner, ns      string
-	cluster                            string
-	timeout                            time.Duration
+	endpoints, cacert, cert, key, user, password string
+	dialTimeout, timeout                         time.Duration
+	output, cluster                              string
+	pool, node, owner, ns                        string
+	ranges, excludes                             listFlag
+	set                                          int
+	subnet                                       string
+	force                                        bool
+	quarantine                                   time.Duration
 }
 
-func run(args []string, stdout, stderr io.Writer) int {
-	g := globals{}
+// env is what a command runs with.
+type env struct {
+	globals
+	args   []string // positional arguments after the command words
+	cli    *clientv3.Client
+	stdout io.Writer
+	stderr io.Writer
+}
+
+type command struct {
+	words []string
+	args  []string // names of the positional arguments, all required
+	flags []string // command flags it accepts besides the connection flags and -o
+	run   func(ctx context.Context, e *env) error
+}
+
+var commands = []command{
+	{words: []string{"pool", "list"}, run: poolList},
+	{words: []string{"pool", "show"}, args: []string{"NAME"}, flags: []string{"cluster"}, run: poolShow},
+	{words: []string{"pool", "create"}, args: []string{"NAME"}, flags: []string{"range", "exclude", "set"}, run: poolCreate},
+	{words: []string{"pool", "add-range"}, args: []string{"NAME"}, flags: []string{"range", "set"}, run: poolAddRange},
+	{words: []string{"pool", "remove-range"}, args: []string{"NAME"}, flags: []string{"subnet", "set"}, run: poolRemoveRange},
+	{words: []string{"alloc", "list"}, flags: []string{"pool", "cluster", "node", "owner", "namespace"}, run: allocList},
+	{words: []string{"alloc", "show"}, args: []string{"IP"}, flags: []string{"pool"}, run: allocShow},
+	{words: []string{"alloc", "release"}, args: []string{"IP"}, flags: []string{"pool", "force", "quarantine"}, run: allocRelease},
+	{words: []string{"node", "list"}, flags: []string{"cluster"}, run: nodeList},
+	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
+	{words: []string{"doctor"}, flags: []string{"cluster"}, run: doctor},
+}
+
+// connFlags may be given with any command; each reads its default from ETCDCTL_<NAME>.
+var connFlags = []string{"endpoints", "cacert", "cert", "key", "user", "password", "dial-timeout", "command-timeout"}
+
+func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("leaseholdctl", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() { fmt.Fprint(stderr, usage); fs.PrintDefaults() }
-	fs.StringVar(&g.endpoints, "endpoints", env("ETCDCTL_ENDPOINTS", "http://127.0.0.1:2379"), "comma-separated etcd client URLs")
-	fs.StringVar(&g.cacert, "cacert", os.Getenv("ETCDCTL_CACERT"), "CA bundle of etcd's server certificate")
-	fs.StringVar(&g.cert, "cert", os.Getenv("ETCDCTL_CERT"), "client certificate")
-	fs.StringVar(&g.key, "key", os.Getenv("ETCDCTL_KEY"), "client key")
-	fs.StringVar(&g.user, "user", os.Getenv("ETCDCTL_USER"), "etcd user as NAME:PASSWORD")
+	fs.StringVar(&g.endpoints, "endpoints", "http://127.0.0.1:2379", "comma-separated etcd client URLs")
+	fs.StringVar(&g.cacert, "cacert", "", "CA bundle that signed etcd's server certificate")
+	fs.StringVar(&g.cert, "cert", "", "client certificate (with --key)")
+	fs.StringVar(&g.key, "key", "", "client key")
+	fs.StringVar(&g.user, "user", "", "etcd user as NAME:PASSWORD (or NAME with --password)")
+	fs.StringVar(&g.password, "password", "", "etcd password, when --user has none")
+	fs.DurationVar(&g.dialTimeout, "dial-timeout", 5*time.Second, "how long to wait for the first connection")
 	fs.DurationVar(&g.timeout, "command-timeout", 10*time.Second, "timeout of the whole command")
+	fs.StringVar(&g.output, "o", "table", "output: table or json (also --output, -w, --write-out)")
+	fs.StringVar(&g.output, "output", "table", "same as -o")
+	fs.StringVar(&g.output, "w", "table", "same as -o")
+	fs.StringVar(&g.output, "write-out", "table", "same as -o")
 	fs.StringVar(&g.cluster, "cluster", "", "only this cluster's records (default: all clusters)")
-	fs.StringVar(&g.output, "o", "table", "output format: table or json")
-	fs.StringVar(&g.pool, "pool", "", "alloc list: only this pool")
+	fs.StringVar(&g.pool, "pool", "", "alloc list/show: only this pool; alloc release: the pool (required)")
 	fs.StringVar(&g.node, "node", "", "alloc list: only this node")
 	fs.StringVar(&g.owner, "owner", "", "alloc list: only this owner (pod UID or container ID)")
 	fs.StringVar(&g.ns, "namespace", "", "alloc list: only pods of this namespace")
+	fs.Var(&g.ranges, "range", "pool create/add-range: a range, SUBNET[,start=A][,end=B][,gw=G][,set=N]; repeatable")
+	fs.Var(&g.excludes, "exclude", "pool create: addresses or CIDRs never handed out; repeatable or comma-separated")
+	fs.IntVar(&g.set, "set", -1, "pool create/add-range/remove-range: range set index; -1 picks the set by address family")
+	fs.StringVar(&g.subnet, "subnet", "", "pool remove-range: the range to remove, SUBNET[,start=A]")
+	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive")
+	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release: how long released addresses rest (0s: none)")
+	return fs
+}
+
+// usageError is a wrong command line: exit code 2.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error { return usageError{fmt.Sprintf(format, args...)} }
+
+// errProblems is doctor's result when it found something: exit code 3.
+var errProblems = errors.New("doctor found problems")
+
+func run(args []string, stdout, stderr io.Writer) int {
+	e := &env{stdout: stdout, stderr: stderr}
+	fs := newFlagSet(&e.globals, stderr)
+	for _, name := range connFlags {
+		envName := "ETCDCTL_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+		if v := os.Getenv(envName); v != "" {
+			if err := fs.Set(name, v); err != nil {
+				fmt.Fprintf(stderr, "leaseholdctl: %s=%q: %v\n", envName, v, err)
+				return exitUsage
+			}
+		}
+	}
 	words, err := parseInterspersed(fs, args)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return exitOK
 		}
+		return exitUsage // the flag package has printed the error and the usage
+	}
+	if len(words) == 1 && words[0] == "version" {
+		fmt.Fprintln(stdout, "leaseholdctl", version)
+		return exitOK
+	}
+	cmd, err := pick(fs, e, words)
+	if err != nil {
+		fmt.Fprintf(stderr, "leaseholdctl: %v\n(leaseholdctl -h lists the commands and flags)\n", err)
 		return exitUsage
 	}
-	cmd := strings.Join(words, " ")
-	if g.output != "table" && g.output != "json" {
-		fmt.Fprintf(stderr, "leaseholdctl: -o %q: want table or json\n", g.output)
-		return exitUsage
-	}
-	var do func(context.Context, *clientv3.Client, globals, io.Writer) error
-	switch cmd {
-	case "pool list":
-		do = poolList
-	case "alloc list":
-		do = allocList
-	default:
-		fmt.Fprintf(stderr, "leaseholdctl: unknown command %q\n\n", cmd)
-		fs.Usage()
-		return exitUsage
-	}
-	cc := leases.ClientConfig{Endpoints: strings.Split(g.endpoints, ","), CACert: g.cacert, Cert: g.cert, Key: g.key}
-	if g.user != "" {
-		cc.Username, cc.Password, _ = strings.Cut(g.user, ":")
+	cc := leases.ClientConfig{Endpoints: strings.Split(e.endpoints, ","), CACert: e.cacert, Cert: e.cert, Key: e.key,
+		DialTimeout: e.dialTimeout}
+	if e.user != "" {
+		name, pw, ok := strings.Cut(e.user, ":")
+		if !ok {
+			pw = e.password
+		}
+		cc.Username, cc.Password = name, pw
 	}
 	cli, err := cc.Dial()
 	if err != nil {
@@ -98,13 +215,75 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return exitError
 	}
 	defer cli.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), g.timeout)
+	e.cli = cli
+	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
 	defer cancel()
-	if err := do(ctx, cli, g, stdout); err != nil {
+	err = cmd.run(ctx, e)
+	code := exitCode(err)
+	if err != nil && !errors.Is(err, errProblems) {
 		fmt.Fprintln(stderr, "leaseholdctl:", err)
-		return exitError
 	}
-	return exitOK
+	return code
+}
+
+// pick finds the command words name and checks its arguments and flags.
+func pick(fs *flag.FlagSet, e *env, words []string) (command, error) {
+	if e.output != "table" && e.output != "json" {
+		return command{}, usagef("-o %q: want table or json", e.output)
+	}
+	if len(words) == 0 {
+		return command{}, usagef("no command given")
+	}
+	if e.cluster != "" {
+		if err := allocator.ValidateName("cluster", e.cluster); err != nil {
+			return command{}, usageError{err.Error()}
+		}
+	}
+	for _, c := range commands {
+		if len(words) < len(c.words) || !slices.Equal(words[:len(c.words)], c.words) {
+			continue
+		}
+		name := strings.Join(c.words, " ")
+		e.args = words[len(c.words):]
+		if len(e.args) != len(c.args) {
+			return command{}, usagef("%s takes %s, got %q", name, argsText(c.args), e.args)
+		}
+		var bad []string
+		fs.Visit(func(f *flag.Flag) {
+			if !slices.Contains(connFlags, f.Name) && !slices.Contains([]string{"o", "output", "w", "write-out"}, f.Name) &&
+				!slices.Contains(c.flags, f.Name) {
+				bad = append(bad, "--"+f.Name)
+			}
+		})
+		if len(bad) > 0 {
+			return command{}, usagef("%s does not take %s", name, strings.Join(bad, ", "))
+		}
+		return c, nil
+	}
+	return command{}, usagef("unknown command %q", strings.Join(words, " "))
+}
+
+func argsText(names []string) string {
+	if len(names) == 0 {
+		return "no arguments"
+	}
+	return "one argument, " + strings.Join(names, " ")
+}
+
+// exitCode maps a command's error to the documented exit codes.
+func exitCode(err error) int {
+	var ue usageError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.As(err, &ue):
+		return exitUsage
+	case errors.Is(err, errProblems):
+		return exitProblems
+	case errors.Is(err, leases.ErrNotFound):
+		return exitNotFound
+	}
+	return exitError
 }
 
 // parseInterspersed parses flags placed anywhere, before or after the command words
@@ -121,101 +300,4 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 		words = append(words, fs.Arg(0))
 		args = fs.Args()[1:]
 	}
-}
-
-func env(name, def string) string {
-	if v := os.Getenv(name); v != "" {
-		return v
-	}
-	return def
-}
-
-func poolList(ctx context.Context, cli *clientv3.Client, g globals, w io.Writer) error {
-	pools, err := leases.ListPools(ctx, cli)
-	if err != nil {
-		return err
-	}
-	allocs, err := leases.ListAllocations(ctx, cli, "")
-	if err != nil {
-		return err
-	}
-	used := map[string]int{}
-	for _, a := range allocs {
-		used[a.Pool]++
-	}
-	if g.output == "json" {
-		type row struct {
-			Name      string   `json:"name"`
-			Ranges    any      `json:"ranges"`
-			Exclude   any      `json:"exclude,omitempty"`
-			Size      []string `json:"size"`
-			Allocated int      `json:"allocated"`
-		}
-		rows := make([]row, 0, len(pools))
-		for _, p := range pools {
-			r := row{Name: p.Name, Ranges: p.Ranges, Exclude: p.Exclude, Allocated: used[p.Name]}
-			for _, s := range p.Size() {
-				r.Size = append(r.Size, s.String())
-			}
-			rows = append(rows, r)
-		}
-		return writeJSON(w, rows)
-	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "POOL\tRANGES\tSIZE\tALLOCATED")
-	for _, p := range pools {
-		var sets, sizes []string
-		for i, s := range p.Ranges {
-			sets = append(sets, s.String())
-			sizes = append(sizes, p.SetSize(i).String())
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\n", p.Name, strings.Join(sets, " | "), strings.Join(sizes, "+"), used[p.Name])
-	}
-	return tw.Flush()
-}
-
-func allocList(ctx context.Context, cli *clientv3.Client, g globals, w io.Writer) error {
-	all, err := leases.ListAllocations(ctx, cli, g.pool)
-	if err != nil {
-		return err
-	}
-	rows := all[:0]
-	for _, a := range all {
-		if (g.cluster != "" && a.Cluster != g.cluster) || (g.node != "" && a.Node != g.node) ||
-			(g.owner != "" && a.Owner != g.owner) || (g.ns != "" && a.Pod.Namespace != g.ns) {
-			continue
-		}
-		rows = append(rows, a)
-	}
-	if g.output == "json" {
-		return writeJSON(w, rows)
-	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "POOL\tIP\tCLUSTER\tNODE\tOWNER\tPOD\tCONTAINER\tIFNAME\tLEASE")
-	for _, a := range rows {
-		pod := "-"
-		if a.Pod.Name != "" {
-			pod = a.Pod.Namespace + "/" + a.Pod.Name
-		}
-		if a.Unreadable != "" {
-			fmt.Fprintf(tw, "%s\t%s\t?\t?\t(unreadable: %s)\t\t\t\t%s\n", a.Pool, a.IP, a.Unreadable, a.Lease)
-			continue
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", a.Pool, a.IP, a.Cluster, a.Node, a.Owner, pod,
-			short(a.ContainerID), a.IfName, a.Lease)
-	}
-	return tw.Flush()
-}
-
-func short(id string) string {
-	if len(id) > 12 {
-		return id[:12]
-	}
-	return id
-}
-
-func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
 }

@@ -1,0 +1,222 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/leases"
+)
+
+// checker holds one state read, indexed by key, and the findings so far. Every check reads
+// the same revision, so a finding is never an ADD or DEL seen half-way: each writes all its
+// keys in one transaction.
+type checker struct {
+	st        *leases.State
+	pools     map[string]leases.PoolEntry
+	allocs    map[string]*leases.AllocationEntry
+	pods      map[string]*leases.PodEntry
+	conflicts map[string]*leases.ConflictEntry
+	podSeen   map[string]bool
+	out       []finding
+}
+
+// check runs every invariant check of ARCHITECTURE.md over st.
+func check(st *leases.State) []finding {
+	c := &checker{st: st, pools: map[string]leases.PoolEntry{}, allocs: map[string]*leases.AllocationEntry{},
+		pods: map[string]*leases.PodEntry{}, conflicts: map[string]*leases.ConflictEntry{}, podSeen: map[string]bool{}}
+	for _, p := range st.Pools {
+		c.pools[p.Name] = p
+	}
+	for i := range st.Allocations {
+		c.allocs[st.Allocations[i].Key] = &st.Allocations[i]
+	}
+	for i := range st.Pods {
+		c.pods[st.Pods[i].Key] = &st.Pods[i]
+	}
+	for i := range st.Conflicts {
+		c.conflicts[st.Conflicts[i].Key] = &st.Conflicts[i]
+	}
+	for _, b := range st.BadKeys {
+		c.add(kindBadKey, "", "malformed key: "+b.Reason+"; no leasehold component reads it", delFix(b.Key), b.Key)
+	}
+	c.poolDefs()
+	c.allocations()
+	for i := range st.Owners {
+		c.owner(&st.Owners[i])
+	}
+	c.podRecords()
+	c.leasedRecords()
+	c.duplicates()
+	sortFindings(c.out)
+	return c.out
+}
+
+func (c *checker) add(kind, cluster, msg, fix string, keys ...string) {
+	c.out = append(c.out, finding{Kind: kind, Keys: keys, Cluster: cluster, Message: msg, Fix: fix})
+}
+
+const recreatePool = "; the next ADD of a network whose configuration lists the pool's ranges stores them again, or define it with leaseholdctl pool create"
+
+func (c *checker) poolDefs() {
+	for _, p := range c.st.Pools {
+		switch {
+		case p.Unreadable != "":
+			c.add(kindUnreadable, "", "pool definition is unreadable ("+p.Unreadable+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
+		case p.Invalid != "":
+			c.add(kindPoolInvalid, "", "pool definition is invalid ("+p.Invalid+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
+		case p.Lease != 0:
+			c.add(kindPoolOnLease, "", fmt.Sprintf("pool definition is bound to lease %s: when the lease ends the definition goes with it. Write it again without a lease",
+				leases.LeaseHex(p.Lease)), putFix(p.Key, p.Raw, 0, modGuard(p.Key, p.ModRevision)), p.Key)
+		}
+	}
+}
+
+// ownerKeyOf returns the owner index key of a's attachment, or "" when a names no valid one.
+func (c *checker) ownerKeyOf(a *leases.AllocationEntry) string {
+	for _, n := range []string{a.Cluster, a.Owner, a.IfName} {
+		if allocator.ValidateName("name", n) != nil {
+			return ""
+		}
+	}
+	return leases.OwnerKey(a.Cluster, a.Owner, a.IfName, a.Pool)
+}
+
+func (c *checker) allocations() {
+	owners := map[string]*leases.OwnerEntry{}
+	for i := range c.st.Owners {
+		owners[c.st.Owners[i].Key] = &c.st.Owners[i]
+	}
+	undefined := map[string][]*leases.AllocationEntry{}
+	for i := range c.st.Allocations {
+		a := &c.st.Allocations[i]
+		if a.Unreadable != "" {
+			c.add(kindUnreadable, "", fmt.Sprintf("allocation value is unreadable (%s): nobody can tell who holds %s, and no DEL releases it",
+				a.Unreadable, a.IP), releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
+			continue
+		}
+		ok := c.ownerKeyOf(a)
+		o := owners[ok]
+		names := o != nil && o.Unreadable == "" && slices.Contains(o.Value.IPs, a.IP)
+		who := fmt.Sprintf("%s in pool %s (owner %s, pod %s, node %s)", a.IP, a.Pool, dash(a.Owner), podText(a.Pod), dash(a.Node))
+		switch {
+		case a.BoundLease == 0 && names && o.Lease != 0:
+			c.add(kindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?), so it never expires; "+
+				"its owner index is on lease %s: put it back on that lease", who, leases.LeaseHex(o.Lease)),
+				putFix(a.Key, a.Raw, o.Lease, modGuard(a.Key, a.ModRevision)), a.Key, o.Key)
+		case a.BoundLease == 0:
+			c.add(kindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?) and no owner index on a "+
+				"lease names it: it never expires and no DEL releases it", who), releaseFix(a.IP, a.Pool, 0), a.Key)
+		case !names:
+			why := "there is no owner index " + ok
+			if ok == "" {
+				why = "its cluster, owner or interface is not a valid name"
+			} else if o != nil {
+				why = "owner index " + ok + " does not name it"
+			}
+			c.add(kindOrphan, a.Cluster, fmt.Sprintf("%s is named by no owner index (%s), so the pod's DEL never releases it; it leaves only "+
+				"with lease %s, which the agent renews while the pod runs. Release it once the pod is gone", who, why, a.Lease),
+				releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
+		case o.Lease != 0 && o.Lease != a.BoundLease:
+			c.add(kindLeaseMismatch, a.Cluster, fmt.Sprintf("allocation of %s is on lease %s but its owner index on lease %s: when one lease "+
+				"ends, half the attachment stays. Put the allocation on the owner index's lease", who, a.Lease, leases.LeaseHex(o.Lease)),
+				putFix(a.Key, a.Raw, o.Lease, modGuard(a.Key, a.ModRevision)), a.Key, o.Key)
+		}
+		p, defined := c.pools[a.Pool]
+		switch {
+		case !defined:
+			undefined[a.Pool] = append(undefined[a.Pool], a)
+		case p.Unreadable == "" && p.Invalid == "" && p.Value.Allocatable(a.IP) != nil:
+			c.add(kindOutOfRange, a.Cluster, fmt.Sprintf("%s: %s, so the pool would never hand it out. Release it and recreate the pod "+
+				"(or, if a range was removed by mistake, add it back with leaseholdctl pool add-range)", who, rangeProblem(p.Value, a.IP)),
+				releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
+		}
+	}
+	for _, pool := range sortedKeys(undefined) {
+		list := undefined[pool]
+		keys := make([]string, len(list))
+		cover := map[int][2]netip.Addr{}
+		for i, a := range list {
+			keys[i] = a.Key
+			b, ok := cover[a.IP.BitLen()]
+			if !ok || a.IP.Less(b[0]) {
+				b[0] = a.IP
+			}
+			if !ok || b[1].Less(a.IP) {
+				b[1] = a.IP
+			}
+			cover[a.IP.BitLen()] = b
+		}
+		fix := "leaseholdctl pool create " + pool
+		for _, bits := range []int{32, 128} {
+			if b, ok := cover[bits]; ok {
+				fix += " --range " + covering(b[0], b[1]).String()
+			}
+		}
+		c.add(kindPoolUndefined, "", fmt.Sprintf("%d allocation(s) of pool %s, which has no definition (%s): an ADD naming the pool without "+
+			"ranges fails. Define it with the ranges of the network's CNI configuration; the fix uses the smallest prefixes covering "+
+			"the held addresses", len(list), pool, leases.PoolKey(pool)), fix, keys...)
+	}
+}
+
+// rangeProblem says why spec does not hand out ip.
+func rangeProblem(spec allocator.PoolSpec, ip netip.Addr) string {
+	for _, s := range spec.Ranges {
+		for _, r := range s {
+			if r.Gateway == ip {
+				return "it is the gateway of range " + r.String()
+			}
+		}
+	}
+	for _, x := range spec.Exclude {
+		if x.Contains(ip) {
+			return "it is excluded by " + x.String()
+		}
+	}
+	return "it lies in no range of the pool (" + spec.String() + ")"
+}
+
+// covering is the smallest prefix holding lo and hi, at most /24 (IPv4) or /64 (IPv6): the
+// subnet most networks use, a starting point for the configuration's real ranges.
+func covering(lo, hi netip.Addr) netip.Prefix {
+	bits := 24
+	if lo.Is6() {
+		bits = 64
+	}
+	for ; bits > 0; bits-- {
+		if p := netip.PrefixFrom(lo, bits).Masked(); p.Contains(hi) {
+			return p
+		}
+	}
+	return netip.PrefixFrom(lo, 0).Masked()
+}
+
+// sameAttachment reports whether a names o's attachment.
+func sameAttachment(a *leases.AllocationEntry, o *leases.OwnerEntry) bool {
+	return a.Unreadable == "" && a.Cluster == o.Cluster && a.Owner == o.Owner && a.IfName == o.IfName
+}
+
+// podRef is the pod behind o, from its pod record or one of its allocations.
+func (c *checker) podRef(o *leases.OwnerEntry) allocator.PodRef {
+	if allocator.ValidateName("node", o.Value.Node) == nil {
+		if p := c.pods[leases.PodKey(o.Cluster, o.Value.Node, o.Owner)]; p != nil && p.Unreadable == "" && p.Value.Pod.Name != "" {
+			return p.Value.Pod
+		}
+	}
+	for _, ip := range o.Value.IPs {
+		if a := c.allocs[leases.IPKey(o.Pool, ip)]; a != nil && sameAttachment(a, o) && a.Pod.Name != "" {
+			return a.Pod
+		}
+	}
+	return allocator.PodRef{}
+}
+
+func mustMarshal(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("leaseholdctl: marshal %T: %v", v, err)) // plain records of strings, addresses and times only
+	}
+	return b
+}

@@ -1,0 +1,169 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/leases"
+)
+
+// nodeJSON is one row of node list (-o json: an array of these). A node with pod records but
+// no agent record has Agent false: its agent is gone and its pods' leases run out.
+type nodeJSON struct {
+	Cluster string     `json:"cluster"`
+	Node    string     `json:"node"`
+	Agent   bool       `json:"agent"`
+	UID     string     `json:"uid"`
+	Version string     `json:"version"`
+	Started *time.Time `json:"started"` // null without an agent record
+	LeaseID string     `json:"leaseID"`
+	leases.LeaseTTL
+	// LastRenewedSecondsAgo is the lease's granted TTL minus what is left: how long ago the
+	// agent last renewed it (its keep-alive runs every TTL/3); -1 without a live lease.
+	LastRenewedSecondsAgo int64  `json:"lastRenewedSecondsAgo"`
+	Pods                  int    `json:"pods"`
+	Unreadable            string `json:"unreadable,omitempty"`
+}
+
+// nodeStatuses lists the nodes of st (of cluster only, unless it is ""), asking etcd for the
+// TTL left on each agent's node lease.
+func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *leases.State, cluster string) ([]nodeJSON, error) {
+	byKey := map[string]*nodeJSON{}
+	get := func(c, n string) *nodeJSON {
+		k := c + "/" + n
+		if s, ok := byKey[k]; ok {
+			return s
+		}
+		s := &nodeJSON{Cluster: c, Node: n, LeaseTTL: leases.LeaseTTL{TTL: -1}, LastRenewedSecondsAgo: -1}
+		byKey[k] = s
+		return s
+	}
+	for _, e := range st.Nodes {
+		if cluster != "" && e.Cluster != cluster {
+			continue
+		}
+		s := get(e.Cluster, e.Node)
+		s.Agent, s.Unreadable = true, e.Unreadable
+		started := e.Value.Started
+		s.UID, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Version, &started, leases.LeaseHex(e.Lease)
+		ttl, err := leases.TimeToLive(ctx, cli, e.Lease)
+		if err != nil {
+			return nil, err
+		}
+		s.LeaseTTL = ttl
+		if ttl.TTL >= 0 {
+			s.LastRenewedSecondsAgo = ttl.GrantedTTL - ttl.TTL
+		}
+	}
+	for _, p := range st.Pods {
+		if cluster == "" || p.Cluster == cluster {
+			get(p.Cluster, p.Node).Pods++
+		}
+	}
+	out := make([]nodeJSON, 0, len(byKey))
+	for _, k := range sortedKeys(byKey) {
+		out = append(out, *byKey[k])
+	}
+	return out, nil
+}
+
+func nodeList(ctx context.Context, e *env) error {
+	st, err := leases.ReadKeys(ctx, e.cli, leases.NodesPrefix(e.cluster))
+	if err != nil {
+		return err
+	}
+	rows, err := nodeStatuses(ctx, e.cli, st, e.cluster)
+	if err != nil {
+		return err
+	}
+	if e.output == "json" {
+		return writeJSON(e.stdout, rows)
+	}
+	now := time.Now()
+	t := newTable(e.stdout, "CLUSTER", "NODE", "AGENT", "NODE UID", "VERSION", "STARTED", "LEASE", "TTL LEFT", "LAST RENEWED", "PODS")
+	for _, n := range rows {
+		agent, renewed := "yes", "-"
+		switch {
+		case !n.Agent:
+			agent = "gone"
+		case n.Unreadable != "":
+			agent = "unreadable record"
+		}
+		if n.LastRenewedSecondsAgo >= 0 {
+			renewed = ago(time.Duration(n.LastRenewedSecondsAgo) * time.Second)
+		}
+		started := "-"
+		if n.Started != nil {
+			started = timeText(*n.Started, now)
+		}
+		t.row(n.Cluster, n.Node, agent, dash(n.UID), dash(n.Version), started, dash(n.LeaseID), ttlText(n.TTL, n.GrantedTTL),
+			renewed, strconv.Itoa(n.Pods))
+	}
+	return t.flush()
+}
+
+// conflictJSON is one conflict record as conflicts prints it (-o json: an array of these).
+type conflictJSON struct {
+	Key         string                `json:"key"`
+	Cluster     string                `json:"cluster"`
+	Owner       string                `json:"owner"`
+	IfName      string                `json:"ifName"`
+	Pool        string                `json:"pool"`
+	Node        string                `json:"node"`
+	NodeUID     string                `json:"nodeUID"`
+	ContainerID string                `json:"containerID"`
+	Taken       []leases.TakenByOther `json:"taken"`
+	Detected    time.Time             `json:"detected"`
+	Unreadable  string                `json:"unreadable,omitempty"`
+}
+
+func conflictList(ctx context.Context, e *env) error {
+	st, err := leases.ReadKeys(ctx, e.cli, leases.ConflictsPrefix(e.cluster))
+	if err != nil {
+		return err
+	}
+	rows := []conflictJSON{}
+	for _, c := range st.Conflicts {
+		if e.cluster != "" && c.Cluster != e.cluster {
+			continue
+		}
+		rows = append(rows, conflictJSON{Key: c.Key, Cluster: c.Cluster, Owner: c.Owner, IfName: c.IfName, Pool: c.Pool,
+			Node: c.Value.Node, NodeUID: c.Value.NodeUID, ContainerID: c.Value.ContainerID, Taken: c.Value.Taken,
+			Detected: c.Value.Detected, Unreadable: c.Unreadable})
+	}
+	sort.SliceStable(rows, func(i, j int) bool { return rows[i].Key < rows[j].Key })
+	if e.output == "json" {
+		return writeJSON(e.stdout, rows)
+	}
+	if len(rows) == 0 {
+		fmt.Fprintln(e.stdout, "no conflicts")
+		return nil
+	}
+	now := time.Now()
+	t := newTable(e.stdout, "CLUSTER", "OWNER", "IFNAME", "POOL", "NODE", "CONTAINER", "DETECTED", "TAKEN (ADDRESS: NOW HELD BY)")
+	for _, c := range rows {
+		if c.Unreadable != "" {
+			t.row(c.Cluster, c.Owner, c.IfName, c.Pool, "?", "?", "?", "(unreadable: "+c.Unreadable+")")
+			continue
+		}
+		var taken []string
+		for _, tk := range c.Taken {
+			taken = append(taken, takenText(tk))
+		}
+		t.row(c.Cluster, c.Owner, c.IfName, c.Pool, c.Node, short(c.ContainerID), timeText(c.Detected, now), strings.Join(taken, "; "))
+	}
+	return t.flush()
+}
+
+func takenText(tk leases.TakenByOther) string {
+	if tk.Quarantined {
+		return tk.IP.String() + ": quarantined"
+	}
+	return fmt.Sprintf("%s: owner %s (cluster %s, node %s, container %s)", tk.IP, dash(tk.Holder), dash(tk.Cluster), dash(tk.Node), short(tk.ContainerID))
+}
