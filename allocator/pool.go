@@ -9,6 +9,11 @@ import (
 // MaxNameLen is the longest name ValidateName accepts, in bytes (a DNS name's limit).
 const MaxNameLen = 253
 
+// MaxRangeSets bounds the range sets of a pool: an ADD claims one address from each in one
+// etcd transaction, and etcd refuses transactions of more than 128 operations (its default
+// --max-txn-ops); each address costs three reads in the claim's else branch.
+const MaxRangeSets = 8
+
 // ValidateName checks a name that becomes one component of an etcd key: a pool,
 // cluster or node name, an owner (pod UID), a container ID or an interface name. kind
 // says which, for the error message ("pool", "container ID", ...).
@@ -80,6 +85,11 @@ func (p *PoolSpec) Canonicalize() error {
 	if len(p.Ranges) == 0 {
 		return fmt.Errorf("%w: pool %s has no range sets; give \"ranges\" at least one list of ranges",
 			ErrInvalidConfig, p.Name)
+	}
+	if len(p.Ranges) > MaxRangeSets {
+		return fmt.Errorf("%w: pool %s has %d range sets, more than the %d an attachment may take addresses from "+
+			"(one transaction claims them all, and etcd bounds its size); use fewer lists in \"ranges\"",
+			ErrInvalidConfig, p.Name, len(p.Ranges), MaxRangeSets)
 	}
 	for i, s := range p.Ranges {
 		if err := s.Canonicalize(); err != nil {

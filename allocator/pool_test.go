@@ -3,6 +3,7 @@ package allocator_test
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"math/big"
 	"net/netip"
 	"slices"
@@ -230,5 +231,22 @@ func TestPoolJSONRoundTrip(t *testing.T) {
 	}
 	if err := c.Canonicalize(); err != nil || !c.Equal(p) {
 		t.Errorf("host-local JSON gives %s (%v), want %s", c, err, p)
+	}
+}
+
+// TestTooManyRangeSets: an ADD claims one address per range set in one etcd transaction,
+// which etcd bounds; more sets than MaxRangeSets are refused as configuration, not failed at
+// claim time as "try again later" (found by the hostile-input tests).
+func TestTooManyRangeSets(t *testing.T) {
+	p := allocator.PoolSpec{Name: "many"}
+	for i := range allocator.MaxRangeSets + 1 {
+		p.Ranges = append(p.Ranges, allocator.RangeSet{{Subnet: netip.MustParsePrefix(fmt.Sprintf("10.%d.0.0/24", i))}})
+	}
+	if err := p.Canonicalize(); !errors.Is(err, allocator.ErrInvalidConfig) || !strings.Contains(err.Error(), "more than the 8") {
+		t.Errorf("want ErrInvalidConfig naming the limit, got %v", err)
+	}
+	p.Ranges = p.Ranges[:allocator.MaxRangeSets]
+	if err := p.Canonicalize(); err != nil {
+		t.Errorf("%d range sets must be accepted: %v", allocator.MaxRangeSets, err)
 	}
 }

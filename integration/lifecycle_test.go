@@ -22,7 +22,7 @@ const ttl = 4 * time.Second
 
 // expirySlack is what etcd adds to a TTL before the keys are gone: the leader checks for
 // expired leases every 500 ms and revokes them in rate-limited batches (ARCHITECTURE.md).
-const expirySlack = 3 * time.Second
+const expirySlack = 5 * time.Second
 
 // sandbox creates a real network namespace named after a container, so that the agent's
 // sandbox liveness sees it at /var/run/netns/<container> as the runtime's netns path.
