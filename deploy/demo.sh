@@ -69,7 +69,7 @@ say "leaseholdctl alloc list"
 say "raw keys, as plain etcdctl shows them: etcdctl get --prefix /leasehold/v1/ --keys-only"
 "$BIN/etcdctl" --endpoints "$endpoint" get --prefix /leasehold/v1/ --keys-only | sed '/^$/d'
 say "one allocation's value and its lease"
-key=$("$BIN/etcdctl" --endpoints "$endpoint" get --prefix /leasehold/v1/ips/demo-net/10. --keys-only --limit 1 | head -1)
+key=$("$BIN/etcdctl" --endpoints "$endpoint" get --prefix /leasehold/v1/ips/demo-net/10. --keys-only --limit 1 | sed -n 1p)
 "$BIN/etcdctl" --endpoints "$endpoint" get "$key" --print-value-only
 lease=$("$BIN/etcdctl" --endpoints "$endpoint" get "$key" --print-value-only | sed -n 's/.*"leaseID":"\([0-9a-f]*\)".*/\1/p')
 "$BIN/etcdctl" --endpoints "$endpoint" lease timetolive "$lease" --keys
