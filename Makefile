@@ -9,7 +9,16 @@ TOOLS_MOD := integration/tools
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
-.PHONY: all build tools test test-unit demo bench soak lint clean
+.PHONY: all build tools test test-unit demo bench soak fuzz soak-fuzz lint clean
+
+# Fuzz targets as Name:package. `make fuzz` runs each for FUZZTIME (make test runs it);
+# `make soak-fuzz` runs each for SOAK_FUZZTIME. A failure leaves its input in the
+# package's testdata/fuzz/<Name>/, where it stays as a regression seed.
+FUZZ_TARGETS  := FuzzParseConfig:./cniplugin FuzzParseCNIArgs:./cniplugin \
+                 FuzzWireRequest:./cniplugin/agentapi FuzzServe:./cniplugin/agentapi \
+                 FuzzValidateName:./allocator FuzzKeys:./leases
+FUZZTIME      ?= 5s
+SOAK_FUZZTIME ?= 30m
 
 all: build
 
@@ -42,6 +51,16 @@ $(BIN)/cni/bridge: $(TOOLS_MOD)/go.mod
 # the real plugin binary and the real agent.
 test: build tools
 	LEASEHOLD_BIN=$(BIN) $(GO) test -race -count=1 -timeout 15m ./...
+	$(MAKE) fuzz
+
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		echo "== $${t%%:*} in $${t#*:} for $(FUZZTIME)"; \
+		$(GO) test -run '^$$' -fuzz "^$${t%%:*}\$$" -fuzztime $(FUZZTIME) "$${t#*:}"; \
+	done
+
+soak-fuzz:
+	$(MAKE) fuzz FUZZTIME=$(SOAK_FUZZTIME)
 
 test-unit:
 	$(GO) test -count=1 ./allocator/... ./cniplugin/...

@@ -14,6 +14,15 @@ const MaxNameLen = 253
 // --max-txn-ops); each address costs three reads in the claim's else branch.
 const MaxRangeSets = 8
 
+// MaxRangesPerSet and MaxExcludes bound a pool's definition: canonicalization compares
+// ranges with each other and with the excludes, on every request that carries ranges, so
+// a request with tens of thousands of them could hold a core for seconds (found by the
+// hostile-input tests). Real pools have a handful.
+const (
+	MaxRangesPerSet = 1024
+	MaxExcludes     = 1024
+)
+
 // ValidateName checks a name that becomes one component of an etcd key: a pool,
 // cluster or node name, an owner (pod UID), a container ID or an interface name. kind
 // says which, for the error message ("pool", "container ID", ...).
@@ -85,6 +94,16 @@ func (p *PoolSpec) Canonicalize() error {
 	if len(p.Ranges) == 0 {
 		return fmt.Errorf("%w: pool %s has no range sets; give \"ranges\" at least one list of ranges",
 			ErrInvalidConfig, p.Name)
+	}
+	for i, set := range p.Ranges {
+		if len(set) > MaxRangesPerSet {
+			return fmt.Errorf("%w: pool %s range set %d has %d ranges, more than the %d allowed; "+
+				"merge adjacent ranges into fewer, larger ones", ErrInvalidConfig, p.Name, i, len(set), MaxRangesPerSet)
+		}
+	}
+	if len(p.Exclude) > MaxExcludes {
+		return fmt.Errorf("%w: pool %s has %d exclude entries, more than the %d allowed; exclude whole prefixes instead "+
+			"of single addresses", ErrInvalidConfig, p.Name, len(p.Exclude), MaxExcludes)
 	}
 	if len(p.Ranges) > MaxRangeSets {
 		return fmt.Errorf("%w: pool %s has %d range sets, more than the %d an attachment may take addresses from "+

@@ -1,6 +1,8 @@
 package leases
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -78,6 +80,17 @@ type journal struct {
 
 const journalExt = ".json"
 
+// journalName is the file an owner's state is kept in: the owner itself, or, for owners too
+// long to leave room for the extension and a temporary suffix within a file name's 255
+// bytes, a hash of it (the owner is inside the file either way).
+func journalName(owner string) string {
+	if len(owner) <= 200 {
+		return owner + journalExt
+	}
+	sum := sha256.Sum256([]byte(owner))
+	return "h-" + hex.EncodeToString(sum[:16]) + journalExt
+}
+
 func (j journal) save(ps podState) error {
 	if j.dir == "" {
 		return nil
@@ -86,7 +99,7 @@ func (j journal) save(ps podState) error {
 	if err != nil {
 		return err
 	}
-	final := filepath.Join(j.dir, ps.Owner+journalExt)
+	final := filepath.Join(j.dir, journalName(ps.Owner))
 	tmp := final + ".tmp"
 	if err := os.WriteFile(tmp, b, 0o600); err != nil {
 		return fmt.Errorf("journal %s: %w", final, err)
@@ -101,7 +114,7 @@ func (j journal) remove(owner string) error {
 	if j.dir == "" {
 		return nil
 	}
-	err := os.Remove(filepath.Join(j.dir, owner+journalExt))
+	err := os.Remove(filepath.Join(j.dir, journalName(owner)))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
@@ -131,7 +144,7 @@ func (j journal) load() ([]podState, []error) {
 			continue
 		}
 		var ps podState
-		if err := json.Unmarshal(b, &ps); err != nil || ps.Owner+journalExt != name {
+		if err := json.Unmarshal(b, &ps); err != nil || journalName(ps.Owner) != name {
 			errs = append(errs, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err))
 			continue
 		}

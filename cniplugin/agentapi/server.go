@@ -162,7 +162,11 @@ func (s *server) dispatch(req *WireRequest) WireResponse {
 	}
 	timeout := defaultRequestTime
 	if req.TimeoutMillis > 0 {
-		timeout = min(time.Duration(req.TimeoutMillis)*time.Millisecond, maxRequestTime)
+		// Cap before converting: a huge value would overflow into an expired deadline.
+		timeout = maxRequestTime
+		if req.TimeoutMillis < maxRequestTime.Milliseconds() {
+			timeout = time.Duration(req.TimeoutMillis) * time.Millisecond
+		}
 	}
 	ctx, cancel := context.WithTimeout(s.base, timeout)
 	defer cancel()
