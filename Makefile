@@ -72,13 +72,17 @@ soak:
 demo: build tools
 	BIN=$(BIN) ./deploy/demo.sh
 
-bench:
-	$(GO) test -run '^$$' -bench . -benchmem ./allocator/
+# Go benchmarks (benchstat-friendly), then the side-by-side suite: a real etcd process (fsync on),
+# host-local and the real binaries; writes bench/results/ (results.md, results.csv, the PNG).
+bench: build tools
+	$(GO) test -run '^$$' -bench . -benchmem ./allocator/ ./leases/
+	cd integration/bench && $(GO) run . -bin $(BIN) -out ../../bench/results
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	cd $(TOOLS_MOD) && $(GO) vet ./...
+	cd integration/bench && $(GO) vet ./...
 
 clean:
 	rm -rf $(BIN)

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// etcdProc is bin/etcd running as its own process: a single member, fsync on (etcd's
+// default), its data in a directory of the bench's temporary tree, on free loopback ports.
+type etcdProc struct {
+	URL  string
+	cmd  *exec.Cmd
+	done chan struct{}
+	logs *tailBuffer
+	stop func()
+}
+
+// startEtcd starts a fresh etcd member named name and waits (at most 30 s) until it answers.
+func startEtcd(ctx context.Context, env *env, name string) (*etcdProc, error) {
+	curl, err := freeLoopbackURL()
+	if err != nil {
+		return nil, err
+	}
+	purl, err := freeLoopbackURL()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := env.tempDir("etcd-" + name)
+	if err != nil {
+		return nil, err
+	}
+	e := &etcdProc{URL: curl, logs: newTailBuffer(64 << 10), done: make(chan struct{})}
+	e.cmd = exec.Command(filepath.Join(env.bin, "etcd"),
+		"--name", name, "--data-dir", filepath.Join(dir, "data"),
+		"--listen-client-urls", curl, "--advertise-client-urls", curl,
+		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
+		"--initial-cluster", name+"="+purl, "--log-level", "error")
+	e.cmd.Stdout, e.cmd.Stderr = e.logs, e.logs
+	e.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := e.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", e.cmd.Path, err)
+	}
+	go func() { _ = e.cmd.Wait(); close(e.done) }()
+	e.stop = cleanups.add(func() {
+		_ = e.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-e.done:
+		case <-time.After(10 * time.Second):
+			_ = e.cmd.Process.Kill()
+			<-e.done
+		}
+	})
+	cli, err := e.client()
+	if err != nil {
+		e.stop()
+		return nil, err
+	}
+	defer cli.Close()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		c, cancel := context.WithTimeout(ctx, time.Second)
+		_, err := cli.Get(c, "health")
+		cancel()
+		if err == nil {
+			return e, nil
+		}
+		select {
+		case <-e.done:
+			return nil, fmt.Errorf("etcd exited before answering:\n%s", e.logs)
+		case <-ctx.Done():
+			e.stop()
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			e.stop()
+			return nil, fmt.Errorf("etcd at %s did not answer within 30s: %v\n%s", curl, err, e.logs)
+		}
+	}
+}
+
+// client returns a new client of this member, configured as leaseholdd configures its own.
+func (e *etcdProc) client() (*clientv3.Client, error) {
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: []string{e.URL}, DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialKeepAliveTime: 10 * time.Second, DialKeepAliveTimeout: 5 * time.Second,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("etcd client for %s: %w", e.URL, err)
+	}
+	return cli, nil
+}
+
+// freeLoopbackURL returns http://127.0.0.1:PORT for a port that was free a moment ago.
+func freeLoopbackURL() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("find a free loopback port: %w", err)
+	}
+	defer l.Close()
+	return "http://" + l.Addr().String(), nil
+}

@@ -1,0 +1,124 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"sync/atomic"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/leases"
+)
+
+// figThroughput: ADDs per second through the agent API (unix socket, no process exec), 64
+// at a time, against the floor of the same work: etcd create-if-absent Txns with a lease,
+// 64 at a time, on the same etcd, over one client as the agent has. Rounds alternate, so
+// that load from elsewhere on the machine hits both alike.
+func figThroughput(ctx context.Context, env *env, res *results) error {
+	cfg := env.cfg
+	e, err := startEtcd(ctx, env, "tput")
+	if err != nil {
+		return err
+	}
+	defer e.stop()
+	ag, err := startInproc(ctx, env, e, "tput-node", "", nil)
+	if err != nil {
+		return err
+	}
+	defer ag.close()
+	raw, err := e.client()
+	if err != nil {
+		return err
+	}
+	defer raw.Close()
+	g, err := raw.Grant(ctx, 3600)
+	if err != nil {
+		return err
+	}
+	// The raw Txn writes a value as large as the allocation record an ADD writes.
+	value := string(mustJSON(leases.Allocation{Owner: ids.podUID(), Cluster: "default", Node: "tput-node", NodeUID: "uid-tput-node",
+		Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
+		IfName: "eth0", Network: "tput", LeaseID: leases.LeaseHex(g.ID), Created: time.Now().UTC()}))
+	var seq atomic.Int64
+	rawOp := func(ctx context.Context) error {
+		key := fmt.Sprintf("/bench/raw/%d", seq.Add(1))
+		c, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		resp, err := raw.Txn(c).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, value, clientv3.WithLease(g.ID))).Commit()
+		if err == nil && !resp.Succeeded {
+			err = fmt.Errorf("raw txn on %s did not succeed", key)
+		}
+		return err
+	}
+	pool := allocator.PoolSpec{Name: "tput", Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.60.0.0/14")}}}}
+	cl := ag.client()
+	agentOp := func(ctx context.Context) error {
+		_, err := cl.Add(ctx, podRequest(pool, env.netns))
+		return err
+	}
+	if err := agentOp(ctx); err != nil { // defines the pool and lists it into the view
+		return err
+	}
+	time.Sleep(200 * time.Millisecond)
+	var rawAll, agAll loadResult
+	var rawCPU, agCPU cpuSplit
+	for round := range cfg.tputRounds {
+		c0 := e.cpu()
+		r, err := closedLoop(ctx, cfg.tputConc, cfg.tputDur, rawOp)
+		if err != nil {
+			return fmt.Errorf("raw etcd: %w", err)
+		}
+		c1 := e.cpu()
+		a, err := closedLoop(ctx, cfg.tputConc, cfg.tputDur, agentOp)
+		if err != nil {
+			return fmt.Errorf("agent: %w", err)
+		}
+		c2 := e.cpu()
+		rawCPU, agCPU = rawCPU.plus(c1.minus(c0)), agCPU.plus(c2.minus(c1))
+		progress("throughput round %d: raw etcd Txn %.0f/s, agent ADD %.0f/s (p50 %.1f ms, p99 %.1f ms); CPU/op raw: etcd %.0f µs, bench %.0f µs; agent: etcd %.0f µs, bench %.0f µs",
+			round+1, r.rate(), a.rate(), ms(a.lat.pct(50)), ms(a.lat.pct(99)),
+			us(c1.minus(c0).etcd)/float64(r.ops), us(c1.minus(c0).self)/float64(r.ops), us(c2.minus(c1).etcd)/float64(a.ops), us(c2.minus(c1).self)/float64(a.ops))
+		rawAll.ops, rawAll.elapsed, rawAll.lat = rawAll.ops+r.ops, rawAll.elapsed+r.elapsed, append(rawAll.lat, r.lat...)
+		agAll.ops, agAll.elapsed, agAll.lat = agAll.ops+a.ops, agAll.elapsed+a.elapsed, append(agAll.lat, a.lat...)
+	}
+	m, err := gather(ag.agent.Metrics())
+	if err != nil {
+		return err
+	}
+	retries := sum(m, "leasehold_cas_retries_total", nil)
+	r := row{Figure: fmt.Sprintf("agent API throughput, %d concurrent ADDs", cfg.tputConc), Leasehold: agAll.rate(), Peer: rawAll.rate(),
+		hasPeer: true, Unit: "/s", PeerName: "raw etcd Txn", Target: ">= 0.5x raw etcd"}
+	q, _ := r.ratio()
+	r.judge(q >= 0.5)
+	res.add(r)
+	res.note("Throughput CPU per operation (2 shared cores): raw Txn: etcd %.0f µs, bench process (client) %.0f µs; "+
+		"agent ADD: etcd %.0f µs, bench process (agent + socket client) %.0f µs.",
+		us(rawCPU.etcd)/float64(rawAll.ops), us(rawCPU.self)/float64(rawAll.ops), us(agCPU.etcd)/float64(agAll.ops), us(agCPU.self)/float64(agAll.ops))
+	res.note("Throughput: %d workers back to back for %d alternating rounds of %s each. Agent: an in-process agent (leases.Start, "+
+		"its own clientv3 client, leaseholdd's defaults) served on a unix socket by agentapi.Serve, driven through agentapi.Client; "+
+		"every ADD is a new pod (a lease from the keeper, the claim Txn, the journal file); %d ADDs, p50 %.1f ms, p99 %.1f ms, "+
+		"%.0f CAS retries. Raw: `If CreateRevision(key)==0 Then Put(key, %d-byte value, WithLease)` on one pre-granted lease, "+
+		"one client; %d Txns, p50 %.1f ms, p99 %.1f ms.",
+		cfg.tputConc, cfg.tputRounds, cfg.tputDur, agAll.ops, ms(agAll.lat.pct(50)), ms(agAll.lat.pct(99)), retries, len(value),
+		rawAll.ops, ms(rawAll.lat.pct(50)), ms(rawAll.lat.pct(99)))
+	return nil
+}
+
+// cpuSplit is CPU time used by etcd and by the bench process (in-process agents and clients).
+type cpuSplit struct{ etcd, self time.Duration }
+
+func (c cpuSplit) minus(o cpuSplit) cpuSplit { return cpuSplit{c.etcd - o.etcd, c.self - o.self} }
+func (c cpuSplit) plus(o cpuSplit) cpuSplit  { return cpuSplit{c.etcd + o.etcd, c.self + o.self} }
+
+func (e *etcdProc) cpu() cpuSplit {
+	et, _ := cpuTime(e.cmd.Process.Pid)
+	st, _ := cpuTime(os.Getpid())
+	return cpuSplit{et, st}
+}
+
+func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond) }

@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/leases"
+)
+
+// floor decomposes a plugin ADD at the empty pool. In the same loop as the plugin ADD
+// samples, and so under the same load, it measures: the plugin's VERSION (process start
+// and exit), the same ADD sent to the same leaseholdd through its socket without a process
+// (agent + etcd), the etcd transaction an ADD commits replayed bare (same compares, puts
+// and else branch, on a pool no agent watches), and the floor the issue names: a bare
+// create-if-absent Put with a lease.
+type floor struct {
+	s       *sweep
+	lease   clientv3.LeaseID
+	pool    allocator.PoolSpec
+	cl      *agentapi.Client
+	value   string
+	next    netip.Addr
+	i       int
+	e0      []sample
+	version durations
+	api     durations
+	claim   durations
+	bare    durations
+}
+
+const floorPool = "floor"
+
+func (s *sweep) newFloor(ctx context.Context) (*floor, error) {
+	g, err := s.cli.Grant(ctx, 3600)
+	if err != nil {
+		return nil, err
+	}
+	e0, err := scrape(ctx, s.etcd.URL+"/metrics")
+	if err != nil {
+		return nil, err
+	}
+	return &floor{
+		s: s, lease: g.ID, e0: e0, next: netip.MustParseAddr("10.98.0.2"),
+		pool: allocator.PoolSpec{Name: sweepPool, Ranges: []allocator.RangeSet{{{Subnet: s.env.cfg.sweepSubnet}}}},
+		cl:   &agentapi.Client{Socket: s.agent.Socket, Timeout: 30 * time.Second},
+		value: string(mustJSON(leases.Allocation{Owner: ids.podUID(), Cluster: "default", Node: sweepNode, NodeUID: "uid-" + sweepNode,
+			Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
+			IfName: "eth0", Network: sweepPool, LeaseID: leases.LeaseHex(g.ID), Created: time.Now().UTC()})),
+	}, nil
+}
+
+// sample takes one measurement of each part.
+func (f *floor) sample(ctx context.Context) error {
+	s := f.s
+	_, took, err := s.lh.run(ctx, call{command: "VERSION", conf: []byte(`{"cniVersion":"1.1.0"}`)})
+	if err != nil {
+		return err
+	}
+	f.version = append(f.version, took)
+
+	t := time.Now()
+	r, err := f.cl.Add(ctx, podRequest(f.pool, s.env.netns))
+	f.api = append(f.api, time.Since(t))
+	if err != nil {
+		return err
+	}
+	for _, ip := range r.IPs {
+		s.lhSpace.mark(ip.Address.Addr())
+	}
+
+	c, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	// The claim an ADD of a new pod commits (leases/add.go), on its own pool.
+	owner, container, addr := ids.podUID(), ids.containerID(), f.next
+	f.next = f.next.Next()
+	ownerKey := leases.OwnerKey("default", owner, "eth0", floorPool)
+	podKey := leases.PodKey("default", "floor-node", owner)
+	ipKey, qKey, hostPrefix := leases.IPKey(floorPool, addr), leases.QuarantineKey(floorPool, addr), leases.HostIPPrefix(addr)
+	with := clientv3.WithLease(f.lease)
+	now := time.Now().UTC()
+	pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}
+	t = time.Now()
+	resp, err := s.cli.Txn(c).If(
+		clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0),
+		clientv3.Compare(clientv3.ModRevision(leases.PoolKey(floorPool)), "=", 0),
+		clientv3.Compare(clientv3.CreateRevision(podKey), "=", 0),
+		clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
+		clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0),
+		clientv3.Compare(clientv3.CreateRevision(hostPrefix), "=", 0).WithPrefix(),
+	).Then(
+		clientv3.OpPut(podKey, string(mustJSON(leases.PodRecord{Owner: owner, Pod: pod, NodeUID: "uid-floor-node",
+			LeaseID: leases.LeaseHex(f.lease), Netns: s.env.netns, ContainerID: container, Created: now})), with),
+		clientv3.OpPut(ipKey, string(mustJSON(leases.Allocation{Owner: owner, Cluster: "default", Node: "floor-node",
+			NodeUID: "uid-floor-node", Pod: pod, ContainerID: container, IfName: "eth0", Network: floorPool,
+			LeaseID: leases.LeaseHex(f.lease), Created: now})), with),
+		clientv3.OpPut(ownerKey, string(mustJSON(leases.OwnerRecord{IPs: []netip.Addr{addr}, ContainerID: container,
+			Network: floorPool, Node: "floor-node", NodeUID: "uid-floor-node", LeaseID: leases.LeaseHex(f.lease), Created: now})), with),
+	).Else(
+		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(leases.PoolKey(floorPool), clientv3.WithKeysOnly()),
+		clientv3.OpGet(ipKey), clientv3.OpGet(qKey), clientv3.OpGet(hostPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)),
+	).Commit()
+	f.claim = append(f.claim, time.Since(t))
+	if err != nil || !resp.Succeeded {
+		return fmt.Errorf("claim-shaped txn: %v", err)
+	}
+
+	key := fmt.Sprintf("/bench/floor/%d", f.i)
+	f.i++
+	t = time.Now()
+	resp, err = s.cli.Txn(c).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+		Then(clientv3.OpPut(key, f.value, clientv3.WithLease(f.lease))).Commit()
+	f.bare = append(f.bare, time.Since(t))
+	if err != nil || !resp.Succeeded {
+		return fmt.Errorf("bare txn: %v", err)
+	}
+	return nil
+}
+
+// report adds the decomposition to the results.
+func (f *floor) report(ctx context.Context, res *results, plugin durations) error {
+	e1, err := scrape(ctx, f.s.etcd.URL+"/metrics")
+	if err != nil {
+		return err
+	}
+	mean := func(name string) float64 {
+		n := sum(e1, name+"_count", nil) - sum(f.e0, name+"_count", nil)
+		if n == 0 {
+			return 0
+		}
+		return (sum(e1, name+"_sum", nil) - sum(f.e0, name+"_sum", nil)) / n * 1000
+	}
+	fsync := mean("etcd_disk_wal_fsync_duration_seconds")
+	res.add(row{Figure: "agent API ADD p50, empty pool (no process exec)", Leasehold: ms(f.api.pct(50)), Peer: ms(f.bare.pct(50)),
+		hasPeer: true, Unit: "ms", PeerName: "bare etcd create-if-absent Txn"})
+	res.note("What a plugin ADD is made of (empty pool, %d interleaved samples of each, in the loop of the plugin ADD samples): "+
+		"plugin ADD p50 %.2f ms (p90 %.2f); the plugin's VERSION, i.e. process start and exit, p50 %.2f ms; the same ADD sent to the "+
+		"same leaseholdd through its socket without a process p50 %.2f ms (p90 %.2f); the claim transaction an ADD commits (6 compares, "+
+		"3 puts on a lease, else branch), replayed bare against the same etcd, p50 %.2f ms; a bare `If CreateRevision(key)==0 Then "+
+		"Put(key, value, WithLease)` p50 %.2f ms; etcd's WAL fsync averaged %.2f ms meanwhile (etcd_disk_wal_fsync_duration_seconds).",
+		len(f.api), ms(plugin.pct(50)), ms(plugin.pct(90)), ms(f.version.pct(50)), ms(f.api.pct(50)), ms(f.api.pct(90)),
+		ms(f.claim.pct(50)), ms(f.bare.pct(50)), fsync)
+	progress("floor: plugin ADD %.2f ms = VERSION %.2f ms + agent API ADD %.2f ms (claim Txn bare %.2f ms, 1-put Txn %.2f ms, fsync mean %.2f ms)",
+		ms(plugin.pct(50)), ms(f.version.pct(50)), ms(f.api.pct(50)), ms(f.claim.pct(50)), ms(f.bare.pct(50)), fsync)
+	return nil
+}
