@@ -345,6 +345,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 	for _, r := range keptAPI {
 		want[r.OwnerID()] = ""
 	}
+	time.Sleep(300 * time.Millisecond) // the agent writes its journal every 50 ms, off the ADD path
 	checkStateDir(t, agent, want)
 	checkNoEscapedFiles(t, agent.StateDir)
 
@@ -366,6 +367,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 			}
 		}
 	}
+	time.Sleep(300 * time.Millisecond)
 	checkStateDir(t, agent, nil)
 	checkHostileKeys(t, cli)
 	if t.Failed() {

@@ -118,6 +118,7 @@ type Agent struct {
 	cancel context.CancelFunc
 
 	journal journal
+	jw      *journalWriter
 	unlock  func()        // releases the state directory's lock
 	lost    chan struct{} // wakes the re-claim loop
 	wg      sync.WaitGroup
@@ -154,6 +155,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		cancel:  cancel,
 		pods:    make(map[string]*podState),
 		journal: journal{dir: cfg.StateDir},
+		jw:      newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
 		lost:    make(chan struct{}, 1),
 	}
 	a.metrics = newMetrics(a)
@@ -215,6 +217,7 @@ func (a *Agent) Close() {
 		}
 	}
 	a.keeper.Close()
+	a.jw.close()
 	a.unlock()
 }
 
@@ -308,17 +311,10 @@ func (a *Agent) dropPod(owner string) {
 	a.mu.Lock()
 	delete(a.pods, owner)
 	a.mu.Unlock()
-	if err := a.journal.remove(owner); err != nil {
-		a.log.Error("journal: remove pod", "owner", owner, "err", err)
-	}
+	a.jw.remove(owner)
 }
 
-func (a *Agent) persist(ps podState) {
-	if err := a.journal.save(ps); err != nil {
-		// The allocation stands in etcd; only re-claim after a long outage depends on it.
-		a.log.Error("journal: save pod; re-claim after a lease loss may miss it", "owner", ps.Owner, "err", err)
-	}
-}
+func (a *Agent) persist(ps podState) { a.jw.save(ps) }
 
 // leaseLost runs when the keeper could not renew a lease in time: etcd has deleted (or
 // will delete) every key on it. The pods on it are queued for re-claim.

@@ -440,7 +440,13 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 	if _, ok := second.podLease("uid-j"); !ok {
 		t.Fatal("restarted agent did not resume the pod's lease")
 	}
-	pods, errs := journal{dir: state}.load()
+	var pods []podState
+	var errs []error
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if pods, errs = (journal{dir: state}).load(); len(pods) == 1 { // written off the ADD path
+			break
+		}
+	}
 	if len(errs) > 0 || len(pods) != 1 || len(pods[0].Attachments) != 1 {
 		t.Fatalf("rebuilt journal: %+v, errors %v", pods, errs)
 	}

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -242,6 +243,10 @@ func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clie
 	}
 }
 
+// refillBatch is how many grants the refill loop runs at once: under a burst of new pods
+// the spares run out, and one grant at a time would leave every ADD granting inline.
+const refillBatch = 8
+
 func (k *Keeper) refillLoop() {
 	defer k.wg.Done()
 	backoff := 100 * time.Millisecond
@@ -253,19 +258,35 @@ func (k *Keeper) refillLoop() {
 		}
 		for {
 			k.mu.Lock()
-			need := len(k.spare) < k.spareN
+			need := min(k.spareN-len(k.spare), refillBatch)
 			k.mu.Unlock()
-			if !need {
+			if need <= 0 {
 				break
 			}
-			ctx, cancel := context.WithTimeout(k.ctx, 5*time.Second)
-			id, err := k.grant(ctx)
-			cancel()
-			if err != nil {
-				if k.ctx.Err() != nil {
-					return
-				}
-				k.log.Debug("pre-grant lease failed", "err", err, "retry_in", backoff)
+			var wg sync.WaitGroup
+			var failed atomic.Bool
+			for range need {
+				wg.Go(func() {
+					ctx, cancel := context.WithTimeout(k.ctx, 5*time.Second)
+					defer cancel()
+					id, err := k.grant(ctx)
+					if err != nil {
+						failed.Store(true)
+						if k.ctx.Err() == nil {
+							k.log.Debug("pre-grant lease failed", "err", err, "retry_in", backoff)
+						}
+						return
+					}
+					k.mu.Lock()
+					k.spare = append(k.spare, id)
+					k.mu.Unlock()
+				})
+			}
+			wg.Wait()
+			if k.ctx.Err() != nil {
+				return
+			}
+			if failed.Load() {
 				select {
 				case <-k.ctx.Done():
 					return
@@ -275,9 +296,6 @@ func (k *Keeper) refillLoop() {
 				continue
 			}
 			backoff = 100 * time.Millisecond
-			k.mu.Lock()
-			k.spare = append(k.spare, id)
-			k.mu.Unlock()
 		}
 	}
 }

@@ -84,9 +84,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	for _, ps := range fromJournal {
 		if ps.NodeUID != a.cfg.NodeUID || sandboxGone(ps.Netns) {
 			// A previous boot's pod, or one whose sandbox is gone: nothing to keep.
-			if err := a.journal.remove(ps.Owner); err != nil {
-				a.log.Error("journal: remove pod", "owner", ps.Owner, "err", err)
-			}
+			a.jw.remove(ps.Owner)
 			continue
 		}
 		ps.lost = true
