@@ -449,3 +449,79 @@ func TestAgentDownLongerThanTTLReclaimsFromJournal(t *testing.T) {
 		t.Errorf("the address of a sandbox that died while the agent was down was re-claimed")
 	}
 }
+
+// TestAgentKilledDuringABurst: kill -9 in the middle of a burst of ADDs, then a restart.
+// Every ADD answered (addresses or a CNI error), every success keeps its addresses after the
+// restart (its lease is resumed), no address has two owners, and the runtime's retries of
+// the failed ADDs succeed.
+func TestAgentKilledDuringABurst(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	cli := etcdClient(t, etcd.URL)
+	agent := startAgent(t, etcd.URL, "--lease-ttl", ttl.String())
+	pl := newPlugin(t)
+	name := uniq("net")
+	conf := v4conf(name, agent.Socket, "10.40.0.0/24")
+	prefix := uniq("lhk")
+	const n = 40
+	for i := range n {
+		sandbox(t, fmt.Sprintf("%s-%02d", prefix, i))
+	}
+	type outcome struct {
+		ip  netip.Addr
+		err error
+	}
+	results := make([]outcome, n)
+	done := make(chan struct{})
+	go func() {
+		for i := range n {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			ctr := fmt.Sprintf("%s-%02d", prefix, i)
+			res, err := pl.add(ctx, conf, ctr, "eth0", "K8S_POD_UID=uid-"+ctr)
+			cancel()
+			if err == nil {
+				results[i].ip, _ = netip.AddrFromSlice(res.IPs[0].Address.IP.To4())
+			}
+			results[i].err = err
+		}
+		close(done)
+	}()
+	time.Sleep(150 * time.Millisecond) // some ADDs done, others in flight
+	agent.kill()
+	time.Sleep(500 * time.Millisecond)
+	agent.restart(t)
+	<-done
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ok, failed := 0, 0
+	for i, r := range results {
+		if r.err != nil {
+			failed++
+			if cniCode(r.err) == 0 {
+				t.Errorf("ADD %d failed without a CNI error: %v", i, r.err)
+			}
+			ctr := fmt.Sprintf("%s-%02d", prefix, i)
+			if _, err := pl.add(ctx, conf, ctr, "eth0", "K8S_POD_UID=uid-"+ctr); err != nil {
+				t.Errorf("retry of ADD %d after the restart: %v", i, err)
+			}
+			continue
+		}
+		ok++
+	}
+	t.Logf("kill -9 during the burst: %d ADDs succeeded, %d failed and were retried", ok, failed)
+	// Several TTLs later, every success still holds its address on a renewed lease.
+	time.Sleep(2 * ttl)
+	seen := map[netip.Addr]int{}
+	for i, r := range results {
+		if r.err != nil {
+			continue
+		}
+		if j, dup := seen[r.ip]; dup {
+			t.Errorf("%s given to ADDs %d and %d", r.ip, j, i)
+		}
+		seen[r.ip] = i
+		if a, _ := allocation(t, cli, leases.IPKey(name, r.ip)); a.Owner != fmt.Sprintf("uid-%s-%02d", prefix, i) {
+			t.Errorf("ADD %d's %s is held by %q after the restart", i, r.ip, a.Owner)
+		}
+	}
+	checkInvariants(t, cli, name, n, 1)
+}

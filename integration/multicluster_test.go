@@ -108,7 +108,7 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 			owner[ip] = who
 		}
 	}
-	checkInvariants(t, cli, pool, len(held))
+	checkInvariants(t, cli, pool, len(held), 2)
 
 	// cluster-a node-1 GCs with an empty attachment list: only cluster-a node-1's go.
 	gcConf := withValidAttachments(t, nodes[0].conf, nil)
@@ -186,7 +186,7 @@ func allocationsByNode(t *testing.T, cli *clientv3.Client, pool string) map[stri
 // checkInvariants reads every key of the pool and its owners and checks the design's
 // invariants: each allocation has an owner index in its own cluster naming it, on the same
 // lease, with a pod record on that lease; every such key has a lease; counts match.
-func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachments int) {
+func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachments, families int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -236,8 +236,8 @@ func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachment
 			}
 		}
 	}
-	if allocs != 2*attachments || owners != attachments {
-		t.Errorf("etcd holds %d allocations and %d owner indexes; %d live dual-stack attachments need %d and %d",
-			allocs, owners, attachments, 2*attachments, attachments)
+	if allocs != families*attachments || owners != attachments {
+		t.Errorf("etcd holds %d allocations and %d owner indexes; %d live attachments of %d families need %d and %d",
+			allocs, owners, attachments, families, families*attachments, attachments)
 	}
 }

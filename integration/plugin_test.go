@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -311,5 +312,33 @@ func TestDelWorksWhenTheConfigurationNoLongerValidates(t *testing.T) {
 	}
 	if left := keysUnder(snapshot(t, cli, leases.Prefix), leases.IPsPrefix(name)); len(left) != 0 {
 		t.Errorf("DEL left %v", left)
+	}
+}
+
+// TestRemovedSocketIsCreatedAgain: a cleanup that removes the agent's socket file must not
+// leave a running agent that no runtime can reach.
+func TestRemovedSocketIsCreatedAgain(t *testing.T) {
+	etcd := startEtcdProcess(t)
+	agent := startAgent(t, etcd.URL)
+	pl := newPlugin(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conf := netconf(uniq("net"), agent.Socket, dualStackIPAM("10.29.0.0/24", "fd29::/64"))
+	if _, err := pl.add(ctx, conf, "before", "eth0", ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(agent.Socket); err != nil {
+		t.Fatal(err)
+	}
+	took := waitFor(t, 15*time.Second, "the socket is back", func() bool {
+		_, err := os.Stat(agent.Socket)
+		return err == nil
+	})
+	t.Logf("socket back %s after its removal", took.Round(100*time.Millisecond))
+	if _, err := pl.add(ctx, conf, "after", "eth0", ""); err != nil {
+		t.Errorf("ADD after the socket came back: %v", err)
+	}
+	if fi, err := os.Stat(agent.Socket); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("recreated socket: mode %v, err %v; want 0600", fi.Mode().Perm(), err)
 	}
 }

@@ -174,13 +174,63 @@ func serve(o *options, log *slog.Logger) error {
 		}
 		defer stopHTTP()
 	}
-	l, err := agentapi.Listen(o.socket)
-	if err != nil {
-		return err
-	}
 	log.Info("serving the CNI plugin", "socket", o.socket, "cluster", o.cluster, "node", o.node, "node_uid", uid,
 		"lease_ttl", o.leaseTTL, "quarantine", o.quarantine)
-	return agentapi.Serve(ctx, l, agent, log)
+	return serveSocket(ctx, o.socket, agent, log)
+}
+
+// socketCheckEvery is how often the agent makes sure its socket file is still its own.
+const socketCheckEvery = 2 * time.Second
+
+// serveSocket serves the plugin on path until ctx ends. If the socket file is removed or
+// replaced (a cleanup script, an rm of /run), the agent listens again, so runtimes never
+// face an agent that runs but cannot be reached.
+func serveSocket(ctx context.Context, path string, agent *leases.Agent, log *slog.Logger) error {
+	for {
+		l, err := agentapi.Listen(path)
+		if err != nil {
+			return err
+		}
+		ino := inode(path)
+		sctx, stop := context.WithCancel(ctx)
+		served := make(chan error, 1)
+		go func() { served <- agentapi.Serve(sctx, l, agent, log) }()
+		t := time.NewTicker(socketCheckEvery)
+	watch:
+		for {
+			select {
+			case err := <-served:
+				t.Stop()
+				stop()
+				return err
+			case <-t.C:
+				if ino == 0 || inode(path) != ino {
+					log.Warn("the plugin socket was removed or replaced; listening again", "socket", path)
+					break watch
+				}
+			}
+		}
+		t.Stop()
+		stop()
+		if err := <-served; err != nil && ctx.Err() == nil {
+			log.Warn("serving the old socket ended", "err", err)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// inode is the inode number of path, or 0 when it cannot be read.
+func inode(path string) uint64 {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Ino
+	}
+	return 0
 }
 
 // disabledIfZero maps a flag where 0 disables onto the agent's setting, where 0 means the
