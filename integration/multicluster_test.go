@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/netip"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -149,6 +151,21 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 	waitFor(t, 10*time.Second, "cluster-a's agent logs the conflict", func() bool {
 		return strings.Contains(nodes[1].agent.logs.String(), "another node defines this pool differently")
 	})
+	out, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", etcd.URL,
+		"pool", "conflicts", "--pool", pool, "-o", "json").Output()
+	if err != nil {
+		t.Fatalf("leaseholdctl pool conflicts: %v", err)
+	}
+	var listed []struct{ Pool, Cluster, Node, Wanted, Stored string }
+	if err := json.Unmarshal(out, &listed); err != nil || len(listed) != 1 || listed[0].Cluster != "cluster-b" ||
+		!strings.Contains(listed[0].Wanted, "10.51.0.0/24") || !strings.Contains(listed[0].Stored, "10.50.0.0/24") {
+		t.Errorf("leaseholdctl pool conflicts should list cluster-b's conflicting definition: %s (%v)", out, err)
+	}
+	// Hostile input never becomes a wider key prefix.
+	if err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", etcd.URL,
+		"pool", "conflicts", "--pool", "../x").Run(); err == nil {
+		t.Errorf("pool conflicts --pool ../x must be refused")
+	}
 }
 
 func withValidAttachments(t *testing.T, conf []byte, valid []map[string]string) []byte {

@@ -59,6 +59,7 @@ allocations:
 nodes and problems:
   node list                       agents: identity, version, started, lease TTL left, last renewal, pods
   conflicts                       addresses a pod lost to another owner while its lease was lost
+  pool conflicts [--pool P]       nodes whose configuration defines a pool differently from etcd
   doctor                          check every invariant; print each problem with the command that fixes it
   version                         print leaseholdctl's version
 
@@ -126,6 +127,7 @@ var commands = []command{
 	{words: []string{"alloc", "release"}, args: []string{"IP"}, flags: []string{"pool", "force", "quarantine"}, run: allocRelease},
 	{words: []string{"node", "list"}, flags: []string{"cluster"}, run: nodeList},
 	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
+	{words: []string{"pool", "conflicts"}, flags: []string{"pool"}, run: poolConflictList},
 	{words: []string{"doctor"}, flags: []string{"cluster"}, run: doctor},
 }
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"sort"
 	"strconv"
@@ -166,4 +167,55 @@ func takenText(tk leases.TakenByOther) string {
 		return tk.IP.String() + ": quarantined"
 	}
 	return fmt.Sprintf("%s: owner %s (cluster %s, node %s, container %s)", tk.IP, dash(tk.Holder), dash(tk.Cluster), dash(tk.Node), short(tk.ContainerID))
+}
+
+// poolConflictJSON is one pool definition conflict as pool conflicts prints it (-o json: an
+// array of these).
+type poolConflictJSON struct {
+	Key      string    `json:"key"`
+	Pool     string    `json:"pool"`
+	Cluster  string    `json:"cluster"`
+	Node     string    `json:"node"`
+	Wanted   string    `json:"wanted"`
+	Stored   string    `json:"stored"`
+	Detected time.Time `json:"detected"`
+}
+
+// poolConflictList lists /leasehold/v1/poolconflicts/: nodes whose configuration defines a
+// pool differently from the stored definition (their ADDs are refused until they agree).
+func poolConflictList(ctx context.Context, e *env) error {
+	if e.pool != "" {
+		if _, err := poolArg(e.pool); err != nil {
+			return err
+		}
+	}
+	resp, err := e.cli.Get(ctx, leases.PoolConflictsPrefix(e.pool), clientv3.WithPrefix())
+	if err != nil {
+		return fmt.Errorf("list pool conflicts: %w", err)
+	}
+	rows := []poolConflictJSON{}
+	for _, kv := range resp.Kvs {
+		var rec leases.PoolConflictRecord
+		row := poolConflictJSON{Key: string(kv.Key)}
+		if err := json.Unmarshal(kv.Value, &rec); err != nil {
+			row.Wanted = "(unreadable: " + err.Error() + ")"
+		} else {
+			row.Pool, row.Cluster, row.Node = rec.Stored.Name, rec.Cluster, rec.Node
+			row.Wanted, row.Stored, row.Detected = rec.Wanted.String(), rec.Stored.String(), rec.Detected
+		}
+		rows = append(rows, row)
+	}
+	if e.output == "json" {
+		return writeJSON(e.stdout, rows)
+	}
+	if len(rows) == 0 {
+		fmt.Fprintln(e.stdout, "no pool conflicts")
+		return nil
+	}
+	now := time.Now()
+	t := newTable(e.stdout, "POOL", "CLUSTER", "NODE", "DETECTED", "THE NODE WANTS", "ETCD HOLDS")
+	for _, r := range rows {
+		t.row(r.Pool, r.Cluster, r.Node, timeText(r.Detected, now), r.Wanted, r.Stored)
+	}
+	return t.flush()
 }
