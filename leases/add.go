@@ -134,7 +134,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		reserved = append(reserved, addr)
 	}
 
-	now := time.Now().UTC()
+	now := a.wall()
 	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
 	podKey := PodKey(a.cfg.Cluster, a.cfg.Node, owner)
 	withLease := clientv3.WithLease(lease)
@@ -317,7 +317,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 // rebind moves an attachment's keys to a new container ID in one transaction that
 // compares the owner index's revision and every address's lease.
 func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec OwnerRecord, lease clientv3.LeaseID) error {
-	now := time.Now().UTC()
+	now := a.wall()
 	withLease := clientv3.WithLease(lease)
 	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
 	var puts []clientv3.Op

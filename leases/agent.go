@@ -2,6 +2,7 @@ package leases
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
@@ -51,6 +52,15 @@ type Config struct {
 	// HostResync is how often the host addresses are listed again besides following
 	// netlink events; default 15s.
 	HostResync time.Duration
+	// Host names the machine and boot this agent runs on; default DefaultHost (hostname and
+	// boot ID). Two agents with one node identity on different hosts are refused (see
+	// register); the same host may take over from its own previous process.
+	Host string
+	// WallClock gives the timestamps written into records (created, detected, started);
+	// default time.Now. Nothing the agent decides reads it: ages, deadlines and grace
+	// periods use the monotonic clock and leases use etcd's, so a stepped clock changes
+	// only what the records say. Tests step it to show that.
+	WallClock func() time.Time
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -98,6 +108,12 @@ func (c *Config) fill() error {
 			return fmt.Errorf("state directory %s: %w (give --state-dir a writable directory)", c.StateDir, err)
 		}
 	}
+	if c.Host == "" {
+		c.Host = DefaultHost()
+	}
+	if c.WallClock == nil {
+		c.WallClock = time.Now
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -128,8 +144,13 @@ type Agent struct {
 	nodeLease clientv3.LeaseID
 
 	metrics   *metrics
-	lastOK    atomic.Int64 // unix nanos of the last etcd call that succeeded
+	started   time.Time    // monotonic origin of lastOK
+	lastOK    atomic.Int64 // monotonic nanoseconds after started of the last etcd call that succeeded
 	conflicts atomic.Int64 // addresses found taken by another owner on re-claim
+
+	stopped  chan struct{} // closed when the agent stops itself (fail)
+	stopOnce sync.Once
+	stopErr  error
 }
 
 // Start registers the node (its record on the agent's own lease) and returns a serving agent.
@@ -157,6 +178,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		journal: journal{dir: cfg.StateDir},
 		jw:      newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
 		lost:    make(chan struct{}, 1),
+		started: time.Now(),
+		stopped: make(chan struct{}),
 	}
 	a.metrics = newMetrics(a)
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
@@ -183,7 +206,12 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	return a, nil
 }
 
-// register writes the node record on a fresh node lease.
+// register writes the node record on a fresh node lease. The record is this node
+// identity's claim: it is created if absent, and replaced (compared by revision) only when it
+// names another node UID (a same-name replacement, seed 002) or this very host (this agent's
+// own previous process, dead since this one holds the state directory's lock). A live record
+// with this node UID from another host means two machines run one node identity: both would
+// renew, adopt and release the same pods, so the agent refuses with ErrAgentRunning.
 func (a *Agent) register(ctx context.Context) error {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
@@ -191,16 +219,76 @@ func (a *Agent) register(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: register node %s in etcd: %w", allocator.ErrUnavailable, a.cfg.Node, err)
 	}
-	rec := NodeRecord{UID: a.cfg.NodeUID, Version: a.cfg.Version, Started: time.Now().UTC(), LeaseID: LeaseHex(id)}
-	if _, err := a.cli.Put(octx, NodeKey(a.cfg.Cluster, a.cfg.Node), mustJSON(rec), clientv3.WithLease(id)); err != nil {
-		return fmt.Errorf("%w: write node record %s: %w", allocator.ErrUnavailable, NodeKey(a.cfg.Cluster, a.cfg.Node), err)
+	key := NodeKey(a.cfg.Cluster, a.cfg.Node)
+	rec := NodeRecord{UID: a.cfg.NodeUID, Host: a.cfg.Host, PID: os.Getpid(), Version: a.cfg.Version,
+		Started: a.wall(), LeaseID: LeaseHex(id)}
+	for attempt := 0; ; attempt++ {
+		cur, err := a.cli.Get(octx, key)
+		if err != nil {
+			a.keeper.Return(id)
+			return fmt.Errorf("%w: read node record %s: %w", allocator.ErrUnavailable, key, err)
+		}
+		cmp := clientv3.Compare(clientv3.CreateRevision(key), "=", 0)
+		if len(cur.Kvs) > 0 {
+			kv := cur.Kvs[0]
+			var old NodeRecord
+			if json.Unmarshal(kv.Value, &old) == nil && old.UID == a.cfg.NodeUID && old.Host != a.cfg.Host && kv.Lease != 0 {
+				a.keeper.Return(id)
+				return fmt.Errorf("%w: node %q of cluster %q with node UID %q is already served by an agent on host %q "+
+					"(pid %d, started %s, lease %s), and this agent runs on host %q; stop one of them or give them "+
+					"different --node-uid values (the record expires within the lease TTL once that agent stops)",
+					ErrAgentRunning, a.cfg.Node, a.cfg.Cluster, a.cfg.NodeUID, old.Host, old.PID,
+					old.Started.Format(time.RFC3339), old.LeaseID, a.cfg.Host)
+			}
+			if old.UID != a.cfg.NodeUID && old.UID != "" {
+				a.log.Warn("node record of another node UID replaced (a same-name replacement)", "previous_uid", old.UID,
+					"previous_host", old.Host)
+			}
+			cmp = clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)
+		}
+		resp, err := a.cli.Txn(octx).If(cmp).Then(clientv3.OpPut(key, mustJSON(rec), clientv3.WithLease(id))).Commit()
+		if err != nil {
+			a.keeper.Return(id)
+			return fmt.Errorf("%w: write node record %s: %w", allocator.ErrUnavailable, key, err)
+		}
+		if resp.Succeeded {
+			break
+		}
+		if attempt == 4 {
+			a.keeper.Return(id)
+			return fmt.Errorf("%w: node record %s changed under every one of 5 attempts", ErrAgentRunning, key)
+		}
 	}
 	a.mu.Lock()
 	a.nodeLease = id
 	a.mu.Unlock()
 	a.ok()
-	a.log.Info("node registered", "uid", a.cfg.NodeUID, "lease", LeaseHex(id))
+	a.log.Info("node registered", "uid", a.cfg.NodeUID, "host", a.cfg.Host, "lease", LeaseHex(id))
 	return nil
+}
+
+// fail stops the agent from inside: it stops serving, logs why, and closes Stopped. The
+// process is expected to exit with Err.
+func (a *Agent) fail(err error) {
+	a.stopOnce.Do(func() {
+		a.stopErr = err
+		a.log.Error("agent stops", "err", err)
+		close(a.stopped)
+		a.cancel()
+	})
+}
+
+// Stopped is closed when the agent stopped itself; Err says why.
+func (a *Agent) Stopped() <-chan struct{} { return a.stopped }
+
+// Err is why the agent stopped itself, once Stopped is closed.
+func (a *Agent) Err() error {
+	select {
+	case <-a.stopped:
+		return a.stopErr
+	default:
+		return nil
+	}
 }
 
 // Close stops the agent. Pod leases stop being renewed but are not revoked: a restarted
@@ -228,7 +316,15 @@ func (a *Agent) opCtx(ctx context.Context) (context.Context, context.CancelFunc)
 	return context.WithTimeout(ctx, a.cfg.OpTimeout)
 }
 
-func (a *Agent) ok() { a.lastOK.Store(time.Now().UnixNano()) }
+func (a *Agent) ok() { a.lastOK.Store(int64(time.Since(a.started))) }
+
+// sinceOK is how long ago an etcd call last succeeded, on the monotonic clock.
+func (a *Agent) sinceOK() time.Duration {
+	return time.Since(a.started) - time.Duration(a.lastOK.Load())
+}
+
+// wall is the time written into records; see Config.WallClock.
+func (a *Agent) wall() time.Time { return a.cfg.WallClock().UTC() }
 
 // unavailable wraps an etcd error so that the runtime retries.
 func (a *Agent) unavailable(what string, err error) error {
@@ -242,7 +338,7 @@ func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator
 	a.mu.Lock()
 	lease := a.nodeLease
 	a.mu.Unlock()
-	rec := PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: time.Now().UTC()}
+	rec := PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: a.wall()}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	if _, err := a.cli.Put(octx, PoolConflictKey(stored.Name, a.cfg.Cluster, a.cfg.Node), mustJSON(rec), clientv3.WithLease(lease)); err != nil {
@@ -345,6 +441,9 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 // validate canonicalises the request's pool and checks every name that becomes a key part.
 // It returns the owner ID.
 func (a *Agent) validate(req *allocator.Request) (string, error) {
+	if err := a.Err(); err != nil {
+		return "", fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
+	}
 	if req.Pool.Name == "" {
 		req.Pool.Name = req.Network
 	}

@@ -141,7 +141,7 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 			return err
 		}
 	}
-	if time.Since(time.Unix(0, a.lastOK.Load())) > statusProbeAfter {
+	if a.sinceOK() > statusProbeAfter {
 		octx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if _, err := a.cli.Get(octx, PoolKey(req.Pool.Name), clientv3.WithCountOnly()); err != nil {

@@ -163,7 +163,7 @@ func (a *Agent) writeHosts(ctx context.Context, set *hostSet, written map[netip.
 	for ip, link := range set.published {
 		if all || !written[ip] {
 			ops = append(ops, clientv3.OpPut(HostIPKey(ip, a.cfg.Cluster, a.cfg.Node),
-				mustJSON(hostRecord{Interface: link, Since: time.Now().UTC()}), clientv3.WithLease(lease)))
+				mustJSON(hostRecord{Interface: link, Since: a.wall()}), clientv3.WithLease(lease)))
 			added = append(added, ip)
 		}
 	}

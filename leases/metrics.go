@@ -156,7 +156,7 @@ func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
 	}
-	if time.Since(time.Unix(0, a.lastOK.Load())) <= statusProbeAfter {
+	if a.sinceOK() <= statusProbeAfter {
 		return nil
 	}
 	octx, cancel := context.WithTimeout(ctx, 2*time.Second)

@@ -38,3 +38,16 @@ func DefaultNodeUID() (string, error) {
 	}
 	return machine + "." + strings.TrimSpace(string(b)), nil
 }
+
+// DefaultHost names this machine and boot: its hostname and boot ID. Unlike the node UID it
+// cannot be set by a flag, so two machines given one --node-uid still differ here.
+func DefaultHost() string {
+	name, err := os.Hostname()
+	if err != nil {
+		name = "unknown-host"
+	}
+	if b, err := os.ReadFile(bootIDFile); err == nil {
+		return name + "/" + strings.TrimSpace(string(b))
+	}
+	return name
+}

@@ -53,7 +53,11 @@ type PodRecord struct {
 // NodeRecord is the value of /leasehold/v1/nodes/<cluster>/<node>: the agent now serving
 // the node, on the agent's own lease.
 type NodeRecord struct {
-	UID     string    `json:"uid"`
+	UID string `json:"uid"`
+	// Host and PID say where the agent runs (Config.Host); a second host with the same UID
+	// is refused.
+	Host    string    `json:"host,omitempty"`
+	PID     int       `json:"pid,omitempty"`
 	Version string    `json:"version"`
 	Started time.Time `json:"started"`
 	LeaseID string    `json:"leaseID"`

@@ -195,6 +195,10 @@ func (a *Agent) reclaimLoop() {
 			if err == nil {
 				break
 			}
+			if errors.Is(err, ErrAgentRunning) {
+				a.fail(err) // another host took this node identity while etcd could not hear us
+				return
+			}
 			a.log.Warn("re-claim incomplete; retrying", "err", err, "retry_in", backoff)
 			select {
 			case <-a.ctx.Done():
@@ -277,7 +281,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			return err
 		}
 	}
-	pr := PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: snap.Netns, Created: time.Now().UTC()}
+	pr := PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: snap.Netns, Created: a.wall()}
 	if len(snap.Attachments) > 0 {
 		pr.ContainerID = snap.Attachments[0].ContainerID
 	}
@@ -319,7 +323,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		}
 		if len(taken) > 0 {
 			puts = append(puts, clientv3.OpPut(ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool), mustJSON(ConflictRecord{
-				ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Taken: taken, Detected: time.Now().UTC(),
+				ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Taken: taken, Detected: a.wall(),
 			}), withLease))
 		}
 		resp, err := a.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()

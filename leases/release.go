@@ -168,6 +168,9 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string) error {
 // It keeps going when one release fails and returns all failures joined.
 func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 	defer a.metrics.observe("gc", time.Now(), &err)
+	if err := a.Err(); err != nil {
+		return fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
+	}
 	if req.Pool.Name == "" {
 		req.Pool.Name = req.Network
 	}
@@ -184,7 +187,6 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 	if err != nil {
 		return a.unavailable("list this node's pods", err)
 	}
-	cutoff := time.Now().Add(-a.cfg.GCGrace)
 	var errs []error
 	for _, pkv := range pods.Kvs {
 		prec, err := decode[PodRecord](string(pkv.Key), pkv.Value)
@@ -195,18 +197,19 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 		if prec.NodeUID != a.cfg.NodeUID {
 			continue // another identity's pod: it expires with its lease, never collected here
 		}
-		if err := a.gcOwner(ctx, req, prec.Owner, valid, cutoff); err != nil {
+		if err := a.gcOwner(ctx, req, prec.Owner, valid); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool, cutoff time.Time) error {
+func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool) error {
 	unlock := a.locks.lock(owner)
 	defer unlock()
+	young := a.addedWithinGrace(owner)
 	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec OwnerRecord) bool {
-		collect := pool == req.Pool.Name && rec.Network == req.Network && !rec.Created.After(cutoff) &&
+		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
 			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
 		if collect {
 			a.log.Info("GC releases an attachment the runtime no longer lists",
@@ -214,6 +217,28 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 		}
 		return collect
 	})
+}
+
+// addedWithinGrace tells whether an attachment of owner may be younger than the GC grace.
+// Ages are read on the monotonic clock, from this agent's own ADDs, so a stepped wall clock
+// neither collects a fresh attachment nor protects an old one for long. Only in the first
+// grace after the agent started can an attachment come from the previous process; for those
+// the record's wall-clock creation time is all there is, and a time in the future (a clock
+// stepped back) counts as young. The caller holds the owner lock.
+func (a *Agent) addedWithinGrace(owner string) func(OwnerRecord) bool {
+	grace := a.cfg.GCGrace
+	if grace <= 0 {
+		return func(OwnerRecord) bool { return false }
+	}
+	a.mu.Lock()
+	ps, ok := a.pods[owner]
+	recent := ok && !ps.lastAdd.IsZero() && time.Since(ps.lastAdd) < grace
+	a.mu.Unlock()
+	fresh := time.Since(a.started) < grace
+	now := a.wall()
+	return func(rec OwnerRecord) bool {
+		return recent || fresh && now.Sub(rec.Created) < grace
+	}
 }
 
 // releaseWhere releases each attachment of owner made by this node identity for which

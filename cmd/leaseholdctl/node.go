@@ -21,6 +21,7 @@ type nodeJSON struct {
 	Node    string     `json:"node"`
 	Agent   bool       `json:"agent"`
 	UID     string     `json:"uid"`
+	Host    string     `json:"host"`
 	Version string     `json:"version"`
 	Started *time.Time `json:"started"` // null without an agent record
 	LeaseID string     `json:"leaseID"`
@@ -52,7 +53,7 @@ func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *leases.State, c
 		s := get(e.Cluster, e.Node)
 		s.Agent, s.Unreadable = true, e.Unreadable
 		started := e.Value.Started
-		s.UID, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Version, &started, leases.LeaseHex(e.Lease)
+		s.UID, s.Host, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Host, e.Value.Version, &started, leases.LeaseHex(e.Lease)
 		ttl, err := leases.TimeToLive(ctx, cli, e.Lease)
 		if err != nil {
 			return nil, err
@@ -87,7 +88,7 @@ func nodeList(ctx context.Context, e *env) error {
 		return writeJSON(e.stdout, rows)
 	}
 	now := time.Now()
-	t := newTable(e.stdout, "CLUSTER", "NODE", "AGENT", "NODE UID", "VERSION", "STARTED", "LEASE", "TTL LEFT", "LAST RENEWED", "PODS")
+	t := newTable(e.stdout, "CLUSTER", "NODE", "AGENT", "NODE UID", "HOST", "VERSION", "STARTED", "LEASE", "TTL LEFT", "LAST RENEWED", "PODS")
 	for _, n := range rows {
 		agent, renewed := "yes", "-"
 		switch {
@@ -103,7 +104,7 @@ func nodeList(ctx context.Context, e *env) error {
 		if n.Started != nil {
 			started = timeText(*n.Started, now)
 		}
-		t.row(n.Cluster, n.Node, agent, dash(n.UID), dash(n.Version), started, dash(n.LeaseID), ttlText(n.TTL, n.GrantedTTL),
+		t.row(n.Cluster, n.Node, agent, dash(n.UID), dash(n.Host), dash(n.Version), started, dash(n.LeaseID), ttlText(n.TTL, n.GrantedTTL),
 			renewed, strconv.Itoa(n.Pods))
 	}
 	return t.flush()

@@ -176,7 +176,21 @@ func serve(o *options, log *slog.Logger) error {
 	}
 	log.Info("serving the CNI plugin", "socket", o.socket, "cluster", o.cluster, "node", o.node, "node_uid", uid,
 		"lease_ttl", o.leaseTTL, "quarantine", o.quarantine)
-	return serveSocket(ctx, o.socket, agent, log)
+	// An agent that stops itself (another host took its node identity) ends the process with
+	// its reason, so that the supervisor shows it.
+	sctx, stopServing := context.WithCancel(ctx)
+	defer stopServing()
+	go func() {
+		select {
+		case <-agent.Stopped():
+			stopServing()
+		case <-sctx.Done():
+		}
+	}()
+	if err := serveSocket(sctx, o.socket, agent, log); err != nil {
+		return err
+	}
+	return agent.Err()
 }
 
 // socketCheckEvery is how often the agent makes sure its socket file is still its own.
