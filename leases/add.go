@@ -52,6 +52,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		if st.fresh != 0 {
 			a.keeper.Return(st.fresh)
 		}
+		a.keeper.Refill()
 	}()
 	for attempt := range maxAddAttempts {
 		if attempt > 0 {

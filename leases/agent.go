@@ -215,6 +215,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 func (a *Agent) register(ctx context.Context) error {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
+	defer a.keeper.Refill()
 	id, err := a.keeper.Take(octx)
 	if err != nil {
 		return fmt.Errorf("%w: register node %s in etcd: %w", allocator.ErrUnavailable, a.cfg.Node, err)

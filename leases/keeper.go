@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -63,20 +64,25 @@ func NewKeeper(cli *clientv3.Client, ttl time.Duration, spare int, log *slog.Log
 }
 
 // Take returns a kept-alive lease for a new pod: a spare one if ready, else a fresh grant.
-// The caller either binds it to keys or gives it back with Return.
+// The caller either binds it to keys or gives it back with Return, and calls Refill once
+// its own transaction is done. Taking a spare does not start the refill: a grant proposed
+// just before the caller's claim would make the claim wait for a second WAL fsync (measured:
+// the claim took 2.36 ms inside ADD against 1.22 ms replayed alone).
 func (k *Keeper) Take(ctx context.Context) (clientv3.LeaseID, error) {
 	k.mu.Lock()
 	if n := len(k.spare); n > 0 {
 		id := k.spare[n-1]
 		k.spare = k.spare[:n-1]
 		k.mu.Unlock()
-		k.kick()
 		return id, nil
 	}
 	k.mu.Unlock()
 	k.kick()
 	return k.grant(ctx)
 }
+
+// Refill tops the spare leases up in the background.
+func (k *Keeper) Refill() { k.kick() }
 
 // Return gives back a lease from Take that no key was written with.
 func (k *Keeper) Return(id clientv3.LeaseID) {
@@ -106,6 +112,42 @@ func (k *Keeper) Adopt(ctx context.Context, id clientv3.LeaseID) error {
 // first: if the lease is gone, the first keep-alive answer says so and the lease is
 // reported lost. An agent restarting with thousands of pods resumes them all at once.
 func (k *Keeper) Resume(id clientv3.LeaseID) error { return k.keepAlive(id) }
+
+// RenewNow renews ids at once, pipelined on a keep-alive stream of its own. The client's
+// keep-alive loop sends a resumed lease's first renewal on its next 500 ms tick; an agent
+// restarting with thousands of pods calls this so that every pod lease is renewed before it
+// serves. It returns the leases etcd no longer has (their keep-alives report them lost).
+func (k *Keeper) RenewNow(ctx context.Context, ids []clientv3.LeaseID) (gone []clientv3.LeaseID, err error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := pb.NewLeaseClient(k.cli.ActiveConnection()).LeaseKeepAlive(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("open a keep-alive stream: %w", err)
+	}
+	sent := make(chan error, 1)
+	go func() {
+		for _, id := range ids {
+			if err := stream.Send(&pb.LeaseKeepAliveRequest{ID: int64(id)}); err != nil {
+				sent <- err
+				return
+			}
+		}
+		sent <- stream.CloseSend()
+	}()
+	for range ids {
+		resp, err := stream.Recv()
+		if err != nil {
+			return gone, fmt.Errorf("renew %d leases: %w", len(ids), err)
+		}
+		if resp.TTL <= 0 {
+			gone = append(gone, clientv3.LeaseID(resp.ID))
+		}
+	}
+	return gone, <-sent
+}
 
 // Holds reports whether the keeper keeps id alive.
 func (k *Keeper) Holds(id clientv3.LeaseID) bool {

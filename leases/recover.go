@@ -19,13 +19,23 @@ import (
 // expired while the agent was away are queued for re-claim. Records of other node
 // identities (a previous machine under this name) are left alone to expire.
 func (a *Agent) recover(ctx context.Context) error {
+	type loaded struct {
+		pods []podState
+		errs []error
+	}
+	fromDisk := make(chan loaded, 1) // read the journal while etcd lists the pod records
+	go func() {
+		pods, errs := a.journal.load()
+		fromDisk <- loaded{pods, errs}
+	}()
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
 	cancel()
+	disk := <-fromDisk
 	if err != nil {
 		return a.unavailable("list this node's pod records", err)
 	}
-	journaled, errs := a.journal.load()
+	journaled, errs := disk.pods, disk.errs
 	for _, err := range errs {
 		a.log.Error("journal", "err", err)
 	}
@@ -34,6 +44,7 @@ func (a *Agent) recover(ctx context.Context) error {
 		fromJournal[ps.Owner] = ps
 	}
 	var resumed, released, foreign int
+	var resumedIDs []clientv3.LeaseID
 	for _, kv := range resp.Kvs {
 		rec, err := decode[PodRecord](string(kv.Key), kv.Value)
 		if err != nil {
@@ -78,7 +89,18 @@ func (a *Agent) recover(ctx context.Context) error {
 		if !ok {
 			a.persist(ps.clone())
 		}
+		resumedIDs = append(resumedIDs, ps.lease)
 		resumed++
+	}
+	// Renew them all now rather than on the keep-alive loop's first tick: a lease that was
+	// close to its TTL when the agent stopped is safe before the agent serves.
+	octx, cancel = a.opCtx(ctx)
+	gone, err := a.keeper.RenewNow(octx, resumedIDs)
+	cancel()
+	if err != nil {
+		a.log.Warn("renewing the resumed pod leases at once failed; their keep-alives renew them", "err", err)
+	} else if len(gone) > 0 {
+		a.log.Warn("resumed pod leases etcd no longer has; they will be re-claimed", "count", len(gone))
 	}
 	var lost int
 	for _, ps := range fromJournal {
@@ -270,6 +292,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			return nil
 		}
 	}
+	defer a.keeper.Refill()
 	lease, err := a.keeper.Take(octx)
 	if err != nil {
 		return a.unavailable("grant a lease for re-claim", err)

@@ -10,8 +10,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -131,29 +134,54 @@ func (j journal) load() ([]podState, []error) {
 	if err != nil {
 		return nil, []error{fmt.Errorf("read journal %s: %w", j.dir, err)}
 	}
+	// Thousands of small files: read and decode them on every CPU, each worker on its own
+	// slots, then collect in directory order.
+	type slot struct {
+		ps  podState
+		ok  bool
+		err error
+	}
+	slots := make([]slot, len(entries))
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(2*runtime.GOMAXPROCS(0), len(entries)) {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < len(entries); i = int(next.Add(1) - 1) {
+				slots[i].ps, slots[i].ok, slots[i].err = j.loadOne(entries[i])
+			}
+		})
+	}
+	wg.Wait()
 	var out []podState
 	var errs []error
-	for _, e := range entries {
-		name := e.Name()
-		if e.IsDir() || !strings.HasSuffix(name, journalExt) {
-			continue
+	for _, s := range slots {
+		if s.err != nil {
+			errs = append(errs, s.err)
+		} else if s.ok {
+			out = append(out, s.ps)
 		}
-		b, err := os.ReadFile(filepath.Join(j.dir, name))
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		var ps podState
-		if err := json.Unmarshal(b, &ps); err != nil || journalName(ps.Owner) != name {
-			errs = append(errs, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err))
-			continue
-		}
-		if id, err := ParseLeaseHex(ps.LeaseID); err == nil {
-			ps.lease = id
-		}
-		out = append(out, ps)
 	}
 	return out, errs
+}
+
+// loadOne reads one journal entry; ok is false for what is not a journal file.
+func (j journal) loadOne(e fs.DirEntry) (podState, bool, error) {
+	name := e.Name()
+	if e.IsDir() || !strings.HasSuffix(name, journalExt) {
+		return podState{}, false, nil
+	}
+	b, err := os.ReadFile(filepath.Join(j.dir, name))
+	if err != nil {
+		return podState{}, false, err
+	}
+	var ps podState
+	if err := json.Unmarshal(b, &ps); err != nil || journalName(ps.Owner) != name {
+		return podState{}, false, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err)
+	}
+	if id, err := ParseLeaseHex(ps.LeaseID); err == nil {
+		ps.lease = id
+	}
+	return ps, true, nil
 }
 
 // sandboxGone reports whether the sandbox behind netns certainly no longer exists: its
