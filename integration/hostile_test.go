@@ -45,7 +45,7 @@ type hostileRow struct {
 	cniArgs   string
 	wantCode  uint
 	field     string
-	// owner is who holds the attachment when accepted (journal file <owner>.json).
+	// owner is who holds the attachment when accepted (its line in the journal).
 	owner string
 	// knownBug, when set, names a reported bug this row shows: the journal check logs
 	// instead of failing while the bug is there, and fails once it is fixed (remove it then).
@@ -57,7 +57,7 @@ type hostileRow struct {
 // agent, and through the agent API directly (for NUL, which no environment variable can
 // carry). Each is refused with a CNI error naming the field, or accepted and stored
 // safely. Then, across everything: no key outside leases.Prefix, every key of a known
-// shape made of valid names, the agent's state directory holding only <owner>.json files
+// shape made of valid names, the agent's state directory holding only its lock and journal
 // directly inside it, no file anywhere named after a hostile value; and after DEL nothing
 // of the accepted ones is left.
 func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
@@ -90,8 +90,8 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 		{name: "container 10KB", container: hostileLong, ifName: "eth0", wantCode: 7, field: "containerid"},
 		// One byte over ValidateName's limit.
 		{name: "container 254 bytes", container: "c" + strings.Repeat("4", 253), ifName: "eth0", wantCode: 7, field: "containerid"},
-		// Exactly the limit is accepted, and the container is the owner (no pod UID): its
-		// journal file name would be 258 bytes, over NAME_MAX.
+		// Exactly the limit is accepted, and the container is the owner (no pod UID); the
+		// per-pod journal files of earlier versions could not be named after it.
 		{name: "container 253 bytes", container: okC[1], ifName: "eth0", owner: okC[1]},
 		// Non-ASCII.
 		{name: "container unicode", container: "café" + m, ifName: "eth0", wantCode: 4, field: "containerid"},
@@ -128,9 +128,9 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 		{name: "pod UID semicolon", container: ctr(), ifName: "eth0", cniArgs: pod("a;b"), wantCode: 7, field: "cni_args"},
 		// Two different UIDs: refused rather than picking one.
 		{name: "pod UID twice", container: ctr(), ifName: "eth0", cniArgs: pod("a") + ";K8S_POD_UID=b", wantCode: 7, field: "k8s_pod_uid"},
-		// The longest owner whose journal file and its .tmp fit in NAME_MAX: accepted.
+		// The longest owner whose per-pod journal file (earlier versions) and its .tmp fit
+		// in NAME_MAX, and one byte more: both accepted and journaled.
 		{name: "pod UID 246 bytes", container: ctr(), ifName: "eth0", cniArgs: pod(u246), owner: u246},
-		// One byte more: the journal's temporary file name no longer fits.
 		{name: "pod UID 247 bytes", container: ctr(), ifName: "eth0", cniArgs: pod(u247), owner: u247},
 		// The longest owner ValidateName accepts.
 		{name: "pod UID 253 bytes", container: ctr(), ifName: "eth0", cniArgs: pod(u253), owner: u253},
@@ -336,8 +336,8 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 
 	// Across everything: every key is under the prefix and of a known shape.
 	checkHostileKeys(t, cli)
-	// The journal: only <owner>.json files directly in the state directory, one per
-	// accepted owner, and nothing escaped next to it.
+	// The journal: one entry per accepted owner, nothing but the lock and the journal in the
+	// state directory, and nothing escaped next to it.
 	want := map[string]string{} // owner -> known bug
 	for _, k := range kept {
 		want[k.owner] = k.knownBug
@@ -349,7 +349,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 	checkStateDir(t, agent, want)
 	checkNoEscapedFiles(t, agent.StateDir)
 
-	// DEL of everything accepted leaves no owner, allocation or pod key, and no journal file.
+	// DEL of everything accepted leaves no owner, allocation or pod key, and no journal entry.
 	for _, k := range kept {
 		if err := pl.del(ctx, k.conf, k.container, k.ifName, k.cniArgs); err != nil {
 			t.Errorf("DEL %s/%s: %v", clip(k.container), k.ifName, err)
@@ -480,9 +480,9 @@ func keyShape(key string) error {
 	return fmt.Errorf("unknown key family %q", parts[0])
 }
 
-// checkStateDir checks the agent's journal directory: nothing but its lock and regular
-// files named <owner>.json (owner a valid name) directly inside it, each JSON, exactly one per owner
-// of want. An owner marked with a known bug is logged instead when missing, and is an
+// checkStateDir checks the agent's state directory: nothing but its lock and its journal,
+// regular files, and the journal's lines replay to exactly one pod per owner of want, each a
+// valid name. An owner marked with a known bug is logged instead when missing, and is an
 // error when present (the bug is fixed: remove the mark).
 func checkStateDir(t *testing.T, agent *agentProc, want map[string]string) {
 	t.Helper()
@@ -490,47 +490,52 @@ func checkStateDir(t *testing.T, agent *agentProc, want map[string]string) {
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("reading state dir: %v", err)
 	}
-	found := map[string]bool{}
 	for _, e := range entries {
-		name := e.Name()
-		owner, ok := strings.CutSuffix(name, ".json")
-		switch {
-		case name == "lock" && e.Type().IsRegular():
-			// The agent's single-instance lock (leases/lock.go); no owner file can be
-			// called that, since they all end in .json.
-		case !e.Type().IsRegular():
-			t.Errorf("state dir holds %q of type %s; want only files", clip(name), e.Type())
-		case !ok:
-			t.Errorf("state dir holds %q, not <owner>.json", clip(name))
-		case allocator.ValidateName("owner", owner) != nil:
-			t.Errorf("state dir holds %q, whose owner is not a valid name", clip(name))
-		default:
-			b, err := os.ReadFile(filepath.Join(agent.StateDir, name))
-			var rec struct {
+		if name := e.Name(); (name != "lock" && name != "journal") || !e.Type().IsRegular() {
+			t.Errorf("state dir holds %q of type %s; want only the files lock and journal", clip(name), e.Type())
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(agent.StateDir, "journal"))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("reading the journal: %v", err)
+	}
+	found := map[string]bool{}
+	for n, line := range strings.Split(strings.TrimSuffix(string(b), "\n"), "\n") {
+		if line == "" {
+			continue
+		}
+		var rec struct {
+			Put *struct {
 				Owner string `json:"owner"`
+			} `json:"put"`
+			Del string `json:"del"`
+		}
+		if err := json.Unmarshal([]byte(line), &rec); err != nil || (rec.Put == nil) == (rec.Del == "") {
+			t.Errorf("journal line %d unreadable or neither put nor del: %v: %s", n+1, err, clip(line))
+			continue
+		}
+		if rec.Put != nil {
+			if allocator.ValidateName("owner", rec.Put.Owner) != nil {
+				t.Errorf("journal line %d: owner %q is not a valid name", n+1, clip(rec.Put.Owner))
 			}
-			if err != nil || json.Unmarshal(b, &rec) != nil {
-				t.Errorf("journal file %q unreadable or not JSON: %v", clip(name), err)
-			}
-			// Owners too long for a file name are kept under a hash of themselves.
-			if rec.Owner != owner && !(strings.HasPrefix(name, "h-") && len(rec.Owner) > 200) {
-				t.Errorf("journal file %q holds owner %q", clip(name), clip(rec.Owner))
-			}
-			owner = rec.Owner
-			found[owner] = true
-			if _, ok := want[owner]; !ok {
-				t.Errorf("journal file %q belongs to no accepted owner", clip(name))
-			}
+			found[rec.Put.Owner] = true
+		} else {
+			delete(found, rec.Del)
+		}
+	}
+	for owner := range found {
+		if _, ok := want[owner]; !ok {
+			t.Errorf("the journal holds %q, no accepted owner", clip(owner))
 		}
 	}
 	for owner, bug := range want {
 		switch {
 		case found[owner] && bug != "":
-			t.Errorf("journal file for the %d-byte owner exists: known bug %q looks fixed; remove its knownBug mark", len(owner), bug)
+			t.Errorf("journal entry for the %d-byte owner exists: known bug %q looks fixed; remove its knownBug mark", len(owner), bug)
 		case !found[owner] && bug != "":
-			t.Logf("KNOWN BUG (reported): no journal file for the %d-byte owner %q: %s", len(owner), clip(owner), bug)
+			t.Logf("KNOWN BUG (reported): no journal entry for the %d-byte owner %q: %s", len(owner), clip(owner), bug)
 		case !found[owner]:
-			t.Errorf("no journal file for accepted owner %q", clip(owner))
+			t.Errorf("no journal entry for accepted owner %q", clip(owner))
 		}
 	}
 	// Next to the state directory there is only the socket.

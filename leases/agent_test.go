@@ -443,7 +443,9 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 	var pods []podState
 	var errs []error
 	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
-		if pods, errs = (journal{dir: state}).load(); len(pods) == 1 { // written off the ADD path
+		var l loaded
+		if l, errs = (journal{dir: state}).load(); len(l.pods) == 1 {
+			pods = l.pods // written off the ADD path
 			break
 		}
 	}

@@ -19,14 +19,14 @@ import (
 // expired while the agent was away are queued for re-claim. Records of other node
 // identities (a previous machine under this name) are left alone to expire.
 func (a *Agent) recover(ctx context.Context) error {
-	type loaded struct {
-		pods []podState
+	type journalRead struct {
+		loaded
 		errs []error
 	}
-	fromDisk := make(chan loaded, 1) // read the journal while etcd lists the pod records
+	fromDisk := make(chan journalRead, 1) // read the journal while etcd lists the pod records
 	go func() {
-		pods, errs := a.journal.load()
-		fromDisk <- loaded{pods, errs}
+		l, errs := a.journal.load()
+		fromDisk <- journalRead{l, errs}
 	}()
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
@@ -35,6 +35,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	if err != nil {
 		return a.unavailable("list this node's pod records", err)
 	}
+	a.jw.start(disk.loaded)
 	journaled, errs := disk.pods, disk.errs
 	for _, err := range errs {
 		a.log.Error("journal", "err", err)
