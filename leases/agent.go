@@ -233,7 +233,9 @@ func (a *Agent) register(ctx context.Context) error {
 		if len(cur.Kvs) > 0 {
 			kv := cur.Kvs[0]
 			var old NodeRecord
-			if json.Unmarshal(kv.Value, &old) == nil && old.UID == a.cfg.NodeUID && old.Host != a.cfg.Host && kv.Lease != 0 {
+			// A record without a host is an earlier version's: its host is unknown, and refusing
+			// would keep a restarted node down for a TTL after an upgrade.
+			if json.Unmarshal(kv.Value, &old) == nil && old.UID == a.cfg.NodeUID && old.Host != "" && old.Host != a.cfg.Host && kv.Lease != 0 {
 				a.keeper.Return(id)
 				return fmt.Errorf("%w: node %q of cluster %q with node UID %q is already served by an agent on host %q "+
 					"(pid %d, started %s, lease %s), and this agent runs on host %q; stop one of them or give them "+

@@ -68,6 +68,17 @@ func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 		t.Errorf("the same host did not take over its previous process's record: %+v on %x", rec, lease)
 	}
 
+	// An earlier version's record names no host: taken over, not refused.
+	cluster3 := uniq("c")
+	legacy := NodeRecord{UID: "uid1", PID: 2, LeaseID: LeaseHex(grant.ID)}
+	if _, err := cli.Put(ctxT(t), NodeKey(cluster3, "n1"), mustJSON(legacy), clientv3.WithLease(grant.ID)); err != nil {
+		t.Fatal(err)
+	}
+	startAgent(t, cluster3, "n1", "uid1", func(c *Config) { c.Host = "host-b" })
+	if rec, _ := readNodeRecord(t, cli, cluster3, "n1"); rec.Host != "host-b" {
+		t.Errorf("a record without a host was not taken over: %+v", rec)
+	}
+
 	// A replacement machine: same name, another node UID.
 	startAgent(t, cluster, "n1", "uid2", func(c *Config) { c.Host = "host-b" })
 	if rec, _ := readNodeRecord(t, cli, cluster, "n1"); rec.UID != "uid2" || rec.Host != "host-b" {
