@@ -83,8 +83,15 @@ func (j journal) load() (loaded, []error) {
 				break
 			}
 			var l journalLine
-			switch err := json.Unmarshal(line, &l); {
-			case err != nil || (l.Put == nil) == (l.Del == ""):
+			err := json.Unmarshal(line, &l)
+			switch {
+			case err == nil && (l.Put == nil) == (l.Del == ""):
+				err = errors.New("neither a put nor a del")
+			case err == nil && l.Put != nil:
+				err = l.Put.validate()
+			}
+			switch {
+			case err != nil:
 				errs = append(errs, fmt.Errorf("journal %s: line %d is unreadable (%v); keeping the file aside", filepath.Join(j.dir, journalFile), n, err))
 				out.unreadable = true
 			case l.Put != nil:
@@ -149,10 +156,28 @@ func (j journal) loadLegacyFile(name string) (podState, error) {
 		return podState{}, err
 	}
 	var ps podState
-	if err := json.Unmarshal(b, &ps); err != nil || legacyName(ps.Owner) != name {
+	err = json.Unmarshal(b, &ps)
+	if err == nil {
+		err = ps.validate()
+	}
+	if err != nil || legacyName(ps.Owner) != name {
 		return podState{}, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err)
 	}
 	return ps, nil
+}
+
+// validate checks the names a re-claim turns into keys, as an ADD checks them: the journal
+// is the agent's own file, but a damaged one must not become keys of another shape.
+func (ps *podState) validate() error {
+	if err := validateNames("owner", ps.Owner); err != nil {
+		return err
+	}
+	for _, at := range ps.Attachments {
+		if err := validateNames("interface name", at.IfName, "pool", at.Pool, "container ID", at.ContainerID); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // legacyName is the per-pod file of earlier versions: the owner, or a hash of a long one.
