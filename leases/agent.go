@@ -188,6 +188,10 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools.seed = h.Sum64()
+	if err := a.lockIdentity(ctx); err != nil {
+		a.Close()
+		return nil, err
+	}
 	if err := a.register(ctx); err != nil {
 		a.Close()
 		return nil, err
@@ -206,10 +210,28 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	return a, nil
 }
 
+// lockIdentity takes the host-wide lock on this node identity against the etcd cluster
+// the client talks to (see lockIdentity in lock.go).
+func (a *Agent) lockIdentity(ctx context.Context) error {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly())
+	if err != nil {
+		return fmt.Errorf("%w: ask etcd for its cluster ID: %w", allocator.ErrUnavailable, err)
+	}
+	release, err := lockIdentity(resp.Header.ClusterId, &a.cfg)
+	if err != nil {
+		return err
+	}
+	prev := a.unlock
+	a.unlock = func() { release(); prev() }
+	return nil
+}
+
 // register writes the node record on a fresh node lease. The record is this node
 // identity's claim: it is created if absent, and replaced (compared by revision) only when it
 // names another node UID (a same-name replacement, seed 002) or this very host (this agent's
-// own previous process, dead since this one holds the state directory's lock). A live record
+// own previous process, dead since this one holds the host-wide lock on the identity). A live record
 // with this node UID from another host means two machines run one node identity: both would
 // renew, adopt and release the same pods, so the agent refuses with ErrAgentRunning.
 func (a *Agent) register(ctx context.Context) error {

@@ -86,6 +86,32 @@ func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 	}
 }
 
+// TestSecondAgentOnTheHostWithAnotherStateDirectoryIsRefused: the state directory's lock
+// cannot see a second agent of the same identity given another --state-dir; the host-wide
+// lock on the identity does, and it is free again as soon as the first agent stops.
+func TestSecondAgentOnTheHostWithAnotherStateDirectoryIsRefused(t *testing.T) {
+	cluster := uniq("c")
+	cli := newClient(t)
+	first := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.StateDir = t.TempDir() })
+	before, lease := readNodeRecord(t, cli, cluster, "n1")
+	cfg := Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: t.TempDir(), LeaseTTL: 10 * time.Second}
+	_, err := Start(ctxT(t), newClient(t), cfg)
+	if !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), "already serves") {
+		t.Fatalf("second agent of the identity on this host: want ErrAgentRunning, got %v", err)
+	}
+	if after, l := readNodeRecord(t, cli, cluster, "n1"); after != before || l != lease {
+		t.Errorf("the refused agent changed the node record: %+v, was %+v", after, before)
+	}
+	// Another node UID under the name is another identity: not this lock's business.
+	startAgent(t, cluster, "n1", "uid2")
+	first.Close()
+	second, err := Start(ctxT(t), newClient(t), cfg)
+	if err != nil {
+		t.Fatalf("after the first agent stopped: %v", err)
+	}
+	second.Close()
+}
+
 // TestAgentStopsWhenAnotherHostTookItsIdentity: an agent whose node lease was lost (etcd did
 // not hear from it for a TTL) finds, when it registers again, that a second host now serves its
 // node identity. It must not re-claim and fight over the pods: it stops, says why, and refuses

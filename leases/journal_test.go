@@ -21,7 +21,7 @@ func quietLog() *slog.Logger {
 
 func testPod(owner string, lease clientv3.LeaseID, ip string) podState {
 	ps := podState{Owner: owner, NodeUID: "uid1", Netns: "/run/netns/" + owner,
-		Attachments: []attachment{{IfName: "eth0", Pool: "p", Network: "n", ContainerID: "c-" + owner, IPs: []netip.Addr{netip.MustParseAddr(ip)}}}}
+		Attachments: []attachment{{IfName: "eth0", Pool: "p", Network: "n", ContainerID: "ctr-1", IPs: []netip.Addr{netip.MustParseAddr(ip)}}}}
 	ps.setLease(lease)
 	return ps
 }
@@ -135,7 +135,7 @@ func TestJournalSurvivesATornAppendAndKeepsUnreadableLines(t *testing.T) {
 		t.Fatalf("torn append: pods %s, errors %v, unreadable %v", owners(l.pods), errs, l.unreadable)
 	}
 
-	os.WriteFile(path, []byte(`{"put":{"owner":"a","nodeUID":"uid1","leaseID":"1","attachments":[{"ips":["10.2.0.1"]}]}}`+"\ngarbage\n"), 0o600)
+	os.WriteFile(path, []byte(`{"put":{"owner":"a","nodeUID":"uid1","leaseID":"1","attachments":[{"ifName":"eth0","pool":"p","containerID":"c1","ips":["10.2.0.1"]}]}}`+"\ngarbage\n"), 0o600)
 	l, errs = journal{dir: dir}.load()
 	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "line 2") || !l.unreadable || len(l.pods) != 1 {
 		t.Fatalf("damaged line: pods %d, errors %v, unreadable %v", len(l.pods), errs, l.unreadable)

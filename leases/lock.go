@@ -1,8 +1,11 @@
 package leases
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -39,4 +42,25 @@ func lockStateDir(dir string) (release func(), err error) {
 		_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
 		f.Close()
 	}, nil
+}
+
+// lockIdentity takes a host-wide lock on one node identity (cluster, node, node UID, host)
+// against one etcd cluster: an abstract unix socket bound in the agent's network namespace,
+// which is the host's (leaseholdd runs with host networking). Like flock, the kernel drops it
+// when the process dies, however it dies. It catches what the state directory's lock cannot:
+// two agents of one identity on one host with different --state-dir values.
+func lockIdentity(etcdCluster uint64, cfg *Config) (release func(), err error) {
+	h := sha256.New()
+	fmt.Fprintf(h, "%x\x00%s\x00%s\x00%s\x00%s", etcdCluster, cfg.Cluster, cfg.Node, cfg.NodeUID, cfg.Host)
+	name := "@leasehold-" + hex.EncodeToString(h.Sum(nil)[:16])
+	c, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: name, Net: "unixgram"})
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return nil, fmt.Errorf("%w: another agent on this host already serves node %q of cluster %q with node UID %q "+
+			"against this etcd cluster (it holds the abstract socket %s; its --state-dir may differ); stop it first",
+			ErrAgentRunning, cfg.Node, cfg.Cluster, cfg.NodeUID, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("take the host-wide lock %s for this node identity: %w", name, err)
+	}
+	return func() { c.Close() }, nil
 }
