@@ -54,10 +54,7 @@ test: build tools
 	$(MAKE) fuzz
 
 fuzz:
-	@set -e; for t in $(FUZZ_TARGETS); do \
-		echo "== $${t%%:*} in $${t#*:} for $(FUZZTIME)"; \
-		$(GO) test -run '^$$' -fuzz "^$${t%%:*}\$$" -fuzztime $(FUZZTIME) "$${t#*:}"; \
-	done
+	GO=$(GO) ./scripts/fuzz.sh $(FUZZTIME) $(FUZZ_TARGETS)
 
 soak-fuzz:
 	$(MAKE) fuzz FUZZTIME=$(SOAK_FUZZTIME)
