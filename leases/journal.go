@@ -56,6 +56,9 @@ type loaded struct {
 	// unreadable is set when lines in the middle of the journal could not be read: the
 	// writer keeps that file aside instead of compacting it away.
 	unreadable bool
+	// torn is set when the journal ends in a partial line: the writer rewrites the file
+	// rather than append to the fragment.
+	torn bool
 }
 
 // load replays the journal. Unreadable lines and files are reported and kept, never
@@ -78,6 +81,7 @@ func (j journal) load() (loaded, []error) {
 			full := b[:len(line)+1]
 			b = rest
 			if !complete {
+				out.torn = true
 				errs = append(errs, fmt.Errorf("journal %s: skipping a partly written last line (the agent stopped while appending it)",
 					filepath.Join(j.dir, journalFile)))
 				break
@@ -245,7 +249,7 @@ func (w *journalWriter) start(from loaded) {
 				w.log.Error("journal had unreadable lines; kept aside, a new one is written", "kept", aside)
 			}
 		}
-		if len(w.legacy) > 0 || from.unreadable {
+		if len(w.legacy) > 0 || from.unreadable || from.torn {
 			if err := w.compact(); err != nil {
 				w.log.Error("journal write failed; re-claim after a lease loss may miss pods", "err", err)
 			}

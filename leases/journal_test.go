@@ -134,6 +134,14 @@ func TestJournalSurvivesATornAppendAndKeepsUnreadableLines(t *testing.T) {
 	if owners(l.pods) != "a=10.2.0.1,b=10.2.0.2" || len(errs) != 1 || !strings.Contains(errs[0].Error(), "partly written") || l.unreadable {
 		t.Fatalf("torn append: pods %s, errors %v, unreadable %v", owners(l.pods), errs, l.unreadable)
 	}
+	// The next writer does not append to the fragment: what it writes reads back whole.
+	w = newJournalWriter(journal{dir: dir}, quietLog())
+	w.start(l)
+	w.save(testPod("d", 4, "10.2.0.4"))
+	w.close()
+	if l, errs := (journal{dir: dir}).load(); len(errs) != 0 || owners(l.pods) != "a=10.2.0.1,b=10.2.0.2,d=10.2.0.4" {
+		t.Fatalf("after a torn append and a restart: pods %s, errors %v", owners(l.pods), errs)
+	}
 
 	os.WriteFile(path, []byte(`{"put":{"owner":"a","nodeUID":"uid1","leaseID":"1","attachments":[{"ifName":"eth0","pool":"p","containerID":"c1","ips":["10.2.0.1"]}]}}`+"\ngarbage\n"), 0o600)
 	l, errs = journal{dir: dir}.load()
