@@ -12,7 +12,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -76,37 +75,45 @@ func (j journal) load() (loaded, []error) {
 		errs = append(errs, fmt.Errorf("read journal: %w", err))
 		out.unreadable = true
 	default:
-		for n := 1; len(b) > 0; n++ {
-			line, rest, complete := bytes.Cut(b, []byte{'\n'})
-			full := b[:len(line)+1]
-			b = rest
-			if !complete {
+		var lines [][]byte // complete lines, each with its newline
+		for len(b) > 0 {
+			i := bytes.IndexByte(b, '\n')
+			if i < 0 {
 				out.torn = true
 				errs = append(errs, fmt.Errorf("journal %s: skipping a partly written last line (the agent stopped while appending it)",
 					filepath.Join(j.dir, journalFile)))
 				break
 			}
-			var l journalLine
-			err := json.Unmarshal(line, &l)
-			switch {
-			case err == nil && (l.Put == nil) == (l.Del == ""):
-				err = errors.New("neither a put nor a del")
-			case err == nil && l.Put != nil:
-				err = l.Put.validate()
-			}
-			switch {
-			case err != nil:
-				errs = append(errs, fmt.Errorf("journal %s: line %d is unreadable (%v); keeping the file aside", filepath.Join(j.dir, journalFile), n, err))
-				out.unreadable = true
-			case l.Put != nil:
-				pods[l.Put.Owner] = *l.Put
-				out.lines[l.Put.Owner] = full
-			default:
-				delete(pods, l.Del)
-				delete(out.lines, l.Del)
-			}
-			out.nlines = n
+			lines, b = append(lines, b[:i+1]), b[i+1:]
 		}
+		type decoded struct {
+			l   journalLine
+			err error
+		}
+		// Decode on every CPU, then replay in order.
+		for n, d := range parallelMap(len(lines), func(i int) (d decoded) {
+			d.err = json.Unmarshal(lines[i], &d.l)
+			switch {
+			case d.err == nil && (d.l.Put == nil) == (d.l.Del == ""):
+				d.err = errors.New("neither a put nor a del")
+			case d.err == nil && d.l.Put != nil:
+				d.err = d.l.Put.validate()
+			}
+			return d
+		}) {
+			switch {
+			case d.err != nil:
+				errs = append(errs, fmt.Errorf("journal %s: line %d is unreadable (%v); keeping the file aside", filepath.Join(j.dir, journalFile), n+1, d.err))
+				out.unreadable = true
+			case d.l.Put != nil:
+				pods[d.l.Put.Owner] = *d.l.Put
+				out.lines[d.l.Put.Owner] = lines[n]
+			default:
+				delete(pods, d.l.Del)
+				delete(out.lines, d.l.Del)
+			}
+		}
+		out.nlines = len(lines)
 	}
 	for _, owner := range slices.Sorted(maps.Keys(pods)) {
 		ps := pods[owner]
@@ -130,17 +137,10 @@ func (j journal) loadLegacy() (map[string]podState, []string, []error) {
 		ps  podState
 		err error
 	}
-	slots := make([]slot, len(entries))
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	for range min(2*runtime.GOMAXPROCS(0), len(entries)) {
-		wg.Go(func() {
-			for i := int(next.Add(1) - 1); i < len(entries); i = int(next.Add(1) - 1) {
-				slots[i].ps, slots[i].err = j.loadLegacyFile(entries[i].Name())
-			}
-		})
-	}
-	wg.Wait()
+	slots := parallelMap(len(entries), func(i int) (s slot) {
+		s.ps, s.err = j.loadLegacyFile(entries[i].Name())
+		return s
+	})
 	var legacy []string
 	var errs []error
 	for i, s := range slots {

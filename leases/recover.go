@@ -46,8 +46,16 @@ func (a *Agent) recover(ctx context.Context) error {
 	}
 	var resumed, released, foreign int
 	var resumedIDs []clientv3.LeaseID
-	for _, kv := range resp.Kvs {
-		rec, err := decode[PodRecord](string(kv.Key), kv.Value)
+	type decodedRecord struct {
+		rec PodRecord
+		err error
+	}
+	records := parallelMap(len(resp.Kvs), func(i int) (d decodedRecord) {
+		d.rec, d.err = decode[PodRecord](string(resp.Kvs[i].Key), resp.Kvs[i].Value)
+		return d
+	})
+	for i, kv := range resp.Kvs {
+		rec, err := records[i].rec, records[i].err
 		if err != nil {
 			a.log.Error("pod record unreadable; leaving it to its lease", "err", err)
 			continue
