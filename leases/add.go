@@ -167,7 +167,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	puts = append(puts, clientv3.OpPut(ownerKey, mustJSON(a.ownerRecord(req, addrs, lease, now)), withLease))
 
 	start := time.Now()
-	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	resp, err := a.claims.commit(octx, cmps, puts, gets)
 	a.metrics.rtt("claim", start)
 	if err != nil {
 		p.view.settle(reserved, 0)

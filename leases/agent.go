@@ -128,6 +128,7 @@ type Agent struct {
 	log    *slog.Logger
 	keeper *Keeper
 	pools  *pools
+	claims *claimBatcher
 	locks  ownerLocks
 
 	ctx    context.Context
@@ -182,6 +183,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		stopped: make(chan struct{}),
 	}
 	a.metrics = newMetrics(a)
+	a.claims = &claimBatcher{cli: cli, timeout: cfg.OpTimeout, m: a.metrics}
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
 	a.pools = newPools(actx, cli, a.log)
 	a.pools.onMismatch = a.recordPoolConflict

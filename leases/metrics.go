@@ -23,6 +23,9 @@ type metrics struct {
 	leaseLost  prometheus.Counter
 	reclaims   prometheus.Counter
 	etcdRTT    *prometheus.HistogramVec
+
+	claimBatches  *prometheus.CounterVec
+	claimsBatched prometheus.Counter
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -50,8 +53,16 @@ func newMetrics(a *Agent) *metrics {
 			Help:    "Round-trip time of the agent's etcd transactions, by kind.",
 			Buckets: []float64{.0002, .0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1},
 		}, []string{"kind"}),
+		claimBatches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_claim_batches_total",
+			Help: "Transactions that carried the claims of several concurrent ADDs, by outcome: committed, split (a compare failed; each claim ran again alone), lost (no answer).",
+		}, []string{"result"}),
+		claimsBatched: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_claims_batched_total",
+			Help: "Claims committed as part of a batch.",
+		}),
 	}
-	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT,
+	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_leases_held",
 			Help: "Leases this agent keeps alive: pods, the node, pre-granted spares.",

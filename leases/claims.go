@@ -1,0 +1,167 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// maxTxnOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
+// on its success and failure operations.
+const maxTxnOps = 128
+
+// claimBatcher commits the agent's claim transactions. A claim that finds no transaction in
+// flight goes to etcd at once, alone, as it always did: a sequential ADD waits for nothing.
+// Claims that arrive while one is in flight queue up and then go to etcd together, as one
+// transaction holding all their compares and all their puts. Each costs etcd a proposal, a WAL
+// write and an apply; under a burst, one for several ADDs. (Measured against one etcd on two
+// cores: a grant plus a claim per pod ran at 0.9-1.2k/s one claim per transaction, 1.6-3.0k/s
+// eight per transaction.)
+//
+// All of a batch's compares must hold for it to commit. If one does not (an address another
+// agent took, a pool changed), each claim of the batch runs again alone, with its own else
+// branch, and learns what it would have learned. If the batch's answer is lost, every claim of
+// it is ambiguous, and each ADD handles that as it handles its own lost answer: the lease
+// stays with the owner, and the retried ADD finds its keys or claims afresh.
+type claimBatcher struct {
+	cli     *clientv3.Client
+	timeout time.Duration // bounds each transaction the batcher runs for queued claims
+	m       *metrics
+
+	mu    sync.Mutex
+	busy  bool
+	queue []*claim
+}
+
+type claim struct {
+	cmps       []clientv3.Cmp
+	puts, gets []clientv3.Op
+	keys       []string // the keys put, which may appear once in a transaction
+	resp       *clientv3.TxnResponse
+	err        error
+	done       chan struct{}
+}
+
+// commit runs If(cmps).Then(puts).Else(gets) as one claim, alone or in a batch, and returns
+// what that transaction alone would have: on success a response with the batch's header and
+// no operation results (a claim reads none), otherwise its own response.
+func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, gets []clientv3.Op) (*clientv3.TxnResponse, error) {
+	c := &claim{cmps: cmps, puts: puts, gets: gets, done: make(chan struct{})}
+	for _, op := range puts {
+		c.keys = append(c.keys, string(op.KeyBytes()))
+	}
+	b.mu.Lock()
+	if b.busy {
+		b.queue = append(b.queue, c)
+		b.mu.Unlock()
+		<-c.done // the batch's transactions are bounded by b.timeout
+		return c.resp, c.err
+	}
+	b.busy = true
+	b.mu.Unlock()
+	resp, err := b.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	b.next()
+	return resp, err
+}
+
+// next runs the queued claims in the background, or marks the batcher idle.
+func (b *claimBatcher) next() {
+	b.mu.Lock()
+	if len(b.queue) == 0 {
+		b.busy = false
+		b.mu.Unlock()
+		return
+	}
+	batch := b.take()
+	b.mu.Unlock()
+	go func() {
+		b.run(batch)
+		b.next()
+	}()
+}
+
+// take removes from the queue, in order, the claims that fit one transaction: within etcd's
+// operation limit and no key put twice. The first always fits (it fits alone). The caller
+// holds mu.
+func (b *claimBatcher) take() []*claim {
+	var batch, rest []*claim
+	ncmp, nput := 0, 0
+	seen := map[string]bool{}
+	for _, c := range b.queue {
+		fits := len(batch) == 0 || ncmp+len(c.cmps) <= maxTxnOps && nput+len(c.puts) <= maxTxnOps
+		for _, k := range c.keys {
+			fits = fits && !seen[k]
+		}
+		if !fits {
+			rest = append(rest, c)
+			continue
+		}
+		batch = append(batch, c)
+		ncmp, nput = ncmp+len(c.cmps), nput+len(c.puts)
+		for _, k := range c.keys {
+			seen[k] = true
+		}
+	}
+	b.queue = rest
+	return batch
+}
+
+// run commits a batch and answers each of its claims.
+func (b *claimBatcher) run(batch []*claim) {
+	defer func() {
+		for _, c := range batch {
+			close(c.done)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
+	defer cancel()
+	if len(batch) == 1 {
+		c := batch[0]
+		c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
+		return
+	}
+	var cmps []clientv3.Cmp
+	var puts []clientv3.Op
+	for _, c := range batch {
+		cmps, puts = append(cmps, c.cmps...), append(puts, c.puts...)
+	}
+	resp, err := b.cli.Txn(ctx).If(cmps...).Then(puts...).Commit()
+	switch {
+	case err != nil && !rejected(err):
+		b.m.claimBatches.WithLabelValues("lost").Inc()
+		for _, c := range batch {
+			c.err = err
+		}
+	case resp.Succeeded:
+		b.m.claimBatches.WithLabelValues("committed").Inc()
+		b.m.claimsBatched.Add(float64(len(batch)))
+		for _, c := range batch {
+			c.resp = &clientv3.TxnResponse{Header: resp.Header, Succeeded: true}
+		}
+	default:
+		// Some compare failed, or etcd refused the batch outright (a --max-txn-ops below the
+		// default, say) and applied nothing: each claim alone, so that each learns its own
+		// outcome.
+		b.m.claimBatches.WithLabelValues("split").Inc()
+		var wg sync.WaitGroup
+		for _, c := range batch {
+			wg.Go(func() {
+				c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
+			})
+		}
+		wg.Wait()
+	}
+}
+
+// rejected tells whether etcd refused a request as invalid, so that it certainly applied
+// nothing: too many operations, a request too large, a key put twice.
+func rejected(err error) bool {
+	var ee rpctypes.EtcdError
+	return errors.As(err, &ee) && ee.Code() == codes.InvalidArgument || status.Code(err) == codes.InvalidArgument
+}

@@ -1,0 +1,237 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// TestConcurrentAddsInOneAgentShareClaimTransactions: a burst of ADDs on one agent commits
+// its claims several to a transaction, and every ADD still gets its own addresses, on its own
+// lease, exactly as alone.
+func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 64 })
+	pool := dualStack(uniq("p"), "10.50.0.0/24", "fd50::/120")
+	ctx := ctxT(t)
+	cli := newClient(t)
+	const n = 48
+	results := make([]allocator.Result, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { results[i], errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("c%d", i), "eth0", fmt.Sprintf("uid-%d", i))) })
+	}
+	wg.Wait()
+	seen := map[netip.Addr]int{}
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("ADD %d: %v", i, errs[i])
+		}
+		for _, ip := range results[i].IPs {
+			if j, dup := seen[ip.Address.Addr()]; dup {
+				t.Fatalf("ADDs %d and %d both got %s", j, i, ip.Address)
+			}
+			seen[ip.Address.Addr()] = i
+			resp, err := cli.Get(ctx, IPKey(pool.Name, ip.Address.Addr()))
+			if err != nil || len(resp.Kvs) != 1 {
+				t.Fatalf("key of %s: %v", ip.Address, err)
+			}
+			rec, err := decode[Allocation]("", resp.Kvs[0].Value)
+			lease, held := a.podLease(fmt.Sprintf("uid-%d", i))
+			if err != nil || rec.Owner != fmt.Sprintf("uid-%d", i) || !held || resp.Kvs[0].Lease != int64(lease) {
+				t.Fatalf("%s: held by %q on lease %x, want uid-%d on its own lease %x (%v)", ip.Address, rec.Owner, resp.Kvs[0].Lease, i, lease, err)
+			}
+		}
+		again, err := a.Add(ctx, addReq(pool, fmt.Sprintf("c%d", i), "eth0", fmt.Sprintf("uid-%d", i)))
+		if err != nil || fmt.Sprint(again) != fmt.Sprint(results[i]) {
+			t.Fatalf("repeated ADD %d: %v, %v; want %v", i, again, err, results[i])
+		}
+	}
+	batched := counterValue(a.metrics.claimsBatched)
+	if batched == 0 {
+		t.Fatalf("%d concurrent ADDs on one agent and no claim was committed in a batch", n)
+	}
+	t.Logf("%d of %d claims committed in batches", int(batched), n)
+}
+
+// TestBatchWithAClaimThatLosesSplitsAndEachLearns: a batch holding a claim for an address
+// another agent holds cannot commit; its claims run again alone: the losing one is refused
+// as it would be alone, the others get their addresses.
+func TestBatchWithAClaimThatLosesSplitsAndEachLearns(t *testing.T) {
+	cluster := uniq("c")
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 32 })
+	b := startAgent(t, cluster, "n2", "uid2")
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.51.0.0/22")}}}}
+	ctx := ctxT(t)
+	for round := 0; round < 20 && counterValue(a.metrics.claimBatches.WithLabelValues("split")) == 0; round++ {
+		taken := netip.AddrFrom4([4]byte{10, 51, byte(round / 200), byte(10 + round%200)})
+		held := addReq(pool, fmt.Sprintf("held-%d", round), "eth0", "")
+		held.RequestedIPs = []netip.Addr{taken}
+		if _, err := b.Add(ctx, held); err != nil {
+			t.Fatal(err)
+		}
+		const n = 16
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				req := addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", "")
+				if i == n/2 {
+					req.RequestedIPs = []netip.Addr{taken}
+				}
+				_, errs[i] = a.Add(ctx, req)
+			})
+		}
+		wg.Wait()
+		for i, err := range errs {
+			switch {
+			case i == n/2 && !errors.Is(err, allocator.ErrAddressInUse):
+				t.Fatalf("round %d: the claim for %s, held by another agent: want ErrAddressInUse, got %v", round, taken, err)
+			case i != n/2 && err != nil:
+				t.Fatalf("round %d: ADD %d: %v", round, i, err)
+			}
+		}
+	}
+	if counterValue(a.metrics.claimBatches.WithLabelValues("split")) == 0 {
+		t.Fatal("in 20 rounds no batch held the losing claim: the split path never ran")
+	}
+}
+
+// TestTakeFitsABatchToOneTransaction checks the batch's composition (no I/O): etcd's
+// operation limit, and no key put twice in one transaction.
+func TestTakeFitsABatchToOneTransaction(t *testing.T) {
+	mk := func(cmps int, keys ...string) *claim {
+		c := &claim{cmps: make([]clientv3.Cmp, cmps), keys: keys}
+		for _, k := range keys {
+			c.puts = append(c.puts, clientv3.OpPut(k, ""))
+		}
+		return c
+	}
+	a, b, dup, big, d := mk(6, "a1", "a2", "a3"), mk(6, "b1", "b2", "b3"), mk(6, "a2", "x", "y"), mk(120, "z"), mk(6, "d1")
+	q := &claimBatcher{queue: []*claim{a, b, dup, big, d}}
+	if got := q.take(); len(got) != 3 || got[0] != a || got[1] != b || got[2] != d {
+		t.Fatalf("first batch: got %d claims, want a, b, d (dup puts a2 again, big exceeds %d compares)", len(got), maxTxnOps)
+	}
+	if got := q.take(); len(got) != 2 || got[0] != dup || got[1] != big {
+		t.Fatalf("second batch: want dup and big, got %d", len(got))
+	}
+	alone := &claimBatcher{queue: []*claim{mk(maxTxnOps+10, "k")}}
+	if got := alone.take(); len(got) != 1 {
+		t.Fatal("a claim too large for a batch is still taken, alone")
+	}
+}
+
+func counterValue(c prometheus.Counter) float64 {
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
+// lostBatchKV loses the answer of the first batch transaction etcd applies while armed (one
+// with more compares than any single claim), as a connection reset after the commit would.
+type lostBatchKV struct {
+	clientv3.KV
+	armed *atomic.Bool
+}
+
+func (k lostBatchKV) Txn(ctx context.Context) clientv3.Txn {
+	return &lostBatchTxn{Txn: k.KV.Txn(ctx), armed: k.armed}
+}
+
+type lostBatchTxn struct {
+	clientv3.Txn
+	armed *atomic.Bool
+	cmps  int
+}
+
+func (t *lostBatchTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
+	t.cmps += len(cs)
+	t.Txn = t.Txn.If(cs...)
+	return t
+}
+func (t *lostBatchTxn) Then(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Then(ops...); return t }
+func (t *lostBatchTxn) Else(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Else(ops...); return t }
+func (t *lostBatchTxn) Commit() (*clientv3.TxnResponse, error) {
+	resp, err := t.Txn.Commit()
+	if err == nil && resp.Succeeded && t.cmps > 9 && t.armed.CompareAndSwap(true, false) {
+		return nil, errors.New("rpc error: code = Unavailable desc = connection reset after the request was sent")
+	}
+	return resp, err
+}
+
+// TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses: etcd applies a batch of claims and
+// the answer is lost. Every ADD of the batch fails (try again), and each retry returns the
+// addresses its lost claim wrote, with no second key.
+func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
+	cli := newClient(t)
+	var armed atomic.Bool
+	cli.KV = lostBatchKV{KV: cli.KV, armed: &armed}
+	a, err := Start(ctxT(t), cli, Config{Cluster: uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	pool := dualStack(uniq("p"), "10.52.0.0/22", "fd52::/118")
+	ctx := ctxT(t)
+	if _, err := a.Add(ctx, addReq(pool, "warm", "eth0", "uid-warm")); err != nil {
+		t.Fatal(err)
+	}
+	adds := 1
+	for round := 0; round < 10; round++ {
+		armed.Store(true)
+		const n = 16
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() { _, errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", "")) })
+		}
+		wg.Wait()
+		adds += n
+		if armed.Load() {
+			continue // no batch formed this round
+		}
+		before := dump(t, newClient(t), IPsPrefix(pool.Name))
+		if len(before) != 2*adds {
+			t.Fatalf("etcd applied the lost batch: want %d keys, got %d", 2*adds, len(before))
+		}
+		failed := 0
+		for i, err := range errs {
+			if err == nil {
+				continue
+			}
+			if !errors.Is(err, allocator.ErrUnavailable) {
+				t.Fatalf("ADD in the lost batch: want ErrUnavailable, got %v", err)
+			}
+			failed++
+			res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", ""))
+			if err != nil {
+				t.Fatalf("retried ADD: %v", err)
+			}
+			for _, ip := range res.IPs {
+				if _, ok := before[IPKey(pool.Name, ip.Address.Addr())]; !ok {
+					t.Errorf("retry got %s, not an address the lost batch wrote", ip.Address)
+				}
+			}
+		}
+		if failed < 2 {
+			t.Fatalf("a batch answer was lost but %d ADDs failed", failed)
+		}
+		if after := dump(t, newClient(t), IPsPrefix(pool.Name)); len(after) != len(before) {
+			t.Errorf("the retries wrote second keys: %d before, %d after", len(before), len(after))
+		}
+		return
+	}
+	t.Fatal("in 10 rounds of 16 concurrent ADDs no batch formed")
+}
