@@ -29,7 +29,9 @@ func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
 	errs := make([]error, n)
 	var wg sync.WaitGroup
 	for i := range n {
-		wg.Go(func() { results[i], errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("c%d", i), "eth0", fmt.Sprintf("uid-%d", i))) })
+		wg.Go(func() {
+			results[i], errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("c%d", i), "eth0", fmt.Sprintf("uid-%d", i)))
+		})
 	}
 	wg.Wait()
 	seen := map[netip.Addr]int{}
