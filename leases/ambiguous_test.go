@@ -15,34 +15,34 @@ import (
 
 // lostResponseKV is etcd's KV with one twist: while armed, the next transaction that etcd
 // applies successfully reports a lost response instead, as when the connection breaks after
-// etcd committed. etcd itself is real; only the answer goes missing.
+// etcd committed. etcd itself is real; only the answer goes missing. With minCmps set, only a
+// transaction with at least that many compares loses its answer (a batch of claims).
 type lostResponseKV struct {
 	clientv3.KV
-	armed *atomic.Bool
+	armed   *atomic.Bool
+	minCmps int
 }
 
 func (k lostResponseKV) Txn(ctx context.Context) clientv3.Txn {
-	return lostResponseTxn{Txn: k.KV.Txn(ctx), armed: k.armed}
+	return &lostResponseTxn{Txn: k.KV.Txn(ctx), armed: k.armed, minCmps: k.minCmps}
 }
 
 type lostResponseTxn struct {
 	clientv3.Txn
-	armed *atomic.Bool
+	armed         *atomic.Bool
+	minCmps, cmps int
 }
 
-func (t lostResponseTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
-	return lostResponseTxn{Txn: t.Txn.If(cs...), armed: t.armed}
+func (t *lostResponseTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
+	t.Txn, t.cmps = t.Txn.If(cs...), t.cmps+len(cs)
+	return t
 }
-func (t lostResponseTxn) Then(ops ...clientv3.Op) clientv3.Txn {
-	return lostResponseTxn{Txn: t.Txn.Then(ops...), armed: t.armed}
-}
-func (t lostResponseTxn) Else(ops ...clientv3.Op) clientv3.Txn {
-	return lostResponseTxn{Txn: t.Txn.Else(ops...), armed: t.armed}
-}
+func (t *lostResponseTxn) Then(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Then(ops...); return t }
+func (t *lostResponseTxn) Else(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Else(ops...); return t }
 
-func (t lostResponseTxn) Commit() (*clientv3.TxnResponse, error) {
+func (t *lostResponseTxn) Commit() (*clientv3.TxnResponse, error) {
 	resp, err := t.Txn.Commit()
-	if err == nil && resp.Succeeded && t.armed.CompareAndSwap(true, false) {
+	if err == nil && resp.Succeeded && t.cmps >= t.minCmps && t.armed.CompareAndSwap(true, false) {
 		return nil, errors.New("rpc error: code = Unavailable desc = connection reset after the request was sent")
 	}
 	return resp, err

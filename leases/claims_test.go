@@ -1,7 +1,6 @@
 package leases
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -141,45 +140,13 @@ func counterValue(c prometheus.Counter) float64 {
 	return m.GetCounter().GetValue()
 }
 
-// lostBatchKV loses the answer of the first batch transaction etcd applies while armed (one
-// with more compares than any single claim), as a connection reset after the commit would.
-type lostBatchKV struct {
-	clientv3.KV
-	armed *atomic.Bool
-}
-
-func (k lostBatchKV) Txn(ctx context.Context) clientv3.Txn {
-	return &lostBatchTxn{Txn: k.KV.Txn(ctx), armed: k.armed}
-}
-
-type lostBatchTxn struct {
-	clientv3.Txn
-	armed *atomic.Bool
-	cmps  int
-}
-
-func (t *lostBatchTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
-	t.cmps += len(cs)
-	t.Txn = t.Txn.If(cs...)
-	return t
-}
-func (t *lostBatchTxn) Then(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Then(ops...); return t }
-func (t *lostBatchTxn) Else(ops ...clientv3.Op) clientv3.Txn { t.Txn = t.Txn.Else(ops...); return t }
-func (t *lostBatchTxn) Commit() (*clientv3.TxnResponse, error) {
-	resp, err := t.Txn.Commit()
-	if err == nil && resp.Succeeded && t.cmps > 9 && t.armed.CompareAndSwap(true, false) {
-		return nil, errors.New("rpc error: code = Unavailable desc = connection reset after the request was sent")
-	}
-	return resp, err
-}
-
 // TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses: etcd applies a batch of claims and
 // the answer is lost. Every ADD of the batch fails (try again), and each retry returns the
 // addresses its lost claim wrote, with no second key.
 func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 	cli := newClient(t)
 	var armed atomic.Bool
-	cli.KV = lostBatchKV{KV: cli.KV, armed: &armed}
+	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 10} // more than one dual-stack claim has
 	a, err := Start(ctxT(t), cli, Config{Cluster: uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
 	if err != nil {
 		t.Fatal(err)
