@@ -126,6 +126,14 @@ func TestTakeFitsABatchToOneTransaction(t *testing.T) {
 	if got := q.take(); len(got) != 2 || got[0] != dup || got[1] != big {
 		t.Fatalf("second batch: want dup and big, got %d", len(got))
 	}
+	var many []*claim
+	for i := range maxBatch + 3 {
+		many = append(many, mk(1, fmt.Sprint("m", i)))
+	}
+	capped := &claimBatcher{queue: many}
+	if got := capped.take(); len(got) != maxBatch || len(capped.queue) != 3 {
+		t.Fatalf("batch of small claims: got %d, %d left; want %d, 3 left", len(got), len(capped.queue), maxBatch)
+	}
 	alone := &claimBatcher{queue: []*claim{mk(maxTxnOps+10, "k")}}
 	if got := alone.take(); len(got) != 1 {
 		t.Fatal("a claim too large for a batch is still taken, alone")
