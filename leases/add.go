@@ -26,7 +26,13 @@ type addState struct {
 	fresh clientv3.LeaseID
 	// lost are addresses this ADD found taken since its view was built.
 	lost map[netip.Addr]bool
+	// unanswered counts claims whose answer did not come (see tryAdd).
+	unanswered int
 }
+
+// maxUnanswered bounds the claims an ADD sends again after losing their answers; the waits
+// between them (50 ms doubling) span an etcd leader election.
+const maxUnanswered = 5
 
 func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
 
@@ -172,13 +178,26 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	if err != nil {
 		p.view.settle(reserved, 0)
 		// The transaction may have been applied even though its answer was lost. The lease
-		// stays with the owner so it is never handed to another pod; a retried ADD finds
-		// its own keys, and a DEL revokes the lease.
+		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
 			a.notePod(req, owner, st.fresh, nil)
 			st.fresh = 0
 		}
-		return allocator.Result{}, false, a.unavailable("claim addresses", err)
+		// Sending the claim again is safe: both compare the owner index absent, so at most
+		// one of them applies, whichever etcd orders first, even if the lost one is applied
+		// late by a new leader. The next claim finds the owner index (the lost one applied:
+		// its addresses are returned) or claims afresh on the same lease.
+		st.unanswered++
+		if st.unanswered > maxUnanswered || rejected(err) || ctx.Err() != nil {
+			return allocator.Result{}, false, a.unavailable("claim addresses", err)
+		}
+		a.log.Warn("claim unanswered; sending it again", "owner", owner, "attempt", st.unanswered, "err", err)
+		select {
+		case <-ctx.Done():
+			return allocator.Result{}, false, a.unavailable("claim addresses", err)
+		case <-time.After(50 * time.Millisecond << (st.unanswered - 1)):
+		}
+		return allocator.Result{}, false, nil
 	}
 	a.ok()
 	if resp.Succeeded {

@@ -126,14 +126,6 @@ func TestTakeFitsABatchToOneTransaction(t *testing.T) {
 	if got := q.take(); len(got) != 2 || got[0] != dup || got[1] != big {
 		t.Fatalf("second batch: want dup and big, got %d", len(got))
 	}
-	var many []*claim
-	for i := range maxBatch + 3 {
-		many = append(many, mk(1, fmt.Sprint("m", i)))
-	}
-	capped := &claimBatcher{queue: many}
-	if got := capped.take(); len(got) != maxBatch || len(capped.queue) != 3 {
-		t.Fatalf("batch of small claims: got %d, %d left; want %d, 3 left", len(got), len(capped.queue), maxBatch)
-	}
 	alone := &claimBatcher{queue: []*claim{mk(maxTxnOps+10, "k")}}
 	if got := alone.take(); len(got) != 1 {
 		t.Fatal("a claim too large for a batch is still taken, alone")
@@ -149,8 +141,8 @@ func counterValue(c prometheus.Counter) float64 {
 }
 
 // TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses: etcd applies a batch of claims and
-// the answer is lost. Every ADD of the batch fails (try again), and each retry returns the
-// addresses its lost claim wrote, with no second key.
+// the answer is lost. Each ADD of the batch sends its claim again and gets the addresses its
+// lost claim wrote, on its own lease, with no second key.
 func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 	cli := newClient(t)
 	var armed atomic.Bool
@@ -169,44 +161,36 @@ func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 	for round := 0; round < 10; round++ {
 		armed.Store(true)
 		const n = 16
+		results := make([]allocator.Result, n)
 		errs := make([]error, n)
 		var wg sync.WaitGroup
 		for i := range n {
-			wg.Go(func() { _, errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", "")) })
+			wg.Go(func() { results[i], errs[i] = a.Add(ctx, addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", "")) })
 		}
 		wg.Wait()
 		adds += n
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("round %d: ADD %d: %v", round, i, err)
+			}
+		}
 		if armed.Load() {
 			continue // no batch formed this round
 		}
-		before := dump(t, newClient(t), IPsPrefix(pool.Name))
-		if len(before) != 2*adds {
-			t.Fatalf("etcd applied the lost batch: want %d keys, got %d", 2*adds, len(before))
+		keys := dump(t, newClient(t), IPsPrefix(pool.Name))
+		if len(keys) != 2*adds {
+			t.Fatalf("want the 2 keys of each of %d ADDs, got %d: a claim was applied twice or not at all", adds, len(keys))
 		}
-		failed := 0
-		for i, err := range errs {
-			if err == nil {
-				continue
-			}
-			if !errors.Is(err, allocator.ErrUnavailable) {
-				t.Fatalf("ADD in the lost batch: want ErrUnavailable, got %v", err)
-			}
-			failed++
-			res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("r%d-%d", round, i), "eth0", ""))
-			if err != nil {
-				t.Fatalf("retried ADD: %v", err)
-			}
+		for i, res := range results {
+			lease := mustLease(t, a, fmt.Sprintf("r%d-%d", round, i))
 			for _, ip := range res.IPs {
-				if _, ok := before[IPKey(pool.Name, ip.Address.Addr())]; !ok {
-					t.Errorf("retry got %s, not an address the lost batch wrote", ip.Address)
+				if l, ok := keys[IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
+					t.Errorf("ADD %d returned %s; its key is missing or not on its lease", i, ip.Address)
 				}
 			}
 		}
-		if failed < 2 {
-			t.Fatalf("a batch answer was lost but %d ADDs failed", failed)
-		}
-		if after := dump(t, newClient(t), IPsPrefix(pool.Name)); len(after) != len(before) {
-			t.Errorf("the retries wrote second keys: %d before, %d after", len(before), len(after))
+		if n := counterValue(a.metrics.claimBatches.WithLabelValues("lost")); n != 1 {
+			t.Errorf("lost batches counted: %v, want 1", n)
 		}
 		return
 	}
