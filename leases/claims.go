@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -62,8 +63,18 @@ func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, ge
 	if b.busy {
 		b.queue = append(b.queue, c)
 		b.mu.Unlock()
-		<-c.done // the batch's transactions are bounded by b.timeout
-		return c.resp, c.err
+		select {
+		case <-c.done:
+			return c.resp, c.err
+		case <-ctx.Done():
+			// The ADD's deadline came first (etcd slow or away). A claim still queued is
+			// withdrawn; one already sent may yet apply, and the caller treats the error as
+			// an unanswered claim either way.
+			b.mu.Lock()
+			b.queue = slices.DeleteFunc(b.queue, func(q *claim) bool { return q == c })
+			b.mu.Unlock()
+			return nil, ctx.Err()
+		}
 	}
 	b.busy = true
 	b.mu.Unlock()

@@ -1,12 +1,14 @@
 package leases
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
@@ -195,4 +197,20 @@ func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 		return
 	}
 	t.Fatal("in 10 rounds of 16 concurrent ADDs no batch formed")
+}
+
+// TestQueuedClaimLeavesWithItsDeadline: a claim waiting behind a transaction in flight
+// returns when its ADD's deadline passes, and is withdrawn from the queue (no I/O: the
+// batcher is marked busy and never reaches etcd).
+func TestQueuedClaimLeavesWithItsDeadline(t *testing.T) {
+	b := &claimBatcher{busy: true}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	resp, err := b.commit(ctx, nil, []clientv3.Op{clientv3.OpPut("k", "v")}, nil)
+	if !errors.Is(err, context.DeadlineExceeded) || resp != nil {
+		t.Fatalf("queued claim past its deadline: got %v, %v", resp, err)
+	}
+	if len(b.queue) != 0 {
+		t.Errorf("the claim stayed queued after its ADD gave up: %d queued", len(b.queue))
+	}
 }
