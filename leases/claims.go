@@ -78,9 +78,14 @@ func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, ge
 	}
 	b.busy = true
 	b.mu.Unlock()
-	resp, err := b.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	b.alone(ctx, c)
 	b.next()
-	return resp, err
+	return c.resp, c.err
+}
+
+// alone commits one claim as its own transaction, else branch included.
+func (b *claimBatcher) alone(ctx context.Context, c *claim) {
+	c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
 }
 
 // next runs the queued claims in the background, or marks the batcher idle.
@@ -135,8 +140,7 @@ func (b *claimBatcher) run(batch []*claim) {
 	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
 	defer cancel()
 	if len(batch) == 1 {
-		c := batch[0]
-		c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
+		b.alone(ctx, batch[0])
 		return
 	}
 	var cmps []clientv3.Cmp
@@ -165,7 +169,7 @@ func (b *claimBatcher) run(batch []*claim) {
 		var wg sync.WaitGroup
 		for _, c := range batch {
 			wg.Go(func() {
-				c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
+				b.alone(ctx, c)
 			})
 		}
 		wg.Wait()
