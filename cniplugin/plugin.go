@@ -6,21 +6,20 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
-	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
 // About is printed by the plugin when run without CNI_COMMAND.
-const About = "leasehold IPAM: cluster-wide addresses leased from etcd"
+const About = thin.About
 
 // SupportedVersions are the CNI specification versions the plugin speaks.
-var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+var SupportedVersions = thin.SupportedVersions
 
 // Plugin holds the CNI command handlers. The zero value is not usable: set Dial (Main
 // uses DialAgent) and Stdout.
@@ -31,22 +30,22 @@ type Plugin struct {
 	Stdout io.Writer
 	// Log receives diagnostics; nil discards them.
 	Log *slog.Logger
+
+	// ctx is the parent of every call's context (Background when nil): Invoke sets the
+	// agent request's, so that a request that runs out of time stops its work.
+	ctx context.Context
+}
+
+func (p *Plugin) base() context.Context {
+	if p.ctx == nil {
+		return context.Background()
+	}
+	return p.ctx
 }
 
 // DialAgent returns an agentapi.Client for socket; it does not connect yet.
 func DialAgent(socket string, timeout time.Duration) agentapi.Service {
 	return &agentapi.Client{Socket: socket, Timeout: timeout}
-}
-
-// Main runs the plugin: it dispatches on CNI_COMMAND with skel, printing results to
-// stdout, errors as CNI error JSON to stdout (then exits 1) and warnings to stderr.
-func Main() {
-	p := &Plugin{
-		Dial:   DialAgent,
-		Stdout: os.Stdout,
-		Log:    slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-	}
-	skel.PluginMainFuncs(p.Funcs(), version.PluginSupports(SupportedVersions...), About)
 }
 
 // Funcs returns p's handlers for skel.
@@ -63,7 +62,7 @@ func (p *Plugin) CmdAdd(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
+	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
 	alloc, err := p.agent(cfg).Add(ctx, cfg.Request)
 	if err != nil {
@@ -86,7 +85,7 @@ func (p *Plugin) CmdDel(args *skel.CmdArgs) error {
 	if cfg.Request.ContainerID == "" || cfg.Request.IfName == "" {
 		return types.NewError(types.ErrInvalidEnvironmentVariables, "CNI_CONTAINERID and CNI_IFNAME must both be set for DEL", "")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
+	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
 	if err := p.agent(cfg).Del(ctx, cfg.Request); err != nil {
 		return cniError(err)
@@ -105,7 +104,7 @@ func (p *Plugin) CmdCheck(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
+	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
 	held, err := p.agent(cfg).Check(ctx, cfg.Request)
 	if err != nil {
@@ -137,7 +136,7 @@ func (p *Plugin) CmdGC(args *skel.CmdArgs) error {
 	if err != nil {
 		return cniError(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
+	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
 	if err := p.agent(cfg).GC(ctx, req); err != nil {
 		return cniError(err)
@@ -153,7 +152,7 @@ func (p *Plugin) CmdStatus(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), cfg.IPAM.Timeout)
+	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
 	if err := p.agent(cfg).Status(ctx, cfg.StatusRequest()); err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")

@@ -23,13 +23,19 @@ func goList(t *testing.T, deps bool, pkg string) []string {
 }
 
 // TestDependencyRule keeps the layering of ARCHITECTURE.md true: imports point downward,
-// the plugin binary links no etcd, gRPC or netlink, allocator is standard library only,
-// and only leases/kernel talks netlink.
+// the plugin binary is a thin client (no etcd, gRPC, netlink, CNI library, net,
+// encoding/json, fmt or reflect: in a process that lives for one call each of them
+// costs startup time), allocator is standard library only, and only leases/kernel talks
+// netlink.
 func TestDependencyRule(t *testing.T) {
 	const mod = "github.com/leasehold/leasehold/"
 	for _, dep := range goList(t, true, "./cmd/leasehold") {
-		if strings.Contains(dep, "etcd") || strings.Contains(dep, "grpc") || strings.Contains(dep, "netlink") || strings.HasPrefix(dep, mod+"leases") {
-			t.Errorf("the plugin binary links %s", dep)
+		if strings.Contains(dep, ".") && !strings.HasPrefix(dep, mod+"cniplugin/thin") && dep != mod+"cmd/leasehold" {
+			t.Errorf("the plugin binary links %s; it may link only package cniplugin/thin and the standard library", dep)
+		}
+		switch dep {
+		case "net", "encoding/json", "fmt", "reflect", "log/slog":
+			t.Errorf("the plugin binary links %s; the thin plugin leaves parsing and networking to leaseholdd", dep)
 		}
 	}
 	for _, dep := range goList(t, true, "./allocator") {

@@ -1,8 +1,8 @@
 // Command leasehold is the leasehold CNI IPAM plugin ("ipam": {"type": "leasehold"}).
-// It asks the node agent, leaseholdd, for addresses over a unix socket; see package
-// cniplugin.
+// It is a thin client of the node agent, leaseholdd: it forwards its CNI environment and
+// stdin over the agent's unix socket and prints what the agent answers; see package thin.
 package main
 
-import "github.com/leasehold/leasehold/cniplugin"
+import "github.com/leasehold/leasehold/cniplugin/thin"
 
-func main() { cniplugin.Main() }
+func main() { thin.Main() }

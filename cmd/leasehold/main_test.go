@@ -8,19 +8,35 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 )
 
 // TestMain lets the test binary act as the plugin: the tests below run it again with
 // LEASEHOLD_TEST_PLUGIN=1 and the CNI environment, exercising main, skel and the exit
 // code exactly as a runtime would.
+//
+// With LEASEHOLD_TEST_PLUGIN=skel it is instead the plugin as it was before it became a
+// thin client: the same handlers, run in the plugin process by the CNI library's skel
+// and talking to the agent's five operations. TestThinPluginAnswersAsSkelDid compares
+// the two.
 func TestMain(m *testing.M) {
-	if os.Getenv("LEASEHOLD_TEST_PLUGIN") == "1" {
+	switch os.Getenv("LEASEHOLD_TEST_PLUGIN") {
+	case "1":
 		main()
+		os.Exit(0)
+	case "skel":
+		p := &cniplugin.Plugin{Dial: cniplugin.DialAgent, Stdout: os.Stdout}
+		skel.PluginMainFuncs(p.Funcs(), version.PluginSupports(cniplugin.SupportedVersions...), cniplugin.About)
 		os.Exit(0)
 	}
 	os.Exit(m.Run())
@@ -48,7 +64,7 @@ func startAgent(t *testing.T) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- agentapi.Serve(ctx, l, agent{}, nil) }()
+	go func() { done <- agentapi.Serve(ctx, l, cniplugin.Served(agent{}), nil) }()
 	t.Cleanup(func() { cancel(); <-done })
 	return socket
 }
@@ -57,12 +73,19 @@ func startAgent(t *testing.T) string {
 // the exit code.
 func runPlugin(t *testing.T, command, stdin string) (string, string, int) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0])
-	cmd.Env = []string{"LEASEHOLD_TEST_PLUGIN=1", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee",
+	env := []string{"CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee",
 		"CNI_IFNAME=eth0", "CNI_NETNS=/var/run/netns/test", "CNI_NETNS_OVERRIDE=1", "CNI_ARGS=K8S_POD_UID=uid-9"}
 	if command != "" {
-		cmd.Env = append(cmd.Env, "CNI_COMMAND="+command)
+		env = append(env, "CNI_COMMAND="+command)
 	}
+	return runAs(t, "1", env, stdin)
+}
+
+// runAs executes the test binary as plugin mode ("1" or "skel") with env and stdin.
+func runAs(t *testing.T, mode string, env []string, stdin string) (string, string, int) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append([]string{"LEASEHOLD_TEST_PLUGIN=" + mode}, env...)
 	cmd.Stdin = strings.NewReader(stdin)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -126,10 +149,138 @@ func TestPluginBinary(t *testing.T) {
 	}
 }
 
+// TestPluginRefusals covers what only the thin plugin does: it refuses to be served by
+// an agent the configuration does not name, tells an agent that predates it apart from a
+// broken one, and refuses a container namespace that is its own.
+func TestPluginRefusals(t *testing.T) {
+	socket := startAgent(t)
+	env := []string{"CNI_COMMAND=ADD", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0",
+		"CNI_NETNS=/var/run/netns/test", "CNI_NETNS_OVERRIDE=1"}
+	cniErr := func(t *testing.T, stdout string, exit int, code uint, msg string) {
+		t.Helper()
+		var e types.Error
+		if err := json.Unmarshal([]byte(stdout), &e); err != nil || exit != 1 || e.Code != code || !strings.Contains(e.Msg, msg) {
+			t.Errorf("exit %d, stdout %s; want exit 1 and CNI error %d containing %q", exit, stdout, code, msg)
+		}
+	}
+	t.Run("socket read differently", func(t *testing.T) {
+		// encoding/json matches "ſocket" (long s) to "socket"; the plugin's reader does
+		// not, so the two disagree on the socket, and the agent refuses with code 7.
+		conf := strings.Replace(netconf(socket), `"ranges"`, `"ſocket": "/elsewhere.sock", "ranges"`, 1)
+		stdout, _, exit := runAs(t, "1", env, conf)
+		cniErr(t, stdout, exit, 7, "names /elsewhere.sock")
+	})
+	t.Run("agent without CNI invocations", func(t *testing.T) {
+		old := filepath.Join(t.TempDir(), "old.sock")
+		l, err := agentapi.Listen(old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- agentapi.Serve(ctx, l, agent{}, nil) }() // not cniplugin.Served
+		t.Cleanup(func() { cancel(); <-done })
+		stdout, _, exit := runAs(t, "1", env, netconf(old))
+		cniErr(t, stdout, exit, 11, "upgrade leaseholdd")
+		stdout, _, exit = runAs(t, "1", append(slices.Clone(env), "CNI_COMMAND=STATUS"), strings.Replace(netconf(old), "1.0.0", "1.1.0", 1))
+		cniErr(t, stdout, exit, 50, "upgrade leaseholdd")
+	})
+	t.Run("own network namespace", func(t *testing.T) {
+		own := []string{"CNI_COMMAND=ADD", "CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0", "CNI_NETNS=/proc/self/ns/net"}
+		stdout, _, exit := runAs(t, "1", own, netconf(socket))
+		cniErr(t, stdout, exit, 8, "should not be the same")
+		stdout, _, exit = runAs(t, "1", append(own, "CNI_NETNS_OVERRIDE=true"), netconf(socket))
+		if exit != 0 || !strings.Contains(stdout, "10.50.0.9/24") {
+			t.Errorf("with CNI_NETNS_OVERRIDE: exit %d, stdout %s", exit, stdout)
+		}
+	})
+}
+
 func TestAbout(t *testing.T) {
 	// Run by hand without CNI_COMMAND, the plugin says what it is.
 	_, stderr, exit := runPlugin(t, "", "")
 	if exit != 0 || !strings.Contains(stderr, "leasehold IPAM: cluster-wide addresses leased from etcd") {
 		t.Errorf("exit %d, stderr %q", exit, stderr)
+	}
+}
+
+// TestThinPluginAnswersAsSkelDid runs each invocation through the thin plugin (the
+// agent runs the CNI logic) and through the plugin as it was (skel and the same handlers
+// in the plugin process), and requires the same exit status and stdout byte for byte:
+// moving the work into the agent must change nothing a runtime sees.
+func TestThinPluginAnswersAsSkelDid(t *testing.T) {
+	socket := startAgent(t)
+	missing := filepath.Join(t.TempDir(), "none.sock")
+	full := []string{"CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0",
+		"CNI_NETNS=/var/run/netns/test", "CNI_NETNS_OVERRIDE=1", "CNI_ARGS=K8S_POD_UID=uid-9"}
+	conf := func(version, extra string) string {
+		return `{"cniVersion": "` + version + `", "name": "net5", "type": "macvlan", ` + extra + `"ipam": {"type": "leasehold", "socket": "` +
+			socket + `", "ranges": [[{"subnet": "10.50.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}}`
+	}
+	without := func(name string) []string {
+		var out []string
+		for _, e := range full {
+			if !strings.HasPrefix(e, name+"=") {
+				out = append(out, e)
+			}
+		}
+		return out
+	}
+	cases := []struct {
+		name, command string
+		env           []string
+		stdin         string
+	}{
+		{"add 1.0.0", "ADD", full, conf("1.0.0", "")},
+		{"add 0.3.1", "ADD", full, conf("0.3.1", "")},
+		{"add 1.1.0 with dns", "ADD", full, strings.Replace(conf("1.1.0", ""), `"routes"`, `"dns": {"nameservers": ["10.50.0.10"]}, "routes"`, 1)},
+		{"add unsupported version", "ADD", full, conf("9.9.9", "")},
+		{"add unparsable version", "ADD", full, conf("x.y", "")},
+		{"add no version", "ADD", full, strings.Replace(conf("1.0.0", ""), `"cniVersion": "1.0.0", `, "", 1)},
+		{"add without CNI_PATH and CNI_CONTAINERID", "ADD", without("CNI_PATH")[1:], conf("1.0.0", "")},
+		{"add with a bad interface name", "ADD", append(without("CNI_IFNAME"), "CNI_IFNAME=a/b"), conf("1.0.0", "")},
+		{"add with a bad container ID", "ADD", append(without("CNI_CONTAINERID"), "CNI_CONTAINERID=-x"), conf("1.0.0", "")},
+		// Not JSON is answered by the plugin itself (it cannot find the socket), with the
+		// same code and its own wording of where the document breaks; compared below.
+		{"add no name", "ADD", full, strings.Replace(conf("1.0.0", ""), `"name": "net5", `, "", 1)},
+		{"add bad name", "ADD", full, strings.Replace(conf("1.0.0", ""), `"net5"`, `"net/5"`, 1)},
+		{"add invalid ipam", "ADD", full, strings.Replace(conf("1.0.0", ""), `"ranges"`, `"rangez"`, 1)},
+		{"add with CNI_ARGS IP", "ADD", append(without("CNI_ARGS"), "CNI_ARGS=K8S_POD_UID=uid-9;IP=10.50.0.9"), conf("1.0.0", "")},
+		{"check 1.0.0", "CHECK", full, conf("1.0.0", "")},
+		{"check 0.3.1", "CHECK", full, conf("0.3.1", "")},
+		{"del", "DEL", full, conf("1.0.0", "")},
+		{"del with a broken ipam", "DEL", full, strings.Replace(conf("1.0.0", ""), `"ranges"`, `"rangez"`, 1)},
+		{"del without netns", "DEL", without("CNI_NETNS"), conf("1.0.0", "")},
+		{"gc 1.1.0", "GC", full, conf("1.1.0", `"cni.dev/valid-attachments": [{"containerID": "c0ffee", "ifname": "eth0"}], `)},
+		{"gc without valid attachments", "GC", full, conf("1.1.0", "")},
+		{"gc 1.0.0", "GC", full, conf("1.0.0", "")},
+		{"status 1.1.0", "STATUS", full, conf("1.1.0", "")},
+		{"status 0.4.0", "STATUS", full, conf("0.4.0", "")},
+		{"status without agent", "STATUS", full, strings.Replace(conf("1.1.0", ""), socket, missing, 1)},
+		{"unknown command", "FROB", full, conf("1.0.0", "")},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			env := append(slices.Clone(tc.env), "CNI_COMMAND="+tc.command)
+			gotOut, gotErr, gotExit := runAs(t, "1", env, tc.stdin)
+			wantOut, wantErr, wantExit := runAs(t, "skel", env, tc.stdin)
+			if gotExit != wantExit || gotOut != wantOut {
+				t.Errorf("thin plugin: exit %d, stdout %s\nskel plugin: exit %d, stdout %s", gotExit, gotOut, wantExit, wantOut)
+			}
+			if gotErr != wantErr {
+				t.Errorf("thin plugin stderr %q, skel plugin stderr %q", gotErr, wantErr)
+			}
+		})
+	}
+	for _, stdin := range []string{`{"cniVersion": `, `{"a": 1} x`, `not json`, ``} {
+		env := append(slices.Clone(full), "CNI_COMMAND=ADD")
+		gotOut, _, gotExit := runAs(t, "1", env, stdin)
+		wantOut, _, wantExit := runAs(t, "skel", env, stdin)
+		var got, want types.Error
+		if err := json.Unmarshal([]byte(gotOut), &got); err != nil || gotExit != wantExit ||
+			json.Unmarshal([]byte(wantOut), &want) != nil || got.Code != want.Code || got.Code != types.ErrDecodingFailure ||
+			!strings.HasPrefix(got.Msg, "error unmarshall network config: ") {
+			t.Errorf("stdin %q: thin plugin exit %d, stdout %s; skel plugin exit %d, stdout %s", stdin, gotExit, gotOut, wantExit, wantOut)
+		}
 	}
 }

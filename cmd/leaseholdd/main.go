@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/leasehold/leasehold/cniplugin"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 	"github.com/leasehold/leasehold/leases"
 	"github.com/leasehold/leasehold/leases/etcdserver"
@@ -208,7 +209,7 @@ func serveSocket(ctx context.Context, path string, agent *leases.Agent, log *slo
 		ino := inode(path)
 		sctx, stop := context.WithCancel(ctx)
 		served := make(chan error, 1)
-		go func() { served <- agentapi.Serve(sctx, l, agent, log) }()
+		go func() { served <- agentapi.Serve(sctx, l, cniplugin.Served(agent), log) }()
 		t := time.NewTicker(socketCheckEvery)
 	watch:
 		for {

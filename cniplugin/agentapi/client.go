@@ -1,16 +1,17 @@
 package agentapi
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"syscall"
 	"time"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
 // Client talks to leaseholdd over its unix socket, one connection per call. The zero
@@ -108,26 +109,22 @@ func (c *Client) call(ctx context.Context, op string, body any) (*WireResponse, 
 		return nil, c.protocolErr("%s request is %d bytes, more than the %d leaseholdd accepts", op, len(data), MaxMessageSize)
 	}
 
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "unix", c.socket())
-	if err != nil {
+	out, err := thin.Exchange(ctx, c.socket(), data, MaxMessageSize)
+	var ce *thin.CallError
+	if errors.As(err, &ce) && ce.Op == "dial" {
 		return nil, &Error{Code: CodeTryAgainLater, Sentinel: "ErrUnavailable",
 			Msg: fmt.Sprintf("leasehold agent (leaseholdd) is not reachable at %s: %v; is leaseholdd running on this node?",
 				c.socket(), err)}
 	}
-	defer conn.Close()
-	_ = conn.SetDeadline(deadline)
-	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
-	defer stop()
-
-	_, werr := conn.Write(data)
-	if uc, ok := conn.(*net.UnixConn); ok && werr == nil {
-		_ = uc.CloseWrite()
+	if errors.Is(err, thin.ErrTooLarge) {
+		err = fmt.Errorf("%w: %w", ErrProtocol, err)
 	}
-	// Read even after a failed write: the agent may have refused the request and said why.
 	var resp WireResponse
-	if rerr := readMessage(conn, &resp); rerr != nil {
-		return nil, c.readErr(ctx, op, timeout, errors.Join(werr, rerr))
+	if err == nil {
+		err = readMessage(bytes.NewReader(out), &resp)
+	}
+	if err != nil {
+		return nil, c.readErr(ctx, op, timeout, err)
 	}
 	if resp.Version != ProtocolVersion {
 		return nil, c.protocolErr("leaseholdd at %s speaks protocol version %d, this plugin %d; "+

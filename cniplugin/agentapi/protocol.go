@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
 // The wire format. A client connects to the agent's unix socket, writes one WireRequest
@@ -16,20 +17,25 @@ import (
 //	-> {"version": 1, "op": "add", "timeoutMs": 29000, "request": {allocator.Request}}
 //	<- {"version": 1, "result": {allocator.Result}}                         add, check
 //	<- {"version": 1}                                                       del, gc, status
+//	<- {"version": 1, "cni": {"exit": 0, "stdout": "<base64>", "stderr": "<base64>"}}   cni
 //	<- {"version": 1, "error": {"code": 102, "msg": "...", "sentinel": "ErrPoolExhausted"}}
 //
-// "request" is an allocator.Request for add, del and check, an allocator.GCRequest for gc
-// and an allocator.StatusRequest for status. Unknown fields inside it are ignored: a
+// "request" is an allocator.Request for add, del and check, an allocator.GCRequest for gc,
+// an allocator.StatusRequest for status and an Invocation for cni: the plugin binary's
+// whole environment and stdin, which the agent runs as the plugin process once did and
+// answers with what the process prints and its exit status (package thin is the client
+// side). An "error" answer to cni means the request itself was refused (busy, shutting
+// down); a failed CNI command is a cni answer with exit 1 and the CNI error on stdout. Unknown fields inside it are ignored: a
 // change of meaning needs a new ProtocolVersion, which the server refuses clearly.
 // Either direction is at most MaxMessageSize bytes.
 
 // ProtocolVersion is the version of the wire format this package speaks. A server answers
 // a request of any other version with an ErrProtocol error (code 6) and does nothing.
-const ProtocolVersion = 1
+const ProtocolVersion = thin.ProtocolVersion
 
 // MaxMessageSize bounds one request or response (1 MiB). A larger request is refused
 // with an ErrProtocol error; a larger response is treated as undecodable.
-const MaxMessageSize = 1 << 20
+const MaxMessageSize = thin.MaxMessageSize
 
 // The operations, one per CNI command that reaches the agent.
 const (
@@ -38,10 +44,11 @@ const (
 	OpCheck  = "check"
 	OpGC     = "gc"
 	OpStatus = "status"
+	OpCNI    = thin.OpCNI
 )
 
 // DefaultSocket is where leaseholdd listens unless configured otherwise.
-const DefaultSocket = "/run/leasehold/leaseholdd.sock"
+const DefaultSocket = thin.DefaultSocket
 
 // DefaultTimeout bounds a Client call whose Timeout is zero.
 const DefaultTimeout = 30 * time.Second
@@ -66,6 +73,7 @@ type WireResponse struct {
 	// Version is the server's ProtocolVersion.
 	Version int               `json:"version"`
 	Result  *allocator.Result `json:"result,omitempty"`
+	CNI     *Output           `json:"cni,omitempty"`
 	Error   *Error            `json:"error,omitempty"`
 }
 

@@ -212,9 +212,26 @@ func (s *server) dispatch(req *WireRequest) WireResponse {
 			attrs = []any{"network", r.Network}
 			err = s.svc.Status(ctx, r)
 		}
+	case OpCNI:
+		inv, ok := s.svc.(Invoker)
+		if !ok {
+			err = fmt.Errorf("%w: this server does not run CNI invocations (operation %q)", ErrProtocol, OpCNI)
+			break
+		}
+		var r Invocation
+		if err = decodeBody(req, &r); err != nil {
+			break
+		}
+		attrs = []any{"command", r.Command, "containerID", r.ContainerID, "ifName", r.IfName}
+		resp.CNI = inv.Invoke(ctx, &r)
+		if resp.CNI.Err != nil {
+			attrs = append(attrs, "op", req.Op, "took", time.Since(start), "exit", resp.CNI.Exit, "err", resp.CNI.Err)
+			s.log.Warn("agentapi: CNI command failed", attrs...)
+			return resp
+		}
 	default:
-		err = fmt.Errorf("%w: unknown operation %q; leaseholdd knows %s, %s, %s, %s and %s",
-			ErrProtocol, req.Op, OpAdd, OpDel, OpCheck, OpGC, OpStatus)
+		err = fmt.Errorf("%w: unknown operation %q; leaseholdd knows %s, %s, %s, %s, %s and %s",
+			ErrProtocol, req.Op, OpAdd, OpDel, OpCheck, OpGC, OpStatus, OpCNI)
 	}
 	attrs = append(attrs, "op", req.Op, "took", time.Since(start))
 	if err != nil {

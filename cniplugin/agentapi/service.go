@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
 // Service is what the node agent offers the plugin. The agent's service type (package
@@ -20,4 +21,25 @@ type Service interface {
 	GC(ctx context.Context, req allocator.GCRequest) error
 	// Status reports whether an ADD for the pool could succeed now.
 	Status(ctx context.Context, req allocator.StatusRequest) error
+}
+
+// Invocation is one whole run of the plugin binary, forwarded unparsed: its CNI_*
+// environment and stdin (see package thin).
+type Invocation = thin.Invocation
+
+// Output is what the plugin process prints and exits with for an Invocation.
+type Output struct {
+	// Exit is the process's exit status: 0, or 1 after printing a CNI error.
+	Exit int `json:"exit"`
+	// Stdout and Stderr are the process's output, byte for byte (base64 on the wire).
+	Stdout []byte `json:"stdout,omitempty"`
+	Stderr []byte `json:"stderr,omitempty"`
+	// Err is the CNI error behind a non-zero Exit, for the agent's log; not sent.
+	Err error `json:"-"`
+}
+
+// Invoker runs whole plugin invocations (OpCNI). Serve offers OpCNI when its Service is
+// also an Invoker; package cniplugin's Served makes one from any Service.
+type Invoker interface {
+	Invoke(ctx context.Context, inv *Invocation) *Output
 }

@@ -8,6 +8,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/cniplugin"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 	"github.com/leasehold/leasehold/leases"
 )
@@ -64,7 +65,7 @@ func (p *inproc) serve() error {
 	}
 	sctx, stop := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- agentapi.Serve(sctx, l, p.agent, nil) }()
+	go func() { served <- agentapi.Serve(sctx, l, cniplugin.Served(p.agent), nil) }()
 	p.close = cleanups.add(func() {
 		stop()
 		select {
