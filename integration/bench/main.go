@@ -62,7 +62,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,burst,restart,fanout (add includes exhaustion and rss); empty runs all")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout (add includes exhaustion and rss); empty runs all")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
@@ -237,6 +237,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"version", figVersion},
 		{"add", figAddSweep},
 		{"tput", figThroughput},
+		{"parts", figEtcdParts},
 		{"burst", figBurst},
 		{"restart", figRestart},
 		{"fanout", figFanout},
