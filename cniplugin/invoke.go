@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"time"
@@ -46,7 +47,7 @@ func Invoke(ctx context.Context, svc agentapi.Service, inv *agentapi.Invocation)
 		Dial: func(socket string, _ time.Duration) agentapi.Service {
 			if socket != inv.Socket {
 				return refused{fmt.Errorf("%w: the plugin reached leaseholdd at %s, but the network configuration names %s "+
-					"as ipam.socket; write ipam.socket as one plain string", allocator.ErrInvalidConfig, inv.Socket, socket)}
+					"as ipam.socket; write the key \"socket\" once, in lowercase ASCII", allocator.ErrInvalidConfig, inv.Socket, socket)}
 			}
 			return svc
 		},
@@ -55,7 +56,7 @@ func Invoke(ctx context.Context, svc agentapi.Service, inv *agentapi.Invocation)
 		ctx:    ctx,
 	}
 	out := &agentapi.Output{}
-	if err := dispatch(p, inv); err != nil {
+	if err := dispatchRecovering(p, inv); err != nil {
 		out.Exit, out.Err = 1, err
 		data, merr := json.MarshalIndent(err, "", "    ")
 		if merr != nil {
@@ -65,6 +66,19 @@ func Invoke(ctx context.Context, svc agentapi.Service, inv *agentapi.Invocation)
 	}
 	out.Stdout, out.Stderr = stdout.Bytes(), stderr.Bytes()
 	return out
+}
+
+// dispatchRecovering is dispatch, with a panic turned into an internal error (code 999):
+// the configuration is parsed in the agent now, and a bug in that code must fail one
+// command, not stop the agent that serves every pod of the node.
+func dispatchRecovering(p *Plugin, inv *agentapi.Invocation) (err *types.Error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = types.NewError(types.ErrInternal, fmt.Sprintf("leaseholdd failed running %s: %v; please report this "+
+				"with the network configuration", inv.Command, r), string(debug.Stack()))
+		}
+	}()
+	return dispatch(p, inv)
 }
 
 // refused is a Service that fails every call with err.

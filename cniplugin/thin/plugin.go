@@ -55,6 +55,7 @@ type Invocation struct {
 
 // The CNI error codes this package produces itself.
 const (
+	codeIOFailure       = 5
 	codeDecodingFailure = 6
 	codeInvalidNetNS    = 8
 	codeTryAgainLater   = 11
@@ -83,7 +84,7 @@ func Run(getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) 
 	}
 	conf, err := io.ReadAll(io.LimitReader(stdin, maxStdin+1))
 	if err != nil {
-		return fail(stdout, 5, "error reading from stdin: "+err.Error())
+		return fail(stdout, codeIOFailure, "error reading from stdin: "+err.Error())
 	}
 	if len(conf) > maxStdin {
 		return fail(stdout, codeDecodingFailure, "network configuration is longer than "+strconv.Itoa(maxStdin)+" bytes")
@@ -102,8 +103,8 @@ func Run(getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) 
 		Args: getenv("CNI_ARGS"), Path: getenv("CNI_PATH"), NetnsOverride: getenv("CNI_NETNS_OVERRIDE"),
 		Socket: socket, Stdin: conf,
 	}
-	// A deadline without a timer: a runtime timer pending while the only goroutine sits in
-	// a blocking read makes the runtime start threads to service it.
+	// Exchange enforces the deadline with socket timeouts and nothing here cancels, so the
+	// context carries the deadline without arming a timer.
 	ctx := deadlineOnly{context.Background(), time.Now().Add(timeout)}
 	answer, err := Exchange(ctx, socket, encodeRequest(&inv, timeout), MaxMessageSize)
 	if err != nil {
