@@ -6,10 +6,11 @@
 // (package cniplugin); see ARCHITECTURE.md, "The agent socket".
 //
 // The package imports no encoding/json, reflection-driven formatting, CNI library, net
-// or gRPC: a plugin process lives for one call, and in it those cost more than the call
-// (measured on a 2-core VM: parsing the configuration with encoding/json and the CNI
-// types, about 0.4 ms; the net package's netpoller parking the goroutine for the answer,
-// about 1 ms more than a blocking read).
+// or gRPC: a plugin process lives for one call, so what it links and initializes is paid
+// on every call.
+// Measured on a 2-core VM with a bare client sending a fixed request: decoding just two
+// fields of the configuration with encoding/json added 0.3-0.6 ms per ADD, and dialing
+// through the net package instead of a blocking exchange on a raw socket 1.1-1.2 ms.
 package thin
 
 import (
