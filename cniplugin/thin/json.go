@@ -73,17 +73,9 @@ func (s *scanner) value(i, depth int) (int, error) {
 			if err != nil {
 				return end, err
 			}
-			i = s.ws(end)
-			if i >= len(s.data) {
-				return i, syntaxErr("unexpected end of JSON input", i)
-			}
-			switch s.data[i] {
-			case ',':
-				i++
-			case ']':
-				return i + 1, nil
-			default:
-				return i, syntaxErr("invalid character after array element", i)
+			var done bool
+			if i, done, err = s.next(end, ']', "array element"); done || err != nil {
+				return i, err
 			}
 		}
 	case c == '"':
@@ -132,19 +124,26 @@ func (s *scanner) object(i, depth int, visit func(key []byte, start, end int)) (
 		if visit != nil {
 			visit(key, start, end)
 		}
-		i = s.ws(end)
-		if i >= len(s.data) {
-			return i, syntaxErr("unexpected end of JSON input", i)
-		}
-		switch s.data[i] {
-		case ',':
-			i++
-		case '}':
-			return i + 1, nil
-		default:
-			return i, syntaxErr("invalid character after object key:value pair", i)
+		var done bool
+		if i, done, err = s.next(end, '}', "object key:value pair"); done || err != nil {
+			return i, err
 		}
 	}
+}
+
+// next steps over what follows an element of an array or object ending at end: a comma
+// (it returns the offset after it) or the closing bracket (done, the offset past it).
+func (s *scanner) next(end int, closer byte, element string) (int, bool, error) {
+	i := s.ws(end)
+	switch {
+	case i >= len(s.data):
+		return i, false, syntaxErr("unexpected end of JSON input", i)
+	case s.data[i] == ',':
+		return i + 1, false, nil
+	case s.data[i] == closer:
+		return i + 1, true, nil
+	}
+	return i, false, syntaxErr("invalid character after "+element, i)
 }
 
 func (s *scanner) str(i int) (int, error) {
