@@ -67,6 +67,20 @@ func (c *Client) Status(ctx context.Context, req allocator.StatusRequest) error 
 	return err
 }
 
+// Invoke sends a whole plugin invocation (OpCNI), as the plugin binary does, and returns
+// what the plugin process is to print and exit with. A failed CNI command is an Output
+// with Exit 1, not an error; errors are the request's own (as for the other calls).
+func (c *Client) Invoke(ctx context.Context, inv *Invocation) (*Output, error) {
+	resp, err := c.call(ctx, OpCNI, inv)
+	if err != nil {
+		return nil, err
+	}
+	if resp.CNI == nil {
+		return nil, c.protocolErr("%s answer from leaseholdd has no output", OpCNI)
+	}
+	return resp.CNI, nil
+}
+
 func (c *Client) socket() string {
 	if c.Socket == "" {
 		return DefaultSocket

@@ -336,3 +336,43 @@ func TestListen(t *testing.T) {
 		}
 	})
 }
+
+// invoker is a fakeService that also runs whole invocations: it answers with the command
+// and the stdin it got, and exit 1 for the command FAIL.
+type invoker struct{ *fakeService }
+
+func (invoker) Invoke(_ context.Context, inv *Invocation) *Output {
+	out := &Output{Stdout: append([]byte(inv.Command+":"), inv.Stdin...), Stderr: []byte("warn")}
+	if inv.Command == "FAIL" {
+		out.Exit, out.Err = 1, errors.New("failed")
+	}
+	return out
+}
+
+// TestInvokeCrossesTheSocket: an invocation reaches the server's Invoker whole (stdin byte
+// for byte, through base64), its output comes back as it was, a failed command is an
+// output and not an error, and a server whose service does not run invocations refuses
+// with code 6 naming the operation.
+func TestInvokeCrossesTheSocket(t *testing.T) {
+	socket, _ := startServer(t, invoker{&fakeService{}})
+	c := &Client{Socket: socket, Timeout: 5 * time.Second}
+	stdin := []byte("{\"name\": \"n\"}\x00\xff")
+	for _, cmd := range []string{"ADD", "FAIL"} {
+		out, err := c.Invoke(context.Background(), &Invocation{Command: cmd, ContainerID: "c1", Stdin: stdin})
+		if err != nil {
+			t.Fatalf("%s: %v", cmd, err)
+		}
+		wantExit := 0
+		if cmd == "FAIL" {
+			wantExit = 1
+		}
+		if out.Exit != wantExit || string(out.Stdout) != cmd+":"+string(stdin) || string(out.Stderr) != "warn" || out.Err != nil {
+			t.Errorf("%s: output %+v", cmd, out)
+		}
+	}
+	plain, _ := startServer(t, &fakeService{})
+	_, err := (&Client{Socket: plain, Timeout: 5 * time.Second}).Invoke(context.Background(), &Invocation{Command: "ADD"})
+	if CodeOf(err) != CodeDecodingFailure || !strings.Contains(err.Error(), `operation "cni"`) {
+		t.Errorf("server without an Invoker: %v (code %d)", err, CodeOf(err))
+	}
+}

@@ -66,26 +66,35 @@ func (p pluginBin) add(ctx context.Context, c call) ([]netip.Addr, time.Duration
 	if err != nil {
 		return nil, took, err
 	}
+	addrs, err := resultAddrs(out)
+	if err != nil {
+		return nil, took, fmt.Errorf("%s ADD: %w", filepath.Base(p.path), err)
+	}
+	return addrs, took, nil
+}
+
+// resultAddrs reads the addresses of a CNI ADD result.
+func resultAddrs(out []byte) ([]netip.Addr, error) {
 	var res struct {
 		IPs []struct {
 			Address string `json:"address"`
 		} `json:"ips"`
 	}
 	if err := json.Unmarshal(out, &res); err != nil {
-		return nil, took, fmt.Errorf("%s ADD: undecodable result %q: %w", filepath.Base(p.path), out, err)
+		return nil, fmt.Errorf("undecodable result %q: %w", out, err)
 	}
 	var addrs []netip.Addr
 	for _, ip := range res.IPs {
 		pfx, err := netip.ParsePrefix(ip.Address)
 		if err != nil {
-			return nil, took, fmt.Errorf("%s ADD: result address %q: %w", filepath.Base(p.path), ip.Address, err)
+			return nil, fmt.Errorf("result address %q: %w", ip.Address, err)
 		}
 		addrs = append(addrs, pfx.Addr())
 	}
 	if len(addrs) == 0 {
-		return nil, took, fmt.Errorf("%s ADD: result without addresses: %s", filepath.Base(p.path), out)
+		return nil, fmt.Errorf("result without addresses: %s", out)
 	}
-	return addrs, took, nil
+	return addrs, nil
 }
 
 // leaseholdConf is a network whose IPAM is leasehold, talking to the agent at socket.
