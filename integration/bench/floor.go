@@ -153,7 +153,7 @@ func (f *floor) sampleCNI() error {
 	s := f.s
 	container, podUID := ids.containerID(), ids.podUID()
 	inv := &agentapi.Invocation{Command: "ADD", ContainerID: container, Netns: s.env.netns, IfName: "eth0", Path: s.lh.cniPath,
-		Args: "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod-" + container[:12] + ";K8S_POD_UID=" + podUID,
+		Args:   "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod-" + container[:12] + ";K8S_POD_UID=" + podUID,
 		Socket: s.agent.Socket, Stdin: leaseholdConf(sweepPool, s.agent.Socket, s.env.cfg.sweepSubnet)}
 	t := time.Now()
 	out, err := f.cl.Invoke(context.Background(), inv)
