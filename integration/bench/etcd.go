@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -24,7 +26,23 @@ type etcdProc struct {
 }
 
 // startEtcd starts a fresh etcd member named name and waits (at most 30 s) until it answers.
+// A port found free can be taken before etcd binds it (the figures' own clients open
+// connections from ephemeral loopback ports meanwhile), so a member that exits because
+// its address is in use is started again on other ports, at most three times in all.
 func startEtcd(ctx context.Context, env *env, name string) (*etcdProc, error) {
+	for attempt := 1; ; attempt++ {
+		e, err := startEtcdOnce(ctx, env, name)
+		if err == nil || attempt == 3 || !errors.Is(err, errAddrInUse) {
+			return e, err
+		}
+		progress("etcd %s: a port was taken before etcd bound it; starting it again on other ports", name)
+	}
+}
+
+// errAddrInUse is wrapped by startEtcdOnce when etcd exited because a port was taken.
+var errAddrInUse = errors.New("address already in use")
+
+func startEtcdOnce(ctx context.Context, env *env, name string) (*etcdProc, error) {
 	curl, err := freeLoopbackURL()
 	if err != nil {
 		return nil, err
@@ -73,6 +91,9 @@ func startEtcd(ctx context.Context, env *env, name string) (*etcdProc, error) {
 		}
 		select {
 		case <-e.done:
+			if strings.Contains(e.logs.String(), "address already in use") {
+				return nil, fmt.Errorf("etcd exited before answering: %w:\n%s", errAddrInUse, e.logs)
+			}
 			return nil, fmt.Errorf("etcd exited before answering:\n%s", e.logs)
 		case <-ctx.Done():
 			e.stop()
