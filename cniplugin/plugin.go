@@ -21,8 +21,8 @@ const About = thin.About
 // SupportedVersions are the CNI specification versions the plugin speaks.
 var SupportedVersions = thin.SupportedVersions
 
-// Plugin holds the CNI command handlers. The zero value is not usable: set Dial (Main
-// uses DialAgent) and Stdout.
+// Plugin holds the CNI command handlers. The zero value is not usable: set Dial and
+// Stdout (Invoke dials the agent's own Service; DialAgent reaches one over its socket).
 type Plugin struct {
 	// Dial returns the agent to talk to at socket, each call bounded by timeout.
 	Dial func(socket string, timeout time.Duration) agentapi.Service
