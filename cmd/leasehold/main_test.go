@@ -55,7 +55,11 @@ func (agent) Check(context.Context, allocator.Request) (allocator.Result, error)
 func (agent) GC(context.Context, allocator.GCRequest) error         { return nil }
 func (agent) Status(context.Context, allocator.StatusRequest) error { return nil }
 
-func startAgent(t *testing.T) string {
+// startAgent serves the stub agent as leaseholdd serves its own (cniplugin.Served).
+func startAgent(t *testing.T) string { return serve(t, cniplugin.Served(agent{})) }
+
+// serve serves svc on a socket in t.TempDir until the test ends.
+func serve(t *testing.T, svc agentapi.Service) string {
 	t.Helper()
 	socket := filepath.Join(t.TempDir(), "lh.sock")
 	l, err := agentapi.Listen(socket)
@@ -64,7 +68,7 @@ func startAgent(t *testing.T) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- agentapi.Serve(ctx, l, cniplugin.Served(agent{}), nil) }()
+	go func() { done <- agentapi.Serve(ctx, l, svc, nil) }()
 	t.Cleanup(func() { cancel(); <-done })
 	return socket
 }
@@ -171,15 +175,7 @@ func TestPluginRefusals(t *testing.T) {
 		cniErr(t, stdout, exit, 7, "names /elsewhere.sock")
 	})
 	t.Run("agent without CNI invocations", func(t *testing.T) {
-		old := filepath.Join(t.TempDir(), "old.sock")
-		l, err := agentapi.Listen(old)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- agentapi.Serve(ctx, l, agent{}, nil) }() // not cniplugin.Served
-		t.Cleanup(func() { cancel(); <-done })
+		old := serve(t, agent{}) // not cniplugin.Served: no cni operation
 		stdout, _, exit := runAs(t, "1", env, netconf(old))
 		cniErr(t, stdout, exit, 11, "upgrade leaseholdd")
 		stdout, _, exit = runAs(t, "1", append(slices.Clone(env), "CNI_COMMAND=STATUS"), strings.Replace(netconf(old), "1.0.0", "1.1.0", 1))
