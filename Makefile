@@ -17,7 +17,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 FUZZ_TARGETS  := FuzzParseConfig:./cniplugin FuzzParseCNIArgs:./cniplugin \
                  FuzzWireRequest:./cniplugin/agentapi FuzzServe:./cniplugin/agentapi \
                  FuzzValidateName:./allocator FuzzKeys:./leases FuzzJournalLoad:./leases \
-                 FuzzJSON:./cniplugin/thin
+                 FuzzJSON:./cniplugin/thin FuzzInvoke:./cniplugin
 FUZZTIME      ?= 5s
 SOAK_FUZZTIME ?= 30m
 
