@@ -16,7 +16,8 @@ import (
 
 // Keeper owns the agent's leases: it pre-grants a few so that an ADD for a new pod costs one
 // etcd transaction, keeps every lease it holds alive on the client's single keep-alive
-// stream, and says when a lease is lost. It never renews a lease it did not grant or adopt.
+// stream (a lease it granted from its first due renewal on), and says when a lease is lost.
+// It never renews a lease it did not grant or adopt.
 type Keeper struct {
 	cli    *clientv3.Client
 	ttl    int64
@@ -32,6 +33,12 @@ type Keeper struct {
 	mu    sync.Mutex
 	spare []clientv3.LeaseID
 	held  map[clientv3.LeaseID]context.CancelFunc
+	// fresh are leases this keeper granted whose renewals have not started: a lease is
+	// granted with its whole TTL, so the client's keep-alive, which renews at once on
+	// registration, is registered only when its first renewal is due (see keepAliveLater).
+	// In grant order, which is due order.
+	fresh     []freshLease
+	freshKick chan struct{}
 
 	qmu      sync.Mutex
 	qLease   clientv3.LeaseID
@@ -56,9 +63,12 @@ func NewKeeper(cli *clientv3.Client, ttl time.Duration, spare int, log *slog.Log
 		cancel: cancel,
 		refill: make(chan struct{}, 1),
 		held:   make(map[clientv3.LeaseID]context.CancelFunc),
+
+		freshKick: make(chan struct{}, 1),
 	}
-	k.wg.Add(1)
+	k.wg.Add(2)
 	go k.refillLoop()
+	go k.freshLoop()
 	k.kick()
 	return k
 }
@@ -233,13 +243,77 @@ func (k *Keeper) grant(ctx context.Context) (clientv3.LeaseID, error) {
 	if err != nil {
 		return 0, fmt.Errorf("grant lease (ttl %ds): %w", k.ttl, err)
 	}
-	if err := k.keepAlive(resp.ID); err != nil {
-		k.revokeQuietly(resp.ID)
-		return 0, err
-	}
+	k.keepAliveLater(resp.ID, time.Duration(resp.TTL)*time.Second)
 	return resp.ID, nil
 }
 
+// keepAliveTick is how often the client's keep-alive loop sends due renewals: a lease
+// registered with it is renewed within one tick.
+const keepAliveTick = 500 * time.Millisecond
+
+// keepAliveLater holds a lease granted just now with ttl and registers its keep-alive when
+// its first renewal is due: a third of the TTL from now (the client's own interval), less
+// one tick of the client's loop. Registering at once would renew a lease that has its whole
+// TTL left: a request for etcd (54 µs of its CPU each, bench "parts" figure) per new pod, in
+// the middle of a burst of them. Until then the lease is held as any other: Holds, Release
+// and Revoke work on it. etcd keeps a lease for its TTL (a new leader only extends it); one
+// revoked from outside meanwhile is found lost at registration, within a third of the TTL,
+// as a renewed lease is found at its next renewal.
+func (k *Keeper) keepAliveLater(id clientv3.LeaseID, ttl time.Duration) {
+	ctx, cancel := context.WithCancel(k.ctx)
+	due := time.Now().Add(ttl/3 - keepAliveTick)
+	k.mu.Lock()
+	k.held[id] = cancel
+	k.fresh = append(k.fresh, freshLease{id: id, ctx: ctx, due: due})
+	k.mu.Unlock()
+	select {
+	case k.freshKick <- struct{}{}:
+	default:
+	}
+}
+
+// freshLease is a granted lease whose keep-alive starts at due.
+type freshLease struct {
+	id  clientv3.LeaseID
+	ctx context.Context
+	due time.Time
+}
+
+// freshLoop registers the keep-alive of each fresh lease when it is due, unless the lease
+// was released or revoked meanwhile.
+func (k *Keeper) freshLoop() {
+	defer k.wg.Done()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		now := time.Now()
+		k.mu.Lock()
+		var due []freshLease
+		for len(k.fresh) > 0 && !k.fresh[0].due.After(now) {
+			due = append(due, k.fresh[0])
+			k.fresh = k.fresh[1:]
+		}
+		wait := time.Hour
+		if len(k.fresh) > 0 {
+			wait = k.fresh[0].due.Sub(now)
+		}
+		k.mu.Unlock()
+		for _, f := range due {
+			if f.ctx.Err() == nil {
+				k.register(f.ctx, f.id)
+			}
+		}
+		timer.Reset(wait)
+		select {
+		case <-k.ctx.Done():
+			return
+		case <-k.freshKick:
+		case <-timer.C:
+		}
+	}
+}
+
+// keepAlive holds id and renews it from now on (a lease adopted or resumed after a restart).
 func (k *Keeper) keepAlive(id clientv3.LeaseID) error {
 	k.mu.Lock()
 	if _, ok := k.held[id]; ok {
@@ -258,6 +332,20 @@ func (k *Keeper) keepAlive(id clientv3.LeaseID) error {
 	return nil
 }
 
+// register starts renewing a held fresh lease. If the client cannot (it is closing), the
+// lease is lost as if its renewals had stopped.
+func (k *Keeper) register(ctx context.Context, id clientv3.LeaseID) {
+	ch, err := k.cli.KeepAlive(ctx, id)
+	if err != nil {
+		if ctx.Err() == nil {
+			k.log.Warn("cannot keep lease alive", "lease", LeaseHex(id), "err", err)
+			k.lost(id)
+		}
+		return
+	}
+	go k.drain(ctx, id, ch)
+}
+
 // drain consumes keep-alive responses; the channel closes when the lease is gone or
 // the keep-alive was cancelled.
 func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clientv3.LeaseKeepAliveResponse) {
@@ -266,6 +354,11 @@ func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clie
 	if ctx.Err() != nil {
 		return
 	}
+	k.lost(id)
+}
+
+// lost forgets a held lease whose renewals stopped without Release or Revoke, and reports it.
+func (k *Keeper) lost(id clientv3.LeaseID) {
 	k.mu.Lock()
 	_, ours := k.held[id]
 	delete(k.held, id)

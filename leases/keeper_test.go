@@ -1,9 +1,11 @@
 package leases
 
 import (
+	"context"
 	"log/slog"
 	"os"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -47,5 +49,111 @@ func TestRenewNowRenewsEveryLeaseAndNamesTheGone(t *testing.T) {
 	}
 	if gone, err := k.RenewNow(ctx, nil); gone != nil || err != nil {
 		t.Errorf("nothing to renew: %v, %v", gone, err)
+	}
+}
+
+// registrations wraps a client's real lease API and records when each lease's keep-alive
+// was registered; everything still goes to etcd.
+type registrations struct {
+	clientv3.Lease
+	mu sync.Mutex
+	at map[clientv3.LeaseID]time.Time
+}
+
+func (r *registrations) KeepAlive(ctx context.Context, id clientv3.LeaseID) (<-chan *clientv3.LeaseKeepAliveResponse, error) {
+	r.mu.Lock()
+	r.at[id] = time.Now()
+	r.mu.Unlock()
+	return r.Lease.KeepAlive(ctx, id)
+}
+
+func (r *registrations) when(id clientv3.LeaseID) (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	at, ok := r.at[id]
+	return at, ok
+}
+
+// TestFreshLeaseIsRenewedWhenDueAndNotBefore: a lease the keeper grants has its whole TTL,
+// so its keep-alive (which renews at once) is registered only when a third of the TTL is
+// gone, less one tick of the client's loop; from then on it is renewed as every held lease
+// is. A lease adopted after a restart is registered at once.
+func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
+	cli := newClient(t)
+	reg := &registrations{Lease: cli.Lease, at: map[clientv3.LeaseID]time.Time{}}
+	cli.Lease = reg
+	ctx := ctxT(t)
+	k := NewKeeper(cli, 6*time.Second, 0, slog.New(slog.DiscardHandler), nil)
+	defer k.Close()
+	id, err := k.grant(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	granted := time.Now()
+	time.Sleep(3 * time.Second)
+	at, ok := reg.when(id)
+	if !ok {
+		t.Fatal("3 s after the grant the lease's keep-alive is not registered (due after 1.5 s)")
+	}
+	if early := at.Sub(granted); early < 1400*time.Millisecond || early > 2500*time.Millisecond {
+		t.Errorf("keep-alive registered %s after the grant, want at 1.5 s (a third of 6 s, less 500 ms)", early)
+	}
+	// Registered, it is renewed: without a renewal it would have at most 3 s left now.
+	if r, err := cli.TimeToLive(ctx, id); err != nil || r.TTL < 4 {
+		t.Errorf("3 s after the grant: %+v, %v; want a renewed lease (at least 4 s left)", r, err)
+	}
+	if !k.Holds(id) {
+		t.Error("the keeper no longer holds the lease")
+	}
+	other, err := cli.Grant(ctx, 6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := k.Adopt(ctx, other.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := reg.when(other.ID); !ok {
+		t.Error("an adopted lease's keep-alive was not registered at once")
+	}
+}
+
+// TestFreshLeaseRevokedFromOutsideIsReportedLost: a fresh lease revoked by someone else
+// is found lost when its renewals start, as a renewed lease is at its next renewal.
+func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
+	cli := newClient(t)
+	ctx := ctxT(t)
+	lost := make(chan clientv3.LeaseID, 4)
+	k := NewKeeper(cli, 6*time.Second, 0, slog.New(slog.DiscardHandler), func(id clientv3.LeaseID) { lost <- id })
+	defer k.Close()
+	id, err := k.grant(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	released, err := k.grant(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k.Release(released) // not renewed, and not reported: it was let go on purpose
+	if _, err := cli.Revoke(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case got := <-lost:
+		if got != id {
+			t.Fatalf("lost %s, want %s", LeaseHex(got), LeaseHex(id))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a revoked fresh lease was not reported lost within 5 s (due after 1.5 s)")
+	}
+	if k.Holds(id) {
+		t.Error("the keeper still holds the lost lease")
+	}
+	select {
+	case got := <-lost:
+		t.Errorf("lease %s reported lost; only %s was", LeaseHex(got), LeaseHex(id))
+	case <-time.After(2 * time.Second):
+	}
+	if r, err := cli.TimeToLive(ctx, released); err != nil || r.TTL > 3 {
+		t.Errorf("the released lease was renewed: %+v, %v", r, err)
 	}
 }
