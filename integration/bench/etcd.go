@@ -39,6 +39,19 @@ func startEtcd(ctx context.Context, env *env, name string) (*etcdProc, error) {
 	}
 }
 
+// startEtcdClient is startEtcd plus a client of the new member; done closes the client and
+// stops the member.
+func startEtcdClient(ctx context.Context, env *env, name string) (e *etcdProc, cli *clientv3.Client, done func(), err error) {
+	if e, err = startEtcd(ctx, env, name); err != nil {
+		return nil, nil, nil, err
+	}
+	if cli, err = e.client(); err != nil {
+		e.stop()
+		return nil, nil, nil, err
+	}
+	return e, cli, func() { cli.Close(); e.stop() }, nil
+}
+
 // errAddrInUse is wrapped by startEtcdOnce when etcd exited because a port was taken.
 var errAddrInUse = errors.New("address already in use")
 

@@ -51,16 +51,11 @@ type sweep struct {
 // side; then the near-exhaustion figure and the RSS figure on the same pool.
 func figAddSweep(ctx context.Context, env *env, res *results) error {
 	cfg := env.cfg
-	e, err := startEtcd(ctx, env, "sweep")
+	e, cli, done, err := startEtcdClient(ctx, env, "sweep")
 	if err != nil {
 		return err
 	}
-	defer e.stop()
-	cli, err := e.client()
-	if err != nil {
-		return err
-	}
-	defer cli.Close()
+	defer done()
 	s := &sweep{env: env, etcd: e, cli: cli, lh: newPlugin(env.bin, "leasehold"), hl: newPlugin(env.bin, "cni/host-local")}
 	if s.lhSpace, err = newAddrSpace(sweepPool, cfg.sweepSubnet, spaceSeed); err != nil {
 		return err

@@ -17,16 +17,11 @@ import (
 // and a watch event per agent serving the pool: this is where the throughput figure's etcd
 // CPU per ADD goes.
 func figEtcdParts(ctx context.Context, env *env, res *results) error {
-	e, err := startEtcd(ctx, env, "parts")
+	e, cli, done, err := startEtcdClient(ctx, env, "parts")
 	if err != nil {
 		return err
 	}
-	defer e.stop()
-	cli, err := e.client()
-	if err != nil {
-		return err
-	}
-	defer cli.Close()
+	defer done()
 	g, err := cli.Grant(ctx, 3600)
 	if err != nil {
 		return err
