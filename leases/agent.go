@@ -28,7 +28,8 @@ type Config struct {
 	// Quarantine is how long a released address rests before reuse; 0 uses DefaultQuarantine,
 	// a negative value disables quarantine.
 	Quarantine time.Duration
-	// SpareLeases is how many pre-granted leases the keeper holds ready; default 8.
+	// SpareLeases is how many pre-granted leases the keeper holds ready; default 8. The keeper
+	// tops them up once half are taken.
 	SpareLeases int
 	// OpTimeout bounds every etcd call; default 10s.
 	OpTimeout time.Duration

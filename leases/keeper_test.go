@@ -6,6 +6,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -155,5 +156,67 @@ func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	}
 	if r, err := cli.TimeToLive(ctx, released); err != nil || r.TTL > 3 {
 		t.Errorf("the released lease was renewed: %+v, %v", r, err)
+	}
+}
+
+// grants wraps a client's real lease API and counts the leases granted through it.
+type grants struct {
+	clientv3.Lease
+	n atomic.Int64
+}
+
+func (g *grants) Grant(ctx context.Context, ttl int64) (*clientv3.LeaseGrantResponse, error) {
+	g.n.Add(1)
+	return g.Lease.Grant(ctx, ttl)
+}
+
+// TestSparesAreRefilledAtLowWaterAllAtOnce: taking a spare does not grant a new one until
+// half of the spares are gone; then the keeper tops them all up.
+func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
+	cli := newClient(t)
+	g := &grants{Lease: cli.Lease}
+	cli.Lease = g
+	ctx := ctxT(t)
+	k := NewKeeper(cli, 30*time.Second, 8, slog.New(slog.DiscardHandler), nil)
+	defer k.Close()
+	spares := func() int {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return len(k.spare)
+	}
+	waitSpares := func(want int) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); spares() != want; {
+			if time.Now().After(deadline) {
+				t.Fatalf("spares: %d after 10 s, want %d", spares(), want)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	waitSpares(8)
+	if n := g.n.Load(); n != 8 {
+		t.Fatalf("grants to fill 8 spares: %d", n)
+	}
+	for i := range 3 {
+		if _, err := k.Take(ctx); err != nil {
+			t.Fatal(err)
+		}
+		k.Refill()
+		if n := spares(); n != 7-i {
+			t.Fatalf("after take %d: %d spares, want %d", i+1, n, 7-i)
+		}
+	}
+	// Five left, above the low water of four: nothing is granted, however long we wait.
+	time.Sleep(500 * time.Millisecond)
+	if n, s := g.n.Load(), spares(); n != 8 || s != 5 {
+		t.Fatalf("with 5 of 8 spares left: %d grants in all and %d spares, want 8 and 5", n, s)
+	}
+	if _, err := k.Take(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k.Refill()
+	waitSpares(8)
+	if n := g.n.Load(); n != 12 {
+		t.Errorf("grants after topping up from the low water: %d, want 12", n)
 	}
 }
