@@ -189,9 +189,9 @@ func TestHostAddressIsNeverHandedOut(t *testing.T) {
 	}
 }
 
-// TestCheckReportsDADFailureAsDuplicate: CHECK looks inside the sandbox. While DAD runs the
-// address is tentative and CHECK passes; once DAD finds the same address on the veth peer,
-// CHECK fails with a conflict naming the address and the interface.
+// TestCheckReportsDADFailureAsDuplicate: CHECK looks inside the sandbox. While DAD has not
+// finished the address is tentative and CHECK passes; once DAD finds the same address on the
+// veth peer, CHECK fails with a conflict naming the address and the interface.
 func TestCheckReportsDADFailureAsDuplicate(t *testing.T) {
 	needRoot(t)
 	sandboxNs, peerNs := testNetns(t), testNetns(t)
@@ -216,10 +216,15 @@ func TestCheckReportsDADFailureAsDuplicate(t *testing.T) {
 	if _, err := a.Add(ctx, req); err != nil {
 		t.Fatal(err)
 	}
+	// On a link that is down the address stays tentative until the link comes up, so the
+	// first CHECK sees it tentative whatever the machine's timing (DAD's first probe goes
+	// out at a random moment within a second, and the peer answers it at once).
+	ip(t, "-n", nsName(sandboxNs), "link", "set", "eth0", "down")
 	ip(t, "-n", nsName(sandboxNs), "addr", "add", dup.String()+"/64", "dev", "eth0")
 	if _, err := a.Check(ctx, req); err != nil {
-		t.Errorf("CHECK while DAD runs (tentative counts as present): %v", err)
+		t.Errorf("CHECK while DAD waits (tentative counts as present): %v", err)
 	}
+	ip(t, "-n", nsName(sandboxNs), "link", "set", "eth0", "up")
 	var err error
 	for end := time.Now().Add(8 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
 		if _, err = a.Check(ctx, req); err != nil {
