@@ -379,7 +379,10 @@ func (s *sweep) exhaustion(ctx context.Context, res *results) error {
 		return nil
 	}
 	empty, full := &phase{}, &phase{occFrom: s.lhSpace.count()}
-	const block = 5
+	// A block is as many ADDs as leaseholdd takes spare leases between two refills (half of
+	// its 8): any 4 ADDs in a row carry exactly one refill, whose grants then count where
+	// they belong instead of falling into one phase's block or the other's.
+	const block = 4
 	for done := 0; done < cfg.exhaustN; done += block {
 		n := min(block, cfg.exhaustN-done)
 		if err := measure(empty, emptyConf, false, n); err != nil {
@@ -406,12 +409,12 @@ func (s *sweep) exhaustion(ctx context.Context, res *results) error {
 	r.judge(r.Leasehold <= 1.1*r.Peer)
 	res.add(r)
 	res.note("Near exhaustion: the sweep pool filled to %d of %d (%s during the %d measured ADDs, free addresses spread pseudo-randomly), "+
-		"against an empty /16 served by the same leaseholdd (metrics on), in alternating blocks of 5 ADDs counted apart; claim Txns per ADD = delta of "+
+		"against an empty /16 served by the same leaseholdd (metrics on), in alternating blocks of %d ADDs counted apart (one spare-lease refill of 4 grants in each); claim Txns per ADD = delta of "+
 		"leasehold_etcd_request_duration_seconds_count{kind=\"claim\"} / delta of leasehold_operation_duration_seconds_count{op=\"add\"}; "+
 		"etcd requests = delta of etcd's grpc_server_handled_total{grpc_type=\"unary\"} (every unary call etcd served: the claim Txn "+
-		"and the keeper's LeaseGrant refilling its spare); p90 %.2f ms at %s vs %.2f ms empty. Inside the agent (its own histograms): "+
+		"and the keeper's LeaseGrants refilling its spares); p90 %.2f ms at %s vs %.2f ms empty. Inside the agent (its own histograms): "+
 		"ADD mean %.2f ms of which claim Txn %.2f ms at %s; %.2f ms of which %.2f ms empty.",
-		target, size, occ, cfg.exhaustN, ms(full.lat.pct(90)), occ, ms(empty.lat.pct(90)),
+		target, size, occ, cfg.exhaustN, block, ms(full.lat.pct(90)), occ, ms(empty.lat.pct(90)),
 		1000*full.addSec/full.adds, 1000*full.claimSec/full.claims, occ, 1000*empty.addSec/empty.adds, 1000*empty.claimSec/empty.claims)
 	progress("near exhaustion (%s): ADD p50 %.2f ms (empty %.2f ms), claims/ADD %.2f (empty %.2f), etcd requests/ADD %.2f (empty %.2f)",
 		occ, ms(full.lat.pct(50)), ms(empty.lat.pct(50)), full.claims/full.adds, empty.claims/empty.adds, full.etcdN/full.adds, empty.etcdN/empty.adds)

@@ -74,7 +74,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.IntVar(&c.versionN, "version-samples", 200, "VERSION calls per plugin")
 	fs.IntVar(&c.leaseGroup, "prefill-lease-group", 1, "pre-filled pods per etcd lease (1: one lease per pod, as leasehold does)")
 	fs.Float64Var(&c.exhaustOcc, "exhaust-occupancy", 0.999, "occupancy of the near-exhaustion figure")
-	fs.IntVar(&c.exhaustN, "exhaust-samples", 30, "ADDs measured near exhaustion (and at empty for comparison)")
+	fs.IntVar(&c.exhaustN, "exhaust-samples", 32, "ADDs measured near exhaustion (and at empty for comparison); a multiple of 4 keeps every block whole")
 	fs.IntVar(&c.tputConc, "tput-concurrency", 64, "concurrent ADDs in the throughput figure")
 	fs.DurationVar(&c.tputDur, "tput-duration", 3*time.Second, "length of one throughput round")
 	fs.IntVar(&c.tputRounds, "tput-rounds", 2, "alternating rounds of raw etcd and agent throughput")
