@@ -97,7 +97,7 @@ func (k *Keeper) Refill() { k.kick() }
 // lowWater is the number of spares at or below which the refill loop tops them up. Refilling
 // only then, and then all at once, takes the grant off most ADDs: a grant sent right after
 // an ADD's claim runs in etcd while the plugin process exits, and on a 2-core machine it
-// lengthened that exit from 0.44-0.60 ms (as after VERSION) to 0.76-1.05 ms. Grants sent
+// lengthened that exit from 0.44-0.60 ms (as after VERSION) to 0.66-1.05 ms. Grants sent
 // together also share etcd's WAL writes.
 func (k *Keeper) lowWater() int { return k.spareN / 2 }
 
