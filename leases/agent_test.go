@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -500,5 +502,66 @@ func TestRepeatedAddInAFullPoolReturnsTheAddresses(t *testing.T) {
 	}
 	if _, err := a.Add(ctx, addReq(pool, "another", "eth0", "")); !errors.Is(err, allocator.ErrPoolExhausted) {
 		t.Errorf("a new attachment in the full pool: want ErrPoolExhausted, got %v", err)
+	}
+}
+
+// countingKV wraps a client's real KV API and counts its Get calls.
+type countingKV struct {
+	clientv3.KV
+	gets atomic.Int64
+}
+
+func (c *countingKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	c.gets.Add(1)
+	return c.KV.Get(ctx, key, opts...)
+}
+
+// TestDelCountsWhatIsLeftInItsOwnTransaction: the release transaction itself counts the
+// owner's attachments left, so a DEL reads only the owner index before it: the pod lease
+// stays while another attachment of the pod lives and is revoked with the last one.
+func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
+	cli := newClient(t)
+	kv := &countingKV{KV: cli.KV}
+	cli.KV = kv
+	ctx := ctxT(t)
+	a, err := Start(ctx, cli, Config{Cluster: uniq("c"), Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second,
+		Quarantine: time.Minute, SpareLeases: 2, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.5.0.0/24")}}}}
+	for _, ifName := range []string{"eth0", "net1"} {
+		if _, err := a.Add(ctx, addReq(pool, "ctr", ifName, "uid-two")); err != nil {
+			t.Fatalf("add %s: %v", ifName, err)
+		}
+	}
+	lease, ok := a.podLease("uid-two")
+	if !ok {
+		t.Fatal("no pod lease after ADD")
+	}
+	del := func(ifName string) {
+		t.Helper()
+		before := kv.gets.Load()
+		if err := a.Del(ctx, addReq(pool, "ctr", ifName, "uid-two")); err != nil {
+			t.Fatalf("del %s: %v", ifName, err)
+		}
+		if n := kv.gets.Load() - before; n != 1 {
+			t.Errorf("DEL of %s made %d Get requests, want 1 (the owner index)", ifName, n)
+		}
+	}
+	del("eth0")
+	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL <= 0 {
+		t.Fatalf("pod lease after the first of two DELs: ttl=%v err=%v; want it kept for net1", ttl.TTL, err)
+	}
+	if got := dump(t, cli, OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 1 {
+		t.Fatalf("owner index after DEL of eth0: %v, want net1's alone", got)
+	}
+	del("net1")
+	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL > 0 {
+		t.Errorf("pod lease after the last DEL: ttl=%v err=%v; want it revoked", ttl.TTL, err)
+	}
+	if got := dump(t, cli, PodKey(a.cfg.Cluster, "n1", "uid-two")); len(got) != 0 {
+		t.Errorf("pod record after the last DEL: %v", got)
 	}
 }

@@ -16,8 +16,9 @@ import (
 // Del releases one attachment's addresses. It deletes only keys this attachment holds: the
 // owner index must still name the request's container ID (a DEL replayed after the address
 // went to someone else releases nothing), and each address must still be on the owner's
-// lease. Released addresses go to quarantine in the same transaction. When the owner has no
-// attachment left, its pod lease is revoked. Releasing nothing is not an error.
+// lease. Released addresses go to quarantine in the same transaction, which also counts the
+// owner's attachments left; when none is, its pod lease is revoked. Releasing nothing is not
+// an error.
 //
 // Errors wrap allocator.ErrInvalidName or ErrUnavailable.
 func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
@@ -28,46 +29,51 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	}
 	unlock := a.locks.lock(owner)
 	defer unlock()
-	if err := a.release(ctx, req, owner); err != nil {
+	left, err := a.release(ctx, req, owner)
+	if err != nil {
 		return err
 	}
-	return a.dropPodIfEmpty(ctx, owner)
+	return a.dropPodIfEmpty(ctx, owner, left)
 }
 
-func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) error {
+// release deletes the request's attachment and returns the owner's attachments left, or -1
+// when it released nothing and so did not count them.
+func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
 	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Get(octx, ownerKey)
 	if err != nil {
-		return a.unavailable("read owner index "+ownerKey, err)
+		return -1, a.unavailable("read owner index "+ownerKey, err)
 	}
 	a.ok()
 	if len(resp.Kvs) == 0 {
 		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
-		return nil
+		return -1, nil
 	}
 	kv := resp.Kvs[0]
 	rec, err := decode[OwnerRecord](ownerKey, kv.Value)
 	if err != nil {
-		return err
+		return -1, err
 	}
 	if rec.NodeUID != a.cfg.NodeUID {
 		a.log.Warn("DEL for an attachment made by another node identity; nothing released, it expires with its lease",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder_node_uid", rec.NodeUID)
-		return nil
+		return -1, nil
 	}
 	if rec.ContainerID != req.ContainerID {
 		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
-		return nil
+		return -1, nil
 	}
 	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec)
 }
 
 // releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
-// the attachment's lease (written by hand or by a later owner), and quarantines the rest.
-func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord) error {
+// the attachment's lease (written by hand or by a later owner), and quarantines the rest. It
+// returns the owner's attachments left, counted in the same transaction (after its deletes),
+// or -1 when it released nothing.
+func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord) (int64, error) {
 	lease := clientv3.LeaseID(kv.Lease)
 	ips := rec.IPs
 	for range 3 {
@@ -84,14 +90,17 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		qops, err := a.quarantineOps(octx, pool, owner, ips)
 		if err != nil {
 			cancel()
-			return err
+			return -1, err
 		}
+		ops = append(ops, qops...)
+		// Last, after the deletes: what the owner has left, so that DEL needs no read of its own.
+		ops = append(ops, clientv3.OpGet(OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly()))
 		start := time.Now()
-		resp, err := a.cli.Txn(octx).If(cmps...).Then(append(ops, qops...)...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
+		resp, err := a.cli.Txn(octx).If(cmps...).Then(ops...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
 		a.metrics.rtt("release", start)
 		cancel()
 		if err != nil {
-			return a.unavailable("release "+string(kv.Key), err)
+			return -1, a.unavailable("release "+string(kv.Key), err)
 		}
 		a.ok()
 		if resp.Succeeded {
@@ -99,11 +108,11 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 				a.dropAttachment(owner, ifName, pool)
 			}
 			a.log.Debug("released", "owner", owner, "pool", pool, "ips", ips)
-			return nil
+			return resp.Responses[len(resp.Responses)-1].GetResponseRange().Count, nil
 		}
 		if len(resp.Responses[len(ips)].GetResponseRange().Kvs) == 0 ||
 			resp.Responses[len(ips)].GetResponseRange().Kvs[0].ModRevision != kv.ModRevision {
-			return nil // the owner index changed or went away meanwhile: not ours to release any more
+			return -1, nil // the owner index changed or went away meanwhile: not ours to release any more
 		}
 		// Keep only the addresses still on this lease.
 		var still []netip.Addr
@@ -118,7 +127,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		}
 		ips = still
 	}
-	return fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
+	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
 }
 
 // quarantineOps puts each released address into quarantine on a shared short lease.
@@ -139,19 +148,23 @@ func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []net
 }
 
 // dropPodIfEmpty revokes the owner's pod lease (deleting the pod record with it) once the
-// owner has no attachment left in this cluster.
-func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string) error {
+// owner has no attachment left in this cluster. left is the count of the owner's attachments
+// that the release transaction read, or -1 when none did; then they are counted here.
+func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
 	lease, ok := a.podLease(owner)
 	if !ok {
 		return nil
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
-	if err != nil {
-		return a.unavailable("count the owner's attachments", err)
+	if left < 0 {
+		resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			return a.unavailable("count the owner's attachments", err)
+		}
+		left = resp.Count
 	}
-	if resp.Count > 0 {
+	if left > 0 {
 		return nil
 	}
 	if err := a.keeper.Revoke(lease); err != nil {
@@ -265,12 +278,13 @@ func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName
 		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
 			continue
 		}
-		if err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
+		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	if len(errs) == 0 {
-		errs = append(errs, a.dropPodIfEmpty(ctx, owner))
+		// Counted anew: an attachment this walk did not release may have changed meanwhile.
+		errs = append(errs, a.dropPodIfEmpty(ctx, owner, -1))
 	}
 	return errors.Join(errs...)
 }
