@@ -5,8 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -106,3 +109,81 @@ func mustLease(t *testing.T, a *Agent, owner string) int64 {
 }
 
 var _ = netip.Addr{}
+
+// TestAmbiguousReclaimNeverLeavesKeysOnASpare: after its lease is lost, a pod with two
+// attachments is re-claimed on a new lease, and the first re-claim transaction is applied
+// but its answer is lost. That lease is revoked, not handed back as a spare with the first
+// attachment's keys on it (a new pod taking it would delete them at its DEL), and the
+// re-claim that follows puts every key of the pod on one lease of its own.
+func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
+	cli := newClient(t)
+	var armed atomic.Bool
+	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed}
+	cluster := uniq("c")
+	a, err := Start(ctxT(t), cli, Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", LeaseTTL: 6 * time.Second,
+		Quarantine: -1, SpareLeases: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	pool := dualStack(uniq("p"), "10.18.0.0/24", "fd18::/64")
+	ctx := ctxT(t)
+	for _, ifName := range []string{"eth0", "net1"} {
+		if _, err := a.Add(ctx, addReq(pool, "ctr", ifName, "uid-r")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lost := clientv3.LeaseID(mustLease(t, a, "uid-r"))
+	other := newClient(t)
+	if _, err := other.Revoke(ctx, lost); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true) // the next transaction the agent commits is the first re-claim
+	for deadline := time.Now().Add(20 * time.Second); armed.Load(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no re-claim within 20 s of the revoke")
+		}
+	}
+	// A new pod right then takes a spare: it must not get the lease of the lost answer.
+	if _, err := a.Add(ctx, addReq(pool, "new", "eth0", "uid-s")); err != nil {
+		t.Fatal(err)
+	}
+	fresh := clientv3.LeaseID(mustLease(t, a, "uid-s"))
+	if ttl, err := other.TimeToLive(ctx, fresh, clientv3.WithAttachedKeys()); err != nil || len(ttl.Keys) != 4 {
+		t.Errorf("lease of the new pod carries %q (err %v); want its own 4 keys alone", ttl.Keys, err)
+	}
+	var now clientv3.LeaseID
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if l, ok := a.podLease("uid-r"); ok && l != lost {
+			now = l
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pod was not re-claimed within 20 s")
+		}
+	}
+	for _, id := range spares(a.keeper) {
+		if ttl, err := other.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err != nil || len(ttl.Keys) > 0 {
+			t.Errorf("spare lease %s carries keys %q (err %v)", LeaseHex(id), ttl.Keys, err)
+		}
+	}
+	mine := 0
+	for k, l := range dump(t, other, Prefix) {
+		if strings.Contains(k, "/"+cluster+"/") && strings.Contains(k, "/uid-r") || strings.HasPrefix(k, IPsPrefix(pool.Name)) && l != int64(fresh) {
+			if l != int64(now) {
+				t.Errorf("key %s of the re-claimed pod is on lease %x, not on its lease %x", k, l, now)
+			}
+			mine++
+		}
+	}
+	if mine != 2+2+2+1 { // 2 addresses and 1 owner index per attachment, the pod record
+		t.Errorf("keys of the re-claimed pod: %d, want 7", mine)
+	}
+}
+
+// spares is a copy of the keeper's spare leases.
+func spares(k *Keeper) []clientv3.LeaseID {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Clone(k.spare)
+}

@@ -307,9 +307,20 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		return a.unavailable("grant a lease for re-claim", err)
 	}
 	req := allocator.Request{Pod: snap.Pod, Netns: snap.Netns}
-	for _, at := range snap.Attachments {
+	for i, at := range snap.Attachments {
 		if err := a.reclaimAttachment(octx, snap, at, lease); err != nil {
-			a.keeper.Return(lease) // nothing of this attempt is on it unless an earlier attachment made it
+			if i == 0 && !errors.Is(err, allocator.ErrUnavailable) {
+				a.keeper.Return(lease) // etcd answered and nothing is on it
+			} else {
+				// An earlier attachment is on it, or this one may be (a claim whose answer was
+				// lost can still apply): the lease must go, keys and all, and never become
+				// another pod's spare. The next attempt re-claims on a new lease, once the
+				// keys of this one are gone (reclaimAttachment).
+				if rerr := a.keeper.Revoke(lease); rerr != nil {
+					a.log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
+						"owner", owner, "lease", LeaseHex(lease), "err", rerr)
+				}
+			}
 			return err
 		}
 	}
@@ -374,7 +385,13 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
 			rec, _ := decode[OwnerRecord](ownerKey, kvs[0].Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
-				return nil // already re-claimed
+				if clientv3.LeaseID(kvs[0].Lease) == lease {
+					return nil // already re-claimed
+				}
+				// Written by an earlier attempt whose lease is being revoked or expires: the
+				// attachment must end up on this attempt's lease, so wait for those keys to go.
+				return fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
+					allocator.ErrUnavailable, ownerKey, LeaseHex(clientv3.LeaseID(kvs[0].Lease)))
 			}
 			return fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
 				allocator.ErrConflict, ownerKey, rec.NodeUID, rec.ContainerID)
