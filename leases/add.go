@@ -183,6 +183,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			a.notePod(req, owner, st.fresh, nil)
 			st.fresh = 0
 		}
+		a.noteUnanswered(owner)
 		// Sending the claim again is safe: both compare the owner index absent, so at most
 		// one of them applies, whichever etcd orders first, even if the lost one is applied
 		// late by a new leader. The next claim finds the owner index (the lost one applied:

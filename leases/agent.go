@@ -390,6 +390,15 @@ func (a *Agent) podLease(owner string) (clientv3.LeaseID, bool) {
 	return 0, false
 }
 
+// noteUnanswered records that a claim of owner's lost its answer (see podState.unanswered).
+func (a *Agent) noteUnanswered(owner string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if ps, ok := a.pods[owner]; ok {
+		ps.unanswered = true
+	}
+}
+
 // notePod records that owner's keys are on lease (after a claim, an adoption, or an
 // ambiguous commit), creating the pod's state if needed. The caller holds the owner lock.
 func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.LeaseID, at *attachment) {

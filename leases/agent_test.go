@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -322,6 +323,10 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "")); err != nil {
 		t.Fatal(err)
 	}
+	// The agent's view knows its own release when DEL returns, not once the watch brings it.
+	if allocated, quarantined := a.pools.viewOf(pool.Name).counts(); allocated != 0 || quarantined != 1 {
+		t.Errorf("view right after DEL: %d allocated, %d quarantined; want 0 and 1", allocated, quarantined)
+	}
 	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
 	if !errors.Is(err, allocator.ErrOnlyQuarantined) || !errors.Is(err, allocator.ErrPoolExhausted) {
 		t.Fatalf("while quarantined: want ErrOnlyQuarantined, got %v", err)
@@ -563,5 +568,84 @@ func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
 	}
 	if got := dump(t, cli, PodKey(a.cfg.Cluster, "n1", "uid-two")); len(got) != 0 {
 		t.Errorf("pod record after the last DEL: %v", got)
+	}
+}
+
+// waitSpares waits for at least n spares.
+func waitSpares(t *testing.T, k *Keeper, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); len(spares(k)) < n; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("spares: %d after 10 s, want at least %d", len(spares(k)), n)
+		}
+	}
+}
+
+// TestDelRecyclesTheEmptyPodLeaseAsASpare: the release of a pod's last attachment deletes
+// its pod record too, so no key is left on its lease, and the keeper takes the lease back
+// as a spare instead of revoking it: the next new pod gets it and nobody granted.
+func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
+	cluster := uniq("c")
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 6; c.Quarantine = time.Minute })
+	cli := newClient(t)
+	ctx := ctxT(t)
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.7.0.0/24")}}}}
+	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
+	if _, err := a.Add(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	lease := clientv3.LeaseID(mustLease(t, a, "uid-a"))
+	if err := a.Del(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	if got := spares(a.keeper); !slices.Contains(got, lease) {
+		t.Fatalf("spares after DEL: %v; want the pod's lease %v among them", got, lease)
+	}
+	ttl, err := cli.TimeToLive(ctx, lease, clientv3.WithAttachedKeys())
+	if err != nil || ttl.TTL <= 0 || len(ttl.Keys) != 0 {
+		t.Fatalf("recycled lease: ttl=%v keys=%q err=%v; want alive and without keys", ttl.TTL, ttl.Keys, err)
+	}
+	if n := len(dump(t, cli, QuarantinePrefix(pool.Name))); n != 1 {
+		t.Errorf("quarantine keys after DEL: %d, want 1", n)
+	}
+	if _, err := a.Add(ctx, addReq(pool, "b", "eth0", "uid-b")); err != nil {
+		t.Fatal(err)
+	}
+	if got := clientv3.LeaseID(mustLease(t, a, "uid-b")); got != lease {
+		t.Errorf("the next new pod got lease %v, want the recycled %v", got, lease)
+	}
+	if keys := dump(t, cli, PodKey(cluster, "n1", "uid-b")); keys[PodKey(cluster, "n1", "uid-b")] != int64(lease) {
+		t.Errorf("pod record of uid-b: %v, want it on lease %v", keys, lease)
+	}
+}
+
+// TestDelRevokesAPodLeaseThatStillCarriesKeys: a key left on the pod's lease (here one
+// written by hand) makes DEL revoke the lease, deleting the key with it, instead of handing a
+// lease with keys to another pod.
+func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
+	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 6 })
+	cli := newClient(t)
+	ctx := ctxT(t)
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.8.0.0/24")}}}}
+	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
+	if _, err := a.Add(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	lease := clientv3.LeaseID(mustLease(t, a, "uid-a"))
+	stray := uniq("stray/")
+	if _, err := cli.Put(ctx, stray, "x", clientv3.WithLease(lease)); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(spares(a.keeper), lease) {
+		t.Error("a lease that still carried a key went back to the spares")
+	}
+	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL > 0 {
+		t.Errorf("lease after DEL: ttl=%v err=%v; want it revoked", ttl.TTL, err)
+	}
+	if n := len(dump(t, cli, stray)); n != 0 {
+		t.Errorf("the stray key survived the revoke")
 	}
 }

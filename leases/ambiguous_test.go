@@ -52,7 +52,8 @@ func (t *lostResponseTxn) Commit() (*clientv3.TxnResponse, error) {
 // TestAmbiguousCommitIsRetriedIntoTheSameAddresses: the claim transaction is applied but
 // its answer is lost. The ADD sends its claim again; that one finds the owner index the
 // lost one wrote and returns its addresses: no second key exists, and the lease the lost
-// claim bound stays with that pod: it is never handed to another pod as a spare.
+// claim bound stays with that pod: it is never handed to another pod as a spare, not even
+// after the pod's DEL, which revokes it.
 func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 	cli := newClient(t)
 	var armed atomic.Bool
@@ -96,6 +97,27 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 	}
 	if l := mustLease(t, a, "uid-other"); l == lease {
 		t.Errorf("pod uid-other was given lease %x, which already carries uid-x's keys", l)
+	}
+	// Its DEL revokes the lease even with room among the spares: a claim whose answer was
+	// lost could still be applied late, and must then find the lease gone.
+	// Take the spare out, and again if a refill already in motion puts one back, so that
+	// the keeper has room for the lease and only the lost answer can keep it out.
+	for i := 0; len(spares(a.keeper)) > 0; i++ {
+		if i == 5 {
+			t.Fatal("the keeper keeps refilling its spare")
+		}
+		spare, err := a.keeper.Take(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer a.keeper.Return(spare)
+		time.Sleep(200 * time.Millisecond)
+	}
+	if err := a.Del(ctx, addReq(pool, "ctr", "eth0", "uid-x")); err != nil {
+		t.Fatal(err)
+	}
+	if ttl, err := newClient(t).TimeToLive(ctx, clientv3.LeaseID(lease)); err != nil || ttl.TTL > 0 {
+		t.Errorf("lease %x of the pod whose claim lost its answer, after DEL: ttl=%v err=%v; want it revoked", lease, ttl.TTL, err)
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,7 +16,8 @@ import (
 )
 
 // Keeper owns the agent's leases: it pre-grants a few so that an ADD for a new pod costs one
-// etcd transaction, keeps every lease it holds alive on the client's single keep-alive
+// etcd transaction, takes back the lease of a pod that went as one of those spares when no
+// key is left on it, keeps every lease it holds alive on the client's single keep-alive
 // stream (a lease it granted from its first due renewal on), and says when a lease is lost.
 // It never renews a lease it did not grant or adopt.
 type Keeper struct {
@@ -202,6 +204,25 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 		return fmt.Errorf("revoke lease %s: %w", LeaseHex(id), err)
 	}
 	return nil
+}
+
+// Recycle gives up a held lease whose pod is gone. A lease etcd says has no key left on it
+// and more than half its TTL to live goes back to the spares, if there is room, for the next
+// new pod: that pod then needs no grant, and this one no revoke. Any other lease is revoked,
+// deleting every key still on it. Recycle reports whether the lease became a spare; an error
+// is the revoke's.
+func (k *Keeper) Recycle(ctx context.Context, id clientv3.LeaseID) (bool, error) {
+	if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl {
+		k.mu.Lock()
+		_, held := k.held[id]
+		if held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id) {
+			k.spare = append(k.spare, id)
+			k.mu.Unlock()
+			return true, nil
+		}
+		k.mu.Unlock()
+	}
+	return false, k.Revoke(id)
 }
 
 // QuarantineLease returns a lease for quarantine keys that lives at least d from now and at

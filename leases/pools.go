@@ -84,6 +84,16 @@ func (p *pool) await(ctx context.Context) {
 	}
 }
 
+// viewOf is the view of pool name, or nil when this agent does not serve it.
+func (ps *pools) viewOf(name string) *view {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	if p, ok := ps.m[name]; ok {
+		return p.view
+	}
+	return nil
+}
+
 // invalidate makes the next ensure re-read the stored definition.
 func (ps *pools) invalidate(name string) {
 	ps.mu.Lock()

@@ -87,14 +87,26 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 			gets = append(gets, clientv3.OpGet(key, clientv3.WithKeysOnly()))
 		}
 		octx, cancel := a.opCtx(ctx)
-		qops, err := a.quarantineOps(octx, pool, owner, ips)
+		qops, until, err := a.quarantineOps(octx, pool, owner, ips)
 		if err != nil {
 			cancel()
 			return -1, err
 		}
 		ops = append(ops, qops...)
-		// Last, after the deletes: what the owner has left, so that DEL needs no read of its own.
-		ops = append(ops, clientv3.OpGet(OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly()))
+		// If this is the owner's last attachment, its pod record goes too (when it is on this
+		// lease), leaving the lease without keys, to be recycled as a spare. etcd decides a
+		// nested transaction's branch before applying any of the outer one's operations, so
+		// "no attachment left" is "no owner index but this one" (an empty range compares as
+		// absent).
+		ownerKey := string(kv.Key)
+		ownerPrefix, podKey := OwnerPrefix(a.cfg.Cluster, owner), PodKey(a.cfg.Cluster, a.cfg.Node, owner)
+		ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{
+			clientv3.Compare(clientv3.CreateRevision(ownerPrefix), "=", 0).WithRange(ownerKey),
+			clientv3.Compare(clientv3.CreateRevision(ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(ownerPrefix)),
+			clientv3.Compare(clientv3.LeaseValue(podKey), "=", lease),
+		}, []clientv3.Op{clientv3.OpDelete(podKey)}, nil))
+		// Last: what the owner has left, so that DEL needs no read of its own.
+		ops = append(ops, clientv3.OpGet(ownerPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
 		start := time.Now()
 		resp, err := a.cli.Txn(octx).If(cmps...).Then(ops...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
 		a.metrics.rtt("release", start)
@@ -106,6 +118,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		if resp.Succeeded {
 			if _, _, ifName, _, err := ParseOwnerKey(string(kv.Key)); err == nil {
 				a.dropAttachment(owner, ifName, pool)
+			}
+			if v := a.pools.viewOf(pool); v != nil {
+				v.released(ips, resp.Header.Revision, until)
 			}
 			a.log.Debug("released", "owner", owner, "pool", pool, "ips", ips)
 			return resp.Responses[len(resp.Responses)-1].GetResponseRange().Count, nil
@@ -130,26 +145,29 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
 }
 
-// quarantineOps puts each released address into quarantine on a shared short lease.
-func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []netip.Addr) ([]clientv3.Op, error) {
+// quarantineOps puts each released address into quarantine on a shared short lease, and
+// says until when (zero: no quarantine).
+func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []netip.Addr) ([]clientv3.Op, time.Time, error) {
 	if a.cfg.Quarantine < 0 || len(ips) == 0 {
-		return nil, nil
+		return nil, time.Time{}, nil
 	}
 	lease, until, err := a.keeper.QuarantineLease(ctx, a.cfg.Quarantine)
 	if err != nil {
-		return nil, a.unavailable("quarantine released addresses", err)
+		return nil, time.Time{}, a.unavailable("quarantine released addresses", err)
 	}
 	rec := mustJSON(QuarantineRecord{ReleasedBy: owner, Until: until.UTC()})
 	ops := make([]clientv3.Op, 0, len(ips))
 	for _, addr := range ips {
 		ops = append(ops, clientv3.OpPut(QuarantineKey(pool, addr), rec, clientv3.WithLease(lease)))
 	}
-	return ops, nil
+	return ops, until.UTC(), nil
 }
 
-// dropPodIfEmpty revokes the owner's pod lease (deleting the pod record with it) once the
-// owner has no attachment left in this cluster. left is the count of the owner's attachments
-// that the release transaction read, or -1 when none did; then they are counted here.
+// dropPodIfEmpty gives up the owner's pod lease once the owner has no attachment left in this
+// cluster: the keeper takes it back as a spare if no key is left on it (the release
+// transaction deleted the pod record with the last attachment), else revokes it, deleting
+// what is left. left is the count of the owner's attachments that the release transaction
+// read, or -1 when none did; then they are counted here.
 func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
 	lease, ok := a.podLease(owner)
 	if !ok {
@@ -167,11 +185,21 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	if left > 0 {
 		return nil
 	}
-	if err := a.keeper.Revoke(lease); err != nil {
+	a.mu.Lock()
+	unsure := a.pods[owner] != nil && a.pods[owner].unanswered
+	a.mu.Unlock()
+	recycled := false
+	var err error
+	if unsure {
+		err = a.keeper.Revoke(lease)
+	} else {
+		recycled, err = a.keeper.Recycle(octx, lease)
+	}
+	if err != nil {
 		return a.unavailable("revoke the pod lease", err)
 	}
 	a.dropPod(owner)
-	a.log.Debug("pod lease revoked", "owner", owner, "lease", LeaseHex(lease))
+	a.log.Debug("pod lease given up", "owner", owner, "lease", LeaseHex(lease), "recycled", recycled)
 	return nil
 }
 

@@ -37,6 +37,9 @@ type podState struct {
 	lease   clientv3.LeaseID
 	lastAdd time.Time // an ADD touched the pod; sandbox liveness leaves it alone for a grace
 	lost    bool      // the lease stopped being renewed; re-claim pending
+	// unanswered: a claim on the lease lost its answer, and etcd may apply it late, so the
+	// lease is revoked when the pod goes, never recycled as a spare (Keeper.Recycle).
+	unanswered bool
 }
 
 func (ps *podState) setLease(id clientv3.LeaseID) {

@@ -120,6 +120,22 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 	}
 }
 
+// released records this agent's own release of addrs at rev, with their quarantine until
+// until (zero: none), without waiting for the watch to bring it: an ADD right after a DEL
+// must see the address resting, not still allocated.
+func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, a := range addrs {
+		if v.allocated[a] <= rev {
+			delete(v.allocated, a)
+		}
+		if !until.IsZero() {
+			v.quarantined[a] = until
+		}
+	}
+}
+
 // markAllocated records what a failed transaction learned: addr was created at rev.
 func (v *view) markAllocated(a netip.Addr, rev int64) {
 	v.mu.Lock()
