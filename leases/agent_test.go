@@ -137,7 +137,7 @@ func TestExhaustedPoolNamesPoolAndSize(t *testing.T) {
 	}
 }
 
-func TestDelReleasesOnlyTheOwnersKeysAndRevokesTheLease(t *testing.T) {
+func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	a := startAgent(t, uniq("c"), "n1", "uid1")
 	pool := dualStack(uniq("p"), "10.4.0.0/24", "fd04::/64")
 	ctx := ctxT(t)
@@ -166,9 +166,21 @@ func TestDelReleasesOnlyTheOwnersKeysAndRevokesTheLease(t *testing.T) {
 			t.Errorf("DEL of another owner removed %s", k)
 		}
 	}
-	ttl, err := cli.TimeToLive(ctx, dropLease)
-	if err != nil || ttl.TTL > 0 {
-		t.Errorf("pod lease %s should be revoked, TimeToLive says ttl=%v err=%v", LeaseHex(dropLease), ttl.TTL, err)
+	givenUp(t, cli, a.keeper, dropLease)
+}
+
+// givenUp checks that a gone pod's lease was given up: revoked, or recycled as a spare with
+// no key left on it.
+func givenUp(t *testing.T, cli *clientv3.Client, k *Keeper, lease clientv3.LeaseID) {
+	t.Helper()
+	ttl, err := cli.TimeToLive(context.Background(), lease, clientv3.WithAttachedKeys())
+	switch {
+	case err != nil:
+		t.Errorf("pod lease %s: %v", LeaseHex(lease), err)
+	case ttl.TTL <= 0: // revoked
+	case len(ttl.Keys) > 0 || !slices.Contains(spares(k), lease):
+		t.Errorf("pod lease %s is alive with keys %q and is not a spare; want it revoked, or a spare without keys",
+			LeaseHex(lease), ttl.Keys)
 	}
 }
 
@@ -563,9 +575,7 @@ func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
 		t.Fatalf("owner index after DEL of eth0: %v, want net1's alone", got)
 	}
 	del("net1")
-	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL > 0 {
-		t.Errorf("pod lease after the last DEL: ttl=%v err=%v; want it revoked", ttl.TTL, err)
-	}
+	givenUp(t, cli, a.keeper, lease)
 	if got := dump(t, cli, PodKey(a.cfg.Cluster, "n1", "uid-two")); len(got) != 0 {
 		t.Errorf("pod record after the last DEL: %v", got)
 	}
