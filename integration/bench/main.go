@@ -55,6 +55,7 @@ type config struct {
 	sweepSubnet  netip.Prefix
 	fanoutLevels []int
 	fanoutAdds   int
+	churnPods    int
 }
 
 func parseFlags(args []string) (*config, error) {
@@ -62,7 +63,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout (add includes exhaustion and rss); empty runs all")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn (add includes exhaustion and rss); empty runs all")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
@@ -85,6 +86,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.DurationVar(&c.restartTTL, "restart-ttl", 30*time.Second, "pod lease TTL in the restart figure (the downtime before the restart is TTL/3 + 3s, so renewals are visible)")
 	fan := fs.String("fanout-agents", "1,100,200", "agents watching the pool in the fan-out simulation (ascending)")
 	fs.IntVar(&c.fanoutAdds, "fanout-adds", 200, "sequential ADDs measured at each fan-out size")
+	fs.IntVar(&c.churnPods, "churn-pods", 200, "pods ADDed and DELeted one after the other in the churn figure (and as many through host-local)")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -111,7 +113,7 @@ func parseFlags(args []string) (*config, error) {
 		return nil, fmt.Errorf("-sweep-subnet: %w", err)
 	}
 	if c.samples < 1 || c.versionN < 1 || c.exhaustN < 1 || c.tputConc < 1 || c.tputRounds < 1 || c.burstAgents < 1 ||
-		c.burstAdds < 1 || c.restartPods < 1 || c.fanoutAdds < 1 || c.exhaustOcc <= 0 || c.exhaustOcc >= 1 {
+		c.burstAdds < 1 || c.restartPods < 1 || c.fanoutAdds < 1 || c.churnPods < 1 || c.exhaustOcc <= 0 || c.exhaustOcc >= 1 {
 		return nil, errors.New("sizes must be positive and -exhaust-occupancy in (0, 1)")
 	}
 	return c, nil
@@ -241,6 +243,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"burst", figBurst},
 		{"restart", figRestart},
 		{"fanout", figFanout},
+		{"churn", figChurn},
 	}
 	var loads []string
 	for _, f := range figures {
