@@ -591,20 +591,27 @@ func waitSpares(t *testing.T, k *Keeper, n int) {
 	}
 }
 
+// podWithRoomForItsLease starts an agent with 6 spare leases and ADDs pod uid-a (container
+// "a", eth0) into a pool of subnet, leaving the keeper room to take the pod's lease back.
+func podWithRoomForItsLease(t *testing.T, cluster, subnet string) (*Agent, allocator.PoolSpec, clientv3.LeaseID) {
+	t.Helper()
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 6; c.Quarantine = time.Minute })
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}}}
+	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
+	if _, err := a.Add(ctxT(t), addReq(pool, "a", "eth0", "uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	return a, pool, clientv3.LeaseID(mustLease(t, a, "uid-a"))
+}
+
 // TestDelRecyclesTheEmptyPodLeaseAsASpare: the release of a pod's last attachment deletes
 // its pod record too, so no key is left on its lease, and the keeper takes the lease back
 // as a spare instead of revoking it: the next new pod gets it and nobody granted.
 func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
 	cluster := uniq("c")
-	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 6; c.Quarantine = time.Minute })
+	a, pool, lease := podWithRoomForItsLease(t, cluster, "10.7.0.0/24")
 	cli := newClient(t)
 	ctx := ctxT(t)
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.7.0.0/24")}}}}
-	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
-	if _, err := a.Add(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
-		t.Fatal(err)
-	}
-	lease := clientv3.LeaseID(mustLease(t, a, "uid-a"))
 	if err := a.Del(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
 		t.Fatal(err)
 	}
@@ -633,15 +640,9 @@ func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
 // written by hand) makes DEL revoke the lease, deleting the key with it, instead of handing a
 // lease with keys to another pod.
 func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 6 })
+	a, pool, lease := podWithRoomForItsLease(t, uniq("c"), "10.8.0.0/24")
 	cli := newClient(t)
 	ctx := ctxT(t)
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.8.0.0/24")}}}}
-	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
-	if _, err := a.Add(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
-		t.Fatal(err)
-	}
-	lease := clientv3.LeaseID(mustLease(t, a, "uid-a"))
 	stray := uniq("stray/")
 	if _, err := cli.Put(ctx, stray, "x", clientv3.WithLease(lease)); err != nil {
 		t.Fatal(err)

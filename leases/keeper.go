@@ -212,17 +212,30 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 // deleting every key still on it. Recycle reports whether the lease became a spare; an error
 // is the revoke's.
 func (k *Keeper) Recycle(ctx context.Context, id clientv3.LeaseID) (bool, error) {
-	if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl {
-		k.mu.Lock()
-		_, held := k.held[id]
-		if held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id) {
-			k.spare = append(k.spare, id)
+	if k.room(id) { // else no need to ask etcd
+		if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl {
+			k.mu.Lock()
+			if k.roomLocked(id) {
+				k.spare = append(k.spare, id)
+				k.mu.Unlock()
+				return true, nil
+			}
 			k.mu.Unlock()
-			return true, nil
 		}
-		k.mu.Unlock()
 	}
 	return false, k.Revoke(id)
+}
+
+// room tells whether the held lease id could become a spare now.
+func (k *Keeper) room(id clientv3.LeaseID) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.roomLocked(id)
+}
+
+func (k *Keeper) roomLocked(id clientv3.LeaseID) bool {
+	_, held := k.held[id]
+	return held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id)
 }
 
 // QuarantineLease returns a lease for quarantine keys that lives at least d from now and at
