@@ -17,8 +17,8 @@ import (
 // owner index must still name the request's container ID (a DEL replayed after the address
 // went to someone else releases nothing), and each address must still be on the owner's
 // lease. Released addresses go to quarantine in the same transaction, which also counts the
-// owner's attachments left; when none is, its pod lease is revoked. Releasing nothing is not
-// an error.
+// owner's attachments left and, with the last one, deletes the pod record; then the pod lease
+// is given up (dropPodIfEmpty). Releasing nothing is not an error.
 //
 // Errors wrap allocator.ErrInvalidName or ErrUnavailable.
 func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
