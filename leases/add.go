@@ -204,7 +204,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	if resp.Succeeded {
 		p.view.settle(addrs, resp.Header.Revision)
 		a.notePod(req, owner, lease, &attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
-			ContainerID: req.ContainerID, IPs: addrs, Created: now})
+			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: resp.Header.Revision})
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
@@ -324,20 +324,22 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, a.unavailable("resume the pod lease", err)
 		}
 	}
+	rev := kv.ModRevision
 	if rec.ContainerID != st.req.ContainerID {
-		if err := a.rebind(ctx, p, st, kv, rec, lease); err != nil {
+		if rev, err = a.rebind(ctx, p, st, kv, rec, lease); err != nil {
 			return allocator.Result{}, false, err
 		}
 	}
 	a.notePod(st.req, st.owner, lease, &attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
-		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created})
+		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: rev})
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
 }
 
 // rebind moves an attachment's keys to a new container ID in one transaction that
-// compares the owner index's revision and every address's lease.
-func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec OwnerRecord, lease clientv3.LeaseID) error {
+// compares the owner index's revision and every address's lease. It returns the revision
+// it wrote them at.
+func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec OwnerRecord, lease clientv3.LeaseID) (int64, error) {
 	now := a.wall()
 	withLease := clientv3.WithLease(lease)
 	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
@@ -356,15 +358,15 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 	defer cancel()
 	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
 	if err != nil {
-		return a.unavailable("re-bind attachment to the new container", err)
+		return 0, a.unavailable("re-bind attachment to the new container", err)
 	}
 	if !resp.Succeeded {
-		return fmt.Errorf("%w: attachment %s changed while it was re-bound to container %s; retry",
+		return 0, fmt.Errorf("%w: attachment %s changed while it was re-bound to container %s; retry",
 			allocator.ErrUnavailable, kv.Key, st.req.ContainerID)
 	}
 	a.log.Info("attachment re-bound to a new container of the same owner",
 		"owner", st.owner, "ifname", st.req.IfName, "pool", p.spec.Name, "old_container", rec.ContainerID, "container", st.req.ContainerID)
-	return nil
+	return resp.Header.Revision, nil
 }
 
 // resumePod takes over the lease of a pod record this node identity wrote earlier.

@@ -425,6 +425,23 @@ func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.Leas
 	a.persist(snap)
 }
 
+// attachmentOf is what the agent knows of owner's attachment ifName in pool, with the pod's
+// lease; ok is false when it knows none or the lease is lost.
+func (a *Agent) attachmentOf(owner, ifName, pool string) (at attachment, lease clientv3.LeaseID, ok bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	ps, found := a.pods[owner]
+	if !found || ps.lease == 0 || ps.lost {
+		return attachment{}, 0, false
+	}
+	for _, at := range ps.Attachments {
+		if at.IfName == ifName && at.Pool == pool {
+			return at, ps.lease, true
+		}
+	}
+	return attachment{}, 0, false
+}
+
 // dropAttachment forgets one attachment of owner. The caller holds the owner lock.
 func (a *Agent) dropAttachment(owner, ifName, pool string) {
 	a.mu.Lock()

@@ -534,8 +534,9 @@ func (c *countingKV) Get(ctx context.Context, key string, opts ...clientv3.OpOpt
 }
 
 // TestDelCountsWhatIsLeftInItsOwnTransaction: the release transaction itself counts the
-// owner's attachments left, so a DEL reads only the owner index before it: the pod lease
-// stays while another attachment of the pod lives and is revoked with the last one.
+// owner's attachments left, and the agent remembers the owner index it wrote, so a DEL reads
+// nothing before its transaction: the pod lease stays while another attachment of the pod
+// lives and is given up with the last one.
 func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
 	cli := newClient(t)
 	kv := &countingKV{KV: cli.KV}
@@ -563,8 +564,8 @@ func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
 		if err := a.Del(ctx, addReq(pool, "ctr", ifName, "uid-two")); err != nil {
 			t.Fatalf("del %s: %v", ifName, err)
 		}
-		if n := kv.gets.Load() - before; n != 1 {
-			t.Errorf("DEL of %s made %d Get requests, want 1 (the owner index)", ifName, n)
+		if n := kv.gets.Load() - before; n != 0 {
+			t.Errorf("DEL of %s made %d Get requests, want none", ifName, n)
 		}
 	}
 	del("eth0")
@@ -658,5 +659,50 @@ func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
 	}
 	if n := len(dump(t, cli, stray)); n != 0 {
 		t.Errorf("the stray key survived the revoke")
+	}
+}
+
+// TestDelReadsAnOwnerIndexThatChangedBehindTheAgent: when the owner index is no longer at
+// the revision the agent wrote it (here rewritten by hand with the same record, as a re-claim
+// would), DEL's first transaction fails its compare, and DEL reads the owner index and
+// releases the attachment all the same.
+func TestDelReadsAnOwnerIndexThatChangedBehindTheAgent(t *testing.T) {
+	cli := newClient(t)
+	kv := &countingKV{KV: cli.KV}
+	cli.KV = kv
+	ctx := ctxT(t)
+	cluster := uniq("c")
+	a, err := Start(ctx, cli, Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second,
+		Quarantine: -1, SpareLeases: 2, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.9.0.0/24")}}}}
+	req := addReq(pool, "ctr", "eth0", "uid-moved")
+	if _, err := a.Add(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	other := newClient(t)
+	ownerKey := OwnerKey(cluster, "uid-moved", "eth0", pool.Name)
+	got, err := other.Get(ctx, ownerKey)
+	if err != nil || len(got.Kvs) != 1 {
+		t.Fatalf("owner index: %v, %v", got, err)
+	}
+	if _, err := other.Put(ctx, ownerKey, string(got.Kvs[0].Value), clientv3.WithLease(clientv3.LeaseID(got.Kvs[0].Lease))); err != nil {
+		t.Fatal(err)
+	}
+	before := kv.gets.Load()
+	if err := a.Del(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if n := kv.gets.Load() - before; n != 1 {
+		t.Errorf("DEL made %d Get requests, want 1 (the owner index, after the remembered one failed its compare)", n)
+	}
+	if left := dump(t, other, OwnerPrefix(cluster, "uid-moved")); len(left) != 0 {
+		t.Errorf("owner index after DEL: %v", left)
+	}
+	if left := dump(t, other, IPsPrefix(pool.Name)); len(left) != 0 {
+		t.Errorf("allocations after DEL: %v", left)
 	}
 }

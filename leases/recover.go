@@ -151,7 +151,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 			continue
 		}
 		out = append(out, attachment{IfName: ifName, Pool: pool, Network: rec.Network, ContainerID: rec.ContainerID,
-			IPs: rec.IPs, Created: rec.Created})
+			IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
 	}
 	return out, nil
 }

@@ -40,6 +40,16 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 // when it released nothing and so did not count them.
 func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
 	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
+	if at, lease, ok := a.attachmentOf(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
+		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
+		// it first. The transaction compares that revision, so an owner index changed since
+		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
+		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
+		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
+		if !errors.Is(err, errStale) {
+			return left, err
+		}
+	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Get(octx, ownerKey)
@@ -66,14 +76,19 @@ func (a *Agent) release(ctx context.Context, req allocator.Request, owner string
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
 		return -1, nil
 	}
-	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec)
+	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, false)
 }
+
+// errStale is releaseRecord's answer when the owner index it was given from the agent's
+// memory is no longer the one in etcd.
+var errStale = errors.New("owner index changed since the agent last saw it")
 
 // releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
 // the attachment's lease (written by hand or by a later owner), and quarantines the rest. It
 // returns the owner's attachments left, counted in the same transaction (after its deletes),
-// or -1 when it released nothing.
-func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord) (int64, error) {
+// or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
+// set; an owner index that changed since is then errStale, not "released by someone else".
+func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord, remembered bool) (int64, error) {
 	lease := clientv3.LeaseID(kv.Lease)
 	ips := rec.IPs
 	for range 3 {
@@ -127,6 +142,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		}
 		if len(resp.Responses[len(ips)].GetResponseRange().Kvs) == 0 ||
 			resp.Responses[len(ips)].GetResponseRange().Kvs[0].ModRevision != kv.ModRevision {
+			if remembered {
+				return -1, errStale
+			}
 			return -1, nil // the owner index changed or went away meanwhile: not ours to release any more
 		}
 		// Keep only the addresses still on this lease.
@@ -306,7 +324,7 @@ func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName
 		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
 			continue
 		}
-		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec); err != nil {
+		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec, false); err != nil {
 			errs = append(errs, err)
 		}
 	}

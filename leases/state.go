@@ -21,6 +21,9 @@ type attachment struct {
 	ContainerID string       `json:"containerID"`
 	IPs         []netip.Addr `json:"ips"`
 	Created     time.Time    `json:"created"`
+	// OwnerRev is the owner index's ModRevision as this agent last wrote or read it (0:
+	// unknown). A DEL that finds it current needs no read before its transaction.
+	OwnerRev int64 `json:"ownerRev,omitempty"`
 }
 
 // podState is what the agent knows of one pod whose lease it holds. It is mirrored in the
