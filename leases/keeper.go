@@ -105,13 +105,9 @@ func (k *Keeper) lowWater() int { return k.spareN / 2 }
 
 // Return gives back a lease from Take that no key was written with.
 func (k *Keeper) Return(id clientv3.LeaseID) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if _, ok := k.held[id]; ok && len(k.spare) < k.spareN {
-		k.spare = append(k.spare, id)
-		return
+	if !k.spareAgain(id) {
+		go k.revokeQuietly(id)
 	}
-	go k.revokeQuietly(id)
 }
 
 // Adopt resumes keep-alive of a lease this node identity granted earlier (agent restart).
@@ -213,14 +209,8 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 // is the revoke's.
 func (k *Keeper) Recycle(ctx context.Context, id clientv3.LeaseID) (bool, error) {
 	if k.room(id) { // else no need to ask etcd
-		if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl {
-			k.mu.Lock()
-			if k.roomLocked(id) {
-				k.spare = append(k.spare, id)
-				k.mu.Unlock()
-				return true, nil
-			}
-			k.mu.Unlock()
+		if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl && k.spareAgain(id) {
+			return true, nil
 		}
 	}
 	return false, k.Revoke(id)
@@ -233,6 +223,22 @@ func (k *Keeper) room(id clientv3.LeaseID) bool {
 	return k.roomLocked(id)
 }
 
+// spareAgain makes the held lease id a spare if there is room, and tells whether it is one.
+func (k *Keeper) spareAgain(id clientv3.LeaseID) bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if slices.Contains(k.spare, id) {
+		return true
+	}
+	if !k.roomLocked(id) {
+		return false
+	}
+	k.spare = append(k.spare, id)
+	return true
+}
+
+// roomLocked tells whether the held lease id, not a spare, could become one. The caller
+// holds mu.
 func (k *Keeper) roomLocked(id clientv3.LeaseID) bool {
 	_, held := k.held[id]
 	return held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id)
