@@ -180,7 +180,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
-			a.notePod(req, owner, st.fresh, nil)
+			a.notePod(req, owner, st.fresh)
 			st.fresh = 0
 		}
 		a.noteUnanswered(owner)
@@ -203,7 +203,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	a.ok()
 	if resp.Succeeded {
 		p.view.settle(addrs, resp.Header.Revision)
-		a.notePod(req, owner, lease, &attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
+		a.notePod(req, owner, lease, attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
 			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: resp.Header.Revision})
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
@@ -330,7 +330,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.notePod(st.req, st.owner, lease, &attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
+	a.notePod(st.req, st.owner, lease, attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
 		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: rev})
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
@@ -384,7 +384,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.notePod(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease, nil)
+	a.notePod(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
 	return nil
 }
 

@@ -399,9 +399,10 @@ func (a *Agent) noteUnanswered(owner string) {
 	}
 }
 
-// notePod records that owner's keys are on lease (after a claim, an adoption, or an
-// ambiguous commit), creating the pod's state if needed. The caller holds the owner lock.
-func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.LeaseID, at *attachment) {
+// notePod records that owner's keys are on lease (after a claim, an adoption, a re-claim or
+// an ambiguous commit) with the attachments given, creating the pod's state if needed. The
+// caller holds the owner lock.
+func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.LeaseID, ats ...attachment) {
 	a.mu.Lock()
 	ps, ok := a.pods[owner]
 	if !ok {
@@ -417,8 +418,8 @@ func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.Leas
 	if req.Netns != "" {
 		ps.Netns = req.Netns
 	}
-	if at != nil {
-		ps.put(*at)
+	for _, at := range ats {
+		ps.put(at)
 	}
 	snap := ps.clone()
 	a.mu.Unlock()

@@ -537,7 +537,13 @@ func (c *countingKV) Get(ctx context.Context, key string, opts ...clientv3.OpOpt
 // owner's attachments left, and the agent remembers the owner index it wrote, so a DEL reads
 // nothing before its transaction: the pod lease stays while another attachment of the pod
 // lives and is given up with the last one.
-func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
+func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) { delReadsNothingFirst(t, false) }
+
+// TestDelAfterAReclaimReadsNothingFirst: a re-claim rewrites the owner indexes on a new lease;
+// the agent remembers the revisions it wrote, so the DELs that follow read nothing either.
+func TestDelAfterAReclaimReadsNothingFirst(t *testing.T) { delReadsNothingFirst(t, true) }
+
+func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 	cli := newClient(t)
 	kv := &countingKV{KV: cli.KV}
 	cli.KV = kv
@@ -557,6 +563,23 @@ func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) {
 	lease, ok := a.podLease("uid-two")
 	if !ok {
 		t.Fatal("no pod lease after ADD")
+	}
+	if reclaimFirst {
+		if _, err := cli.Revoke(ctx, lease); err != nil {
+			t.Fatal(err)
+		}
+		lost := lease
+		for deadline := time.Now().Add(20 * time.Second); lease == lost; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the pod was not re-claimed within 20 s of its lease's revoke")
+			}
+			if l, ok := a.podLease("uid-two"); ok {
+				lease = l
+			}
+		}
+		if got := dump(t, cli, OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 2 || got[OwnerKey(a.cfg.Cluster, "uid-two", "net1", pool.Name)] != int64(lease) {
+			t.Fatalf("owner index after the re-claim: %v, want both attachments on lease %x", got, lease)
+		}
 	}
 	del := func(ifName string) {
 		t.Helper()

@@ -308,7 +308,8 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	}
 	req := allocator.Request{Pod: snap.Pod, Netns: snap.Netns}
 	for i, at := range snap.Attachments {
-		if err := a.reclaimAttachment(octx, snap, at, lease); err != nil {
+		rev, err := a.reclaimAttachment(octx, snap, at, lease)
+		if err != nil {
 			if i == 0 && !errors.Is(err, allocator.ErrUnavailable) {
 				a.keeper.Return(lease) // etcd answered and nothing is on it
 			} else {
@@ -323,6 +324,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			}
 			return err
 		}
+		snap.Attachments[i].OwnerRev = rev
 	}
 	pr := PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: snap.Netns, Created: a.wall()}
 	if len(snap.Attachments) > 0 {
@@ -331,7 +333,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	if _, err := a.cli.Put(octx, PodKey(a.cfg.Cluster, a.cfg.Node, owner), mustJSON(pr), clientv3.WithLease(lease)); err != nil {
 		return a.unavailable("write the pod record", err)
 	}
-	a.notePod(req, owner, lease, nil)
+	a.notePod(req, owner, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", LeaseHex(lease), "attachments", len(snap.Attachments))
 	return nil
@@ -347,7 +349,9 @@ func (a *Agent) notePodQuiet(owner string, lease clientv3.LeaseID) {
 	a.mu.Unlock()
 }
 
-func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) error {
+// reclaimAttachment writes one attachment's keys on lease and returns the owner index's
+// ModRevision, so that its DEL needs no read first.
+func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, error) {
 	ownerKey := OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
 	withLease := clientv3.WithLease(lease)
 	claim := slices.Clone(at.IPs)
@@ -371,7 +375,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		}
 		resp, err := a.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
 		if err != nil {
-			return a.unavailable("re-claim "+ownerKey, err)
+			return 0, a.unavailable("re-claim "+ownerKey, err)
 		}
 		if resp.Succeeded {
 			if len(taken) > 0 {
@@ -380,20 +384,20 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken,
 					"record", ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool))
 			}
-			return nil
+			return resp.Header.Revision, nil
 		}
 		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
 			rec, _ := decode[OwnerRecord](ownerKey, kvs[0].Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
 				if clientv3.LeaseID(kvs[0].Lease) == lease {
-					return nil // already re-claimed
+					return kvs[0].ModRevision, nil // already re-claimed
 				}
 				// Written by an earlier attempt whose lease is being revoked or expires: the
 				// attachment must end up on this attempt's lease, so wait for those keys to go.
-				return fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
+				return 0, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
 					allocator.ErrUnavailable, ownerKey, LeaseHex(clientv3.LeaseID(kvs[0].Lease)))
 			}
-			return fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
+			return 0, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
 				allocator.ErrConflict, ownerKey, rec.NodeUID, rec.ContainerID)
 		}
 		var still []netip.Addr
@@ -408,5 +412,5 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		}
 		claim = still
 	}
-	return fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, ownerKey)
+	return 0, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, ownerKey)
 }
