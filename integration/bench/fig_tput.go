@@ -46,16 +46,20 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 		Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
 		IfName: "eth0", Network: "tput", LeaseID: leases.LeaseHex(g.ID), Created: time.Now().UTC()}))
 	var seq atomic.Int64
-	rawOp := func(ctx context.Context) error {
-		key := fmt.Sprintf("/bench/raw/%d", seq.Add(1))
-		c, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		resp, err := raw.Txn(c).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-			Then(clientv3.OpPut(key, value, clientv3.WithLease(g.ID))).Commit()
+	// create is the raw create-if-absent Txn: a new key under prefix, put on lease.
+	create := func(ctx context.Context, prefix string, lease clientv3.LeaseID) error {
+		key := fmt.Sprintf("%s/%d", prefix, seq.Add(1))
+		resp, err := raw.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, value, clientv3.WithLease(lease))).Commit()
 		if err == nil && !resp.Succeeded {
 			err = fmt.Errorf("raw txn on %s did not succeed", key)
 		}
 		return err
+	}
+	rawOp := func(ctx context.Context) error {
+		c, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		return create(c, "/bench/raw", g.ID)
 	}
 	// The least etcd work a lease per pod takes: a lease, then the create-if-absent Txn on it.
 	leasedOp := func(ctx context.Context) error {
@@ -65,13 +69,7 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 		if err != nil {
 			return err
 		}
-		key := fmt.Sprintf("/bench/leased/%d", seq.Add(1))
-		resp, err := raw.Txn(c).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-			Then(clientv3.OpPut(key, value, clientv3.WithLease(l.ID))).Commit()
-		if err == nil && !resp.Succeeded {
-			err = fmt.Errorf("raw txn on %s did not succeed", key)
-		}
-		return err
+		return create(c, "/bench/leased", l.ID)
 	}
 	pool := allocator.PoolSpec{Name: "tput", Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.60.0.0/14")}}}}
 	cl := ag.client()
