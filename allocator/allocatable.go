@@ -167,12 +167,14 @@ func (p *PoolSpec) Size() []*big.Int {
 // SetOf returns the index of the range set with a range containing addr (between its
 // start and end), and ok false when there is none.
 func (p *PoolSpec) SetOf(addr netip.Addr) (set int, ok bool) {
-	set, _, ok = p.locate(addr)
+	set, _, ok = p.Locate(addr)
 	return set, ok
 }
 
-// locate returns the range set and range containing addr.
-func (p *PoolSpec) locate(addr netip.Addr) (set, rng int, ok bool) {
+// Locate returns the range set and the range within it that contain addr (between the
+// range's start and end), and ok false when there is none. It does not say whether the pool
+// hands addr out (see Allocatable).
+func (p *PoolSpec) Locate(addr netip.Addr) (set, rng int, ok bool) {
 	for i, s := range p.Ranges {
 		if j := s.index(addr); j >= 0 {
 			return i, j, true
@@ -215,7 +217,7 @@ func (p *PoolSpec) Allocatable(addr netip.Addr) error {
 // can describe an allocation that already exists.
 func (p *PoolSpec) IPConfig(addr netip.Addr) (IPConfig, error) {
 	addr = normAddr(addr)
-	set, rng, ok := p.locate(addr)
+	set, rng, ok := p.Locate(addr)
 	if !ok {
 		return IPConfig{}, fmt.Errorf("%w: %s lies in no range of pool %s (ranges: %s)",
 			ErrNotInRange, optAddr(addr), p.Name, p.rangesString())
@@ -257,4 +259,22 @@ func (p *PoolSpec) MatchRequested(ips []netip.Addr) ([]netip.Addr, error) {
 		out[set] = ip
 	}
 	return out, nil
+}
+
+// RangeSize is what range rng of set hands out: its addresses, less excluded ones and every
+// gateway of the pool inside it. Summed over a set's ranges it equals SetSize(set).
+func (p *PoolSpec) RangeSize(set, rng int) *big.Int {
+	r := p.Ranges[set][rng]
+	one := PoolSpec{Name: p.Name, Ranges: []RangeSet{{r}}, Exclude: p.Exclude}
+	n := one.SetSize(0)
+	seen := map[netip.Addr]bool{r.Gateway: true}
+	for _, s := range p.Ranges {
+		for _, o := range s {
+			if g := o.Gateway; !seen[g] && one.Allocatable(g) == nil {
+				seen[g] = true
+				n.Sub(n, big.NewInt(1))
+			}
+		}
+	}
+	return n
 }

@@ -250,3 +250,19 @@ func TestTooManyRangeSets(t *testing.T) {
 		t.Errorf("%d range sets must be accepted: %v", allocator.MaxRangeSets, err)
 	}
 }
+
+func TestRangeSizesSumToSetSize(t *testing.T) {
+	// The second range's gateway lies inside the first range: it is counted out of the first.
+	spec := allocator.PoolSpec{Name: "p", Ranges: []allocator.RangeSet{{
+		{Subnet: netip.MustParsePrefix("10.86.0.0/24"), RangeStart: netip.MustParseAddr("10.86.0.10"), RangeEnd: netip.MustParseAddr("10.86.0.20")},
+		{Subnet: netip.MustParsePrefix("10.86.0.0/24"), RangeStart: netip.MustParseAddr("10.86.0.30"), RangeEnd: netip.MustParseAddr("10.86.0.40"),
+			Gateway: netip.MustParseAddr("10.86.0.15")},
+	}}, Exclude: []netip.Prefix{netip.MustParsePrefix("10.86.0.32/31")}}
+	if err := spec.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
+	r0, r1 := spec.RangeSize(0, 0), spec.RangeSize(0, 1)
+	if r0.Int64() != 10 || r1.Int64() != 9 || r0.Int64()+r1.Int64() != spec.SetSize(0).Int64() {
+		t.Errorf("range sizes %s + %s, set size %s; want 10 + 9 = 19", r0, r1, spec.SetSize(0))
+	}
+}

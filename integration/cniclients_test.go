@@ -32,10 +32,9 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/vishvananda/netns"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // ccTag makes the names of namespaces and links of this test process differ from those of
@@ -329,13 +328,13 @@ func ccHeldBy(t testing.TB, cli *clientv3.Client, pool, owner string) []string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	resp, err := cli.Get(ctx, leases.IPsPrefix(pool), clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, keyspace.IPsPrefix(pool), clientv3.WithPrefix())
 	if err != nil {
-		t.Fatalf("get %s: %v", leases.IPsPrefix(pool), err)
+		t.Fatalf("get %s: %v", keyspace.IPsPrefix(pool), err)
 	}
 	var out []string
 	for _, kv := range resp.Kvs {
-		var a leases.Allocation
+		var a keyspace.Allocation
 		if err := json.Unmarshal(kv.Value, &a); err != nil {
 			t.Fatalf("%s: %v", kv.Key, err)
 		}
@@ -351,7 +350,7 @@ func ccHeldBy(t testing.TB, cli *clientv3.Client, pool, owner string) []string {
 func ccKeysOf(pool string, addrs []netip.Prefix) []string {
 	var out []string
 	for _, p := range addrs {
-		out = append(out, leases.IPKey(pool, p.Addr()))
+		out = append(out, keyspace.IPKey(pool, p.Addr()))
 	}
 	slices.Sort(out)
 	return out
@@ -579,7 +578,7 @@ func TestBridgeWithLeaseholdViaLibcni(t *testing.T) {
 	if held := ccHeldBy(t, cli, name, uid); len(held) != 0 {
 		t.Errorf("after DEL etcd still holds %v for %s", held, uid)
 	}
-	if left := keysUnder(snapshot(t, cli, leases.Prefix), leases.OwnerPrefix("default", uid)); len(left) != 0 {
+	if left := keysUnder(snapshot(t, cli, keyspace.Prefix), keyspace.OwnerPrefix("default", uid)); len(left) != 0 {
 		t.Errorf("after DEL the owner index still has %v", left)
 	}
 
@@ -760,7 +759,7 @@ func TestMacvlanWithLeaseholdViaCnitool(t *testing.T) {
 			t.Errorf("after del %s still exists", k)
 		}
 	}
-	if left := keysUnder(snapshot(t, cli, leases.Prefix), leases.OwnerPrefix("default", uid)); len(left) != 0 {
+	if left := keysUnder(snapshot(t, cli, keyspace.Prefix), keyspace.OwnerPrefix("default", uid)); len(left) != 0 {
 		t.Errorf("after del the owner index still has %v", left)
 	}
 }

@@ -43,7 +43,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 const (
@@ -1309,7 +1309,7 @@ exit 0
 }
 
 // TestDeployEtcdRBACScript: etcd-rbac.sh grants each cluster's role exactly
-// leases.RolePrefixes (the prefixes the agent uses), readwrite, by prefix; makes the user
+// keyspace.RolePrefixes (the prefixes the agent uses), readwrite, by prefix; makes the user
 // whose name the client certificate carries; never puts a password on a command line; and
 // turns authentication on only when root could still log in.
 func TestDeployEtcdRBACScript(t *testing.T) {
@@ -1329,11 +1329,11 @@ func TestDeployEtcdRBACScript(t *testing.T) {
 				got = append(got, m[3])
 			}
 		}
-		want := leases.RolePrefixes(c)
+		want := keyspace.RolePrefixes(c)
 		slices.Sort(got)
 		slices.Sort(want)
 		if !slices.Equal(got, want) {
-			t.Errorf("role %s is granted %q, the agent uses exactly %q (leases.RolePrefixes)", role, got, want)
+			t.Errorf("role %s is granted %q, the agent uses exactly %q (keyspace.RolePrefixes)", role, got, want)
 		}
 		for _, call := range []string{"role add " + role, "user add " + role + " --no-password", "user grant-role " + role + " " + role} {
 			if !slices.Contains(calls, call) {

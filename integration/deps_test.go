@@ -22,11 +22,12 @@ func goList(t *testing.T, deps bool, pkg string) []string {
 	return strings.Fields(string(out))
 }
 
-// TestDependencyRule keeps the layering of ARCHITECTURE.md true: imports point downward,
-// the plugin binary is a thin client (no etcd, gRPC, netlink, CNI library, net,
-// encoding/json, fmt or reflect: in a process that lives for one call each of them
-// costs startup time), allocator is standard library only, and only leases/kernel talks
-// netlink.
+// TestDependencyRule keeps the layering of ARCHITECTURE.md true: imports point downward
+// (allocator <- keyspace <- admin, leases <- cmd), the plugin binary is a thin client (no etcd,
+// gRPC, netlink, CNI library, net, encoding/json, fmt or reflect: in a process that lives for
+// one call each of them costs startup time), allocator is standard library only, only
+// leases/kernel talks netlink, and leaseholdctl links neither the agent, netlink nor the
+// Prometheus client.
 func TestDependencyRule(t *testing.T) {
 	const mod = "github.com/leasehold/leasehold/"
 	for _, dep := range goList(t, true, "./cmd/leasehold") {
@@ -53,7 +54,21 @@ func TestDependencyRule(t *testing.T) {
 			}
 		}
 	}
-	for _, pkg := range []string{"./allocator/...", "./cniplugin/...", "./cmd/...", "./leases", "./leases/etcdserver"} {
+	for _, dep := range goList(t, true, "./cmd/leaseholdctl") {
+		switch {
+		case strings.Contains(dep, "vishvananda/netlink"), strings.Contains(dep, "prometheus"),
+			strings.HasPrefix(dep, mod+"leases"), strings.HasPrefix(dep, mod+"cniplugin"):
+			t.Errorf("leaseholdctl links %s; the admin tool needs only allocator, keyspace and admin", dep)
+		}
+	}
+	for _, pkg := range []string{"./keyspace", "./admin"} {
+		for _, imp := range goList(t, false, pkg) {
+			if strings.HasPrefix(imp, mod+"leases") || strings.HasPrefix(imp, mod+"cniplugin") || imp == mod+"admin" && pkg == "./keyspace" {
+				t.Errorf("%s imports %s; the etcd contract and the operator side sit below the agent and the plugin", pkg, imp)
+			}
+		}
+	}
+	for _, pkg := range []string{"./allocator/...", "./keyspace", "./admin", "./cniplugin/...", "./cmd/...", "./leases", "./etcdserver"} {
 		for _, imp := range goList(t, false, pkg) {
 			if strings.Contains(imp, "vishvananda/netlink") {
 				t.Errorf("%s imports netlink; only leases/kernel may", pkg)

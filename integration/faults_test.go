@@ -13,8 +13,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/leases"
-	"github.com/leasehold/leasehold/leases/etcdserver"
+	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // etcdCluster is a three-member etcd cluster of separate processes.
@@ -212,7 +212,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	keysPresent := func() int {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		resp, err := cli.Get(ctx, leases.IPsPrefix(name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+		resp, err := cli.Get(ctx, keyspace.IPsPrefix(name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 		if err != nil {
 			return -1
 		}
@@ -222,7 +222,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 		}
 		missing := 0
 		for ip := range seen {
-			if !have[leases.IPKey(name, ip)] {
+			if !have[keyspace.IPKey(name, ip)] {
 				missing++
 			}
 		}

@@ -21,7 +21,7 @@ import (
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/leases/etcdserver"
+	"github.com/leasehold/leasehold/etcdserver"
 )
 
 // binDir is where make put the binaries under test and the tools.

@@ -23,7 +23,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // hostileMarker is in every hostile path-like value, so that a file or key it escaped
@@ -56,7 +56,7 @@ type hostileRow struct {
 // pod UIDs, names and namespaces, pool and network names through the real plugin and
 // agent, and through the agent API directly (for NUL, which no environment variable can
 // carry). Each is refused with a CNI error naming the field, or accepted and stored
-// safely. Then, across everything: no key outside leases.Prefix, every key of a known
+// safely. Then, across everything: no key outside keyspace.Prefix, every key of a known
 // shape made of valid names, the agent's state directory holding only its lock and journal
 // directly inside it, no file anywhere named after a hostile value; and after DEL nothing
 // of the accepted ones is left.
@@ -209,7 +209,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 				}
 				pool := cmp.Or(r.pool, network)
 				kept = append(kept, accepted{conf, r.container, r.ifName, r.cniArgs, r.owner, pool, r.knownBug})
-				if key := leases.OwnerKey("default", r.owner, r.ifName, pool); !exists(t, cli, key) {
+				if key := keyspace.OwnerKey("default", r.owner, r.ifName, pool); !exists(t, cli, key) {
 					t.Errorf("accepted, but its owner index %q is not in etcd", key)
 				}
 				return
@@ -360,8 +360,8 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 			t.Errorf("API DEL %s: %v", r.OwnerID(), err)
 		}
 	}
-	for key := range snapshot(t, cli, leases.Prefix) {
-		for _, family := range []string{leases.OwnersPrefix(""), leases.IPsPrefix(""), leases.PodsPrefix("default", "node-a"), leases.ConflictsPrefix("")} {
+	for key := range snapshot(t, cli, keyspace.Prefix) {
+		for _, family := range []string{keyspace.OwnersPrefix(""), keyspace.IPsPrefix(""), keyspace.PodsPrefix("default", "node-a"), keyspace.ConflictsPrefix("")} {
 			if strings.HasPrefix(key, family) {
 				t.Errorf("after DEL of everything accepted, key %q is left", key)
 			}
@@ -375,7 +375,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 	}
 }
 
-// checkHostileKeys lists every key in etcd and checks that it lies under leases.Prefix,
+// checkHostileKeys lists every key in etcd and checks that it lies under keyspace.Prefix,
 // has a known shape made of names ValidateName accepts (in their canonical form), holds
 // JSON, and carries no hostile marker.
 func checkHostileKeys(t *testing.T, cli *clientv3.Client) {
@@ -405,9 +405,9 @@ func checkHostileKeys(t *testing.T, cli *clientv3.Client) {
 
 // keyShape checks one key against the v1 layout (ARCHITECTURE.md, "Key layout").
 func keyShape(key string) error {
-	rest, ok := strings.CutPrefix(key, leases.Prefix)
+	rest, ok := strings.CutPrefix(key, keyspace.Prefix)
 	if !ok {
-		return fmt.Errorf("outside %s", leases.Prefix)
+		return fmt.Errorf("outside %s", keyspace.Prefix)
 	}
 	parts := strings.Split(rest, "/")
 	names := func(ps ...string) error {
@@ -435,11 +435,11 @@ func keyShape(key string) error {
 		if len(parts) != 2 {
 			return errors.New("want pools/<pool>")
 		}
-		return errors.Join(names(parts[1]), same(leases.PoolKey(parts[1])))
+		return errors.Join(names(parts[1]), same(keyspace.PoolKey(parts[1])))
 	case "ips", "quarantine":
-		parse, build := leases.ParseIPKey, leases.IPKey
+		parse, build := keyspace.ParseIPKey, keyspace.IPKey
 		if parts[0] == "quarantine" {
-			parse, build = leases.ParseQuarantineKey, leases.QuarantineKey
+			parse, build = keyspace.ParseQuarantineKey, keyspace.QuarantineKey
 		}
 		pool, ip, err := parse(key)
 		if err != nil || len(parts) != 3 {
@@ -447,35 +447,35 @@ func keyShape(key string) error {
 		}
 		return errors.Join(names(pool), addr(ip), same(build(pool, ip)))
 	case "owners":
-		c, o, i, p, err := leases.ParseOwnerKey(key)
+		c, o, i, p, err := keyspace.ParseOwnerKey(key)
 		if err != nil {
 			return err
 		}
-		return errors.Join(names(c, o, i, p), same(leases.OwnerKey(c, o, i, p)))
+		return errors.Join(names(c, o, i, p), same(keyspace.OwnerKey(c, o, i, p)))
 	case "conflicts":
 		if len(parts) != 5 {
 			return errors.New("want conflicts/<cluster>/<owner>/<ifname>/<pool>")
 		}
-		return errors.Join(names(parts[1:]...), same(leases.ConflictKey(parts[1], parts[2], parts[3], parts[4])))
+		return errors.Join(names(parts[1:]...), same(keyspace.ConflictKey(parts[1], parts[2], parts[3], parts[4])))
 	case "nodes":
 		switch {
 		case len(parts) == 3:
-			return errors.Join(names(parts[1:]...), same(leases.NodeKey(parts[1], parts[2])))
+			return errors.Join(names(parts[1:]...), same(keyspace.NodeKey(parts[1], parts[2])))
 		case len(parts) == 5 && parts[3] == "pods":
-			return errors.Join(names(parts[1], parts[2], parts[4]), same(leases.PodKey(parts[1], parts[2], parts[4])))
+			return errors.Join(names(parts[1], parts[2], parts[4]), same(keyspace.PodKey(parts[1], parts[2], parts[4])))
 		}
 		return errors.New("want nodes/<cluster>/<node> or nodes/<cluster>/<node>/pods/<owner>")
 	case "hostips":
-		ip, err := leases.ParseHostIPKey(key)
+		ip, err := keyspace.ParseHostIPKey(key)
 		if err != nil || len(parts) != 4 {
 			return fmt.Errorf("want hostips/<ip>/<cluster>/<node>: %v", err)
 		}
-		return errors.Join(addr(ip), names(parts[2], parts[3]), same(leases.HostIPKey(ip, parts[2], parts[3])))
+		return errors.Join(addr(ip), names(parts[2], parts[3]), same(keyspace.HostIPKey(ip, parts[2], parts[3])))
 	case "poolconflicts":
 		if len(parts) != 4 {
 			return errors.New("want poolconflicts/<pool>/<cluster>/<node>")
 		}
-		return errors.Join(names(parts[1:]...), same(leases.PoolConflictKey(parts[1], parts[2], parts[3])))
+		return errors.Join(names(parts[1:]...), same(keyspace.PoolConflictKey(parts[1], parts[2], parts[3])))
 	}
 	return fmt.Errorf("unknown key family %q", parts[0])
 }

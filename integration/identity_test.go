@@ -7,9 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // TestLeaseholddRefusesANodeIdentityServedFromAnotherHost runs the real leaseholdd for a node
@@ -21,13 +20,13 @@ func TestLeaseholddRefusesANodeIdentityServedFromAnotherHost(t *testing.T) {
 	cli := etcdClient(t, etcd.URL)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	nodeKey := leases.NodeKey("default", "node-a")
+	nodeKey := keyspace.NodeKey("default", "node-a")
 	other := func() clientv3.LeaseID {
 		g, err := cli.Grant(ctx, 30)
 		if err != nil {
 			t.Fatal(err)
 		}
-		rec, _ := json.Marshal(leases.NodeRecord{UID: "uid-a", Host: "other-host/boot-1", PID: 4242, LeaseID: leases.LeaseHex(g.ID)})
+		rec, _ := json.Marshal(keyspace.NodeRecord{UID: "uid-a", Host: "other-host/boot-1", PID: 4242, LeaseID: keyspace.LeaseHex(g.ID)})
 		if _, err := cli.Put(ctx, nodeKey, string(rec), clientv3.WithLease(g.ID)); err != nil {
 			t.Fatal(err)
 		}

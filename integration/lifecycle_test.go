@@ -11,9 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // Lifecycle tests use 4 s leases: long enough for keep-alive (every TTL/3) on a loaded
@@ -73,7 +72,7 @@ func exists(t testing.TB, cli *clientv3.Client, key string) bool {
 	return resp.Count > 0
 }
 
-func allocation(t testing.TB, cli *clientv3.Client, key string) (leases.Allocation, int64) {
+func allocation(t testing.TB, cli *clientv3.Client, key string) (keyspace.Allocation, int64) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -81,7 +80,7 @@ func allocation(t testing.TB, cli *clientv3.Client, key string) (leases.Allocati
 	if err != nil || len(resp.Kvs) == 0 {
 		t.Fatalf("get %s: %v (found %d)", key, err, len(resp.Kvs))
 	}
-	var a leases.Allocation
+	var a keyspace.Allocation
 	if err := json.Unmarshal(resp.Kvs[0].Value, &a); err != nil {
 		t.Fatal(err)
 	}
@@ -124,17 +123,17 @@ func TestAgentKilledAndRestartedAdoptsLiveSandboxes(t *testing.T) {
 	sandbox(t, gone)
 	liveIP := ipv4(t, pl, ctx, conf, live, "K8S_POD_UID=uid-"+live)
 	goneIP := ipv4(t, pl, ctx, conf, gone, "K8S_POD_UID=uid-"+gone)
-	_, liveLease := allocation(t, cli, leases.IPKey(name, liveIP))
+	_, liveLease := allocation(t, cli, keyspace.IPKey(name, liveIP))
 
 	agent.kill()
 	removeSandbox(t, gone) // the sandbox dies while the agent is down
 	agent.restart(t)
 
 	waitFor(t, ttl+expirySlack, "the gone sandbox's address is released at restart", func() bool {
-		return !exists(t, cli, leases.IPKey(name, goneIP))
+		return !exists(t, cli, keyspace.IPKey(name, goneIP))
 	})
 	time.Sleep(3 * ttl)
-	holder, lease := allocation(t, cli, leases.IPKey(name, liveIP))
+	holder, lease := allocation(t, cli, keyspace.IPKey(name, liveIP))
 	if holder.Owner != "uid-"+live || lease != liveLease {
 		t.Errorf("live pod's address: owner %s lease %x, want owner uid-%s on its original lease %x", holder.Owner, lease, live, liveLease)
 	}
@@ -157,16 +156,16 @@ func TestDeadNodeAllocationsExpireWithoutAnyoneActing(t *testing.T) {
 	for i := range 5 {
 		ipv4(t, pl, ctx, conf, fmt.Sprintf("dead%d", i), "")
 	}
-	if n := len(keysUnder(snapshot(t, cli, leases.Prefix), leases.IPsPrefix(name))); n != 5 {
+	if n := len(keysUnder(snapshot(t, cli, keyspace.Prefix), keyspace.IPsPrefix(name))); n != 5 {
 		t.Fatalf("want 5 allocations before the kill, got %d", n)
 	}
 	agent.kill()
 	killed := time.Now()
 	took := waitFor(t, ttl+expirySlack, "every key of the dead node expires", func() bool {
-		s := snapshot(t, cli, leases.Prefix)
-		return len(keysUnder(s, leases.IPsPrefix(name))) == 0 &&
-			len(keysUnder(s, leases.NodesPrefix("default"))) == 0 &&
-			len(keysUnder(s, leases.OwnersPrefix("default"))) == 0
+		s := snapshot(t, cli, keyspace.Prefix)
+		return len(keysUnder(s, keyspace.IPsPrefix(name))) == 0 &&
+			len(keysUnder(s, keyspace.NodesPrefix("default"))) == 0 &&
+			len(keysUnder(s, keyspace.OwnersPrefix("default"))) == 0
 	})
 	t.Logf("dead node's keys gone %s after kill -9 (TTL %s)", took.Round(100*time.Millisecond), ttl)
 	if time.Since(killed) < ttl-time.Second {
@@ -213,20 +212,20 @@ func TestSeed003ReplacementNodeNeverAdopts(t *testing.T) {
 		t.Errorf("DEL: %v", err)
 	}
 	for ip, owner := range oldIPs {
-		if a, _ := allocation(t, cli, leases.IPKey(name, ip)); a.Owner != owner || a.NodeUID != "machine-1.boot-1" {
+		if a, _ := allocation(t, cli, keyspace.IPKey(name, ip)); a.Owner != owner || a.NodeUID != "machine-1.boot-1" {
 			t.Errorf("old allocation %s changed hands before expiry: %+v", ip, a)
 		}
 	}
 	// The old allocations leave by expiry, the new one stays.
 	waitFor(t, ttl+expirySlack, "the old node's allocations expire", func() bool {
 		for ip := range oldIPs {
-			if exists(t, cli, leases.IPKey(name, ip)) {
+			if exists(t, cli, keyspace.IPKey(name, ip)) {
 				return false
 			}
 		}
 		return true
 	})
-	if a, _ := allocation(t, cli, leases.IPKey(name, fresh)); a.Owner != "new-pod-uid" || a.NodeUID != "machine-2.boot-1" {
+	if a, _ := allocation(t, cli, keyspace.IPKey(name, fresh)); a.Owner != "new-pod-uid" || a.NodeUID != "machine-2.boot-1" {
 		t.Errorf("new node's allocation: %+v", a)
 	}
 	// Once the old keys are gone, the static pod gets an address on the new node.
@@ -259,7 +258,7 @@ func TestSeed002StatefulSetReplacementKeepsBothOwners(t *testing.T) {
 	}
 	check := func(ip netip.Addr, uid, node string) {
 		t.Helper()
-		a, _ := allocation(t, cli, leases.IPKey(name, ip))
+		a, _ := allocation(t, cli, keyspace.IPKey(name, ip))
 		if a.Owner != uid || a.Pod.Name != "web-0" || a.Node != node {
 			t.Errorf("%s: want owner %s (web-0) on %s, got %+v", ip, uid, node, a)
 		}
@@ -277,14 +276,14 @@ func TestSeed002StatefulSetReplacementKeepsBothOwners(t *testing.T) {
 	if err := pl.del(ctx, confA, "web0-old", "eth0", "K8S_POD_UID=uid-1"); err != nil {
 		t.Fatal(err)
 	}
-	if exists(t, cli, leases.IPKey(name, oldIP)) {
+	if exists(t, cli, keyspace.IPKey(name, oldIP)) {
 		t.Errorf("old web-0's %s survived its DEL", oldIP)
 	}
 	check(newIP, "uid-2", "node-b")
 	// And a pod's address leaves otherwise only by lease expiry, when its node dies.
 	nodeB.kill()
 	waitFor(t, ttl+expirySlack, "the new pod's address expires with node-b", func() bool {
-		return !exists(t, cli, leases.IPKey(name, newIP))
+		return !exists(t, cli, keyspace.IPKey(name, newIP))
 	})
 }
 
@@ -311,7 +310,7 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 
 	px.partition()
 	waitFor(t, ttl+expirySlack, "the partitioned agent's leases expire in etcd", func() bool {
-		return !exists(t, cli, leases.IPKey(name, ip1)) && !exists(t, cli, leases.IPKey(name, ip2))
+		return !exists(t, cli, keyspace.IPKey(name, ip1)) && !exists(t, cli, keyspace.IPKey(name, ip2))
 	})
 	// Another node asks for ip1 while it is free in etcd.
 	thief := ipv4(t, pl, ctx, v4conf(name, other.Socket, "10.34.0.0/24"), "thief", "K8S_POD_UID=thief;IP="+ip1.String())
@@ -320,14 +319,14 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 	}
 	px.heal()
 
-	waitFor(t, 30*time.Second, "p2's address is re-claimed", func() bool { return exists(t, cli, leases.IPKey(name, ip2)) })
-	if a, _ := allocation(t, cli, leases.IPKey(name, ip2)); a.Owner != "uid-"+p2 || a.NodeUID != "uid-p" {
+	waitFor(t, 30*time.Second, "p2's address is re-claimed", func() bool { return exists(t, cli, keyspace.IPKey(name, ip2)) })
+	if a, _ := allocation(t, cli, keyspace.IPKey(name, ip2)); a.Owner != "uid-"+p2 || a.NodeUID != "uid-p" {
 		t.Errorf("re-claimed %s: %+v", ip2, a)
 	}
-	if a, _ := allocation(t, cli, leases.IPKey(name, ip1)); a.Owner != "thief" {
+	if a, _ := allocation(t, cli, keyspace.IPKey(name, ip1)); a.Owner != "thief" {
 		t.Errorf("%s must stay with the owner that got it meanwhile, got %+v", ip1, a)
 	}
-	conflictKey := leases.ConflictKey("default", "uid-"+p1, "eth0", name)
+	conflictKey := keyspace.ConflictKey("default", "uid-"+p1, "eth0", name)
 	waitFor(t, 10*time.Second, "conflict record "+conflictKey, func() bool { return exists(t, cli, conflictKey) })
 	err := pl.check(ctx, conf, p1, "eth0", "K8S_POD_UID=uid-"+p1)
 	if cniCode(err) != 104 || !strings.Contains(err.Error(), "thief") {
@@ -343,7 +342,7 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 	if err := pl.del(ctx, conf, p1, "eth0", "K8S_POD_UID=uid-"+p1); err != nil {
 		t.Fatal(err)
 	}
-	if a, _ := allocation(t, cli, leases.IPKey(name, ip1)); a.Owner != "thief" {
+	if a, _ := allocation(t, cli, keyspace.IPKey(name, ip1)); a.Owner != "thief" {
 		t.Errorf("DEL of the conflicted pod touched the other owner's %s: %+v", ip1, a)
 	}
 	if exists(t, cli, conflictKey) {
@@ -380,11 +379,11 @@ func TestGCReleasesOnlyAttachmentsMissingFromTheValidList(t *testing.T) {
 	}
 	for c, ip := range ips {
 		want := strings.HasPrefix(c, "keep")
-		if got := exists(t, cli, leases.IPKey(name, ip)); got != want {
+		if got := exists(t, cli, keyspace.IPKey(name, ip)); got != want {
 			t.Errorf("after GC, %s (%s) present=%v, want %v", c, ip, got, want)
 		}
 	}
-	if !exists(t, cli, leases.IPKey(otherName, otherIP)) {
+	if !exists(t, cli, keyspace.IPKey(otherName, otherIP)) {
 		t.Errorf("GC of %s released an attachment of network %s", name, otherName)
 	}
 }
@@ -436,16 +435,16 @@ func TestAgentDownLongerThanTTLReclaimsFromJournal(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	agent.kill()
 	waitFor(t, ttl+expirySlack, "the pods' keys expire while the agent is down", func() bool {
-		return !exists(t, cli, leases.IPKey(name, liveIP)) && !exists(t, cli, leases.IPKey(name, goneIP))
+		return !exists(t, cli, keyspace.IPKey(name, liveIP)) && !exists(t, cli, keyspace.IPKey(name, goneIP))
 	})
 	removeSandbox(t, gone)
 	agent.restart(t)
-	waitFor(t, 15*time.Second, "the live pod's address is re-claimed", func() bool { return exists(t, cli, leases.IPKey(name, liveIP)) })
+	waitFor(t, 15*time.Second, "the live pod's address is re-claimed", func() bool { return exists(t, cli, keyspace.IPKey(name, liveIP)) })
 	if err := pl.check(ctx, conf, live, "eth0", "K8S_POD_UID=uid-"+live); err != nil {
 		t.Errorf("CHECK after re-claim: %v", err)
 	}
 	time.Sleep(time.Second)
-	if exists(t, cli, leases.IPKey(name, goneIP)) {
+	if exists(t, cli, keyspace.IPKey(name, goneIP)) {
 		t.Errorf("the address of a sandbox that died while the agent was down was re-claimed")
 	}
 }
@@ -519,7 +518,7 @@ func TestAgentKilledDuringABurst(t *testing.T) {
 			t.Errorf("%s given to ADDs %d and %d", r.ip, j, i)
 		}
 		seen[r.ip] = i
-		if a, _ := allocation(t, cli, leases.IPKey(name, r.ip)); a.Owner != fmt.Sprintf("uid-%s-%02d", prefix, i) {
+		if a, _ := allocation(t, cli, keyspace.IPKey(name, r.ip)); a.Owner != fmt.Sprintf("uid-%s-%02d", prefix, i) {
 			t.Errorf("ADD %d's %s is held by %q after the restart", i, r.ip, a.Owner)
 		}
 	}

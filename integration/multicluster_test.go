@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // TestTwoClustersShareOnePool: two clusters' agents, with the same node names, the same
@@ -145,8 +145,8 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 	}
 	// ... and reported to the cluster already using the pool: a record under the pool, and
 	// an error in the logs of cluster-a's agents, which serve the pool.
-	if !exists(t, cli, leases.PoolConflictKey(pool, "cluster-b", "node-1")) {
-		t.Errorf("no pool conflict record %s", leases.PoolConflictKey(pool, "cluster-b", "node-1"))
+	if !exists(t, cli, keyspace.PoolConflictKey(pool, "cluster-b", "node-1")) {
+		t.Errorf("no pool conflict record %s", keyspace.PoolConflictKey(pool, "cluster-b", "node-1"))
 	}
 	waitFor(t, 10*time.Second, "cluster-a's agent logs the conflict", func() bool {
 		return strings.Contains(nodes[1].agent.logs.String(), "another node defines this pool differently")
@@ -189,7 +189,7 @@ func allocationsByNode(t *testing.T, cli *clientv3.Client, pool string) map[stri
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	list, err := leases.ListAllocations(ctx, cli, pool)
+	list, err := admin.ListAllocations(ctx, cli, pool)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachment
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	resp, err := cli.Get(ctx, leases.Prefix, clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, keyspace.Prefix, clientv3.WithPrefix())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,19 +220,19 @@ func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachment
 	allocs, owners := 0, 0
 	for key, lease := range kvs {
 		switch {
-		case strings.HasPrefix(key, leases.IPsPrefix(pool)):
+		case strings.HasPrefix(key, keyspace.IPsPrefix(pool)):
 			allocs++
-			var a leases.Allocation
+			var a keyspace.Allocation
 			if err := json.Unmarshal(values[key], &a); err != nil {
 				t.Fatalf("%s: %v", key, err)
 			}
-			ok := leases.OwnerKey(a.Cluster, a.Owner, a.IfName, pool)
-			var rec leases.OwnerRecord
+			ok := keyspace.OwnerKey(a.Cluster, a.Owner, a.IfName, pool)
+			var rec keyspace.OwnerRecord
 			if err := json.Unmarshal(values[ok], &rec); err != nil {
 				t.Errorf("allocation %s: owner index %s missing or unreadable", key, ok)
 				continue
 			}
-			_, ip, _ := leases.ParseIPKey(key)
+			_, ip, _ := keyspace.ParseIPKey(key)
 			named := false
 			for _, x := range rec.IPs {
 				named = named || x == ip
@@ -240,13 +240,13 @@ func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachment
 			if !named || kvs[ok] != lease || rec.ContainerID != a.ContainerID {
 				t.Errorf("allocation %s (lease %x) and its owner index %s (lease %x, ips %v, container %s) disagree", key, lease, ok, kvs[ok], rec.IPs, rec.ContainerID)
 			}
-			if pod := leases.PodKey(a.Cluster, a.Node, a.Owner); kvs[pod] != lease {
+			if pod := keyspace.PodKey(a.Cluster, a.Node, a.Owner); kvs[pod] != lease {
 				t.Errorf("allocation %s: pod record %s on lease %x, want %x", key, pod, kvs[pod], lease)
 			}
 			if lease == 0 {
 				t.Errorf("allocation %s has no lease", key)
 			}
-		case strings.HasPrefix(key, leases.OwnersPrefix("")) && strings.HasSuffix(key, "/"+pool):
+		case strings.HasPrefix(key, keyspace.OwnersPrefix("")) && strings.HasSuffix(key, "/"+pool):
 			owners++
 			if lease == 0 {
 				t.Errorf("owner index %s has no lease", key)

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // TestConcurrentPluginAddsGetDistinctAddresses is issue 2's acceptance test: 200 ADDs at
@@ -75,12 +75,12 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	}
 
 	// Every allocation, owner index and pod record in etcd is bound to a lease.
-	keys := snapshot(t, cli, leases.Prefix)
-	if got := len(keysUnder(keys, leases.IPsPrefix(name))); got != 2*n {
+	keys := snapshot(t, cli, keyspace.Prefix)
+	if got := len(keysUnder(keys, keyspace.IPsPrefix(name))); got != 2*n {
 		t.Errorf("want %d allocation keys in etcd, got %d", 2*n, got)
 	}
 	for k, v := range keys {
-		if strings.HasPrefix(k, leases.PoolKey("")) {
+		if strings.HasPrefix(k, keyspace.PoolKey("")) {
 			continue
 		}
 		if strings.HasPrefix(v, "lease=0 ") {
@@ -105,11 +105,11 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	}
 
 	// DEL frees exactly the owner's keys: its two addresses, owner index and pod record.
-	before := snapshot(t, cli, leases.Prefix)
+	before := snapshot(t, cli, keyspace.Prefix)
 	if err := pl.del(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
 		t.Fatal(err)
 	}
-	after := snapshot(t, cli, leases.Prefix)
+	after := snapshot(t, cli, keyspace.Prefix)
 	var gone []string
 	for k := range before {
 		if _, ok := after[k]; !ok {
@@ -117,8 +117,8 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 		}
 	}
 	want := []string{
-		leases.IPKey(name, results[7].v4), leases.IPKey(name, results[7].v6),
-		leases.OwnerKey("default", "uid-007", "eth0", name), leases.PodKey("default", "node-a", "uid-007"),
+		keyspace.IPKey(name, results[7].v4), keyspace.IPKey(name, results[7].v6),
+		keyspace.OwnerKey("default", "uid-007", "eth0", name), keyspace.PodKey("default", "node-a", "uid-007"),
 	}
 	if fmt.Sprint(sorted(gone)) != fmt.Sprint(sorted(want)) {
 		t.Errorf("DEL removed %v, want exactly %v", sorted(gone), sorted(want))
@@ -147,7 +147,7 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 		t.Fatal(err)
 	}
 	heldV4 := held.IPs[0].Address.IP.String()
-	before := snapshot(t, cli, leases.Prefix)
+	before := snapshot(t, cli, keyspace.Prefix)
 
 	cases := []struct {
 		name      string
@@ -195,11 +195,11 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 			}
 		})
 	}
-	after := snapshot(t, cli, leases.Prefix)
+	after := snapshot(t, cli, keyspace.Prefix)
 	// The one write a refused request makes: the pool mismatch leaves a report for the pool's
 	// other users under poolconflicts/, on the node lease. No allocation state changes.
 	for k := range after {
-		if strings.HasPrefix(k, leases.PoolConflictsPrefix("")) {
+		if strings.HasPrefix(k, keyspace.PoolConflictsPrefix("")) {
 			delete(after, k)
 		}
 	}
@@ -247,12 +247,12 @@ func TestEmbeddedEtcdIsInspectableWithEtcdctl(t *testing.T) {
 		t.Fatal(err)
 	}
 	out, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "etcdctl"), "--endpoints", curl,
-		"get", "--prefix", leases.IPsPrefix(name), "--keys-only").CombinedOutput()
+		"get", "--prefix", keyspace.IPsPrefix(name), "--keys-only").CombinedOutput()
 	if err != nil {
 		t.Fatalf("etcdctl: %v\n%s", err, out)
 	}
 	for _, ip := range res.IPs {
-		if !strings.Contains(string(out), leases.IPsPrefix(name)+ip.Address.IP.String()) {
+		if !strings.Contains(string(out), keyspace.IPsPrefix(name)+ip.Address.IP.String()) {
 			t.Errorf("etcdctl does not show %s:\n%s", ip.Address.IP, out)
 		}
 	}
@@ -310,7 +310,7 @@ func TestDelWorksWhenTheConfigurationNoLongerValidates(t *testing.T) {
 	if err := pl.del(ctx, badConf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Fatalf("DEL with the changed configuration: %v", err)
 	}
-	if left := keysUnder(snapshot(t, cli, leases.Prefix), leases.IPsPrefix(name)); len(left) != 0 {
+	if left := keysUnder(snapshot(t, cli, keyspace.Prefix), keyspace.IPsPrefix(name)); len(left) != 0 {
 		t.Errorf("DEL left %v", left)
 	}
 }

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // ccHop is the shape of one route of a same-destination group: its metric, the gateway it
@@ -186,7 +186,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 	hostNS, bridge := ccHostNS(t)
 	// The agent's node record is written once at start; wait for it so that the snapshots
 	// below see a quiet store.
-	waitFor(t, 10*time.Second, "the agent's node record", func() bool { return exists(t, cli, leases.NodeKey("default", "node-a")) })
+	waitFor(t, 10*time.Second, "the agent's node record", func() bool { return exists(t, cli, keyspace.NodeKey("default", "node-a")) })
 
 	ranges := []any{
 		[]any{map[string]any{"subnet": "10.64.0.0/24"}},
@@ -216,7 +216,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 			}))
 			ctr := ccUniq("lh-ccbad-")
 			sandbox(t, ctr)
-			before := snapshot(t, cli, leases.Prefix)
+			before := snapshot(t, cli, keyspace.Prefix)
 			res, err := rtm.add(ctx, ccRT(ctr, "uid-"+ctr))
 			if err == nil {
 				t.Fatalf("ADD accepted, result %v", res)
@@ -229,7 +229,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 					t.Errorf("error lacks %q: %v", w, err)
 				}
 			}
-			after := snapshot(t, cli, leases.Prefix)
+			after := snapshot(t, cli, keyspace.Prefix)
 			for k, v := range after {
 				if before[k] != v {
 					t.Errorf("refused ADD wrote %s = %s", k, v)
@@ -240,7 +240,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 					t.Errorf("refused ADD removed %s", k)
 				}
 			}
-			if exists(t, cli, leases.PoolKey(name)) {
+			if exists(t, cli, keyspace.PoolKey(name)) {
 				t.Errorf("refused ADD stored pool %s", name)
 			}
 		})

@@ -21,8 +21,8 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/leases"
-	"github.com/leasehold/leasehold/leases/etcdserver"
+	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // pki is a CA with a server certificate for loopback and client certificates, as PEM files.
@@ -230,7 +230,7 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	must(root.RoleAdd(ctx, "root"))
 	must(root.UserGrantRole(ctx, "root", "root"))
 	must(root.RoleAdd(ctx, user))
-	for _, prefix := range leases.RolePrefixes(cluster) {
+	for _, prefix := range keyspace.RolePrefixes(cluster) {
 		end := clientv3.GetPrefixRangeEnd(prefix)
 		must(root.RoleGrantPermission(ctx, user, prefix, end, clientv3.PermissionType(clientv3.PermReadWrite)))
 	}
@@ -262,7 +262,7 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	if _, err := limited.Put(ctx, "/not-leasehold/x", "y"); err == nil || !strings.Contains(err.Error(), "permission denied") {
 		t.Errorf("the role must not write outside leasehold's prefixes; Put /not-leasehold/x: %v", err)
 	}
-	if _, err := limited.Put(ctx, leases.OwnerKey("other-cluster", "o", "eth0", "p"), "y"); err == nil {
+	if _, err := limited.Put(ctx, keyspace.OwnerKey("other-cluster", "o", "eth0", "p"), "y"); err == nil {
 		t.Errorf("the role must not write another cluster's owner index")
 	}
 }

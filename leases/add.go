@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
@@ -142,35 +143,35 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 
 	now := a.wall()
-	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
-	podKey := PodKey(a.cfg.Cluster, a.cfg.Node, owner)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
+	podKey := keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)
 	withLease := clientv3.WithLease(lease)
 	cmps := []clientv3.Cmp{
 		clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0),
-		clientv3.Compare(clientv3.ModRevision(PoolKey(p.spec.Name)), "=", p.rev),
+		clientv3.Compare(clientv3.ModRevision(keyspace.PoolKey(p.spec.Name)), "=", p.rev),
 	}
 	var puts []clientv3.Op
 	if !known {
 		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(podKey), "=", 0))
-		puts = append(puts, clientv3.OpPut(podKey, mustJSON(a.podRecord(req, owner, lease, now)), withLease))
+		puts = append(puts, clientv3.OpPut(podKey, keyspace.Encode(a.podRecord(req, owner, lease, now)), withLease))
 	} else {
 		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(podKey), "=", lease))
 	}
 	gets := []clientv3.Op{
-		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
+		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
 	}
 	for _, addr := range addrs {
-		ipKey, qKey, hostPrefix := IPKey(p.spec.Name, addr), QuarantineKey(p.spec.Name, addr), HostIPPrefix(addr)
+		ipKey, qKey, hostPrefix := keyspace.IPKey(p.spec.Name, addr), keyspace.QuarantineKey(p.spec.Name, addr), keyspace.HostIPPrefix(addr)
 		cmps = append(cmps,
 			clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
 			clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0),
 			// No node publishes the address as its own (an empty range compares as absent).
 			clientv3.Compare(clientv3.CreateRevision(hostPrefix), "=", 0).WithPrefix())
-		puts = append(puts, clientv3.OpPut(ipKey, mustJSON(a.allocation(req, owner, lease, now)), withLease))
+		puts = append(puts, clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, owner, lease, now)), withLease))
 		gets = append(gets, clientv3.OpGet(ipKey), clientv3.OpGet(qKey),
 			clientv3.OpGet(hostPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
 	}
-	puts = append(puts, clientv3.OpPut(ownerKey, mustJSON(a.ownerRecord(req, addrs, lease, now)), withLease))
+	puts = append(puts, clientv3.OpPut(ownerKey, keyspace.Encode(a.ownerRecord(req, addrs, lease, now)), withLease))
 
 	start := time.Now()
 	resp, err := a.claims.commit(octx, cmps, puts, gets)
@@ -265,14 +266,14 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 				p.view.scatter(&p.spec, i)
 			}
 			if requested[i] == addr {
-				holder, _ := decode[Allocation](string(ipKV.Key), ipKV.Value)
+				holder, _ := keyspace.Decode[keyspace.Allocation](string(ipKV.Key), ipKV.Value)
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
 					allocator.ErrAddressInUse, addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
 					holder.Cluster, holder.Node, holder.ContainerID)
 			}
 		}
 		if qKV := kv(3 + perAddr*i + 1); qKV != nil {
-			rec, _ := decode[QuarantineRecord](string(qKV.Key), qKV.Value)
+			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(qKV.Key), qKV.Value)
 			p.view.markQuarantined(addr, rec.Until)
 			st.lost[addr] = true
 			if requested[i] == addr {
@@ -285,13 +286,13 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, add
 }
 
 func ownerKeyOf(a *Agent, st *addState, p *pool) string {
-	return OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.spec.Name)
+	return keyspace.OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.spec.Name)
 }
 
 // recheck reads, in one transaction, an attachment's owner index (nil when there is none)
 // and whether the pool's stored definition changed since p was read.
 func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (*mvccpb.KeyValue, bool, error) {
-	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(PoolKey(p.spec.Name), clientv3.WithKeysOnly())).Commit()
+	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return nil, false, a.unavailable("read "+ownerKey, err)
 	}
@@ -309,7 +310,7 @@ func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (*mvccpb.
 // takes the attachment over, keeping the addresses; the old container's late DEL then
 // compares its container ID and releases nothing.
 func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue) (allocator.Result, bool, error) {
-	rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 	if err != nil {
 		return allocator.Result{}, false, err
 	}
@@ -339,21 +340,21 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 // rebind moves an attachment's keys to a new container ID in one transaction that
 // compares the owner index's revision and every address's lease. It returns the revision
 // it wrote them at.
-func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec OwnerRecord, lease clientv3.LeaseID) (int64, error) {
+func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, lease clientv3.LeaseID) (int64, error) {
 	now := a.wall()
 	withLease := clientv3.WithLease(lease)
 	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
 	var puts []clientv3.Op
 	for _, addr := range rec.IPs {
-		key := IPKey(p.spec.Name, addr)
+		key := keyspace.IPKey(p.spec.Name, addr)
 		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
-		puts = append(puts, clientv3.OpPut(key, mustJSON(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
+		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
 	}
 	newRec := rec
 	newRec.ContainerID = st.req.ContainerID
 	puts = append(puts,
-		clientv3.OpPut(string(kv.Key), mustJSON(newRec), withLease),
-		clientv3.OpPut(PodKey(a.cfg.Cluster, a.cfg.Node, st.owner), mustJSON(a.podRecord(st.req, st.owner, lease, now)), withLease))
+		clientv3.OpPut(string(kv.Key), keyspace.Encode(newRec), withLease),
+		clientv3.OpPut(keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner), keyspace.Encode(a.podRecord(st.req, st.owner, lease, now)), withLease))
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
@@ -371,7 +372,7 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 
 // resumePod takes over the lease of a pod record this node identity wrote earlier.
 func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyValue) error {
-	rec, err := decode[PodRecord](string(podKV.Key), podKV.Value)
+	rec, err := keyspace.Decode[keyspace.PodRecord](string(podKV.Key), podKV.Value)
 	if err != nil {
 		return err
 	}
@@ -394,7 +395,7 @@ func (a *Agent) foreign(owner, key, node, uid string, lease clientv3.LeaseID) er
 	return fmt.Errorf("%w: owner %s already has %s, written by node %s with identity %s (this agent is %s); "+
 		"leasehold never adopts another node identity's allocations: they expire with lease %s within %s; retry after that, "+
 		"or release them with leaseholdctl",
-		allocator.ErrUnavailable, owner, key, node, uid, a.cfg.NodeUID, LeaseHex(lease), a.cfg.LeaseTTL)
+		allocator.ErrUnavailable, owner, key, node, uid, a.cfg.NodeUID, keyspace.LeaseHex(lease), a.cfg.LeaseTTL)
 }
 
 func result(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, error) {
@@ -409,17 +410,17 @@ func result(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, err
 	return res, nil
 }
 
-func (a *Agent) allocation(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) Allocation {
-	return Allocation{Owner: owner, Cluster: a.cfg.Cluster, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Pod: req.Pod,
-		ContainerID: req.ContainerID, IfName: req.IfName, Network: req.Network, LeaseID: LeaseHex(lease), Created: now}
+func (a *Agent) allocation(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) keyspace.Allocation {
+	return keyspace.Allocation{Owner: owner, Cluster: a.cfg.Cluster, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Pod: req.Pod,
+		ContainerID: req.ContainerID, IfName: req.IfName, Network: req.Network, LeaseID: keyspace.LeaseHex(lease), Created: now}
 }
 
-func (a *Agent) ownerRecord(req allocator.Request, addrs []netip.Addr, lease clientv3.LeaseID, now time.Time) OwnerRecord {
-	return OwnerRecord{IPs: addrs, ContainerID: req.ContainerID, Network: req.Network, Node: a.cfg.Node,
-		NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Created: now}
+func (a *Agent) ownerRecord(req allocator.Request, addrs []netip.Addr, lease clientv3.LeaseID, now time.Time) keyspace.OwnerRecord {
+	return keyspace.OwnerRecord{IPs: addrs, ContainerID: req.ContainerID, Network: req.Network, Node: a.cfg.Node,
+		NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Created: now}
 }
 
-func (a *Agent) podRecord(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) PodRecord {
-	return PodRecord{Owner: owner, Pod: req.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: req.Netns,
+func (a *Agent) podRecord(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) keyspace.PodRecord {
+	return keyspace.PodRecord{Owner: owner, Pod: req.Pod, NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Netns: req.Netns,
 		ContainerID: req.ContainerID, Created: now}
 }

@@ -14,6 +14,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Config is what an agent needs to know about its node and its policies.
@@ -74,7 +75,7 @@ const (
 )
 
 func (c *Config) fill() error {
-	if err := validateNames("cluster", c.Cluster, "node", c.Node, "node UID", c.NodeUID); err != nil {
+	if err := keyspace.ValidateNames("cluster", c.Cluster, "node", c.Node, "node UID", c.NodeUID); err != nil {
 		return err
 	}
 	if c.LeaseTTL == 0 {
@@ -218,7 +219,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 func (a *Agent) lockIdentity(ctx context.Context) error {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	resp, err := a.cli.Get(octx, NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly())
+	resp, err := a.cli.Get(octx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly())
 	if err != nil {
 		return fmt.Errorf("%w: ask etcd for its cluster ID: %w", allocator.ErrUnavailable, err)
 	}
@@ -245,9 +246,9 @@ func (a *Agent) register(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: register node %s in etcd: %w", allocator.ErrUnavailable, a.cfg.Node, err)
 	}
-	key := NodeKey(a.cfg.Cluster, a.cfg.Node)
-	rec := NodeRecord{UID: a.cfg.NodeUID, Host: a.cfg.Host, PID: os.Getpid(), Version: a.cfg.Version,
-		Started: a.wall(), LeaseID: LeaseHex(id)}
+	key := keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)
+	rec := keyspace.NodeRecord{UID: a.cfg.NodeUID, Host: a.cfg.Host, PID: os.Getpid(), Version: a.cfg.Version,
+		Started: a.wall(), LeaseID: keyspace.LeaseHex(id)}
 	for attempt := 0; ; attempt++ {
 		cur, err := a.cli.Get(octx, key)
 		if err != nil {
@@ -257,7 +258,7 @@ func (a *Agent) register(ctx context.Context) error {
 		cmp := clientv3.Compare(clientv3.CreateRevision(key), "=", 0)
 		if len(cur.Kvs) > 0 {
 			kv := cur.Kvs[0]
-			var old NodeRecord
+			var old keyspace.NodeRecord
 			// A record without a host is an earlier version's: its host is unknown, and refusing
 			// would keep a restarted node down for a TTL after an upgrade.
 			if json.Unmarshal(kv.Value, &old) == nil && old.UID == a.cfg.NodeUID && old.Host != "" && old.Host != a.cfg.Host && kv.Lease != 0 {
@@ -274,7 +275,7 @@ func (a *Agent) register(ctx context.Context) error {
 			}
 			cmp = clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)
 		}
-		resp, err := a.cli.Txn(octx).If(cmp).Then(clientv3.OpPut(key, mustJSON(rec), clientv3.WithLease(id))).Commit()
+		resp, err := a.cli.Txn(octx).If(cmp).Then(clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(id))).Commit()
 		if err != nil {
 			a.keeper.Return(id)
 			return fmt.Errorf("%w: write node record %s: %w", allocator.ErrUnavailable, key, err)
@@ -291,7 +292,7 @@ func (a *Agent) register(ctx context.Context) error {
 	a.nodeLease = id
 	a.mu.Unlock()
 	a.ok()
-	a.log.Info("node registered", "uid", a.cfg.NodeUID, "host", a.cfg.Host, "lease", LeaseHex(id))
+	a.log.Info("node registered", "uid", a.cfg.NodeUID, "host", a.cfg.Host, "lease", keyspace.LeaseHex(id))
 	return nil
 }
 
@@ -366,10 +367,10 @@ func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator
 	a.mu.Lock()
 	lease := a.nodeLease
 	a.mu.Unlock()
-	rec := PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: a.wall()}
+	rec := keyspace.PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: a.wall()}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	if _, err := a.cli.Put(octx, PoolConflictKey(stored.Name, a.cfg.Cluster, a.cfg.Node), mustJSON(rec), clientv3.WithLease(lease)); err != nil {
+	if _, err := a.cli.Put(octx, keyspace.PoolConflictKey(stored.Name, a.cfg.Cluster, a.cfg.Node), keyspace.Encode(rec), clientv3.WithLease(lease)); err != nil {
 		a.log.Warn("could not record the pool definition conflict", "pool", stored.Name, "err", err)
 	}
 	a.log.Error("pool definition conflict: this node's configuration defines the pool differently from etcd",
@@ -478,12 +479,12 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		if ps.lease == id {
 			ps.lost = true
 			n++
-			a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", LeaseHex(id))
+			a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", keyspace.LeaseHex(id))
 		}
 	}
 	a.mu.Unlock()
 	if node {
-		a.log.Error("node lease lost; the node record will be written again", "lease", LeaseHex(id))
+		a.log.Error("node lease lost; the node record will be written again", "lease", keyspace.LeaseHex(id))
 	}
 	if node || n > 0 {
 		select {
@@ -510,7 +511,7 @@ func (a *Agent) validate(req *allocator.Request) (string, error) {
 		return "", err
 	}
 	owner := req.OwnerID()
-	if err := validateNames("container ID", req.ContainerID, "interface name", req.IfName, "owner", owner); err != nil {
+	if err := keyspace.ValidateNames("container ID", req.ContainerID, "interface name", req.IfName, "owner", owner); err != nil {
 		return "", err
 	}
 	return owner, nil

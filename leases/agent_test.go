@@ -17,6 +17,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 func dualStack(name, v4, v6 string) allocator.PoolSpec {
@@ -38,9 +40,9 @@ func ctxT(t *testing.T) context.Context {
 }
 
 func TestAddIsIdempotentAndWritesOneLeasePerOwner(t *testing.T) {
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a := startAgent(t, cluster, "n1", "uid1")
-	pool := dualStack(uniq("p"), "10.1.0.0/24", "fd01::/64")
+	pool := dualStack(etcdtest.Uniq("p"), "10.1.0.0/24", "fd01::/64")
 	ctx := ctxT(t)
 
 	first, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
@@ -61,17 +63,17 @@ func TestAddIsIdempotentAndWritesOneLeasePerOwner(t *testing.T) {
 	if _, err := a.Add(ctx, addReq(pool, "c1", "net1", "u1")); err != nil {
 		t.Fatalf("add net1: %v", err)
 	}
-	keys := dump(t, newClient(t), Prefix)
+	keys := etcdtest.Dump(t, etcdtest.Client(t), keyspace.Prefix)
 	leases := map[int64]bool{}
 	for k, l := range keys {
-		if k == PoolKey(pool.Name) {
+		if k == keyspace.PoolKey(pool.Name) {
 			if l != 0 {
 				t.Errorf("pool definition %s is on lease %x, want none", k, l)
 			}
 			continue
 		}
-		if !strings.HasPrefix(k, IPsPrefix(pool.Name)) && !strings.HasPrefix(k, OwnerPrefix(cluster, "u1")) &&
-			k != PodKey(cluster, "n1", "u1") {
+		if !strings.HasPrefix(k, keyspace.IPsPrefix(pool.Name)) && !strings.HasPrefix(k, keyspace.OwnerPrefix(cluster, "u1")) &&
+			k != keyspace.PodKey(cluster, "n1", "u1") {
 			continue
 		}
 		if l == 0 {
@@ -82,15 +84,15 @@ func TestAddIsIdempotentAndWritesOneLeasePerOwner(t *testing.T) {
 	if len(leases) != 1 {
 		t.Errorf("want every key of pod u1 on one lease, got %d leases: %v", len(leases), keys)
 	}
-	if n := keysWith(keys, IPsPrefix(pool.Name)); n != 4 {
+	if n := etcdtest.Count(keys, keyspace.IPsPrefix(pool.Name)); n != 4 {
 		t.Errorf("want 4 allocation keys (2 interfaces x 2 families), got %d", n)
 	}
 }
 
 func TestConcurrentAddsFromTwoAgentsGetDistinctAddresses(t *testing.T) {
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	agents := []*Agent{startAgent(t, cluster, "n1", "uid1"), startAgent(t, cluster, "n2", "uid2")}
-	pool := dualStack(uniq("p"), "10.2.0.0/25", "fd02::/120")
+	pool := dualStack(etcdtest.Uniq("p"), "10.2.0.0/25", "fd02::/120")
 	ctx := ctxT(t)
 	const n = 100
 	results := make([]allocator.Result, n)
@@ -120,8 +122,8 @@ func TestConcurrentAddsFromTwoAgentsGetDistinctAddresses(t *testing.T) {
 }
 
 func TestExhaustedPoolNamesPoolAndSize(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.3.0.0/29")}}}}
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.3.0.0/29")}}}}
 	ctx := ctxT(t)
 	for i := range 5 { // .2 to .6: .0 network, .1 gateway, .7 broadcast
 		if _, err := a.Add(ctx, addReq(pool, fmt.Sprintf("x%d", i), "eth0", "")); err != nil {
@@ -138,16 +140,16 @@ func TestExhaustedPoolNamesPoolAndSize(t *testing.T) {
 }
 
 func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := dualStack(uniq("p"), "10.4.0.0/24", "fd04::/64")
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := dualStack(etcdtest.Uniq("p"), "10.4.0.0/24", "fd04::/64")
 	ctx := ctxT(t)
 	for _, c := range []string{"keep", "drop"} {
 		if _, err := a.Add(ctx, addReq(pool, c, "eth0", "uid-"+c)); err != nil {
 			t.Fatalf("add %s: %v", c, err)
 		}
 	}
-	cli := newClient(t)
-	before := dump(t, cli, Prefix)
+	cli := etcdtest.Client(t)
+	before := etcdtest.Dump(t, cli, keyspace.Prefix)
 	dropLease, _ := a.podLease("uid-drop")
 	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
 		t.Fatalf("del: %v", err)
@@ -155,7 +157,7 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
 		t.Fatalf("repeated del must succeed: %v", err)
 	}
-	after := dump(t, cli, Prefix)
+	after := etcdtest.Dump(t, cli, keyspace.Prefix)
 	for k, l := range before {
 		_, still := after[k]
 		mine := l == int64(dropLease)
@@ -176,17 +178,17 @@ func givenUp(t *testing.T, cli *clientv3.Client, k *Keeper, lease clientv3.Lease
 	ttl, err := cli.TimeToLive(context.Background(), lease, clientv3.WithAttachedKeys())
 	switch {
 	case err != nil:
-		t.Errorf("pod lease %s: %v", LeaseHex(lease), err)
+		t.Errorf("pod lease %s: %v", keyspace.LeaseHex(lease), err)
 	case ttl.TTL <= 0: // revoked
 	case len(ttl.Keys) > 0 || !slices.Contains(spares(k), lease):
 		t.Errorf("pod lease %s is alive with keys %q and is not a spare; want it revoked, or a spare without keys",
-			LeaseHex(lease), ttl.Keys)
+			keyspace.LeaseHex(lease), ttl.Keys)
 	}
 }
 
 func TestStaleDelOfAnotherContainerReleasesNothing(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := dualStack(uniq("p"), "10.5.0.0/24", "fd05::/64")
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := dualStack(etcdtest.Uniq("p"), "10.5.0.0/24", "fd05::/64")
 	ctx := ctxT(t)
 	first, err := a.Add(ctx, addReq(pool, "sandbox-1", "eth0", "pod-uid"))
 	if err != nil {
@@ -210,8 +212,8 @@ func TestStaleDelOfAnotherContainerReleasesNothing(t *testing.T) {
 }
 
 func TestCheck(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := dualStack(uniq("p"), "10.6.0.0/24", "fd06::/64")
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := dualStack(etcdtest.Uniq("p"), "10.6.0.0/24", "fd06::/64")
 	ctx := ctxT(t)
 	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", ""))
 	if err != nil {
@@ -225,12 +227,12 @@ func TestCheck(t *testing.T) {
 		t.Errorf("CHECK of an unknown container: want ErrNotAllocated, got %v", err)
 	}
 	// Someone rewrites the allocation by hand onto another lease: CHECK reports a conflict.
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	l, err := cli.Grant(ctx, 30)
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := IPKey(pool.Name, res.IPs[0].Address.Addr())
+	key := keyspace.IPKey(pool.Name, res.IPs[0].Address.Addr())
 	if _, err := cli.Put(ctx, key, `{"owner":"intruder"}`, clientv3.WithLease(l.ID)); err != nil {
 		t.Fatal(err)
 	}
@@ -241,14 +243,14 @@ func TestCheck(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "")); err != nil {
 		t.Fatal(err)
 	}
-	if keys := dump(t, cli, key); len(keys) != 1 {
+	if keys := etcdtest.Dump(t, cli, key); len(keys) != 1 {
 		t.Errorf("DEL removed a key that was not on the owner's lease")
 	}
 }
 
 func TestPoolDefinitionMismatchShowsBoth(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	name := uniq("p")
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	name := etcdtest.Uniq("p")
 	ctx := ctxT(t)
 	if _, err := a.Add(ctx, addReq(dualStack(name, "10.7.0.0/24", "fd07::/64"), "c1", "eth0", "")); err != nil {
 		t.Fatal(err)
@@ -263,16 +265,16 @@ func TestPoolDefinitionMismatchShowsBoth(t *testing.T) {
 }
 
 func TestRefusedRequestsLeaveEtcdUnchanged(t *testing.T) {
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a := startAgent(t, cluster, "n1", "uid1")
-	pool := dualStack(uniq("p"), "10.9.0.0/24", "fd09::/64")
+	pool := dualStack(etcdtest.Uniq("p"), "10.9.0.0/24", "fd09::/64")
 	ctx := ctxT(t)
 	taken, err := a.Add(ctx, addReq(pool, "holder", "eth0", ""))
 	if err != nil {
 		t.Fatal(err)
 	}
-	cli := newClient(t)
-	before := dump(t, cli, Prefix)
+	cli := etcdtest.Client(t)
+	before := etcdtest.Dump(t, cli, keyspace.Prefix)
 	cases := []struct {
 		name string
 		req  allocator.Request
@@ -297,7 +299,7 @@ func TestRefusedRequestsLeaveEtcdUnchanged(t *testing.T) {
 		// A pool definition that disagrees with the stored one.
 		{"pool mismatch", addReq(dualStack(pool.Name, "10.10.0.0/24", "fd09::/64"), "x4", "eth0", ""), allocator.ErrPoolMismatch},
 		// Ranges that overlap.
-		{"overlap", addReq(dualStack(uniq("p"), "10.11.0.0/24", "10.11.0.0/25"), "x5", "eth0", ""), allocator.ErrInvalidConfig},
+		{"overlap", addReq(dualStack(etcdtest.Uniq("p"), "10.11.0.0/24", "10.11.0.0/25"), "x5", "eth0", ""), allocator.ErrInvalidConfig},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -306,11 +308,11 @@ func TestRefusedRequestsLeaveEtcdUnchanged(t *testing.T) {
 			}
 		})
 	}
-	after := dump(t, cli, Prefix)
+	after := etcdtest.Dump(t, cli, keyspace.Prefix)
 	for k := range after {
 		// The node record may be renewed; a pool mismatch leaves its report for the pool's
 		// other users (poolconflicts/). Neither is allocation state.
-		if _, ok := before[k]; !ok && !strings.HasPrefix(k, NodesPrefix(cluster)+"n1") && !strings.HasPrefix(k, PoolConflictsPrefix("")) {
+		if _, ok := before[k]; !ok && !strings.HasPrefix(k, keyspace.NodesPrefix(cluster)+"n1") && !strings.HasPrefix(k, keyspace.PoolConflictsPrefix("")) {
 			t.Errorf("refused request wrote %s", k)
 		}
 	}
@@ -322,8 +324,8 @@ func TestRefusedRequestsLeaveEtcdUnchanged(t *testing.T) {
 }
 
 func TestQuarantineHoldsReleasedAddress(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 3 * time.Second })
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.12.0.0/30")}}}}
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 3 * time.Second })
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.12.0.0/30")}}}}
 	ctx := ctxT(t)
 	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "")) // the /30's only address: .2
 	if err != nil {
@@ -363,8 +365,8 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 // TestStaleDelAfterTheAddressWentToAnotherOwner is the ABA case: owner A's address is released,
 // rests in quarantine, goes to owner B; A's DEL replayed now must not touch B.
 func TestStaleDelAfterTheAddressWentToAnotherOwner(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 2 * time.Second })
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.13.0.0/30")}}}}
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 2 * time.Second })
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.13.0.0/30")}}}}
 	ctx := ctxT(t)
 	first, err := a.Add(ctx, addReq(pool, "ctr-a", "eth0", "uid-a"))
 	if err != nil {
@@ -394,11 +396,11 @@ func TestStaleDelAfterTheAddressWentToAnotherOwner(t *testing.T) {
 // released by the node itself, but never within the grace after its ADD.
 func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	const grace = 2 * time.Second
-	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) {
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) {
 		c.LivenessInterval = 100 * time.Millisecond
 		c.LivenessGrace = grace
 	})
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.14.0.0/24")}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.14.0.0/24")}}}}
 	ctx := ctxT(t)
 	netns := t.TempDir() + "/netns"
 	if err := os.WriteFile(netns, nil, 0o600); err != nil {
@@ -414,15 +416,15 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	if err := os.Remove(netns); err != nil {
 		t.Fatal(err)
 	}
-	cli := newClient(t)
-	key := IPKey(pool.Name, res.IPs[0].Address.Addr())
+	cli := etcdtest.Client(t)
+	key := keyspace.IPKey(pool.Name, res.IPs[0].Address.Addr())
 	for time.Since(added) < grace-300*time.Millisecond {
-		if len(dump(t, cli, key)) == 0 {
+		if len(etcdtest.Dump(t, cli, key)) == 0 {
 			t.Fatalf("released %s after the ADD, inside the %s grace", time.Since(added), grace)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	for deadline := time.Now().Add(5 * time.Second); len(dump(t, cli, key)) > 0; time.Sleep(100 * time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Second); len(etcdtest.Dump(t, cli, key)) > 0; time.Sleep(100 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the gone sandbox's address was never released")
 		}
@@ -443,13 +445,13 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 // resumes its pods from their records in etcd and writes their attachments to the journal
 // again, so a later lease loss can still be re-claimed.
 func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
-	cluster, state := uniq("c"), t.TempDir()
+	cluster, state := etcdtest.Uniq("c"), t.TempDir()
 	netns := t.TempDir() + "/netns"
 	if err := os.WriteFile(netns, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	withState := func(c *Config) { c.StateDir = state }
-	pool := dualStack(uniq("p"), "10.15.0.0/24", "fd15::/64")
+	pool := dualStack(etcdtest.Uniq("p"), "10.15.0.0/24", "fd15::/64")
 	ctx := ctxT(t)
 	first := startAgent(t, cluster, "n1", "uid1", withState)
 	req := addReq(pool, "ctr", "eth0", "uid-j")
@@ -487,15 +489,15 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 // renew and release its pods; the second is refused while the first runs, and starts once
 // the first is gone.
 func TestSecondAgentForTheSameNodeIsRefused(t *testing.T) {
-	cluster, state := uniq("c"), t.TempDir()
+	cluster, state := etcdtest.Uniq("c"), t.TempDir()
 	first := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.StateDir = state })
 	ctx := ctxT(t)
-	_, err := Start(ctx, newClient(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
+	_, err := Start(ctx, etcdtest.Client(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
 	if !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), "locked by pid") {
 		t.Fatalf("second agent on the same state directory: want ErrAgentRunning naming the holder, got %v", err)
 	}
 	first.Close()
-	second, err := Start(ctx, newClient(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
+	second, err := Start(ctx, etcdtest.Client(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: state, LeaseTTL: 10 * time.Second})
 	if err != nil {
 		t.Fatalf("agent after the first stopped: %v", err)
 	}
@@ -506,8 +508,8 @@ func TestSecondAgentForTheSameNodeIsRefused(t *testing.T) {
 // Found by TestModelRandomHistories: a repeated ADD in an exhausted pool failed with
 // "pool exhausted" because candidates were chosen before the attachment was recognised.
 func TestRepeatedAddInAFullPoolReturnsTheAddresses(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.16.0.0/30")}}}}
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.16.0.0/30")}}}}
 	ctx := ctxT(t)
 	first, err := a.Add(ctx, addReq(pool, "only", "eth0", "")) // the /30's only address
 	if err != nil {
@@ -544,17 +546,17 @@ func TestDelCountsWhatIsLeftInItsOwnTransaction(t *testing.T) { delReadsNothingF
 func TestDelAfterAReclaimReadsNothingFirst(t *testing.T) { delReadsNothingFirst(t, true) }
 
 func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	kv := &countingKV{KV: cli.KV}
 	cli.KV = kv
 	ctx := ctxT(t)
-	a, err := Start(ctx, cli, Config{Cluster: uniq("c"), Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second,
+	a, err := Start(ctx, cli, Config{Cluster: etcdtest.Uniq("c"), Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second,
 		Quarantine: time.Minute, SpareLeases: 2, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.5.0.0/24")}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.5.0.0/24")}}}}
 	for _, ifName := range []string{"eth0", "net1"} {
 		if _, err := a.Add(ctx, addReq(pool, "ctr", ifName, "uid-two")); err != nil {
 			t.Fatalf("add %s: %v", ifName, err)
@@ -577,7 +579,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 				lease = l
 			}
 		}
-		if got := dump(t, cli, OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 2 || got[OwnerKey(a.cfg.Cluster, "uid-two", "net1", pool.Name)] != int64(lease) {
+		if got := etcdtest.Dump(t, cli, keyspace.OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 2 || got[keyspace.OwnerKey(a.cfg.Cluster, "uid-two", "net1", pool.Name)] != int64(lease) {
 			t.Fatalf("owner index after the re-claim: %v, want both attachments on lease %x", got, lease)
 		}
 	}
@@ -595,12 +597,12 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL <= 0 {
 		t.Fatalf("pod lease after the first of two DELs: ttl=%v err=%v; want it kept for net1", ttl.TTL, err)
 	}
-	if got := dump(t, cli, OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 1 {
+	if got := etcdtest.Dump(t, cli, keyspace.OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 1 {
 		t.Fatalf("owner index after DEL of eth0: %v, want net1's alone", got)
 	}
 	del("net1")
 	givenUp(t, cli, a.keeper, lease)
-	if got := dump(t, cli, PodKey(a.cfg.Cluster, "n1", "uid-two")); len(got) != 0 {
+	if got := etcdtest.Dump(t, cli, keyspace.PodKey(a.cfg.Cluster, "n1", "uid-two")); len(got) != 0 {
 		t.Errorf("pod record after the last DEL: %v", got)
 	}
 }
@@ -620,7 +622,7 @@ func waitSpares(t *testing.T, k *Keeper, n int) {
 func podWithRoomForItsLease(t *testing.T, cluster, subnet string) (*Agent, allocator.PoolSpec, clientv3.LeaseID) {
 	t.Helper()
 	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 6; c.Quarantine = time.Minute })
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}}}
 	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
 	if _, err := a.Add(ctxT(t), addReq(pool, "a", "eth0", "uid-a")); err != nil {
 		t.Fatal(err)
@@ -632,9 +634,9 @@ func podWithRoomForItsLease(t *testing.T, cluster, subnet string) (*Agent, alloc
 // its pod record too, so no key is left on its lease, and the keeper takes the lease back
 // as a spare instead of revoking it: the next new pod gets it and nobody granted.
 func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a, pool, lease := podWithRoomForItsLease(t, cluster, "10.7.0.0/24")
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
 	if err := a.Del(ctx, addReq(pool, "a", "eth0", "uid-a")); err != nil {
 		t.Fatal(err)
@@ -646,7 +648,7 @@ func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
 	if err != nil || ttl.TTL <= 0 || len(ttl.Keys) != 0 {
 		t.Fatalf("recycled lease: ttl=%v keys=%q err=%v; want alive and without keys", ttl.TTL, ttl.Keys, err)
 	}
-	if n := len(dump(t, cli, QuarantinePrefix(pool.Name))); n != 1 {
+	if n := len(etcdtest.Dump(t, cli, keyspace.QuarantinePrefix(pool.Name))); n != 1 {
 		t.Errorf("quarantine keys after DEL: %d, want 1", n)
 	}
 	if _, err := a.Add(ctx, addReq(pool, "b", "eth0", "uid-b")); err != nil {
@@ -655,7 +657,7 @@ func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
 	if got := clientv3.LeaseID(mustLease(t, a, "uid-b")); got != lease {
 		t.Errorf("the next new pod got lease %v, want the recycled %v", got, lease)
 	}
-	if keys := dump(t, cli, PodKey(cluster, "n1", "uid-b")); keys[PodKey(cluster, "n1", "uid-b")] != int64(lease) {
+	if keys := etcdtest.Dump(t, cli, keyspace.PodKey(cluster, "n1", "uid-b")); keys[keyspace.PodKey(cluster, "n1", "uid-b")] != int64(lease) {
 		t.Errorf("pod record of uid-b: %v, want it on lease %v", keys, lease)
 	}
 }
@@ -664,10 +666,10 @@ func TestDelRecyclesTheEmptyPodLeaseAsASpare(t *testing.T) {
 // written by hand) makes DEL revoke the lease, deleting the key with it, instead of handing a
 // lease with keys to another pod.
 func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
-	a, pool, lease := podWithRoomForItsLease(t, uniq("c"), "10.8.0.0/24")
-	cli := newClient(t)
+	a, pool, lease := podWithRoomForItsLease(t, etcdtest.Uniq("c"), "10.8.0.0/24")
+	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
-	stray := uniq("stray/")
+	stray := etcdtest.Uniq("stray/")
 	if _, err := cli.Put(ctx, stray, "x", clientv3.WithLease(lease)); err != nil {
 		t.Fatal(err)
 	}
@@ -680,7 +682,7 @@ func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
 	if ttl, err := cli.TimeToLive(ctx, lease); err != nil || ttl.TTL > 0 {
 		t.Errorf("lease after DEL: ttl=%v err=%v; want it revoked", ttl.TTL, err)
 	}
-	if n := len(dump(t, cli, stray)); n != 0 {
+	if n := len(etcdtest.Dump(t, cli, stray)); n != 0 {
 		t.Errorf("the stray key survived the revoke")
 	}
 }
@@ -690,24 +692,24 @@ func TestDelRevokesAPodLeaseThatStillCarriesKeys(t *testing.T) {
 // would), DEL's first transaction fails its compare, and DEL reads the owner index and
 // releases the attachment all the same.
 func TestDelReadsAnOwnerIndexThatChangedBehindTheAgent(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	kv := &countingKV{KV: cli.KV}
 	cli.KV = kv
 	ctx := ctxT(t)
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a, err := Start(ctx, cli, Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second,
 		Quarantine: -1, SpareLeases: 2, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.9.0.0/24")}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.9.0.0/24")}}}}
 	req := addReq(pool, "ctr", "eth0", "uid-moved")
 	if _, err := a.Add(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	other := newClient(t)
-	ownerKey := OwnerKey(cluster, "uid-moved", "eth0", pool.Name)
+	other := etcdtest.Client(t)
+	ownerKey := keyspace.OwnerKey(cluster, "uid-moved", "eth0", pool.Name)
 	got, err := other.Get(ctx, ownerKey)
 	if err != nil || len(got.Kvs) != 1 {
 		t.Fatalf("owner index: %v, %v", got, err)
@@ -722,10 +724,10 @@ func TestDelReadsAnOwnerIndexThatChangedBehindTheAgent(t *testing.T) {
 	if n := kv.gets.Load() - before; n != 1 {
 		t.Errorf("DEL made %d Get requests, want 1 (the owner index, after the remembered one failed its compare)", n)
 	}
-	if left := dump(t, other, OwnerPrefix(cluster, "uid-moved")); len(left) != 0 {
+	if left := etcdtest.Dump(t, other, keyspace.OwnerPrefix(cluster, "uid-moved")); len(left) != 0 {
 		t.Errorf("owner index after DEL: %v", left)
 	}
-	if left := dump(t, other, IPsPrefix(pool.Name)); len(left) != 0 {
+	if left := etcdtest.Dump(t, other, keyspace.IPsPrefix(pool.Name)); len(left) != 0 {
 		t.Errorf("allocations after DEL: %v", left)
 	}
 }

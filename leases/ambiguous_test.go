@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -55,16 +57,16 @@ func (t *lostResponseTxn) Commit() (*clientv3.TxnResponse, error) {
 // claim bound stays with that pod: it is never handed to another pod as a spare, not even
 // after the pod's DEL, which revokes it.
 func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	var armed atomic.Bool
 	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed}
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a, err := Start(ctxT(t), cli, Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
-	pool := dualStack(uniq("p"), "10.17.0.0/24", "fd17::/64")
+	pool := dualStack(etcdtest.Uniq("p"), "10.17.0.0/24", "fd17::/64")
 	ctx := ctxT(t)
 	if _, err := a.Add(ctx, addReq(pool, "warm", "eth0", "uid-warm")); err != nil { // pool defined, view loaded
 		t.Fatal(err)
@@ -77,13 +79,13 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 	if armed.Load() {
 		t.Fatal("no answer was lost: the test did not test anything")
 	}
-	keys := dump(t, newClient(t), IPsPrefix(pool.Name))
+	keys := etcdtest.Dump(t, etcdtest.Client(t), keyspace.IPsPrefix(pool.Name))
 	if len(keys) != 4 {
 		t.Fatalf("want the 2 keys of each of 2 pods, got %d: %v", len(keys), keys)
 	}
 	lease := mustLease(t, a, "uid-x")
 	for _, ip := range res.IPs {
-		if l, ok := keys[IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
+		if l, ok := keys[keyspace.IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
 			t.Errorf("ADD returned %s; its key is missing or not on the pod's lease %x (%v)", ip.Address, lease, keys)
 		}
 	}
@@ -116,7 +118,7 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "ctr", "eth0", "uid-x")); err != nil {
 		t.Fatal(err)
 	}
-	if ttl, err := newClient(t).TimeToLive(ctx, clientv3.LeaseID(lease)); err != nil || ttl.TTL > 0 {
+	if ttl, err := etcdtest.Client(t).TimeToLive(ctx, clientv3.LeaseID(lease)); err != nil || ttl.TTL > 0 {
 		t.Errorf("lease %x of the pod whose claim lost its answer, after DEL: ttl=%v err=%v; want it revoked", lease, ttl.TTL, err)
 	}
 }
@@ -138,17 +140,17 @@ var _ = netip.Addr{}
 // attachment's keys on it (a new pod taking it would delete them at its DEL), and the
 // re-claim that follows puts every key of the pod on one lease of its own.
 func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	var armed atomic.Bool
 	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed}
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a, err := Start(ctxT(t), cli, Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", LeaseTTL: 6 * time.Second,
 		Quarantine: -1, SpareLeases: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
-	pool := dualStack(uniq("p"), "10.18.0.0/24", "fd18::/64")
+	pool := dualStack(etcdtest.Uniq("p"), "10.18.0.0/24", "fd18::/64")
 	ctx := ctxT(t)
 	for _, ifName := range []string{"eth0", "net1"} {
 		if _, err := a.Add(ctx, addReq(pool, "ctr", ifName, "uid-r")); err != nil {
@@ -156,7 +158,7 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 		}
 	}
 	lost := clientv3.LeaseID(mustLease(t, a, "uid-r"))
-	other := newClient(t)
+	other := etcdtest.Client(t)
 	if _, err := other.Revoke(ctx, lost); err != nil {
 		t.Fatal(err)
 	}
@@ -186,12 +188,12 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 	}
 	for _, id := range spares(a.keeper) {
 		if ttl, err := other.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err != nil || len(ttl.Keys) > 0 {
-			t.Errorf("spare lease %s carries keys %q (err %v)", LeaseHex(id), ttl.Keys, err)
+			t.Errorf("spare lease %s carries keys %q (err %v)", keyspace.LeaseHex(id), ttl.Keys, err)
 		}
 	}
 	mine := 0
-	for k, l := range dump(t, other, Prefix) {
-		if strings.Contains(k, "/"+cluster+"/") && strings.Contains(k, "/uid-r") || strings.HasPrefix(k, IPsPrefix(pool.Name)) && l != int64(fresh) {
+	for k, l := range etcdtest.Dump(t, other, keyspace.Prefix) {
+		if strings.Contains(k, "/"+cluster+"/") && strings.Contains(k, "/uid-r") || strings.HasPrefix(k, keyspace.IPsPrefix(pool.Name)) && l != int64(fresh) {
 			if l != int64(now) {
 				t.Errorf("key %s of the re-claimed pod is on lease %x, not on its lease %x", k, l, now)
 			}

@@ -13,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // The benchmarks below measure the agent's watch-fed view without etcd: its memory per
@@ -51,7 +52,7 @@ func putEvents(addrs []netip.Addr) clientv3.WatchResponse {
 	evs := make([]*clientv3.Event, len(addrs))
 	for i, a := range addrs {
 		evs[i] = &clientv3.Event{Type: clientv3.EventTypePut, Kv: &mvccpb.KeyValue{
-			Key: []byte(IPKey("bench", a)), CreateRevision: int64(i + 2), ModRevision: int64(i + 2), Version: 1}}
+			Key: []byte(keyspace.IPKey("bench", a)), CreateRevision: int64(i + 2), ModRevision: int64(i + 2), Version: 1}}
 	}
 	return clientv3.WatchResponse{Header: etcdserverpb.ResponseHeader{Revision: int64(len(addrs) + 1)}, Events: evs}
 }

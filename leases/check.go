@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/kernel"
 )
 
@@ -33,7 +34,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	if err != nil {
 		return allocator.Result{}, err
 	}
-	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Get(octx, ownerKey)
@@ -45,7 +46,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 			allocator.ErrNotAllocated, req.ContainerID, req.IfName, p.spec.Name, ownerKey)
 	}
 	kv := resp.Kvs[0]
-	rec, err := decode[OwnerRecord](ownerKey, kv.Value)
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kv.Value)
 	if err != nil {
 		return allocator.Result{}, err
 	}
@@ -56,7 +57,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	lease := clientv3.LeaseID(kv.Lease)
 	ops := make([]clientv3.Op, 0, len(rec.IPs))
 	for _, addr := range rec.IPs {
-		ops = append(ops, clientv3.OpGet(IPKey(p.spec.Name, addr)))
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, addr)))
 	}
 	tresp, err := a.cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
@@ -66,15 +67,15 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		kvs := tresp.Responses[i].GetResponseRange().Kvs
 		if len(kvs) == 0 {
 			return allocator.Result{}, fmt.Errorf("%w: owner index %s names %s, but %s does not exist",
-				allocator.ErrConflict, ownerKey, addr, IPKey(p.spec.Name, addr))
+				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.spec.Name, addr))
 		}
-		holder, err := decode[Allocation](string(kvs[0].Key), kvs[0].Value)
+		holder, err := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
 		if err != nil {
 			return allocator.Result{}, err
 		}
 		if clientv3.LeaseID(kvs[0].Lease) != lease || holder.Owner != owner || holder.ContainerID != req.ContainerID {
 			return allocator.Result{}, fmt.Errorf("%w: %s in pool %q is held by owner %s container %s on lease %x, not by this attachment (owner %s container %s lease %s)",
-				allocator.ErrConflict, addr, p.spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, LeaseHex(lease))
+				allocator.ErrConflict, addr, p.spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, keyspace.LeaseHex(lease))
 		}
 	}
 	ttl, err := a.cli.TimeToLive(octx, lease)
@@ -83,11 +84,11 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	}
 	a.ok()
 	if ttl.TTL <= 0 {
-		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s has expired", allocator.ErrNotAllocated, LeaseHex(lease), owner)
+		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s has expired", allocator.ErrNotAllocated, keyspace.LeaseHex(lease), owner)
 	}
 	if !a.keeper.Holds(lease) {
 		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s is not renewed by this agent (node %s, identity %s); it expires in %ds",
-			allocator.ErrNotAllocated, LeaseHex(lease), owner, a.cfg.Node, a.cfg.NodeUID, ttl.TTL)
+			allocator.ErrNotAllocated, keyspace.LeaseHex(lease), owner, a.cfg.Node, a.cfg.NodeUID, ttl.TTL)
 	}
 	if err := checkSandbox(req.Netns, req.IfName, rec.IPs); err != nil {
 		return allocator.Result{}, err
@@ -144,7 +145,7 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 	if a.sinceOK() > statusProbeAfter {
 		octx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
-		if _, err := a.cli.Get(octx, PoolKey(req.Pool.Name), clientv3.WithCountOnly()); err != nil {
+		if _, err := a.cli.Get(octx, keyspace.PoolKey(req.Pool.Name), clientv3.WithCountOnly()); err != nil {
 			return a.unavailable("etcd does not answer", err)
 		}
 		a.ok()

@@ -15,16 +15,18 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // TestConcurrentAddsInOneAgentShareClaimTransactions: a burst of ADDs on one agent commits
 // its claims several to a transaction, and every ADD still gets its own addresses, on its own
 // lease, exactly as alone.
 func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
-	a := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 64 })
-	pool := dualStack(uniq("p"), "10.50.0.0/24", "fd50::/120")
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 64 })
+	pool := dualStack(etcdtest.Uniq("p"), "10.50.0.0/24", "fd50::/120")
 	ctx := ctxT(t)
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	const n = 48
 	results := make([]allocator.Result, n)
 	errs := make([]error, n)
@@ -45,11 +47,11 @@ func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
 				t.Fatalf("ADDs %d and %d both got %s", j, i, ip.Address)
 			}
 			seen[ip.Address.Addr()] = i
-			resp, err := cli.Get(ctx, IPKey(pool.Name, ip.Address.Addr()))
+			resp, err := cli.Get(ctx, keyspace.IPKey(pool.Name, ip.Address.Addr()))
 			if err != nil || len(resp.Kvs) != 1 {
 				t.Fatalf("key of %s: %v", ip.Address, err)
 			}
-			rec, err := decode[Allocation]("", resp.Kvs[0].Value)
+			rec, err := keyspace.Decode[keyspace.Allocation]("", resp.Kvs[0].Value)
 			lease, held := a.podLease(fmt.Sprintf("uid-%d", i))
 			if err != nil || rec.Owner != fmt.Sprintf("uid-%d", i) || !held || resp.Kvs[0].Lease != int64(lease) {
 				t.Fatalf("%s: held by %q on lease %x, want uid-%d on its own lease %x (%v)", ip.Address, rec.Owner, resp.Kvs[0].Lease, i, lease, err)
@@ -71,10 +73,10 @@ func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
 // another agent holds cannot commit; its claims run again alone: the losing one is refused
 // as it would be alone, the others get their addresses.
 func TestBatchWithAClaimThatLosesSplitsAndEachLearns(t *testing.T) {
-	cluster := uniq("c")
+	cluster := etcdtest.Uniq("c")
 	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 32 })
 	b := startAgent(t, cluster, "n2", "uid2")
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.51.0.0/22")}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.51.0.0/22")}}}}
 	ctx := ctxT(t)
 	for round := 0; round < 20 && counterValue(a.metrics.claimBatches.WithLabelValues("split")) == 0; round++ {
 		taken := netip.AddrFrom4([4]byte{10, 51, byte(round / 200), byte(10 + round%200)})
@@ -146,15 +148,15 @@ func counterValue(c prometheus.Counter) float64 {
 // the answer is lost. Each ADD of the batch sends its claim again and gets the addresses its
 // lost claim wrote, on its own lease, with no second key.
 func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	var armed atomic.Bool
 	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 10} // more than one dual-stack claim has
-	a, err := Start(ctxT(t), cli, Config{Cluster: uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
+	a, err := Start(ctxT(t), cli, Config{Cluster: etcdtest.Uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(a.Close)
-	pool := dualStack(uniq("p"), "10.52.0.0/22", "fd52::/118")
+	pool := dualStack(etcdtest.Uniq("p"), "10.52.0.0/22", "fd52::/118")
 	ctx := ctxT(t)
 	if _, err := a.Add(ctx, addReq(pool, "warm", "eth0", "uid-warm")); err != nil {
 		t.Fatal(err)
@@ -179,14 +181,14 @@ func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 		if armed.Load() {
 			continue // no batch formed this round
 		}
-		keys := dump(t, newClient(t), IPsPrefix(pool.Name))
+		keys := etcdtest.Dump(t, etcdtest.Client(t), keyspace.IPsPrefix(pool.Name))
 		if len(keys) != 2*adds {
 			t.Fatalf("want the 2 keys of each of %d ADDs, got %d: a claim was applied twice or not at all", adds, len(keys))
 		}
 		for i, res := range results {
 			lease := mustLease(t, a, fmt.Sprintf("r%d-%d", round, i))
 			for _, ip := range res.IPs {
-				if l, ok := keys[IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
+				if l, ok := keys[keyspace.IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
 					t.Errorf("ADD %d returned %s; its key is missing or not on its lease", i, ip.Address)
 				}
 			}

@@ -1,5 +1,7 @@
-// Package leases is the node agent's world: the etcd key schema, the compare-and-swap
-// transactions that claim and release addresses, the lease keeper that keeps every pod's
-// lease alive on one stream, the watch-fed view of each pool, node identity, and the
-// agent service that ties them together.
+// Package leases is the node agent. Agent serves the CNI operations of one node's sandboxes:
+// an ADD is one claim transaction (claim.go) on the pod's lease, a DEL one release
+// transaction (release.go). The pod lease's lifecycle (podlease.go) says when a lease is
+// held, lost and re-claimed; the Keeper keeps every lease alive on one stream; each pool's
+// view (view.go) is a watch-fed hint of which addresses are free. The key layout and
+// records are package keyspace's.
 package leases

@@ -7,6 +7,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/kernel"
 )
 
@@ -162,14 +163,14 @@ func (a *Agent) writeHosts(ctx context.Context, set *hostSet, written map[netip.
 	var added, removed []netip.Addr
 	for ip, link := range set.published {
 		if all || !written[ip] {
-			ops = append(ops, clientv3.OpPut(HostIPKey(ip, a.cfg.Cluster, a.cfg.Node),
-				mustJSON(hostRecord{Interface: link, Since: a.wall()}), clientv3.WithLease(lease)))
+			ops = append(ops, clientv3.OpPut(keyspace.HostIPKey(ip, a.cfg.Cluster, a.cfg.Node),
+				keyspace.Encode(hostRecord{Interface: link, Since: a.wall()}), clientv3.WithLease(lease)))
 			added = append(added, ip)
 		}
 	}
 	for ip := range written {
 		if _, ok := set.published[ip]; !ok {
-			ops = append(ops, clientv3.OpDelete(HostIPKey(ip, a.cfg.Cluster, a.cfg.Node)))
+			ops = append(ops, clientv3.OpDelete(keyspace.HostIPKey(ip, a.cfg.Cluster, a.cfg.Node)))
 			removed = append(removed, ip)
 		}
 	}

@@ -12,15 +12,17 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
-func readNodeRecord(t *testing.T, cli *clientv3.Client, cluster, node string) (NodeRecord, int64) {
+func readNodeRecord(t *testing.T, cli *clientv3.Client, cluster, node string) (keyspace.NodeRecord, int64) {
 	t.Helper()
-	resp, err := cli.Get(ctxT(t), NodeKey(cluster, node))
+	resp, err := cli.Get(ctxT(t), keyspace.NodeKey(cluster, node))
 	if err != nil || len(resp.Kvs) != 1 {
 		t.Fatalf("node record %s/%s: %v, %d keys", cluster, node, err, len(resp.Kvs))
 	}
-	var rec NodeRecord
+	var rec keyspace.NodeRecord
 	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
 		t.Fatal(err)
 	}
@@ -33,15 +35,15 @@ func readNodeRecord(t *testing.T, cli *clientv3.Client, cluster, node string) (N
 // refused while the first runs; a different node UID under the same name (a replacement
 // machine, seed 002) and the same host's next process (after a kill -9) are not.
 func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
-	cluster := uniq("c")
-	cli := newClient(t)
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
 	first := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.Host = "host-a" })
 	before, beforeLease := readNodeRecord(t, cli, cluster, "n1")
 	if before.Host != "host-a" || before.UID != "uid1" {
 		t.Fatalf("node record: %+v", before)
 	}
 
-	_, err := Start(ctxT(t), newClient(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", Host: "host-b",
+	_, err := Start(ctxT(t), etcdtest.Client(t), Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", Host: "host-b",
 		LeaseTTL: 10 * time.Second, StateDir: t.TempDir()})
 	if !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), `"host-a"`) || !strings.Contains(err.Error(), `"host-b"`) {
 		t.Fatalf("same identity on another host: want ErrAgentRunning naming both hosts, got %v", err)
@@ -49,18 +51,18 @@ func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 	if after, lease := readNodeRecord(t, cli, cluster, "n1"); after != before || lease != beforeLease {
 		t.Errorf("the refused agent changed the node record: %+v on %x, was %+v on %x", after, lease, before, beforeLease)
 	}
-	if _, err := first.Add(ctxT(t), addReq(dualStack(uniq("p"), "10.40.0.0/24", "fd40::/120"), "c1", "eth0", "")); err != nil {
+	if _, err := first.Add(ctxT(t), addReq(dualStack(etcdtest.Uniq("p"), "10.40.0.0/24", "fd40::/120"), "c1", "eth0", "")); err != nil {
 		t.Errorf("the first agent after the refusal: %v", err)
 	}
 
 	// The same host's next process: a record left on a live lease by a process that is gone.
-	cluster2 := uniq("c")
+	cluster2 := etcdtest.Uniq("c")
 	grant, err := cli.Grant(ctxT(t), 30)
 	if err != nil {
 		t.Fatal(err)
 	}
-	stale := NodeRecord{UID: "uid1", Host: "host-a", PID: 1, LeaseID: LeaseHex(grant.ID)}
-	if _, err := cli.Put(ctxT(t), NodeKey(cluster2, "n1"), mustJSON(stale), clientv3.WithLease(grant.ID)); err != nil {
+	stale := keyspace.NodeRecord{UID: "uid1", Host: "host-a", PID: 1, LeaseID: keyspace.LeaseHex(grant.ID)}
+	if _, err := cli.Put(ctxT(t), keyspace.NodeKey(cluster2, "n1"), keyspace.Encode(stale), clientv3.WithLease(grant.ID)); err != nil {
 		t.Fatal(err)
 	}
 	startAgent(t, cluster2, "n1", "uid1", func(c *Config) { c.Host = "host-a" })
@@ -69,9 +71,9 @@ func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 	}
 
 	// An earlier version's record names no host: taken over, not refused.
-	cluster3 := uniq("c")
-	legacy := NodeRecord{UID: "uid1", PID: 2, LeaseID: LeaseHex(grant.ID)}
-	if _, err := cli.Put(ctxT(t), NodeKey(cluster3, "n1"), mustJSON(legacy), clientv3.WithLease(grant.ID)); err != nil {
+	cluster3 := etcdtest.Uniq("c")
+	legacy := keyspace.NodeRecord{UID: "uid1", PID: 2, LeaseID: keyspace.LeaseHex(grant.ID)}
+	if _, err := cli.Put(ctxT(t), keyspace.NodeKey(cluster3, "n1"), keyspace.Encode(legacy), clientv3.WithLease(grant.ID)); err != nil {
 		t.Fatal(err)
 	}
 	startAgent(t, cluster3, "n1", "uid1", func(c *Config) { c.Host = "host-b" })
@@ -90,12 +92,12 @@ func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 // cannot see a second agent of the same identity given another --state-dir; the host-wide
 // lock on the identity does, and it is free again as soon as the first agent stops.
 func TestSecondAgentOnTheHostWithAnotherStateDirectoryIsRefused(t *testing.T) {
-	cluster := uniq("c")
-	cli := newClient(t)
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
 	first := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.StateDir = t.TempDir() })
 	before, lease := readNodeRecord(t, cli, cluster, "n1")
 	cfg := Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", StateDir: t.TempDir(), LeaseTTL: 10 * time.Second}
-	_, err := Start(ctxT(t), newClient(t), cfg)
+	_, err := Start(ctxT(t), etcdtest.Client(t), cfg)
 	if !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), "already serves") {
 		t.Fatalf("second agent of the identity on this host: want ErrAgentRunning, got %v", err)
 	}
@@ -105,7 +107,7 @@ func TestSecondAgentOnTheHostWithAnotherStateDirectoryIsRefused(t *testing.T) {
 	// Another node UID under the name is another identity: not this lock's business.
 	startAgent(t, cluster, "n1", "uid2")
 	first.Close()
-	second, err := Start(ctxT(t), newClient(t), cfg)
+	second, err := Start(ctxT(t), etcdtest.Client(t), cfg)
 	if err != nil {
 		t.Fatalf("after the first agent stopped: %v", err)
 	}
@@ -117,8 +119,8 @@ func TestSecondAgentOnTheHostWithAnotherStateDirectoryIsRefused(t *testing.T) {
 // node identity. It must not re-claim and fight over the pods: it stops, says why, and refuses
 // every request from then on.
 func TestAgentStopsWhenAnotherHostTookItsIdentity(t *testing.T) {
-	cluster := uniq("c")
-	cli := newClient(t)
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
 	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.Host = "host-a" })
 	_, nodeLease := readNodeRecord(t, cli, cluster, "n1")
 
@@ -128,8 +130,8 @@ func TestAgentStopsWhenAnotherHostTookItsIdentity(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec := NodeRecord{UID: "uid1", Host: "host-b", PID: 4242, LeaseID: LeaseHex(other.ID)}
-	if _, err := cli.Put(ctxT(t), NodeKey(cluster, "n1"), mustJSON(rec), clientv3.WithLease(other.ID)); err != nil {
+	rec := keyspace.NodeRecord{UID: "uid1", Host: "host-b", PID: 4242, LeaseID: keyspace.LeaseHex(other.ID)}
+	if _, err := cli.Put(ctxT(t), keyspace.NodeKey(cluster, "n1"), keyspace.Encode(rec), clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := cli.Revoke(ctxT(t), clientv3.LeaseID(nodeLease)); err != nil {
@@ -144,7 +146,7 @@ func TestAgentStopsWhenAnotherHostTookItsIdentity(t *testing.T) {
 	if err := a.Err(); !errors.Is(err, ErrAgentRunning) || !strings.Contains(err.Error(), `"host-b"`) {
 		t.Errorf("Err: want ErrAgentRunning naming host-b, got %v", err)
 	}
-	_, err = a.Add(ctxT(t), addReq(dualStack(uniq("p"), "10.41.0.0/24", "fd41::/120"), "c1", "eth0", ""))
+	_, err = a.Add(ctxT(t), addReq(dualStack(etcdtest.Uniq("p"), "10.41.0.0/24", "fd41::/120"), "c1", "eth0", ""))
 	if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), "stopped") {
 		t.Errorf("ADD on a stopped agent: want ErrUnavailable saying it stopped, got %v", err)
 	}
@@ -166,12 +168,12 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	const ttl, quarantine, grace = 3 * time.Second, 2 * time.Second, 2 * time.Second
 	var offset atomic.Int64
 	wall := func() time.Time { return time.Now().Add(time.Duration(offset.Load())) }
-	cluster := uniq("c")
-	cli := newClient(t)
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
 	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) {
 		c.LeaseTTL, c.Quarantine, c.GCGrace, c.WallClock = ttl, quarantine, grace, wall
 	})
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.42.0.0/29")}}}}
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.42.0.0/29")}}}}
 	gc := allocator.GCRequest{Network: pool.Name, Pool: pool}
 	ctx := ctxT(t)
 	time.Sleep(grace) // past the first grace after start, where only wall-clock ages exist
@@ -185,15 +187,15 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.GC(ctx, gc); err != nil {
 		t.Fatal(err)
 	}
-	ipKey := IPKey(pool.Name, first.IPs[0].Address.Addr())
-	if keys := dump(t, cli, ipKey); len(keys) != 1 {
+	ipKey := keyspace.IPKey(pool.Name, first.IPs[0].Address.Addr())
+	if keys := etcdtest.Dump(t, cli, ipKey); len(keys) != 1 {
 		t.Fatal("GC collected an attachment made just before the clock was stepped forward")
 	}
 
 	// The lease is renewed on etcd's clock: after two TTLs the keys are still there, and etcd
 	// reports a remaining TTL within the granted one.
 	time.Sleep(2 * ttl)
-	keys := dump(t, cli, ipKey)
+	keys := etcdtest.Dump(t, cli, ipKey)
 	if len(keys) != 1 {
 		t.Fatal("the pod's address expired after the wall clock was stepped forward")
 	}
@@ -208,8 +210,8 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "uid-1")); err != nil {
 		t.Fatal(err)
 	}
-	qKey := QuarantineKey(pool.Name, first.IPs[0].Address.Addr())
-	q := dump(t, cli, qKey)
+	qKey := keyspace.QuarantineKey(pool.Name, first.IPs[0].Address.Addr())
+	q := etcdtest.Dump(t, cli, qKey)
 	if len(q) != 1 {
 		t.Fatal("released address not quarantined")
 	}
@@ -217,12 +219,12 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err != nil || qTTL.GrantedTTL > int64((quarantine+time.Second).Seconds()) {
 		t.Fatalf("quarantine lease after the step back: %+v, %v (want at most %s)", qTTL, err, quarantine+time.Second)
 	}
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && len(dump(t, cli, qKey)) > 0; {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && len(etcdtest.Dump(t, cli, qKey)) > 0; {
 		time.Sleep(100 * time.Millisecond)
 	}
-	if waited := time.Since(released); len(dump(t, cli, qKey)) > 0 || waited < quarantine {
+	if waited := time.Since(released); len(etcdtest.Dump(t, cli, qKey)) > 0 || waited < quarantine {
 		t.Fatalf("quarantine after the step back: still there %v, ended after %s (want %s plus etcd's expiry slack)",
-			len(dump(t, cli, qKey)) > 0, waited, quarantine)
+			len(etcdtest.Dump(t, cli, qKey)) > 0, waited, quarantine)
 	}
 
 	// An attachment made while the clock was two days ahead, then the clock stepped back:
@@ -233,11 +235,11 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The step was visible to the agent: the record says what the wall clock said.
-	owners, err := cli.Get(ctx, OwnersPrefix(cluster), clientv3.WithPrefix())
+	owners, err := cli.Get(ctx, keyspace.OwnersPrefix(cluster), clientv3.WithPrefix())
 	if err != nil || len(owners.Kvs) != 1 {
 		t.Fatalf("owner records: %v, %d", err, len(owners.Kvs))
 	}
-	var orec OwnerRecord
+	var orec keyspace.OwnerRecord
 	if err := json.Unmarshal(owners.Kvs[0].Value, &orec); err != nil {
 		t.Fatal(err)
 	}
@@ -249,7 +251,7 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.GC(ctx, gc); err != nil {
 		t.Fatal(err)
 	}
-	if keys := dump(t, cli, IPKey(pool.Name, second.IPs[0].Address.Addr())); len(keys) != 0 {
+	if keys := etcdtest.Dump(t, cli, keyspace.IPKey(pool.Name, second.IPs[0].Address.Addr())); len(keys) != 0 {
 		t.Error("GC kept an attachment past the grace because its record was written while the clock was ahead")
 	}
 	if err := a.Ready(ctx); err != nil {

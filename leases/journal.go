@@ -17,6 +17,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // journal is the node's own record of its pods, kept so that after a lease loss (or a restart
@@ -117,7 +119,7 @@ func (j journal) load() (loaded, []error) {
 	}
 	for _, owner := range slices.Sorted(maps.Keys(pods)) {
 		ps := pods[owner]
-		if id, err := ParseLeaseHex(ps.LeaseID); err == nil {
+		if id, err := keyspace.ParseLeaseHex(ps.LeaseID); err == nil {
 			ps.lease = id
 		}
 		out.pods = append(out.pods, ps)
@@ -173,11 +175,11 @@ func (j journal) loadLegacyFile(name string) (podState, error) {
 // validate checks the names a re-claim turns into keys, as an ADD checks them: the journal
 // is the agent's own file, but a damaged one must not become keys of another shape.
 func (ps *podState) validate() error {
-	if err := validateNames("owner", ps.Owner); err != nil {
+	if err := keyspace.ValidateNames("owner", ps.Owner); err != nil {
 		return err
 	}
 	for _, at := range ps.Attachments {
-		if err := validateNames("interface name", at.IfName, "pool", at.Pool, "container ID", at.ContainerID); err != nil {
+		if err := keyspace.ValidateNames("interface name", at.IfName, "pool", at.Pool, "container ID", at.ContainerID); err != nil {
 			return err
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/leasehold/leasehold/keyspace"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -115,10 +116,10 @@ func (k *Keeper) Return(id clientv3.LeaseID) {
 func (k *Keeper) Adopt(ctx context.Context, id clientv3.LeaseID) error {
 	resp, err := k.cli.TimeToLive(ctx, id)
 	if err != nil {
-		return fmt.Errorf("adopt lease %s: %w", LeaseHex(id), err)
+		return fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), err)
 	}
 	if resp.TTL <= 0 {
-		return fmt.Errorf("adopt lease %s: %w", LeaseHex(id), ErrLeaseLost)
+		return fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), ErrLeaseLost)
 	}
 	return k.keepAlive(id)
 }
@@ -196,8 +197,8 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 	k.Release(id)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := k.cli.Revoke(ctx, id); err != nil && !isLeaseNotFound(err) {
-		return fmt.Errorf("revoke lease %s: %w", LeaseHex(id), err)
+	if _, err := k.cli.Revoke(ctx, id); err != nil && !keyspace.IsLeaseNotFound(err) {
+		return fmt.Errorf("revoke lease %s: %w", keyspace.LeaseHex(id), err)
 	}
 	return nil
 }
@@ -373,7 +374,7 @@ func (k *Keeper) keepAlive(id clientv3.LeaseID) error {
 	ch, err := k.cli.KeepAlive(ctx, id)
 	if err != nil {
 		k.Release(id)
-		return fmt.Errorf("keep lease %s alive: %w", LeaseHex(id), err)
+		return fmt.Errorf("keep lease %s alive: %w", keyspace.LeaseHex(id), err)
 	}
 	go k.drain(ctx, id, ch)
 	return nil
@@ -385,7 +386,7 @@ func (k *Keeper) register(ctx context.Context, id clientv3.LeaseID) {
 	ch, err := k.cli.KeepAlive(ctx, id)
 	if err != nil {
 		if ctx.Err() == nil {
-			k.log.Warn("cannot keep lease alive", "lease", LeaseHex(id), "err", err)
+			k.log.Warn("cannot keep lease alive", "lease", keyspace.LeaseHex(id), "err", err)
 			k.lost(id)
 		}
 		return
@@ -419,7 +420,7 @@ func (k *Keeper) lost(id clientv3.LeaseID) {
 	if !ours {
 		return
 	}
-	k.log.Warn("lease stopped being renewed", "lease", LeaseHex(id))
+	k.log.Warn("lease stopped being renewed", "lease", keyspace.LeaseHex(id))
 	if k.onLost != nil {
 		k.onLost(id)
 	}
@@ -494,6 +495,6 @@ func (k *Keeper) kick() {
 
 func (k *Keeper) revokeQuietly(id clientv3.LeaseID) {
 	if err := k.Revoke(id); err != nil {
-		k.log.Debug("revoke unused lease", "lease", LeaseHex(id), "err", err)
+		k.log.Debug("revoke unused lease", "lease", keyspace.LeaseHex(id), "err", err)
 	}
 }

@@ -10,13 +10,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestRenewNowRenewsEveryLeaseAndNamesTheGone: a restarted agent renews all resumed pod
 // leases at once on one stream, and learns which ones etcd no longer has.
 func TestRenewNowRenewsEveryLeaseAndNamesTheGone(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
 	k := NewKeeper(cli, 10*time.Second, 1, slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
 	defer k.Close()
@@ -80,7 +82,7 @@ func (r *registrations) when(id clientv3.LeaseID) (time.Time, bool) {
 // gone, less one tick of the client's loop; from then on it is renewed as every held lease
 // is. A lease adopted after a restart is registered at once.
 func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	reg := &registrations{Lease: cli.Lease, at: map[clientv3.LeaseID]time.Time{}}
 	cli.Lease = reg
 	ctx := ctxT(t)
@@ -121,7 +123,7 @@ func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
 // TestFreshLeaseRevokedFromOutsideIsReportedLost: a fresh lease revoked by someone else
 // is found lost when its renewals start, as a renewed lease is at its next renewal.
 func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
 	lost := make(chan clientv3.LeaseID, 4)
 	k := NewKeeper(cli, 6*time.Second, 0, slog.New(slog.DiscardHandler), func(id clientv3.LeaseID) { lost <- id })
@@ -141,7 +143,7 @@ func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	select {
 	case got := <-lost:
 		if got != id {
-			t.Fatalf("lost %s, want %s", LeaseHex(got), LeaseHex(id))
+			t.Fatalf("lost %s, want %s", keyspace.LeaseHex(got), keyspace.LeaseHex(id))
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("a revoked fresh lease was not reported lost within 5 s (due after 1.5 s)")
@@ -151,7 +153,7 @@ func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	}
 	select {
 	case got := <-lost:
-		t.Errorf("lease %s reported lost; only %s was", LeaseHex(got), LeaseHex(id))
+		t.Errorf("lease %s reported lost; only %s was", keyspace.LeaseHex(got), keyspace.LeaseHex(id))
 	case <-time.After(2 * time.Second):
 	}
 	if r, err := cli.TimeToLive(ctx, released); err != nil || r.TTL > 3 {
@@ -173,7 +175,7 @@ func (g *grants) Grant(ctx context.Context, ttl int64) (*clientv3.LeaseGrantResp
 // TestSparesAreRefilledAtLowWaterAllAtOnce: taking a spare does not grant a new one until
 // half of the spares are gone; then the keeper tops them all up.
 func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	g := &grants{Lease: cli.Lease}
 	cli.Lease = g
 	ctx := ctxT(t)

@@ -13,6 +13,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/kernel"
 )
 
@@ -39,7 +41,7 @@ func ip(t *testing.T, args ...string) {
 // testNetns creates a network namespace and returns its path.
 func testNetns(t *testing.T) string {
 	t.Helper()
-	name := uniq("lhk")
+	name := etcdtest.Uniq("lhk")
 	ip(t, "netns", "add", name)
 	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
 	return "/var/run/netns/" + name
@@ -50,7 +52,7 @@ func nsName(path string) string { return path[strings.LastIndex(path, "/")+1:] }
 // vethIn creates a veth pair with ends a (in nsA) and b (in nsB), both up.
 func vethIn(t *testing.T, nsA, a, nsB, b string) {
 	t.Helper()
-	tmpA, tmpB := uniq("lhva"), uniq("lhvb")
+	tmpA, tmpB := etcdtest.Uniq("lhva"), etcdtest.Uniq("lhvb")
 	ip(t, "link", "add", tmpA, "type", "veth", "peer", "name", tmpB)
 	ip(t, "link", "set", tmpA, "netns", nsName(nsA), "name", a)
 	ip(t, "link", "set", tmpB, "netns", nsName(nsB), "name", b)
@@ -67,21 +69,21 @@ func TestSeed000HostAddressesNeverFlapUnderDAD(t *testing.T) {
 	host := testNetns(t)
 	vethIn(t, host, "uplink", host, "uplink-peer")
 	ip(t, "-n", nsName(host), "addr", "add", "10.99.0.1/24", "dev", "uplink")
-	cluster := uniq("c")
-	cli := newClient(t)
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
 	rev, err := cli.Get(ctx, "rev")
 	if err != nil {
 		t.Fatal(err)
 	}
-	watch := cli.Watch(ctx, HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev.Header.Revision+1))
+	watch := cli.Watch(ctx, keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev.Header.Revision+1))
 	startAgent(t, cluster, "n1", "uid1", func(c *Config) {
 		c.PublishHostAddrs, c.HostNetns, c.HostResync = true, host, 5*time.Millisecond
 	})
 	// Five DAD probes a second apart keep the address tentative for about five seconds.
 	ip(t, "netns", "exec", nsName(host), "sysctl", "-qw", "net.ipv6.conf.uplink.dad_transmits=5")
 	v6 := netip.MustParseAddr("2001:db8:77::1")
-	v6Key := HostIPKey(v6, cluster, "n1")
+	v6Key := keyspace.HostIPKey(v6, cluster, "n1")
 	ip(t, "-n", nsName(host), "addr", "add", v6.String()+"/64", "dev", "uplink")
 	// Follow both sides until DAD is over: the kernel's flags and what etcd publishes.
 	publishedWhileTentative, dadDone := false, false
@@ -101,7 +103,7 @@ func TestSeed000HostAddressesNeverFlapUnderDAD(t *testing.T) {
 				dadDone = !a.Tentative
 			}
 		}
-		if tentative && len(dump(t, cli, v6Key)) == 1 {
+		if tentative && len(etcdtest.Dump(t, cli, v6Key)) == 1 {
 			publishedWhileTentative = true
 		}
 		for drained := false; !drained; {
@@ -136,13 +138,13 @@ func TestSeed000HostAddressesNeverFlapUnderDAD(t *testing.T) {
 		}
 	}
 	for _, want := range []netip.Addr{v6, netip.MustParseAddr("10.99.0.1")} {
-		if len(dump(t, cli, HostIPKey(want, cluster, "n1"))) != 1 {
+		if len(etcdtest.Dump(t, cli, keyspace.HostIPKey(want, cluster, "n1"))) != 1 {
 			t.Errorf("%s is not published", want)
 		}
 	}
 	// The kernel removes it: the key goes at once.
 	ip(t, "-n", nsName(host), "addr", "del", v6.String()+"/64", "dev", "uplink")
-	for end := time.Now().Add(5 * time.Second); len(dump(t, cli, HostIPKey(v6, cluster, "n1"))) > 0; time.Sleep(50 * time.Millisecond) {
+	for end := time.Now().Add(5 * time.Second); len(etcdtest.Dump(t, cli, keyspace.HostIPKey(v6, cluster, "n1"))) > 0; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(end) {
 			t.Fatalf("%s removed by the kernel but still published", v6)
 		}
@@ -156,19 +158,19 @@ func TestHostAddressIsNeverHandedOut(t *testing.T) {
 	host := testNetns(t)
 	vethIn(t, host, "uplink", host, "uplink-peer")
 	ip(t, "-n", nsName(host), "addr", "add", "10.98.0.2/24", "dev", "uplink")
-	publisher := startAgent(t, uniq("c"), "n1", "uid1", func(c *Config) {
+	publisher := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) {
 		c.PublishHostAddrs, c.HostNetns, c.HostResync = true, host, time.Second
 	})
 	_ = publisher
-	cli := newClient(t)
+	cli := etcdtest.Client(t)
 	hostAddr := netip.MustParseAddr("10.98.0.2")
-	for end := time.Now().Add(5 * time.Second); len(dump(t, cli, HostIPPrefix(hostAddr))) == 0; time.Sleep(50 * time.Millisecond) {
+	for end := time.Now().Add(5 * time.Second); len(etcdtest.Dump(t, cli, keyspace.HostIPPrefix(hostAddr))) == 0; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(end) {
 			t.Fatal("host address never published")
 		}
 	}
-	other := startAgent(t, uniq("c"), "n2", "uid2") // another cluster allocating from a pool over the host's subnet
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.98.0.0/29")}}}}
+	other := startAgent(t, etcdtest.Uniq("c"), "n2", "uid2") // another cluster allocating from a pool over the host's subnet
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.98.0.0/29")}}}}
 	ctx := ctxT(t)
 	req := addReq(pool, "wants-host", "eth0", "")
 	req.RequestedIPs = []netip.Addr{hostAddr}
@@ -176,7 +178,7 @@ func TestHostAddressIsNeverHandedOut(t *testing.T) {
 		t.Errorf("requesting a host address: want ErrAddressInUse naming it a host address, got %v", err)
 	}
 	for i := range 4 { // .2 is the host's; .3-.6 are free
-		res, err := other.Add(ctx, addReq(pool, uniq("ctr"), "eth0", ""))
+		res, err := other.Add(ctx, addReq(pool, etcdtest.Uniq("ctr"), "eth0", ""))
 		if err != nil {
 			t.Fatalf("add %d: %v", i, err)
 		}
@@ -207,8 +209,8 @@ func TestCheckReportsDADFailureAsDuplicate(t *testing.T) {
 			t.Fatal("peer's address never finished DAD")
 		}
 	}
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	pool := allocator.PoolSpec{Name: uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("fd77::/64")}}}}
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("fd77::/64")}}}}
 	ctx := ctxT(t)
 	req := addReq(pool, "ctr", "eth0", "")
 	req.Netns = sandboxNs

@@ -12,6 +12,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // metrics is the agent's Prometheus instrumentation, on a registry of its own so that
@@ -172,7 +173,7 @@ func (a *Agent) Ready(ctx context.Context) error {
 	}
 	octx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	if _, err := a.cli.Get(octx, NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly()); err != nil {
+	if _, err := a.cli.Get(octx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly()); err != nil {
 		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
 	}
 	a.ok()

@@ -16,6 +16,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // TestModelRandomHistories drives several agents and owners through random interleavings of
@@ -85,12 +87,12 @@ type model struct {
 }
 
 func newModel(t *testing.T, seed uint64) *model {
-	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: uniq("model"),
-		pool: allocator.PoolSpec{Name: uniq("mp"), Ranges: []allocator.RangeSet{
+	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
+		pool: allocator.PoolSpec{Name: etcdtest.Uniq("mp"), Ranges: []allocator.RangeSet{
 			{{Subnet: netip.MustParsePrefix("10.77.0.0/27")}}, // 29 addresses for 24 owners x 2 interfaces: exhaustion happens
 			{{Subnet: netip.MustParsePrefix("fd77::/120")}},
 		}},
-		cli: newClient(t), home: map[string]int{}, held: map[attKey][]netip.Addr{}, ctr: map[attKey]string{},
+		cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{}, ctr: map[attKey]string{},
 		freed: map[netip.Addr]time.Time{}, count: map[string]int{}}
 	for i := range 3 {
 		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
@@ -341,13 +343,13 @@ func (m *model) gc(ctx context.Context, i int) {
 func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	resp, err := m.cli.Get(ctx, IPsPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix())
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	out := map[string]int64{}
 	for _, kv := range resp.Kvs {
-		if a, err := decode[Allocation](string(kv.Key), kv.Value); err == nil && !busy[a.Owner] {
+		if a, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err == nil && !busy[a.Owner] {
 			out[string(kv.Key)] = kv.ModRevision
 		}
 	}
@@ -359,20 +361,20 @@ func (m *model) check() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
 	).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	allocLease := map[netip.Addr]int64{}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		_, ip, _ := ParseIPKey(string(kv.Key))
+		_, ip, _ := keyspace.ParseIPKey(string(kv.Key))
 		allocLease[ip] = kv.Lease
 	}
 	namedBy := map[netip.Addr]string{}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
-		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 		if err != nil {
 			m.t.Error(err)
 			continue
@@ -396,7 +398,7 @@ func (m *model) check() {
 	defer m.mu.Unlock()
 	for k, held := range m.held {
 		for _, ip := range held {
-			if namedBy[ip] != OwnerKey(m.cluster, k.owner, k.ifName, m.pool.Name) {
+			if namedBy[ip] != keyspace.OwnerKey(m.cluster, k.owner, k.ifName, m.pool.Name) {
 				m.t.Errorf("model: %v holds %s, etcd: %q", k, ip, namedBy[ip])
 			}
 		}

@@ -10,6 +10,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // pool is a pool definition this agent has checked against etcd, with its view. A pool
@@ -105,11 +106,11 @@ func (ps *pools) invalidate(name string) {
 
 // load reads the stored definition, creating it from spec when absent.
 func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, int64, error) {
-	key := PoolKey(spec.Name)
+	key := keyspace.PoolKey(spec.Name)
 	var txn clientv3.Txn
 	if len(spec.Ranges) > 0 {
 		txn = ps.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-			Then(clientv3.OpPut(key, mustJSON(spec))).
+			Then(clientv3.OpPut(key, keyspace.Encode(spec))).
 			Else(clientv3.OpGet(key))
 	} else {
 		txn = ps.cli.Txn(ctx).Then(clientv3.OpGet(key))

@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -29,7 +30,7 @@ func (a *Agent) recover(ctx context.Context) error {
 		fromDisk <- journalRead{l, errs}
 	}()
 	octx, cancel := a.opCtx(ctx)
-	resp, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
+	resp, err := a.cli.Get(octx, keyspace.PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
 	cancel()
 	disk := <-fromDisk
 	if err != nil {
@@ -47,11 +48,11 @@ func (a *Agent) recover(ctx context.Context) error {
 	var resumed, released, foreign int
 	var resumedIDs []clientv3.LeaseID
 	type decodedRecord struct {
-		rec PodRecord
+		rec keyspace.PodRecord
 		err error
 	}
 	records := parallelMap(len(resp.Kvs), func(i int) (d decodedRecord) {
-		d.rec, d.err = decode[PodRecord](string(resp.Kvs[i].Key), resp.Kvs[i].Value)
+		d.rec, d.err = keyspace.Decode[keyspace.PodRecord](string(resp.Kvs[i].Key), resp.Kvs[i].Value)
 		return d
 	})
 	for i, kv := range resp.Kvs {
@@ -136,17 +137,17 @@ func (a *Agent) recover(ctx context.Context) error {
 func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, error) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
+	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	if err != nil {
 		return nil, a.unavailable("list attachments of "+owner, err)
 	}
 	var out []attachment
 	for _, kv := range resp.Kvs {
-		_, _, ifName, pool, err := ParseOwnerKey(string(kv.Key))
+		_, _, ifName, pool, err := keyspace.ParseOwnerKey(string(kv.Key))
 		if err != nil {
 			continue
 		}
-		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 		if err != nil || rec.NodeUID != a.cfg.NodeUID {
 			continue
 		}
@@ -159,7 +160,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 // releaseOwner releases every attachment this node identity made for owner and revokes the
 // owner's lease. The caller holds the owner lock.
 func (a *Agent) releaseOwner(ctx context.Context, owner string) error {
-	return a.releaseWhere(ctx, owner, func(string, string, OwnerRecord) bool { return true })
+	return a.releaseWhere(ctx, owner, func(string, string, keyspace.OwnerRecord) bool { return true })
 }
 
 // livenessLoop releases the pods whose sandbox is gone: the node's own knowledge, never
@@ -297,7 +298,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 				return err
 			}
 			a.notePodQuiet(owner, snap.lease)
-			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", LeaseHex(snap.lease))
+			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(snap.lease))
 			return nil
 		}
 	}
@@ -319,23 +320,23 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 				// keys of this one are gone (reclaimAttachment).
 				if rerr := a.keeper.Revoke(lease); rerr != nil {
 					a.log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
-						"owner", owner, "lease", LeaseHex(lease), "err", rerr)
+						"owner", owner, "lease", keyspace.LeaseHex(lease), "err", rerr)
 				}
 			}
 			return err
 		}
 		snap.Attachments[i].OwnerRev = rev
 	}
-	pr := PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Netns: snap.Netns, Created: a.wall()}
+	pr := keyspace.PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Netns: snap.Netns, Created: a.wall()}
 	if len(snap.Attachments) > 0 {
 		pr.ContainerID = snap.Attachments[0].ContainerID
 	}
-	if _, err := a.cli.Put(octx, PodKey(a.cfg.Cluster, a.cfg.Node, owner), mustJSON(pr), clientv3.WithLease(lease)); err != nil {
+	if _, err := a.cli.Put(octx, keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
 		return a.unavailable("write the pod record", err)
 	}
 	a.notePod(req, owner, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
-	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", LeaseHex(lease), "attachments", len(snap.Attachments))
+	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
 	return nil
 }
 
@@ -352,24 +353,24 @@ func (a *Agent) notePodQuiet(owner string, lease clientv3.LeaseID) {
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
 // ModRevision, so that its DEL needs no read first.
 func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, error) {
-	ownerKey := OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
 	withLease := clientv3.WithLease(lease)
 	claim := slices.Clone(at.IPs)
-	var taken []TakenByOther
+	var taken []keyspace.TakenByOther
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	for range 4 {
 		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0)}
-		puts := []clientv3.Op{clientv3.OpPut(ownerKey, mustJSON(OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID,
-			Network: at.Network, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, LeaseID: LeaseHex(lease), Created: at.Created}), withLease)}
+		puts := []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID,
+			Network: at.Network, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created}), withLease)}
 		gets := []clientv3.Op{clientv3.OpGet(ownerKey)}
 		for _, ip := range claim {
-			key := IPKey(at.Pool, ip)
+			key := keyspace.IPKey(at.Pool, ip)
 			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
-			puts = append(puts, clientv3.OpPut(key, mustJSON(a.allocation(req, ps.Owner, lease, at.Created)), withLease))
+			puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(req, ps.Owner, lease, at.Created)), withLease))
 			gets = append(gets, clientv3.OpGet(key))
 		}
 		if len(taken) > 0 {
-			puts = append(puts, clientv3.OpPut(ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool), mustJSON(ConflictRecord{
+			puts = append(puts, clientv3.OpPut(keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool), keyspace.Encode(keyspace.ConflictRecord{
 				ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Taken: taken, Detected: a.wall(),
 			}), withLease))
 		}
@@ -382,12 +383,12 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 				a.conflicts.Add(int64(len(taken)))
 				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
 					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken,
-					"record", ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool))
+					"record", keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool))
 			}
 			return resp.Header.Revision, nil
 		}
 		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
-			rec, _ := decode[OwnerRecord](ownerKey, kvs[0].Value)
+			rec, _ := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kvs[0].Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
 				if clientv3.LeaseID(kvs[0].Lease) == lease {
 					return kvs[0].ModRevision, nil // already re-claimed
@@ -395,7 +396,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 				// Written by an earlier attempt whose lease is being revoked or expires: the
 				// attachment must end up on this attempt's lease, so wait for those keys to go.
 				return 0, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
-					allocator.ErrUnavailable, ownerKey, LeaseHex(clientv3.LeaseID(kvs[0].Lease)))
+					allocator.ErrUnavailable, ownerKey, keyspace.LeaseHex(clientv3.LeaseID(kvs[0].Lease)))
 			}
 			return 0, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
 				allocator.ErrConflict, ownerKey, rec.NodeUID, rec.ContainerID)
@@ -407,8 +408,8 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 				still = append(still, ip)
 				continue
 			}
-			holder, _ := decode[Allocation](string(kvs[0].Key), kvs[0].Value)
-			taken = append(taken, TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster, Node: holder.Node, ContainerID: holder.ContainerID})
+			holder, _ := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
+			taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster, Node: holder.Node, ContainerID: holder.ContainerID})
 		}
 		claim = still
 	}

@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Del releases one attachment's addresses. It deletes only keys this attachment holds: the
@@ -39,13 +40,13 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 // release deletes the request's attachment and returns the owner's attachments left, or -1
 // when it released nothing and so did not count them.
 func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
-	ownerKey := OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
 	if at, lease, ok := a.attachmentOf(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
 		// it first. The transaction compares that revision, so an owner index changed since
 		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
 		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
-		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
+		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
 		if !errors.Is(err, errStale) {
 			return left, err
 		}
@@ -62,7 +63,7 @@ func (a *Agent) release(ctx context.Context, req allocator.Request, owner string
 		return -1, nil
 	}
 	kv := resp.Kvs[0]
-	rec, err := decode[OwnerRecord](ownerKey, kv.Value)
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kv.Value)
 	if err != nil {
 		return -1, err
 	}
@@ -88,7 +89,7 @@ var errStale = errors.New("owner index changed since the agent last saw it")
 // returns the owner's attachments left, counted in the same transaction (after its deletes),
 // or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
 // set; an owner index that changed since is then errStale, not "released by someone else".
-func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec OwnerRecord, remembered bool) (int64, error) {
+func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
 	lease := clientv3.LeaseID(kv.Lease)
 	ips := rec.IPs
 	for range 3 {
@@ -96,7 +97,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		ops := []clientv3.Op{clientv3.OpDelete(string(kv.Key))}
 		var gets []clientv3.Op
 		for _, addr := range ips {
-			key := IPKey(pool, addr)
+			key := keyspace.IPKey(pool, addr)
 			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
 			ops = append(ops, clientv3.OpDelete(key))
 			gets = append(gets, clientv3.OpGet(key, clientv3.WithKeysOnly()))
@@ -114,7 +115,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		// "no attachment left" is "no owner index but this one" (an empty range compares as
 		// absent).
 		ownerKey := string(kv.Key)
-		ownerPrefix, podKey := OwnerPrefix(a.cfg.Cluster, owner), PodKey(a.cfg.Cluster, a.cfg.Node, owner)
+		ownerPrefix, podKey := keyspace.OwnerPrefix(a.cfg.Cluster, owner), keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)
 		ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{
 			clientv3.Compare(clientv3.CreateRevision(ownerPrefix), "=", 0).WithRange(ownerKey),
 			clientv3.Compare(clientv3.CreateRevision(ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(ownerPrefix)),
@@ -131,7 +132,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		}
 		a.ok()
 		if resp.Succeeded {
-			if _, _, ifName, _, err := ParseOwnerKey(string(kv.Key)); err == nil {
+			if _, _, ifName, _, err := keyspace.ParseOwnerKey(string(kv.Key)); err == nil {
 				a.dropAttachment(owner, ifName, pool)
 			}
 			if v := a.pools.viewOf(pool); v != nil {
@@ -155,7 +156,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 				still = append(still, addr)
 			} else {
 				a.log.Warn("address of the attachment is not on its lease; leaving it alone",
-					"owner", owner, "pool", pool, "ip", addr, "lease", LeaseHex(lease))
+					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(lease))
 			}
 		}
 		ips = still
@@ -173,10 +174,10 @@ func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []net
 	if err != nil {
 		return nil, time.Time{}, a.unavailable("quarantine released addresses", err)
 	}
-	rec := mustJSON(QuarantineRecord{ReleasedBy: owner, Until: until.UTC()})
+	rec := keyspace.Encode(keyspace.QuarantineRecord{ReleasedBy: owner, Until: until.UTC()})
 	ops := make([]clientv3.Op, 0, len(ips))
 	for _, addr := range ips {
-		ops = append(ops, clientv3.OpPut(QuarantineKey(pool, addr), rec, clientv3.WithLease(lease)))
+		ops = append(ops, clientv3.OpPut(keyspace.QuarantineKey(pool, addr), rec, clientv3.WithLease(lease)))
 	}
 	return ops, until.UTC(), nil
 }
@@ -194,7 +195,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	if left < 0 {
-		resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
 		if err != nil {
 			return a.unavailable("count the owner's attachments", err)
 		}
@@ -217,7 +218,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 		return a.unavailable("revoke the pod lease", err)
 	}
 	a.dropPod(owner)
-	a.log.Debug("pod lease given up", "owner", owner, "lease", LeaseHex(lease), "recycled", recycled)
+	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
 	return nil
 }
 
@@ -241,14 +242,14 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 		valid[at] = true
 	}
 	octx, cancel := a.opCtx(ctx)
-	pods, err := a.cli.Get(octx, PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
+	pods, err := a.cli.Get(octx, keyspace.PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
 	cancel()
 	if err != nil {
 		return a.unavailable("list this node's pods", err)
 	}
 	var errs []error
 	for _, pkv := range pods.Kvs {
-		prec, err := decode[PodRecord](string(pkv.Key), pkv.Value)
+		prec, err := keyspace.Decode[keyspace.PodRecord](string(pkv.Key), pkv.Value)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -267,7 +268,7 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	young := a.addedWithinGrace(owner)
-	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec OwnerRecord) bool {
+	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
 		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
 			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
 		if collect {
@@ -284,10 +285,10 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 // grace after the agent started can an attachment come from the previous process; for those
 // the record's wall-clock creation time is all there is, and a time in the future (a clock
 // stepped back) counts as young. The caller holds the owner lock.
-func (a *Agent) addedWithinGrace(owner string) func(OwnerRecord) bool {
+func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
 	grace := a.cfg.GCGrace
 	if grace <= 0 {
-		return func(OwnerRecord) bool { return false }
+		return func(keyspace.OwnerRecord) bool { return false }
 	}
 	a.mu.Lock()
 	ps, ok := a.pods[owner]
@@ -295,7 +296,7 @@ func (a *Agent) addedWithinGrace(owner string) func(OwnerRecord) bool {
 	a.mu.Unlock()
 	fresh := time.Since(a.started) < grace
 	now := a.wall()
-	return func(rec OwnerRecord) bool {
+	return func(rec keyspace.OwnerRecord) bool {
 		return recent || fresh && now.Sub(rec.Created) < grace
 	}
 }
@@ -303,20 +304,20 @@ func (a *Agent) addedWithinGrace(owner string) func(OwnerRecord) bool {
 // releaseWhere releases each attachment of owner made by this node identity for which
 // pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
 // release fails and joins the errors. The caller holds the owner lock.
-func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec OwnerRecord) bool) error {
+func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
 	octx, cancel := a.opCtx(ctx)
-	resp, err := a.cli.Get(octx, OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
+	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	cancel()
 	if err != nil {
 		return a.unavailable("list attachments of "+owner, err)
 	}
 	var errs []error
 	for _, kv := range resp.Kvs {
-		_, _, ifName, pool, err := ParseOwnerKey(string(kv.Key))
+		_, _, ifName, pool, err := keyspace.ParseOwnerKey(string(kv.Key))
 		if err != nil {
 			continue
 		}
-		rec, err := decode[OwnerRecord](string(kv.Key), kv.Value)
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 		if err != nil {
 			errs = append(errs, err)
 			continue

@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // attachment is one interface of a pod on one pool, as the agent remembers it.
@@ -47,7 +48,7 @@ type podState struct {
 
 func (ps *podState) setLease(id clientv3.LeaseID) {
 	ps.lease = id
-	ps.LeaseID = LeaseHex(id)
+	ps.LeaseID = keyspace.LeaseHex(id)
 }
 
 func (ps *podState) put(at attachment) {

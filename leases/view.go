@@ -15,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // view is the agent's watch-fed picture of one pool: which addresses are allocated and
@@ -231,16 +232,16 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	resp, err := v.cli.Txn(lctx).Then(
-		clientv3.OpGet(IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(QuarantinePrefix(v.pool), clientv3.WithPrefix()),
-		clientv3.OpGet(HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
 		return 0, err
 	}
 	allocated := make(map[netip.Addr]int64, len(resp.Responses[0].GetResponseRange().Kvs))
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		if _, ip, err := ParseIPKey(string(kv.Key)); err == nil {
+		if _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
 			allocated[ip] = kv.CreateRevision
 		}
 	}
@@ -252,7 +253,7 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	v.allocated, v.quarantined, v.rev = allocated, quarantined, resp.Header.Revision
 	v.hosts, v.hostCount = make(map[string]netip.Addr), make(map[netip.Addr]int)
 	for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
-		if ip, err := ParseHostIPKey(string(kv.Key)); err == nil {
+		if ip, err := keyspace.ParseHostIPKey(string(kv.Key)); err == nil {
 			v.addHost(string(kv.Key), ip)
 		}
 	}
@@ -266,11 +267,11 @@ func (v *view) list(ctx context.Context) (int64, error) {
 }
 
 func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
-	_, ip, err := ParseQuarantineKey(string(key))
+	_, ip, err := keyspace.ParseQuarantineKey(string(key))
 	if err != nil {
 		return
 	}
-	var rec QuarantineRecord
+	var rec keyspace.QuarantineRecord
 	if json.Unmarshal(value, &rec) != nil || rec.Until.IsZero() {
 		rec.Until = time.Now() // unreadable record: still taken, expiry unknown
 	}
@@ -280,10 +281,10 @@ func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
 func (v *view) follow(ctx context.Context, rev int64) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
-	ips := v.cli.Watch(wctx, IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	qs := v.cli.Watch(wctx, QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	hs := v.cli.Watch(wctx, HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	pcs := v.cli.Watch(wctx, PoolConflictsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	ips := v.cli.Watch(wctx, keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	qs := v.cli.Watch(wctx, keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	hs := v.cli.Watch(wctx, keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	pcs := v.cli.Watch(wctx, keyspace.PoolConflictsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 	for {
 		var resp clientv3.WatchResponse
 		var ok bool
@@ -308,7 +309,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 	defer v.mu.Unlock()
 	for _, ev := range resp.Events {
 		key := string(ev.Kv.Key)
-		if _, ip, err := ParseIPKey(key); err == nil {
+		if _, ip, err := keyspace.ParseIPKey(key); err == nil {
 			switch ev.Type {
 			case clientv3.EventTypePut:
 				if v.allocated[ip] < ev.Kv.CreateRevision {
@@ -322,15 +323,15 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 			}
 			continue
 		}
-		if strings.HasPrefix(key, PoolConflictsPrefix(v.pool)) {
+		if strings.HasPrefix(key, keyspace.PoolConflictsPrefix(v.pool)) {
 			if ev.Type == clientv3.EventTypePut {
-				rec, _ := decode[PoolConflictRecord](key, ev.Kv.Value)
+				rec, _ := keyspace.Decode[keyspace.PoolConflictRecord](key, ev.Kv.Value)
 				v.log.Error("another node defines this pool differently; its ADDs are refused until the definitions agree",
 					"other_cluster", rec.Cluster, "other_node", rec.Node, "stored", rec.Stored.String(), "wanted", rec.Wanted.String(), "record", key)
 			}
 			continue
 		}
-		if ip, err := ParseHostIPKey(key); err == nil {
+		if ip, err := keyspace.ParseHostIPKey(key); err == nil {
 			if ev.Type == clientv3.EventTypeDelete {
 				v.removeHost(key)
 			} else {
@@ -338,7 +339,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 			}
 			continue
 		}
-		if _, ip, err := ParseQuarantineKey(key); err == nil {
+		if _, ip, err := keyspace.ParseQuarantineKey(key); err == nil {
 			if ev.Type == clientv3.EventTypeDelete {
 				delete(v.quarantined, ip)
 			} else {

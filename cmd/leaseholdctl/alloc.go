@@ -7,9 +7,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 func allocList(ctx context.Context, e *env) error {
@@ -18,11 +18,11 @@ func allocList(ctx context.Context, e *env) error {
 			return err
 		}
 	}
-	all, err := leases.ListAllocations(ctx, e.cli, e.pool)
+	all, err := admin.ListAllocations(ctx, e.cli, e.pool)
 	if err != nil {
 		return err
 	}
-	rows := []leases.AllocationEntry{}
+	rows := []admin.AllocationEntry{}
 	for _, a := range all {
 		if (e.cluster != "" && a.Cluster != e.cluster) || (e.node != "" && a.Node != e.node) ||
 			(e.owner != "" && a.Owner != e.owner) || (e.ns != "" && a.Pod.Namespace != e.ns) {
@@ -46,8 +46,8 @@ func allocList(ctx context.Context, e *env) error {
 
 // allocDetail is one allocation as alloc show prints it (-o json: an array of these).
 type allocDetail struct {
-	leases.AllocationEntry
-	leases.LeaseTTL
+	admin.AllocationEntry
+	admin.LeaseTTL
 }
 
 func allocShow(ctx context.Context, e *env) error {
@@ -65,12 +65,12 @@ func allocShow(ctx context.Context, e *env) error {
 	}
 	var prefixes []string
 	for _, p := range pools {
-		prefixes = append(prefixes, leases.IPKey(p, ip), leases.QuarantineKey(p, ip))
+		prefixes = append(prefixes, keyspace.IPKey(p, ip), keyspace.QuarantineKey(p, ip))
 	}
 	var out []allocDetail
 	var resting []string
 	if len(prefixes) > 0 {
-		st, err := leases.ReadKeys(ctx, e.cli, prefixes...)
+		st, err := admin.ReadKeys(ctx, e.cli, prefixes...)
 		if err != nil {
 			return err
 		}
@@ -78,7 +78,7 @@ func allocShow(ctx context.Context, e *env) error {
 			if a.IP != ip {
 				continue // a longer address sharing the key prefix (10.0.0.1 / 10.0.0.10)
 			}
-			ttl, err := leases.TimeToLive(ctx, e.cli, a.BoundLease)
+			ttl, err := admin.TimeToLive(ctx, e.cli, a.BoundLease)
 			if err != nil {
 				return err
 			}
@@ -97,9 +97,9 @@ func allocShow(ctx context.Context, e *env) error {
 			where = "pool " + e.pool
 		}
 		if len(resting) > 0 {
-			return fmt.Errorf("%w: %s has no allocation in %s; it rests in quarantine in %s", leases.ErrNotFound, ip, where, strings.Join(resting, ", "))
+			return fmt.Errorf("%w: %s has no allocation in %s; it rests in quarantine in %s", admin.ErrNotFound, ip, where, strings.Join(resting, ", "))
 		}
-		return fmt.Errorf("%w: %s has no allocation in %s", leases.ErrNotFound, ip, where)
+		return fmt.Errorf("%w: %s has no allocation in %s", admin.ErrNotFound, ip, where)
 	}
 	if e.output == "json" {
 		return writeJSON(e.stdout, out)
@@ -149,8 +149,8 @@ func showOne(e *env, d allocDetail, now time.Time) {
 // poolsHolding lists the pools with an allocation or quarantine key for ip, reading keys only.
 func poolsHolding(ctx context.Context, cli *clientv3.Client, ip netip.Addr) ([]string, error) {
 	resp, err := cli.Txn(ctx).Then(
-		clientv3.OpGet(leases.IPsPrefix(""), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(leases.Prefix+"quarantine/", clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.IPsPrefix(""), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.Prefix+"quarantine/", clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("list allocations: %w", err)
@@ -159,9 +159,9 @@ func poolsHolding(ctx context.Context, cli *clientv3.Client, ip netip.Addr) ([]s
 	var pools []string
 	for i, r := range resp.Responses {
 		for _, kv := range r.GetResponseRange().Kvs {
-			parse := leases.ParseIPKey
+			parse := keyspace.ParseIPKey
 			if i == 1 {
-				parse = leases.ParseQuarantineKey
+				parse = keyspace.ParseQuarantineKey
 			}
 			if p, a, err := parse(string(kv.Key)); err == nil && a == ip && !seen[p] {
 				seen[p] = true
@@ -197,7 +197,7 @@ func allocRelease(ctx context.Context, e *env) error {
 	if e.quarantine < 0 {
 		return usagef("--quarantine %s: want 0s (none) or more", e.quarantine)
 	}
-	res, err := leases.Release(ctx, e.cli, e.pool, ip, leases.ReleaseOptions{Force: e.force, Quarantine: e.quarantine})
+	res, err := admin.Release(ctx, e.cli, e.pool, ip, admin.ReleaseOptions{Force: e.force, Quarantine: e.quarantine})
 	if err != nil {
 		return err
 	}

@@ -4,15 +4,15 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 func TestAllocShowAndRelease(t *testing.T) {
-	ctx := testCtx(t)
-	cli := client(t, endpoint)
-	cluster, pool, pool2 := uniq("c"), uniq("net"), uniq("net")
+	ctx := etcdtest.Ctx(t)
+	cli := etcdtest.ClientAt(t, endpoint)
+	cluster, pool, pool2 := etcdtest.Uniq("c"), etcdtest.Uniq("net"), etcdtest.Uniq("net")
 	for _, p := range []string{pool, pool2} {
 		if r := ctl("pool", "create", p, "--range", "10.87.0.0/24", "--range", "fd87::/120"); r.code != 0 {
 			t.Fatalf("pool create: %+v", r)
@@ -54,7 +54,7 @@ func TestAllocShowAndRelease(t *testing.T) {
 				t.Errorf("refusal does not say %q: %s", s, r.stderr)
 			}
 		}
-		if r.code != exitError || len(keys(t, cli, leases.IPKey(pool, mustIP("10.87.0.10")))) != 1 {
+		if r.code != exitError || len(keys(t, cli, keyspace.IPKey(pool, mustIP("10.87.0.10")))) != 1 {
 			t.Errorf("exit %d, or the key was touched", r.code)
 		}
 	})
@@ -62,15 +62,15 @@ func TestAllocShowAndRelease(t *testing.T) {
 		var out releaseJSON
 		r := ctl("alloc", "release", "10.87.0.10", "--pool", pool, "--force", "-o", "json")
 		jsonOf(t, r, &out)
-		if r.code != 0 || len(out.Released) != 2 || !out.Forced || out.OwnerIndex != leases.OwnerKey(cluster, "u-web", "eth0", pool) || out.QuarantineUntil == nil {
+		if r.code != 0 || len(out.Released) != 2 || !out.Forced || out.OwnerIndex != keyspace.OwnerKey(cluster, "u-web", "eth0", pool) || out.QuarantineUntil == nil {
 			t.Fatalf("release: exit %d %+v (%s)", r.code, out, r.stderr)
 		}
-		for _, k := range []string{leases.IPKey(pool, mustIP("10.87.0.10")), leases.IPKey(pool, mustIP("fd87::10")), out.OwnerIndex} {
+		for _, k := range []string{keyspace.IPKey(pool, mustIP("10.87.0.10")), keyspace.IPKey(pool, mustIP("fd87::10")), out.OwnerIndex} {
 			if len(keys(t, cli, k)) != 0 {
 				t.Errorf("%s still exists", k)
 			}
 		}
-		if len(keys(t, cli, leases.IPKey(pool2, mustIP("10.87.0.10")))) != 1 {
+		if len(keys(t, cli, keyspace.IPKey(pool2, mustIP("10.87.0.10")))) != 1 {
 			t.Errorf("the other pool's allocation of the same address was touched")
 		}
 		if r := ctl("alloc", "show", "10.87.0.10", "--pool", pool); r.code != exitNotFound || !strings.Contains(r.stderr, "quarantine") {
@@ -79,10 +79,10 @@ func TestAllocShowAndRelease(t *testing.T) {
 	})
 	t.Run("leaseless key released without force, owner index on a lease kept", func(t *testing.T) {
 		ip := "10.87.0.10"
-		own := leases.OwnerKey(cluster, "u-db", "eth0", pool2)
+		own := keyspace.OwnerKey(cluster, "u-db", "eth0", pool2)
 		// A hand edit drops the allocation's lease: it no longer shares one with its owner index.
-		v := keys(t, cli, leases.IPKey(pool2, mustIP(ip)))[leases.IPKey(pool2, mustIP(ip))]
-		if _, err := cli.Put(ctx, leases.IPKey(pool2, mustIP(ip)), v); err != nil {
+		v := keys(t, cli, keyspace.IPKey(pool2, mustIP(ip)))[keyspace.IPKey(pool2, mustIP(ip))]
+		if _, err := cli.Put(ctx, keyspace.IPKey(pool2, mustIP(ip)), v); err != nil {
 			t.Fatal(err)
 		}
 		r := ctl("alloc", "release", ip, "--pool", pool2, "--quarantine", "0s")
@@ -92,7 +92,7 @@ func TestAllocShowAndRelease(t *testing.T) {
 		if len(keys(t, cli, own)) != 1 {
 			t.Errorf("the owner index on another lease was deleted")
 		}
-		if len(keys(t, cli, leases.QuarantineKey(pool2, mustIP(ip)))) != 0 {
+		if len(keys(t, cli, keyspace.QuarantineKey(pool2, mustIP(ip)))) != 0 {
 			t.Errorf("--quarantine 0s still quarantined the address")
 		}
 	})
@@ -101,7 +101,7 @@ func TestAllocShowAndRelease(t *testing.T) {
 // keys returns key with its value when it exists (a one-entry map), else an empty map.
 func keys(t *testing.T, cli *clientv3.Client, prefix string) map[string]string {
 	t.Helper()
-	resp, err := cli.Get(testCtx(t), prefix, clientv3.WithPrefix())
+	resp, err := cli.Get(etcdtest.Ctx(t), prefix, clientv3.WithPrefix())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,9 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
 )
 
@@ -26,8 +29,8 @@ type doctorWorld struct {
 
 func newDoctorWorld(t *testing.T, ep string) *doctorWorld {
 	t.Helper()
-	w := &doctorWorld{ep: ep, cluster: "c1", node: "n1", pool: "net", cli: client(t, ep)}
-	if _, err := w.cli.Delete(testCtx(t), leases.Prefix, clientv3.WithPrefix()); err != nil {
+	w := &doctorWorld{ep: ep, cluster: "c1", node: "n1", pool: "net", cli: etcdtest.ClientAt(t, ep)}
+	if _, err := w.cli.Delete(etcdtest.Ctx(t), keyspace.Prefix, clientv3.WithPrefix()); err != nil {
 		t.Fatal(err)
 	}
 	if r := ctlAt(ep, "pool", "create", w.pool, "--range", "10.90.0.0/24", "--range", "fd90::/120", "--exclude", "10.90.0.250"); r.code != 0 {
@@ -36,15 +39,15 @@ func newDoctorWorld(t *testing.T, ep string) *doctorWorld {
 	a := agent(t, ep, w.cluster, w.node)
 	w.agent = a
 	attach(t, a, w.pool, "web", "10.90.0.10", "fd90::10")
-	w.ip4, w.ip6 = leases.IPKey(w.pool, mustIP("10.90.0.10")), leases.IPKey(w.pool, mustIP("fd90::10"))
-	w.owner, w.pod = leases.OwnerKey(w.cluster, "u-web", "eth0", w.pool), leases.PodKey(w.cluster, w.node, "u-web")
+	w.ip4, w.ip6 = keyspace.IPKey(w.pool, mustIP("10.90.0.10")), keyspace.IPKey(w.pool, mustIP("fd90::10"))
+	w.owner, w.pod = keyspace.OwnerKey(w.cluster, "u-web", "eth0", w.pool), keyspace.PodKey(w.cluster, w.node, "u-web")
 	w.lease = w.leaseOf(t, w.ip4)
 	return w
 }
 
 func (w *doctorWorld) leaseOf(t *testing.T, key string) clientv3.LeaseID {
 	t.Helper()
-	resp, err := w.cli.Get(testCtx(t), key)
+	resp, err := w.cli.Get(etcdtest.Ctx(t), key)
 	if err != nil || len(resp.Kvs) != 1 {
 		t.Fatalf("get %s: %v", key, err)
 	}
@@ -60,21 +63,21 @@ func (w *doctorWorld) put(t *testing.T, key, value string, lease clientv3.LeaseI
 	if lease != 0 {
 		opts = append(opts, clientv3.WithLease(lease))
 	}
-	if _, err := w.cli.Put(testCtx(t), key, value, opts...); err != nil {
+	if _, err := w.cli.Put(etcdtest.Ctx(t), key, value, opts...); err != nil {
 		t.Fatal(err)
 	}
 }
 
 func (w *doctorWorld) del(t *testing.T, key string) {
 	t.Helper()
-	if _, err := w.cli.Delete(testCtx(t), key); err != nil {
+	if _, err := w.cli.Delete(etcdtest.Ctx(t), key); err != nil {
 		t.Fatal(err)
 	}
 }
 
 func (w *doctorWorld) grant(t *testing.T) clientv3.LeaseID {
 	t.Helper()
-	g, err := w.cli.Grant(testCtx(t), 60)
+	g, err := w.cli.Grant(etcdtest.Ctx(t), 60)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +111,7 @@ func etcdctlDir() string {
 
 // apply runs a finding's fix as the admin would paste it: leaseholdctl in-process, etcdctl
 // through a shell with the real binary.
-func (w *doctorWorld) apply(t *testing.T, f finding, bin string) {
+func (w *doctorWorld) apply(t *testing.T, f admin.Finding, bin string) {
 	t.Helper()
 	switch {
 	case strings.HasPrefix(f.Fix, "leaseholdctl "):
@@ -128,11 +131,12 @@ func (w *doctorWorld) apply(t *testing.T, f finding, bin string) {
 }
 
 func TestDoctor(t *testing.T) {
-	ep, stop, err := startEtcd()
+	srv, stop, err := etcdtest.Start()
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(stop)
+	ep := srv.ClientURL
 	bin := etcdctlDir()
 	ghost := `{"uid":"x","version":"v","leaseID":"0"}`
 	tests := []struct {
@@ -145,77 +149,77 @@ func TestDoctor(t *testing.T) {
 		manual  func(t *testing.T, w *doctorWorld) // cleanup for fixes a test cannot run (kubectl)
 	}{
 		// A plain `etcdctl put` of an allocation: no lease, no owner index. Released without --force.
-		{name: "hand-written allocation without lease", kind: kindNoLease,
+		{name: "hand-written allocation without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
+				w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
 			},
-			key: func(w *doctorWorld) string { return leases.IPKey(w.pool, mustIP("10.90.0.50")) },
+			key: func(w *doctorWorld) string { return keyspace.IPKey(w.pool, mustIP("10.90.0.50")) },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.50 --pool net" }},
 		// An agent's allocation put again by hand loses its lease; it goes back on its owner index's lease.
-		{name: "allocation rewritten without lease", kind: kindNoLease, partial: true,
+		{name: "allocation rewritten without lease", kind: admin.KindNoLease, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.put(t, w.ip4, w.value(t, w.ip4), 0) },
 			key:  func(w *doctorWorld) string { return w.ip4 },
-			fix:  func(w *doctorWorld) string { return "--lease=" + leases.LeaseHex(w.lease) + "' '' '' | etcdctl txn" }},
+			fix:  func(w *doctorWorld) string { return "--lease=" + keyspace.LeaseHex(w.lease) + "' '' '' | etcdctl txn" }},
 		// The same for the owner index: its addresses' lease is where it belongs.
-		{name: "owner index rewritten without lease", kind: kindNoLease, partial: true,
+		{name: "owner index rewritten without lease", kind: admin.KindNoLease, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.put(t, w.owner, w.value(t, w.owner), 0) },
 			key:  func(w *doctorWorld) string { return w.owner },
-			fix:  func(w *doctorWorld) string { return "--lease=" + leases.LeaseHex(w.lease) }},
+			fix:  func(w *doctorWorld) string { return "--lease=" + keyspace.LeaseHex(w.lease) }},
 		// And for the pod record.
-		{name: "pod record rewritten without lease", kind: kindNoLease, partial: true,
+		{name: "pod record rewritten without lease", kind: admin.KindNoLease, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.put(t, w.pod, w.value(t, w.pod), 0) },
 			key:  func(w *doctorWorld) string { return w.pod },
-			fix:  func(w *doctorWorld) string { return "--lease=" + leases.LeaseHex(w.lease) }},
+			fix:  func(w *doctorWorld) string { return "--lease=" + keyspace.LeaseHex(w.lease) }},
 		// The owner index names an address whose key was deleted: restored create-if-absent on the pod's lease.
-		{name: "owner index without allocation", kind: kindOwnerNoAlloc, partial: true,
+		{name: "owner index without allocation", kind: admin.KindOwnerNoAlloc, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.ip6) },
 			key:  func(w *doctorWorld) string { return w.ip6 },
 			fix:  func(w *doctorWorld) string { return `create("` + w.ip6 + `") = "0"` }},
 		// The reverse: allocations no owner index names; no DEL would release them.
-		{name: "allocation without owner index", kind: kindOrphan,
+		{name: "allocation without owner index", kind: admin.KindOrphan,
 			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.owner) },
 			key:  func(w *doctorWorld) string { return w.ip4 },
 			fix:  func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// Without its pod record, a restarted agent would not resume the pod's lease.
-		{name: "pod record missing", kind: kindPodMissing, partial: true,
+		{name: "pod record missing", kind: admin.KindPodMissing, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.pod) },
 			key:  func(w *doctorWorld) string { return w.pod },
 			fix:  func(w *doctorWorld) string { return `create("` + w.pod + `") = "0"` }},
 		// Allocation and owner index on different leases: one would outlive the other.
-		{name: "allocation on another lease", kind: kindLeaseMismatch, partial: true,
+		{name: "allocation on another lease", kind: admin.KindLeaseMismatch, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) { w.put(t, w.ip4, w.value(t, w.ip4), w.grant(t)) },
 			key:  func(w *doctorWorld) string { return w.ip4 },
-			fix:  func(w *doctorWorld) string { return "--lease=" + leases.LeaseHex(w.lease) }},
+			fix:  func(w *doctorWorld) string { return "--lease=" + keyspace.LeaseHex(w.lease) }},
 		// The definition was shrunk with a plain put, bypassing remove-range's check.
-		{name: "allocation outside every range", kind: kindOutOfRange,
+		{name: "allocation outside every range", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.1.0/24"}],[{"subnet":"fd90::/120"}]]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.1.0/24"}],[{"subnet":"fd90::/120"}]]}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// An exclude added by hand covers a held address.
-		{name: "allocation in an exclude", kind: kindOutOfRange,
+		{name: "allocation in an exclude", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24"}],[{"subnet":"fd90::/120"}]],"exclude":["10.90.0.8/29"]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24"}],[{"subnet":"fd90::/120"}]],"exclude":["10.90.0.8/29"]}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// A gateway set by hand onto a held address: the pod has the router's address.
-		{name: "allocation on a gateway", kind: kindOutOfRange,
+		{name: "allocation on a gateway", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24","gateway":"10.90.0.10"}],[{"subnet":"fd90::/120"}]]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24","gateway":"10.90.0.10"}],[{"subnet":"fd90::/120"}]]}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// The definition deleted: recreated around the held addresses.
-		{name: "pool without definition", kind: kindPoolUndefined,
-			seed: func(t *testing.T, w *doctorWorld) { w.del(t, leases.PoolKey(w.pool)) },
+		{name: "pool without definition", kind: admin.KindPoolUndefined,
+			seed: func(t *testing.T, w *doctorWorld) { w.del(t, keyspace.PoolKey(w.pool)) },
 			key:  func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string {
 				return "leaseholdctl pool create net --range 10.90.0.0/24 --range fd90::/64"
 			}},
 		// Two pools over one subnet hand out the same address: the newer holder is released.
-		{name: "same address in overlapping pools", kind: kindDuplicate,
+		{name: "same address in overlapping pools", kind: admin.KindDuplicate,
 			seed: func(t *testing.T, w *doctorWorld) {
 				if r := ctlAt(w.ep, "pool", "create", "net2", "--range", "10.90.0.0/24"); r.code != 0 {
 					t.Fatalf("pool create: %+v", r)
@@ -225,71 +229,71 @@ func TestDoctor(t *testing.T) {
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net2 --force" }},
 		// Garbage where an allocation should be, on a lease.
-		{name: "unreadable allocation", kind: kindUnreadable,
+		{name: "unreadable allocation", kind: admin.KindUnreadable,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.IPKey(w.pool, mustIP("10.90.0.60")), "garbage", w.grant(t))
+				w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.60")), "garbage", w.grant(t))
 			},
-			key: func(w *doctorWorld) string { return leases.IPKey(w.pool, mustIP("10.90.0.60")) },
+			key: func(w *doctorWorld) string { return keyspace.IPKey(w.pool, mustIP("10.90.0.60")) },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.60 --pool net --force" }},
 		// Garbage owner index: DEL and CHECK of that attachment would fail on it.
-		{name: "unreadable owner index", kind: kindUnreadable,
+		{name: "unreadable owner index", kind: admin.KindUnreadable,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.OwnerKey("c1", "u-x", "eth0", "net"), "{", w.grant(t))
+				w.put(t, keyspace.OwnerKey("c1", "u-x", "eth0", "net"), "{", w.grant(t))
 			},
-			key: func(w *doctorWorld) string { return leases.OwnerKey("c1", "u-x", "eth0", "net") },
-			fix: func(w *doctorWorld) string { return "etcdctl del " + leases.OwnerKey("c1", "u-x", "eth0", "net") }},
+			key: func(w *doctorWorld) string { return keyspace.OwnerKey("c1", "u-x", "eth0", "net") },
+			fix: func(w *doctorWorld) string { return "etcdctl del " + keyspace.OwnerKey("c1", "u-x", "eth0", "net") }},
 		// A key no component reads.
-		{name: "malformed key", kind: kindBadKey,
-			seed: func(t *testing.T, w *doctorWorld) { w.put(t, leases.IPsPrefix(w.pool)+"not-an-ip", "{}", 0) },
-			key:  func(w *doctorWorld) string { return leases.IPsPrefix(w.pool) + "not-an-ip" },
-			fix:  func(w *doctorWorld) string { return "etcdctl del " + leases.IPsPrefix(w.pool) + "not-an-ip" }},
+		{name: "malformed key", kind: admin.KindBadKey,
+			seed: func(t *testing.T, w *doctorWorld) { w.put(t, keyspace.IPsPrefix(w.pool)+"not-an-ip", "{}", 0) },
+			key:  func(w *doctorWorld) string { return keyspace.IPsPrefix(w.pool) + "not-an-ip" },
+			fix:  func(w *doctorWorld) string { return "etcdctl del " + keyspace.IPsPrefix(w.pool) + "not-an-ip" }},
 		// Records that only need a lease: quarantine, node, host address, conflict.
-		{name: "quarantine without lease", kind: kindNoLease,
+		{name: "quarantine without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.QuarantineKey(w.pool, mustIP("10.90.0.70")), `{"releasedBy":"x"}`, 0)
+				w.put(t, keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70")), `{"releasedBy":"x"}`, 0)
 			},
-			key: func(w *doctorWorld) string { return leases.QuarantineKey(w.pool, mustIP("10.90.0.70")) },
+			key: func(w *doctorWorld) string { return keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70")) },
 			fix: func(w *doctorWorld) string {
-				return "etcdctl del " + leases.QuarantineKey(w.pool, mustIP("10.90.0.70"))
+				return "etcdctl del " + keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70"))
 			}},
-		{name: "node record without lease", kind: kindNoLease,
-			seed: func(t *testing.T, w *doctorWorld) { w.put(t, leases.NodeKey("c1", "ghost"), ghost, 0) },
-			key:  func(w *doctorWorld) string { return leases.NodeKey("c1", "ghost") },
-			fix:  func(w *doctorWorld) string { return "etcdctl del " + leases.NodeKey("c1", "ghost") }},
-		{name: "host address without lease", kind: kindNoLease,
+		{name: "node record without lease", kind: admin.KindNoLease,
+			seed: func(t *testing.T, w *doctorWorld) { w.put(t, keyspace.NodeKey("c1", "ghost"), ghost, 0) },
+			key:  func(w *doctorWorld) string { return keyspace.NodeKey("c1", "ghost") },
+			fix:  func(w *doctorWorld) string { return "etcdctl del " + keyspace.NodeKey("c1", "ghost") }},
+		{name: "host address without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost"), "{}", 0)
+				w.put(t, keyspace.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost"), "{}", 0)
 			},
-			key: func(w *doctorWorld) string { return leases.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost") },
+			key: func(w *doctorWorld) string { return keyspace.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost") },
 			fix: func(w *doctorWorld) string {
-				return "etcdctl del " + leases.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost")
+				return "etcdctl del " + keyspace.HostIPKey(mustIP("10.90.0.99"), "c1", "ghost")
 			}},
-		{name: "conflict record without lease", kind: kindNoLease,
+		{name: "conflict record without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.ConflictKey("c1", "u-x", "eth0", "net"), `{"taken":[]}`, 0)
+				w.put(t, keyspace.ConflictKey("c1", "u-x", "eth0", "net"), `{"taken":[]}`, 0)
 			},
-			key: func(w *doctorWorld) string { return leases.ConflictKey("c1", "u-x", "eth0", "net") },
-			fix: func(w *doctorWorld) string { return "etcdctl del " + leases.ConflictKey("c1", "u-x", "eth0", "net") }},
+			key: func(w *doctorWorld) string { return keyspace.ConflictKey("c1", "u-x", "eth0", "net") },
+			fix: func(w *doctorWorld) string { return "etcdctl del " + keyspace.ConflictKey("c1", "u-x", "eth0", "net") }},
 		// A pool definition on a lease would vanish with it: written again without one.
-		{name: "pool definition on a lease", kind: kindPoolOnLease, partial: true,
+		{name: "pool definition on a lease", kind: admin.KindPoolOnLease, partial: true,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, leases.PoolKey(w.pool), w.value(t, leases.PoolKey(w.pool)), w.grant(t))
+				w.put(t, keyspace.PoolKey(w.pool), w.value(t, keyspace.PoolKey(w.pool)), w.grant(t))
 			},
-			key: func(w *doctorWorld) string { return leases.PoolKey(w.pool) },
-			fix: func(w *doctorWorld) string { return `' '' 'put ` + leases.PoolKey(w.pool) + ` "` }},
+			key: func(w *doctorWorld) string { return keyspace.PoolKey(w.pool) },
+			fix: func(w *doctorWorld) string { return `' '' 'put ` + keyspace.PoolKey(w.pool) + ` "` }},
 		// After a lost lease another pod took web's address (a recorded conflict): web must be recreated.
-		{name: "owner index names another holder", kind: kindOwnerOtherAlloc,
+		{name: "owner index names another holder", kind: admin.KindOwnerOtherAlloc,
 			seed: func(t *testing.T, w *doctorWorld) {
 				other := attach(t, w.agent, w.pool, "thief").IPs[0].Address.Addr()
 				w.saved = w.value(t, w.owner)
 				w.put(t, w.owner, strings.Replace(w.value(t, w.owner), "10.90.0.10", other.String(), 1), w.lease)
-				w.put(t, leases.ConflictKey("c1", "u-web", "eth0", "net"), `{"taken":[{"ip":"`+other.String()+`","holder":"u-thief"}]}`, w.lease)
+				w.put(t, keyspace.ConflictKey("c1", "u-web", "eth0", "net"), `{"taken":[{"ip":"`+other.String()+`","holder":"u-thief"}]}`, w.lease)
 			},
 			key: func(w *doctorWorld) string { return w.owner },
 			fix: func(w *doctorWorld) string { return "kubectl delete pod -n ns pod-web" },
 			manual: func(t *testing.T, w *doctorWorld) {
 				w.put(t, w.owner, w.saved, w.lease)
-				w.del(t, leases.ConflictKey("c1", "u-web", "eth0", "net"))
+				w.del(t, keyspace.ConflictKey("c1", "u-web", "eth0", "net"))
 			}},
 	}
 	for _, tt := range tests {
@@ -300,9 +304,9 @@ func TestDoctor(t *testing.T) {
 			}
 			tt.seed(t, w)
 			code, out := w.doctor(t)
-			i := slices.IndexFunc(out.Findings, func(f finding) bool { return f.Kind == tt.kind && slices.Contains(f.Keys, tt.key(w)) })
+			i := slices.IndexFunc(out.Findings, func(f admin.Finding) bool { return f.Kind == tt.kind && slices.Contains(f.Keys, tt.key(w)) })
 			if code != exitProblems || i < 0 {
-				t.Fatalf("doctor: exit %d, no %s finding for %s in %+v", code, tt.kind, tt.key(w), out.Findings)
+				t.Fatalf("doctor: exit %d, no %s admin.Finding for %s in %+v", code, tt.kind, tt.key(w), out.Findings)
 			}
 			f, want := out.Findings[i], tt.fix(w)
 			if (tt.partial && !strings.Contains(f.Fix, want)) || (!tt.partial && f.Fix != want) || f.Message == "" {
@@ -332,7 +336,7 @@ func TestDoctor(t *testing.T) {
 	// --cluster keeps one cluster's findings (and the shared pools'); -o json has stable names.
 	t.Run("scope and json", func(t *testing.T) {
 		w := newDoctorWorld(t, ep)
-		w.put(t, leases.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
+		w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
 		if code, out := w.doctor(t, "--cluster", "c2"); code != exitOK || len(out.Findings) != 0 {
 			t.Errorf("doctor --cluster c2: exit %d, %+v", code, out.Findings)
 		}
@@ -345,7 +349,7 @@ func TestDoctor(t *testing.T) {
 		}
 		for _, k := range []string{"kind", "keys", "cluster", "message", "fix"} {
 			if _, ok := findings[0].(map[string]any)[k]; !ok {
-				t.Errorf("finding has no %q: %s", k, r.stdout)
+				t.Errorf("admin.Finding has no %q: %s", k, r.stdout)
 			}
 		}
 	})

@@ -15,8 +15,9 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // version is set at build time (-ldflags -X main.version=...).
@@ -202,7 +203,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "leaseholdctl: %v\n(leaseholdctl -h lists the commands and flags)\n", err)
 		return exitUsage
 	}
-	cc := leases.ClientConfig{Endpoints: strings.Split(e.endpoints, ","), CACert: e.cacert, Cert: e.cert, Key: e.key,
+	cc := keyspace.ClientConfig{Endpoints: strings.Split(e.endpoints, ","), CACert: e.cacert, Cert: e.cert, Key: e.key,
 		DialTimeout: e.dialTimeout}
 	if e.user != "" {
 		name, pw, ok := strings.Cut(e.user, ":")
@@ -282,7 +283,7 @@ func exitCode(err error) int {
 		return exitUsage
 	case errors.Is(err, errProblems):
 		return exitProblems
-	case errors.Is(err, leases.ErrNotFound):
+	case errors.Is(err, admin.ErrNotFound):
 		return exitNotFound
 	}
 	return exitError

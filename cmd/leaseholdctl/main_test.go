@@ -10,15 +10,13 @@ import (
 	"net/netip"
 	"os"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
-	"github.com/leasehold/leasehold/leases/etcdserver"
 )
 
 // endpoint is the client URL of the embedded etcd member the tests share; they keep apart by
@@ -29,58 +27,15 @@ func TestMain(m *testing.M) {
 	for _, k := range []string{"ENDPOINTS", "CACERT", "CERT", "KEY", "USER", "PASSWORD", "DIAL_TIMEOUT", "COMMAND_TIMEOUT"} {
 		os.Unsetenv("ETCDCTL_" + k) // the admin's own settings must not leak into the tests
 	}
-	url, stop, err := startEtcd()
+	srv, stop, err := etcdtest.Start()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	endpoint = url
+	endpoint = srv.ClientURL
 	code := m.Run()
 	stop()
 	os.Exit(code)
-}
-
-// startEtcd runs an embedded etcd member in a temporary directory.
-func startEtcd() (string, func(), error) {
-	dir, err := os.MkdirTemp("", "leaseholdctl-etcd-")
-	if err != nil {
-		return "", nil, err
-	}
-	ctx := context.Background()
-	curl, err := etcdserver.FreeLoopbackURL(ctx)
-	if err != nil {
-		return "", nil, err
-	}
-	purl, err := etcdserver.FreeLoopbackURL(ctx)
-	if err != nil {
-		return "", nil, err
-	}
-	srv, err := etcdserver.Start(etcdserver.Config{Dir: dir, ClientURL: curl, PeerURL: purl})
-	if err != nil {
-		os.RemoveAll(dir)
-		return "", nil, err
-	}
-	return srv.ClientURL, func() { srv.Close(); os.RemoveAll(dir) }, nil
-}
-
-var seq atomic.Int64
-
-func uniq(prefix string) string { return fmt.Sprintf("%s%d", prefix, seq.Add(1)) }
-
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-func client(t *testing.T, ep string) *clientv3.Client {
-	t.Helper()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{ep}, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
-	return cli
 }
 
 // result is one in-process run of leaseholdctl.
@@ -113,7 +68,7 @@ func agent(t *testing.T, ep, cluster, node string) *leases.Agent {
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	a, err := leases.Start(ctx, client(t, ep), cfg)
+	a, err := leases.Start(ctx, etcdtest.ClientAt(t, ep), cfg)
 	if err != nil {
 		t.Fatalf("start agent: %v", err)
 	}
@@ -129,7 +84,7 @@ func attach(t *testing.T, a *leases.Agent, pool, container string, ips ...string
 	for _, ip := range ips {
 		req.RequestedIPs = append(req.RequestedIPs, netip.MustParseAddr(ip))
 	}
-	res, err := a.Add(testCtx(t), req)
+	res, err := a.Add(etcdtest.Ctx(t), req)
 	if err != nil {
 		t.Fatalf("add %s: %v", container, err)
 	}
@@ -137,7 +92,7 @@ func attach(t *testing.T, a *leases.Agent, pool, container string, ips ...string
 }
 
 func TestExitCodes(t *testing.T) {
-	pool := uniq("net")
+	pool := etcdtest.Uniq("net")
 	if r := ctl("pool", "create", pool, "--range", "10.80.0.0/24"); r.code != 0 {
 		t.Fatalf("pool create: %+v", r)
 	}
@@ -165,9 +120,9 @@ func TestExitCodes(t *testing.T) {
 		// Release must name the pool.
 		{"release without pool", []string{"alloc", "release", "10.80.0.5"}, nil, exitUsage, "--pool"},
 		// A range spec with an unknown key.
-		{"bad range syntax", []string{"pool", "create", uniq("net"), "--range", "10.81.0.0/24,begin=10.81.0.5"}, nil, exitUsage, "begin"},
+		{"bad range syntax", []string{"pool", "create", etcdtest.Uniq("net"), "--range", "10.81.0.0/24,begin=10.81.0.5"}, nil, exitUsage, "begin"},
 		// A range that is wrong whatever the pool.
-		{"range with host bits", []string{"pool", "create", uniq("net"), "--range", "10.81.0.5/24"}, nil, exitUsage, "did you mean 10.81.0.0/24"},
+		{"range with host bits", []string{"pool", "create", etcdtest.Uniq("net"), "--range", "10.81.0.5/24"}, nil, exitUsage, "did you mean 10.81.0.0/24"},
 		// A cluster name that would escape its key prefix.
 		{"bad cluster name", []string{"node", "list", "--cluster", "a/b"}, nil, exitUsage, "cluster name"},
 		// An address nobody holds: not found, distinct from a failure.
@@ -175,9 +130,9 @@ func TestExitCodes(t *testing.T) {
 		// Release of an address nobody holds.
 		{"alloc release not found", []string{"alloc", "release", "10.80.0.77", "--pool", pool}, nil, exitNotFound, "no allocation"},
 		// An unknown pool.
-		{"pool show not found", []string{"pool", "show", uniq("net")}, nil, exitNotFound, "no definition"},
+		{"pool show not found", []string{"pool", "show", etcdtest.Uniq("net")}, nil, exitNotFound, "no definition"},
 		// Growing an unknown pool.
-		{"add-range not found", []string{"pool", "add-range", uniq("net"), "--range", "10.82.0.0/24"}, nil, exitNotFound, "no definition"},
+		{"add-range not found", []string{"pool", "add-range", etcdtest.Uniq("net"), "--range", "10.82.0.0/24"}, nil, exitNotFound, "no definition"},
 		// Another definition under an existing name is refused: the operation failed.
 		{"pool mismatch", []string{"pool", "create", pool, "--range", "10.83.0.0/24"}, nil, exitError, "requested:"},
 		// Nothing answers: the operation failed, after the command timeout.
@@ -214,18 +169,18 @@ func TestExitCodes(t *testing.T) {
 }
 
 func TestJSONShapes(t *testing.T) {
-	ctx := testCtx(t)
-	cluster, pool := uniq("c"), uniq("net")
+	ctx := etcdtest.Ctx(t)
+	cluster, pool := etcdtest.Uniq("c"), etcdtest.Uniq("net")
 	if r := ctl("pool", "create", pool, "--range", "10.84.0.0/24", "--range", "fd84::/120", "--exclude", "10.84.0.9"); r.code != 0 {
 		t.Fatalf("pool create: %+v", r)
 	}
 	a := agent(t, endpoint, cluster, "n1")
 	res := attach(t, a, pool, "c1")
 	ip := res.IPs[0].Address.Addr().String()
-	conflict := leases.ConflictRecord{ContainerID: "c9", Node: "n1", NodeUID: "uid-n1", Detected: time.Now().UTC(),
-		Taken: []leases.TakenByOther{{IP: netip.MustParseAddr("10.84.0.99"), Holder: "other", Cluster: "c2", Node: "n7"}}}
+	conflict := keyspace.ConflictRecord{ContainerID: "c9", Node: "n1", NodeUID: "uid-n1", Detected: time.Now().UTC(),
+		Taken: []keyspace.TakenByOther{{IP: netip.MustParseAddr("10.84.0.99"), Holder: "other", Cluster: "c2", Node: "n7"}}}
 	b, _ := json.Marshal(conflict)
-	if _, err := client(t, endpoint).Put(ctx, leases.ConflictKey(cluster, "u9", "eth0", pool), string(b)); err != nil {
+	if _, err := etcdtest.ClientAt(t, endpoint).Put(ctx, keyspace.ConflictKey(cluster, "u9", "eth0", pool), string(b)); err != nil {
 		t.Fatal(err)
 	}
 	tests := []struct {

@@ -9,9 +9,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // nodeJSON is one row of node list (-o json: an array of these). A node with pod records but
@@ -25,7 +25,7 @@ type nodeJSON struct {
 	Version string     `json:"version"`
 	Started *time.Time `json:"started"` // null without an agent record
 	LeaseID string     `json:"leaseID"`
-	leases.LeaseTTL
+	admin.LeaseTTL
 	// LastRenewedSecondsAgo is the lease's granted TTL minus what is left: how long ago the
 	// agent last renewed it (its keep-alive runs every TTL/3); -1 without a live lease.
 	LastRenewedSecondsAgo int64  `json:"lastRenewedSecondsAgo"`
@@ -35,14 +35,14 @@ type nodeJSON struct {
 
 // nodeStatuses lists the nodes of st (of cluster only, unless it is ""), asking etcd for the
 // TTL left on each agent's node lease.
-func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *leases.State, cluster string) ([]nodeJSON, error) {
+func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *admin.State, cluster string) ([]nodeJSON, error) {
 	byKey := map[string]*nodeJSON{}
 	get := func(c, n string) *nodeJSON {
 		k := c + "/" + n
 		if s, ok := byKey[k]; ok {
 			return s
 		}
-		s := &nodeJSON{Cluster: c, Node: n, LeaseTTL: leases.LeaseTTL{TTL: -1}, LastRenewedSecondsAgo: -1}
+		s := &nodeJSON{Cluster: c, Node: n, LeaseTTL: admin.LeaseTTL{TTL: -1}, LastRenewedSecondsAgo: -1}
 		byKey[k] = s
 		return s
 	}
@@ -53,8 +53,8 @@ func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *leases.State, c
 		s := get(e.Cluster, e.Node)
 		s.Agent, s.Unreadable = true, e.Unreadable
 		started := e.Value.Started
-		s.UID, s.Host, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Host, e.Value.Version, &started, leases.LeaseHex(e.Lease)
-		ttl, err := leases.TimeToLive(ctx, cli, e.Lease)
+		s.UID, s.Host, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Host, e.Value.Version, &started, keyspace.LeaseHex(e.Lease)
+		ttl, err := admin.TimeToLive(ctx, cli, e.Lease)
 		if err != nil {
 			return nil, err
 		}
@@ -76,7 +76,7 @@ func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *leases.State, c
 }
 
 func nodeList(ctx context.Context, e *env) error {
-	st, err := leases.ReadKeys(ctx, e.cli, leases.NodesPrefix(e.cluster))
+	st, err := admin.ReadKeys(ctx, e.cli, keyspace.NodesPrefix(e.cluster))
 	if err != nil {
 		return err
 	}
@@ -112,21 +112,21 @@ func nodeList(ctx context.Context, e *env) error {
 
 // conflictJSON is one conflict record as conflicts prints it (-o json: an array of these).
 type conflictJSON struct {
-	Key         string                `json:"key"`
-	Cluster     string                `json:"cluster"`
-	Owner       string                `json:"owner"`
-	IfName      string                `json:"ifName"`
-	Pool        string                `json:"pool"`
-	Node        string                `json:"node"`
-	NodeUID     string                `json:"nodeUID"`
-	ContainerID string                `json:"containerID"`
-	Taken       []leases.TakenByOther `json:"taken"`
-	Detected    time.Time             `json:"detected"`
-	Unreadable  string                `json:"unreadable,omitempty"`
+	Key         string                  `json:"key"`
+	Cluster     string                  `json:"cluster"`
+	Owner       string                  `json:"owner"`
+	IfName      string                  `json:"ifName"`
+	Pool        string                  `json:"pool"`
+	Node        string                  `json:"node"`
+	NodeUID     string                  `json:"nodeUID"`
+	ContainerID string                  `json:"containerID"`
+	Taken       []keyspace.TakenByOther `json:"taken"`
+	Detected    time.Time               `json:"detected"`
+	Unreadable  string                  `json:"unreadable,omitempty"`
 }
 
 func conflictList(ctx context.Context, e *env) error {
-	st, err := leases.ReadKeys(ctx, e.cli, leases.ConflictsPrefix(e.cluster))
+	st, err := admin.ReadKeys(ctx, e.cli, keyspace.ConflictsPrefix(e.cluster))
 	if err != nil {
 		return err
 	}
@@ -163,7 +163,7 @@ func conflictList(ctx context.Context, e *env) error {
 	return t.flush()
 }
 
-func takenText(tk leases.TakenByOther) string {
+func takenText(tk keyspace.TakenByOther) string {
 	if tk.Quarantined {
 		return tk.IP.String() + ": quarantined"
 	}
@@ -190,13 +190,13 @@ func poolConflictList(ctx context.Context, e *env) error {
 			return err
 		}
 	}
-	resp, err := e.cli.Get(ctx, leases.PoolConflictsPrefix(e.pool), clientv3.WithPrefix())
+	resp, err := e.cli.Get(ctx, keyspace.PoolConflictsPrefix(e.pool), clientv3.WithPrefix())
 	if err != nil {
 		return fmt.Errorf("list pool conflicts: %w", err)
 	}
 	rows := []poolConflictJSON{}
 	for _, kv := range resp.Kvs {
-		var rec leases.PoolConflictRecord
+		var rec keyspace.PoolConflictRecord
 		row := poolConflictJSON{Key: string(kv.Key)}
 		if err := json.Unmarshal(kv.Value, &rec); err != nil {
 			row.Wanted = "(unreadable: " + err.Error() + ")"

@@ -109,13 +109,3 @@ func prefixesText(ps []netip.Prefix) string {
 	}
 	return strings.Join(parts, ", ")
 }
-
-// shellQuote quotes s for a POSIX shell, so printed fix commands can be pasted as they are.
-func shellQuote(s string) string {
-	if s != "" && strings.IndexFunc(s, func(r rune) bool {
-		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("/._:@,=-", r))
-	}) < 0 {
-		return s
-	}
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
-}

@@ -9,8 +9,9 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // counts is how much of a range, or of a range set, is taken. An address counts once: as
@@ -50,45 +51,20 @@ type holder struct {
 	allocated int
 }
 
-// rangeSize is what range j of set i hands out: its addresses, less excluded ones and every
-// gateway of the pool inside it. Summed over a set's ranges it equals PoolSpec.SetSize.
-func rangeSize(spec allocator.PoolSpec, i, j int) *big.Int {
-	r := spec.Ranges[i][j]
-	one := allocator.PoolSpec{Name: spec.Name, Ranges: []allocator.RangeSet{{r}}, Exclude: spec.Exclude}
-	n := one.SetSize(0)
-	seen := map[netip.Addr]bool{r.Gateway: true}
-	for _, s := range spec.Ranges {
-		for _, o := range s {
-			if g := o.Gateway; !seen[g] && one.Allocatable(g) == nil {
-				seen[g] = true
-				n.Sub(n, big.NewInt(1))
-			}
-		}
-	}
-	return n
-}
-
-// locate returns the set and range of spec that hand out ip.
-func locate(spec allocator.PoolSpec, ip netip.Addr) (int, int, bool) {
+// handedOut returns the set and range of spec that hand out ip.
+func handedOut(spec allocator.PoolSpec, ip netip.Addr) (int, int, bool) {
 	if spec.Allocatable(ip) != nil {
 		return 0, 0, false
 	}
-	for i, s := range spec.Ranges {
-		for j, r := range s {
-			if r.Contains(ip) {
-				return i, j, true
-			}
-		}
-	}
-	return 0, 0, false
+	return spec.Locate(ip)
 }
 
-func usageOf(st *leases.State, spec allocator.PoolSpec) *poolUsage {
+func usageOf(st *admin.State, spec allocator.PoolSpec) *poolUsage {
 	u := &poolUsage{spec: spec, holders: map[string]*holder{}}
 	for i, s := range spec.Ranges {
 		u.ranges = append(u.ranges, make([]counts, len(s)))
 		for j := range s {
-			u.ranges[i][j].size = rangeSize(spec, i, j)
+			u.ranges[i][j].size = spec.RangeSize(i, j)
 		}
 	}
 	taken := map[netip.Addr]bool{}
@@ -105,20 +81,20 @@ func usageOf(st *leases.State, spec allocator.PoolSpec) *poolUsage {
 		h.allocated++
 		h.nodes[a.Node] = true
 		taken[a.IP] = true
-		if i, j, ok := locate(spec, a.IP); ok {
+		if i, j, ok := handedOut(spec, a.IP); ok {
 			u.ranges[i][j].allocated++
 		} else {
 			u.outside++
 		}
 	}
 	for _, q := range st.Quarantine {
-		if i, j, ok := locate(spec, q.IP); ok && q.Pool == spec.Name && !taken[q.IP] {
+		if i, j, ok := handedOut(spec, q.IP); ok && q.Pool == spec.Name && !taken[q.IP] {
 			taken[q.IP] = true
 			u.ranges[i][j].quarantined++
 		}
 	}
 	for _, h := range st.HostIPs {
-		if i, j, ok := locate(spec, h.IP); ok && !taken[h.IP] {
+		if i, j, ok := handedOut(spec, h.IP); ok && !taken[h.IP] {
 			taken[h.IP] = true
 			u.ranges[i][j].hosts++
 		}
@@ -181,7 +157,7 @@ func toJSON(c counts) countsJSON {
 }
 
 func (u *poolUsage) json(cluster string) poolJSON {
-	p := poolJSON{Name: u.spec.Name, Key: leases.PoolKey(u.spec.Name), Sets: []setJSON{}, Exclude: u.spec.Exclude,
+	p := poolJSON{Name: u.spec.Name, Key: keyspace.PoolKey(u.spec.Name), Sets: []setJSON{}, Exclude: u.spec.Exclude,
 		Allocated: u.allocated, OutOfRange: u.outside, Holders: []holderJSON{}}
 	if p.Exclude == nil {
 		p.Exclude = []netip.Prefix{}
@@ -214,7 +190,7 @@ func sortedKeys[V any](m map[string]V) []string {
 
 // poolRows is every pool of st as pool list shows it, including pools that have
 // allocations but no (usable) definition.
-func poolRows(st *leases.State) []poolJSON {
+func poolRows(st *admin.State) []poolJSON {
 	var out []poolJSON
 	defined := map[string]bool{}
 	for _, p := range st.Pools {
@@ -237,7 +213,7 @@ func poolRows(st *leases.State) []poolJSON {
 		}
 	}
 	for _, name := range sortedKeys(undefined) {
-		out = append(out, poolJSON{Name: name, Key: leases.PoolKey(name), Allocated: undefined[name],
+		out = append(out, poolJSON{Name: name, Key: keyspace.PoolKey(name), Allocated: undefined[name],
 			Sets: []setJSON{}, Exclude: []netip.Prefix{}, Holders: []holderJSON{},
 			Problem: "no definition, but " + strconv.Itoa(undefined[name]) + " allocation(s); run leaseholdctl doctor"})
 	}
@@ -246,7 +222,7 @@ func poolRows(st *leases.State) []poolJSON {
 }
 
 func poolList(ctx context.Context, e *env) error {
-	st, err := leases.ReadState(ctx, e.cli)
+	st, err := admin.ReadState(ctx, e.cli)
 	if err != nil {
 		return err
 	}
@@ -280,14 +256,14 @@ func poolShow(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	st, err := leases.ReadState(ctx, e.cli)
+	st, err := admin.ReadState(ctx, e.cli)
 	if err != nil {
 		return err
 	}
 	p, ok := st.Pool(name)
 	switch {
 	case !ok:
-		return fmt.Errorf("%w: pool %s has no definition (%s); leaseholdctl pool list shows the pools", leases.ErrNotFound, name, leases.PoolKey(name))
+		return fmt.Errorf("%w: pool %s has no definition (%s); leaseholdctl pool list shows the pools", admin.ErrNotFound, name, keyspace.PoolKey(name))
 	case p.Unreadable != "":
 		return fmt.Errorf("pool definition %s is unreadable (%s); inspect it with: etcdctl get %s", p.Key, p.Unreadable, p.Key)
 	case p.Invalid != "":

@@ -5,8 +5,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // configNote reminds the admin that CNI configurations that spell out the ranges must follow
@@ -21,7 +22,7 @@ type poolChangeJSON struct {
 	After    allocator.PoolSpec `json:"after"`
 	Revision int64              `json:"revision"`
 	// Appeared lists allocations found in a removed range after the write (see RemoveRange).
-	Appeared []leases.AllocationEntry `json:"appeared,omitempty"`
+	Appeared []admin.AllocationEntry `json:"appeared,omitempty"`
 }
 
 func poolCreate(ctx context.Context, e *env) error {
@@ -41,7 +42,7 @@ func poolCreate(ctx context.Context, e *env) error {
 	if err := spec.Canonicalize(); err != nil {
 		return usageError{err.Error()}
 	}
-	created, err := leases.CreatePool(ctx, e.cli, spec)
+	created, err := admin.CreatePool(ctx, e.cli, spec)
 	if err != nil {
 		return err
 	}
@@ -50,7 +51,7 @@ func poolCreate(ctx context.Context, e *env) error {
 			Pool    allocator.PoolSpec `json:"pool"`
 			Key     string             `json:"key"`
 			Created bool               `json:"created"`
-		}{spec, leases.PoolKey(name), created})
+		}{spec, keyspace.PoolKey(name), created})
 	}
 	if created {
 		fmt.Fprintf(e.stdout, "created %s\n", spec)
@@ -69,7 +70,7 @@ func poolAddRange(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	ch, err := leases.AddRange(ctx, e.cli, name, set, r)
+	ch, err := admin.AddRange(ctx, e.cli, name, set, r)
 	if err != nil {
 		return err
 	}
@@ -100,15 +101,15 @@ func poolRemoveRange(ctx context.Context, e *env) error {
 	if rf.r.Subnet != rf.r.Subnet.Masked() {
 		return usagef("--subnet %s has host bits set; did you mean %s?", rf.r.Subnet, rf.r.Subnet.Masked())
 	}
-	ch, err := leases.RemoveRange(ctx, e.cli, name, set, rf.r)
-	var inUse *leases.RangeInUseError
+	ch, err := admin.RemoveRange(ctx, e.cli, name, set, rf.r)
+	var inUse *admin.RangeInUseError
 	if errors.As(err, &inUse) {
 		if e.output == "json" {
 			if werr := writeJSON(e.stdout, struct {
-				Pool    string                   `json:"pool"`
-				Range   allocator.Range          `json:"range"`
-				Refused bool                     `json:"refused"`
-				Holders []leases.AllocationEntry `json:"holders"`
+				Pool    string                  `json:"pool"`
+				Range   allocator.Range         `json:"range"`
+				Refused bool                    `json:"refused"`
+				Holders []admin.AllocationEntry `json:"holders"`
 			}{name, inUse.Range, true, inUse.Holders}); werr != nil {
 				return werr
 			}
@@ -141,7 +142,7 @@ func poolRemoveRange(ctx context.Context, e *env) error {
 
 // holdersError prints the holders that keep a range from being removed as a table and
 // returns the refusal.
-func holdersError(e *env, inUse *leases.RangeInUseError) error {
+func holdersError(e *env, inUse *admin.RangeInUseError) error {
 	fmt.Fprintf(e.stdout, "refused: range %s of pool %s still has %d allocation(s); each pod's DEL releases them, "+
 		"or leaseholdctl alloc release IP --pool %s once the pod is gone:\n\n", inUse.Range, inUse.Pool, len(inUse.Holders), inUse.Pool)
 	t := newTable(e.stdout, "IP", "OWNER", "POD", "CLUSTER", "NODE", "CONTAINER", "LEASE")
@@ -151,7 +152,7 @@ func holdersError(e *env, inUse *leases.RangeInUseError) error {
 	if err := t.flush(); err != nil {
 		return err
 	}
-	return fmt.Errorf("%w: range %s of pool %s (%d holder(s) listed above)", leases.ErrRangeInUse, inUse.Range, inUse.Pool, len(inUse.Holders))
+	return fmt.Errorf("%w: range %s of pool %s (%d holder(s) listed above)", admin.ErrRangeInUse, inUse.Range, inUse.Pool, len(inUse.Holders))
 }
 
 // rangeArg spells the range of old that m names as a --range value, to put it back.

@@ -18,8 +18,9 @@ import (
 
 	"github.com/leasehold/leasehold/cniplugin"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
-	"github.com/leasehold/leasehold/leases/etcdserver"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -143,7 +144,7 @@ func serve(o *options, log *slog.Logger) error {
 			return err
 		}
 	}
-	cli, err := leases.ClientConfig{
+	cli, err := keyspace.ClientConfig{
 		Endpoints: strings.Split(endpoints, ","), CACert: o.cacert, Cert: o.cert, Key: o.key,
 		Username: o.username, Password: o.password,
 	}.Dial()
@@ -151,7 +152,7 @@ func serve(o *options, log *slog.Logger) error {
 		return err
 	}
 	defer cli.Close()
-	if err := leases.CheckConnection(ctx, cli, 10*time.Second); err != nil {
+	if err := keyspace.CheckConnection(ctx, cli, 10*time.Second); err != nil {
 		return err
 	}
 

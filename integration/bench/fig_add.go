@@ -8,9 +8,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/leasehold/leasehold/leases"
 )
 
 // The occupancy sweep's pools: leasehold's in etcd, host-local's in its data directory,
@@ -452,7 +451,7 @@ func (s *sweep) rss(ctx context.Context, res *results) error {
 		s.lhSpace.mark(ad)
 	}
 	c, cancel := context.WithTimeout(ctx, 30*time.Second)
-	cnt, err := s.cli.Get(c, leases.IPsPrefix(sweepPool), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	cnt, err := s.cli.Get(c, keyspace.IPsPrefix(sweepPool), clientv3.WithPrefix(), clientv3.WithCountOnly())
 	cancel()
 	if err != nil {
 		return err

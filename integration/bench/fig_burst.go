@@ -11,7 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // figBurst: 50 agents, each its own node identity, etcd client and socket, take 1,000 ADDs
@@ -114,18 +114,18 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	}
 	// etcd must agree: one allocation key per address handed out, held by that ADD's pod.
 	c, cancel := context.WithTimeout(ctx, 30*time.Second)
-	kvs, err := agents[0].cli.Get(c, leases.IPsPrefix(pool.Name), clientv3.WithPrefix())
+	kvs, err := agents[0].cli.Get(c, keyspace.IPsPrefix(pool.Name), clientv3.WithPrefix())
 	cancel()
 	if err != nil {
 		return err
 	}
 	mismatch := 0
 	for _, kv := range kvs.Kvs {
-		_, ip, err := leases.ParseIPKey(string(kv.Key))
+		_, ip, err := keyspace.ParseIPKey(string(kv.Key))
 		if err != nil {
 			return err
 		}
-		var al leases.Allocation
+		var al keyspace.Allocation
 		if err := json.Unmarshal(kv.Value, &al); err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
 )
 
@@ -65,7 +66,7 @@ func figRestart(ctx context.Context, env *env, res *results) error {
 	progress("restart: %d pods allocated through the agent in %s", cfg.restartPods, time.Since(fillStart).Round(time.Millisecond))
 
 	c, cancel := context.WithTimeout(ctx, 30*time.Second)
-	pods, err := a.cli.Get(c, leases.PodsPrefix("default", restartNode), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	pods, err := a.cli.Get(c, keyspace.PodsPrefix("default", restartNode), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 	cancel()
 	if err != nil {
 		return err
@@ -192,7 +193,7 @@ func renewed(ctx context.Context, cli *clientv3.Client, ls []clientv3.LeaseID, t
 				cancel()
 				mu.Lock()
 				if err != nil && firstErr == nil {
-					firstErr = fmt.Errorf("lease timetolive %s: %w", leases.LeaseHex(ls[i]), err)
+					firstErr = fmt.Errorf("lease timetolive %s: %w", keyspace.LeaseHex(ls[i]), err)
 				}
 				if err == nil && resp.TTL < threshold {
 					left = append(left, ls[i])

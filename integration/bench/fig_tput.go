@@ -11,7 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // figThroughput: ADDs per second through the agent API (unix socket, no process exec), 64
@@ -42,9 +42,9 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 		return err
 	}
 	// The raw Txn writes a value as large as the allocation record an ADD writes.
-	value := string(mustJSON(leases.Allocation{Owner: ids.podUID(), Cluster: "default", Node: "tput-node", NodeUID: "uid-tput-node",
+	value := string(mustJSON(keyspace.Allocation{Owner: ids.podUID(), Cluster: "default", Node: "tput-node", NodeUID: "uid-tput-node",
 		Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
-		IfName: "eth0", Network: "tput", LeaseID: leases.LeaseHex(g.ID), Created: time.Now().UTC()}))
+		IfName: "eth0", Network: "tput", LeaseID: keyspace.LeaseHex(g.ID), Created: time.Now().UTC()}))
 	var seq atomic.Int64
 	// create is the raw create-if-absent Txn: a new key under prefix, put on lease.
 	create := func(ctx context.Context, prefix string, lease clientv3.LeaseID) error {

@@ -10,7 +10,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // floor decomposes a plugin ADD at the empty pool. In the same loop as the plugin ADD
@@ -60,9 +60,9 @@ func (s *sweep) newFloor(ctx context.Context) (*floor, error) {
 		s: s, lease: g.ID, e0: e0, next: netip.MustParseAddr("10.98.0.2"),
 		pool: allocator.PoolSpec{Name: sweepPool, Ranges: []allocator.RangeSet{{{Subnet: s.env.cfg.sweepSubnet}}}},
 		cl:   &agentapi.Client{Socket: s.agent.Socket, Timeout: 30 * time.Second},
-		value: string(mustJSON(leases.Allocation{Owner: ids.podUID(), Cluster: "default", Node: sweepNode, NodeUID: "uid-" + sweepNode,
+		value: string(mustJSON(keyspace.Allocation{Owner: ids.podUID(), Cluster: "default", Node: sweepNode, NodeUID: "uid-" + sweepNode,
 			Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
-			IfName: "eth0", Network: sweepPool, LeaseID: leases.LeaseHex(g.ID), Created: time.Now().UTC()})),
+			IfName: "eth0", Network: sweepPool, LeaseID: keyspace.LeaseHex(g.ID), Created: time.Now().UTC()})),
 	}, nil
 }
 
@@ -94,30 +94,30 @@ func (f *floor) sample(ctx context.Context) error {
 	// The claim an ADD of a new pod commits (leases/add.go), on its own pool.
 	owner, container, addr := ids.podUID(), ids.containerID(), f.next
 	f.next = f.next.Next()
-	ownerKey := leases.OwnerKey("default", owner, "eth0", floorPool)
-	podKey := leases.PodKey("default", "floor-node", owner)
-	ipKey, qKey, hostPrefix := leases.IPKey(floorPool, addr), leases.QuarantineKey(floorPool, addr), leases.HostIPPrefix(addr)
+	ownerKey := keyspace.OwnerKey("default", owner, "eth0", floorPool)
+	podKey := keyspace.PodKey("default", "floor-node", owner)
+	ipKey, qKey, hostPrefix := keyspace.IPKey(floorPool, addr), keyspace.QuarantineKey(floorPool, addr), keyspace.HostIPPrefix(addr)
 	with := clientv3.WithLease(f.lease)
 	now := time.Now().UTC()
 	pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}
 	t := time.Now()
 	resp, err := s.cli.Txn(c).If(
 		clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0),
-		clientv3.Compare(clientv3.ModRevision(leases.PoolKey(floorPool)), "=", 0),
+		clientv3.Compare(clientv3.ModRevision(keyspace.PoolKey(floorPool)), "=", 0),
 		clientv3.Compare(clientv3.CreateRevision(podKey), "=", 0),
 		clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
 		clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0),
 		clientv3.Compare(clientv3.CreateRevision(hostPrefix), "=", 0).WithPrefix(),
 	).Then(
-		clientv3.OpPut(podKey, string(mustJSON(leases.PodRecord{Owner: owner, Pod: pod, NodeUID: "uid-floor-node",
-			LeaseID: leases.LeaseHex(f.lease), Netns: s.env.netns, ContainerID: container, Created: now})), with),
-		clientv3.OpPut(ipKey, string(mustJSON(leases.Allocation{Owner: owner, Cluster: "default", Node: "floor-node",
+		clientv3.OpPut(podKey, string(mustJSON(keyspace.PodRecord{Owner: owner, Pod: pod, NodeUID: "uid-floor-node",
+			LeaseID: keyspace.LeaseHex(f.lease), Netns: s.env.netns, ContainerID: container, Created: now})), with),
+		clientv3.OpPut(ipKey, string(mustJSON(keyspace.Allocation{Owner: owner, Cluster: "default", Node: "floor-node",
 			NodeUID: "uid-floor-node", Pod: pod, ContainerID: container, IfName: "eth0", Network: floorPool,
-			LeaseID: leases.LeaseHex(f.lease), Created: now})), with),
-		clientv3.OpPut(ownerKey, string(mustJSON(leases.OwnerRecord{IPs: []netip.Addr{addr}, ContainerID: container,
-			Network: floorPool, Node: "floor-node", NodeUID: "uid-floor-node", LeaseID: leases.LeaseHex(f.lease), Created: now})), with),
+			LeaseID: keyspace.LeaseHex(f.lease), Created: now})), with),
+		clientv3.OpPut(ownerKey, string(mustJSON(keyspace.OwnerRecord{IPs: []netip.Addr{addr}, ContainerID: container,
+			Network: floorPool, Node: "floor-node", NodeUID: "uid-floor-node", LeaseID: keyspace.LeaseHex(f.lease), Created: now})), with),
 	).Else(
-		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(leases.PoolKey(floorPool), clientv3.WithKeysOnly()),
+		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(keyspace.PoolKey(floorPool), clientv3.WithKeysOnly()),
 		clientv3.OpGet(ipKey), clientv3.OpGet(qKey), clientv3.OpGet(hostPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)),
 	).Commit()
 	f.claim = append(f.claim, time.Since(t))

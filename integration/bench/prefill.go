@@ -12,7 +12,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // prefillCluster is the cluster of every pre-filled pod; they run on prefillNodes nodes
@@ -89,16 +89,16 @@ func prefillBatch(ctx context.Context, cli *clientv3.Client, pool string, addrs 
 		pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}
 		with := clientv3.WithLease(lease)
 		ops = append(ops,
-			clientv3.OpPut(leases.IPKey(pool, addr), string(mustJSON(leases.Allocation{
+			clientv3.OpPut(keyspace.IPKey(pool, addr), string(mustJSON(keyspace.Allocation{
 				Owner: owner, Cluster: prefillCluster, Node: node, NodeUID: nodeUID, Pod: pod, ContainerID: container,
-				IfName: "eth0", Network: pool, LeaseID: leases.LeaseHex(lease), Created: now,
+				IfName: "eth0", Network: pool, LeaseID: keyspace.LeaseHex(lease), Created: now,
 			})), with),
-			clientv3.OpPut(leases.OwnerKey(prefillCluster, owner, "eth0", pool), string(mustJSON(leases.OwnerRecord{
+			clientv3.OpPut(keyspace.OwnerKey(prefillCluster, owner, "eth0", pool), string(mustJSON(keyspace.OwnerRecord{
 				IPs: []netip.Addr{addr}, ContainerID: container, Network: pool, Node: node, NodeUID: nodeUID,
-				LeaseID: leases.LeaseHex(lease), Created: now,
+				LeaseID: keyspace.LeaseHex(lease), Created: now,
 			})), with),
-			clientv3.OpPut(leases.PodKey(prefillCluster, node, owner), string(mustJSON(leases.PodRecord{
-				Owner: owner, Pod: pod, NodeUID: nodeUID, LeaseID: leases.LeaseHex(lease),
+			clientv3.OpPut(keyspace.PodKey(prefillCluster, node, owner), string(mustJSON(keyspace.PodRecord{
+				Owner: owner, Pod: pod, NodeUID: nodeUID, LeaseID: keyspace.LeaseHex(lease),
 				Netns: "/var/run/netns/cni-" + container[:36], ContainerID: container, Created: now,
 			})), with),
 		)

@@ -1,7 +1,6 @@
-package leases
+package admin
 
 import (
-	"context"
 	"errors"
 	"net/netip"
 	"strings"
@@ -11,13 +10,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
 )
-
-func adminCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 func adminRange(subnet string, startEnd ...string) allocator.Range {
 	r := allocator.Range{Subnet: netip.MustParsePrefix(subnet)}
@@ -43,8 +38,8 @@ func byName(pool, container, podUID string, ips ...string) allocator.Request {
 }
 
 func TestAdminCreatePool(t *testing.T) {
-	ctx, cli := adminCtx(t), newClient(t)
-	name, invalid := uniq("ap"), uniq("ap")
+	ctx, cli := etcdtest.Ctx(t), etcdtest.Client(t)
+	name, invalid := etcdtest.Uniq("ap"), etcdtest.Uniq("ap")
 	base := adminPool(name, allocator.RangeSet{adminRange("10.60.0.0/24")}, allocator.RangeSet{adminRange("fd60::/120")})
 	base.Exclude = []netip.Prefix{netip.MustParsePrefix("10.60.0.9/32"), netip.MustParsePrefix("10.60.0.8/32")}
 	spelled := adminPool(name, allocator.RangeSet{{Subnet: netip.MustParsePrefix("10.60.0.0/24"),
@@ -84,15 +79,15 @@ func TestAdminCreatePool(t *testing.T) {
 			}
 		})
 	}
-	if leaseOf(t, cli, PoolKey(invalid)) != -1 {
-		t.Errorf("an invalid definition was stored at %s", PoolKey(invalid))
+	if leaseOf(t, cli, keyspace.PoolKey(invalid)) != -1 {
+		t.Errorf("an invalid definition was stored at %s", keyspace.PoolKey(invalid))
 	}
 }
 
 func TestAdminAddRangeKeepsAllocationsAndGrowsAFullPool(t *testing.T) {
-	ctx, cli := adminCtx(t), newClient(t)
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	name := uniq("ap")
+	ctx, cli := etcdtest.Ctx(t), etcdtest.Client(t)
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	name := etcdtest.Uniq("ap")
 	// A /29 hands out .2-.6 (gw .1): five pods fill it.
 	if _, err := CreatePool(ctx, cli, adminPool(name, allocator.RangeSet{adminRange("10.63.0.0/29")})); err != nil {
 		t.Fatal(err)
@@ -109,7 +104,7 @@ func TestAdminAddRangeKeepsAllocationsAndGrowsAFullPool(t *testing.T) {
 	if _, err := a.Add(ctx, byName(name, "c5", "u5")); !errors.Is(err, allocator.ErrPoolExhausted) {
 		t.Fatalf("sixth ADD: %v, want exhausted", err)
 	}
-	before := dump(t, cli, IPsPrefix(name))
+	before := etcdtest.Dump(t, cli, keyspace.IPsPrefix(name))
 
 	tests := []struct {
 		name    string
@@ -125,7 +120,7 @@ func TestAdminAddRangeKeepsAllocationsAndGrowsAFullPool(t *testing.T) {
 		// A new range set would change what every attachment gets.
 		{name: "new set refused", pool: name, set: 1, r: adminRange("10.64.0.0/29"), wantErr: allocator.ErrInvalidConfig},
 		// Only stored pools grow.
-		{name: "unknown pool", pool: uniq("ap"), set: -1, r: adminRange("10.65.0.0/29"), wantErr: ErrNotFound},
+		{name: "unknown pool", pool: etcdtest.Uniq("ap"), set: -1, r: adminRange("10.65.0.0/29"), wantErr: ErrNotFound},
 		// A gateway the new range brings into the old range must not be an allocated address.
 		{name: "gateway allocated", pool: name, set: 0, r: allocator.Range{Subnet: netip.MustParsePrefix("10.63.0.0/24"),
 			RangeStart: netip.MustParseAddr("10.63.0.100"), RangeEnd: netip.MustParseAddr("10.63.0.110"), Gateway: first.IPs[0].Address.Addr()},
@@ -144,7 +139,7 @@ func TestAdminAddRangeKeepsAllocationsAndGrowsAFullPool(t *testing.T) {
 			}
 		})
 	}
-	after := dump(t, cli, IPsPrefix(name))
+	after := etcdtest.Dump(t, cli, keyspace.IPsPrefix(name))
 	for k, l := range before {
 		if after[k] != l {
 			t.Errorf("allocation %s changed: lease %x before, %x after", k, l, after[k])
@@ -169,9 +164,9 @@ func TestAdminAddRangeKeepsAllocationsAndGrowsAFullPool(t *testing.T) {
 }
 
 func TestAdminRemoveRange(t *testing.T) {
-	ctx, cli := adminCtx(t), newClient(t)
-	a := startAgent(t, uniq("c"), "n1", "uid1")
-	name := uniq("ap")
+	ctx, cli := etcdtest.Ctx(t), etcdtest.Client(t)
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
+	name := etcdtest.Uniq("ap")
 	spec := adminPool(name, allocator.RangeSet{adminRange("10.66.0.0/28"), adminRange("10.66.1.0/28")}, allocator.RangeSet{adminRange("fd66::/120")})
 	if _, err := CreatePool(ctx, cli, spec); err != nil {
 		t.Fatal(err)
@@ -252,17 +247,17 @@ func mustPool(t *testing.T, st *State, name string) PoolEntry {
 // leaseOf returns the lease of key, or -1 when the key does not exist.
 func leaseOf(t *testing.T, cli *clientv3.Client, key string) int64 {
 	t.Helper()
-	if l, ok := dump(t, cli, key)[key]; ok {
+	if l, ok := etcdtest.Dump(t, cli, key)[key]; ok {
 		return l
 	}
 	return -1
 }
 
 func TestAdminRelease(t *testing.T) {
-	ctx, cli := adminCtx(t), newClient(t)
-	cluster := uniq("c")
+	ctx, cli := etcdtest.Ctx(t), etcdtest.Client(t)
+	cluster := etcdtest.Uniq("c")
 	a := startAgent(t, cluster, "n1", "uid1")
-	name := uniq("ap")
+	name := etcdtest.Uniq("ap")
 	if _, err := CreatePool(ctx, cli, adminPool(name, allocator.RangeSet{adminRange("10.68.0.0/24")}, allocator.RangeSet{adminRange("fd68::/120")})); err != nil {
 		t.Fatal(err)
 	}
@@ -271,7 +266,7 @@ func TestAdminRelease(t *testing.T) {
 		if _, err := a.Add(ctx, byName(name, container, "u-"+container, ips...)); err != nil {
 			t.Fatalf("add %s: %v", container, err)
 		}
-		return OwnerKey(cluster, "u-"+container, "eth0", name), leaseOf(t, cli, IPKey(name, netip.MustParseAddr(ips[0])))
+		return keyspace.OwnerKey(cluster, "u-"+container, "eth0", name), leaseOf(t, cli, keyspace.IPKey(name, netip.MustParseAddr(ips[0])))
 	}
 	ip := netip.MustParseAddr
 	live, liveLease := add("live", "10.68.0.10", "fd68::10")
@@ -281,11 +276,11 @@ func TestAdminRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(ctx, IPKey(name, ip("fd68::20")), `{"owner":"someone-else","cluster":"x"}`, clientv3.WithLease(other.ID)); err != nil {
+	if _, err := cli.Put(ctx, keyspace.IPKey(name, ip("fd68::20")), `{"owner":"someone-else","cluster":"x"}`, clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
 	// A key written with a plain etcdctl put: no lease, no owner index.
-	if _, err := cli.Put(ctx, IPKey(name, ip("10.68.0.30")), `{"owner":"by-hand","cluster":"x","ifName":"eth0"}`); err != nil {
+	if _, err := cli.Put(ctx, keyspace.IPKey(name, ip("10.68.0.30")), `{"owner":"by-hand","cluster":"x","ifName":"eth0"}`); err != nil {
 		t.Fatal(err)
 	}
 
@@ -300,7 +295,7 @@ func TestAdminRelease(t *testing.T) {
 				t.Errorf("error %q does not say %q", err, s)
 			}
 		}
-		if leaseOf(t, cli, IPKey(name, ip("10.68.0.10"))) != liveLease || leaseOf(t, cli, live) != liveLease {
+		if leaseOf(t, cli, keyspace.IPKey(name, ip("10.68.0.10"))) != liveLease || leaseOf(t, cli, live) != liveLease {
 			t.Errorf("a refused release changed keys")
 		}
 	})
@@ -314,13 +309,13 @@ func TestAdminRelease(t *testing.T) {
 	}{
 		// Forced: both addresses of the attachment and its owner index go, the pod record stays with the agent.
 		{name: "forced release of a live attachment", ip: "10.68.0.10", opt: ReleaseOptions{Force: true, Quarantine: 30 * time.Second},
-			gone: []string{IPKey(name, ip("10.68.0.10")), IPKey(name, ip("fd68::10")), live},
-			kept: []string{PodKey(cluster, "n1", "u-live")}, wantOwner: true},
+			gone: []string{keyspace.IPKey(name, ip("10.68.0.10")), keyspace.IPKey(name, ip("fd68::10")), live},
+			kept: []string{keyspace.PodKey(cluster, "n1", "u-live")}, wantOwner: true},
 		// The sibling on a foreign lease is not this attachment's any more: it stays.
 		{name: "foreign lease untouched", ip: "10.68.0.20", opt: ReleaseOptions{Force: true},
-			gone: []string{IPKey(name, ip("10.68.0.20")), foreign}, kept: []string{IPKey(name, ip("fd68::20"))}, wantOwner: true},
+			gone: []string{keyspace.IPKey(name, ip("10.68.0.20")), foreign}, kept: []string{keyspace.IPKey(name, ip("fd68::20"))}, wantOwner: true},
 		// A key without lease needs no force, and names no owner index to delete.
-		{name: "leaseless key without force", ip: "10.68.0.30", gone: []string{IPKey(name, ip("10.68.0.30"))}},
+		{name: "leaseless key without force", ip: "10.68.0.30", gone: []string{keyspace.IPKey(name, ip("10.68.0.30"))}},
 		// Nothing there: not found, so scripts can tell it from a failure.
 		{name: "no allocation", ip: "10.68.0.99", wantErr: ErrNotFound},
 	}
@@ -345,7 +340,7 @@ func TestAdminRelease(t *testing.T) {
 			}
 			if tt.opt.Quarantine > 0 {
 				for _, r := range res.Addresses {
-					if l := leaseOf(t, cli, QuarantineKey(name, r.IP)); l <= 0 {
+					if l := leaseOf(t, cli, keyspace.QuarantineKey(name, r.IP)); l <= 0 {
 						t.Errorf("%s not quarantined on a lease (lease %d)", r.IP, l)
 					}
 				}
@@ -359,18 +354,18 @@ func TestAdminRelease(t *testing.T) {
 }
 
 func TestAdminReadStateFilesEveryFamily(t *testing.T) {
-	ctx, cli := adminCtx(t), newClient(t)
+	ctx, cli := etcdtest.Ctx(t), etcdtest.Client(t)
 	st0, err := ReadState(ctx, cli)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := uniq("ap")
+	pool := etcdtest.Uniq("ap")
 	puts := map[string]string{
-		IPKey(pool, netip.MustParseAddr("10.69.0.1")):   `{"owner":"o"}`,
-		IPsPrefix(pool) + "not-an-address":              `{}`,
-		IPsPrefix(pool) + "::ffff:10.69.0.2":            `{}`, // not the canonical spelling
-		OwnerKey("c", "o", "eth0", pool):                `nonsense`,
-		NodesPrefix("c") + pool + "/extra/parts/here/x": `{}`,
+		keyspace.IPKey(pool, netip.MustParseAddr("10.69.0.1")):   `{"owner":"o"}`,
+		keyspace.IPsPrefix(pool) + "not-an-address":              `{}`,
+		keyspace.IPsPrefix(pool) + "::ffff:10.69.0.2":            `{}`, // not the canonical spelling
+		keyspace.OwnerKey("c", "o", "eth0", pool):                `nonsense`,
+		keyspace.NodesPrefix("c") + pool + "/extra/parts/here/x": `{}`,
 	}
 	for k, v := range puts {
 		if _, err := cli.Put(ctx, k, v); err != nil {
@@ -386,7 +381,7 @@ func TestAdminReadStateFilesEveryFamily(t *testing.T) {
 	}
 	var unreadable bool
 	for _, o := range st.Owners {
-		unreadable = unreadable || (o.Key == OwnerKey("c", "o", "eth0", pool) && o.Unreadable != "")
+		unreadable = unreadable || (o.Key == keyspace.OwnerKey("c", "o", "eth0", pool) && o.Unreadable != "")
 	}
 	if !unreadable {
 		t.Errorf("the owner index with a nonsense value is not marked unreadable")

@@ -1,4 +1,4 @@
-package leases
+package keyspace
 
 import (
 	"encoding/json"
@@ -109,16 +109,19 @@ func ParseLeaseHex(s string) (clientv3.LeaseID, error) {
 	return clientv3.LeaseID(v), nil
 }
 
-func mustJSON(v any) string {
+// Encode is the JSON value stored for a record. Records are plain structs of strings,
+// addresses and times, which always marshal; anything else is a programming error.
+func Encode(v any) string {
 	b, err := json.Marshal(v)
 	if err != nil {
-		// Only plain structs of strings, addresses and times reach here.
 		panic(fmt.Sprintf("leasehold: marshal %T: %v", v, err))
 	}
 	return string(b)
 }
 
-func decode[T any](key string, value []byte) (T, error) {
+// Decode reads the record stored at key. The error names the key and the etcdctl command
+// that shows it.
+func Decode[T any](key string, value []byte) (T, error) {
 	var v T
 	if err := json.Unmarshal(value, &v); err != nil {
 		return v, fmt.Errorf("key %s holds a value leasehold cannot read (%w); inspect it with: etcdctl get %s", key, err, key)

@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"fmt"
@@ -8,13 +8,13 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // owner checks one owner index against the allocations it names and its pod record.
-func (c *checker) owner(o *leases.OwnerEntry) {
+func (c *checker) owner(o *OwnerEntry) {
 	if o.Unreadable != "" {
-		c.add(kindUnreadable, o.Cluster, "owner index is unreadable ("+o.Unreadable+"): the pod's DEL and CHECK fail on it. Delete it; "+
+		c.add(KindUnreadable, o.Cluster, "owner index is unreadable ("+o.Unreadable+"): the pod's DEL and CHECK fail on it. Delete it; "+
 			"doctor then lists the addresses it held as allocations without owner index", delFix(o.Key), o.Key)
 		return
 	}
@@ -22,16 +22,16 @@ func (c *checker) owner(o *leases.OwnerEntry) {
 		c.ownerNoLease(o)
 	}
 	for _, ip := range o.Value.IPs {
-		key := leases.IPKey(o.Pool, ip)
+		key := keyspace.IPKey(o.Pool, ip)
 		a := c.allocs[key]
 		switch {
 		case a == nil && o.Lease != 0:
-			rec := leases.Allocation{Owner: o.Owner, Cluster: o.Cluster, Node: o.Value.Node, NodeUID: o.Value.NodeUID, Pod: c.podRef(o),
-				ContainerID: o.Value.ContainerID, IfName: o.IfName, Network: o.Value.Network, LeaseID: leases.LeaseHex(o.Lease), Created: o.Value.Created}
-			c.add(kindOwnerNoAlloc, o.Cluster, fmt.Sprintf("owner index names %s but no key %s holds it: the pod (owner %s, container %s, node %s) "+
+			rec := keyspace.Allocation{Owner: o.Owner, Cluster: o.Cluster, Node: o.Value.Node, NodeUID: o.Value.NodeUID, Pod: c.podRef(o),
+				ContainerID: o.Value.ContainerID, IfName: o.IfName, Network: o.Value.Network, LeaseID: keyspace.LeaseHex(o.Lease), Created: o.Value.Created}
+			c.add(KindOwnerNoAlloc, o.Cluster, fmt.Sprintf("owner index names %s but no key %s holds it: the pod (owner %s, container %s, node %s) "+
 				"still has the address, and the next ADD may give it to another pod. Restore the allocation on the pod's lease %s "+
 				"(the transaction changes nothing if the address was taken meanwhile)", ip, key, o.Owner, short(o.Value.ContainerID), o.Value.Node,
-				leases.LeaseHex(o.Lease)), putFix(key, mustMarshal(rec), o.Lease, absentGuard(key), modGuard(o.Key, o.ModRevision)), o.Key, key)
+				keyspace.LeaseHex(o.Lease)), putFix(key, []byte(keyspace.Encode(rec)), o.Lease, absentGuard(key), modGuard(o.Key, o.ModRevision)), o.Key, key)
 		case a != nil && !sameAttachment(a, o):
 			c.otherHolder(o, ip, a)
 		}
@@ -41,11 +41,11 @@ func (c *checker) owner(o *leases.OwnerEntry) {
 
 // ownerNoLease reports an owner index without lease, putting it back on its addresses' lease
 // when they all share one.
-func (c *checker) ownerNoLease(o *leases.OwnerEntry) {
+func (c *checker) ownerNoLease(o *OwnerEntry) {
 	var lease clientv3.LeaseID
 	ok := len(o.Value.IPs) > 0
 	for _, ip := range o.Value.IPs {
-		a := c.allocs[leases.IPKey(o.Pool, ip)]
+		a := c.allocs[keyspace.IPKey(o.Pool, ip)]
 		if a == nil || !sameAttachment(a, o) || a.BoundLease == 0 || (lease != 0 && a.BoundLease != lease) {
 			ok = false
 			break
@@ -53,47 +53,47 @@ func (c *checker) ownerNoLease(o *leases.OwnerEntry) {
 		lease = a.BoundLease
 	}
 	if ok {
-		c.add(kindNoLease, o.Cluster, fmt.Sprintf("owner index has no lease (written with a plain etcdctl put?), so it never expires; "+
-			"its addresses are on lease %s: put it back on that lease", leases.LeaseHex(lease)),
+		c.add(KindNoLease, o.Cluster, fmt.Sprintf("owner index has no lease (written with a plain etcdctl put?), so it never expires; "+
+			"its addresses are on lease %s: put it back on that lease", keyspace.LeaseHex(lease)),
 			putFix(o.Key, o.Raw, lease, modGuard(o.Key, o.ModRevision)), o.Key)
 		return
 	}
-	c.add(kindNoLease, o.Cluster, fmt.Sprintf("owner index has no lease (written with a plain etcdctl put?) and no allocation on a lease "+
+	c.add(KindNoLease, o.Cluster, fmt.Sprintf("owner index has no lease (written with a plain etcdctl put?) and no allocation on a lease "+
 		"backs it: it never expires, and an ADD for the attachment returns %v without holding them. Delete it", o.Value.IPs), delFix(o.Key), o.Key)
 }
 
 // otherHolder reports an owner index naming an address another attachment holds: after a lost
 // lease (a recorded conflict) or a hand edit, two pods may use one address.
-func (c *checker) otherHolder(o *leases.OwnerEntry, ip netip.Addr, a *leases.AllocationEntry) {
+func (c *checker) otherHolder(o *OwnerEntry, ip netip.Addr, a *AllocationEntry) {
 	msg := fmt.Sprintf("owner index names %s, but %s holds it for owner %s (cluster %s, node %s, container %s)",
 		ip, a.Key, dash(a.Owner), dash(a.Cluster), dash(a.Node), short(a.ContainerID))
-	if cf := c.conflicts[leases.ConflictKey(o.Cluster, o.Owner, o.IfName, o.Pool)]; cf != nil &&
-		slices.ContainsFunc(cf.Value.Taken, func(t leases.TakenByOther) bool { return t.IP == ip }) {
+	if cf := c.conflicts[keyspace.ConflictKey(o.Cluster, o.Owner, o.IfName, o.Pool)]; cf != nil &&
+		slices.ContainsFunc(cf.Value.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ip }) {
 		msg += fmt.Sprintf("; recorded as a conflict at %s: the pod lost it while its lease was lost", cf.Key)
 	}
 	msg += ". Both pods may use the address: recreate this one (its DEL releases only what it still holds)"
 	pod := c.podRef(o)
 	fix := delFix(o.Key)
 	if pod.Name != "" {
-		fix = "kubectl delete pod -n " + shellQuote(pod.Namespace) + " " + shellQuote(pod.Name)
+		fix = "kubectl delete pod -n " + ShellQuote(pod.Namespace) + " " + ShellQuote(pod.Name)
 	} else {
 		for _, own := range o.Value.IPs {
-			if oa := c.allocs[leases.IPKey(o.Pool, own)]; oa != nil && sameAttachment(oa, o) && oa.BoundLease == o.Lease {
+			if oa := c.allocs[keyspace.IPKey(o.Pool, own)]; oa != nil && sameAttachment(oa, o) && oa.BoundLease == o.Lease {
 				fix = releaseFix(own, o.Pool, o.Lease)
 				msg += fmt.Sprintf("; no pod is named, so stop container %s on node %s, then release what it holds", short(o.Value.ContainerID), o.Value.Node)
 				break
 			}
 		}
 	}
-	c.add(kindOwnerOtherAlloc, o.Cluster, msg, fix, o.Key, a.Key)
+	c.add(KindOwnerOtherAlloc, o.Cluster, msg, fix, o.Key, a.Key)
 }
 
 // podOf checks that a leased attachment has its pod record, on the same lease.
-func (c *checker) podOf(o *leases.OwnerEntry) {
+func (c *checker) podOf(o *OwnerEntry) {
 	if o.Lease == 0 || allocator.ValidateName("node", o.Value.Node) != nil {
 		return
 	}
-	pk := leases.PodKey(o.Cluster, o.Value.Node, o.Owner)
+	pk := keyspace.PodKey(o.Cluster, o.Value.Node, o.Owner)
 	if c.podSeen[pk] {
 		return
 	}
@@ -101,16 +101,16 @@ func (c *checker) podOf(o *leases.OwnerEntry) {
 	p := c.pods[pk]
 	switch {
 	case p == nil:
-		rec := leases.PodRecord{Owner: o.Owner, Pod: c.podRef(o), NodeUID: o.Value.NodeUID, LeaseID: leases.LeaseHex(o.Lease),
+		rec := keyspace.PodRecord{Owner: o.Owner, Pod: c.podRef(o), NodeUID: o.Value.NodeUID, LeaseID: keyspace.LeaseHex(o.Lease),
 			ContainerID: o.Value.ContainerID, Created: o.Value.Created}
-		c.add(kindPodMissing, o.Cluster, fmt.Sprintf("owner %s has attachments on node %s but no pod record: after an agent restart nothing "+
+		c.add(KindPodMissing, o.Cluster, fmt.Sprintf("owner %s has attachments on node %s but no pod record: after an agent restart nothing "+
 			"resumes lease %s, and the pod's addresses expire while it runs. Restore the record on that lease (without a netns path, "+
-			"the agent's liveness check leaves it alone)", o.Owner, o.Value.Node, leases.LeaseHex(o.Lease)),
-			putFix(pk, mustMarshal(rec), o.Lease, absentGuard(pk)), o.Key, pk)
+			"the agent's liveness check leaves it alone)", o.Owner, o.Value.Node, keyspace.LeaseHex(o.Lease)),
+			putFix(pk, []byte(keyspace.Encode(rec)), o.Lease, absentGuard(pk)), o.Key, pk)
 	case p.Lease != 0 && p.Lease != o.Lease:
-		c.add(kindLeaseMismatch, o.Cluster, fmt.Sprintf("pod record is on lease %s but the attachment on lease %s: after a restart the agent "+
+		c.add(KindLeaseMismatch, o.Cluster, fmt.Sprintf("pod record is on lease %s but the attachment on lease %s: after a restart the agent "+
 			"resumes %s and the addresses expire with %s. Put the pod record on the attachment's lease",
-			leases.LeaseHex(p.Lease), leases.LeaseHex(o.Lease), leases.LeaseHex(p.Lease), leases.LeaseHex(o.Lease)),
+			keyspace.LeaseHex(p.Lease), keyspace.LeaseHex(o.Lease), keyspace.LeaseHex(p.Lease), keyspace.LeaseHex(o.Lease)),
 			putFix(pk, p.Raw, o.Lease, modGuard(pk, p.ModRevision)), pk, o.Key)
 	}
 }
@@ -118,7 +118,7 @@ func (c *checker) podOf(o *leases.OwnerEntry) {
 func (c *checker) podRecords() {
 	for _, p := range c.st.Pods {
 		if p.Unreadable != "" {
-			c.add(kindUnreadable, p.Cluster, "pod record is unreadable ("+p.Unreadable+"): the agent skips it when it restarts, so the pod's "+
+			c.add(KindUnreadable, p.Cluster, "pod record is unreadable ("+p.Unreadable+"): the agent skips it when it restarts, so the pod's "+
 				"lease runs out. Delete it; doctor then offers to restore it", delFix(p.Key), p.Key)
 			continue
 		}
@@ -133,12 +133,12 @@ func (c *checker) podRecords() {
 			}
 		}
 		if lease != 0 {
-			c.add(kindNoLease, p.Cluster, fmt.Sprintf("pod record has no lease (written with a plain etcdctl put?), so it never expires; the "+
-				"owner's attachments are on lease %s: put it back on that lease", leases.LeaseHex(lease)),
+			c.add(KindNoLease, p.Cluster, fmt.Sprintf("pod record has no lease (written with a plain etcdctl put?), so it never expires; the "+
+				"owner's attachments are on lease %s: put it back on that lease", keyspace.LeaseHex(lease)),
 				putFix(p.Key, p.Raw, lease, modGuard(p.Key, p.ModRevision)), p.Key)
 			continue
 		}
-		c.add(kindNoLease, p.Cluster, "pod record has no lease (written with a plain etcdctl put?) and the owner has no attachment on a "+
+		c.add(KindNoLease, p.Cluster, "pod record has no lease (written with a plain etcdctl put?) and the owner has no attachment on a "+
 			"lease: it never expires, and the node's agent would resume a lease that does not exist. Delete it", delFix(p.Key), p.Key)
 	}
 }
@@ -167,26 +167,26 @@ func (c *checker) leasedRecords() {
 	for _, r := range recs {
 		switch {
 		case r.unreadable != "":
-			c.add(kindUnreadable, r.cluster, "unreadable value ("+r.unreadable+") of a "+r.what, delFix(r.key), r.key)
+			c.add(KindUnreadable, r.cluster, "unreadable value ("+r.unreadable+") of a "+r.what, delFix(r.key), r.key)
 		case r.lease == 0:
-			c.add(kindNoLease, r.cluster, "no lease (written with a plain etcdctl put?) on a "+r.what, delFix(r.key), r.key)
+			c.add(KindNoLease, r.cluster, "no lease (written with a plain etcdctl put?) on a "+r.what, delFix(r.key), r.key)
 		}
 	}
 }
 
 // duplicates reports addresses held in two pools whose ranges overlap.
 func (c *checker) duplicates() {
-	var valid []leases.PoolEntry
+	var valid []PoolEntry
 	for _, p := range c.st.Pools {
 		if p.Unreadable == "" && p.Invalid == "" {
 			valid = append(valid, p)
 		}
 	}
-	byPool := map[string]map[netip.Addr]*leases.AllocationEntry{}
+	byPool := map[string]map[netip.Addr]*AllocationEntry{}
 	for i := range c.st.Allocations {
 		a := &c.st.Allocations[i]
 		if byPool[a.Pool] == nil {
-			byPool[a.Pool] = map[netip.Addr]*leases.AllocationEntry{}
+			byPool[a.Pool] = map[netip.Addr]*AllocationEntry{}
 		}
 		byPool[a.Pool][a.IP] = a
 	}
@@ -204,7 +204,7 @@ func (c *checker) duplicates() {
 				if a.CreateRevision > b.CreateRevision {
 					newer = a
 				}
-				c.add(kindDuplicate, "", fmt.Sprintf("%s is held in pool %s (owner %s, cluster %s, node %s) and in pool %s (owner %s, cluster %s, node %s), "+
+				c.add(KindDuplicate, "", fmt.Sprintf("%s is held in pool %s (owner %s, cluster %s, node %s) and in pool %s (owner %s, cluster %s, node %s), "+
 					"whose ranges overlap: if both pools serve one network, two pods have one address. Release the newer allocation "+
 					"(in pool %s) and recreate its pod; pools of separate networks should not overlap either",
 					ip, a.Pool, dash(a.Owner), dash(a.Cluster), dash(a.Node), b.Pool, dash(b.Owner), dash(b.Cluster), dash(b.Node), newer.Pool),

@@ -1,32 +1,33 @@
-package main
+package admin
 
 import (
-	"encoding/json"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // checker holds one state read, indexed by key, and the findings so far. Every check reads
 // the same revision, so a finding is never an ADD or DEL seen half-way: each writes all its
 // keys in one transaction.
 type checker struct {
-	st        *leases.State
-	pools     map[string]leases.PoolEntry
-	allocs    map[string]*leases.AllocationEntry
-	pods      map[string]*leases.PodEntry
-	conflicts map[string]*leases.ConflictEntry
+	st        *State
+	pools     map[string]PoolEntry
+	allocs    map[string]*AllocationEntry
+	pods      map[string]*PodEntry
+	conflicts map[string]*ConflictEntry
 	podSeen   map[string]bool
-	out       []finding
+	out       []Finding
 }
 
-// check runs every invariant check of ARCHITECTURE.md over st.
-func check(st *leases.State) []finding {
-	c := &checker{st: st, pools: map[string]leases.PoolEntry{}, allocs: map[string]*leases.AllocationEntry{},
-		pods: map[string]*leases.PodEntry{}, conflicts: map[string]*leases.ConflictEntry{}, podSeen: map[string]bool{}}
+// Check runs every invariant check of ARCHITECTURE.md over st, one state read at one revision,
+// and returns each problem with the command that fixes it, sorted by kind and key.
+func Check(st *State) []Finding {
+	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{},
+		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{}}
 	for _, p := range st.Pools {
 		c.pools[p.Name] = p
 	}
@@ -40,7 +41,7 @@ func check(st *leases.State) []finding {
 		c.conflicts[st.Conflicts[i].Key] = &st.Conflicts[i]
 	}
 	for _, b := range st.BadKeys {
-		c.add(kindBadKey, "", "malformed key: "+b.Reason+"; no leasehold component reads it", delFix(b.Key), b.Key)
+		c.add(KindBadKey, "", "malformed key: "+b.Reason+"; no leasehold component reads it", delFix(b.Key), b.Key)
 	}
 	c.poolDefs()
 	c.allocations()
@@ -55,7 +56,7 @@ func check(st *leases.State) []finding {
 }
 
 func (c *checker) add(kind, cluster, msg, fix string, keys ...string) {
-	c.out = append(c.out, finding{Kind: kind, Keys: keys, Cluster: cluster, Message: msg, Fix: fix})
+	c.out = append(c.out, Finding{Kind: kind, Keys: keys, Cluster: cluster, Message: msg, Fix: fix})
 }
 
 const recreatePool = "; the next ADD of a network whose configuration lists the pool's ranges stores them again, or define it with leaseholdctl pool create"
@@ -64,50 +65,50 @@ func (c *checker) poolDefs() {
 	for _, p := range c.st.Pools {
 		switch {
 		case p.Unreadable != "":
-			c.add(kindUnreadable, "", "pool definition is unreadable ("+p.Unreadable+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
+			c.add(KindUnreadable, "", "pool definition is unreadable ("+p.Unreadable+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
 		case p.Invalid != "":
-			c.add(kindPoolInvalid, "", "pool definition is invalid ("+p.Invalid+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
+			c.add(KindPoolInvalid, "", "pool definition is invalid ("+p.Invalid+"): every ADD of the pool fails. Delete it"+recreatePool, delFix(p.Key), p.Key)
 		case p.Lease != 0:
-			c.add(kindPoolOnLease, "", fmt.Sprintf("pool definition is bound to lease %s: when the lease ends the definition goes with it. Write it again without a lease",
-				leases.LeaseHex(p.Lease)), putFix(p.Key, p.Raw, 0, modGuard(p.Key, p.ModRevision)), p.Key)
+			c.add(KindPoolOnLease, "", fmt.Sprintf("pool definition is bound to lease %s: when the lease ends the definition goes with it. Write it again without a lease",
+				keyspace.LeaseHex(p.Lease)), putFix(p.Key, p.Raw, 0, modGuard(p.Key, p.ModRevision)), p.Key)
 		}
 	}
 }
 
 // ownerKeyOf returns the owner index key of a's attachment, or "" when a names no valid one.
-func (c *checker) ownerKeyOf(a *leases.AllocationEntry) string {
+func (c *checker) ownerKeyOf(a *AllocationEntry) string {
 	for _, n := range []string{a.Cluster, a.Owner, a.IfName} {
 		if allocator.ValidateName("name", n) != nil {
 			return ""
 		}
 	}
-	return leases.OwnerKey(a.Cluster, a.Owner, a.IfName, a.Pool)
+	return keyspace.OwnerKey(a.Cluster, a.Owner, a.IfName, a.Pool)
 }
 
 func (c *checker) allocations() {
-	owners := map[string]*leases.OwnerEntry{}
+	owners := map[string]*OwnerEntry{}
 	for i := range c.st.Owners {
 		owners[c.st.Owners[i].Key] = &c.st.Owners[i]
 	}
-	undefined := map[string][]*leases.AllocationEntry{}
+	undefined := map[string][]*AllocationEntry{}
 	for i := range c.st.Allocations {
 		a := &c.st.Allocations[i]
 		if a.Unreadable != "" {
-			c.add(kindUnreadable, "", fmt.Sprintf("allocation value is unreadable (%s): nobody can tell who holds %s, and no DEL releases it",
+			c.add(KindUnreadable, "", fmt.Sprintf("allocation value is unreadable (%s): nobody can tell who holds %s, and no DEL releases it",
 				a.Unreadable, a.IP), releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
 			continue
 		}
 		ok := c.ownerKeyOf(a)
 		o := owners[ok]
 		names := o != nil && o.Unreadable == "" && slices.Contains(o.Value.IPs, a.IP)
-		who := fmt.Sprintf("%s in pool %s (owner %s, pod %s, node %s)", a.IP, a.Pool, dash(a.Owner), podText(a.Pod), dash(a.Node))
+		who := fmt.Sprintf("%s in pool %s (owner %s, pod %s, node %s)", a.IP, a.Pool, dash(a.Owner), podName(a.Pod), dash(a.Node))
 		switch {
 		case a.BoundLease == 0 && names && o.Lease != 0:
-			c.add(kindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?), so it never expires; "+
-				"its owner index is on lease %s: put it back on that lease", who, leases.LeaseHex(o.Lease)),
+			c.add(KindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?), so it never expires; "+
+				"its owner index is on lease %s: put it back on that lease", who, keyspace.LeaseHex(o.Lease)),
 				putFix(a.Key, a.Raw, o.Lease, modGuard(a.Key, a.ModRevision)), a.Key, o.Key)
 		case a.BoundLease == 0:
-			c.add(kindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?) and no owner index on a "+
+			c.add(KindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?) and no owner index on a "+
 				"lease names it: it never expires and no DEL releases it", who), releaseFix(a.IP, a.Pool, 0), a.Key)
 		case !names:
 			why := "there is no owner index " + ok
@@ -116,12 +117,12 @@ func (c *checker) allocations() {
 			} else if o != nil {
 				why = "owner index " + ok + " does not name it"
 			}
-			c.add(kindOrphan, a.Cluster, fmt.Sprintf("%s is named by no owner index (%s), so the pod's DEL never releases it; it leaves only "+
+			c.add(KindOrphan, a.Cluster, fmt.Sprintf("%s is named by no owner index (%s), so the pod's DEL never releases it; it leaves only "+
 				"with lease %s, which the agent renews while the pod runs. Release it once the pod is gone", who, why, a.Lease),
 				releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
 		case o.Lease != 0 && o.Lease != a.BoundLease:
-			c.add(kindLeaseMismatch, a.Cluster, fmt.Sprintf("allocation of %s is on lease %s but its owner index on lease %s: when one lease "+
-				"ends, half the attachment stays. Put the allocation on the owner index's lease", who, a.Lease, leases.LeaseHex(o.Lease)),
+			c.add(KindLeaseMismatch, a.Cluster, fmt.Sprintf("allocation of %s is on lease %s but its owner index on lease %s: when one lease "+
+				"ends, half the attachment stays. Put the allocation on the owner index's lease", who, a.Lease, keyspace.LeaseHex(o.Lease)),
 				putFix(a.Key, a.Raw, o.Lease, modGuard(a.Key, a.ModRevision)), a.Key, o.Key)
 		}
 		p, defined := c.pools[a.Pool]
@@ -129,12 +130,12 @@ func (c *checker) allocations() {
 		case !defined:
 			undefined[a.Pool] = append(undefined[a.Pool], a)
 		case p.Unreadable == "" && p.Invalid == "" && p.Value.Allocatable(a.IP) != nil:
-			c.add(kindOutOfRange, a.Cluster, fmt.Sprintf("%s: %s, so the pool would never hand it out. Release it and recreate the pod "+
+			c.add(KindOutOfRange, a.Cluster, fmt.Sprintf("%s: %s, so the pool would never hand it out. Release it and recreate the pod "+
 				"(or, if a range was removed by mistake, add it back with leaseholdctl pool add-range)", who, rangeProblem(p.Value, a.IP)),
 				releaseFix(a.IP, a.Pool, a.BoundLease), a.Key)
 		}
 	}
-	for _, pool := range sortedKeys(undefined) {
+	for _, pool := range slices.Sorted(maps.Keys(undefined)) {
 		list := undefined[pool]
 		keys := make([]string, len(list))
 		cover := map[int][2]netip.Addr{}
@@ -155,9 +156,9 @@ func (c *checker) allocations() {
 				fix += " --range " + covering(b[0], b[1]).String()
 			}
 		}
-		c.add(kindPoolUndefined, "", fmt.Sprintf("%d allocation(s) of pool %s, which has no definition (%s): an ADD naming the pool without "+
+		c.add(KindPoolUndefined, "", fmt.Sprintf("%d allocation(s) of pool %s, which has no definition (%s): an ADD naming the pool without "+
 			"ranges fails. Define it with the ranges of the network's CNI configuration; the fix uses the smallest prefixes covering "+
-			"the held addresses", len(list), pool, leases.PoolKey(pool)), fix, keys...)
+			"the held addresses", len(list), pool, keyspace.PoolKey(pool)), fix, keys...)
 	}
 }
 
@@ -194,29 +195,21 @@ func covering(lo, hi netip.Addr) netip.Prefix {
 }
 
 // sameAttachment reports whether a names o's attachment.
-func sameAttachment(a *leases.AllocationEntry, o *leases.OwnerEntry) bool {
+func sameAttachment(a *AllocationEntry, o *OwnerEntry) bool {
 	return a.Unreadable == "" && a.Cluster == o.Cluster && a.Owner == o.Owner && a.IfName == o.IfName
 }
 
 // podRef is the pod behind o, from its pod record or one of its allocations.
-func (c *checker) podRef(o *leases.OwnerEntry) allocator.PodRef {
+func (c *checker) podRef(o *OwnerEntry) allocator.PodRef {
 	if allocator.ValidateName("node", o.Value.Node) == nil {
-		if p := c.pods[leases.PodKey(o.Cluster, o.Value.Node, o.Owner)]; p != nil && p.Unreadable == "" && p.Value.Pod.Name != "" {
+		if p := c.pods[keyspace.PodKey(o.Cluster, o.Value.Node, o.Owner)]; p != nil && p.Unreadable == "" && p.Value.Pod.Name != "" {
 			return p.Value.Pod
 		}
 	}
 	for _, ip := range o.Value.IPs {
-		if a := c.allocs[leases.IPKey(o.Pool, ip)]; a != nil && sameAttachment(a, o) && a.Pod.Name != "" {
+		if a := c.allocs[keyspace.IPKey(o.Pool, ip)]; a != nil && sameAttachment(a, o) && a.Pod.Name != "" {
 			return a.Pod
 		}
 	}
 	return allocator.PodRef{}
-}
-
-func mustMarshal(v any) []byte {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(fmt.Sprintf("leaseholdctl: marshal %T: %v", v, err)) // plain records of strings, addresses and times only
-	}
-	return b
 }

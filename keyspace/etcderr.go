@@ -1,4 +1,4 @@
-package leases
+package keyspace
 
 import (
 	"errors"
@@ -6,6 +6,7 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 )
 
-func isLeaseNotFound(err error) bool {
+// IsLeaseNotFound tells whether err is etcd saying it has no such lease (expired or revoked).
+func IsLeaseNotFound(err error) bool {
 	return errors.Is(err, rpctypes.ErrLeaseNotFound) || errors.Is(err, rpctypes.ErrGRPCLeaseNotFound)
 }

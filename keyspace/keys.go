@@ -1,4 +1,4 @@
-package leases
+package keyspace
 
 import (
 	"fmt"
@@ -177,8 +177,9 @@ func ParseOwnerKey(key string) (cluster, owner, ifName, pool string, err error) 
 	return parts[0], parts[1], parts[2], parts[3], nil
 }
 
-// validateNames checks every name that becomes a key component, naming the first bad one.
-func validateNames(pairs ...string) error {
+// ValidateNames checks every name that becomes a key component, given as (what, name)
+// pairs, and names the first bad one. Errors wrap allocator.ErrInvalidName.
+func ValidateNames(pairs ...string) error {
 	for i := 0; i+1 < len(pairs); i += 2 {
 		if err := allocator.ValidateName(pairs[i], pairs[i+1]); err != nil {
 			return err

@@ -1,4 +1,4 @@
-package leases
+package admin
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Errors of the admin operations (leaseholdctl). Check them with errors.Is.
@@ -41,9 +42,9 @@ func CreatePool(ctx context.Context, cli *clientv3.Client, spec allocator.PoolSp
 	if err := spec.Canonicalize(); err != nil {
 		return false, err
 	}
-	key := PoolKey(spec.Name)
+	key := keyspace.PoolKey(spec.Name)
 	resp, err := cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-		Then(clientv3.OpPut(key, mustJSON(spec))).Else(clientv3.OpGet(key)).Commit()
+		Then(clientv3.OpPut(key, keyspace.Encode(spec))).Else(clientv3.OpGet(key)).Commit()
 	if err != nil {
 		return false, fmt.Errorf("create pool %s: %w", spec.Name, err)
 	}
@@ -111,9 +112,9 @@ func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r
 						"give the range another gw= or release the address first", allocator.ErrInvalidConfig, gw, a.Owner, podName(a.Pod), a.Node)
 				}
 			}
-			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(IPKey(pool, gw)), "=", 0))
+			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(keyspace.IPKey(pool, gw)), "=", 0))
 		}
-		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, mustJSON(next))).Commit()
+		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}
@@ -190,8 +191,8 @@ func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int
 		}
 		resp, err := cli.Txn(ctx).If(
 			clientv3.Compare(clientv3.ModRevision(p.Key), "=", p.ModRevision),
-			clientv3.Compare(clientv3.CreateRevision(IPsPrefix(pool)), "<", rev+1).WithPrefix(),
-		).Then(clientv3.OpPut(p.Key, mustJSON(next))).Commit()
+			clientv3.Compare(clientv3.CreateRevision(keyspace.IPsPrefix(pool)), "<", rev+1).WithPrefix(),
+		).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}
@@ -288,7 +289,7 @@ func Release(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Ad
 }
 
 func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Addr, opt ReleaseOptions) (Released, bool, error) {
-	key := IPKey(pool, ip)
+	key := keyspace.IPKey(pool, ip)
 	resp, err := cli.Get(ctx, key)
 	if err != nil {
 		return Released{}, false, fmt.Errorf("read %s: %w", key, err)
@@ -320,9 +321,9 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 			return Released{}, false, fmt.Errorf("grant a quarantine lease: %w", err)
 		}
 		qLease, out.QuarantineUntil = g.ID, time.Now().Add(opt.Quarantine).UTC()
-		rec := mustJSON(QuarantineRecord{ReleasedBy: opt.ReleasedBy, Until: out.QuarantineUntil})
+		rec := keyspace.Encode(keyspace.QuarantineRecord{ReleasedBy: opt.ReleasedBy, Until: out.QuarantineUntil})
 		for _, a := range out.Addresses {
-			ops = append(ops, clientv3.OpPut(QuarantineKey(pool, a.IP), rec, clientv3.WithLease(qLease)))
+			ops = append(ops, clientv3.OpPut(keyspace.QuarantineKey(pool, a.IP), rec, clientv3.WithLease(qLease)))
 		}
 	}
 	tresp, err := cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
@@ -344,11 +345,11 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 		out.KeptOwnerIndex = "the allocation's value is unreadable, so it names no owner index"
 		return nil
 	}
-	if err := validateNames("cluster", e.Cluster, "owner", e.Owner, "interface name", e.IfName); err != nil {
+	if err := keyspace.ValidateNames("cluster", e.Cluster, "owner", e.Owner, "interface name", e.IfName); err != nil {
 		out.KeptOwnerIndex = "the allocation names no valid owner index: " + err.Error()
 		return nil
 	}
-	ownerKey := OwnerKey(e.Cluster, e.Owner, e.IfName, e.Pool)
+	ownerKey := keyspace.OwnerKey(e.Cluster, e.Owner, e.IfName, e.Pool)
 	resp, err := cli.Get(ctx, ownerKey)
 	if err != nil {
 		return fmt.Errorf("read %s: %w", ownerKey, err)
@@ -358,7 +359,7 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 		return nil
 	}
 	okv := resp.Kvs[0]
-	rec := record[OwnerRecord](okv)
+	rec := record[keyspace.OwnerRecord](okv)
 	switch {
 	case rec.Unreadable != "":
 		out.KeptOwnerIndex = fmt.Sprintf("owner index %s is unreadable (%s); doctor reports it", ownerKey, rec.Unreadable)
@@ -367,7 +368,7 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 		out.KeptOwnerIndex = fmt.Sprintf("owner index %s names %v, not %s", ownerKey, rec.Value.IPs, e.IP)
 		return nil
 	case rec.Lease != e.BoundLease:
-		out.KeptOwnerIndex = fmt.Sprintf("owner index %s is on lease %s, the allocation on %s", ownerKey, LeaseHex(rec.Lease), e.Lease)
+		out.KeptOwnerIndex = fmt.Sprintf("owner index %s is on lease %s, the allocation on %s", ownerKey, keyspace.LeaseHex(rec.Lease), e.Lease)
 		return nil
 	}
 	out.OwnerIndex = ownerKey
@@ -376,7 +377,7 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 	var gets []clientv3.Op
 	for _, sib := range rec.Value.IPs {
 		if sib != e.IP {
-			gets = append(gets, clientv3.OpGet(IPKey(e.Pool, sib)))
+			gets = append(gets, clientv3.OpGet(keyspace.IPKey(e.Pool, sib)))
 		}
 	}
 	tresp, err := cli.Txn(ctx).Then(gets...).Commit()

@@ -1,4 +1,4 @@
-package leases
+package admin
 
 import (
 	"cmp"
@@ -14,13 +14,14 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // AllocationEntry is one allocation key as an admin sees it.
 type AllocationEntry struct {
 	Pool string     `json:"pool"`
 	IP   netip.Addr `json:"ip"`
-	Allocation
+	keyspace.Allocation
 	// Lease is the lease the key is bound to, in etcdctl's hex form; "0" means none.
 	Lease string `json:"lease"`
 	Key   string `json:"key"`
@@ -58,32 +59,32 @@ type PoolEntry struct {
 
 // OwnerEntry is an owner index key owners/<cluster>/<owner>/<ifname>/<pool>.
 type OwnerEntry struct {
-	Record[OwnerRecord]
+	Record[keyspace.OwnerRecord]
 	Cluster, Owner, IfName, Pool string
 }
 
 // NodeEntry is a node record nodes/<cluster>/<node>.
 type NodeEntry struct {
-	Record[NodeRecord]
+	Record[keyspace.NodeRecord]
 	Cluster, Node string
 }
 
 // PodEntry is a pod record nodes/<cluster>/<node>/pods/<owner>.
 type PodEntry struct {
-	Record[PodRecord]
+	Record[keyspace.PodRecord]
 	Cluster, Node, Owner string
 }
 
 // QuarantineEntry is a quarantine key quarantine/<pool>/<ip>.
 type QuarantineEntry struct {
-	Record[QuarantineRecord]
+	Record[keyspace.QuarantineRecord]
 	Pool string
 	IP   netip.Addr
 }
 
 // ConflictEntry is a conflict record conflicts/<cluster>/<owner>/<ifname>/<pool>.
 type ConflictEntry struct {
-	Record[ConflictRecord]
+	Record[keyspace.ConflictRecord]
 	Cluster, Owner, IfName, Pool string
 }
 
@@ -120,7 +121,7 @@ type State struct {
 // ReadState reads the whole state at one revision. It fails only when etcd does: values that
 // do not decode are kept with Unreadable set, for doctor to report.
 func ReadState(ctx context.Context, cli *clientv3.Client) (*State, error) {
-	return ReadKeys(ctx, cli, Prefix)
+	return ReadKeys(ctx, cli, keyspace.Prefix)
 }
 
 // ReadKeys reads every key under each of prefixes (a full key is its own prefix; prefixes must
@@ -158,7 +159,7 @@ func record[T any](kv *mvccpb.KeyValue) Record[T] {
 // add files kv under its family. Etcd returns keys sorted, so every family stays sorted by key.
 func (st *State) add(kv *mvccpb.KeyValue) {
 	key := string(kv.Key)
-	rest := strings.TrimPrefix(key, Prefix)
+	rest := strings.TrimPrefix(key, keyspace.Prefix)
 	family, rest, _ := strings.Cut(rest, "/")
 	parts := strings.Split(rest, "/")
 	bad := func(reason string) {
@@ -167,7 +168,7 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 	switch family {
 	case "pools":
 		if len(parts) != 1 || parts[0] == "" {
-			bad("want " + poolsDir + "<pool>")
+			bad("want " + keyspace.PoolsPrefix() + "<pool>")
 			return
 		}
 		e := PoolEntry{Record: record[allocator.PoolSpec](kv), Name: parts[0]}
@@ -187,42 +188,42 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 		}
 		st.Allocations = append(st.Allocations, e)
 	case "owners":
-		c, o, i, p, err := ParseOwnerKey(key)
+		c, o, i, p, err := keyspace.ParseOwnerKey(key)
 		if err != nil {
 			bad(err.Error())
 			return
 		}
-		st.Owners = append(st.Owners, OwnerEntry{Record: record[OwnerRecord](kv), Cluster: c, Owner: o, IfName: i, Pool: p})
+		st.Owners = append(st.Owners, OwnerEntry{Record: record[keyspace.OwnerRecord](kv), Cluster: c, Owner: o, IfName: i, Pool: p})
 	case "nodes":
 		switch {
 		case len(parts) == 2:
-			st.Nodes = append(st.Nodes, NodeEntry{Record: record[NodeRecord](kv), Cluster: parts[0], Node: parts[1]})
+			st.Nodes = append(st.Nodes, NodeEntry{Record: record[keyspace.NodeRecord](kv), Cluster: parts[0], Node: parts[1]})
 		case len(parts) == 4 && parts[2] == "pods":
-			st.Pods = append(st.Pods, PodEntry{Record: record[PodRecord](kv), Cluster: parts[0], Node: parts[1], Owner: parts[3]})
+			st.Pods = append(st.Pods, PodEntry{Record: record[keyspace.PodRecord](kv), Cluster: parts[0], Node: parts[1], Owner: parts[3]})
 		default:
-			bad("want " + nodesDir + "<cluster>/<node> or " + nodesDir + "<cluster>/<node>/pods/<owner>")
+			bad("want " + keyspace.NodesPrefix("") + "<cluster>/<node> or " + keyspace.NodesPrefix("") + "<cluster>/<node>/pods/<owner>")
 		}
 	case "quarantine":
-		pool, ip, err := ParseQuarantineKey(key)
-		if err == nil && (QuarantineKey(pool, ip) != key || ip.Is4In6() || ip.Zone() != "") {
+		pool, ip, err := keyspace.ParseQuarantineKey(key)
+		if err == nil && (keyspace.QuarantineKey(pool, ip) != key || ip.Is4In6() || ip.Zone() != "") {
 			err = fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip)
 		}
 		if err != nil {
 			bad(err.Error())
 			return
 		}
-		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[QuarantineRecord](kv), Pool: pool, IP: ip})
+		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[keyspace.QuarantineRecord](kv), Pool: pool, IP: ip})
 	case "conflicts":
 		if len(parts) != 4 {
-			bad("want " + conflictsDir + "<cluster>/<owner>/<ifname>/<pool>")
+			bad("want " + keyspace.ConflictsPrefix("") + "<cluster>/<owner>/<ifname>/<pool>")
 			return
 		}
-		st.Conflicts = append(st.Conflicts, ConflictEntry{Record: record[ConflictRecord](kv),
+		st.Conflicts = append(st.Conflicts, ConflictEntry{Record: record[keyspace.ConflictRecord](kv),
 			Cluster: parts[0], Owner: parts[1], IfName: parts[2], Pool: parts[3]})
 	case "hostips":
 		ip, err := netip.ParseAddr(parts[0])
 		if err != nil || len(parts) != 3 {
-			bad("want " + hostIPsDir + "<ip>/<cluster>/<node>")
+			bad("want " + keyspace.HostIPPrefix(netip.Addr{}) + "<ip>/<cluster>/<node>")
 			return
 		}
 		st.HostIPs = append(st.HostIPs, HostIPEntry{Key: key, IP: ip, Cluster: parts[1], Node: parts[2], Lease: clientv3.LeaseID(kv.Lease)})
@@ -232,14 +233,14 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 // allocationEntry decodes an allocation key; an error means the key itself is malformed.
 func allocationEntry(kv *mvccpb.KeyValue) (AllocationEntry, error) {
 	key := string(kv.Key)
-	p, ip, err := ParseIPKey(key)
+	p, ip, err := keyspace.ParseIPKey(key)
 	if err != nil {
 		return AllocationEntry{}, err
 	}
-	if IPKey(p, ip) != key || ip.Is4In6() || ip.Zone() != "" {
+	if keyspace.IPKey(p, ip) != key || ip.Is4In6() || ip.Zone() != "" {
 		return AllocationEntry{}, fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip.Unmap().WithZone(""))
 	}
-	e := AllocationEntry{Pool: p, IP: ip, Lease: LeaseHex(clientv3.LeaseID(kv.Lease)), Key: key,
+	e := AllocationEntry{Pool: p, IP: ip, Lease: keyspace.LeaseHex(clientv3.LeaseID(kv.Lease)), Key: key,
 		BoundLease: clientv3.LeaseID(kv.Lease), CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}
 	if err := json.Unmarshal(kv.Value, &e.Allocation); err != nil {
 		e.Unreadable = err.Error()
@@ -258,7 +259,7 @@ func (st *State) Pool(name string) (PoolEntry, bool) {
 // ListPools returns every stored pool definition, sorted by name. An unreadable definition
 // fails the whole list, naming the key.
 func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec, error) {
-	resp, err := cli.Get(ctx, PoolsPrefix(), clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, keyspace.PoolsPrefix(), clientv3.WithPrefix())
 	if err != nil {
 		return nil, fmt.Errorf("list pools: %w", err)
 	}
@@ -277,7 +278,7 @@ func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec,
 // ListAllocations returns the allocations of pool (every pool when pool is ""), sorted by
 // pool and address. Keys that are not allocation keys are skipped.
 func ListAllocations(ctx context.Context, cli *clientv3.Client, pool string) ([]AllocationEntry, error) {
-	st, err := ReadKeys(ctx, cli, IPsPrefix(pool))
+	st, err := ReadKeys(ctx, cli, keyspace.IPsPrefix(pool))
 	if err != nil {
 		return nil, err
 	}
@@ -298,11 +299,11 @@ func TimeToLive(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseI
 		return LeaseTTL{TTL: -1}, nil
 	}
 	resp, err := cli.TimeToLive(ctx, lease)
-	if isLeaseNotFound(err) {
+	if keyspace.IsLeaseNotFound(err) {
 		return LeaseTTL{TTL: -1}, nil
 	}
 	if err != nil {
-		return LeaseTTL{}, fmt.Errorf("look up lease %s: %w", LeaseHex(lease), err)
+		return LeaseTTL{}, fmt.Errorf("look up lease %s: %w", keyspace.LeaseHex(lease), err)
 	}
 	return LeaseTTL{TTL: resp.TTL, GrantedTTL: resp.GrantedTTL}, nil
 }
@@ -312,14 +313,14 @@ func readPool(ctx context.Context, cli *clientv3.Client, pool string) (PoolEntry
 	if err := allocator.ValidateName("pool", pool); err != nil {
 		return PoolEntry{}, nil, 0, err
 	}
-	st, err := ReadKeys(ctx, cli, PoolKey(pool), IPsPrefix(pool))
+	st, err := ReadKeys(ctx, cli, keyspace.PoolKey(pool), keyspace.IPsPrefix(pool))
 	if err != nil {
 		return PoolEntry{}, nil, 0, err
 	}
 	p, ok := st.Pool(pool)
 	switch {
 	case !ok:
-		return PoolEntry{}, nil, 0, fmt.Errorf("%w: pool %s has no definition (%s); see leaseholdctl pool list", ErrNotFound, pool, PoolKey(pool))
+		return PoolEntry{}, nil, 0, fmt.Errorf("%w: pool %s has no definition (%s); see leaseholdctl pool list", ErrNotFound, pool, keyspace.PoolKey(pool))
 	case p.Unreadable != "":
 		return PoolEntry{}, nil, 0, fmt.Errorf("pool definition %s is unreadable (%s); inspect it with: etcdctl get %s", p.Key, p.Unreadable, p.Key)
 	case p.Invalid != "":

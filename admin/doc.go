@@ -1,0 +1,6 @@
+// Package admin is the operator's side of leasehold, importable by any program: pool
+// definitions (CreatePool, AddRange, RemoveRange), the owner-compared Release of an
+// allocation, a consistent snapshot of every key (ReadState), and the doctor's invariant
+// checks with the command that fixes each problem (Check). leaseholdctl is a thin command
+// line over it. Nothing here renews a lease: that is only ever the agent's (package leases).
+package admin

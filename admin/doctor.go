@@ -1,0 +1,106 @@
+package admin
+
+import (
+	"fmt"
+	"net/netip"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/leasehold/leasehold/keyspace"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// Kinds of doctor findings; scripts match on them (-o json "kind").
+const (
+	KindBadKey          = "bad-key"                        // a key of a leasehold family with a malformed name
+	KindUnreadable      = "unreadable"                     // a value that does not decode as its record type
+	KindPoolInvalid     = "pool-invalid"                   // a pool definition that does not canonicalize or names another pool
+	KindPoolOnLease     = "pool-on-lease"                  // a pool definition bound to a lease: it would vanish
+	KindPoolUndefined   = "pool-undefined"                 // allocations of a pool that has no definition
+	KindNoLease         = "no-lease"                       // a key that must be on a lease has none: it never expires
+	KindOutOfRange      = "out-of-range"                   // an allocation its pool does not hand out (no range, excluded, gateway)
+	KindOrphan          = "allocation-without-owner-index" // no owner index names the allocation: no DEL releases it
+	KindOwnerNoAlloc    = "owner-index-without-allocation" // the owner index names an address no key holds
+	KindOwnerOtherAlloc = "owner-index-names-other-holder" // the owner index names an address another attachment holds
+	KindLeaseMismatch   = "lease-mismatch"                 // keys of one attachment or pod on different leases
+	KindPodMissing      = "pod-record-missing"             // an attachment whose pod record is missing
+	KindDuplicate       = "duplicate"                      // one address held in two pools whose ranges overlap
+)
+
+// Finding is one problem Check reports. Fix is one shell command; etcdctl commands take
+// their connection from ETCDCTL_* as usual, leaseholdctl ones from the same flags as this run.
+type Finding struct {
+	Kind    string   `json:"kind"`
+	Keys    []string `json:"keys"`
+	Cluster string   `json:"cluster,omitempty"`
+	Message string   `json:"message"`
+	Fix     string   `json:"fix"`
+}
+
+// delFix deletes one key.
+func delFix(key string) string { return "etcdctl del " + ShellQuote(key) }
+
+// releaseFix is the leaseholdctl command that releases ip's allocation in pool.
+func releaseFix(ip netip.Addr, pool string, lease clientv3.LeaseID) string {
+	s := "leaseholdctl alloc release " + ip.String() + " --pool " + pool
+	if lease != 0 {
+		s += " --force"
+	}
+	return s
+}
+
+// modGuard compares that key was not written since doctor read it; absentGuard that it does
+// not exist. Both are etcdctl txn compare lines.
+func modGuard(key string, rev int64) string {
+	return fmt.Sprintf("mod(%q) = %q", key, strconv.FormatInt(rev, 10))
+}
+
+func absentGuard(key string) string { return fmt.Sprintf("create(%q) = \"0\"", key) }
+
+// putFix writes value to key on lease (0: none) in an etcdctl transaction guarded by guards,
+// as one pasteable line: etcdctl txn reads compares, a blank line, the success requests and a
+// blank line, then the (empty) failure requests from stdin.
+func putFix(key string, value []byte, lease clientv3.LeaseID, guards ...string) string {
+	op := "put " + key + " " + strconv.Quote(string(value))
+	if lease != 0 {
+		op += " --lease=" + keyspace.LeaseHex(lease)
+	}
+	parts := []string{"printf '%s\\n'"}
+	for _, g := range guards {
+		parts = append(parts, ShellQuote(g))
+	}
+	parts = append(parts, "''", ShellQuote(op), "''", "''", "| etcdctl txn")
+	return strings.Join(parts, " ")
+}
+
+// sortFindings orders findings by kind, then by first key, for stable output.
+func sortFindings(fs []Finding) {
+	sort.SliceStable(fs, func(i, j int) bool {
+		if fs[i].Kind != fs[j].Kind {
+			return fs[i].Kind < fs[j].Kind
+		}
+		return fs[i].Keys[0] < fs[j].Keys[0]
+	})
+}
+
+// ShellQuote quotes s for a POSIX shell, so printed fix commands can be pasted as they are.
+func ShellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("/._:@,=-", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// dash is s, or "-" when s is empty.
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+// short is a container ID cut to the 12 characters runtimes show.
+func short(id string) string { return dash(id[:min(len(id), 12)]) }

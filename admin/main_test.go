@@ -1,0 +1,29 @@
+package admin
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/leases"
+)
+
+func TestMain(m *testing.M) { os.Exit(etcdtest.Main(m)) }
+
+// startAgent runs a real agent for node, whose allocations the admin operations then act on.
+func startAgent(t testing.TB, cluster, node, uid string) *leases.Agent {
+	t.Helper()
+	cfg := leases.Config{Cluster: cluster, Node: node, NodeUID: uid, LeaseTTL: 10 * time.Second, Quarantine: -1,
+		SpareLeases: 2, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	a, err := leases.Start(ctx, etcdtest.Client(t), cfg)
+	if err != nil {
+		t.Fatalf("start agent %s/%s: %v", cluster, node, err)
+	}
+	t.Cleanup(a.Close)
+	return a
+}
