@@ -143,38 +143,13 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 
 	now := a.wall()
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
-	podKey := keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)
-	withLease := clientv3.WithLease(lease)
-	cmps := []clientv3.Cmp{
-		clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0),
-		clientv3.Compare(clientv3.ModRevision(keyspace.PoolKey(p.spec.Name)), "=", p.rev),
-	}
-	var puts []clientv3.Op
-	if !known {
-		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(podKey), "=", 0))
-		puts = append(puts, clientv3.OpPut(podKey, keyspace.Encode(a.podRecord(req, owner, lease, now)), withLease))
-	} else {
-		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(podKey), "=", lease))
-	}
-	gets := []clientv3.Op{
-		clientv3.OpGet(ownerKey), clientv3.OpGet(podKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
-	}
-	for _, addr := range addrs {
-		ipKey, qKey, hostPrefix := keyspace.IPKey(p.spec.Name, addr), keyspace.QuarantineKey(p.spec.Name, addr), keyspace.HostIPPrefix(addr)
-		cmps = append(cmps,
-			clientv3.Compare(clientv3.CreateRevision(ipKey), "=", 0),
-			clientv3.Compare(clientv3.CreateRevision(qKey), "=", 0),
-			// No node publishes the address as its own (an empty range compares as absent).
-			clientv3.Compare(clientv3.CreateRevision(hostPrefix), "=", 0).WithPrefix())
-		puts = append(puts, clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, owner, lease, now)), withLease))
-		gets = append(gets, clientv3.OpGet(ipKey), clientv3.OpGet(qKey),
-			clientv3.OpGet(hostPrefix, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
-	}
-	puts = append(puts, clientv3.OpPut(ownerKey, keyspace.Encode(a.ownerRecord(req, addrs, lease, now)), withLease))
-
+	c := &claim{add: true, lease: lease, pool: p.spec.Name, poolRev: p.rev, addrs: addrs,
+		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name),
+		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
+		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
+		pod: a.podRecord(req, owner, lease, now)}
 	start := time.Now()
-	resp, err := a.claims.commit(octx, cmps, puts, gets)
+	resp, err := a.claims.commit(octx, c)
 	a.metrics.rtt("claim", start)
 	if err != nil {
 		p.view.settle(reserved, 0)
@@ -202,83 +177,78 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		return allocator.Result{}, false, nil
 	}
 	a.ok()
-	if resp.Succeeded {
-		p.view.settle(addrs, resp.Header.Revision)
+	out := c.outcome(resp)
+	if out.Applied {
+		p.view.settle(addrs, out.Revision)
 		a.notePod(req, owner, lease, attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
-			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: resp.Header.Revision})
+			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
 		return res, true, err
 	}
 	p.view.settle(reserved, 0)
-	return a.learn(ctx, p, st, requested, addrs, lease, known, resp)
+	return a.learn(ctx, p, st, requested, lease, out)
 }
 
-// learn reads the else branch of a failed claim: the attachment may exist already (an
-// idempotent ADD), the pool definition may have changed, or some addresses were taken.
-func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested, addrs []netip.Addr,
-	lease clientv3.LeaseID, known bool, resp *clientv3.TxnResponse) (allocator.Result, bool, error) {
-	kv := func(i int) *mvccpb.KeyValue {
-		if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
-			return kvs[0]
-		}
-		return nil
+// learn acts on what a failed claim found: the attachment may exist already (an idempotent
+// ADD), the pool definition may have changed, the pod record may not be where the agent
+// thought, or some addresses were taken. It returns done=false for the caller to try again.
+func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []netip.Addr,
+	lease clientv3.LeaseID, out claimOutcome) (allocator.Result, bool, error) {
+	if out.Existing != nil {
+		return a.existing(ctx, p, st, out.Existing)
 	}
-	ownerKV, podKV, poolKV := kv(0), kv(1), kv(2)
-	if ownerKV != nil {
-		return a.existing(ctx, p, st, ownerKV)
-	}
-	if poolKV == nil || poolKV.ModRevision != p.rev {
+	if out.PoolChanged {
 		a.pools.invalidate(p.spec.Name)
 		return allocator.Result{}, false, nil
 	}
-	switch {
-	case !known && podKV != nil:
+	switch out.Pod {
+	case podExists:
 		// The pod has keys on another interface already, from before this agent's memory.
-		if err := a.resumePod(ctx, st.owner, podKV); err != nil {
+		if err := a.resumePod(ctx, st.owner, out.PodKV); err != nil {
 			return allocator.Result{}, false, err
 		}
 		return allocator.Result{}, false, nil
-	case known && (podKV == nil || clientv3.LeaseID(podKV.Lease) != lease):
+	case podGone, podMoved:
 		// The pod lease this agent remembered no longer carries the pod record: its keys
 		// are gone (expired or revoked); the ADD starts over as for a new pod.
 		a.dropPod(st.owner)
-		if podKV == nil && a.keeper.Holds(lease) && st.fresh == 0 {
+		if out.Pod == podGone && a.keeper.Holds(lease) && st.fresh == 0 {
 			st.fresh = lease
 		}
 		return allocator.Result{}, false, nil
 	}
-	const perAddr = 3 // gets per address in the else branch: allocation, quarantine, host
-	for i, addr := range addrs {
-		if hostKV := kv(3 + perAddr*i + 2); hostKV != nil {
-			p.view.markHost(string(hostKV.Key), addr)
-			st.lost[addr] = true
-			if requested[i] == addr {
+	for i, f := range out.Addrs {
+		if !f.taken() {
+			continue
+		}
+		st.lost[f.Addr] = true
+		wanted := requested[i] == f.Addr
+		if f.Host != nil {
+			p.view.markHost(string(f.Host.Key), f.Addr)
+			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s is a host address: %s publishes it as its own, so no pool hands it out",
-					allocator.ErrAddressInUse, addr, hostKV.Key)
+					allocator.ErrAddressInUse, f.Addr, f.Host.Key)
 			}
 		}
-		if ipKV := kv(3 + perAddr*i); ipKV != nil {
-			p.view.markAllocated(addr, ipKV.CreateRevision)
-			st.lost[addr] = true
-			if requested[i] != addr {
+		if f.Holder != nil {
+			p.view.markAllocated(f.Addr, f.Holder.CreateRevision)
+			if !wanted {
 				p.view.scatter(&p.spec, i)
-			}
-			if requested[i] == addr {
-				holder, _ := keyspace.Decode[keyspace.Allocation](string(ipKV.Key), ipKV.Value)
+			} else {
+				holder, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
-					allocator.ErrAddressInUse, addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
+					allocator.ErrAddressInUse, f.Addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
 					holder.Cluster, holder.Node, holder.ContainerID)
 			}
 		}
-		if qKV := kv(3 + perAddr*i + 1); qKV != nil {
-			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(qKV.Key), qKV.Value)
-			p.view.markQuarantined(addr, rec.Until)
-			st.lost[addr] = true
-			if requested[i] == addr {
+		if f.Quarantine != nil {
+			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(f.Quarantine.Key), f.Quarantine.Value)
+			p.view.markQuarantined(f.Addr, rec.Until)
+			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q rests in quarantine until %s after its release by %s",
-					allocator.ErrAddressInUse, addr, p.spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
+					allocator.ErrAddressInUse, f.Addr, p.spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
 			}
 		}
 	}

@@ -351,67 +351,59 @@ func (a *Agent) notePodQuiet(owner string, lease clientv3.LeaseID) {
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
-// ModRevision, so that its DEL needs no read first.
+// ModRevision, so that its DEL needs no read first. An address another owner took meanwhile
+// is left to that owner and recorded in the attachment's conflict record.
 func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, error) {
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
-	withLease := clientv3.WithLease(lease)
-	claim := slices.Clone(at.IPs)
-	var taken []keyspace.TakenByOther
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
+	c := &claim{lease: lease, pool: at.Pool, addrs: slices.Clone(at.IPs),
+		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
+		alloc:    a.allocation(req, ps.Owner, lease, at.Created),
+		index: keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Network: at.Network, Node: a.cfg.Node,
+			NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created},
+		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
+	var taken []keyspace.TakenByOther
 	for range 4 {
-		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(ownerKey), "=", 0)}
-		puts := []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID,
-			Network: at.Network, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created}), withLease)}
-		gets := []clientv3.Op{clientv3.OpGet(ownerKey)}
-		for _, ip := range claim {
-			key := keyspace.IPKey(at.Pool, ip)
-			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
-			puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(req, ps.Owner, lease, at.Created)), withLease))
-			gets = append(gets, clientv3.OpGet(key))
-		}
 		if len(taken) > 0 {
-			puts = append(puts, clientv3.OpPut(keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool), keyspace.Encode(keyspace.ConflictRecord{
-				ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID, Taken: taken, Detected: a.wall(),
-			}), withLease))
+			c.conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
+				Taken: taken, Detected: a.wall()}
 		}
-		resp, err := a.cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+		out, err := c.commit(ctx, a.cli)
 		if err != nil {
-			return 0, a.unavailable("re-claim "+ownerKey, err)
+			return 0, a.unavailable("re-claim "+c.ownerKey, err)
 		}
-		if resp.Succeeded {
+		if out.Applied {
 			if len(taken) > 0 {
 				a.conflicts.Add(int64(len(taken)))
 				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
-					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken,
-					"record", keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool))
+					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken, "record", c.conflictKey)
 			}
-			return resp.Header.Revision, nil
+			return out.Revision, nil
 		}
-		if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
-			rec, _ := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kvs[0].Value)
+		if kv := out.Existing; kv != nil {
+			rec, _ := keyspace.Decode[keyspace.OwnerRecord](c.ownerKey, kv.Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
-				if clientv3.LeaseID(kvs[0].Lease) == lease {
-					return kvs[0].ModRevision, nil // already re-claimed
+				if keyspace.HeldOn(kv, lease) {
+					return kv.ModRevision, nil // already re-claimed
 				}
 				// Written by an earlier attempt whose lease is being revoked or expires: the
 				// attachment must end up on this attempt's lease, so wait for those keys to go.
 				return 0, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
-					allocator.ErrUnavailable, ownerKey, keyspace.LeaseHex(clientv3.LeaseID(kvs[0].Lease)))
+					allocator.ErrUnavailable, c.ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(kv)))
 			}
 			return 0, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
-				allocator.ErrConflict, ownerKey, rec.NodeUID, rec.ContainerID)
+				allocator.ErrConflict, c.ownerKey, rec.NodeUID, rec.ContainerID)
 		}
 		var still []netip.Addr
-		for i, ip := range claim {
-			kvs := resp.Responses[1+i].GetResponseRange().Kvs
-			if len(kvs) == 0 {
-				still = append(still, ip)
+		for _, f := range out.Addrs {
+			if f.Holder == nil {
+				still = append(still, f.Addr)
 				continue
 			}
-			holder, _ := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
-			taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster, Node: holder.Node, ContainerID: holder.ContainerID})
+			holder, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
+			taken = append(taken, keyspace.TakenByOther{IP: f.Addr, Holder: holder.Owner, Cluster: holder.Cluster,
+				Node: holder.Node, ContainerID: holder.ContainerID})
 		}
-		claim = still
+		c.addrs = still
 	}
-	return 0, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, ownerKey)
+	return 0, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.ownerKey)
 }

@@ -1,337 +1,99 @@
 package leases
 
 import (
-	"context"
-	"errors"
-	"fmt"
 	"net/netip"
-	"time"
 
-	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
-// Del releases one attachment's addresses. It deletes only keys this attachment holds: the
-// owner index must still name the request's container ID (a DEL replayed after the address
-// went to someone else releases nothing), and each address must still be on the owner's
-// lease. Released addresses go to quarantine in the same transaction, which also counts the
-// owner's attachments left and, with the last one, deletes the pod record; then the pod lease
-// is given up (dropPodIfEmpty). Releasing nothing is not an error.
+// release is the transaction that gives one attachment's addresses back (a DEL, a GC, a gone
+// sandbox). It deletes only what the attachment still holds, owner-compared:
 //
-// Errors wrap allocator.ErrInvalidName or ErrUnavailable.
-func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
-	defer a.metrics.observe("del", time.Now(), &err)
-	owner, err := a.validate(&req)
-	if err != nil {
-		return err
-	}
-	unlock := a.locks.lock(owner)
-	defer unlock()
-	left, err := a.release(ctx, req, owner)
-	if err != nil {
-		return err
-	}
-	return a.dropPodIfEmpty(ctx, owner, left)
+//	If(   owner index unchanged since the agent wrote or read it,
+//	      per address: allocation on the attachment's lease)
+//	Then( delete the owner index and every allocation,
+//	      [quarantine] put each address's quarantine key, on the shared quarantine lease,
+//	      Txn(If(no other owner index of the owner, pod record on the lease) Then(delete pod record)),
+//	      count the owner's owner indexes left)
+//	Else( per address: allocation (keys only), owner index )
+//
+// etcd decides the nested transaction's branch before applying any of the outer one's
+// operations, so "no other owner index" is the test for the last attachment: with it goes the
+// pod record, leaving the lease without keys to be recycled as a spare. The count lets DEL
+// know without a read of its own whether the pod has attachments left.
+type release struct {
+	pool     string
+	ownerKey string
+	ownerRev int64
+	lease    clientv3.LeaseID
+	addrs    []netip.Addr
+	// ownerPrefix holds the owner's owner indexes; podKey is its pod record on this node.
+	ownerPrefix, podKey string
+	// qLease and qRecord quarantine the addresses; qLease 0 puts none.
+	qLease  clientv3.LeaseID
+	qRecord keyspace.QuarantineRecord
 }
 
-// release deletes the request's attachment and returns the owner's attachments left, or -1
-// when it released nothing and so did not count them.
-func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
-	if at, lease, ok := a.attachmentOf(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
-		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
-		// it first. The transaction compares that revision, so an owner index changed since
-		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
-		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
-		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
-		if !errors.Is(err, errStale) {
-			return left, err
+// txn is the release's compares, writes and else-branch reads.
+func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
+	cmps = append(cmps, keyspace.Unchanged(r.ownerKey, r.ownerRev))
+	then = append(then, clientv3.OpDelete(r.ownerKey))
+	for _, addr := range r.addrs {
+		key := keyspace.IPKey(r.pool, addr)
+		cmps = append(cmps, keyspace.OnLease(key, r.lease))
+		then = append(then, clientv3.OpDelete(key))
+		els = append(els, clientv3.OpGet(key, clientv3.WithKeysOnly()))
+	}
+	if r.qLease != 0 {
+		rec := keyspace.Encode(r.qRecord)
+		for _, addr := range r.addrs {
+			then = append(then, clientv3.OpPut(keyspace.QuarantineKey(r.pool, addr), rec, clientv3.WithLease(r.qLease)))
 		}
 	}
-	octx, cancel := a.opCtx(ctx)
-	defer cancel()
-	resp, err := a.cli.Get(octx, ownerKey)
-	if err != nil {
-		return -1, a.unavailable("read owner index "+ownerKey, err)
-	}
-	a.ok()
-	if len(resp.Kvs) == 0 {
-		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
-		return -1, nil
-	}
-	kv := resp.Kvs[0]
-	rec, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kv.Value)
-	if err != nil {
-		return -1, err
-	}
-	if rec.NodeUID != a.cfg.NodeUID {
-		a.log.Warn("DEL for an attachment made by another node identity; nothing released, it expires with its lease",
-			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder_node_uid", rec.NodeUID)
-		return -1, nil
-	}
-	if rec.ContainerID != req.ContainerID {
-		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
-			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
-		return -1, nil
-	}
-	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, false)
+	then = append(then, clientv3.OpTxn([]clientv3.Cmp{
+		// No owner index before this one, and none after it (an empty range compares as absent).
+		clientv3.Compare(clientv3.CreateRevision(r.ownerPrefix), "=", 0).WithRange(r.ownerKey),
+		clientv3.Compare(clientv3.CreateRevision(r.ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(r.ownerPrefix)),
+		keyspace.OnLease(r.podKey, r.lease),
+	}, []clientv3.Op{clientv3.OpDelete(r.podKey)}, nil))
+	then = append(then, clientv3.OpGet(r.ownerPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
+	els = append(els, clientv3.OpGet(r.ownerKey))
+	return cmps, then, els
 }
 
-// errStale is releaseRecord's answer when the owner index it was given from the agent's
-// memory is no longer the one in etcd.
-var errStale = errors.New("owner index changed since the agent last saw it")
-
-// releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
-// the attachment's lease (written by hand or by a later owner), and quarantines the rest. It
-// returns the owner's attachments left, counted in the same transaction (after its deletes),
-// or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
-// set; an owner index that changed since is then errStale, not "released by someone else".
-func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
-	lease := clientv3.LeaseID(kv.Lease)
-	ips := rec.IPs
-	for range 3 {
-		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
-		ops := []clientv3.Op{clientv3.OpDelete(string(kv.Key))}
-		var gets []clientv3.Op
-		for _, addr := range ips {
-			key := keyspace.IPKey(pool, addr)
-			cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
-			ops = append(ops, clientv3.OpDelete(key))
-			gets = append(gets, clientv3.OpGet(key, clientv3.WithKeysOnly()))
-		}
-		octx, cancel := a.opCtx(ctx)
-		qops, until, err := a.quarantineOps(octx, pool, owner, ips)
-		if err != nil {
-			cancel()
-			return -1, err
-		}
-		ops = append(ops, qops...)
-		// If this is the owner's last attachment, its pod record goes too (when it is on this
-		// lease), leaving the lease without keys, to be recycled as a spare. etcd decides a
-		// nested transaction's branch before applying any of the outer one's operations, so
-		// "no attachment left" is "no owner index but this one" (an empty range compares as
-		// absent).
-		ownerKey := string(kv.Key)
-		ownerPrefix, podKey := keyspace.OwnerPrefix(a.cfg.Cluster, owner), keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)
-		ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{
-			clientv3.Compare(clientv3.CreateRevision(ownerPrefix), "=", 0).WithRange(ownerKey),
-			clientv3.Compare(clientv3.CreateRevision(ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(ownerPrefix)),
-			clientv3.Compare(clientv3.LeaseValue(podKey), "=", lease),
-		}, []clientv3.Op{clientv3.OpDelete(podKey)}, nil))
-		// Last: what the owner has left, so that DEL needs no read of its own.
-		ops = append(ops, clientv3.OpGet(ownerPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
-		start := time.Now()
-		resp, err := a.cli.Txn(octx).If(cmps...).Then(ops...).Else(append(gets, clientv3.OpGet(string(kv.Key)))...).Commit()
-		a.metrics.rtt("release", start)
-		cancel()
-		if err != nil {
-			return -1, a.unavailable("release "+string(kv.Key), err)
-		}
-		a.ok()
-		if resp.Succeeded {
-			if _, _, ifName, _, err := keyspace.ParseOwnerKey(string(kv.Key)); err == nil {
-				a.dropAttachment(owner, ifName, pool)
-			}
-			if v := a.pools.viewOf(pool); v != nil {
-				v.released(ips, resp.Header.Revision, until)
-			}
-			a.log.Debug("released", "owner", owner, "pool", pool, "ips", ips)
-			return resp.Responses[len(resp.Responses)-1].GetResponseRange().Count, nil
-		}
-		if len(resp.Responses[len(ips)].GetResponseRange().Kvs) == 0 ||
-			resp.Responses[len(ips)].GetResponseRange().Kvs[0].ModRevision != kv.ModRevision {
-			if remembered {
-				return -1, errStale
-			}
-			return -1, nil // the owner index changed or went away meanwhile: not ours to release any more
-		}
-		// Keep only the addresses still on this lease.
-		var still []netip.Addr
-		for i, addr := range ips {
-			kvs := resp.Responses[i].GetResponseRange().Kvs
-			if len(kvs) > 0 && clientv3.LeaseID(kvs[0].Lease) == lease {
-				still = append(still, addr)
-			} else {
-				a.log.Warn("address of the attachment is not on its lease; leaving it alone",
-					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(lease))
-			}
-		}
-		ips = still
-	}
-	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
+// releaseOutcome is what a release's response says, named.
+type releaseOutcome struct {
+	// Applied: the attachment's keys were deleted at Revision; Left is how many owner indexes
+	// the owner has after it.
+	Applied  bool
+	Revision int64
+	Left     int64
+	// IndexChanged: the owner index is gone or was written since it was read (re-claimed,
+	// released by an admin, taken over by a new container): nothing here is the caller's.
+	IndexChanged bool
+	// OnLease are the addresses still on the attachment's lease; the others were taken or
+	// deleted by someone else and must be left alone.
+	OnLease []netip.Addr
 }
 
-// quarantineOps puts each released address into quarantine on a shared short lease, and
-// says until when (zero: no quarantine).
-func (a *Agent) quarantineOps(ctx context.Context, pool, owner string, ips []netip.Addr) ([]clientv3.Op, time.Time, error) {
-	if a.cfg.Quarantine < 0 || len(ips) == 0 {
-		return nil, time.Time{}, nil
+// outcome decodes resp, the response to r's transaction.
+func (r *release) outcome(resp *clientv3.TxnResponse) releaseOutcome {
+	if resp.Succeeded {
+		return releaseOutcome{Applied: true, Revision: resp.Header.Revision,
+			Left: resp.Responses[len(resp.Responses)-1].GetResponseRange().Count}
 	}
-	lease, until, err := a.keeper.QuarantineLease(ctx, a.cfg.Quarantine)
-	if err != nil {
-		return nil, time.Time{}, a.unavailable("quarantine released addresses", err)
+	var out releaseOutcome
+	index := resp.Responses[len(r.addrs)].GetResponseRange().Kvs
+	if len(index) == 0 || index[0].ModRevision != r.ownerRev {
+		out.IndexChanged = true
+		return out
 	}
-	rec := keyspace.Encode(keyspace.QuarantineRecord{ReleasedBy: owner, Until: until.UTC()})
-	ops := make([]clientv3.Op, 0, len(ips))
-	for _, addr := range ips {
-		ops = append(ops, clientv3.OpPut(keyspace.QuarantineKey(pool, addr), rec, clientv3.WithLease(lease)))
-	}
-	return ops, until.UTC(), nil
-}
-
-// dropPodIfEmpty gives up the owner's pod lease once the owner has no attachment left in this
-// cluster: the keeper takes it back as a spare if no key is left on it (the release
-// transaction deleted the pod record with the last attachment), else revokes it, deleting
-// what is left. left is the count of the owner's attachments that the release transaction
-// read, or -1 when none did; then they are counted here.
-func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
-	lease, ok := a.podLease(owner)
-	if !ok {
-		return nil
-	}
-	octx, cancel := a.opCtx(ctx)
-	defer cancel()
-	if left < 0 {
-		resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
-		if err != nil {
-			return a.unavailable("count the owner's attachments", err)
-		}
-		left = resp.Count
-	}
-	if left > 0 {
-		return nil
-	}
-	a.mu.Lock()
-	unsure := a.pods[owner] != nil && a.pods[owner].unanswered
-	a.mu.Unlock()
-	recycled := false
-	var err error
-	if unsure {
-		err = a.keeper.Revoke(lease)
-	} else {
-		recycled, err = a.keeper.Recycle(octx, lease)
-	}
-	if err != nil {
-		return a.unavailable("revoke the pod lease", err)
-	}
-	a.dropPod(owner)
-	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
-	return nil
-}
-
-// GC releases every attachment of the request's network that this node identity made and
-// the runtime no longer lists in ValidAttachments (CNI 1.1 GC). Attachments younger than the
-// GC grace are kept, so an ADD that finished after the runtime built its list is not undone.
-// It keeps going when one release fails and returns all failures joined.
-func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
-	defer a.metrics.observe("gc", time.Now(), &err)
-	if err := a.Err(); err != nil {
-		return fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
-	}
-	if req.Pool.Name == "" {
-		req.Pool.Name = req.Network
-	}
-	if err := allocator.ValidateName("pool", req.Pool.Name); err != nil {
-		return err
-	}
-	valid := make(map[allocator.Attachment]bool, len(req.ValidAttachments))
-	for _, at := range req.ValidAttachments {
-		valid[at] = true
-	}
-	octx, cancel := a.opCtx(ctx)
-	pods, err := a.cli.Get(octx, keyspace.PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
-	cancel()
-	if err != nil {
-		return a.unavailable("list this node's pods", err)
-	}
-	var errs []error
-	for _, pkv := range pods.Kvs {
-		prec, err := keyspace.Decode[keyspace.PodRecord](string(pkv.Key), pkv.Value)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if prec.NodeUID != a.cfg.NodeUID {
-			continue // another identity's pod: it expires with its lease, never collected here
-		}
-		if err := a.gcOwner(ctx, req, prec.Owner, valid); err != nil {
-			errs = append(errs, err)
+	for i, addr := range r.addrs {
+		if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 && keyspace.HeldOn(kvs[0], r.lease) {
+			out.OnLease = append(out.OnLease, addr)
 		}
 	}
-	return errors.Join(errs...)
-}
-
-func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool) error {
-	unlock := a.locks.lock(owner)
-	defer unlock()
-	young := a.addedWithinGrace(owner)
-	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
-		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
-			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
-		if collect {
-			a.log.Info("GC releases an attachment the runtime no longer lists",
-				"owner", owner, "container", rec.ContainerID, "ifname", ifName, "pool", pool, "ips", rec.IPs)
-		}
-		return collect
-	})
-}
-
-// addedWithinGrace tells whether an attachment of owner may be younger than the GC grace.
-// Ages are read on the monotonic clock, from this agent's own ADDs, so a stepped wall clock
-// neither collects a fresh attachment nor protects an old one for long. Only in the first
-// grace after the agent started can an attachment come from the previous process; for those
-// the record's wall-clock creation time is all there is, and a time in the future (a clock
-// stepped back) counts as young. The caller holds the owner lock.
-func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
-	grace := a.cfg.GCGrace
-	if grace <= 0 {
-		return func(keyspace.OwnerRecord) bool { return false }
-	}
-	a.mu.Lock()
-	ps, ok := a.pods[owner]
-	recent := ok && !ps.lastAdd.IsZero() && time.Since(ps.lastAdd) < grace
-	a.mu.Unlock()
-	fresh := time.Since(a.started) < grace
-	now := a.wall()
-	return func(rec keyspace.OwnerRecord) bool {
-		return recent || fresh && now.Sub(rec.Created) < grace
-	}
-}
-
-// releaseWhere releases each attachment of owner made by this node identity for which
-// pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
-// release fails and joins the errors. The caller holds the owner lock.
-func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
-	octx, cancel := a.opCtx(ctx)
-	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
-	cancel()
-	if err != nil {
-		return a.unavailable("list attachments of "+owner, err)
-	}
-	var errs []error
-	for _, kv := range resp.Kvs {
-		_, _, ifName, pool, err := keyspace.ParseOwnerKey(string(kv.Key))
-		if err != nil {
-			continue
-		}
-		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
-			continue
-		}
-		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec, false); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if len(errs) == 0 {
-		// Counted anew: an attachment this walk did not release may have changed meanwhile.
-		errs = append(errs, a.dropPodIfEmpty(ctx, owner, -1))
-	}
-	return errors.Join(errs...)
+	return out
 }

@@ -115,22 +115,22 @@ func TestBatchWithAClaimThatLosesSplitsAndEachLearns(t *testing.T) {
 // TestTakeFitsABatchToOneTransaction checks the batch's composition (no I/O): etcd's
 // operation limit, and no key put twice in one transaction.
 func TestTakeFitsABatchToOneTransaction(t *testing.T) {
-	mk := func(cmps int, keys ...string) *claim {
-		c := &claim{cmps: make([]clientv3.Cmp, cmps), keys: keys}
+	mk := func(cmps int, keys ...string) *queued {
+		c := &queued{cmps: make([]clientv3.Cmp, cmps), keys: keys}
 		for _, k := range keys {
 			c.puts = append(c.puts, clientv3.OpPut(k, ""))
 		}
 		return c
 	}
 	a, b, dup, big, d := mk(6, "a1", "a2", "a3"), mk(6, "b1", "b2", "b3"), mk(6, "a2", "x", "y"), mk(120, "z"), mk(6, "d1")
-	q := &claimBatcher{queue: []*claim{a, b, dup, big, d}}
+	q := &claimBatcher{queue: []*queued{a, b, dup, big, d}}
 	if got := q.take(); len(got) != 3 || got[0] != a || got[1] != b || got[2] != d {
 		t.Fatalf("first batch: got %d claims, want a, b, d (dup puts a2 again, big exceeds %d compares)", len(got), maxTxnOps)
 	}
 	if got := q.take(); len(got) != 2 || got[0] != dup || got[1] != big {
 		t.Fatalf("second batch: want dup and big, got %d", len(got))
 	}
-	alone := &claimBatcher{queue: []*claim{mk(maxTxnOps+10, "k")}}
+	alone := &claimBatcher{queue: []*queued{mk(maxTxnOps+10, "k")}}
 	if got := alone.take(); len(got) != 1 {
 		t.Fatal("a claim too large for a batch is still taken, alone")
 	}
@@ -208,7 +208,7 @@ func TestQueuedClaimLeavesWithItsDeadline(t *testing.T) {
 	b := &claimBatcher{busy: true}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	resp, err := b.commit(ctx, nil, []clientv3.Op{clientv3.OpPut("k", "v")}, nil)
+	resp, err := b.commit(ctx, &claim{ownerKey: "k", lease: 1})
 	if !errors.Is(err, context.DeadlineExceeded) || resp != nil {
 		t.Fatalf("queued claim past its deadline: got %v, %v", resp, err)
 	}

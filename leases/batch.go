@@ -18,20 +18,17 @@ import (
 const maxTxnOps = 128
 
 // claimBatcher commits the agent's claim transactions. A claim that finds no transaction in
-// flight goes to etcd at once, alone, as it always did: a sequential ADD waits for nothing.
-// Claims that arrive while one is in flight queue up and then go to etcd together, as one
-// transaction holding all their compares and all their puts. Each costs etcd a proposal, a WAL
-// write and an apply; under a burst, one for several ADDs. (Measured against one etcd on two
-// cores: a grant plus a claim per pod ran at 0.9-1.2k/s one claim per transaction, 1.6-3.0k/s
-// eight per transaction.)
+// flight goes to etcd at once, alone: a sequential ADD waits for nothing. Claims that arrive
+// while one is in flight queue up and then go to etcd together, as one transaction holding
+// all their compares and all their puts. Each transaction costs etcd a proposal, a WAL write
+// and an apply; under a burst, one for several ADDs.
 //
 // All of a batch's compares must hold for it to commit. If one does not (an address another
 // agent took, a pool changed), each claim of the batch runs again alone, with its own else
 // branch, and learns what it would have learned. If the batch's answer is lost, every claim of
 // it is ambiguous, and each ADD handles that as it handles its own lost answer (add.go): the
 // lease stays with the owner and the claim is sent again, which finds the owner index if the
-// lost one applied. Through an etcd leader kill in the middle of a burst, 60 of 60 ADDs
-// succeeded (TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown, three runs).
+// lost one applied (TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown).
 type claimBatcher struct {
 	cli     *clientv3.Client
 	timeout time.Duration // bounds each transaction the batcher runs for queued claims
@@ -39,10 +36,11 @@ type claimBatcher struct {
 
 	mu    sync.Mutex
 	busy  bool
-	queue []*claim
+	queue []*queued
 }
 
-type claim struct {
+// queued is one claim waiting in the batcher, and then its answer.
+type queued struct {
 	cmps       []clientv3.Cmp
 	puts, gets []clientv3.Op
 	keys       []string // the keys put, which may appear once in a transaction
@@ -51,11 +49,12 @@ type claim struct {
 	done       chan struct{}
 }
 
-// commit runs If(cmps).Then(puts).Else(gets) as one claim, alone or in a batch, and returns
-// what that transaction alone would have: on success a response with the batch's header and
-// no operation results (a claim reads none), otherwise its own response.
-func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, gets []clientv3.Op) (*clientv3.TxnResponse, error) {
-	c := &claim{cmps: cmps, puts: puts, gets: gets, done: make(chan struct{})}
+// commit runs cl's transaction, alone or in a batch, and returns what that transaction alone
+// would have: on success a response with the batch's header and no operation results (a claim
+// reads none), otherwise its own response.
+func (b *claimBatcher) commit(ctx context.Context, cl *claim) (*clientv3.TxnResponse, error) {
+	cmps, puts, gets := cl.txn()
+	c := &queued{cmps: cmps, puts: puts, gets: gets, done: make(chan struct{})}
 	for _, op := range puts {
 		c.keys = append(c.keys, string(op.KeyBytes()))
 	}
@@ -71,7 +70,7 @@ func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, ge
 			// withdrawn; one already sent may yet apply, and the caller treats the error as
 			// an unanswered claim either way.
 			b.mu.Lock()
-			b.queue = slices.DeleteFunc(b.queue, func(q *claim) bool { return q == c })
+			b.queue = slices.DeleteFunc(b.queue, func(q *queued) bool { return q == c })
 			b.mu.Unlock()
 			return nil, ctx.Err()
 		}
@@ -84,7 +83,7 @@ func (b *claimBatcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, ge
 }
 
 // alone commits one claim as its own transaction, else branch included.
-func (b *claimBatcher) alone(ctx context.Context, c *claim) {
+func (b *claimBatcher) alone(ctx context.Context, c *queued) {
 	c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
 }
 
@@ -107,8 +106,8 @@ func (b *claimBatcher) next() {
 // take removes from the queue, in order, the claims that fit one transaction: within etcd's
 // operation limit and no key put twice. The first always fits (it fits alone). The caller
 // holds mu.
-func (b *claimBatcher) take() []*claim {
-	var batch, rest []*claim
+func (b *claimBatcher) take() []*queued {
+	var batch, rest []*queued
 	ncmp, nput := 0, 0
 	seen := map[string]bool{}
 	for _, c := range b.queue {
@@ -131,7 +130,7 @@ func (b *claimBatcher) take() []*claim {
 }
 
 // run commits a batch and answers each of its claims.
-func (b *claimBatcher) run(batch []*claim) {
+func (b *claimBatcher) run(batch []*queued) {
 	defer func() {
 		for _, c := range batch {
 			close(c.done)

@@ -1,0 +1,202 @@
+package leases
+
+import (
+	"context"
+	"net/netip"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// claim is the transaction that gives one attachment its addresses: every key it writes is
+// created if absent, on the pod's lease, in one transaction, so two owners never hold one
+// address and no attachment is ever half written.
+//
+//	If(   owner index absent,
+//	      [ADD] pool definition unchanged since the agent read it,
+//	      [ADD, new pod] pod record absent | [ADD, known pod] pod record on this lease,
+//	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key)
+//	Then( [new pod] put pod record, put every allocation, put owner index, [re-claim] put conflict record )
+//	Else( get owner index, [ADD] pod record and pool definition,
+//	      per address: allocation, [ADD] quarantine key, [ADD] first host address key )
+//
+// An ADD claims addresses the view chose (forAdd); a re-claim restores a running pod's own
+// addresses after its lease was lost (forReclaim), so it does not compare the pool definition
+// (the addresses were the pod's under whatever definition was current) and writes the pod
+// record separately, once every attachment is back. The else branch reads exactly what
+// decides the outcome, so a failed claim costs no second read; outcome names what it found.
+type claim struct {
+	lease    clientv3.LeaseID
+	pool     string
+	ownerKey string
+	addrs    []netip.Addr
+	// Values written: an allocation record per address (the same for all) and the owner index.
+	alloc keyspace.Allocation
+	index keyspace.OwnerRecord
+
+	// ADD only (forAdd).
+	add     bool
+	poolRev int64  // ModRevision of the pool definition the addresses were chosen by
+	podKey  string // the pod record: created with newPod, else compared on the lease
+	newPod  bool
+	pod     keyspace.PodRecord
+	// Re-claim only: addresses of the attachment another owner took, recorded on the lease.
+	conflictKey string
+	conflict    *keyspace.ConflictRecord
+}
+
+// Positions of the else branch's reads, shared by txn and outcome so that neither counts.
+const (
+	elseOwner    = iota // ADD and re-claim
+	elsePod             // ADD only
+	elsePool            // ADD only
+	elseAddrsADD        // first address read of an ADD
+)
+
+// readsPerAddr is the else branch's reads per address: the allocation, then for an ADD its
+// quarantine key and its first host address key.
+func (c *claim) readsPerAddr() int {
+	if c.add {
+		return 3
+	}
+	return 1
+}
+
+func (c *claim) addrRead(i, which int) int {
+	first := elseAddrsADD
+	if !c.add {
+		first = elseOwner + 1
+	}
+	return first + i*c.readsPerAddr() + which
+}
+
+// txn is the claim's compares, writes and else-branch reads.
+func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
+	on := clientv3.WithLease(c.lease)
+	cmps = append(cmps, keyspace.Absent(c.ownerKey))
+	gets = append(gets, clientv3.OpGet(c.ownerKey))
+	if c.add {
+		poolKey := keyspace.PoolKey(c.pool)
+		cmps = append(cmps, keyspace.Unchanged(poolKey, c.poolRev))
+		if c.newPod {
+			cmps = append(cmps, keyspace.Absent(c.podKey))
+			puts = append(puts, clientv3.OpPut(c.podKey, keyspace.Encode(c.pod), on))
+		} else {
+			cmps = append(cmps, keyspace.OnLease(c.podKey, c.lease))
+		}
+		gets = append(gets, clientv3.OpGet(c.podKey), clientv3.OpGet(poolKey, clientv3.WithKeysOnly()))
+	}
+	alloc := keyspace.Encode(c.alloc)
+	for _, addr := range c.addrs {
+		ipKey := keyspace.IPKey(c.pool, addr)
+		cmps = append(cmps, keyspace.Absent(ipKey))
+		puts = append(puts, clientv3.OpPut(ipKey, alloc, on))
+		gets = append(gets, clientv3.OpGet(ipKey))
+		if c.add {
+			qKey, hosts := keyspace.QuarantineKey(c.pool, addr), keyspace.HostIPPrefix(addr)
+			// No node publishes the address as its own.
+			cmps = append(cmps, keyspace.Absent(qKey), keyspace.NoneUnder(hosts))
+			gets = append(gets, clientv3.OpGet(qKey),
+				clientv3.OpGet(hosts, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
+		}
+	}
+	puts = append(puts, clientv3.OpPut(c.ownerKey, keyspace.Encode(c.index), on))
+	if c.conflict != nil {
+		puts = append(puts, clientv3.OpPut(c.conflictKey, keyspace.Encode(*c.conflict), on))
+	}
+	return cmps, puts, gets
+}
+
+// commit runs the claim as its own transaction (a re-claim; ADDs go through the batcher).
+func (c *claim) commit(ctx context.Context, cli *clientv3.Client) (claimOutcome, error) {
+	cmps, puts, gets := c.txn()
+	resp, err := cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	if err != nil {
+		return claimOutcome{}, err
+	}
+	return c.outcome(resp), nil
+}
+
+// claimOutcome is what a claim's response says, named.
+type claimOutcome struct {
+	// Applied: every key was written, at Revision.
+	Applied  bool
+	Revision int64
+	// Existing is the owner index found: the attachment has addresses already (an ADD
+	// repeated, a new container of the same pod, or an earlier re-claim). Whose they are is
+	// in its record (existingIndex).
+	Existing *mvccpb.KeyValue
+	// PoolChanged: the pool definition is not the one the addresses were chosen by (ADD).
+	PoolChanged bool
+	// Pod says what the claim found of the pod record (ADD), and PodKV is that record.
+	Pod   podFound
+	PodKV *mvccpb.KeyValue
+	// Addrs says, per address claimed (in claim order), why it was not free.
+	Addrs []addrFound
+}
+
+// podFound is what an ADD's claim found of the pod record.
+type podFound int
+
+const (
+	podAsExpected podFound = iota // absent for a new pod, on the lease for a known one
+	// podExists: the claim was for a new pod, but a record exists, written before this
+	// agent's memory (another interface's ADD before a restart without journal).
+	podExists
+	// podGone: the pod the agent knew has no record: its keys went with its lease.
+	podGone
+	// podMoved: the pod the agent knew has a record on another lease.
+	podMoved
+)
+
+// addrFound is what the claim found at one of its addresses; all nil means the address was
+// free and failed nothing.
+type addrFound struct {
+	Addr netip.Addr
+	// Holder is the allocation key another attachment holds the address with.
+	Holder *mvccpb.KeyValue
+	// Quarantine is the quarantine key the address rests under after a release (ADD).
+	Quarantine *mvccpb.KeyValue
+	// Host is the key of a node that publishes the address as its own (ADD).
+	Host *mvccpb.KeyValue
+}
+
+// taken tells whether anything stood at the address.
+func (f addrFound) taken() bool { return f.Holder != nil || f.Quarantine != nil || f.Host != nil }
+
+// outcome decodes resp, the response to c's transaction.
+func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
+	if resp.Succeeded {
+		return claimOutcome{Applied: true, Revision: resp.Header.Revision}
+	}
+	kv := func(i int) *mvccpb.KeyValue {
+		if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
+			return kvs[0]
+		}
+		return nil
+	}
+	out := claimOutcome{Existing: kv(elseOwner), Addrs: make([]addrFound, len(c.addrs))}
+	if c.add {
+		pool := kv(elsePool)
+		out.PoolChanged = pool == nil || pool.ModRevision != c.poolRev
+		out.PodKV = kv(elsePod)
+		switch {
+		case c.newPod && out.PodKV != nil:
+			out.Pod = podExists
+		case !c.newPod && out.PodKV == nil:
+			out.Pod = podGone
+		case !c.newPod && !keyspace.HeldOn(out.PodKV, c.lease):
+			out.Pod = podMoved
+		}
+	}
+	for i, addr := range c.addrs {
+		f := addrFound{Addr: addr, Holder: kv(c.addrRead(i, 0))}
+		if c.add {
+			f.Quarantine, f.Host = kv(c.addrRead(i, 1)), kv(c.addrRead(i, 2))
+		}
+		out.Addrs[i] = f
+	}
+	return out
+}

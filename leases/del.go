@@ -1,0 +1,305 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Del releases one attachment's addresses. It deletes only keys this attachment holds: the
+// owner index must still name the request's container ID (a DEL replayed after the address
+// went to someone else releases nothing), and each address must still be on the owner's
+// lease. Released addresses go to quarantine in the same transaction, which also counts the
+// owner's attachments left and, with the last one, deletes the pod record; then the pod lease
+// is given up (dropPodIfEmpty). Releasing nothing is not an error.
+//
+// Errors wrap allocator.ErrInvalidName or ErrUnavailable.
+func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
+	defer a.metrics.observe("del", time.Now(), &err)
+	owner, err := a.validate(&req)
+	if err != nil {
+		return err
+	}
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	left, err := a.release(ctx, req, owner)
+	if err != nil {
+		return err
+	}
+	return a.dropPodIfEmpty(ctx, owner, left)
+}
+
+// release deletes the request's attachment and returns the owner's attachments left, or -1
+// when it released nothing and so did not count them.
+func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
+	if at, lease, ok := a.attachmentOf(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
+		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
+		// it first. The transaction compares that revision, so an owner index changed since
+		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
+		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
+		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
+		if !errors.Is(err, errStale) {
+			return left, err
+		}
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, ownerKey)
+	if err != nil {
+		return -1, a.unavailable("read owner index "+ownerKey, err)
+	}
+	a.ok()
+	if len(resp.Kvs) == 0 {
+		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
+		return -1, nil
+	}
+	kv := resp.Kvs[0]
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kv.Value)
+	if err != nil {
+		return -1, err
+	}
+	if rec.NodeUID != a.cfg.NodeUID {
+		a.log.Warn("DEL for an attachment made by another node identity; nothing released, it expires with its lease",
+			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder_node_uid", rec.NodeUID)
+		return -1, nil
+	}
+	if rec.ContainerID != req.ContainerID {
+		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
+			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
+		return -1, nil
+	}
+	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, false)
+}
+
+// errStale is releaseRecord's answer when the owner index it was given from the agent's
+// memory is no longer the one in etcd.
+var errStale = errors.New("owner index changed since the agent last saw it")
+
+// releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
+// the attachment's lease (written by hand or by a later owner), and quarantines the rest. It
+// returns the owner's attachments left, counted in the same transaction (after its deletes),
+// or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
+// set; an owner index that changed since is then errStale, not "released by someone else".
+func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
+	r := &release{pool: pool, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
+		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
+		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
+	for range 3 {
+		octx, cancel := a.opCtx(ctx)
+		until, err := a.quarantine(octx, r, owner)
+		if err != nil {
+			cancel()
+			return -1, err
+		}
+		cmps, then, els := r.txn()
+		start := time.Now()
+		resp, err := a.cli.Txn(octx).If(cmps...).Then(then...).Else(els...).Commit()
+		a.metrics.rtt("release", start)
+		cancel()
+		if err != nil {
+			return -1, a.unavailable("release "+r.ownerKey, err)
+		}
+		a.ok()
+		out := r.outcome(resp)
+		switch {
+		case out.Applied:
+			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
+				a.dropAttachment(owner, ifName, pool)
+			}
+			if v := a.pools.viewOf(pool); v != nil {
+				v.released(r.addrs, out.Revision, until)
+			}
+			a.log.Debug("released", "owner", owner, "pool", pool, "ips", r.addrs)
+			return out.Left, nil
+		case out.IndexChanged && remembered:
+			return -1, errStale
+		case out.IndexChanged:
+			return -1, nil // the owner index changed or went away meanwhile: not ours to release any more
+		}
+		for _, addr := range r.addrs {
+			if !slices.Contains(out.OnLease, addr) {
+				a.log.Warn("address of the attachment is not on its lease; leaving it alone",
+					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(r.lease))
+			}
+		}
+		r.addrs = out.OnLease
+	}
+	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
+}
+
+// quarantine gets r a quarantine lease for its addresses and says until when they rest
+// (zero: no quarantine).
+func (a *Agent) quarantine(ctx context.Context, r *release, owner string) (time.Time, error) {
+	if a.cfg.Quarantine < 0 || len(r.addrs) == 0 {
+		return time.Time{}, nil
+	}
+	lease, until, err := a.keeper.QuarantineLease(ctx, a.cfg.Quarantine)
+	if err != nil {
+		return time.Time{}, a.unavailable("quarantine released addresses", err)
+	}
+	r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until.UTC()}
+	return until.UTC(), nil
+}
+
+// dropPodIfEmpty gives up the owner's pod lease once the owner has no attachment left in this
+// cluster: the keeper takes it back as a spare if no key is left on it (the release
+// transaction deleted the pod record with the last attachment), else revokes it, deleting
+// what is left. left is the count of the owner's attachments that the release transaction
+// read, or -1 when none did; then they are counted here.
+func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
+	lease, ok := a.podLease(owner)
+	if !ok {
+		return nil
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if left < 0 {
+		resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			return a.unavailable("count the owner's attachments", err)
+		}
+		left = resp.Count
+	}
+	if left > 0 {
+		return nil
+	}
+	a.mu.Lock()
+	unsure := a.pods[owner] != nil && a.pods[owner].unanswered
+	a.mu.Unlock()
+	recycled := false
+	var err error
+	if unsure {
+		err = a.keeper.Revoke(lease)
+	} else {
+		recycled, err = a.keeper.Recycle(octx, lease)
+	}
+	if err != nil {
+		return a.unavailable("revoke the pod lease", err)
+	}
+	a.dropPod(owner)
+	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
+	return nil
+}
+
+// GC releases every attachment of the request's network that this node identity made and
+// the runtime no longer lists in ValidAttachments (CNI 1.1 GC). Attachments younger than the
+// GC grace are kept, so an ADD that finished after the runtime built its list is not undone.
+// It keeps going when one release fails and returns all failures joined.
+func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
+	defer a.metrics.observe("gc", time.Now(), &err)
+	if err := a.Err(); err != nil {
+		return fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
+	}
+	if req.Pool.Name == "" {
+		req.Pool.Name = req.Network
+	}
+	if err := allocator.ValidateName("pool", req.Pool.Name); err != nil {
+		return err
+	}
+	valid := make(map[allocator.Attachment]bool, len(req.ValidAttachments))
+	for _, at := range req.ValidAttachments {
+		valid[at] = true
+	}
+	octx, cancel := a.opCtx(ctx)
+	pods, err := a.cli.Get(octx, keyspace.PodsPrefix(a.cfg.Cluster, a.cfg.Node), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list this node's pods", err)
+	}
+	var errs []error
+	for _, pkv := range pods.Kvs {
+		prec, err := keyspace.Decode[keyspace.PodRecord](string(pkv.Key), pkv.Value)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if prec.NodeUID != a.cfg.NodeUID {
+			continue // another identity's pod: it expires with its lease, never collected here
+		}
+		if err := a.gcOwner(ctx, req, prec.Owner, valid); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool) error {
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	young := a.addedWithinGrace(owner)
+	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
+		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
+			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
+		if collect {
+			a.log.Info("GC releases an attachment the runtime no longer lists",
+				"owner", owner, "container", rec.ContainerID, "ifname", ifName, "pool", pool, "ips", rec.IPs)
+		}
+		return collect
+	})
+}
+
+// addedWithinGrace tells whether an attachment of owner may be younger than the GC grace.
+// Ages are read on the monotonic clock, from this agent's own ADDs, so a stepped wall clock
+// neither collects a fresh attachment nor protects an old one for long. Only in the first
+// grace after the agent started can an attachment come from the previous process; for those
+// the record's wall-clock creation time is all there is, and a time in the future (a clock
+// stepped back) counts as young. The caller holds the owner lock.
+func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
+	grace := a.cfg.GCGrace
+	if grace <= 0 {
+		return func(keyspace.OwnerRecord) bool { return false }
+	}
+	a.mu.Lock()
+	ps, ok := a.pods[owner]
+	recent := ok && !ps.lastAdd.IsZero() && time.Since(ps.lastAdd) < grace
+	a.mu.Unlock()
+	fresh := time.Since(a.started) < grace
+	now := a.wall()
+	return func(rec keyspace.OwnerRecord) bool {
+		return recent || fresh && now.Sub(rec.Created) < grace
+	}
+}
+
+// releaseWhere releases each attachment of owner made by this node identity for which
+// pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
+// release fails and joins the errors. The caller holds the owner lock.
+func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return a.unavailable("list attachments of "+owner, err)
+	}
+	var errs []error
+	for _, kv := range resp.Kvs {
+		_, _, ifName, pool, err := keyspace.ParseOwnerKey(string(kv.Key))
+		if err != nil {
+			continue
+		}
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
+			continue
+		}
+		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec, false); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		// Counted anew: an attachment this walk did not release may have changed meanwhile.
+		errs = append(errs, a.dropPodIfEmpty(ctx, owner, -1))
+	}
+	return errors.Join(errs...)
+}
