@@ -43,7 +43,7 @@ func CreatePool(ctx context.Context, cli *clientv3.Client, spec allocator.PoolSp
 		return false, err
 	}
 	key := keyspace.PoolKey(spec.Name)
-	resp, err := cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+	resp, err := cli.Txn(ctx).If(keyspace.Absent(key)).
 		Then(clientv3.OpPut(key, keyspace.Encode(spec))).Else(clientv3.OpGet(key)).Commit()
 	if err != nil {
 		return false, fmt.Errorf("create pool %s: %w", spec.Name, err)
@@ -104,7 +104,7 @@ func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r
 		if err := next.Canonicalize(); err != nil {
 			return PoolChange{}, err
 		}
-		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(p.Key), "=", p.ModRevision)}
+		cmps := []clientv3.Cmp{keyspace.Unchanged(p.Key, p.ModRevision)}
 		if gw := next.Ranges[i][len(next.Ranges[i])-1].Gateway; old.Allocatable(gw) == nil {
 			for _, a := range allocs {
 				if a.IP == gw {
@@ -112,7 +112,7 @@ func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r
 						"give the range another gw= or release the address first", allocator.ErrInvalidConfig, gw, a.Owner, podName(a.Pod), a.Node)
 				}
 			}
-			cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(keyspace.IPKey(pool, gw)), "=", 0))
+			cmps = append(cmps, keyspace.Absent(keyspace.IPKey(pool, gw)))
 		}
 		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
 		if err != nil {
@@ -190,7 +190,7 @@ func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int
 			return PoolChange{}, err
 		}
 		resp, err := cli.Txn(ctx).If(
-			clientv3.Compare(clientv3.ModRevision(p.Key), "=", p.ModRevision),
+			keyspace.Unchanged(p.Key, p.ModRevision),
 			clientv3.Compare(clientv3.CreateRevision(keyspace.IPsPrefix(pool)), "<", rev+1).WithPrefix(),
 		).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
 		if err != nil {
@@ -309,7 +309,7 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 		return Released{}, false, &LeaseAliveError{Allocation: e, LeaseTTL: ttl}
 	}
 	out := Released{LeaseTTL: ttl, Addresses: []AllocationEntry{e}}
-	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", e.ModRevision)}
+	cmps := []clientv3.Cmp{keyspace.Unchanged(key, e.ModRevision)}
 	ops := []clientv3.Op{clientv3.OpDelete(key)}
 	if err := attachmentOf(ctx, cli, e, &out, &cmps, &ops); err != nil {
 		return Released{}, false, err
@@ -372,7 +372,7 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 		return nil
 	}
 	out.OwnerIndex = ownerKey
-	*cmps = append(*cmps, clientv3.Compare(clientv3.ModRevision(ownerKey), "=", okv.ModRevision))
+	*cmps = append(*cmps, keyspace.Unchanged(ownerKey, okv.ModRevision))
 	*ops = append(*ops, clientv3.OpDelete(ownerKey))
 	var gets []clientv3.Op
 	for _, sib := range rec.Value.IPs {
@@ -392,7 +392,7 @@ func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, 
 				continue // not this attachment's any more: left alone
 			}
 			out.Addresses = append(out.Addresses, s)
-			*cmps = append(*cmps, clientv3.Compare(clientv3.ModRevision(s.Key), "=", s.ModRevision))
+			*cmps = append(*cmps, keyspace.Unchanged(s.Key, s.ModRevision))
 			*ops = append(*ops, clientv3.OpDelete(s.Key))
 		}
 	}

@@ -148,7 +148,7 @@ func ReadKeys(ctx context.Context, cli *clientv3.Client, prefixes ...string) (*S
 }
 
 func record[T any](kv *mvccpb.KeyValue) Record[T] {
-	r := Record[T]{Key: string(kv.Key), Lease: clientv3.LeaseID(kv.Lease), CreateRevision: kv.CreateRevision,
+	r := Record[T]{Key: string(kv.Key), Lease: keyspace.LeaseOf(kv), CreateRevision: kv.CreateRevision,
 		ModRevision: kv.ModRevision, Raw: kv.Value}
 	if err := json.Unmarshal(kv.Value, &r.Value); err != nil {
 		r.Unreadable = err.Error()
@@ -163,7 +163,7 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 	family, rest, _ := strings.Cut(rest, "/")
 	parts := strings.Split(rest, "/")
 	bad := func(reason string) {
-		st.BadKeys = append(st.BadKeys, BadKey{Key: key, Lease: clientv3.LeaseID(kv.Lease), Reason: reason})
+		st.BadKeys = append(st.BadKeys, BadKey{Key: key, Lease: keyspace.LeaseOf(kv), Reason: reason})
 	}
 	switch family {
 	case "pools":
@@ -226,7 +226,7 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			bad("want " + keyspace.HostIPPrefix(netip.Addr{}) + "<ip>/<cluster>/<node>")
 			return
 		}
-		st.HostIPs = append(st.HostIPs, HostIPEntry{Key: key, IP: ip, Cluster: parts[1], Node: parts[2], Lease: clientv3.LeaseID(kv.Lease)})
+		st.HostIPs = append(st.HostIPs, HostIPEntry{Key: key, IP: ip, Cluster: parts[1], Node: parts[2], Lease: keyspace.LeaseOf(kv)})
 	}
 }
 
@@ -240,8 +240,8 @@ func allocationEntry(kv *mvccpb.KeyValue) (AllocationEntry, error) {
 	if keyspace.IPKey(p, ip) != key || ip.Is4In6() || ip.Zone() != "" {
 		return AllocationEntry{}, fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip.Unmap().WithZone(""))
 	}
-	e := AllocationEntry{Pool: p, IP: ip, Lease: keyspace.LeaseHex(clientv3.LeaseID(kv.Lease)), Key: key,
-		BoundLease: clientv3.LeaseID(kv.Lease), CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}
+	e := AllocationEntry{Pool: p, IP: ip, Lease: keyspace.LeaseHex(keyspace.LeaseOf(kv)), Key: key,
+		BoundLease: keyspace.LeaseOf(kv), CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}
 	if err := json.Unmarshal(kv.Value, &e.Allocation); err != nil {
 		e.Unreadable = err.Error()
 	}

@@ -100,7 +100,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 
-	lease, known := a.podLease(owner)
+	lease, known := a.pods.lease(owner)
 	if !known {
 		if st.fresh == 0 {
 			id, err := a.keeper.Take(octx)
@@ -156,10 +156,10 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
-			a.notePod(req, owner, st.fresh)
+			a.pods.claimed(req, owner, st.fresh)
 			st.fresh = 0
 		}
-		a.noteUnanswered(owner)
+		a.pods.unanswered(owner)
 		// Sending the claim again is safe: both compare the owner index absent, so at most
 		// one of them applies, whichever etcd orders first, even if the lost one is applied
 		// late by a new leader. The next claim finds the owner index (the lost one applied:
@@ -180,7 +180,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	out := c.outcome(resp)
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)
-		a.notePod(req, owner, lease, attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
+		a.pods.claimed(req, owner, lease, attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
 			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
@@ -213,7 +213,7 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 	case podGone, podMoved:
 		// The pod lease this agent remembered no longer carries the pod record: its keys
 		// are gone (expired or revoked); the ADD starts over as for a new pod.
-		a.dropPod(st.owner)
+		a.pods.drop(st.owner)
 		if out.Pod == podGone && a.keeper.Holds(lease) && st.fresh == 0 {
 			st.fresh = lease
 		}
@@ -285,9 +285,9 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 		return allocator.Result{}, false, err
 	}
 	if rec.NodeUID != a.cfg.NodeUID {
-		return allocator.Result{}, false, a.foreign(st.owner, string(kv.Key), rec.Node, rec.NodeUID, clientv3.LeaseID(kv.Lease))
+		return allocator.Result{}, false, a.foreign(st.owner, string(kv.Key), rec.Node, rec.NodeUID, keyspace.LeaseOf(kv))
 	}
-	lease := clientv3.LeaseID(kv.Lease)
+	lease := keyspace.LeaseOf(kv)
 	if !a.keeper.Holds(lease) {
 		octx, cancel := a.opCtx(ctx)
 		defer cancel()
@@ -301,7 +301,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.notePod(st.req, st.owner, lease, attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
+	a.pods.claimed(st.req, st.owner, lease, attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
 		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: rev})
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
@@ -313,11 +313,11 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, lease clientv3.LeaseID) (int64, error) {
 	now := a.wall()
 	withLease := clientv3.WithLease(lease)
-	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)}
+	cmps := []clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)}
 	var puts []clientv3.Op
 	for _, addr := range rec.IPs {
 		key := keyspace.IPKey(p.spec.Name, addr)
-		cmps = append(cmps, clientv3.Compare(clientv3.LeaseValue(key), "=", lease))
+		cmps = append(cmps, keyspace.OnLease(key, lease))
 		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
 	}
 	newRec := rec
@@ -355,7 +355,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.notePod(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
+	a.pods.claimed(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
 	return nil
 }
 

@@ -142,9 +142,8 @@ type Agent struct {
 	lost    chan struct{} // wakes the re-claim loop
 	wg      sync.WaitGroup
 
-	mu        sync.Mutex
-	pods      map[string]*podState // owner -> pod whose lease this agent keeps alive
-	nodeLease clientv3.LeaseID
+	pods        *pods
+	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 
 	metrics   *metrics
 	started   time.Time    // monotonic origin of lastOK
@@ -177,13 +176,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:     actx,
 		cancel:  cancel,
-		pods:    make(map[string]*podState),
 		journal: journal{dir: cfg.StateDir},
 		jw:      newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
 		lost:    make(chan struct{}, 1),
 		started: time.Now(),
 		stopped: make(chan struct{}),
 	}
+	a.pods = newPods(cfg.NodeUID, a.jw)
 	a.metrics = newMetrics(a)
 	a.claims = &claimBatcher{cli: cli, timeout: cfg.OpTimeout, m: a.metrics}
 	a.keeper = NewKeeper(cli, cfg.LeaseTTL, cfg.SpareLeases, a.log, a.leaseLost)
@@ -255,7 +254,7 @@ func (a *Agent) register(ctx context.Context) error {
 			a.keeper.Return(id)
 			return fmt.Errorf("%w: read node record %s: %w", allocator.ErrUnavailable, key, err)
 		}
-		cmp := clientv3.Compare(clientv3.CreateRevision(key), "=", 0)
+		cmp := keyspace.Absent(key)
 		if len(cur.Kvs) > 0 {
 			kv := cur.Kvs[0]
 			var old keyspace.NodeRecord
@@ -273,7 +272,7 @@ func (a *Agent) register(ctx context.Context) error {
 				a.log.Warn("node record of another node UID replaced (a same-name replacement)", "previous_uid", old.UID,
 					"previous_host", old.Host)
 			}
-			cmp = clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)
+			cmp = keyspace.Unchanged(key, kv.ModRevision)
 		}
 		resp, err := a.cli.Txn(octx).If(cmp).Then(clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(id))).Commit()
 		if err != nil {
@@ -288,9 +287,7 @@ func (a *Agent) register(ctx context.Context) error {
 			return fmt.Errorf("%w: node record %s changed under every one of 5 attempts", ErrAgentRunning, key)
 		}
 	}
-	a.mu.Lock()
-	a.nodeLease = id
-	a.mu.Unlock()
+	a.nodeLeaseID.Store(int64(id))
 	a.ok()
 	a.log.Info("node registered", "uid", a.cfg.NodeUID, "host", a.cfg.Host, "lease", keyspace.LeaseHex(id))
 	return nil
@@ -325,10 +322,7 @@ func (a *Agent) Err() error {
 func (a *Agent) Close() {
 	a.cancel()
 	a.wg.Wait()
-	a.mu.Lock()
-	node := a.nodeLease
-	a.mu.Unlock()
-	if node != 0 {
+	if node := a.nodeLease(); node != 0 {
 		if err := a.keeper.Revoke(node); err != nil {
 			a.log.Warn("revoke node lease", "err", err)
 		}
@@ -340,6 +334,9 @@ func (a *Agent) Close() {
 
 // LeasesHeld is the number of leases this agent keeps alive (pods, node, spares).
 func (a *Agent) LeasesHeld() int { return a.keeper.Held() }
+
+// nodeLease is the node record's lease; 0 before the node is registered.
+func (a *Agent) nodeLease() clientv3.LeaseID { return clientv3.LeaseID(a.nodeLeaseID.Load()) }
 
 func (a *Agent) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, a.cfg.OpTimeout)
@@ -364,9 +361,7 @@ func (a *Agent) unavailable(what string, err error) error {
 // on the node lease, so that the clusters already using the pool hear of it (their agents
 // log it) and leaseholdctl lists it; it leaves with this node.
 func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator.PoolSpec) {
-	a.mu.Lock()
-	lease := a.nodeLease
-	a.mu.Unlock()
+	lease := a.nodeLease()
 	rec := keyspace.PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: a.wall()}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
@@ -381,108 +376,16 @@ func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator
 // re-claimed a lost lease.
 func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
 
-// podLease returns the lease of a pod this agent holds, if it holds one.
-func (a *Agent) podLease(owner string) (clientv3.LeaseID, bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if ps, ok := a.pods[owner]; ok && ps.lease != 0 && !ps.lost {
-		return ps.lease, true
-	}
-	return 0, false
-}
-
-// noteUnanswered records that a claim of owner's lost its answer (see podState.unanswered).
-func (a *Agent) noteUnanswered(owner string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if ps, ok := a.pods[owner]; ok {
-		ps.unanswered = true
-	}
-}
-
-// notePod records that owner's keys are on lease (after a claim, an adoption, a re-claim or
-// an ambiguous commit) with the attachments given, creating the pod's state if needed. The
-// caller holds the owner lock.
-func (a *Agent) notePod(req allocator.Request, owner string, lease clientv3.LeaseID, ats ...attachment) {
-	a.mu.Lock()
-	ps, ok := a.pods[owner]
-	if !ok {
-		ps = &podState{Owner: owner, NodeUID: a.cfg.NodeUID}
-		a.pods[owner] = ps
-	}
-	ps.setLease(lease)
-	ps.lost = false
-	ps.lastAdd = time.Now()
-	if req.Pod != (allocator.PodRef{}) {
-		ps.Pod = req.Pod
-	}
-	if req.Netns != "" {
-		ps.Netns = req.Netns
-	}
-	for _, at := range ats {
-		ps.put(at)
-	}
-	snap := ps.clone()
-	a.mu.Unlock()
-	a.persist(snap)
-}
-
-// attachmentOf is what the agent knows of owner's attachment ifName in pool, with the pod's
-// lease; ok is false when it knows none or the lease is lost.
-func (a *Agent) attachmentOf(owner, ifName, pool string) (at attachment, lease clientv3.LeaseID, ok bool) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	ps, found := a.pods[owner]
-	if !found || ps.lease == 0 || ps.lost {
-		return attachment{}, 0, false
-	}
-	for _, at := range ps.Attachments {
-		if at.IfName == ifName && at.Pool == pool {
-			return at, ps.lease, true
-		}
-	}
-	return attachment{}, 0, false
-}
-
-// dropAttachment forgets one attachment of owner. The caller holds the owner lock.
-func (a *Agent) dropAttachment(owner, ifName, pool string) {
-	a.mu.Lock()
-	ps, ok := a.pods[owner]
-	if !ok {
-		a.mu.Unlock()
-		return
-	}
-	ps.drop(ifName, pool)
-	snap := ps.clone()
-	a.mu.Unlock()
-	a.persist(snap)
-}
-
-// dropPod forgets owner entirely (its lease was revoked). The caller holds the owner lock.
-func (a *Agent) dropPod(owner string) {
-	a.mu.Lock()
-	delete(a.pods, owner)
-	a.mu.Unlock()
-	a.jw.remove(owner)
-}
-
-func (a *Agent) persist(ps podState) { a.jw.save(ps) }
-
 // leaseLost runs when the keeper could not renew a lease in time: etcd has deleted (or
 // will delete) every key on it. The pods on it are queued for re-claim.
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.metrics.leaseLost.Inc()
-	a.mu.Lock()
-	node := a.nodeLease == id
-	n := 0
-	for owner, ps := range a.pods {
-		if ps.lease == id {
-			ps.lost = true
-			n++
-			a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", keyspace.LeaseHex(id))
-		}
+	node := a.nodeLease() == id
+	owners := a.pods.lose(id)
+	for _, owner := range owners {
+		a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", keyspace.LeaseHex(id))
 	}
-	a.mu.Unlock()
+	n := len(owners)
 	if node {
 		a.log.Error("node lease lost; the node record will be written again", "lease", keyspace.LeaseHex(id))
 	}

@@ -150,7 +150,7 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	}
 	cli := etcdtest.Client(t)
 	before := etcdtest.Dump(t, cli, keyspace.Prefix)
-	dropLease, _ := a.podLease("uid-drop")
+	dropLease, _ := a.pods.lease("uid-drop")
 	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
 		t.Fatalf("del: %v", err)
 	}
@@ -432,7 +432,7 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	// The keys go in the release transaction; the agent forgets the pod after it has also
 	// revoked the lease, one round trip later.
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if _, ok := a.podLease("uid-x"); !ok {
+		if _, ok := a.pods.lease("uid-x"); !ok {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -465,7 +465,7 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := startAgent(t, cluster, "n1", "uid1", withState)
-	if _, ok := second.podLease("uid-j"); !ok {
+	if _, ok := second.pods.lease("uid-j"); !ok {
 		t.Fatal("restarted agent did not resume the pod's lease")
 	}
 	var pods []podState
@@ -562,7 +562,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 			t.Fatalf("add %s: %v", ifName, err)
 		}
 	}
-	lease, ok := a.podLease("uid-two")
+	lease, ok := a.pods.lease("uid-two")
 	if !ok {
 		t.Fatal("no pod lease after ADD")
 	}
@@ -575,7 +575,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 			if time.Now().After(deadline) {
 				t.Fatal("the pod was not re-claimed within 20 s of its lease's revoke")
 			}
-			if l, ok := a.podLease("uid-two"); ok {
+			if l, ok := a.pods.lease("uid-two"); ok {
 				lease = l
 			}
 		}

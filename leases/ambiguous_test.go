@@ -125,7 +125,7 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 
 func mustLease(t *testing.T, a *Agent, owner string) int64 {
 	t.Helper()
-	l, ok := a.podLease(owner)
+	l, ok := a.pods.lease(owner)
 	if !ok {
 		t.Fatalf("agent holds no lease for %s", owner)
 	}
@@ -178,7 +178,7 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 	}
 	var now clientv3.LeaseID
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if l, ok := a.podLease("uid-r"); ok && l != lost {
+		if l, ok := a.pods.lease("uid-r"); ok && l != lost {
 			now = l
 			break
 		}

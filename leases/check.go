@@ -54,7 +54,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		return allocator.Result{}, fmt.Errorf("%w: interface %s of owner %s in pool %q belongs to container %s, not %s",
 			allocator.ErrNotAllocated, req.IfName, owner, p.spec.Name, rec.ContainerID, req.ContainerID)
 	}
-	lease := clientv3.LeaseID(kv.Lease)
+	lease := keyspace.LeaseOf(kv)
 	ops := make([]clientv3.Op, 0, len(rec.IPs))
 	for _, addr := range rec.IPs {
 		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, addr)))
@@ -73,7 +73,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		if err != nil {
 			return allocator.Result{}, err
 		}
-		if clientv3.LeaseID(kvs[0].Lease) != lease || holder.Owner != owner || holder.ContainerID != req.ContainerID {
+		if !keyspace.HeldOn(kvs[0], lease) || holder.Owner != owner || holder.ContainerID != req.ContainerID {
 			return allocator.Result{}, fmt.Errorf("%w: %s in pool %q is held by owner %s container %s on lease %x, not by this attachment (owner %s container %s lease %s)",
 				allocator.ErrConflict, addr, p.spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, keyspace.LeaseHex(lease))
 		}

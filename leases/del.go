@@ -41,7 +41,7 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 // when it released nothing and so did not count them.
 func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
-	if at, lease, ok := a.attachmentOf(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
+	if at, lease, ok := a.pods.attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
 		// it first. The transaction compares that revision, so an owner index changed since
 		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
@@ -113,7 +113,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		switch {
 		case out.Applied:
 			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
-				a.dropAttachment(owner, ifName, pool)
+				a.pods.dropAttachment(owner, ifName, pool)
 			}
 			if v := a.pools.viewOf(pool); v != nil {
 				v.released(r.addrs, out.Revision, until)
@@ -156,7 +156,7 @@ func (a *Agent) quarantine(ctx context.Context, r *release, owner string) (time.
 // what is left. left is the count of the owner's attachments that the release transaction
 // read, or -1 when none did; then they are counted here.
 func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
-	lease, ok := a.podLease(owner)
+	lease, ok := a.pods.lease(owner)
 	if !ok {
 		return nil
 	}
@@ -172,12 +172,9 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	if left > 0 {
 		return nil
 	}
-	a.mu.Lock()
-	unsure := a.pods[owner] != nil && a.pods[owner].unanswered
-	a.mu.Unlock()
 	recycled := false
 	var err error
-	if unsure {
+	if !a.pods.mayRecycle(owner) {
 		err = a.keeper.Revoke(lease)
 	} else {
 		recycled, err = a.keeper.Recycle(octx, lease)
@@ -185,7 +182,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	if err != nil {
 		return a.unavailable("revoke the pod lease", err)
 	}
-	a.dropPod(owner)
+	a.pods.drop(owner)
 	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
 	return nil
 }
@@ -258,10 +255,7 @@ func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
 	if grace <= 0 {
 		return func(keyspace.OwnerRecord) bool { return false }
 	}
-	a.mu.Lock()
-	ps, ok := a.pods[owner]
-	recent := ok && !ps.lastAdd.IsZero() && time.Since(ps.lastAdd) < grace
-	a.mu.Unlock()
+	recent := a.pods.addedWithin(owner, grace)
 	fresh := time.Since(a.started) < grace
 	now := a.wall()
 	return func(rec keyspace.OwnerRecord) bool {

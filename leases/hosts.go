@@ -125,9 +125,7 @@ func (a *Agent) publishHosts(ctx context.Context) {
 	dirty := true
 	for {
 		if dirty {
-			a.mu.Lock()
-			lease := a.nodeLease
-			a.mu.Unlock()
+			lease := a.nodeLease()
 			if err := a.writeHosts(ctx, set, written, writtenLease != lease, lease); err != nil {
 				a.log.Warn("publishing host addresses failed; retrying", "err", err)
 			} else {
@@ -149,9 +147,7 @@ func (a *Agent) publishHosts(ctx context.Context) {
 				subscribe()
 			}
 			dirty = set.scan(kernel.AllAddrs(a.cfg.HostNetns)) || dirty
-			a.mu.Lock()
-			dirty = dirty || a.nodeLease != writtenLease
-			a.mu.Unlock()
+			dirty = dirty || a.nodeLease() != writtenLease
 		}
 	}
 }

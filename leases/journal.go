@@ -120,7 +120,7 @@ func (j journal) load() (loaded, []error) {
 	for _, owner := range slices.Sorted(maps.Keys(pods)) {
 		ps := pods[owner]
 		if id, err := keyspace.ParseLeaseHex(ps.LeaseID); err == nil {
-			ps.lease = id
+			ps.lease.id = id
 		}
 		out.pods = append(out.pods, ps)
 	}
@@ -197,8 +197,8 @@ func legacyName(owner string) string {
 
 // journalWriter takes journal writes off the ADD and DEL paths: callers record the newest
 // state of an owner, and a background loop appends what changed every flushEvery, in one
-// write. (A file per pod, created and renamed on every change, measured as 40% of an ADD's
-// CPU at 64-way concurrency inline, and 28% of the agent's CPU still when batched.) What a
+// write, instead of a file per pod created and renamed on every change, which put file-system
+// work on every ADD's path (docs/performance.md). What a
 // crash can lose is the last flushEvery of changes: the pods concerned still have their pod
 // records in etcd, on leases that live for the TTL, and recovery rebuilds their journal
 // entries from those records; only an agent that crashed inside that window and then stayed

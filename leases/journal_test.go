@@ -22,7 +22,7 @@ func quietLog() *slog.Logger {
 func testPod(owner string, lease clientv3.LeaseID, ip string) podState {
 	ps := podState{Owner: owner, NodeUID: "uid1", Netns: "/run/netns/" + owner,
 		Attachments: []attachment{{IfName: "eth0", Pool: "p", Network: "n", ContainerID: "ctr-1", IPs: []netip.Addr{netip.MustParseAddr(ip)}}}}
-	ps.setLease(lease)
+	ps.hold(lease)
 	return ps
 }
 
@@ -74,8 +74,8 @@ func TestJournalReplaysPutsAndDels(t *testing.T) {
 		if ps.Owner == "pod-3" {
 			t.Error("a removed pod came back")
 		}
-		if ps.Owner == "pod-7" && (ps.Attachments[0].IPs[0] != netip.MustParseAddr("10.0.1.28") || ps.lease != 278) {
-			t.Errorf("pod-7: want its newest state (10.0.1.28 on lease 278), got %v on %d", ps.Attachments[0].IPs, ps.lease)
+		if ps.Owner == "pod-7" && (ps.Attachments[0].IPs[0] != netip.MustParseAddr("10.0.1.28") || ps.lease.id != 278) {
+			t.Errorf("pod-7: want its newest state (10.0.1.28 on lease 278), got %v on %d", ps.Attachments[0].IPs, ps.lease.id)
 		}
 	}
 	b, _ := os.ReadFile(filepath.Join(dir, journalFile))

@@ -76,9 +76,7 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_pods",
 			Help: "Pods this agent holds a lease for.",
 		}, func() float64 {
-			a.mu.Lock()
-			defer a.mu.Unlock()
-			return float64(len(a.pods))
+			return float64(a.pods.count())
 		}),
 		&poolCollector{a: a},
 	)

@@ -273,7 +273,7 @@ func (m *model) lose(ctx context.Context, i int) {
 	for j := range owners {
 		owner := owners[(start+j)%len(owners)]
 		ni := m.home[owner]
-		lease, ok := m.nodes[ni].agent.podLease(owner)
+		lease, ok := m.nodes[ni].agent.pods.lease(owner)
 		if !ok {
 			continue
 		}
@@ -287,8 +287,8 @@ func (m *model) lose(ctx context.Context, i int) {
 		// quarantine or allocated... unless a concurrent ADD wins first; wait for re-claim).
 		deadline := time.Now().Add(15 * time.Second)
 		for {
-			if _, ok := m.nodes[ni].agent.podLease(owner); ok {
-				if l, _ := m.nodes[ni].agent.podLease(owner); l != lease {
+			if _, ok := m.nodes[ni].agent.pods.lease(owner); ok {
+				if l, _ := m.nodes[ni].agent.pods.lease(owner); l != lease {
 					return
 				}
 			}

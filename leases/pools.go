@@ -109,7 +109,7 @@ func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.P
 	key := keyspace.PoolKey(spec.Name)
 	var txn clientv3.Txn
 	if len(spec.Ranges) > 0 {
-		txn = ps.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+		txn = ps.cli.Txn(ctx).If(keyspace.Absent(key)).
 			Then(clientv3.OpPut(key, keyspace.Encode(spec))).
 			Else(clientv3.OpGet(key))
 	} else {

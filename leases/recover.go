@@ -75,13 +75,11 @@ func (a *Agent) recover(ctx context.Context) error {
 				return err
 			}
 		}
-		ps.setLease(clientv3.LeaseID(kv.Lease))
+		ps.lease.id = keyspace.LeaseOf(kv)
 		if ps.Netns == "" {
 			ps.Netns = rec.Netns
 		}
-		a.mu.Lock()
-		a.pods[ps.Owner] = &ps
-		a.mu.Unlock()
+		a.pods.restore(ps, true, ok)
 		if sandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
 			unlock := a.locks.lock(ps.Owner)
@@ -93,13 +91,10 @@ func (a *Agent) recover(ctx context.Context) error {
 			released++
 			continue
 		}
-		if err := a.keeper.Resume(ps.lease); err != nil {
+		if err := a.keeper.Resume(ps.lease.id); err != nil {
 			return a.unavailable("resume pod lease", err)
 		}
-		if !ok {
-			a.persist(ps.clone())
-		}
-		resumedIDs = append(resumedIDs, ps.lease)
+		resumedIDs = append(resumedIDs, ps.lease.id)
 		resumed++
 	}
 	// Renew them all now rather than on the keep-alive loop's first tick: a lease that was
@@ -119,10 +114,7 @@ func (a *Agent) recover(ctx context.Context) error {
 			a.jw.remove(ps.Owner)
 			continue
 		}
-		ps.lost = true
-		a.mu.Lock()
-		a.pods[ps.Owner] = &ps
-		a.mu.Unlock()
+		a.pods.restore(ps, false, true)
 		lost++
 	}
 	if lost > 0 {
@@ -183,28 +175,16 @@ func (a *Agent) livenessLoop() {
 }
 
 func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
-	type cand struct{ owner, netns string }
-	var cands []cand
-	a.mu.Lock()
-	for owner, ps := range a.pods {
-		if ps.Netns != "" && !ps.lost && time.Since(ps.lastAdd) > a.cfg.LivenessGrace {
-			cands = append(cands, cand{owner, ps.Netns})
-		}
-	}
-	a.mu.Unlock()
-	for _, c := range cands {
-		if !sandboxGone(c.netns) {
+	grace := a.cfg.LivenessGrace
+	for owner, netns := range a.pods.idle(grace) {
+		if !sandboxGone(netns) {
 			continue
 		}
-		unlock := a.locks.lock(c.owner)
-		a.mu.Lock()
-		ps, ok := a.pods[c.owner]
-		still := ok && !ps.lost && time.Since(ps.lastAdd) > a.cfg.LivenessGrace && sandboxGone(ps.Netns)
-		a.mu.Unlock()
-		if still {
-			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", c.owner, "netns", c.netns)
-			if err := a.releaseOwner(ctx, c.owner); err != nil {
-				a.log.Warn("release of a gone sandbox failed; will retry", "owner", c.owner, "err", err)
+		unlock := a.locks.lock(owner)
+		if netns, ok := a.pods.stillIdle(owner, grace); ok && sandboxGone(netns) {
+			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", owner, "netns", netns)
+			if err := a.releaseOwner(ctx, owner); err != nil {
+				a.log.Warn("release of a gone sandbox failed; will retry", "owner", owner, "err", err)
 			}
 		}
 		unlock()
@@ -243,15 +223,9 @@ func (a *Agent) reclaimLoop() {
 }
 
 func (a *Agent) reclaimAll(ctx context.Context) error {
-	a.mu.Lock()
-	nodeLost := a.nodeLease != 0 && !a.keeper.Holds(a.nodeLease)
-	var owners []string
-	for owner, ps := range a.pods {
-		if ps.lost {
-			owners = append(owners, owner)
-		}
-	}
-	a.mu.Unlock()
+	node := a.nodeLease()
+	nodeLost := node != 0 && !a.keeper.Holds(node)
+	owners := a.pods.lost()
 	if nodeLost {
 		if err := a.register(ctx); err != nil {
 			return err
@@ -271,34 +245,30 @@ func (a *Agent) reclaimAll(ctx context.Context) error {
 func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	unlock := a.locks.lock(owner)
 	defer unlock()
-	a.mu.Lock()
-	ps, ok := a.pods[owner]
-	if !ok || !ps.lost {
-		a.mu.Unlock()
+	snap, ok := a.pods.lostPod(owner)
+	if !ok {
 		return nil
 	}
-	snap := ps.clone()
-	a.mu.Unlock()
 	if sandboxGone(snap.Netns) {
 		a.log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
-		a.dropPod(owner)
+		a.pods.drop(owner)
 		return nil
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	// The client gives up on a lease after one TTL without an answer; etcd may not have
 	// expired it yet. Then the old lease is simply resumed.
-	if snap.lease != 0 {
-		ttl, err := a.cli.TimeToLive(octx, snap.lease)
+	if snap.lease.id != 0 {
+		ttl, err := a.cli.TimeToLive(octx, snap.lease.id)
 		if err != nil {
 			return a.unavailable("look up the lost lease", err)
 		}
 		if ttl.TTL > 0 {
-			if err := a.keeper.Resume(snap.lease); err != nil {
+			if err := a.keeper.Resume(snap.lease.id); err != nil {
 				return err
 			}
-			a.notePodQuiet(owner, snap.lease)
-			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(snap.lease))
+			a.pods.resumed(owner, snap.lease.id)
+			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(snap.lease.id))
 			return nil
 		}
 	}
@@ -334,20 +304,10 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	if _, err := a.cli.Put(octx, keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
 		return a.unavailable("write the pod record", err)
 	}
-	a.notePod(req, owner, lease, snap.Attachments...)
+	a.pods.claimed(req, owner, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
 	return nil
-}
-
-// notePodQuiet marks owner's lease as held again without touching its ADD time.
-func (a *Agent) notePodQuiet(owner string, lease clientv3.LeaseID) {
-	a.mu.Lock()
-	if ps, ok := a.pods[owner]; ok {
-		ps.setLease(lease)
-		ps.lost = false
-	}
-	a.mu.Unlock()
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's

@@ -14,6 +14,45 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
+// podLease is one pod's lease as the agent sees it. Its lifecycle:
+//
+//	none ──claim applied, lease adopted, or resumed at start──► held
+//	held ──the keeper could not renew it in time──────────────► lost   (its keys are gone or going)
+//	lost ──re-claimed: the old lease resumed if etcd still has it, else a new one──► held
+//	held ──the pod's last attachment released──► given up: recycled as a spare when no key is
+//	                                            left on it and no claim on it went unanswered,
+//	                                            else revoked
+//
+// Only held leases are renewed, and only a held lease is ever written to: an ADD for a pod
+// whose lease is lost claims as for a new pod, and the re-claim restores the rest.
+type podLease struct {
+	id    clientv3.LeaseID
+	state leaseState
+	// unanswered: a claim on the lease lost its answer, and etcd may apply it late, so the
+	// lease is revoked when the pod goes, never recycled as a spare (Keeper.Recycle).
+	unanswered bool
+}
+
+type leaseState uint8
+
+const (
+	leaseUnknown leaseState = iota // read from the journal; etcd not asked yet
+	leaseHeld
+	leaseLost
+)
+
+// hold records that id carries the pod's keys and the keeper renews it.
+func (l *podLease) hold(id clientv3.LeaseID) { l.id, l.state = id, leaseHeld }
+
+// lose records that the lease stopped being renewed; a re-claim is due.
+func (l *podLease) lose() { l.state = leaseLost }
+
+// held returns the lease while it is held.
+func (l podLease) held() (clientv3.LeaseID, bool) { return l.id, l.state == leaseHeld && l.id != 0 }
+
+// lost tells whether a re-claim is due.
+func (l podLease) lost() bool { return l.state == leaseLost }
+
 // attachment is one interface of a pod on one pool, as the agent remembers it.
 type attachment struct {
 	IfName      string       `json:"ifName"`
@@ -38,16 +77,13 @@ type podState struct {
 	LeaseID     string           `json:"leaseID"`
 	Attachments []attachment     `json:"attachments"`
 
-	lease   clientv3.LeaseID
+	lease   podLease
 	lastAdd time.Time // an ADD touched the pod; sandbox liveness leaves it alone for a grace
-	lost    bool      // the lease stopped being renewed; re-claim pending
-	// unanswered: a claim on the lease lost its answer, and etcd may apply it late, so the
-	// lease is revoked when the pod goes, never recycled as a spare (Keeper.Recycle).
-	unanswered bool
 }
 
-func (ps *podState) setLease(id clientv3.LeaseID) {
-	ps.lease = id
+// hold is podLease.hold, keeping the journaled LeaseID in step.
+func (ps *podState) hold(id clientv3.LeaseID) {
+	ps.lease.hold(id)
 	ps.LeaseID = keyspace.LeaseHex(id)
 }
 

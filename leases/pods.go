@@ -1,0 +1,228 @@
+package leases
+
+import (
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// pods is what the agent knows of the pods whose leases it holds, one podState per owner,
+// mirrored to the journal on every change. It is the only place the agent's pod map is read
+// or written. A caller that changes a pod holds that owner's lock (ownerLocks), so the
+// changes of one pod never interleave; the map's own lock only keeps it consistent.
+type pods struct {
+	nodeUID string
+	jw      *journalWriter
+
+	mu sync.Mutex
+	m  map[string]*podState
+}
+
+func newPods(nodeUID string, jw *journalWriter) *pods {
+	return &pods{nodeUID: nodeUID, jw: jw, m: make(map[string]*podState)}
+}
+
+// lease returns owner's lease while it is held.
+func (t *pods) lease(owner string) (clientv3.LeaseID, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps, ok := t.m[owner]; ok {
+		return ps.lease.held()
+	}
+	return 0, false
+}
+
+// attachment is what the agent knows of owner's attachment ifName in pool, with the pod's
+// lease; ok is false when it knows none or the lease is not held.
+func (t *pods) attachment(owner, ifName, pool string) (at attachment, lease clientv3.LeaseID, ok bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, found := t.m[owner]
+	if !found {
+		return attachment{}, 0, false
+	}
+	lease, held := ps.lease.held()
+	if !held {
+		return attachment{}, 0, false
+	}
+	for _, at := range ps.Attachments {
+		if at.IfName == ifName && at.Pool == pool {
+			return at, lease, true
+		}
+	}
+	return attachment{}, 0, false
+}
+
+// claimed records that owner's keys are on lease, now held (after a claim, an adoption, a
+// re-claim or an ambiguous commit), with the attachments given; it creates the pod's state if
+// needed and marks an ADD's time.
+func (t *pods) claimed(req allocator.Request, owner string, lease clientv3.LeaseID, ats ...attachment) {
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		ps = &podState{Owner: owner, NodeUID: t.nodeUID}
+		t.m[owner] = ps
+	}
+	ps.hold(lease)
+	ps.lastAdd = time.Now()
+	if req.Pod != (allocator.PodRef{}) {
+		ps.Pod = req.Pod
+	}
+	if req.Netns != "" {
+		ps.Netns = req.Netns
+	}
+	for _, at := range ats {
+		ps.put(at)
+	}
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+}
+
+// resumed records that owner's lost lease turned out alive and is held again, without
+// marking an ADD.
+func (t *pods) resumed(owner string, lease clientv3.LeaseID) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps, ok := t.m[owner]; ok {
+		ps.hold(lease)
+	}
+}
+
+// restore puts a pod found at start into the map: held when its lease is resumed, lost when
+// only the journal knows it. A pod not in the journal is written to it.
+func (t *pods) restore(ps podState, held, journaled bool) {
+	if held {
+		ps.hold(ps.lease.id)
+	} else {
+		ps.lease.lose()
+	}
+	t.mu.Lock()
+	t.m[ps.Owner] = &ps
+	snap := ps.clone()
+	t.mu.Unlock()
+	if !journaled {
+		t.jw.save(snap)
+	}
+}
+
+// unanswered records that a claim on owner's lease lost its answer (see podLease).
+func (t *pods) unanswered(owner string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps, ok := t.m[owner]; ok {
+		ps.lease.unanswered = true
+	}
+}
+
+// mayRecycle tells whether owner's lease may become a spare once its keys are gone: no claim
+// on it lost its answer.
+func (t *pods) mayRecycle(owner string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	return !ok || !ps.lease.unanswered
+}
+
+// lose marks every pod on lease id lost and returns their owners.
+func (t *pods) lose(id clientv3.LeaseID) []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var owners []string
+	for owner, ps := range t.m {
+		if ps.lease.id == id && !ps.lease.lost() {
+			ps.lease.lose()
+			owners = append(owners, owner)
+		}
+	}
+	return owners
+}
+
+// lost returns the owners whose re-claim is due.
+func (t *pods) lost() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var owners []string
+	for owner, ps := range t.m {
+		if ps.lease.lost() {
+			owners = append(owners, owner)
+		}
+	}
+	return owners
+}
+
+// lostPod returns a copy of owner's state if its re-claim is due.
+func (t *pods) lostPod(owner string) (podState, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok || !ps.lease.lost() {
+		return podState{}, false
+	}
+	return ps.clone(), true
+}
+
+// idle returns, for each pod with a held lease and a network namespace that no ADD touched
+// within grace, its owner and namespace: the pods whose sandbox liveness may be checked.
+func (t *pods) idle(grace time.Duration) map[string]string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string]string{}
+	for owner, ps := range t.m {
+		if ps.Netns != "" && !ps.lease.lost() && time.Since(ps.lastAdd) > grace {
+			out[owner] = ps.Netns
+		}
+	}
+	return out
+}
+
+// stillIdle returns owner's network namespace if idle would still list it.
+func (t *pods) stillIdle(owner string, grace time.Duration) (string, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok || ps.Netns == "" || ps.lease.lost() || time.Since(ps.lastAdd) <= grace {
+		return "", false
+	}
+	return ps.Netns, true
+}
+
+// addedWithin tells whether an ADD of owner ran within d.
+func (t *pods) addedWithin(owner string, d time.Duration) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	return ok && !ps.lastAdd.IsZero() && time.Since(ps.lastAdd) < d
+}
+
+// dropAttachment forgets one attachment of owner.
+func (t *pods) dropAttachment(owner, ifName, pool string) {
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		t.mu.Unlock()
+		return
+	}
+	ps.drop(ifName, pool)
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+}
+
+// drop forgets owner entirely (its lease was given up, or its keys are gone).
+func (t *pods) drop(owner string) {
+	t.mu.Lock()
+	delete(t.m, owner)
+	t.mu.Unlock()
+	t.jw.remove(owner)
+}
+
+// count is how many pods the agent holds or is re-claiming.
+func (t *pods) count() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.m)
+}
