@@ -32,6 +32,10 @@ var (
 // adminAttempts bounds the read-compare-write rounds of one admin operation.
 const adminAttempts = 5
 
+// cleanupTimeout bounds the revoke of a quarantine lease a failed release did not use. It
+// runs on its own context, as the caller's may be the one that ran out.
+const cleanupTimeout = 5 * time.Second
+
 // CreatePool stores spec as the definition of pool spec.Name if there is none. An identical
 // stored definition (after both are canonicalized) is not an error: created is false.
 //
@@ -311,7 +315,7 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	out := Released{LeaseTTL: ttl, Addresses: []AllocationEntry{e}}
 	cmps := []clientv3.Cmp{keyspace.Unchanged(key, e.ModRevision)}
 	ops := []clientv3.Op{clientv3.OpDelete(key)}
-	if err := attachmentOf(ctx, cli, e, &out, &cmps, &ops); err != nil {
+	if err := withAttachment(ctx, cli, e, &out, &cmps, &ops); err != nil {
 		return Released{}, false, err
 	}
 	var qLease clientv3.LeaseID
@@ -328,7 +332,7 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	}
 	tresp, err := cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if (err != nil || !tresp.Succeeded) && qLease != 0 {
-		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		rctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
 		_, _ = cli.Revoke(rctx, qLease) // unused; it would expire by itself anyway
 		cancel()
 	}
@@ -338,9 +342,9 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	return out, tresp.Succeeded, nil // not succeeded: a key changed since it was read; read again
 }
 
-// attachmentOf adds the owner index of e's attachment, and its other addresses, to the
+// withAttachment adds the owner index of e's attachment, and its other addresses, to the
 // release when they belong together with e (same lease, same owner), or says in out why not.
-func attachmentOf(ctx context.Context, cli *clientv3.Client, e AllocationEntry, out *Released, cmps *[]clientv3.Cmp, ops *[]clientv3.Op) error {
+func withAttachment(ctx context.Context, cli *clientv3.Client, e AllocationEntry, out *Released, cmps *[]clientv3.Cmp, ops *[]clientv3.Op) error {
 	if e.Unreadable != "" {
 		out.KeptOwnerIndex = "the allocation's value is unreadable, so it names no owner index"
 		return nil

@@ -22,9 +22,20 @@ type ClientConfig struct {
 	CACert, Cert, Key string
 	// Username and Password enable etcd authentication when Username is set.
 	Username, Password string
-	// DialTimeout bounds the first connection; default 5s.
+	// DialTimeout bounds the first connection; default DefaultDialTimeout.
 	DialTimeout time.Duration
 }
+
+// DefaultDialTimeout bounds the first connection when ClientConfig.DialTimeout is zero.
+const DefaultDialTimeout = 5 * time.Second
+
+// Keep-alive pings on the client's connection find a dead one long before a lease TTL runs
+// out: a ping every keepAlivePing, and the connection given up without an answer within
+// keepAliveWait.
+const (
+	keepAlivePing = 10 * time.Second
+	keepAliveWait = 5 * time.Second
+)
 
 // ErrClientConfig is wrapped by every error Dial returns for unusable settings.
 var ErrClientConfig = errors.New("etcd connection settings are not usable")
@@ -61,18 +72,17 @@ func (cfg ClientConfig) Dial() (*clientv3.Client, error) {
 	}
 	timeout := cfg.DialTimeout
 	if timeout <= 0 {
-		timeout = 5 * time.Second
+		timeout = DefaultDialTimeout
 	}
 	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   cfg.Endpoints,
-		TLS:         tlsCfg,
-		Username:    cfg.Username,
-		Password:    cfg.Password,
-		DialTimeout: timeout,
-		Logger:      zap.NewNop(),
-		// Keep-alive pings find a dead connection long before a lease TTL runs out.
-		DialKeepAliveTime:    10 * time.Second,
-		DialKeepAliveTimeout: 5 * time.Second,
+		Endpoints:            cfg.Endpoints,
+		TLS:                  tlsCfg,
+		Username:             cfg.Username,
+		Password:             cfg.Password,
+		DialTimeout:          timeout,
+		Logger:               zap.NewNop(),
+		DialKeepAliveTime:    keepAlivePing,
+		DialKeepAliveTimeout: keepAliveWait,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("connect to etcd at %s: %w", strings.Join(cfg.Endpoints, ","), err)

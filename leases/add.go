@@ -176,7 +176,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		}
 		return allocator.Result{}, false, nil
 	}
-	a.ok()
+	a.etcdAnswered()
 	out := c.outcome(resp)
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)

@@ -82,7 +82,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	if err != nil {
 		return allocator.Result{}, a.unavailable("read the pod lease", err)
 	}
-	a.ok()
+	a.etcdAnswered()
 	if ttl.TTL <= 0 {
 		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s has expired", allocator.ErrNotAllocated, keyspace.LeaseHex(lease), owner)
 	}
@@ -122,11 +122,6 @@ func checkSandbox(netns, ifName string, ips []netip.Addr) error {
 	return nil
 }
 
-// statusProbeAfter is how old the last successful etcd call may be before STATUS asks
-// etcd again: containerd polls STATUS every few seconds, and an agent in use talks to
-// etcd far more often than that.
-const statusProbeAfter = 5 * time.Second
-
 // Status reports whether an ADD for the pool could succeed now: etcd answers and every
 // range set has a free address in the agent's view. It costs no etcd call while the agent
 // has heard from etcd recently.
@@ -142,13 +137,8 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 			return err
 		}
 	}
-	if a.sinceOK() > statusProbeAfter {
-		octx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		defer cancel()
-		if _, err := a.cli.Get(octx, keyspace.PoolKey(req.Pool.Name), clientv3.WithCountOnly()); err != nil {
-			return a.unavailable("etcd does not answer", err)
-		}
-		a.ok()
+	if err := a.probe(ctx, keyspace.PoolKey(req.Pool.Name)); err != nil {
+		return a.unavailable("etcd does not answer", err)
 	}
 	p, err := a.pools.ensure(ctx, req.Pool)
 	if err != nil {

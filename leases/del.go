@@ -57,7 +57,7 @@ func (a *Agent) release(ctx context.Context, req allocator.Request, owner string
 	if err != nil {
 		return -1, a.unavailable("read owner index "+ownerKey, err)
 	}
-	a.ok()
+	a.etcdAnswered()
 	if len(resp.Kvs) == 0 {
 		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
 		return -1, nil
@@ -108,7 +108,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		if err != nil {
 			return -1, a.unavailable("release "+r.ownerKey, err)
 		}
-		a.ok()
+		a.etcdAnswered()
 		out := r.outcome(resp)
 		switch {
 		case out.Applied:

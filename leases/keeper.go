@@ -8,9 +8,9 @@ import (
 	"math"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -22,11 +22,12 @@ import (
 // stream (a lease it granted from its first due renewal on), and says when a lease is lost.
 // It never renews a lease it did not grant or adopt.
 type Keeper struct {
-	cli    *clientv3.Client
-	ttl    int64
-	spareN int
-	log    *slog.Logger
-	onLost func(clientv3.LeaseID)
+	cli     *clientv3.Client
+	ttl     int64
+	spareN  int
+	timeout time.Duration
+	log     *slog.Logger
+	onLost  func(clientv3.LeaseID)
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -51,21 +52,45 @@ type Keeper struct {
 // ErrLeaseLost is returned for an operation on a lease etcd no longer has.
 var ErrLeaseLost = errors.New("lease lost")
 
-// NewKeeper starts a keeper granting leases of ttl (rounded up to whole seconds) and keeping
-// spare pre-granted leases ready. onLost, if not nil, is called (from the keeper's own
-// goroutine) when a held lease stops being renewed without Release or Revoke.
-func NewKeeper(cli *clientv3.Client, ttl time.Duration, spare int, log *slog.Logger, onLost func(clientv3.LeaseID)) *Keeper {
+// KeeperConfig is what a Keeper needs.
+type KeeperConfig struct {
+	// TTL of the leases it grants, rounded up to whole seconds; at least etcd's minimum of 2s.
+	TTL time.Duration
+	// Spares is how many pre-granted leases it keeps ready; 0 keeps none.
+	Spares int
+	// OpTimeout bounds each grant and revoke it runs on its own; default DefaultOpTimeout.
+	OpTimeout time.Duration
+	// Log receives its diagnostics; nil discards them.
+	Log *slog.Logger
+	// OnLost, if not nil, is called (from the keeper's own goroutine) when a held lease stops
+	// being renewed without Forget or Revoke.
+	OnLost func(clientv3.LeaseID)
+}
+
+// NewKeeper starts a keeper granting leases as cfg says and keeping its spare leases ready.
+// It returns an error wrapping allocator.ErrInvalidConfig for a TTL under etcd's minimum.
+func NewKeeper(cli *clientv3.Client, cfg KeeperConfig) (*Keeper, error) {
+	if cfg.TTL < minLeaseTTL {
+		return nil, fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, cfg.TTL, minLeaseTTL)
+	}
+	if cfg.OpTimeout <= 0 {
+		cfg.OpTimeout = DefaultOpTimeout
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	k := &Keeper{
-		cli:    cli,
-		ttl:    int64(math.Ceil(ttl.Seconds())),
-		spareN: spare,
-		log:    log,
-		onLost: onLost,
-		ctx:    ctx,
-		cancel: cancel,
-		refill: make(chan struct{}, 1),
-		held:   make(map[clientv3.LeaseID]context.CancelFunc),
+		cli:     cli,
+		ttl:     int64(math.Ceil(cfg.TTL.Seconds())),
+		spareN:  max(cfg.Spares, 0),
+		timeout: cfg.OpTimeout,
+		log:     cfg.Log,
+		onLost:  cfg.OnLost,
+		ctx:     ctx,
+		cancel:  cancel,
+		refill:  make(chan struct{}, 1),
+		held:    make(map[clientv3.LeaseID]context.CancelFunc),
 
 		freshKick: make(chan struct{}, 1),
 	}
@@ -73,14 +98,13 @@ func NewKeeper(cli *clientv3.Client, ttl time.Duration, spare int, log *slog.Log
 	go k.refillLoop()
 	go k.freshLoop()
 	k.kick()
-	return k
+	return k, nil
 }
 
 // Take returns a kept-alive lease for a new pod: a spare one if ready, else a fresh grant.
 // The caller either binds it to keys or gives it back with Return, and calls Refill once
 // its own transaction is done. Taking a spare does not start the refill: a grant proposed
-// just before the caller's claim would make the claim wait for a second WAL fsync (measured:
-// the claim took 2.36 ms inside ADD against 1.22 ms replayed alone).
+// just before the caller's claim would make the claim wait for a second WAL fsync.
 func (k *Keeper) Take(ctx context.Context) (clientv3.LeaseID, error) {
 	k.mu.Lock()
 	if n := len(k.spare); n > 0 {
@@ -99,9 +123,8 @@ func (k *Keeper) Refill() { k.kick() }
 
 // lowWater is the number of spares at or below which the refill loop tops them up. Refilling
 // only then, and then all at once, takes the grant off most ADDs: a grant sent right after
-// an ADD's claim runs in etcd while the plugin process exits, and on a 2-core machine it
-// lengthened that exit from 0.44-0.60 ms (as after VERSION) to 0.66-1.05 ms. Grants sent
-// together also share etcd's WAL writes.
+// an ADD's claim runs in etcd while the plugin process exits, and slows that exit. Grants
+// sent together also share etcd's WAL writes.
 func (k *Keeper) lowWater() int { return k.spareN / 2 }
 
 // Return gives back a lease from Take that no key was written with.
@@ -180,8 +203,8 @@ func (k *Keeper) Held() int {
 	return len(k.held)
 }
 
-// Release stops renewing id without revoking it: its keys live until the TTL runs out.
-func (k *Keeper) Release(id clientv3.LeaseID) {
+// Forget stops renewing id without revoking it: its keys live until the TTL runs out.
+func (k *Keeper) Forget(id clientv3.LeaseID) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	if cancel, ok := k.held[id]; ok {
@@ -194,8 +217,8 @@ func (k *Keeper) Release(id clientv3.LeaseID) {
 // runs on its own bounded context, so a caller's cancelled context cannot leave it half done.
 // Revoking a lease etcd no longer has is not an error.
 func (k *Keeper) Revoke(id clientv3.LeaseID) error {
-	k.Release(id)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	k.Forget(id)
+	ctx, cancel := context.WithTimeout(context.Background(), k.timeout)
 	defer cancel()
 	if _, err := k.cli.Revoke(ctx, id); err != nil && !keyspace.IsLeaseNotFound(err) {
 		return fmt.Errorf("revoke lease %s: %w", keyspace.LeaseHex(id), err)
@@ -284,217 +307,4 @@ func (k *Keeper) Close() {
 		delete(k.held, id)
 	}
 	k.mu.Unlock()
-}
-
-func (k *Keeper) grant(ctx context.Context) (clientv3.LeaseID, error) {
-	resp, err := k.cli.Grant(ctx, k.ttl)
-	if err != nil {
-		return 0, fmt.Errorf("grant lease (ttl %ds): %w", k.ttl, err)
-	}
-	k.keepAliveLater(resp.ID, time.Duration(resp.TTL)*time.Second)
-	return resp.ID, nil
-}
-
-// keepAliveTick is how often the client's keep-alive loop sends due renewals: a lease
-// registered with it is renewed within one tick.
-const keepAliveTick = 500 * time.Millisecond
-
-// keepAliveLater holds a lease granted just now with ttl and registers its keep-alive when
-// its first renewal is due: a third of the TTL from now (the client's own interval), less
-// one tick of the client's loop. Registering at once would renew a lease that has its whole
-// TTL left: a request for etcd (54 µs of its CPU each, bench "parts" figure) per new pod, in
-// the middle of a burst of them. Until then the lease is held as any other: Holds, Release
-// and Revoke work on it. etcd keeps a lease for its TTL (a new leader only extends it); one
-// revoked from outside meanwhile is found lost at registration, within a third of the TTL,
-// as a renewed lease is found at its next renewal.
-func (k *Keeper) keepAliveLater(id clientv3.LeaseID, ttl time.Duration) {
-	ctx, cancel := context.WithCancel(k.ctx)
-	due := time.Now().Add(ttl/3 - keepAliveTick)
-	k.mu.Lock()
-	k.held[id] = cancel
-	k.fresh = append(k.fresh, freshLease{id: id, ctx: ctx, due: due})
-	k.mu.Unlock()
-	select {
-	case k.freshKick <- struct{}{}:
-	default:
-	}
-}
-
-// freshLease is a granted lease whose keep-alive starts at due.
-type freshLease struct {
-	id  clientv3.LeaseID
-	ctx context.Context
-	due time.Time
-}
-
-// freshLoop registers the keep-alive of each fresh lease when it is due, unless the lease
-// was released or revoked meanwhile.
-func (k *Keeper) freshLoop() {
-	defer k.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		now := time.Now()
-		k.mu.Lock()
-		var due []freshLease
-		for len(k.fresh) > 0 && !k.fresh[0].due.After(now) {
-			due = append(due, k.fresh[0])
-			k.fresh = k.fresh[1:]
-		}
-		wait := time.Hour
-		if len(k.fresh) > 0 {
-			wait = k.fresh[0].due.Sub(now)
-		}
-		k.mu.Unlock()
-		for _, f := range due {
-			if f.ctx.Err() == nil {
-				k.register(f.ctx, f.id)
-			}
-		}
-		timer.Reset(wait)
-		select {
-		case <-k.ctx.Done():
-			return
-		case <-k.freshKick:
-		case <-timer.C:
-		}
-	}
-}
-
-// keepAlive holds id and renews it from now on (a lease adopted or resumed after a restart).
-func (k *Keeper) keepAlive(id clientv3.LeaseID) error {
-	k.mu.Lock()
-	if _, ok := k.held[id]; ok {
-		k.mu.Unlock()
-		return nil
-	}
-	ctx, cancel := context.WithCancel(k.ctx)
-	k.held[id] = cancel
-	k.mu.Unlock()
-	ch, err := k.cli.KeepAlive(ctx, id)
-	if err != nil {
-		k.Release(id)
-		return fmt.Errorf("keep lease %s alive: %w", keyspace.LeaseHex(id), err)
-	}
-	go k.drain(ctx, id, ch)
-	return nil
-}
-
-// register starts renewing a held fresh lease. If the client cannot (it is closing), the
-// lease is lost as if its renewals had stopped.
-func (k *Keeper) register(ctx context.Context, id clientv3.LeaseID) {
-	ch, err := k.cli.KeepAlive(ctx, id)
-	if err != nil {
-		if ctx.Err() == nil {
-			k.log.Warn("cannot keep lease alive", "lease", keyspace.LeaseHex(id), "err", err)
-			k.lost(id)
-		}
-		return
-	}
-	go k.drain(ctx, id, ch)
-}
-
-// drain consumes keep-alive responses; the channel closes when the lease is gone or
-// the keep-alive was cancelled.
-func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clientv3.LeaseKeepAliveResponse) {
-	for range ch {
-	}
-	if ctx.Err() != nil {
-		return
-	}
-	k.lost(id)
-}
-
-// lost forgets a held lease whose renewals stopped without Release or Revoke, and reports it.
-func (k *Keeper) lost(id clientv3.LeaseID) {
-	k.mu.Lock()
-	_, ours := k.held[id]
-	delete(k.held, id)
-	for i, s := range k.spare {
-		if s == id {
-			k.spare = append(k.spare[:i], k.spare[i+1:]...)
-			break
-		}
-	}
-	k.mu.Unlock()
-	if !ours {
-		return
-	}
-	k.log.Warn("lease stopped being renewed", "lease", keyspace.LeaseHex(id))
-	if k.onLost != nil {
-		k.onLost(id)
-	}
-}
-
-// refillBatch is how many grants the refill loop runs at once: under a burst of new pods
-// the spares run out, and one grant at a time would leave every ADD granting inline.
-const refillBatch = 8
-
-func (k *Keeper) refillLoop() {
-	defer k.wg.Done()
-	backoff := 100 * time.Millisecond
-	for {
-		select {
-		case <-k.ctx.Done():
-			return
-		case <-k.refill:
-		}
-		k.mu.Lock()
-		low := len(k.spare) <= k.lowWater()
-		k.mu.Unlock()
-		for low {
-			k.mu.Lock()
-			need := min(k.spareN-len(k.spare), refillBatch)
-			k.mu.Unlock()
-			if need <= 0 {
-				break
-			}
-			var wg sync.WaitGroup
-			var failed atomic.Bool
-			for range need {
-				wg.Go(func() {
-					ctx, cancel := context.WithTimeout(k.ctx, 5*time.Second)
-					defer cancel()
-					id, err := k.grant(ctx)
-					if err != nil {
-						failed.Store(true)
-						if k.ctx.Err() == nil {
-							k.log.Debug("pre-grant lease failed", "err", err, "retry_in", backoff)
-						}
-						return
-					}
-					k.mu.Lock()
-					k.spare = append(k.spare, id)
-					k.mu.Unlock()
-				})
-			}
-			wg.Wait()
-			if k.ctx.Err() != nil {
-				return
-			}
-			if failed.Load() {
-				select {
-				case <-k.ctx.Done():
-					return
-				case <-time.After(backoff):
-				}
-				backoff = min(2*backoff, 5*time.Second)
-				continue
-			}
-			backoff = 100 * time.Millisecond
-		}
-	}
-}
-
-func (k *Keeper) kick() {
-	select {
-	case k.refill <- struct{}{}:
-	default:
-	}
-}
-
-func (k *Keeper) revokeQuietly(id clientv3.LeaseID) {
-	if err := k.Revoke(id); err != nil {
-		k.log.Debug("revoke unused lease", "lease", keyspace.LeaseHex(id), "err", err)
-	}
 }

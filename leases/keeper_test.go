@@ -20,7 +20,8 @@ import (
 func TestRenewNowRenewsEveryLeaseAndNamesTheGone(t *testing.T) {
 	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
-	k := NewKeeper(cli, 10*time.Second, 1, slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
+	k := newKeeper(t, cli, KeeperConfig{TTL: 10 * time.Second, Spares: 1,
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	defer k.Close()
 	var ids []clientv3.LeaseID
 	for range 300 {
@@ -86,7 +87,7 @@ func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
 	reg := &registrations{Lease: cli.Lease, at: map[clientv3.LeaseID]time.Time{}}
 	cli.Lease = reg
 	ctx := ctxT(t)
-	k := NewKeeper(cli, 6*time.Second, 0, slog.New(slog.DiscardHandler), nil)
+	k := newKeeper(t, cli, KeeperConfig{TTL: 6 * time.Second})
 	defer k.Close()
 	id, err := k.grant(ctx)
 	if err != nil {
@@ -126,7 +127,7 @@ func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	cli := etcdtest.Client(t)
 	ctx := ctxT(t)
 	lost := make(chan clientv3.LeaseID, 4)
-	k := NewKeeper(cli, 6*time.Second, 0, slog.New(slog.DiscardHandler), func(id clientv3.LeaseID) { lost <- id })
+	k := newKeeper(t, cli, KeeperConfig{TTL: 6 * time.Second, OnLost: func(id clientv3.LeaseID) { lost <- id }})
 	defer k.Close()
 	id, err := k.grant(ctx)
 	if err != nil {
@@ -136,7 +137,7 @@ func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	k.Release(released) // not renewed, and not reported: it was let go on purpose
+	k.Forget(released) // not renewed, and not reported: it was let go on purpose
 	if _, err := cli.Revoke(ctx, id); err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +180,7 @@ func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
 	g := &grants{Lease: cli.Lease}
 	cli.Lease = g
 	ctx := ctxT(t)
-	k := NewKeeper(cli, 30*time.Second, 8, slog.New(slog.DiscardHandler), nil)
+	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 8})
 	defer k.Close()
 	spares := func() int {
 		k.mu.Lock()
@@ -221,4 +222,13 @@ func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
 	if n := g.n.Load(); n != 12 {
 		t.Errorf("grants after topping up from the low water: %d, want 12", n)
 	}
+}
+
+func newKeeper(t *testing.T, cli *clientv3.Client, cfg KeeperConfig) *Keeper {
+	t.Helper()
+	k, err := NewKeeper(cli, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
@@ -166,14 +165,8 @@ func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
 	}
-	if a.sinceOK() <= statusProbeAfter {
-		return nil
-	}
-	octx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	if _, err := a.cli.Get(octx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), clientv3.WithCountOnly()); err != nil {
+	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
 		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
 	}
-	a.ok()
 	return nil
 }

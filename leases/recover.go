@@ -201,7 +201,7 @@ func (a *Agent) reclaimLoop() {
 			return
 		case <-a.lost:
 		}
-		backoff := 200 * time.Millisecond
+		backoff := reclaimRetryFirst
 		for a.ctx.Err() == nil {
 			err := a.reclaimAll(a.ctx)
 			if err == nil {
@@ -217,7 +217,7 @@ func (a *Agent) reclaimLoop() {
 				return
 			case <-time.After(backoff):
 			}
-			backoff = min(2*backoff, 10*time.Second)
+			backoff = min(2*backoff, reclaimRetryMax)
 		}
 	}
 }

@@ -198,7 +198,7 @@ func (v *view) counts() (allocated, quarantined int) {
 // run lists the pool, then follows it with watches until ctx ends, listing again after a
 // broken watch (compaction, etcd restart).
 func (v *view) run(ctx context.Context) {
-	backoff := 100 * time.Millisecond
+	backoff := retryFirst
 	for ctx.Err() == nil {
 		rev, err := v.list(ctx)
 		if err != nil {
@@ -208,28 +208,28 @@ func (v *view) run(ctx context.Context) {
 				return
 			case <-time.After(backoff):
 			}
-			backoff = min(2*backoff, 5*time.Second)
+			backoff = min(2*backoff, retryMax)
 			continue
 		}
 		started := time.Now()
 		v.follow(ctx, rev)
 		// A watch that ends at once (permission denied, an etcd going down) must not turn
 		// into a tight loop of lists: back off unless it ran for a while.
-		if time.Since(started) < 5*time.Second {
+		if time.Since(started) < watchHealthy {
 			select {
 			case <-ctx.Done():
 				return
 			case <-time.After(backoff):
 			}
-			backoff = min(2*backoff, 5*time.Second)
+			backoff = min(2*backoff, retryMax)
 		} else {
-			backoff = 100 * time.Millisecond
+			backoff = retryFirst
 		}
 	}
 }
 
 func (v *view) list(ctx context.Context) (int64, error) {
-	lctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	lctx, cancel := context.WithTimeout(ctx, viewListTimeout)
 	defer cancel()
 	resp, err := v.cli.Txn(lctx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),

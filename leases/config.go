@@ -1,0 +1,146 @@
+package leases
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Config is what an agent needs to know about its node and its policies.
+type Config struct {
+	// Cluster, Node and NodeUID are the node identity. Only an agent with the same three
+	// values ever renews, adopts or releases the leases this agent grants.
+	Cluster string
+	Node    string
+	NodeUID string
+	// LeaseTTL is the TTL of pod leases and of the node lease; default DefaultLeaseTTL.
+	LeaseTTL time.Duration
+	// Quarantine is how long a released address rests before reuse; 0 uses DefaultQuarantine,
+	// a negative value disables quarantine.
+	Quarantine time.Duration
+	// SpareLeases is how many pre-granted leases the keeper holds ready; default
+	// DefaultSpareLeases. The keeper tops them up once half are taken.
+	SpareLeases int
+	// OpTimeout bounds every etcd call the agent makes for a request or on its own; default
+	// DefaultOpTimeout.
+	OpTimeout time.Duration
+	// GCGrace protects attachments created less than this long ago from CNI GC; default
+	// DefaultGCGrace, negative for none.
+	GCGrace time.Duration
+	// StateDir holds the local journal of this node's pods (one file each); empty keeps
+	// none, and a restart after a lease loss then cannot re-claim.
+	StateDir string
+	// LivenessInterval is how often the agent looks for sandboxes whose network namespace
+	// is gone; default DefaultLivenessInterval, negative disables.
+	LivenessInterval time.Duration
+	// LivenessGrace protects a pod from the liveness check this long after an ADD; default
+	// DefaultLivenessGrace.
+	LivenessGrace time.Duration
+	// PublishHostAddrs makes the agent publish the node's own addresses under
+	// /leasehold/v1/hostips/, so that no pool hands them out (seed 000).
+	PublishHostAddrs bool
+	// HostNetns is the network namespace whose addresses are the node's; "" is the
+	// agent's own (host networking).
+	HostNetns string
+	// HostResync is how often the host addresses are listed again besides following
+	// netlink events; default DefaultHostResync.
+	HostResync time.Duration
+	// Host names the machine and boot this agent runs on; default DefaultHost (hostname and
+	// boot ID). Two agents with one node identity on different hosts are refused (see
+	// register); the same host may take over from its own previous process.
+	Host string
+	// WallClock gives the timestamps written into records (created, detected, started);
+	// default time.Now. Nothing the agent decides reads it: ages, deadlines and grace
+	// periods use the monotonic clock and leases use etcd's, so a stepped clock changes
+	// only what the records say. Tests step it to show that.
+	WallClock func() time.Time
+	// Version is the agent version written into the node record.
+	Version string
+	Logger  *slog.Logger
+}
+
+// Defaults of Config, each with its reason in ARCHITECTURE.md ("Lease lifecycle").
+const (
+	DefaultLeaseTTL         = 90 * time.Second
+	DefaultQuarantine       = 30 * time.Second
+	DefaultSpareLeases      = 8
+	DefaultOpTimeout        = 10 * time.Second
+	DefaultGCGrace          = 10 * time.Second
+	DefaultLivenessInterval = 10 * time.Second
+	DefaultLivenessGrace    = 30 * time.Second
+	DefaultHostResync       = 15 * time.Second
+)
+
+// Bounds the agent sets itself. Every other wait is Config.OpTimeout.
+const (
+	// minLeaseTTL is etcd's minimum lease TTL; a shorter one is raised by etcd, silently.
+	minLeaseTTL = 2 * time.Second
+	// probeAfter is how old the last etcd answer may be before STATUS and /readyz ask etcd
+	// again: containerd polls STATUS every few seconds, and an agent in use talks to etcd far
+	// more often than that.
+	probeAfter = 5 * time.Second
+	// probeTimeout bounds that question: a runtime's STATUS and a kubelet's probe must get an
+	// answer well within their own timeouts.
+	probeTimeout = 2 * time.Second
+	// viewListTimeout bounds the listing of one pool's view, one range read of every
+	// allocation of the pool: far larger than any other read the agent makes.
+	viewListTimeout = 30 * time.Second
+	// watchHealthy is how long a watch must have run for the view to list again at once when
+	// it ends; one that ends sooner (permission denied, etcd going down) backs off first.
+	watchHealthy = 5 * time.Second
+	// retryFirst and retryMax bound the backoff of the agent's background retries (view
+	// lists, spare grants); reclaimRetryFirst and reclaimRetryMax the re-claim's, which
+	// waits for etcd to come back.
+	retryFirst        = 100 * time.Millisecond
+	retryMax          = 5 * time.Second
+	reclaimRetryFirst = 200 * time.Millisecond
+	reclaimRetryMax   = 10 * time.Second
+)
+
+// validate checks c and fills in its defaults. It does no I/O: Start creates the state
+// directory.
+func (c *Config) validate() error {
+	if err := keyspace.ValidateNames("cluster", c.Cluster, "node", c.Node, "node UID", c.NodeUID); err != nil {
+		return err
+	}
+	if c.LeaseTTL == 0 {
+		c.LeaseTTL = DefaultLeaseTTL
+	}
+	if c.LeaseTTL < minLeaseTTL {
+		return fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, c.LeaseTTL, minLeaseTTL)
+	}
+	if c.Quarantine == 0 {
+		c.Quarantine = DefaultQuarantine
+	}
+	if c.SpareLeases <= 0 {
+		c.SpareLeases = DefaultSpareLeases
+	}
+	if c.OpTimeout <= 0 {
+		c.OpTimeout = DefaultOpTimeout
+	}
+	if c.GCGrace == 0 {
+		c.GCGrace = DefaultGCGrace
+	}
+	if c.LivenessInterval == 0 {
+		c.LivenessInterval = DefaultLivenessInterval
+	}
+	if c.LivenessGrace == 0 {
+		c.LivenessGrace = DefaultLivenessGrace
+	}
+	if c.HostResync <= 0 {
+		c.HostResync = DefaultHostResync
+	}
+	if c.Host == "" {
+		c.Host = DefaultHost()
+	}
+	if c.WallClock == nil {
+		c.WallClock = time.Now
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return nil
+}
