@@ -360,7 +360,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 }
 
 // foreign is the error for keys of this owner that another node identity holds: they are
-// never adopted (a replaced node, seed 003); they leave with their lease.
+// never adopted (the same-name replacement, docs/field-failures.md); they leave with their lease.
 func (a *Agent) foreign(owner, key, node, uid string, lease clientv3.LeaseID) error {
 	return fmt.Errorf("%w: owner %s already has %s, written by node %s with identity %s (this agent is %s); "+
 		"leasehold never adopts another node identity's allocations: they expire with lease %s within %s; retry after that, "+

@@ -40,7 +40,7 @@ type Config struct {
 	// DefaultLivenessGrace.
 	LivenessGrace time.Duration
 	// PublishHostAddrs makes the agent publish the node's own addresses under
-	// /leasehold/v1/hostips/, so that no pool hands them out (seed 000).
+	// /leasehold/v1/hostips/, so that no pool hands them out (the DAD flap, docs/field-failures.md).
 	PublishHostAddrs bool
 	// HostNetns is the network namespace whose addresses are the node's; "" is the
 	// agent's own (host networking).

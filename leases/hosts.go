@@ -11,7 +11,7 @@ import (
 	"github.com/leasehold/leasehold/leases/kernel"
 )
 
-// hostSet decides which of the node's own addresses are published (seed 000). It is pure
+// hostSet decides which of the node's own addresses are published (against the DAD flap, docs/field-failures.md). It is pure
 // logic, fed by netlink events and periodic scans:
 //   - tentative IPv6 addresses (DAD still running) and DAD-failed ones count as present;
 //   - link-local, loopback, multicast and host-scope addresses are never published;

@@ -29,7 +29,7 @@ func publishedList(h *hostSet) []string {
 	return out
 }
 
-// TestHostSetDecisions is the seed-000 logic without a kernel: what a scan or an event may
+// TestHostSetDecisions is the DAD flap's logic without a kernel: what a scan or an event may
 // do to the published set.
 func TestHostSetDecisions(t *testing.T) {
 	type step struct {

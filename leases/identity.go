@@ -85,7 +85,7 @@ func (a *Agent) lockIdentity(ctx context.Context) error {
 
 // register writes the node record on a fresh node lease. The record is this node
 // identity's claim: it is created if absent, and replaced (compared by revision) only when it
-// names another node UID (a same-name replacement, seed 002) or this very host (this agent's
+// names another node UID (the same-name replacement of docs/field-failures.md) or this very host (this agent's
 // own previous process, dead since this one holds the host-wide lock on the identity). A live record
 // with this node UID from another host means two machines run one node identity: both would
 // renew, adopt and release the same pods, so the agent refuses with ErrAgentRunning.

@@ -33,7 +33,7 @@ func readNodeRecord(t *testing.T, cli *clientv3.Client, cluster, node string) (k
 // --node-uid on a cloned image, say) would renew, adopt and release the same pods; the state
 // directory's lock cannot see across machines, so the node record does. The second host is
 // refused while the first runs; a different node UID under the same name (a replacement
-// machine, seed 002) and the same host's next process (after a kill -9) are not.
+// machine: the same-name replacement) and the same host's next process (after a kill -9) are not.
 func TestSameIdentityOnAnotherHostIsRefused(t *testing.T) {
 	cluster := etcdtest.Uniq("c")
 	cli := etcdtest.Client(t)

@@ -60,11 +60,11 @@ func vethIn(t *testing.T, nsA, a, nsB, b string) {
 	ip(t, "-n", nsName(nsB), "link", "set", b, "up")
 }
 
-// TestSeed000HostAddressesNeverFlapUnderDAD reproduces the OVN-Kubernetes report: an IPv6
+// TestHostAddressesNeverFlapUnderDAD reproduces the DAD flap (docs/field-failures.md), the OVN-Kubernetes report: an IPv6
 // address goes through real duplicate address detection while host-address resyncs run back
 // to back. The published set must gain the address and never lose it (no delete of any of
 // the node's host keys) until the kernel removes it; then it goes at once.
-func TestSeed000HostAddressesNeverFlapUnderDAD(t *testing.T) {
+func TestHostAddressesNeverFlapUnderDAD(t *testing.T) {
 	needRoot(t)
 	host := testNetns(t)
 	vethIn(t, host, "uplink", host, "uplink-peer")
