@@ -219,12 +219,11 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err != nil || qTTL.GrantedTTL > int64((quarantine+time.Second).Seconds()) {
 		t.Fatalf("quarantine lease after the step back: %+v, %v (want at most %s)", qTTL, err, quarantine+time.Second)
 	}
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && len(etcdtest.Dump(t, cli, qKey)) > 0; {
-		time.Sleep(100 * time.Millisecond)
-	}
-	if waited := time.Since(released); len(etcdtest.Dump(t, cli, qKey)) > 0 || waited < quarantine {
-		t.Fatalf("quarantine after the step back: still there %v, ended after %s (want %s plus etcd's expiry slack)",
-			len(etcdtest.Dump(t, cli, qKey)) > 0, waited, quarantine)
+	etcdtest.Eventually(t, 10*time.Second, "the quarantine after the step back ends", func() bool {
+		return len(etcdtest.Dump(t, cli, qKey)) == 0
+	})
+	if waited := time.Since(released); waited < quarantine {
+		t.Fatalf("quarantine after the step back ended after %s, want %s plus etcd's expiry slack", waited, quarantine)
 	}
 
 	// An attachment made while the clock was two days ahead, then the clock stepped back:

@@ -144,11 +144,9 @@ func TestHostAddressesNeverFlapUnderDAD(t *testing.T) {
 	}
 	// The kernel removes it: the key goes at once.
 	ip(t, "-n", nsName(host), "addr", "del", v6.String()+"/64", "dev", "uplink")
-	for end := time.Now().Add(5 * time.Second); len(etcdtest.Dump(t, cli, keyspace.HostIPKey(v6, cluster, "n1"))) > 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("%s removed by the kernel but still published", v6)
-		}
-	}
+	etcdtest.Eventually(t, 5*time.Second, v6.String()+" removed by the kernel is unpublished", func() bool {
+		return len(etcdtest.Dump(t, cli, keyspace.HostIPKey(v6, cluster, "n1"))) == 0
+	})
 }
 
 // TestHostAddressIsNeverHandedOut: an address a node publishes as its own is skipped by
@@ -164,11 +162,9 @@ func TestHostAddressIsNeverHandedOut(t *testing.T) {
 	_ = publisher
 	cli := etcdtest.Client(t)
 	hostAddr := netip.MustParseAddr("10.98.0.2")
-	for end := time.Now().Add(5 * time.Second); len(etcdtest.Dump(t, cli, keyspace.HostIPPrefix(hostAddr))) == 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatal("host address never published")
-		}
-	}
+	etcdtest.Eventually(t, 5*time.Second, "the host address is published", func() bool {
+		return len(etcdtest.Dump(t, cli, keyspace.HostIPPrefix(hostAddr))) > 0
+	})
 	other := startAgent(t, etcdtest.Uniq("c"), "n2", "uid2") // another cluster allocating from a pool over the host's subnet
 	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.98.0.0/29")}}}}
 	ctx := ctxT(t)
