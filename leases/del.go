@@ -30,16 +30,16 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	}
 	unlock := a.locks.lock(owner)
 	defer unlock()
-	left, err := a.release(ctx, req, owner)
+	left, err := a.releaseAttachment(ctx, req, owner)
 	if err != nil {
 		return err
 	}
 	return a.dropPodIfEmpty(ctx, owner, left)
 }
 
-// release deletes the request's attachment and returns the owner's attachments left, or -1
+// releaseAttachment deletes the request's attachment and returns the owner's attachments left, or -1
 // when it released nothing and so did not count them.
-func (a *Agent) release(ctx context.Context, req allocator.Request, owner string) (int64, error) {
+func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, owner string) (int64, error) {
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
 	if at, lease, ok := a.pods.attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
