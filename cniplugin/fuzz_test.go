@@ -28,7 +28,8 @@ import (
 //     ParseConfig does not promise that they lie in the pool (the agent refuses those
 //     with code 100, naming the address);
 //   - routes of one same-destination group (destination, table, scope) of two or more
-//     carry distinct non-zero priorities (the seed 001 rule);
+//     carry distinct non-zero priorities (the rule against the route family split,
+//     docs/field-failures.md);
 //   - ParseReleaseConfig returns exactly ParseConfig's configuration when ParseConfig
 //     succeeds; when it falls back, its names still pass ValidateName and its pool has
 //     no ranges.

@@ -10,25 +10,23 @@ import (
 	"runtime/debug"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/utils"
 	"github.com/containernetworking/cni/pkg/version"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 )
 
-// Served returns svc as agentapi.Serve should serve it to the plugin binary: besides the
-// five operations it runs whole plugin invocations (agentapi.OpCNI) against svc.
-func Served(svc agentapi.Service) agentapi.Service { return served{svc} }
+// Served returns what agentapi.Serve serves to the plugin binary for the agent svc: an
+// Invoker that runs each plugin invocation against svc with Invoke.
+func Served(svc agentapi.Service) agentapi.Invoker { return served{svc} }
 
-type served struct{ agentapi.Service }
+type served struct{ svc agentapi.Service }
 
 func (s served) Invoke(ctx context.Context, inv *agentapi.Invocation) *agentapi.Output {
-	return Invoke(ctx, s.Service, inv)
+	return Invoke(ctx, s.svc, inv)
 }
 
 // Invoke runs one plugin invocation against svc in the agent, as the plugin process ran
@@ -39,21 +37,16 @@ func (s served) Invoke(ctx context.Context, inv *agentapi.Invocation) *agentapi.
 // Warnings go to stderr. Work stops when ctx ends.
 //
 // inv.Socket is the socket the plugin dialed, from its own reading of ipam.socket; if
-// this reading of the configuration names another, the command fails with code 7 instead
-// of being served by an agent the configuration does not name.
+// this reading of the configuration names another, the command fails with code 7 (50
+// for STATUS) instead of being served by an agent the configuration does not name.
 func Invoke(ctx context.Context, svc agentapi.Service, inv *agentapi.Invocation) *agentapi.Output {
 	var stdout, stderr bytes.Buffer
 	p := &Plugin{
-		Dial: func(socket string, _ time.Duration) agentapi.Service {
-			if socket != inv.Socket {
-				return refused{fmt.Errorf("%w: the plugin reached leaseholdd at %s, but the network configuration names %s "+
-					"as ipam.socket; write the key \"socket\" once, in lowercase ASCII", allocator.ErrInvalidConfig, inv.Socket, socket)}
-			}
-			return svc
-		},
-		Stdout: &stdout,
-		Log:    slog.New(slog.NewTextHandler(&stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
-		ctx:    ctx,
+		Service: svc,
+		Socket:  inv.Socket,
+		Stdout:  &stdout,
+		Log:     slog.New(slog.NewTextHandler(&stderr, &slog.HandlerOptions{Level: slog.LevelWarn})),
+		ctx:     ctx,
 	}
 	out := &agentapi.Output{}
 	if err := dispatchRecovering(p, inv); err != nil {
@@ -80,19 +73,6 @@ func dispatchRecovering(p *Plugin, inv *agentapi.Invocation) (err *types.Error) 
 	}()
 	return dispatch(p, inv)
 }
-
-// refused is a Service that fails every call with err.
-type refused struct{ err error }
-
-func (r refused) Add(context.Context, allocator.Request) (allocator.Result, error) {
-	return allocator.Result{}, r.err
-}
-func (r refused) Del(context.Context, allocator.Request) error { return r.err }
-func (r refused) Check(context.Context, allocator.Request) (allocator.Result, error) {
-	return allocator.Result{}, r.err
-}
-func (r refused) GC(context.Context, allocator.GCRequest) error         { return r.err }
-func (r refused) Status(context.Context, allocator.StatusRequest) error { return r.err }
 
 // envVar is one CNI_* variable: which commands need it and how it is checked.
 type envVar struct {

@@ -14,16 +14,16 @@ import (
 )
 
 // panicking is a Service whose Add panics, standing in for a bug on the ADD path.
-type panicking struct{ refused }
+type panicking struct{ agentStub }
 
-func (panicking) Add(context.Context, allocator.Request) (allocator.Result, error) { panic("boom") }
+func (*panicking) Add(context.Context, allocator.Request) (allocator.Result, error) { panic("boom") }
 
 // TestInvokeSurvivesAPanic: a panic while running a command is that command's internal
 // error (code 999), not the end of the agent.
 func TestInvokeSurvivesAPanic(t *testing.T) {
 	inv := &agentapi.Invocation{Command: "ADD", ContainerID: "c1", Netns: "/var/run/netns/x", IfName: "eth0", Path: "/opt/cni/bin",
 		Socket: DefaultSocket, Stdin: []byte(`{"cniVersion": "1.0.0", "name": "n", "ipam": {"type": "leasehold", "ranges": [[{"subnet": "10.1.0.0/24"}]]}}`)}
-	out := Invoke(context.Background(), panicking{}, inv)
+	out := Invoke(context.Background(), &panicking{}, inv)
 	var e types.Error
 	if err := json.Unmarshal(out.Stdout, &e); err != nil || out.Exit != 1 || e.Code != types.ErrInternal ||
 		!strings.Contains(e.Msg, "boom") || out.Err == nil {
@@ -33,7 +33,6 @@ func TestInvokeSurvivesAPanic(t *testing.T) {
 
 // recording is a Service that answers every call and remembers the ADD requests it saw.
 type recording struct {
-	refused
 	adds []allocator.Request
 }
 

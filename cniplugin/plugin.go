@@ -6,11 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 	"github.com/leasehold/leasehold/cniplugin/thin"
 )
@@ -21,11 +21,15 @@ const About = thin.About
 // SupportedVersions are the CNI specification versions the plugin speaks.
 var SupportedVersions = thin.SupportedVersions
 
-// Plugin holds the CNI command handlers. The zero value is not usable: set Dial and
-// Stdout (Invoke dials the agent's own Service; DialAgent reaches one over its socket).
+// Plugin holds the CNI command handlers, which run in the agent (see Invoke). The zero
+// value is not usable: set Service, Socket and Stdout.
 type Plugin struct {
-	// Dial returns the agent to talk to at socket, each call bounded by timeout.
-	Dial func(socket string, timeout time.Duration) agentapi.Service
+	// Service is the agent the handlers call, in-process.
+	Service agentapi.Service
+	// Socket is the socket the plugin process dialed to reach the agent. A command whose
+	// configuration names another as ipam.socket fails instead of being served by an
+	// agent the configuration does not name: code 7 (50 for STATUS).
+	Socket string
 	// Stdout receives the result of ADD.
 	Stdout io.Writer
 	// Log receives diagnostics; nil discards them.
@@ -43,11 +47,6 @@ func (p *Plugin) base() context.Context {
 	return p.ctx
 }
 
-// DialAgent returns an agentapi.Client for socket; it does not connect yet.
-func DialAgent(socket string, timeout time.Duration) agentapi.Service {
-	return &agentapi.Client{Socket: socket, Timeout: timeout}
-}
-
 // Funcs returns p's handlers for skel.
 func (p *Plugin) Funcs() skel.CNIFuncs {
 	return skel.CNIFuncs{Add: p.CmdAdd, Del: p.CmdDel, Check: p.CmdCheck, GC: p.CmdGC, Status: p.CmdStatus}
@@ -55,8 +54,8 @@ func (p *Plugin) Funcs() skel.CNIFuncs {
 
 // CmdAdd allocates the attachment's addresses from the agent and prints the result in
 // the configuration's cniVersion. Errors are *types.Error: 6 for a configuration that is
-// not JSON, 7 for an invalid one, otherwise the agent's code and message (11 when the
-// agent is not reachable; see agentapi's code table).
+// not JSON, 7 for an invalid one or one that names another socket, otherwise the agent's
+// code and message (see agentapi's code table).
 func (p *Plugin) CmdAdd(args *skel.CmdArgs) error {
 	cfg, err := p.attachmentConfig(args)
 	if err != nil {
@@ -64,7 +63,11 @@ func (p *Plugin) CmdAdd(args *skel.CmdArgs) error {
 	}
 	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
-	alloc, err := p.agent(cfg).Add(ctx, cfg.Request)
+	svc, err := p.agent(cfg)
+	if err != nil {
+		return cniError(err)
+	}
+	alloc, err := svc.Add(ctx, cfg.Request)
 	if err != nil {
 		return cniError(err)
 	}
@@ -87,7 +90,11 @@ func (p *Plugin) CmdDel(args *skel.CmdArgs) error {
 	}
 	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
-	if err := p.agent(cfg).Del(ctx, cfg.Request); err != nil {
+	svc, err := p.agent(cfg)
+	if err != nil {
+		return cniError(err)
+	}
+	if err := svc.Del(ctx, cfg.Request); err != nil {
 		return cniError(err)
 	}
 	return nil
@@ -106,7 +113,11 @@ func (p *Plugin) CmdCheck(args *skel.CmdArgs) error {
 	}
 	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
-	held, err := p.agent(cfg).Check(ctx, cfg.Request)
+	svc, err := p.agent(cfg)
+	if err != nil {
+		return cniError(err)
+	}
+	held, err := svc.Check(ctx, cfg.Request)
 	if err != nil {
 		return cniError(err)
 	}
@@ -138,15 +149,19 @@ func (p *Plugin) CmdGC(args *skel.CmdArgs) error {
 	}
 	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
-	if err := p.agent(cfg).GC(ctx, req); err != nil {
+	svc, err := p.agent(cfg)
+	if err != nil {
+		return cniError(err)
+	}
+	if err := svc.GC(ctx, req); err != nil {
 		return cniError(err)
 	}
 	return nil
 }
 
 // CmdStatus asks the agent whether an ADD could succeed now. A configuration error is
-// code 6 or 7; any failure of the agent, or no agent at all, is code 50 (plugin not
-// available) with the agent's message.
+// code 6 or 7; any failure of the agent, or a configuration that names another socket,
+// is code 50 (plugin not available) with the agent's message.
 func (p *Plugin) CmdStatus(args *skel.CmdArgs) error {
 	cfg, err := p.config(args)
 	if err != nil {
@@ -154,7 +169,11 @@ func (p *Plugin) CmdStatus(args *skel.CmdArgs) error {
 	}
 	ctx, cancel := context.WithTimeout(p.base(), cfg.IPAM.Timeout)
 	defer cancel()
-	if err := p.agent(cfg).Status(ctx, cfg.StatusRequest()); err != nil {
+	svc, err := p.agent(cfg)
+	if err == nil {
+		err = svc.Status(ctx, cfg.StatusRequest())
+	}
+	if err != nil {
 		return types.NewError(types.ErrPluginNotAvailable, err.Error(), "")
 	}
 	return nil
@@ -192,8 +211,14 @@ func (p *Plugin) attachmentConfig(args *skel.CmdArgs) (*Config, error) {
 	return cfg, nil
 }
 
-func (p *Plugin) agent(cfg *Config) agentapi.Service {
-	return p.Dial(cfg.IPAM.Socket, cfg.IPAM.Timeout)
+// agent returns the Service to serve cfg, or an error wrapping allocator.ErrInvalidConfig
+// when cfg names another socket than the one the plugin dialed.
+func (p *Plugin) agent(cfg *Config) (agentapi.Service, error) {
+	if cfg.IPAM.Socket != p.Socket {
+		return nil, fmt.Errorf("%w: the plugin reached leaseholdd at %s, but the network configuration names %s "+
+			"as ipam.socket; write the key \"socket\" once, in lowercase ASCII", allocator.ErrInvalidConfig, p.Socket, cfg.IPAM.Socket)
+	}
+	return p.Service, nil
 }
 
 func (p *Plugin) log() *slog.Logger {

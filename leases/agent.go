@@ -17,7 +17,8 @@ import (
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
-// sandboxes of one node, holding their leases. Its methods satisfy the plugin's agent API.
+// sandboxes of one node, holding their leases. Its methods are the agentapi.Service that the
+// CNI logic (package cniplugin) calls in-process for each forwarded plugin invocation.
 type Agent struct {
 	cfg    Config
 	cli    *clientv3.Client

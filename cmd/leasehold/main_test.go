@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -11,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
@@ -26,16 +29,16 @@ import (
 // code exactly as a runtime would.
 //
 // With LEASEHOLD_TEST_PLUGIN=skel it is instead the plugin as it was before it became a
-// thin client: the same handlers, run in the plugin process by the CNI library's skel
-// and talking to the agent's five operations. TestThinPluginAnswersAsSkelDid compares
-// the two.
+// thin client: the same handlers, run in the plugin process by the CNI library's skel,
+// calling the stub agent in-process as if it had dialed LEASEHOLD_TEST_SOCKET.
+// TestThinPluginAnswersAsSkelDid compares the two.
 func TestMain(m *testing.M) {
 	switch os.Getenv("LEASEHOLD_TEST_PLUGIN") {
 	case "1":
 		main()
 		os.Exit(0)
 	case "skel":
-		p := &cniplugin.Plugin{Dial: cniplugin.DialAgent, Stdout: os.Stdout}
+		p := &cniplugin.Plugin{Service: agent{}, Socket: os.Getenv("LEASEHOLD_TEST_SOCKET"), Stdout: os.Stdout}
 		skel.PluginMainFuncs(p.Funcs(), version.PluginSupports(cniplugin.SupportedVersions...), cniplugin.About)
 		os.Exit(0)
 	}
@@ -55,11 +58,9 @@ func (agent) Check(context.Context, allocator.Request) (allocator.Result, error)
 func (agent) GC(context.Context, allocator.GCRequest) error         { return nil }
 func (agent) Status(context.Context, allocator.StatusRequest) error { return nil }
 
-// startAgent serves the stub agent as leaseholdd serves its own (cniplugin.Served).
-func startAgent(t *testing.T) string { return serve(t, cniplugin.Served(agent{})) }
-
-// serve serves svc on a socket in t.TempDir until the test ends.
-func serve(t *testing.T, svc agentapi.Service) string {
+// startAgent serves the stub agent as leaseholdd serves its own (cniplugin.Served) on a
+// socket in t.TempDir until the test ends.
+func startAgent(t *testing.T) string {
 	t.Helper()
 	socket := filepath.Join(t.TempDir(), "lh.sock")
 	l, err := agentapi.Listen(socket)
@@ -68,8 +69,36 @@ func serve(t *testing.T, svc agentapi.Service) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- agentapi.Serve(ctx, l, svc, nil) }()
+	go func() { done <- agentapi.Serve(ctx, l, cniplugin.Served(agent{}), nil) }()
 	t.Cleanup(func() { cancel(); <-done })
+	return socket
+}
+
+// startOldAgent answers every request as a leaseholdd from before the cni operation
+// answered it: an unknown operation.
+func startOldAgent(t *testing.T) string {
+	t.Helper()
+	socket := filepath.Join(t.TempDir(), "old.sock")
+	l, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				_, _ = io.Copy(io.Discard, c)
+				_, _ = io.WriteString(c, `{"version":1,"error":{"code":6,"msg":"agent protocol error: unknown operation \"cni\"; `+
+					`leaseholdd knows add, del, check, gc and status","sentinel":"ErrProtocol"}}`)
+			}()
+		}
+	}()
 	return socket
 }
 
@@ -125,6 +154,9 @@ func TestPluginBinary(t *testing.T) {
 		{"add", "ADD", netconf(socket), 0, []string{`"cniVersion": "1.0.0"`, `"address": "10.50.0.9/24"`, `"dst": "0.0.0.0/0"`}, 0},
 		// Without an agent, ADD fails with exit 1 and CNI error 11 naming the socket.
 		{"add without agent", "ADD", netconf(missing), 1, []string{missing}, 11},
+		// STATUS without an agent: the plugin is not available (50), and says why.
+		{"status without agent", "STATUS", strings.Replace(netconf(missing), "1.0.0", "1.1.0", 1), 1,
+			[]string{missing, "is leaseholdd running"}, 50},
 		// An agent error arrives with its code (103 from CHECK).
 		{"check not allocated", "CHECK", netconf(socket), 1, []string{"no allocation"}, 103},
 		// Invalid configuration is code 7.
@@ -175,7 +207,7 @@ func TestPluginRefusals(t *testing.T) {
 		cniErr(t, stdout, exit, 7, "names /elsewhere.sock")
 	})
 	t.Run("agent without CNI invocations", func(t *testing.T) {
-		old := serve(t, agent{}) // not cniplugin.Served: no cni operation
+		old := startOldAgent(t)
 		stdout, _, exit := runAs(t, "1", env, netconf(old))
 		cniErr(t, stdout, exit, 11, "upgrade leaseholdd")
 		stdout, _, exit = runAs(t, "1", append(slices.Clone(env), "CNI_COMMAND=STATUS"), strings.Replace(netconf(old), "1.0.0", "1.1.0", 1))
@@ -203,10 +235,10 @@ func TestAbout(t *testing.T) {
 // TestThinPluginAnswersAsSkelDid runs each invocation through the thin plugin (the
 // agent runs the CNI logic) and through the plugin as it was (skel and the same handlers
 // in the plugin process), and requires the same exit status and stdout byte for byte:
-// moving the work into the agent must change nothing a runtime sees.
+// moving the work into the agent must change nothing a runtime sees. (A missing agent,
+// which only the thin plugin can meet now, is TestPluginBinary's.)
 func TestThinPluginAnswersAsSkelDid(t *testing.T) {
 	socket := startAgent(t)
-	missing := filepath.Join(t.TempDir(), "none.sock")
 	full := []string{"CNI_PATH=/opt/cni/bin", "CNI_CONTAINERID=c0ffee", "CNI_IFNAME=eth0",
 		"CNI_NETNS=/var/run/netns/test", "CNI_NETNS_OVERRIDE=1", "CNI_ARGS=K8S_POD_UID=uid-9"}
 	conf := func(version, extra string) string {
@@ -252,14 +284,13 @@ func TestThinPluginAnswersAsSkelDid(t *testing.T) {
 		{"gc 1.0.0", "GC", full, conf("1.0.0", "")},
 		{"status 1.1.0", "STATUS", full, conf("1.1.0", "")},
 		{"status 0.4.0", "STATUS", full, conf("0.4.0", "")},
-		{"status without agent", "STATUS", full, strings.Replace(conf("1.1.0", ""), socket, missing, 1)},
 		{"unknown command", "FROB", full, conf("1.0.0", "")},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			env := append(slices.Clone(tc.env), "CNI_COMMAND="+tc.command)
 			gotOut, gotErr, gotExit := runAs(t, "1", env, tc.stdin)
-			wantOut, wantErr, wantExit := runAs(t, "skel", env, tc.stdin)
+			wantOut, wantErr, wantExit := runAs(t, "skel", append(env, "LEASEHOLD_TEST_SOCKET="+socket), tc.stdin)
 			if gotExit != wantExit || gotOut != wantOut {
 				t.Errorf("thin plugin: exit %d, stdout %s\nskel plugin: exit %d, stdout %s", gotExit, gotOut, wantExit, wantOut)
 			}

@@ -10,15 +10,16 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
-// Client talks to leaseholdd over its unix socket, one connection per call. The zero
-// value uses DefaultSocket and DefaultTimeout. A Client is safe for concurrent use.
+// Client sends plugin invocations to leaseholdd over its unix socket, one connection per
+// call, as the plugin binary does (package thin is the plugin's own client): for tests,
+// benchmarks and tools written in Go. The zero value uses DefaultSocket and
+// DefaultTimeout. A Client is safe for concurrent use.
 //
-// Every error a Client returns is an *Error: the agent's own (its code, message and
-// sentinel intact, so errors.Is(err, allocator.ErrPoolExhausted) works), or a local one:
+// Every error a Client returns is an *Error: the agent's refusal of the request (its
+// code, message and sentinel intact), or a local one:
 //
 //   - code 11 (ErrUnavailable) when the socket cannot be dialed (the message names the
 //     socket and asks whether leaseholdd is running), when the agent closes the
@@ -32,44 +33,10 @@ type Client struct {
 	Timeout time.Duration
 }
 
-var _ Service = (*Client)(nil)
-
-// Add asks the agent to allocate (or return the existing) addresses of req's attachment.
-// Errors are *Error values; see Client.
-func (c *Client) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	return c.callResult(ctx, OpAdd, req)
-}
-
-// Del asks the agent to release req's attachment. Releasing nothing is not an error.
-// Errors are *Error values; see Client.
-func (c *Client) Del(ctx context.Context, req allocator.Request) error {
-	_, err := c.call(ctx, OpDel, req)
-	return err
-}
-
-// Check asks the agent whether req's attachment still holds its addresses and returns
-// them. Errors are *Error values (code 103, ErrNotAllocated, when it holds none); see Client.
-func (c *Client) Check(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	return c.callResult(ctx, OpCheck, req)
-}
-
-// GC asks the agent to release this node's allocations of req.Network whose attachment
-// is not in req.ValidAttachments. Errors are *Error values; see Client.
-func (c *Client) GC(ctx context.Context, req allocator.GCRequest) error {
-	_, err := c.call(ctx, OpGC, req)
-	return err
-}
-
-// Status asks the agent whether an ADD for req.Pool could succeed now. Errors are *Error
-// values; see Client.
-func (c *Client) Status(ctx context.Context, req allocator.StatusRequest) error {
-	_, err := c.call(ctx, OpStatus, req)
-	return err
-}
-
 // Invoke sends a whole plugin invocation (OpCNI), as the plugin binary does, and returns
 // what the plugin process is to print and exit with. A failed CNI command is an Output
-// with Exit 1, not an error; errors are the request's own (as for the other calls).
+// with Exit 1, not an error (Output.Result reads it as the runtime would); errors are the
+// request's own (see Client).
 func (c *Client) Invoke(ctx context.Context, inv *Invocation) (*Output, error) {
 	resp, err := c.call(ctx, OpCNI, inv)
 	if err != nil {
@@ -86,17 +53,6 @@ func (c *Client) socket() string {
 		return DefaultSocket
 	}
 	return c.Socket
-}
-
-func (c *Client) callResult(ctx context.Context, op string, body any) (allocator.Result, error) {
-	resp, err := c.call(ctx, op, body)
-	if err != nil {
-		return allocator.Result{}, err
-	}
-	if resp.Result == nil {
-		return allocator.Result{}, c.protocolErr("%s answer from leaseholdd has no result", op)
-	}
-	return *resp.Result, nil
 }
 
 // call sends one request and reads its response; it returns the response only when it

@@ -7,12 +7,12 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 )
 
-// CNI error codes carried on the wire. They are plain numbers so that this package does
-// not import the CNI library; the plugin turns an *Error into a CNI *types.Error with the
-// same code and message. Codes below 100 are the CNI specification's well-known codes;
-// 100-999 are leasehold's own.
+// CNI error codes. They are plain numbers so that this package does not import the CNI
+// library; the CNI logic (package cniplugin) prints a failed command's error with its
+// code, and a refused request carries its code on the wire. Codes below 100 are the CNI
+// specification's well-known codes; 100-999 are leasehold's own.
 //
-// The server maps a Service error to a code by the first allocator sentinel it wraps
+// CodeOf maps a Service error to a code by the first allocator sentinel it wraps
 // (checked with errors.Is, in this order):
 //
 //	sentinel                                       code  meaning
@@ -46,8 +46,9 @@ var ErrProtocol = errors.New("agent protocol error")
 
 // Error is an error as it crosses the socket: a CNI code, the full message, and the name
 // of the allocator sentinel it came from (when there was one). The Client returns every
-// failure, local or remote, as an *Error. errors.Is(err, allocator.ErrXxx) holds on the
-// client exactly when it held on the server (see Is).
+// failure, local or remote, as an *Error, and Output.Result a failed CNI command.
+// errors.Is(err, allocator.ErrXxx) holds on the client exactly when it held on the
+// server, or, without a sentinel name, for the primary sentinel of the code (see Is).
 type Error struct {
 	// Code is a CNI error code (see the Code constants).
 	Code uint `json:"code"`

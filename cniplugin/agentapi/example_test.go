@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 
@@ -12,22 +11,19 @@ import (
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
 )
 
-// oneAddress is a toy Service: every ADD gets 10.10.1.7, every STATUS says exhausted.
+// oneAddress is a toy Invoker in place of the agent's CNI logic (package cniplugin): every
+// ADD prints a result with 10.10.1.7, every other command fails as the CNI logic prints
+// a pool that is exhausted.
 type oneAddress struct{}
 
-func (oneAddress) Add(context.Context, allocator.Request) (allocator.Result, error) {
-	return allocator.Result{IPs: []allocator.IPConfig{{Address: netip.MustParsePrefix("10.10.1.7/16")}}}, nil
-}
-func (oneAddress) Del(context.Context, allocator.Request) error { return nil }
-func (oneAddress) Check(context.Context, allocator.Request) (allocator.Result, error) {
-	return allocator.Result{}, allocator.ErrNotAllocated
-}
-func (oneAddress) GC(context.Context, allocator.GCRequest) error { return nil }
-func (oneAddress) Status(context.Context, allocator.StatusRequest) error {
-	return fmt.Errorf("pool net1 set 0: %w", allocator.ErrPoolExhausted)
+func (oneAddress) Invoke(_ context.Context, inv *agentapi.Invocation) *agentapi.Output {
+	if inv.Command == "ADD" {
+		return &agentapi.Output{Stdout: []byte(`{"cniVersion": "1.1.0", "ips": [{"address": "10.10.1.7/16"}]}`)}
+	}
+	return &agentapi.Output{Exit: 1, Stdout: []byte(`{"code": 102, "msg": "pool net1 set 0: pool exhausted"}`)}
 }
 
-// The agent listens and serves; the plugin calls it with a Client.
+// The agent listens and serves; a client sends invocations as the plugin binary does.
 func Example() {
 	dir, _ := os.MkdirTemp("", "leasehold-example")
 	defer os.RemoveAll(dir)
@@ -39,22 +35,34 @@ func Example() {
 		return
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	served := make(chan error)
+	defer stop()
+	served := make(chan error, 1)
 	go func() { served <- agentapi.Serve(ctx, l, oneAddress{}, nil) }()
 
+	conf := []byte(`{"cniVersion": "1.1.0", "name": "net1", "ipam": {"type": "leasehold", "socket": "` + socket + `"}}`)
 	c := &agentapi.Client{Socket: socket}
-	res, err := c.Add(context.Background(), allocator.Request{Network: "net1", ContainerID: "c1", IfName: "eth0"})
-	fmt.Println(res.IPs[0].Address, err)
+	out, err := c.Invoke(context.Background(), agentapi.NewInvocation("ADD", conf, "c1", "eth0"))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	res, err := out.Result()
+	fmt.Println(out.Exit, res.IPs[0].Address, err)
 
-	err = c.Status(context.Background(), allocator.StatusRequest{Network: "net1"})
+	out, err = c.Invoke(context.Background(), agentapi.NewInvocation("STATUS", conf, "", ""))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	_, err = out.Result()
 	var e *agentapi.Error
 	errors.As(err, &e)
-	fmt.Println(e.Code, errors.Is(err, allocator.ErrPoolExhausted), err)
+	fmt.Println(out.Exit, e.Code, errors.Is(err, allocator.ErrPoolExhausted), err)
 
 	stop()
 	fmt.Println(<-served)
 	// Output:
-	// 10.10.1.7/16 <nil>
-	// 102 true pool net1 set 0: pool exhausted
+	// 0 10.10.1.7/16 <nil>
+	// 1 102 true pool net1 set 0: pool exhausted
 	// <nil>
 }

@@ -16,8 +16,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/leasehold/leasehold/allocator"
 )
 
 // FuzzWireRequest feeds arbitrary bytes to readMessage, the function the server reads
@@ -31,14 +29,14 @@ import (
 //     too large;
 //   - a request it decodes round-trips: encoding it and reading it back gives the same
 //     envelope (the body compared as compact JSON), and encoding that again gives the
-//     same bytes; the op-specific body the server decodes (decodeBody) round-trips the
-//     same way.
+//     same bytes; a cni request's Invocation as the server decodes it (decodeBody)
+//     round-trips the same way.
 //
 // Seeds: testdata/fuzz/FuzzWireRequest.
 func FuzzWireRequest(f *testing.F) {
-	body, _ := json.Marshal(testRequest())
-	f.Add([]byte(`{"version":1,"op":"add","timeoutMs":29000,"request":`+string(body)+`}`), byte(0))
-	f.Add([]byte(`{"version":1,"op":"add","request":{"network":"`), byte('x'))
+	body, _ := json.Marshal(testInvocation("/run/lh.sock"))
+	f.Add([]byte(`{"version":1,"op":"cni","timeoutMs":29000,"request":`+string(body)+`}`), byte(0))
+	f.Add([]byte(`{"version":1,"op":"cni","request":{"stdin":"`), byte('A'))
 	f.Fuzz(func(t *testing.T, data []byte, tail byte) {
 		var src io.Reader = bytes.NewReader(data)
 		if tail != 0 {
@@ -81,29 +79,19 @@ func FuzzWireRequest(f *testing.F) {
 			!bytes.Equal(compact(t, again.Request), compact(t, req.Request)) {
 			t.Errorf("request %+v read back as %+v", req, again)
 		}
-		var v any
-		switch req.Op {
-		case OpAdd, OpDel, OpCheck:
-			v = &allocator.Request{}
-		case OpGC:
-			v = &allocator.GCRequest{}
-		case OpStatus:
-			v = &allocator.StatusRequest{}
-		default:
+		var v Invocation
+		if req.Op != OpCNI || decodeBody(&req, &v) != nil {
 			return
 		}
-		if decodeBody(&req, v) != nil {
-			return
-		}
-		first, err := json.Marshal(v)
+		first, err := json.Marshal(&v)
 		if err != nil {
 			t.Fatalf("encoding decoded body %+v: %v", v, err)
 		}
-		w := reflect.New(reflect.TypeOf(v).Elem()).Interface()
-		if err := json.Unmarshal(first, w); err != nil {
+		var w Invocation
+		if err := json.Unmarshal(first, &w); err != nil {
 			t.Fatalf("decoding re-encoded body %s: %v", first, err)
 		}
-		second, _ := json.Marshal(w)
+		second, _ := json.Marshal(&w)
 		if !bytes.Equal(first, second) {
 			t.Errorf("%s body does not round-trip:\n%s\n%s", req.Op, first, second)
 		}
@@ -185,20 +173,21 @@ func (c *countingReader) Read(p []byte) (int, error) {
 //   - the server answers with exactly one well-formed WireResponse (known fields only,
 //     this protocol version, at most MaxMessageSize bytes) or, for input with nothing
 //     but white space, closes without a word;
-//   - a request that decodes, has this version, a known op and a body of the op's type
-//     reaches the Service unchanged, with a live context whose deadline is in the
-//     future and at most the server's maximum, and is answered with the Service's
-//     result (a result for add and check, none for the others); anything else never
-//     reaches the Service and is answered with code 6 (ErrProtocol);
+//   - a request that decodes, has this version, the op cni and a body that decodes as
+//     an Invocation reaches the Invoker unchanged, with a live context whose deadline
+//     is in the future and at most the server's maximum, and is answered with the
+//     Invoker's output, byte for byte; anything else (the protocol's removed operations
+//     included) never reaches the Invoker and is answered with code 6 (ErrProtocol);
 //   - after every input the server still answers a well-formed request.
 //
 // Every exchange is bounded by deadlines. Seeds: testdata/fuzz/FuzzServe.
 func FuzzServe(f *testing.F) {
-	body, _ := json.Marshal(testRequest())
-	f.Add([]byte(`{"version":1,"op":"add","timeoutMs":29000,"request":` + string(body) + `}`))
-	svc := &fuzzService{}
+	body, _ := json.Marshal(testInvocation("/run/lh.sock"))
+	f.Add([]byte(`{"version":1,"op":"cni","timeoutMs":29000,"request":` + string(body) + `}`))
+	svc := &fuzzInvoker{}
 	socket := fuzzServer(f, svc)
 	c := &Client{Socket: socket, Timeout: 10 * time.Second}
+	probe := NewInvocation("STATUS", testConf(socket), "", "")
 	f.Fuzz(func(t *testing.T, data []byte) {
 		svc.reset()
 		resp, raw := fuzzExchange(t, socket, data)
@@ -216,24 +205,25 @@ func FuzzServe(f *testing.F) {
 				t.Fatalf("input %s: no answer (connection closed without a response)", short(data))
 			}
 			body, valid := wantBody(&want, rerr)
-			op, got, ctxErr := svc.last()
+			got, ctxErr := svc.last()
 			switch {
 			case valid:
-				if op != want.Op || !reflect.DeepEqual(got, body) {
-					fail("service saw %s %+v, want %s %+v", op, got, want.Op, body)
+				if !reflect.DeepEqual(got, body) {
+					fail("invoker saw %+v, want %+v", got, body)
 				}
 				if ctxErr != nil {
-					fail("request %s reached the service with a dead or unbounded context: %v", short(data), ctxErr)
+					fail("request %s reached the invoker with a dead or unbounded context: %v", short(data), ctxErr)
 				}
 				if resp.Error != nil {
 					fail("valid request %s answered with error %+v", short(data), resp.Error)
 				}
-				if wantResult := want.Op == OpAdd || want.Op == OpCheck; (resp.Result != nil) != wantResult {
-					fail("%s answered with result %v", want.Op, resp.Result)
+				if w := echo(body); resp.CNI == nil || resp.CNI.Exit != w.Exit || !bytes.Equal(resp.CNI.Stdout, w.Stdout) ||
+					!bytes.Equal(resp.CNI.Stderr, w.Stderr) {
+					fail("valid request %s answered with output %+v, want %+v", short(data), resp.CNI, w)
 				}
 			default:
-				if op != "" {
-					fail("invalid request %s reached the service as %s %+v", short(data), op, got)
+				if got != nil {
+					fail("invalid request %s reached the invoker as %+v", short(data), got)
 				}
 				if resp.Error == nil || resp.Error.Code != CodeDecodingFailure || resp.Error.Msg == "" {
 					fail("invalid request %s answered with %+v, want a code 6 error", short(data), resp)
@@ -243,8 +233,8 @@ func FuzzServe(f *testing.F) {
 		// The server keeps serving.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if err := c.Status(ctx, allocator.StatusRequest{Network: "net1", Pool: allocator.PoolSpec{Name: "net1"}}); err != nil {
-			t.Fatalf("after input %s the server no longer serves: %v", short(data), err)
+		if out, err := c.Invoke(ctx, probe); err != nil || out.Exit != 0 {
+			t.Fatalf("after input %s the server no longer serves: %+v %v", short(data), out, err)
 		}
 		if len(problems) > 0 {
 			t.Error(strings.Join(problems, "\n"))
@@ -253,27 +243,17 @@ func FuzzServe(f *testing.F) {
 	})
 }
 
-// wantBody decodes the op-specific body as the server does; valid says whether the
-// request should reach the Service.
-func wantBody(req *WireRequest, readErr error) (body any, valid bool) {
-	if readErr != nil || req.Version != ProtocolVersion {
+// wantBody decodes the Invocation as the server does; valid says whether the request
+// should reach the Invoker.
+func wantBody(req *WireRequest, readErr error) (body *Invocation, valid bool) {
+	if readErr != nil || req.Version != ProtocolVersion || req.Op != OpCNI {
 		return nil, false
 	}
-	switch req.Op {
-	case OpAdd, OpDel, OpCheck:
-		var r allocator.Request
-		err := decodeBody(req, &r)
-		return r, err == nil
-	case OpGC:
-		var r allocator.GCRequest
-		err := decodeBody(req, &r)
-		return r, err == nil
-	case OpStatus:
-		var r allocator.StatusRequest
-		err := decodeBody(req, &r)
-		return r, err == nil
+	var inv Invocation
+	if err := decodeBody(req, &inv); err != nil {
+		return nil, false
 	}
-	return nil, false
+	return &inv, true
 }
 
 // fuzzExchange writes data to the server, half-closes and reads the whole answer. resp
@@ -316,26 +296,26 @@ func fuzzExchange(t *testing.T, socket string, data []byte) (*WireResponse, []by
 	if dec.More() {
 		t.Errorf("input %s: answer %q has more than one JSON value", short(data), raw)
 	}
-	if resp.Version != ProtocolVersion || resp.Error != nil && resp.Result != nil {
+	if resp.Version != ProtocolVersion || resp.Error != nil && resp.CNI != nil {
 		t.Errorf("input %s: malformed answer %s", short(data), raw)
 	}
 	return &resp, raw
 }
 
-// fuzzService answers every call with success and records the call and whether its
-// context was usable: alive, with a deadline in the future and at most the server's maximum.
-type fuzzService struct {
+// fuzzInvoker answers every invocation as fakeInvoker does (echo) and records the first
+// one since reset and whether its context was usable: alive, with a deadline in the
+// future and at most the server's maximum.
+type fuzzInvoker struct {
 	mu     sync.Mutex
-	op     string
-	req    any
+	inv    *Invocation
 	ctxErr error
 }
 
-var _ Service = (*fuzzService)(nil)
+var _ Invoker = (*fuzzInvoker)(nil)
 
 var errUnbounded = errors.New("context deadline missing or beyond the server's maximum")
 
-func (s *fuzzService) rec(ctx context.Context, op string, req any) error {
+func (s *fuzzInvoker) Invoke(ctx context.Context, inv *Invocation) *Output {
 	var cerr error
 	if d, ok := ctx.Deadline(); ctx.Err() != nil {
 		cerr = ctx.Err()
@@ -344,46 +324,26 @@ func (s *fuzzService) rec(ctx context.Context, op string, req any) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if op != OpStatus || s.op == "" { // the liveness check after each input is a status
-		s.op, s.req, s.ctxErr = op, req, cerr
+	if s.inv == nil { // the liveness probe after each input comes second
+		s.inv, s.ctxErr = inv, cerr
 	}
-	return cerr
+	return echo(inv)
 }
 
-func (s *fuzzService) reset() {
+func (s *fuzzInvoker) reset() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.op, s.req, s.ctxErr = "", nil, nil
+	s.inv, s.ctxErr = nil, nil
 }
 
-func (s *fuzzService) last() (string, any, error) {
+func (s *fuzzInvoker) last() (*Invocation, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.op, s.req, s.ctxErr
-}
-
-func (s *fuzzService) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	return testResult(), s.rec(ctx, OpAdd, req)
-}
-
-func (s *fuzzService) Del(ctx context.Context, req allocator.Request) error {
-	return s.rec(ctx, OpDel, req)
-}
-
-func (s *fuzzService) Check(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	return testResult(), s.rec(ctx, OpCheck, req)
-}
-
-func (s *fuzzService) GC(ctx context.Context, req allocator.GCRequest) error {
-	return s.rec(ctx, OpGC, req)
-}
-
-func (s *fuzzService) Status(ctx context.Context, req allocator.StatusRequest) error {
-	return s.rec(ctx, OpStatus, req)
+	return s.inv, s.ctxErr
 }
 
 // fuzzServer serves svc on a socket in tb's temporary directory until cleanup.
-func fuzzServer(tb testing.TB, svc Service) string {
+func fuzzServer(tb testing.TB, svc Invoker) string {
 	tb.Helper()
 	socket := filepath.Join(tb.TempDir(), "lh.sock")
 	l, err := Listen(socket)

@@ -12,26 +12,26 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 )
 
-// fakeService stands in for the agent (which is tested elsewhere against a real etcd):
-// it records what reached it and answers with whatever the test configured.
-type fakeService struct {
-	mu      sync.Mutex
-	lastReq any
-	lastOp  string
-	result  allocator.Result
-	err     error
+// fakeInvoker stands in for the agent's CNI logic (package cniplugin, which is tested
+// there and against a real agent elsewhere): it records the invocations that reach it
+// and answers each with its command and stdin on stdout and "warn" on stderr; the
+// command FAIL exits 1.
+type fakeInvoker struct {
+	mu    sync.Mutex
+	last  *Invocation
+	calls int
 	// block, when set, makes every call wait for it to close or for ctx to end.
 	block chan struct{}
 	// sawDeadline receives the remaining time of each call's context.
 	sawDeadline chan time.Duration
 }
 
-var _ Service = (*fakeService)(nil)
+var _ Invoker = (*fakeInvoker)(nil)
 
-func (f *fakeService) record(ctx context.Context, op string, req any) error {
+func (f *fakeInvoker) Invoke(ctx context.Context, inv *Invocation) *Output {
 	f.mu.Lock()
-	f.lastOp, f.lastReq = op, req
-	block, err, saw := f.block, f.err, f.sawDeadline
+	f.last, f.calls = inv, f.calls+1
+	block, saw := f.block, f.sawDeadline
 	f.mu.Unlock()
 	if saw != nil {
 		if d, ok := ctx.Deadline(); ok {
@@ -44,53 +44,32 @@ func (f *fakeService) record(ctx context.Context, op string, req any) error {
 		select {
 		case <-block:
 		case <-ctx.Done():
-			return ctx.Err()
+			// As the CNI logic answers a Service call that ran out of time.
+			return &Output{Exit: 1, Stdout: []byte(`{"code": 11, "msg": "context deadline exceeded"}`), Err: ctx.Err()}
 		}
 	}
-	return err
+	return echo(inv)
 }
 
-func (f *fakeService) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	if err := f.record(ctx, OpAdd, req); err != nil {
-		return allocator.Result{}, err
+// echo is fakeInvoker's answer to inv.
+func echo(inv *Invocation) *Output {
+	out := &Output{Stdout: append([]byte(inv.Command+":"), inv.Stdin...), Stderr: []byte("warn")}
+	if inv.Command == "FAIL" {
+		out.Exit, out.Err = 1, errors.New("failed")
 	}
-	return f.result, nil
+	return out
 }
 
-func (f *fakeService) Del(ctx context.Context, req allocator.Request) error {
-	return f.record(ctx, OpDel, req)
-}
-
-func (f *fakeService) Check(ctx context.Context, req allocator.Request) (allocator.Result, error) {
-	if err := f.record(ctx, OpCheck, req); err != nil {
-		return allocator.Result{}, err
-	}
-	return f.result, nil
-}
-
-func (f *fakeService) GC(ctx context.Context, req allocator.GCRequest) error {
-	return f.record(ctx, OpGC, req)
-}
-
-func (f *fakeService) Status(ctx context.Context, req allocator.StatusRequest) error {
-	return f.record(ctx, OpStatus, req)
-}
-
-func (f *fakeService) set(res allocator.Result, err error) {
+// lastCall returns the last invocation that reached f and how many did.
+func (f *fakeInvoker) lastCall() (*Invocation, int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.result, f.err = res, err
+	return f.last, f.calls
 }
 
-func (f *fakeService) last() (string, any) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.lastOp, f.lastReq
-}
-
-// startServer serves svc on a fresh socket in t.TempDir and stops it at cleanup,
+// startServer serves inv on a fresh socket in t.TempDir and stops it at cleanup,
 // failing the test if Serve returns an error.
-func startServer(t *testing.T, svc Service) (socket string, stop func()) {
+func startServer(t *testing.T, inv Invoker) (socket string, stop func()) {
 	t.Helper()
 	socket = filepath.Join(t.TempDir(), "run", "lh.sock")
 	l, err := Listen(socket)
@@ -99,7 +78,7 @@ func startServer(t *testing.T, svc Service) (socket string, stop func()) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, l, svc, nil) }()
+	go func() { done <- Serve(ctx, l, inv, nil) }()
 	var once sync.Once
 	stop = func() {
 		once.Do(func() {
@@ -118,21 +97,20 @@ func startServer(t *testing.T, svc Service) (socket string, stop func()) {
 	return socket, stop
 }
 
-func testRequest() allocator.Request {
-	return allocator.Request{
-		Network: "net1",
-		Pool: allocator.PoolSpec{
-			Name:   "net1",
-			Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.10.0.0/16")}}},
-		},
-		ContainerID:  "c0ffee",
-		IfName:       "eth0",
-		Netns:        "/var/run/netns/x",
-		Pod:          allocator.PodRef{UID: "uid-1", Namespace: "ns", Name: "pod"},
-		RequestedIPs: []netip.Addr{netip.MustParseAddr("10.10.1.7")},
-	}
+// testConf is a network configuration naming socket.
+func testConf(socket string) []byte {
+	return []byte(`{"cniVersion": "1.1.0", "name": "net1", "ipam": {"type": "leasehold", "socket": "` + socket +
+		`", "ranges": [[{"subnet": "10.10.0.0/16"}], [{"subnet": "fd10::/64"}]]}}`)
 }
 
+// testInvocation is an ADD of one attachment as the plugin sends it to socket.
+func testInvocation(socket string) *Invocation {
+	inv := NewInvocation("ADD", testConf(socket), "c0ffee", "eth0")
+	inv.Args = "K8S_POD_UID=uid-1;IP=10.10.1.7"
+	return inv
+}
+
+// testResult is the allocator.Result of a dual-stack ADD.
 func testResult() allocator.Result {
 	return allocator.Result{IPs: []allocator.IPConfig{
 		{Address: netip.MustParsePrefix("10.10.1.7/16"), Gateway: netip.MustParseAddr("10.10.0.1")},

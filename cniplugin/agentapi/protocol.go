@@ -7,27 +7,24 @@ import (
 	"io"
 	"time"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
 // The wire format. A client connects to the agent's unix socket, writes one WireRequest
 // as JSON, half-closes its side, reads one WireResponse as JSON and closes:
 //
-//	-> {"version": 1, "op": "add", "timeoutMs": 29000, "request": {allocator.Request}}
-//	<- {"version": 1, "result": {allocator.Result}}                         add, check
-//	<- {"version": 1}                                                       del, gc, status
-//	<- {"version": 1, "cni": {"exit": 0, "stdout": "<base64>", "stderr": "<base64>"}}   cni
-//	<- {"version": 1, "error": {"code": 102, "msg": "...", "sentinel": "ErrPoolExhausted"}}
+//	-> {"version": 1, "op": "cni", "timeoutMs": 29000, "request": {Invocation}}
+//	<- {"version": 1, "cni": {"exit": 0, "stdout": "<base64>", "stderr": "<base64>"}}
+//	<- {"version": 1, "error": {"code": 11, "msg": "...", "sentinel": "ErrUnavailable"}}
 //
-// "request" is an allocator.Request for add, del and check, an allocator.GCRequest for gc,
-// an allocator.StatusRequest for status and an Invocation for cni: the plugin binary's
-// whole environment and stdin, which the agent runs as the plugin process once did and
-// answers with what the process prints and its exit status (package thin is the client
-// side). An "error" answer to cni means the request itself was refused (busy, shutting
-// down); a failed CNI command is a cni answer with exit 1 and the CNI error on stdout. Unknown fields inside it are ignored: a
-// change of meaning needs a new ProtocolVersion, which the server refuses clearly.
-// Either direction is at most MaxMessageSize bytes.
+// There is one operation, cni: the request is the plugin binary's whole environment and
+// stdin, which the agent runs as the plugin process once did, and the answer is what the
+// process prints and its exit status (package thin is the plugin's side). A failed CNI
+// command is a cni answer with exit 1 and the CNI error on stdout; an "error" answer means
+// the request itself was refused: another protocol version, an unknown operation or an
+// undecodable request (code 6), or an agent that is busy or shutting down (code 11).
+// Unknown fields are ignored: a change of meaning needs a new ProtocolVersion, which the
+// server refuses clearly. Either direction is at most MaxMessageSize bytes.
 
 // ProtocolVersion is the version of the wire format this package speaks. A server answers
 // a request of any other version with an ErrProtocol error (code 6) and does nothing.
@@ -37,15 +34,9 @@ const ProtocolVersion = thin.ProtocolVersion
 // with an ErrProtocol error; a larger response is treated as undecodable.
 const MaxMessageSize = thin.MaxMessageSize
 
-// The operations, one per CNI command that reaches the agent.
-const (
-	OpAdd    = "add"
-	OpDel    = "del"
-	OpCheck  = "check"
-	OpGC     = "gc"
-	OpStatus = "status"
-	OpCNI    = thin.OpCNI
-)
+// OpCNI is the protocol's only operation: one whole plugin invocation. The server refuses
+// any other with an ErrProtocol error (code 6).
+const OpCNI = thin.OpCNI
 
 // DefaultSocket is where leaseholdd listens unless configured otherwise.
 const DefaultSocket = thin.DefaultSocket
@@ -57,24 +48,23 @@ const DefaultTimeout = 30 * time.Second
 type WireRequest struct {
 	// Version is the client's ProtocolVersion.
 	Version int `json:"version"`
-	// Op is one of the Op constants.
+	// Op is OpCNI.
 	Op string `json:"op"`
 	// TimeoutMillis is how long the client will wait for the answer; the server stops
 	// working on the request after that (bounded by its own maximum). Zero means the
 	// server's default.
 	TimeoutMillis int64 `json:"timeoutMs,omitempty"`
-	// Request is the operation's argument (see the wire format above).
+	// Request is the operation's argument: an Invocation.
 	Request json.RawMessage `json:"request"`
 }
 
-// WireResponse is the envelope of one response: Error set on failure, Result set on a
-// successful add or check, neither on a successful del, gc or status.
+// WireResponse is the envelope of one response: CNI when the invocation ran (whatever
+// its exit status), Error when the request was refused.
 type WireResponse struct {
 	// Version is the server's ProtocolVersion.
-	Version int               `json:"version"`
-	Result  *allocator.Result `json:"result,omitempty"`
-	CNI     *Output           `json:"cni,omitempty"`
-	Error   *Error            `json:"error,omitempty"`
+	Version int     `json:"version"`
+	CNI     *Output `json:"cni,omitempty"`
+	Error   *Error  `json:"error,omitempty"`
 }
 
 // errTooLarge is wrapped (with ErrProtocol) by readMessage for an oversize message.

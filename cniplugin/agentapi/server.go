@@ -30,28 +30,31 @@ var (
 	// shutdownGrace bounds how long Serve waits for in-flight requests once ctx is done;
 	// after it their contexts are cancelled.
 	shutdownGrace = 15 * time.Second
-	// maxInFlight bounds how many requests run in the Service at once; more wait for a
-	// slot until their deadline and then fail with code 11.
+	// maxInFlight bounds how many invocations run at once; more wait for a slot until
+	// their deadline and then fail with code 11.
 	maxInFlight = 64
 )
 
-// Serve answers plugin requests on l with svc until ctx is done, then stops accepting,
+// Serve answers plugin requests on l until ctx is done, running each invocation with inv
+// (package cniplugin's Served makes one from the agent's Service), then stops accepting,
 // waits up to 15 s for requests in flight (cancelling their contexts after that) and
 // closes l. Each connection is served on its own goroutine: reading the request is
-// bounded by 10 s and 1 MiB, and the request runs with a deadline of the client's
+// bounded by 10 s and 1 MiB, and the invocation runs with a deadline of the client's
 // timeout (at most 2 min, 30 s when unset) on a context that is not cancelled by ctx,
-// so a shutdown lets it finish. At most 64 requests run in svc at once.
+// so a shutdown lets it finish. At most 64 invocations run at once. A request that is
+// not a cni invocation of this ProtocolVersion is refused with code 6 (see the wire
+// format).
 //
 // Serve returns nil after a clean shutdown; an error when accepting fails for good
 // (wrapping the listener's error) or when requests were still running after the grace
 // period. A nil log discards logs.
-func Serve(ctx context.Context, l net.Listener, svc Service, log *slog.Logger) error {
+func Serve(ctx context.Context, l net.Listener, inv Invoker, log *slog.Logger) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	reqBase, cancelRequests := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRequests()
-	s := &server{svc: svc, log: log, stopping: ctx, base: reqBase, slots: make(chan struct{}, maxInFlight)}
+	s := &server{inv: inv, log: log, stopping: ctx, base: reqBase, slots: make(chan struct{}, maxInFlight)}
 
 	stopClose := context.AfterFunc(ctx, func() { _ = l.Close() })
 	defer stopClose()
@@ -97,7 +100,7 @@ func Serve(ctx context.Context, l net.Listener, svc Service, log *slog.Logger) e
 }
 
 type server struct {
-	svc      Service
+	inv      Invoker
 	log      *slog.Logger
 	stopping context.Context // done when Serve should stop
 	base     context.Context // parent of every request's context
@@ -178,77 +181,34 @@ func (s *server) dispatch(req *WireRequest) WireResponse {
 		return errResponse(fmt.Errorf("%w: leaseholdd is busy (%d requests running); try again", allocator.ErrUnavailable, maxInFlight))
 	}
 
-	var resp WireResponse
-	var attrs []any
-	var err error
-	switch req.Op {
-	case OpAdd, OpDel, OpCheck:
-		var r allocator.Request
-		if err = decodeBody(req, &r); err != nil {
-			break
-		}
-		attrs = []any{"network", r.Network, "containerID", r.ContainerID, "ifName", r.IfName, "owner", r.OwnerID()}
-		var res allocator.Result
-		switch req.Op {
-		case OpAdd:
-			res, err = s.svc.Add(ctx, r)
-		case OpCheck:
-			res, err = s.svc.Check(ctx, r)
-		default:
-			err = s.svc.Del(ctx, r)
-		}
-		if err == nil && req.Op != OpDel {
-			resp.Result = &res
-		}
-	case OpGC:
-		var r allocator.GCRequest
-		if err = decodeBody(req, &r); err == nil {
-			attrs = []any{"network", r.Network, "valid", len(r.ValidAttachments)}
-			err = s.svc.GC(ctx, r)
-		}
-	case OpStatus:
-		var r allocator.StatusRequest
-		if err = decodeBody(req, &r); err == nil {
-			attrs = []any{"network", r.Network}
-			err = s.svc.Status(ctx, r)
-		}
-	case OpCNI:
-		inv, ok := s.svc.(Invoker)
-		if !ok {
-			err = fmt.Errorf("%w: this server does not run CNI invocations (operation %q)", ErrProtocol, OpCNI)
-			break
-		}
-		var r Invocation
-		if err = decodeBody(req, &r); err != nil {
-			break
-		}
-		attrs = []any{"command", r.Command, "containerID", r.ContainerID, "ifName", r.IfName}
-		resp.CNI = inv.Invoke(ctx, &r)
-		if resp.CNI.Err != nil {
-			attrs = append(attrs, "op", req.Op, "took", time.Since(start), "exit", resp.CNI.Exit, "err", resp.CNI.Err)
-			s.log.Warn("agentapi: CNI command failed", attrs...)
-			return resp
-		}
-	default:
-		err = fmt.Errorf("%w: unknown operation %q; leaseholdd knows %s, %s, %s, %s, %s and %s",
-			ErrProtocol, req.Op, OpAdd, OpDel, OpCheck, OpGC, OpStatus, OpCNI)
+	if req.Op != OpCNI {
+		return s.refuse(req, start, fmt.Errorf("%w: unknown operation %q; leaseholdd serves only %q, "+
+			"whole plugin invocations", ErrProtocol, req.Op, OpCNI))
 	}
+	var inv Invocation
+	if err := decodeBody(req, &inv); err != nil {
+		return s.refuse(req, start, err)
+	}
+	attrs := []any{"command", inv.Command, "containerID", inv.ContainerID, "ifName", inv.IfName}
+	resp := WireResponse{CNI: s.inv.Invoke(ctx, &inv)}
 	attrs = append(attrs, "op", req.Op, "took", time.Since(start))
-	if err != nil {
-		resp = errResponse(err)
-		attrs = append(attrs, "code", resp.Error.Code, "err", resp.Error.Msg)
-		level := slog.LevelWarn
-		if resp.Error.Code == CodeInternal {
-			level = slog.LevelError
-		}
-		s.log.Log(ctx, level, "agentapi: request failed", attrs...)
+	if resp.CNI.Err != nil {
+		attrs = append(attrs, "exit", resp.CNI.Exit, "err", resp.CNI.Err)
+		s.log.Warn("agentapi: CNI command failed", attrs...)
 		return resp
 	}
 	s.log.Debug("agentapi: request done", attrs...)
 	return resp
 }
 
-// decodeBody decodes the op-specific request; errors wrap ErrProtocol.
+// refuse answers a request that does not run with err, which wraps ErrProtocol, and logs it.
+func (s *server) refuse(req *WireRequest, start time.Time, err error) WireResponse {
+	resp := errResponse(err)
+	s.log.Warn("agentapi: request failed", "op", req.Op, "took", time.Since(start), "code", resp.Error.Code, "err", resp.Error.Msg)
+	return resp
+}
+
+// decodeBody decodes the request's body into v; errors wrap ErrProtocol.
 func decodeBody(req *WireRequest, v any) error {
 	if len(req.Request) == 0 || string(req.Request) == "null" {
 		return fmt.Errorf("%w: %s request has no \"request\" body", ErrProtocol, req.Op)

@@ -1,6 +1,7 @@
 package agentapi
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,84 +18,93 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 )
 
-func TestRoundTrip(t *testing.T) {
-	svc := &fakeService{}
-	svc.set(testResult(), nil)
+// TestInvocationRoundTrip: an invocation built as the plugin builds it reaches the
+// Invoker whole (every field, stdin byte for byte through base64), its output comes back
+// as it was, and a failed command is an output with its exit status, not an error.
+func TestInvocationRoundTrip(t *testing.T) {
+	svc := &fakeInvoker{}
 	socket, _ := startServer(t, svc)
 	c := &Client{Socket: socket, Timeout: 5 * time.Second}
-	ctx := context.Background()
-	req := testRequest()
-	gc := allocator.GCRequest{Network: "net1", Pool: req.Pool, ValidAttachments: []allocator.Attachment{{ContainerID: "c1", IfName: "eth0"}}}
-	st := allocator.StatusRequest{Network: "net1", Pool: req.Pool}
-
-	tests := []struct {
-		name    string
-		op      string
-		call    func() (any, error)
-		wantReq any
-		wantRes any
-	}{
-		// ADD carries the full request and returns the agent's result unchanged.
-		{"add", OpAdd, func() (any, error) { return c.Add(ctx, req) }, req, testResult()},
-		// CHECK returns the result too.
-		{"check", OpCheck, func() (any, error) { return c.Check(ctx, req) }, req, testResult()},
-		// DEL, GC and STATUS return only success.
-		{"del", OpDel, func() (any, error) { return nil, c.Del(ctx, req) }, req, nil},
-		{"gc", OpGC, func() (any, error) { return nil, c.GC(ctx, gc) }, gc, nil},
-		{"status", OpStatus, func() (any, error) { return nil, c.Status(ctx, st) }, st, nil},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			res, err := tt.call()
+	for _, cmd := range []string{"ADD", "FAIL"} {
+		t.Run(cmd, func(t *testing.T) {
+			inv := testInvocation(socket)
+			inv.Command = cmd
+			inv.Stdin = append(inv.Stdin, 0, 0xff)
+			out, err := c.Invoke(context.Background(), inv)
 			if err != nil {
-				t.Fatalf("%s: %v", tt.op, err)
+				t.Fatalf("Invoke: %v", err)
 			}
-			if tt.wantRes != nil && !reflect.DeepEqual(res, tt.wantRes) {
-				t.Errorf("result %+v, want %+v", res, tt.wantRes)
+			if got, _ := svc.lastCall(); !reflect.DeepEqual(got, inv) {
+				t.Errorf("the invoker got %+v, want %+v", got, inv)
 			}
-			op, got := svc.last()
-			if op != tt.op || !reflect.DeepEqual(got, tt.wantReq) {
-				t.Errorf("service saw %s %+v, want %s %+v", op, got, tt.op, tt.wantReq)
+			want := echo(inv)
+			if out.Exit != want.Exit || !bytes.Equal(out.Stdout, want.Stdout) || !bytes.Equal(out.Stderr, want.Stderr) || out.Err != nil {
+				t.Errorf("output %+v, want %+v without Err", out, want)
 			}
 		})
 	}
 }
 
-func TestErrorsCrossTheSocket(t *testing.T) {
-	svc := &fakeService{}
-	socket, _ := startServer(t, svc)
-	c := &Client{Socket: socket, Timeout: 5 * time.Second}
+// TestNewInvocation: the socket is the one the plugin would dial for the configuration,
+// and the environment is one the CNI library accepts for the command.
+func TestNewInvocation(t *testing.T) {
+	inv := NewInvocation("ADD", testConf("/run/x.sock"), "c1", "eth0")
+	want := &Invocation{Command: "ADD", ContainerID: "c1", Netns: "/var/run/netns/c1", IfName: "eth0", Path: "/opt/cni/bin",
+		Socket: "/run/x.sock", Stdin: testConf("/run/x.sock")}
+	if !reflect.DeepEqual(inv, want) {
+		t.Errorf("NewInvocation: %+v, want %+v", inv, want)
+	}
+	// No ipam.socket (or not an absolute path): the plugin dials the default socket.
+	if inv := NewInvocation("STATUS", []byte(`{"name": "n", "ipam": {"socket": "run/x.sock"}}`), "", ""); inv.Socket != DefaultSocket || inv.Netns != "" {
+		t.Errorf("socket %q, netns %q; want %q and none", inv.Socket, inv.Netns, DefaultSocket)
+	}
+}
+
+// TestOutputResult reads outputs as a runtime does: the CNI error's code and words, or the
+// result's addresses.
+func TestOutputResult(t *testing.T) {
 	tests := []struct {
 		name   string
-		err    error
+		out    Output
+		want   allocator.Result
 		code   uint
-		target error
+		msg    string
+		target error // errors.Is must hold
 	}{
-		// Each sentinel arrives with its code and still matches with errors.Is.
-		{"config", fmt.Errorf("pool net1: %w", allocator.ErrPoolMismatch), 7, allocator.ErrPoolMismatch},
-		{"name", fmt.Errorf("%w: pod UID", allocator.ErrInvalidName), 7, allocator.ErrInvalidName},
-		{"not in range", allocator.ErrNotInRange, 100, allocator.ErrNotInRange},
-		{"in use", allocator.ErrAddressInUse, 101, allocator.ErrAddressInUse},
-		{"quarantined", fmt.Errorf("%w: %w", allocator.ErrOnlyQuarantined, allocator.ErrPoolExhausted), 102, allocator.ErrPoolExhausted},
-		{"not allocated", allocator.ErrNotAllocated, 103, allocator.ErrNotAllocated},
-		{"conflict", allocator.ErrConflict, 104, allocator.ErrConflict},
-		{"unavailable", allocator.ErrUnavailable, 11, allocator.ErrUnavailable},
-		// An unclassified failure is internal and keeps its message.
-		{"internal", errors.New("disk on fire"), 999, nil},
+		// An ADD's result, in any CNI version: the addresses and gateways.
+		{"add 1.1.0", Output{Stdout: []byte(`{"cniVersion": "1.1.0", "ips": [{"address": "10.10.1.7/16", "gateway": "10.10.0.1"},` +
+			` {"address": "fd10::7/64"}], "routes": [{"dst": "0.0.0.0/0"}]}`)}, testResult(), 0, "", nil},
+		{"add 0.3.1", Output{Stdout: []byte(`{"cniVersion": "0.3.1", "ips": [{"version": "4", "address": "10.10.1.7/16", ` +
+			`"gateway": "10.10.0.1"}, {"version": "6", "address": "fd10::7/64"}]}`)}, testResult(), 0, "", nil},
+		// DEL, CHECK, GC and STATUS print nothing.
+		{"nothing printed", Output{}, allocator.Result{}, 0, "", nil},
+		// A CNI error keeps its code and words; the code stands for its sentinel.
+		{"exhausted", Output{Exit: 1, Stdout: []byte(`{"code": 102, "msg": "pool net1 set 0: pool exhausted"}`)},
+			allocator.Result{}, 102, "pool net1 set 0: pool exhausted", allocator.ErrPoolExhausted},
+		// Details follow the message, as the CNI library prints them.
+		{"details", Output{Exit: 1, Stdout: []byte(`{"code": 4, "msg": "invalid characters in containerID", "details": "c/1"}`)},
+			allocator.Result{}, 4, "invalid characters in containerID; c/1", nil},
+		// A failure without a CNI error, or a success that is not a result, is the agent's fault.
+		{"exit without error", Output{Exit: 1, Stdout: []byte(`oops`)}, allocator.Result{}, 6, "without a CNI error", ErrProtocol},
+		{"not a result", Output{Stdout: []byte(`{"ips": 7}`)}, allocator.Result{}, 6, "not a CNI result", ErrProtocol},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			svc.set(allocator.Result{}, tt.err)
-			_, err := c.Add(context.Background(), testRequest())
-			e := asError(t, err)
-			if e.Code != tt.code {
-				t.Errorf("code %d, want %d", e.Code, tt.code)
+			res, err := tt.out.Result()
+			if !reflect.DeepEqual(res, tt.want) {
+				t.Errorf("result %+v, want %+v", res, tt.want)
 			}
-			if e.Msg != tt.err.Error() {
-				t.Errorf("message %q, want %q", e.Msg, tt.err.Error())
+			if tt.code == 0 {
+				if err != nil {
+					t.Errorf("error %v, want none", err)
+				}
+				return
+			}
+			if e := asError(t, err); e.Code != tt.code || !strings.Contains(e.Msg, tt.msg) {
+				t.Errorf("error %d %q, want %d containing %q", e.Code, e.Msg, tt.code, tt.msg)
 			}
 			if tt.target != nil && !errors.Is(err, tt.target) {
-				t.Errorf("errors.Is(%v, %v) is false on the client", err, tt.target)
+				t.Errorf("errors.Is(%v, %v) is false", err, tt.target)
 			}
 		})
 	}
@@ -121,9 +131,10 @@ func rawCall(t *testing.T, socket string, payload []byte) WireResponse {
 }
 
 func TestServerRefusesBadRequests(t *testing.T) {
-	socket, _ := startServer(t, &fakeService{})
-	body, _ := json.Marshal(testRequest())
-	big := []byte(`{"version":1,"op":"add","request":{"network":"` + strings.Repeat("x", 2<<20) + `"}}`)
+	svc := &fakeInvoker{}
+	socket, _ := startServer(t, svc)
+	body, _ := json.Marshal(testInvocation(socket))
+	big := []byte(`{"version":1,"op":"cni","request":{"command":"ADD","stdin":"` + strings.Repeat("x", 2<<20) + `"}}`)
 	tests := []struct {
 		name    string
 		payload []byte
@@ -132,15 +143,19 @@ func TestServerRefusesBadRequests(t *testing.T) {
 		// A request over 1 MiB is refused before it is decoded.
 		{"oversize", big, "more than 1048576 bytes"},
 		// Another protocol version must not be guessed at.
-		{"version", []byte(`{"version":2,"op":"add","request":` + string(body) + `}`), "protocol version 1 but the request has version 2"},
+		{"version", []byte(`{"version":2,"op":"cni","request":` + string(body) + `}`), "protocol version 1 but the request has version 2"},
 		// A missing version is version 0: refused the same way.
-		{"no version", []byte(`{"op":"add","request":` + string(body) + `}`), "has version 0"},
-		// Unknown operations are named in the error.
-		{"unknown op", []byte(`{"version":1,"op":"frobnicate","request":{}}`), `unknown operation "frobnicate"`},
+		{"no version", []byte(`{"op":"cni","request":` + string(body) + `}`), "has version 0"},
+		// Unknown operations are named in the error, with the one there is.
+		{"unknown op", []byte(`{"version":1,"op":"frobnicate","request":{}}`), `unknown operation "frobnicate"; leaseholdd serves only "cni"`},
+		// The protocol's first operations, parsed requests, are gone: refused the same way.
+		{"removed op", []byte(`{"version":1,"op":"add","request":{"network":"net1","containerID":"c","ifName":"eth0"}}`),
+			`unknown operation "add"`},
 		// A body of the wrong shape is a decoding failure.
-		{"bad body", []byte(`{"version":1,"op":"add","request":{"ifName":7}}`), "decoding add request"},
+		{"bad body", []byte(`{"version":1,"op":"cni","request":{"ifName":7}}`), "decoding cni request"},
+		{"stdin not base64", []byte(`{"version":1,"op":"cni","request":{"command":"ADD","stdin":"not base64!"}}`), "decoding cni request"},
 		// No body at all.
-		{"no body", []byte(`{"version":1,"op":"del"}`), "no \"request\" body"},
+		{"no body", []byte(`{"version":1,"op":"cni"}`), "no \"request\" body"},
 		// Not JSON.
 		{"garbage", []byte(`hello`), "undecodable JSON"},
 		// The client half-closed in the middle of its request.
@@ -149,7 +164,7 @@ func TestServerRefusesBadRequests(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			resp := rawCall(t, socket, tt.payload)
-			if resp.Error == nil || resp.Error.Code != CodeDecodingFailure {
+			if resp.Error == nil || resp.Error.Code != CodeDecodingFailure || resp.CNI != nil {
 				t.Fatalf("response %+v, want a code 6 error", resp)
 			}
 			if !strings.Contains(resp.Error.Msg, tt.want) {
@@ -160,15 +175,18 @@ func TestServerRefusesBadRequests(t *testing.T) {
 			}
 		})
 	}
+	if _, n := svc.lastCall(); n != 0 {
+		t.Errorf("%d refused requests reached the invoker", n)
+	}
 }
 
 func TestClientRefusesOversizeLocally(t *testing.T) {
 	// The socket does not exist: a dial would yield code 11, so code 6 proves the size
 	// check happens before any connection.
 	c := &Client{Socket: filepath.Join(t.TempDir(), "none.sock")}
-	req := testRequest()
-	req.Netns = strings.Repeat("n", MaxMessageSize)
-	_, err := c.Add(context.Background(), req)
+	inv := testInvocation(c.Socket)
+	inv.Stdin = make([]byte, MaxMessageSize)
+	_, err := c.Invoke(context.Background(), inv)
 	if e := asError(t, err); e.Code != CodeDecodingFailure || !errors.Is(err, ErrProtocol) {
 		t.Errorf("error %+v, want code 6 ErrProtocol", e)
 	}
@@ -176,7 +194,7 @@ func TestClientRefusesOversizeLocally(t *testing.T) {
 
 func TestClientMissingSocket(t *testing.T) {
 	socket := filepath.Join(t.TempDir(), "missing.sock")
-	err := (&Client{Socket: socket}).Status(context.Background(), allocator.StatusRequest{Network: "n"})
+	_, err := (&Client{Socket: socket}).Invoke(context.Background(), NewInvocation("STATUS", testConf(socket), "", ""))
 	e := asError(t, err)
 	if e.Code != CodeTryAgainLater || !errors.Is(err, allocator.ErrUnavailable) {
 		t.Errorf("error %+v, want code 11 ErrUnavailable", e)
@@ -189,9 +207,7 @@ func TestClientMissingSocket(t *testing.T) {
 }
 
 func TestSlowClientDoesNotBlockOthers(t *testing.T) {
-	svc := &fakeService{}
-	svc.set(testResult(), nil)
-	socket, _ := startServer(t, svc)
+	socket, _ := startServer(t, &fakeInvoker{})
 	slow, err := net.Dial("unix", socket)
 	if err != nil {
 		t.Fatalf("dial: %v", err)
@@ -199,7 +215,7 @@ func TestSlowClientDoesNotBlockOthers(t *testing.T) {
 	defer slow.Close()
 	// The slow client is connected and silent; a second client must be served at once.
 	start := time.Now()
-	if _, err := (&Client{Socket: socket, Timeout: 3 * time.Second}).Add(context.Background(), testRequest()); err != nil {
+	if _, err := (&Client{Socket: socket, Timeout: 3 * time.Second}).Invoke(context.Background(), testInvocation(socket)); err != nil {
 		t.Fatalf("second client: %v", err)
 	}
 	if d := time.Since(start); d > 2*time.Second {
@@ -211,7 +227,7 @@ func TestSilentClientTimesOut(t *testing.T) {
 	old := readTimeout
 	readTimeout = 200 * time.Millisecond
 	t.Cleanup(func() { readTimeout = old })
-	socket, _ := startServer(t, &fakeService{})
+	socket, _ := startServer(t, &fakeInvoker{})
 	conn, err := net.Dial("unix", socket)
 	if err != nil {
 		t.Fatalf("dial: %v", err)
@@ -229,9 +245,14 @@ func TestSilentClientTimesOut(t *testing.T) {
 }
 
 func TestRequestDeadlineFollowsClient(t *testing.T) {
-	svc := &fakeService{block: make(chan struct{}), sawDeadline: make(chan time.Duration, 1)}
+	svc := &fakeInvoker{block: make(chan struct{}), sawDeadline: make(chan time.Duration, 1)}
 	socket, _ := startServer(t, svc)
-	_, err := (&Client{Socket: socket, Timeout: 500 * time.Millisecond}).Add(context.Background(), testRequest())
+	out, err := (&Client{Socket: socket, Timeout: 500 * time.Millisecond}).Invoke(context.Background(), testInvocation(socket))
+	if err == nil {
+		// The invocation ran out of time first, a hair before the client did, and its CNI
+		// error came back in time.
+		_, err = out.Result()
+	}
 	if e := asError(t, err); e.Code != CodeTryAgainLater {
 		t.Errorf("error %+v, want code 11 after the client's timeout", e)
 	}
@@ -241,15 +262,17 @@ func TestRequestDeadlineFollowsClient(t *testing.T) {
 }
 
 func TestShutdownWaitsForInFlight(t *testing.T) {
-	svc := &fakeService{block: make(chan struct{})}
-	svc.set(testResult(), nil)
+	svc := &fakeInvoker{block: make(chan struct{})}
 	socket, stop := startServer(t, svc)
 	errc := make(chan error, 1)
 	go func() {
-		_, err := (&Client{Socket: socket, Timeout: 10 * time.Second}).Add(context.Background(), testRequest())
+		out, err := (&Client{Socket: socket, Timeout: 10 * time.Second}).Invoke(context.Background(), testInvocation(socket))
+		if err == nil && out.Exit != 0 {
+			err = fmt.Errorf("exit %d: %s", out.Exit, out.Stdout)
+		}
 		errc <- err
 	}()
-	for op, _ := svc.last(); op == ""; op, _ = svc.last() {
+	for _, n := svc.lastCall(); n == 0; _, n = svc.lastCall() {
 		time.Sleep(5 * time.Millisecond)
 	}
 	stopped := make(chan struct{})
@@ -335,44 +358,4 @@ func TestListen(t *testing.T) {
 			t.Errorf("file was changed")
 		}
 	})
-}
-
-// invoker is a fakeService that also runs whole invocations: it answers with the command
-// and the stdin it got, and exit 1 for the command FAIL.
-type invoker struct{ *fakeService }
-
-func (invoker) Invoke(_ context.Context, inv *Invocation) *Output {
-	out := &Output{Stdout: append([]byte(inv.Command+":"), inv.Stdin...), Stderr: []byte("warn")}
-	if inv.Command == "FAIL" {
-		out.Exit, out.Err = 1, errors.New("failed")
-	}
-	return out
-}
-
-// TestInvokeCrossesTheSocket: an invocation reaches the server's Invoker whole (stdin byte
-// for byte, through base64), its output comes back as it was, a failed command is an
-// output and not an error, and a server whose service does not run invocations refuses
-// with code 6 naming the operation.
-func TestInvokeCrossesTheSocket(t *testing.T) {
-	socket, _ := startServer(t, invoker{&fakeService{}})
-	c := &Client{Socket: socket, Timeout: 5 * time.Second}
-	stdin := []byte("{\"name\": \"n\"}\x00\xff")
-	for _, cmd := range []string{"ADD", "FAIL"} {
-		out, err := c.Invoke(context.Background(), &Invocation{Command: cmd, ContainerID: "c1", Stdin: stdin})
-		if err != nil {
-			t.Fatalf("%s: %v", cmd, err)
-		}
-		wantExit := 0
-		if cmd == "FAIL" {
-			wantExit = 1
-		}
-		if out.Exit != wantExit || string(out.Stdout) != cmd+":"+string(stdin) || string(out.Stderr) != "warn" || out.Err != nil {
-			t.Errorf("%s: output %+v", cmd, out)
-		}
-	}
-	plain, _ := startServer(t, &fakeService{})
-	_, err := (&Client{Socket: plain, Timeout: 5 * time.Second}).Invoke(context.Background(), &Invocation{Command: "ADD"})
-	if CodeOf(err) != CodeDecodingFailure || !strings.Contains(err.Error(), `operation "cni"`) {
-		t.Errorf("server without an Invoker: %v (code %d)", err, CodeOf(err))
-	}
 }

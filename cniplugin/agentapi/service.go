@@ -7,9 +7,10 @@ import (
 	"github.com/leasehold/leasehold/cniplugin/thin"
 )
 
-// Service is what the node agent offers the plugin. The agent's service type (package
-// leases) satisfies it without importing this package. Errors should wrap the
-// allocator sentinels; the server turns them into CNI error codes.
+// Service is what the node agent offers the plugin's CNI logic, which runs inside the
+// agent (package cniplugin) and calls it in-process. The agent's service type (package
+// leases) satisfies it without importing this package. Errors should wrap the allocator
+// sentinels; the CNI logic turns them into CNI error codes (see CodeOf).
 type Service interface {
 	// Add allocates (or returns the existing) addresses of one attachment.
 	Add(ctx context.Context, req allocator.Request) (allocator.Result, error)
@@ -38,8 +39,8 @@ type Output struct {
 	Err error `json:"-"`
 }
 
-// Invoker runs whole plugin invocations (OpCNI). Serve offers OpCNI when its Service is
-// also an Invoker; package cniplugin's Served makes one from any Service.
+// Invoker runs whole plugin invocations (OpCNI); Serve serves one. Package cniplugin's
+// Served makes one from the agent's Service.
 type Invoker interface {
 	Invoke(ctx context.Context, inv *Invocation) *Output
 }

@@ -92,7 +92,7 @@ func Run(getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) 
 	if err := Valid(conf); err != nil {
 		return fail(stdout, codeDecodingFailure, "error unmarshall network config: "+err.Error())
 	}
-	socket, timeout := agentOf(conf)
+	socket, timeout := AgentOf(conf)
 	unavailable := codeTryAgainLater
 	if cmd == "STATUS" {
 		unavailable = codePluginNotAvail
@@ -149,12 +149,13 @@ func Run(getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) 
 // grown it by a third.
 const maxStdin = MaxMessageSize/4*3 - 64<<10
 
-// agentOf reads ipam.socket and ipam.timeout from the (valid) configuration as the agent
-// does for DEL: a socket that is not an absolute path, or a timeout that is not a positive
-// duration, counts as unset (the agent refuses such a configuration for ADD, CHECK and
-// STATUS with code 7).
-func agentOf(conf []byte) (string, time.Duration) {
-	socket, timeout := DefaultSocket, DefaultTimeout
+// AgentOf is how the plugin finds the agent: ipam.socket and ipam.timeout, read from the
+// (valid) configuration as the agent reads them for DEL. A socket that is not an absolute
+// path, or a timeout that is not a positive duration, counts as unset (the agent refuses
+// such a configuration for ADD, CHECK and STATUS with code 7); unset ones are
+// DefaultSocket and DefaultTimeout.
+func AgentOf(conf []byte) (socket string, timeout time.Duration) {
+	socket, timeout = DefaultSocket, DefaultTimeout
 	if raw, _ := Lookup(conf, "ipam", "socket"); IsString(raw) {
 		if s, err := Unquote(raw); err == nil && strings.HasPrefix(s, "/") {
 			socket = s

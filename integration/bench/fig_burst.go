@@ -10,7 +10,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/agentapi"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -49,11 +49,11 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 			}
 		}
 	}
-	pool := allocator.PoolSpec{Name: "burst", Ranges: []allocator.RangeSet{{{Subnet: cfg.burstSubnet}}}}
+	const pool = "burst"
 	// Every agent has served this pool before the burst: STATUS makes it read the pool
 	// definition and list the pool into its view, without allocating.
 	for _, a := range agents {
-		if err := a.client().Status(ctx, allocator.StatusRequest{Network: pool.Name, Pool: pool}); err != nil {
+		if err := a.status(ctx, a.conf(pool, cfg.burstSubnet)); err != nil {
 			return fmt.Errorf("status on %s: %w", a.cfg.Node, err)
 		}
 	}
@@ -61,7 +61,8 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	time.Sleep(500 * time.Millisecond) // spare leases pre-granted
 
 	type outcome struct {
-		req  allocator.Request
+		inv  *agentapi.Invocation
+		uid  string // the pod's
 		ips  []netip.Addr
 		lat  time.Duration
 		err  error
@@ -69,7 +70,7 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	}
 	out := make([]outcome, cfg.burstAdds)
 	for i := range out {
-		out[i].req = podRequest(pool, env.netns)
+		out[i].inv, out[i].uid = podAdd(agents[i%len(agents)].conf(pool, cfg.burstSubnet), env.netns)
 	}
 	release := make(chan struct{})
 	var wg sync.WaitGroup
@@ -78,12 +79,9 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 		wg.Go(func() {
 			<-release
 			t := time.Now()
-			r, err := cl.Add(ctx, out[i].req)
+			ips, err := invoke(ctx, cl, out[i].inv)
 			out[i].done = time.Now()
-			out[i].lat, out[i].err = out[i].done.Sub(t), err
-			for _, ip := range r.IPs {
-				out[i].ips = append(out[i].ips, ip.Address.Addr())
-			}
+			out[i].lat, out[i].err, out[i].ips = out[i].done.Sub(t), err, ips
 		})
 	}
 	time.Sleep(100 * time.Millisecond) // every goroutine is waiting
@@ -109,12 +107,12 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 			if _, ok := holder[ip]; ok {
 				dups++
 			}
-			holder[ip] = o.req.Pod.UID
+			holder[ip] = o.uid
 		}
 	}
 	// etcd must agree: one allocation key per address handed out, held by that ADD's pod.
 	c, cancel := context.WithTimeout(ctx, 30*time.Second)
-	kvs, err := agents[0].cli.Get(c, keyspace.IPsPrefix(pool.Name), clientv3.WithPrefix())
+	kvs, err := agents[0].cli.Get(c, keyspace.IPsPrefix(pool), clientv3.WithPrefix())
 	cancel()
 	if err != nil {
 		return err
@@ -160,7 +158,7 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	note := fmt.Sprintf("Burst: %d in-process agents (leases.Start each with its own clientv3 client, node name and UID, leaseholdd's "+
 		"defaults), each served on its own socket by agentapi.Serve; every agent had answered a STATUS for the pool (view listed) "+
 		"and had its spare leases; then %d goroutines, %d per agent, released at once, each one ADD of a new pod through "+
-		"agentapi.Client. Duplicates are counted over the results and checked against etcd's allocation keys (%d keys, %d mismatches). "+
+		"agentapi.Client as the plugin binary sends it (operation cni). Duplicates are counted over the results and checked against etcd's allocation keys (%d keys, %d mismatches). "+
 		"ADD p50 %.1f ms, p99 %.1f ms, max %.1f ms; %.0f CAS retries summed from every agent's leasehold_cas_retries_total "+
 		"(%.2f per ADD). The bound, 1 retry per ADD on average, was set before measuring; the implementation's hard cap "+
 		"is 15 retries per ADD (16 transactions, then code 11).",

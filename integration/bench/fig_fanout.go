@@ -6,8 +6,6 @@ import (
 	"net/netip"
 	"sync"
 	"time"
-
-	"github.com/leasehold/leasehold/allocator"
 )
 
 // figFanout simulates a large cluster in one process: W agents (each its own client, node
@@ -21,7 +19,8 @@ func figFanout(ctx context.Context, env *env, res *results) error {
 		return err
 	}
 	defer e.stop()
-	pool := allocator.PoolSpec{Name: "fanout", Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.70.0.0/16")}}}}
+	const pool = "fanout"
+	subnet := netip.MustParsePrefix("10.70.0.0/16")
 	var agents []*inproc
 	defer func() {
 		for _, a := range agents {
@@ -46,7 +45,7 @@ func figFanout(ctx context.Context, env *env, res *results) error {
 				defer func() { <-sem }()
 				a, err := startInproc(ctx, env, e, fmt.Sprintf("fan-%04d", i), "", nil)
 				if err == nil {
-					err = a.client().Status(ctx, allocator.StatusRequest{Network: pool.Name, Pool: pool})
+					err = a.status(ctx, a.conf(pool, subnet))
 				}
 				mu.Lock()
 				defer mu.Unlock()
@@ -70,7 +69,7 @@ func figFanout(ctx context.Context, env *env, res *results) error {
 		if err != nil {
 			return err
 		}
-		cl := agents[0].client()
+		cl, conf := agents[0].client(), agents[0].conf(pool, subnet)
 		var lat durations
 		failed := 0
 		var firstFail error
@@ -80,7 +79,8 @@ func figFanout(ctx context.Context, env *env, res *results) error {
 				return err
 			}
 			t := time.Now()
-			if _, err := cl.Add(ctx, podRequest(pool, env.netns)); err != nil {
+			inv, _ := podAdd(conf, env.netns)
+			if _, err := invoke(ctx, cl, inv); err != nil {
 				// A simulation: a failed ADD is reported, not fatal.
 				failed++
 				if firstFail == nil {

@@ -147,7 +147,8 @@ func figRestart(ctx context.Context, env *env, res *results) error {
 		return err
 	}
 	t1 := time.Now()
-	if _, err := bp.client().Add(ctx, podRequest(pool, env.netns)); err != nil {
+	first, _ := podAdd(bp.conf(pool.Name, pool.Ranges[0][0].Subnet), env.netns)
+	if _, err := invoke(ctx, bp.client(), first); err != nil {
 		return fmt.Errorf("first ADD after restart: %w", err)
 	}
 	tFirst := time.Since(t1)

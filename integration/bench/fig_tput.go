@@ -14,9 +14,10 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
-// figThroughput: ADDs per second through the agent API (unix socket, no process exec), 64
-// at a time, against the floor of the same work: etcd create-if-absent Txns with a lease,
-// 64 at a time, on the same etcd, over one client as the agent has. Rounds alternate, so
+// figThroughput: ADDs per second through the agent socket (sent as the plugin sends them,
+// no process exec), 64 at a time, against the floor of the same work: etcd
+// create-if-absent Txns with a lease, 64 at a time, on the same etcd, over one client as
+// the agent has. Rounds alternate, so
 // that load from elsewhere on the machine hits all alike. A third kind of round grants a
 // lease per key before its Txn: the least etcd work a lease per pod takes, reported
 // beside the target's ratio.
@@ -71,10 +72,11 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 		}
 		return create(c, "/bench/leased", l.ID)
 	}
-	pool := allocator.PoolSpec{Name: "tput", Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.60.0.0/14")}}}}
+	conf := ag.conf("tput", netip.MustParsePrefix("10.60.0.0/14"))
 	cl := ag.client()
 	agentOp := func(ctx context.Context) error {
-		_, err := cl.Add(ctx, podRequest(pool, env.netns))
+		inv, _ := podAdd(conf, env.netns)
+		_, err := invoke(ctx, cl, inv)
 		return err
 	}
 	if err := agentOp(ctx); err != nil { // defines the pool and lists it into the view
@@ -125,7 +127,8 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 		us(rawCPU.etcd)/float64(rawAll.ops), us(rawCPU.self)/float64(rawAll.ops), us(agCPU.etcd)/float64(agAll.ops), us(agCPU.self)/float64(agAll.ops),
 		us(leasedCPU.etcd)/float64(leasedAll.ops), us(leasedCPU.self)/float64(leasedAll.ops))
 	res.note("Throughput: %d workers back to back for %d alternating rounds of %s each. Agent: an in-process agent (leases.Start, "+
-		"its own clientv3 client, leaseholdd's defaults) served on a unix socket by agentapi.Serve, driven through agentapi.Client; "+
+		"its own clientv3 client, leaseholdd's defaults) served on a unix socket by agentapi.Serve as leaseholdd serves it, driven through agentapi.Client "+
+		"with ADDs as the plugin binary sends them (operation cni: environment and stdin, parsed and rendered by the agent); "+
 		"every ADD is a new pod (a lease from the keeper, the claim Txn, the journal file); %d ADDs, p50 %.1f ms, p99 %.1f ms, "+
 		"%.0f CAS retries. Raw: `If CreateRevision(key)==0 Then Put(key, %d-byte value, WithLease)` on one pre-granted lease, "+
 		"one client; %d Txns, p50 %.1f ms, p99 %.1f ms. Lease per key (the least etcd work of a lease per pod; third in each round): "+

@@ -16,9 +16,9 @@ import (
 // floor decomposes a plugin ADD at the empty pool. In the same loop as the plugin ADD
 // samples, and so under the same load, it measures: the plugin's VERSION (process start
 // and exit), the same ADD sent to the same leaseholdd through its socket without a process
-// (agent + etcd), both as the plugin binary sends it (the whole invocation, operation cni)
-// and as a parsed request (operation add), the etcd transaction an ADD commits replayed bare (same compares, puts
-// and else branch, on a pool no agent watches) after etcd idled for idleGap as it does
+// (agent + etcd) as the plugin binary sends it (the whole invocation, operation cni), the
+// etcd transaction an ADD commits replayed bare (same compares, puts and else branch, on a
+// pool no agent watches) after etcd idled for idleGap as it does
 // between two sequential ADDs, and the floor the issue names: a bare create-if-absent Put
 // with a lease, right after another request and after idleGap.
 //
@@ -27,7 +27,6 @@ import (
 type floor struct {
 	s       *sweep
 	lease   clientv3.LeaseID
-	pool    allocator.PoolSpec
 	cl      *agentapi.Client
 	value   string
 	next    netip.Addr
@@ -35,7 +34,6 @@ type floor struct {
 	e0      []sample
 	version durations
 	cni     durations
-	api     durations
 	claim   durations
 	bare    durations
 	cold    durations
@@ -58,8 +56,7 @@ func (s *sweep) newFloor(ctx context.Context) (*floor, error) {
 	}
 	return &floor{
 		s: s, lease: g.ID, e0: e0, next: netip.MustParseAddr("10.98.0.2"),
-		pool: allocator.PoolSpec{Name: sweepPool, Ranges: []allocator.RangeSet{{{Subnet: s.env.cfg.sweepSubnet}}}},
-		cl:   &agentapi.Client{Socket: s.agent.Socket, Timeout: 30 * time.Second},
+		cl: &agentapi.Client{Socket: s.agent.Socket, Timeout: 30 * time.Second},
 		value: string(mustJSON(keyspace.Allocation{Owner: ids.podUID(), Cluster: "default", Node: sweepNode, NodeUID: "uid-" + sweepNode,
 			Pod: allocator.PodRef{UID: ids.podUID(), Namespace: "bench", Name: "pod-0123456789"}, ContainerID: ids.containerID(),
 			IfName: "eth0", Network: sweepPool, LeaseID: keyspace.LeaseHex(g.ID), Created: time.Now().UTC()})),
@@ -75,17 +72,11 @@ func (f *floor) sample(ctx context.Context) error {
 	}
 	f.version = append(f.version, took)
 
-	// The two socket ADDs go in alternating order, each after the same idle as between two
-	// plugin ADDs: on this VM the length of the idle before a request shows in its latency.
-	parts := []func() error{f.sampleCNI, f.sampleAPI}
-	if len(f.version)%2 == 0 {
-		parts[0], parts[1] = parts[1], parts[0]
-	}
-	for _, part := range parts {
-		time.Sleep(idleGap)
-		if err := part(); err != nil {
-			return err
-		}
+	// The socket ADD comes after the same idle as between two plugin ADDs: on this VM the
+	// length of the idle before a request shows in its latency.
+	time.Sleep(idleGap)
+	if err := f.sampleCNI(); err != nil {
+		return err
 	}
 
 	c, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -174,20 +165,6 @@ func (f *floor) sampleCNI() error {
 	return nil
 }
 
-// sampleAPI times the same ADD sent as a parsed request (operation add).
-func (f *floor) sampleAPI() error {
-	t := time.Now()
-	r, err := f.cl.Add(context.Background(), podRequest(f.pool, f.s.env.netns))
-	f.api = append(f.api, time.Since(t))
-	if err != nil {
-		return err
-	}
-	for _, ip := range r.IPs {
-		f.s.lhSpace.mark(ip.Address.Addr())
-	}
-	return nil
-}
-
 // report adds the decomposition to the results.
 func (f *floor) report(ctx context.Context, res *results, plugin durations) error {
 	e1, err := scrape(ctx, f.s.etcd.URL+"/metrics")
@@ -202,19 +179,18 @@ func (f *floor) report(ctx context.Context, res *results, plugin durations) erro
 		return (sum(e1, name+"_sum", nil) - sum(f.e0, name+"_sum", nil)) / n * 1000
 	}
 	fsync := mean("etcd_disk_wal_fsync_duration_seconds")
-	res.add(row{Figure: "agent API ADD p50, empty pool (no process exec)", Leasehold: ms(f.api.pct(50)), Peer: ms(f.bare.pct(50)),
+	res.add(row{Figure: "agent ADD through its socket p50, empty pool (no process exec)", Leasehold: ms(f.cni.pct(50)), Peer: ms(f.bare.pct(50)),
 		hasPeer: true, Unit: "ms", PeerName: "bare etcd create-if-absent Txn"})
 	res.note("What a plugin ADD is made of (empty pool, %d interleaved samples of each, in the loop of the plugin ADD samples): "+
 		"plugin ADD p50 %.2f ms (p90 %.2f); the plugin's VERSION, i.e. process start and exit, p50 %.2f ms; the same ADD sent to the "+
-		"same leaseholdd through its socket without a process, each after %s idle and the two in alternating order, as the plugin sends it (operation cni: environment and stdin, parsed "+
-		"and rendered by the agent) p50 %.2f ms (p90 %.2f), and as a parsed request (operation add) p50 %.2f ms (p90 %.2f); the claim transaction an ADD commits (6 compares, "+
+		"same leaseholdd through its socket without a process, after %s idle, as the plugin sends it (operation cni: environment and stdin, parsed "+
+		"and rendered by the agent) p50 %.2f ms (p90 %.2f); the claim transaction an ADD commits (6 compares, "+
 		"3 puts on a lease, else branch), replayed bare against the same etcd after %s idle (as between two sequential ADDs), p50 %.2f ms; "+
 		"a bare `If CreateRevision(key)==0 Then Put(key, value, WithLease)` right after it p50 %.2f ms, and after %s idle p50 %.2f ms; "+
 		"etcd's WAL fsync averaged %.2f ms meanwhile (etcd_disk_wal_fsync_duration_seconds).",
-		len(f.api), ms(plugin.pct(50)), ms(plugin.pct(90)), ms(f.version.pct(50)), idleGap, ms(f.cni.pct(50)), ms(f.cni.pct(90)),
-		ms(f.api.pct(50)), ms(f.api.pct(90)),
+		len(f.cni), ms(plugin.pct(50)), ms(plugin.pct(90)), ms(f.version.pct(50)), idleGap, ms(f.cni.pct(50)), ms(f.cni.pct(90)),
 		idleGap, ms(f.claim.pct(50)), ms(f.bare.pct(50)), idleGap, ms(f.cold.pct(50)), fsync)
-	progress("floor: plugin ADD %.2f ms = VERSION %.2f ms + cni operation %.2f ms (agent API ADD %.2f ms; claim Txn bare after idling %.2f ms, 1-put Txn %.2f ms, after idling %.2f ms, fsync mean %.2f ms)",
-		ms(plugin.pct(50)), ms(f.version.pct(50)), ms(f.cni.pct(50)), ms(f.api.pct(50)), ms(f.claim.pct(50)), ms(f.bare.pct(50)), ms(f.cold.pct(50)), fsync)
+	progress("floor: plugin ADD %.2f ms = VERSION %.2f ms + cni operation %.2f ms (claim Txn bare after idling %.2f ms, 1-put Txn %.2f ms, after idling %.2f ms, fsync mean %.2f ms)",
+		ms(plugin.pct(50)), ms(f.version.pct(50)), ms(f.cni.pct(50)), ms(f.claim.pct(50)), ms(f.bare.pct(50)), ms(f.cold.pct(50)), fsync)
 	return nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"path/filepath"
 	"time"
 
@@ -78,7 +79,18 @@ func (p *inproc) serve() error {
 	return nil
 }
 
-// client is a socket client of the agent, as the plugin makes one.
+// client is a socket client of the agent: it sends invocations as the plugin binary does.
 func (p *inproc) client() *agentapi.Client {
 	return &agentapi.Client{Socket: p.Socket, Timeout: 60 * time.Second}
+}
+
+// conf is the network configuration of pool, a single range set on subnet, naming p's socket.
+func (p *inproc) conf(pool string, subnet netip.Prefix) []byte {
+	return leaseholdConf(pool, p.Socket, subnet)
+}
+
+// status sends a STATUS for the pool of conf as the plugin does.
+func (p *inproc) status(ctx context.Context, conf []byte) error {
+	_, err := invoke(ctx, p.client(), agentapi.NewInvocation("STATUS", conf, "", ""))
+	return err
 }
