@@ -91,7 +91,8 @@ func (c *etcdCluster) endpoints() string { return strings.Join(c.clients, ",") }
 // leader returns the index of the current leader.
 func (c *etcdCluster) leader() int {
 	cli := etcdClient(c.t, c.clients[0])
-	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+	leader := -1
+	eventually(c.t, 20*time.Second, "an etcd leader", func() bool {
 		for i, ep := range c.clients {
 			if c.procs[i] == nil {
 				continue
@@ -100,12 +101,13 @@ func (c *etcdCluster) leader() int {
 			st, err := cli.Status(ctx, ep)
 			cancel()
 			if err == nil && st.Leader == st.Header.MemberId {
-				return i
+				leader = i
+				return true
 			}
 		}
-	}
-	c.t.Fatal("no etcd leader")
-	return -1
+		return false
+	})
+	return leader
 }
 
 func (c *etcdCluster) waitHealthy(timeout time.Duration) {
@@ -115,7 +117,7 @@ func (c *etcdCluster) waitHealthy(timeout time.Duration) {
 		c.t.Fatal(err)
 	}
 	defer cli.Close()
-	waitFor(c.t, timeout, "etcd cluster answers a linearizable read", func() bool {
+	eventually(c.t, timeout, "etcd cluster answers a linearizable read", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_, err := cli.Get(ctx, "health")
@@ -130,16 +132,11 @@ func (c *etcdCluster) waitHealthy(timeout time.Duration) {
 // than the lease TTL and back: the agents serve again, and the pods allocated before keep
 // their addresses (etcd re-arms lease TTLs when a leader is elected).
 func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
-	ec := startEtcdCluster(t)
-	agents := []*agentProc{
-		startAgent(t, ec.endpoints(), "--lease-ttl", ttl.String(), "--node", "f1", "--node-uid", "f1"),
-		startAgent(t, ec.endpoints(), "--lease-ttl", ttl.String(), "--node", "f2", "--node-uid", "f2"),
-	}
-	pl := newPlugin(t)
-	name := uniq("net")
+	f := newFixture(t, withThreeMemberEtcd(), withShortLeases(), withAgents(2), withNetns(), withTimeout(5*time.Minute))
+	ec, name := f.Members, f.Pool
 	ipam := dualStackIPAM("10.70.0.0/24", "fd70::/64")
 	ipam["timeout"] = "20s"
-	confs := []*struct{ conf []byte }{{netconf(name, agents[0].Socket, ipam)}, {netconf(name, agents[1].Socket, ipam)}}
+	confs := []*struct{ conf []byte }{{netconf(name, f.Agents[0].Socket, ipam)}, {netconf(name, f.Agents[1].Socket, ipam)}}
 
 	type outcome struct {
 		ctr  string
@@ -149,7 +146,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	}
 	const n = 60
 	// Real sandboxes: after the outage the agents keep only pods whose netns still exists.
-	prefix := uniq("lhb")
+	prefix := ccUniq("lhb")
 	for i := range n {
 		sandbox(t, fmt.Sprintf("%s-%02d", prefix, i))
 	}
@@ -163,11 +160,11 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 				ec.kill(l)
 				killed <- l
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			ctx, cancel := context.WithTimeout(f.Ctx, 30*time.Second)
 			defer cancel()
 			ctr := fmt.Sprintf("%s-%02d", prefix, i)
 			start := time.Now()
-			res, err := pl.add(ctx, confs[i%2].conf, ctr, "eth0", "K8S_POD_UID=uid-"+ctr)
+			res, err := f.pl.add(ctx, confs[i%2].conf, ctr, "eth0", "K8S_POD_UID=uid-"+ctr)
 			o := outcome{ctr: ctr, err: err, took: time.Since(start)}
 			if err == nil {
 				for _, ip := range res.IPs {
@@ -204,15 +201,10 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	if ok < n/2 {
 		t.Errorf("only %d of %d ADDs succeeded with two of three members up", ok, n)
 	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: ec.clients, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
 	keysPresent := func() int {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		resp, err := cli.Get(ctx, keyspace.IPsPrefix(name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+		resp, err := f.Cli.Get(ctx, keyspace.IPsPrefix(name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 		if err != nil {
 			return -1
 		}
@@ -240,20 +232,20 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	for i := range 3 {
 		ec.kill(i)
 	}
-	time.Sleep(ttl + 2*time.Second)
+	time.Sleep(ttl + 2*time.Second) // no condition to poll: the outage itself must outlast the TTL
 	for i := range 3 {
 		ec.start(i)
 	}
 	ec.waitHealthy(60 * time.Second)
 	// The agents serve again.
-	waitFor(t, 60*time.Second, "the agents serve ADDs again", func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	eventually(t, 60*time.Second, "the agents serve ADDs again", func() bool {
+		ctx, cancel := context.WithTimeout(f.Ctx, 20*time.Second)
 		defer cancel()
-		_, err := pl.add(ctx, confs[0].conf, "after-outage", "eth0", "K8S_POD_UID=uid-after")
+		_, err := f.pl.add(ctx, confs[0].conf, "after-outage", "eth0", "K8S_POD_UID=uid-after")
 		return err == nil
 	})
 	// Pods allocated before the outage still hold their addresses, renewed again.
-	time.Sleep(2 * ttl)
+	time.Sleep(2 * ttl) // no condition to poll: the test is that several TTLs pass and every address stays
 	if m := keysPresent(); m != 0 {
 		t.Errorf("%d addresses of pods allocated before the outage are gone after it", m)
 	}

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -57,17 +56,18 @@ type etcdProc struct {
 func startEtcdProcess(t testing.TB) *etcdProc {
 	t.Helper()
 	for attempt := 1; ; attempt++ {
-		p, exited, logs := tryEtcdProcess(t)
+		p, logs := tryEtcdProcess(t)
 		if p != nil {
 			return p
 		}
-		if attempt == 3 || !exited {
+		if attempt == 3 {
 			t.Fatalf("etcd did not start:\n%s", logs)
 		}
 	}
 }
 
-func tryEtcdProcess(t testing.TB) (p *etcdProc, exited bool, logs string) {
+// tryEtcdProcess returns etcd once it answers, or nil and its output when it exited first.
+func tryEtcdProcess(t testing.TB) (*etcdProc, string) {
 	t.Helper()
 	ctx := context.Background()
 	curl, err := etcdserver.FreeLoopbackURL(ctx)
@@ -90,41 +90,35 @@ func tryEtcdProcess(t testing.TB) (p *etcdProc, exited bool, logs string) {
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
-	stop := func() {
-		_ = cmd.Process.Kill()
-		<-done
-	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{curl}, DialTimeout: 5 * time.Second})
-	if err != nil {
-		stop()
-		t.Fatal(err)
-	}
-	defer cli.Close()
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		select {
-		case <-done:
-			return nil, true, out.String()
-		default:
-		}
-		c, cancel := context.WithTimeout(ctx, time.Second)
-		_, err := cli.Get(c, "health")
-		cancel()
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			stop()
-			return nil, false, fmt.Sprintf("no answer at %s within 20s: %v\n%s", curl, err, out.String())
-		}
-	}
-	p = &etcdProc{URL: curl, cmd: cmd, done: done}
+	p := &etcdProc{URL: curl, cmd: cmd, done: done}
 	t.Cleanup(func() {
 		p.kill()
 		if t.Failed() {
 			t.Logf("etcd output:\n%s", out.String())
 		}
 	})
-	return p, false, ""
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{curl}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	exited := false
+	eventually(t, 20*time.Second, "etcd answers at "+curl, func() bool {
+		select {
+		case <-done:
+			exited = true
+			return true
+		default:
+		}
+		c, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		_, err := cli.Get(c, "health")
+		return err == nil
+	})
+	if exited {
+		return nil, out.String()
+	}
+	return p, ""
 }
 
 // kill stops etcd with SIGKILL and waits for it.
@@ -133,52 +127,20 @@ func (p *etcdProc) kill() {
 	<-p.done
 }
 
-func etcdClient(t testing.TB, url string) *clientv3.Client {
-	t.Helper()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{url}, DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
-	return cli
-}
-
-// agentProc is leaseholdd running as its own process.
+// agentProc is leaseholdd running as its own process (fixture.startAgent starts one).
 type agentProc struct {
 	Socket   string
 	StateDir string
-	args     []string
-	cmd      *exec.Cmd
-	logs     *syncBuffer
-	done     chan struct{}
+	// Cluster, Node and NodeUID are what its flags say.
+	Cluster, Node, NodeUID string
+	args                   []string
+	cmd                    *exec.Cmd
+	logs                   *syncBuffer
+	done                   chan struct{}
 }
 
-// startAgent runs bin/leaseholdd against endpoint (or, with endpoint "", on an embedded etcd
-// named in extra) and waits for its socket. Defaults: node node-a, identity uid-a, a private
-// state directory, 10s leases, no quarantine, no sandbox liveness, no host address
-// publication (this machine's own addresses would change etcd under the tests' snapshots);
-// extra flags override them.
-func startAgent(t testing.TB, endpoint string, extra ...string) *agentProc {
-	t.Helper()
-	dir := t.TempDir()
-	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
-	a.args = []string{"--socket", a.Socket, "--state-dir", a.StateDir, "--node", "node-a", "--node-uid", "uid-a",
-		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--publish-host-addresses=false", "--metrics-addr", "", "--log-level", "debug"}
-	if endpoint != "" {
-		a.args = append(a.args, "--etcd-endpoints", endpoint)
-	}
-	a.args = append(a.args, extra...)
-	a.logs = &syncBuffer{}
-	t.Cleanup(func() {
-		a.stop()
-		if t.Failed() {
-			t.Logf("leaseholdd %v output:\n%s", a.args, a.logs.String())
-		}
-	})
-	a.start(t)
-	return a
-}
-
+// start runs the agent and waits until it serves its socket (its output is logged at
+// cleanup when the test failed).
 func (a *agentProc) start(t testing.TB) {
 	t.Helper()
 	a.cmd = exec.Command(filepath.Join(binDir(t), "leaseholdd"), a.args...)
@@ -188,19 +150,22 @@ func (a *agentProc) start(t testing.TB) {
 	}
 	a.done = make(chan struct{})
 	go func(cmd *exec.Cmd, done chan struct{}) { _ = cmd.Wait(); close(done) }(a.cmd, a.done)
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if c, err := net.Dial("unix", a.Socket); err == nil {
-			c.Close()
-			return
-		}
+	exited := false
+	eventually(t, 30*time.Second, "leaseholdd serves "+a.Socket, func() bool {
 		select {
 		case <-a.done:
-			t.Fatalf("leaseholdd exited before serving %s:\n%s", a.Socket, a.logs.String())
+			exited = true
+			return true
 		default:
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("leaseholdd did not serve %s within 30s:\n%s", a.Socket, a.logs.String())
+		c, err := net.Dial("unix", a.Socket)
+		if err == nil {
+			c.Close()
 		}
+		return err == nil
+	})
+	if exited {
+		t.Fatalf("leaseholdd exited before serving %s:\n%s", a.Socket, a.logs.String())
 	}
 }
 
@@ -251,10 +216,6 @@ func (s *syncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
-
-var seq atomic.Int64
-
-func uniq(prefix string) string { return fmt.Sprintf("%s%d", prefix, seq.Add(1)) }
 
 // netconf is a CNI network configuration with leasehold as IPAM.
 func netconf(name, socket string, ipam map[string]any) []byte {

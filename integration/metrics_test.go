@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -44,20 +43,16 @@ func metricValue(t *testing.T, text, name, labels string) float64 {
 // TestMetricsAndHealth: leaseholdd serves Prometheus metrics that count what happened, and
 // /readyz follows etcd's reachability while /healthz stays up.
 func TestMetricsAndHealth(t *testing.T) {
-	etcd := startEtcdProcess(t)
 	addr := strings.TrimPrefix(freeURL(t), "http://")
-	agent := startAgent(t, etcd.URL, "--metrics-addr", addr)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	name := uniq("net")
-	conf := netconf(name, agent.Socket, dualStackIPAM("10.39.0.0/28", "fd39::/64"))
+	f := newFixture(t, withAgentFlags("--metrics-addr", addr))
+	name := f.Pool
+	conf := netconf(name, f.Agent.Socket, dualStackIPAM("10.39.0.0/28", "fd39::/64"))
 	for i := range 3 {
-		if _, err := pl.add(ctx, conf, fmt.Sprintf("m%d", i), "eth0", ""); err != nil {
+		if _, err := f.add(conf, fmt.Sprintf("m%d", i), "eth0", ""); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := pl.del(ctx, conf, "m0", "eth0", ""); err != nil {
+	if err := f.del(conf, "m0", "eth0", ""); err != nil {
 		t.Fatal(err)
 	}
 	_, text := httpGet(t, "http://"+addr+"/metrics")
@@ -82,8 +77,8 @@ func TestMetricsAndHealth(t *testing.T) {
 	if code, body := httpGet(t, "http://"+addr+"/readyz"); code != 200 {
 		t.Errorf("/readyz with etcd up = %d %s", code, body)
 	}
-	etcd.kill()
-	waitFor(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
+	f.Etcd.kill()
+	eventually(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
 		code, _ := httpGet(t, "http://"+addr+"/readyz")
 		return code == http.StatusServiceUnavailable
 	})

@@ -12,33 +12,30 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/keyspace"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestTwoClustersShareOnePool: two clusters' agents, with the same node names, the same
 // container IDs and the same pod UIDs, hammer one pool in one etcd at once. Afterwards every
 // invariant holds across the keys, and no cluster's DEL or GC touches the other's owners.
 func TestTwoClustersShareOnePool(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	cli := etcdClient(t, etcd.URL)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
+	f := newFixture(t, withoutAgent(), withTimeout(3*time.Minute))
 	type node struct {
 		cluster, name string
 		agent         *agentProc
 		conf          []byte
 	}
-	pool := uniq("shared")
+	pool := f.Pool
 	ranges := dualStackIPAM("10.50.0.0/24", "fd50::/64")
 	ranges["pool"] = pool
 	var nodes []*node
 	for _, cluster := range []string{"cluster-a", "cluster-b"} {
 		for _, name := range []string{"node-1", "node-2"} {
 			n := &node{cluster: cluster, name: name}
-			n.agent = startAgent(t, etcd.URL, "--cluster", cluster, "--node", name, "--node-uid", cluster+"."+name, "--gc-grace", "0s")
+			n.agent = f.startAgent("--cluster", cluster, "--node", name, "--node-uid", cluster+"."+name, "--gc-grace", "0s")
 			ipam := map[string]any{"pool": pool} // cluster-b refers to the pool by name
 			if cluster == "cluster-a" {
 				ipam = map[string]any{"pool": pool, "ranges": ranges["ranges"]}
@@ -48,10 +45,10 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 		}
 	}
 	// cluster-a defines the pool first; cluster-b's configurations only name it.
-	if _, err := pl.add(ctx, nodes[0].conf, "warmup", "eth0", ""); err != nil {
+	if _, err := f.add(nodes[0].conf, "warmup", "eth0", ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := pl.del(ctx, nodes[0].conf, "warmup", "eth0", ""); err != nil {
+	if err := f.del(nodes[0].conf, "warmup", "eth0", ""); err != nil {
 		t.Fatal(err)
 	}
 
@@ -73,13 +70,13 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 				defer func() { <-sem }()
 				ctr := fmt.Sprintf("%s-ctr-%02d", strings.TrimPrefix(n.name, "node-"), i) // same IDs in both clusters
 				args := fmt.Sprintf("K8S_POD_UID=uid-%s;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p%d", ctr, i)
-				res, err := pl.add(ctx, n.conf, ctr, "eth0", args)
+				res, err := f.add(n.conf, ctr, "eth0", args)
 				if err != nil {
 					errs <- fmt.Errorf("%s/%s ADD %s: %w", n.cluster, n.name, ctr, err)
 					return
 				}
 				if i%5 == 0 { // churn: some pods go away right after
-					if err := pl.del(ctx, n.conf, ctr, "eth0", args); err != nil {
+					if err := f.del(n.conf, ctr, "eth0", args); err != nil {
 						errs <- fmt.Errorf("%s/%s DEL %s: %w", n.cluster, n.name, ctr, err)
 					}
 					return
@@ -110,18 +107,18 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 			owner[ip] = who
 		}
 	}
-	checkInvariants(t, cli, pool, len(held), 2)
+	checkInvariants(t, f.Cli, pool, len(held), 2)
 
 	// cluster-a node-1 GCs with an empty attachment list: only cluster-a node-1's go.
 	gcConf := withValidAttachments(t, nodes[0].conf, nil)
-	if err := execPlugin(ctx, pl, "GC", gcConf); err != nil {
+	if err := f.run("GC", gcConf); err != nil {
 		t.Fatalf("GC: %v", err)
 	}
 	// cluster-b node-1 receives a DEL for a container ID that exists in both clusters.
-	if err := pl.del(ctx, nodes[2].conf, "1-ctr-03", "eth0", "K8S_POD_UID=uid-1-ctr-03"); err != nil {
+	if err := f.del(nodes[2].conf, "1-ctr-03", "eth0", "K8S_POD_UID=uid-1-ctr-03"); err != nil {
 		t.Fatal(err)
 	}
-	allocs := allocationsByNode(t, cli, pool)
+	allocs := allocationsByNode(t, f.Cli, pool)
 	if n := allocs["cluster-a/node-1"]; n != 0 {
 		t.Errorf("cluster-a node-1 still holds %d addresses after its GC with no valid attachment", n)
 	}
@@ -139,19 +136,19 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 	// A configuration of cluster-b that defines the same pool differently is refused with
 	// both definitions; the stored one stays.
 	other := netconf("net-cluster-b", nodes[2].agent.Socket, map[string]any{"pool": pool, "ranges": dualStackIPAM("10.51.0.0/24", "fd50::/64")["ranges"]})
-	_, err := pl.add(ctx, other, "conflicting", "eth0", "")
+	_, err := f.add(other, "conflicting", "eth0", "")
 	if cniCode(err) != 7 || !strings.Contains(err.Error(), "10.50.0.0/24") || !strings.Contains(err.Error(), "10.51.0.0/24") {
 		t.Errorf("conflicting pool definition: want code 7 showing both, got %v", err)
 	}
 	// ... and reported to the cluster already using the pool: a record under the pool, and
 	// an error in the logs of cluster-a's agents, which serve the pool.
-	if !exists(t, cli, keyspace.PoolConflictKey(pool, "cluster-b", "node-1")) {
+	if !exists(t, f.Cli, keyspace.PoolConflictKey(pool, "cluster-b", "node-1")) {
 		t.Errorf("no pool conflict record %s", keyspace.PoolConflictKey(pool, "cluster-b", "node-1"))
 	}
-	waitFor(t, 10*time.Second, "cluster-a's agent logs the conflict", func() bool {
+	eventually(t, 10*time.Second, "cluster-a's agent logs the conflict", func() bool {
 		return strings.Contains(nodes[1].agent.logs.String(), "another node defines this pool differently")
 	})
-	out, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", etcd.URL,
+	out, err := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", f.Endpoint,
 		"pool", "conflicts", "--pool", pool, "-o", "json").Output()
 	if err != nil {
 		t.Fatalf("leaseholdctl pool conflicts: %v", err)
@@ -162,7 +159,7 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 		t.Errorf("leaseholdctl pool conflicts should list cluster-b's conflicting definition: %s (%v)", out, err)
 	}
 	// Hostile input never becomes a wider key prefix.
-	if err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", etcd.URL,
+	if err := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", f.Endpoint,
 		"pool", "conflicts", "--pool", "../x").Run(); err == nil {
 		t.Errorf("pool conflicts --pool ../x must be refused")
 	}

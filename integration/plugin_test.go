@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"fmt"
 	"net/netip"
 	"os"
@@ -18,14 +17,9 @@ import (
 // TestConcurrentPluginAddsGetDistinctAddresses is issue 2's acceptance test: 200 ADDs at
 // once through the real plugin binary, against leaseholdd and etcd as separate processes.
 func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	agent := startAgent(t, etcd.URL)
-	cli := etcdClient(t, etcd.URL)
-	pl := newPlugin(t)
-	name := uniq("net")
-	conf := netconf(name, agent.Socket, dualStackIPAM("10.20.0.0/23", "fd20::/64"))
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
+	f := newFixture(t, withTimeout(3*time.Minute))
+	name := f.Pool
+	conf := netconf(name, f.Agent.Socket, dualStackIPAM("10.20.0.0/23", "fd20::/64"))
 
 	const n = 200
 	type got struct {
@@ -39,7 +33,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			res, err := pl.add(ctx, conf, fmt.Sprintf("ctr%03d", i), "eth0", fmt.Sprintf("K8S_POD_UID=uid-%03d;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p%03d", i, i))
+			res, err := f.add(conf, fmt.Sprintf("ctr%03d", i), "eth0", fmt.Sprintf("K8S_POD_UID=uid-%03d;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p%03d", i, i))
 			if err != nil {
 				results[i].err = err
 				return
@@ -75,7 +69,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	}
 
 	// Every allocation, owner index and pod record in etcd is bound to a lease.
-	keys := snapshot(t, cli, keyspace.Prefix)
+	keys := snapshot(t, f.Cli, keyspace.Prefix)
 	if got := len(keysUnder(keys, keyspace.IPsPrefix(name))); got != 2*n {
 		t.Errorf("want %d allocation keys in etcd, got %d", 2*n, got)
 	}
@@ -89,7 +83,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	}
 
 	// A repeated ADD returns the same addresses.
-	again, err := pl.add(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p007")
+	again, err := f.add(conf, "ctr007", "eth0", "K8S_POD_UID=uid-007;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p007")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -100,16 +94,16 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 			t.Errorf("repeated ADD returned %s, first ADD returned %s and %s", a, results[7].v4, results[7].v6)
 		}
 	}
-	if err := pl.check(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+	if err := f.check(conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
 		t.Errorf("CHECK: %v", err)
 	}
 
 	// DEL frees exactly the owner's keys: its two addresses, owner index and pod record.
-	before := snapshot(t, cli, keyspace.Prefix)
-	if err := pl.del(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+	before := snapshot(t, f.Cli, keyspace.Prefix)
+	if err := f.del(conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
 		t.Fatal(err)
 	}
-	after := snapshot(t, cli, keyspace.Prefix)
+	after := snapshot(t, f.Cli, keyspace.Prefix)
 	var gone []string
 	for k := range before {
 		if _, ok := after[k]; !ok {
@@ -118,7 +112,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	}
 	want := []string{
 		keyspace.IPKey(name, results[7].v4), keyspace.IPKey(name, results[7].v6),
-		keyspace.OwnerKey("default", "uid-007", "eth0", name), keyspace.PodKey("default", "node-a", "uid-007"),
+		keyspace.OwnerKey(f.Cluster, "uid-007", "eth0", name), keyspace.PodKey(f.Cluster, f.Agent.Node, "uid-007"),
 	}
 	if fmt.Sprint(sorted(gone)) != fmt.Sprint(sorted(want)) {
 		t.Errorf("DEL removed %v, want exactly %v", sorted(gone), sorted(want))
@@ -126,7 +120,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	if len(after) != len(before)-len(want) {
 		t.Errorf("DEL changed the key count from %d to %d, want %d", len(before), len(after), len(before)-len(want))
 	}
-	if err := pl.del(ctx, conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
+	if err := f.del(conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
 		t.Errorf("repeated DEL must succeed: %v", err)
 	}
 }
@@ -134,20 +128,15 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 // TestRefusedRequestsThroughThePlugin: bad input gets a CNI error with the right code and a
 // message a user can act on, and etcd is left unchanged.
 func TestRefusedRequestsThroughThePlugin(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	agent := startAgent(t, etcd.URL)
-	cli := etcdClient(t, etcd.URL)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	name := uniq("net")
+	f := newFixture(t)
+	agent, name := f.Agent, f.Pool
 	good := netconf(name, agent.Socket, dualStackIPAM("10.21.0.0/24", "fd21::/64"))
-	held, err := pl.add(ctx, good, "holder", "eth0", "")
+	held, err := f.add(good, "holder", "eth0", "")
 	if err != nil {
 		t.Fatal(err)
 	}
 	heldV4 := held.IPs[0].Address.IP.String()
-	before := snapshot(t, cli, keyspace.Prefix)
+	before := snapshot(t, f.Cli, keyspace.Prefix)
 
 	cases := []struct {
 		name      string
@@ -183,7 +172,7 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := pl.add(ctx, tc.conf, tc.container, "eth0", tc.cniArgs)
+			_, err := f.add(tc.conf, tc.container, "eth0", tc.cniArgs)
 			if err == nil {
 				t.Fatal("ADD succeeded, want an error")
 			}
@@ -195,7 +184,7 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 			}
 		})
 	}
-	after := snapshot(t, cli, keyspace.Prefix)
+	after := snapshot(t, f.Cli, keyspace.Prefix)
 	// The one write a refused request makes: the pool mismatch leaves a report for the pool's
 	// other users under poolconflicts/, on the node lease. No allocation state changes.
 	for k := range after {
@@ -219,11 +208,9 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 
 // TestAgentUnreachable: the plugin fails with a CNI error that says so and names the socket.
 func TestAgentUnreachable(t *testing.T) {
-	pl := newPlugin(t)
+	f := newFixture(t, withoutEtcd(), withTimeout(30*time.Second))
 	sock := filepath.Join(t.TempDir(), "nobody.sock")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	_, err := pl.add(ctx, netconf("n", sock, dualStackIPAM("10.26.0.0/24", "fd26::/64")), "c1", "eth0", "")
+	_, err := f.add(netconf("n", sock, dualStackIPAM("10.26.0.0/24", "fd26::/64")), "c1", "eth0", "")
 	if err == nil {
 		t.Fatal("ADD without an agent succeeded")
 	}
@@ -235,18 +222,13 @@ func TestAgentUnreachable(t *testing.T) {
 // TestEmbeddedEtcdIsInspectableWithEtcdctl: leaseholdd --embedded-etcd serves its client URL
 // on loopback, and plain etcdctl reads the allocations the plugin made.
 func TestEmbeddedEtcdIsInspectableWithEtcdctl(t *testing.T) {
-	curl := freeURL(t)
-	agent := startAgent(t, "", "--embedded-etcd", t.TempDir(), "--embedded-etcd-client-url", curl,
-		"--embedded-etcd-peer-url", freeURL(t))
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	name := uniq("net")
-	res, err := pl.add(ctx, netconf(name, agent.Socket, dualStackIPAM("10.27.0.0/24", "fd27::/64")), "c1", "eth0", "K8S_POD_UID=pod-1")
+	f := newFixture(t, withAgentEmbeddedEtcd())
+	name := f.Pool
+	res, err := f.add(netconf(name, f.Agent.Socket, dualStackIPAM("10.27.0.0/24", "fd27::/64")), "c1", "eth0", "K8S_POD_UID=pod-1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "etcdctl"), "--endpoints", curl,
+	out, err := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "etcdctl"), "--endpoints", f.Endpoint,
 		"get", "--prefix", keyspace.IPsPrefix(name), "--keys-only").CombinedOutput()
 	if err != nil {
 		t.Fatalf("etcdctl: %v\n%s", err, out)
@@ -256,7 +238,7 @@ func TestEmbeddedEtcdIsInspectableWithEtcdctl(t *testing.T) {
 			t.Errorf("etcdctl does not show %s:\n%s", ip.Address.IP, out)
 		}
 	}
-	ctl, err := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", curl, "alloc", "list", "--pool", name).CombinedOutput()
+	ctl, err := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", f.Endpoint, "alloc", "list", "--pool", name).CombinedOutput()
 	if err != nil {
 		t.Fatalf("leaseholdctl: %v\n%s", err, ctl)
 	}
@@ -290,27 +272,21 @@ func sorted(s []string) []string {
 // changed after the ADD into one leasehold refuses (here an off-link route). DEL must still
 // release the addresses, or the runtime could never tear the sandbox down.
 func TestDelWorksWhenTheConfigurationNoLongerValidates(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	agent := startAgent(t, etcd.URL)
-	cli := etcdClient(t, etcd.URL)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	name := uniq("net")
+	f := newFixture(t)
 	good := dualStackIPAM("10.28.0.0/24", "fd28::/64")
-	if _, err := pl.add(ctx, netconf(name, agent.Socket, good), "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+	if _, err := f.add(netconf(f.Pool, f.Agent.Socket, good), "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Fatal(err)
 	}
 	bad := dualStackIPAM("10.28.0.0/24", "fd28::/64")
 	bad["routes"] = []any{map[string]any{"dst": "0.0.0.0/0", "gw": "192.168.1.1"}}
-	badConf := netconf(name, agent.Socket, bad)
-	if _, err := pl.add(ctx, badConf, "c2", "eth0", ""); cniCode(err) != 7 {
+	badConf := netconf(f.Pool, f.Agent.Socket, bad)
+	if _, err := f.add(badConf, "c2", "eth0", ""); cniCode(err) != 7 {
 		t.Fatalf("the changed configuration should be refused for ADD, got %v", err)
 	}
-	if err := pl.del(ctx, badConf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+	if err := f.del(badConf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Fatalf("DEL with the changed configuration: %v", err)
 	}
-	if left := keysUnder(snapshot(t, cli, keyspace.Prefix), keyspace.IPsPrefix(name)); len(left) != 0 {
+	if left := keysUnder(snapshot(t, f.Cli, keyspace.Prefix), keyspace.IPsPrefix(f.Pool)); len(left) != 0 {
 		t.Errorf("DEL left %v", left)
 	}
 }
@@ -318,24 +294,21 @@ func TestDelWorksWhenTheConfigurationNoLongerValidates(t *testing.T) {
 // TestRemovedSocketIsCreatedAgain: a cleanup that removes the agent's socket file must not
 // leave a running agent that no runtime can reach.
 func TestRemovedSocketIsCreatedAgain(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	agent := startAgent(t, etcd.URL)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	conf := netconf(uniq("net"), agent.Socket, dualStackIPAM("10.29.0.0/24", "fd29::/64"))
-	if _, err := pl.add(ctx, conf, "before", "eth0", ""); err != nil {
+	f := newFixture(t)
+	agent := f.Agent
+	conf := netconf(f.Pool, agent.Socket, dualStackIPAM("10.29.0.0/24", "fd29::/64"))
+	if _, err := f.add(conf, "before", "eth0", ""); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Remove(agent.Socket); err != nil {
 		t.Fatal(err)
 	}
-	took := waitFor(t, 15*time.Second, "the socket is back", func() bool {
+	took := eventually(t, 15*time.Second, "the socket is back", func() bool {
 		_, err := os.Stat(agent.Socket)
 		return err == nil
 	})
 	t.Logf("socket back %s after its removal", took.Round(100*time.Millisecond))
-	if _, err := pl.add(ctx, conf, "after", "eth0", ""); err != nil {
+	if _, err := f.add(conf, "after", "eth0", ""); err != nil {
 		t.Errorf("ADD after the socket came back: %v", err)
 	}
 	if fi, err := os.Stat(agent.Socket); err != nil || fi.Mode().Perm() != 0o600 {

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"fmt"
 	"net/netip"
 	"os/exec"
@@ -46,8 +45,8 @@ func ccGWRank(shape []ccHop, gws ...netip.Addr) []string {
 	return out
 }
 
-// TestSeed001SameDestinationRoutesHaveOneShapeInBothFamilies reproduces
-// containernetworking/plugins#1261 against a real kernel. Two routes to the same
+// TestRouteFamilySplitSameDestinationRoutesHaveOneShape reproduces the route family split
+// (docs/field-failures.md), containernetworking/plugins#1261, against a real kernel. Two routes to the same
 // destination with no metric mean different things per family: IPv4 keeps them as two
 // separate routes (only the first is used, the second is a dormant duplicate), while IPv6
 // merges the second into the first as one ECMP multipath route (traffic is spread over
@@ -58,19 +57,15 @@ func ccGWRank(shape []ccHop, gws ...netip.Addr) []string {
 // interleaved (v4 A, v6 A, v4 B, v6 B) to show that the position counts inside the group,
 // not in the list. The bridge plugin runs with isGateway and isDefaultGateway off, so every
 // default route in the namespace is one of leasehold's.
-func TestSeed001SameDestinationRoutesHaveOneShapeInBothFamilies(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	cli := etcdClient(t, etcd.URL)
-	agent := startAgent(t, etcd.URL)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+func TestRouteFamilySplitSameDestinationRoutesHaveOneShape(t *testing.T) {
+	f := newFixture(t, withNetns(), withTimeout(2*time.Minute))
 	hostNS, bridge := ccHostNS(t)
-	name := uniq("ccrt")
+	name := f.Pool
 	sub4, sub6 := netip.MustParsePrefix("10.63.0.0/24"), netip.MustParsePrefix("fd63::/64")
 	gwA4, gwB4 := netip.MustParseAddr("10.63.0.1"), netip.MustParseAddr("10.63.0.2")
 	gwA6, gwB6 := netip.MustParseAddr("fd63::1"), netip.MustParseAddr("fd63::2")
 	def4, def6 := netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("::/0")
-	ipam := ccLeaseholdIPAM(agent.Socket, []any{
+	ipam := ccLeaseholdIPAM(f.Agent.Socket, []any{
 		[]any{map[string]any{"subnet": sub4.String(), "gateway": gwA4.String()}},
 		[]any{map[string]any{"subnet": sub6.String(), "gateway": gwA6.String()}},
 	},
@@ -85,10 +80,9 @@ func TestSeed001SameDestinationRoutesHaveOneShapeInBothFamilies(t *testing.T) {
 	rtm := ccNewRuntime(t, hostNS, ccConflist(name, map[string]any{
 		"type": "bridge", "bridge": bridge, "isGateway": false, "isDefaultGateway": false, "ipam": ipam,
 	}))
-	ctr := ccUniq("lh-ccrt-")
-	sandbox(t, ctr)
+	ctr := f.sandbox("lh-ccrt-")
 	rt := ccRT(ctr, "uid-"+ctr)
-	res, err := rtm.add(ctx, rt)
+	res, err := rtm.add(f.Ctx, rt)
 	if err != nil {
 		t.Fatalf("libcni ADD: %v", err)
 	}
@@ -160,33 +154,31 @@ func TestSeed001SameDestinationRoutesHaveOneShapeInBothFamilies(t *testing.T) {
 	}
 
 	// The reference plugin's CHECK finds every route of the result; DEL clears it all.
-	if err := rtm.check(ctx, rt); err != nil {
+	if err := rtm.check(f.Ctx, rt); err != nil {
 		t.Errorf("libcni CHECK: %v", err)
 	}
-	if err := rtm.del(ctx, rt); err != nil {
+	if err := rtm.del(f.Ctx, rt); err != nil {
 		t.Fatalf("libcni DEL: %v", err)
 	}
-	if held := ccHeldBy(t, cli, name, "uid-"+ctr); len(held) != 0 {
+	if held := ccHeldBy(t, f.Cli, name, "uid-"+ctr); len(held) != 0 {
 		t.Errorf("after DEL etcd still holds %v", held)
 	}
 }
 
-// TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten proves that routes whose
+// TestRouteFamilySplitAmbiguousRoutesAreRefusedBeforeAnythingIsWritten proves that routes whose
 // meaning would depend on the kernel or the family are refused at ADD, through the bridge
 // plugin and libcni, with CNI code 7 and a message that says what is wrong, and that such
 // an ADD writes nothing to etcd (not even the pool definition): a gateway that lies in no
 // subnet of the pool (not on-link), a gateway of the other family, and two routes to one
 // destination with the same explicit priority (IPv6 would make them ECMP, IPv4 would not).
-func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
-	etcd := startEtcdProcess(t)
-	cli := etcdClient(t, etcd.URL)
-	agent := startAgent(t, etcd.URL)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+func TestRouteFamilySplitAmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
+	f := newFixture(t, withNetns(), withTimeout(2*time.Minute))
 	hostNS, bridge := ccHostNS(t)
 	// The agent's node record is written once at start; wait for it so that the snapshots
 	// below see a quiet store.
-	waitFor(t, 10*time.Second, "the agent's node record", func() bool { return exists(t, cli, keyspace.NodeKey("default", "node-a")) })
+	eventually(t, 10*time.Second, "the agent's node record", func() bool {
+		return exists(t, f.Cli, keyspace.NodeKey(f.Cluster, f.Agent.Node))
+	})
 
 	ranges := []any{
 		[]any{map[string]any{"subnet": "10.64.0.0/24"}},
@@ -212,12 +204,12 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 		t.Run(strings.ReplaceAll(tc.name, " ", "_"), func(t *testing.T) {
 			name := uniq("ccbad")
 			rtm := ccNewRuntime(t, hostNS, ccConflist(name, map[string]any{
-				"type": "bridge", "bridge": bridge, "ipam": ccLeaseholdIPAM(agent.Socket, ranges, tc.routes...),
+				"type": "bridge", "bridge": bridge, "ipam": ccLeaseholdIPAM(f.Agent.Socket, ranges, tc.routes...),
 			}))
 			ctr := ccUniq("lh-ccbad-")
 			sandbox(t, ctr)
-			before := snapshot(t, cli, keyspace.Prefix)
-			res, err := rtm.add(ctx, ccRT(ctr, "uid-"+ctr))
+			before := snapshot(t, f.Cli, keyspace.Prefix)
+			res, err := rtm.add(f.Ctx, ccRT(ctr, "uid-"+ctr))
 			if err == nil {
 				t.Fatalf("ADD accepted, result %v", res)
 			}
@@ -229,7 +221,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 					t.Errorf("error lacks %q: %v", w, err)
 				}
 			}
-			after := snapshot(t, cli, keyspace.Prefix)
+			after := snapshot(t, f.Cli, keyspace.Prefix)
 			for k, v := range after {
 				if before[k] != v {
 					t.Errorf("refused ADD wrote %s = %s", k, v)
@@ -240,7 +232,7 @@ func TestSeed001AmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
 					t.Errorf("refused ADD removed %s", k)
 				}
 			}
-			if exists(t, cli, keyspace.PoolKey(name)) {
+			if exists(t, f.Cli, keyspace.PoolKey(name)) {
 				t.Errorf("refused ADD stored pool %s", name)
 			}
 		})

@@ -137,7 +137,7 @@ func tlsClient(t *testing.T, url string, p *pki, cert, key, user, pass string) *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cli.Close() })
-	waitFor(t, 20*time.Second, "etcd over TLS answers", func() bool {
+	eventually(t, 20*time.Second, "etcd over TLS answers", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		_, err := cli.Get(ctx, "health")
@@ -170,14 +170,10 @@ func runAgentExpectingFailure(t *testing.T, args ...string) string {
 // unreadable or do not match.
 func TestMutualTLSToEtcd(t *testing.T) {
 	p := newPKI(t)
-	url := startTLSEtcd(t, p)
 	cert, key := p.issue(t, "agent", false)
-	tlsClient(t, url, p, cert, key, "", "") // etcd is up
-	agent := startAgent(t, url, "--etcd-cacert", p.CACert, "--etcd-cert", cert, "--etcd-key", key)
-	pl := newPlugin(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	if _, err := pl.add(ctx, netconf(uniq("net"), agent.Socket, dualStackIPAM("10.60.0.0/24", "fd60::/64")), "c1", "eth0", ""); err != nil {
+	f := newFixture(t, withTLSEtcd(p), withAgentFlags("--etcd-cacert", p.CACert, "--etcd-cert", cert, "--etcd-key", key))
+	url := f.Endpoint
+	if _, err := f.add(netconf(f.Pool, f.Agent.Socket, dualStackIPAM("10.60.0.0/24", "fd60::/64")), "c1", "eth0", ""); err != nil {
 		t.Fatalf("ADD over mTLS: %v", err)
 	}
 
@@ -214,11 +210,8 @@ func TestMutualTLSToEtcd(t *testing.T) {
 // write outside those prefixes.
 func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	p := newPKI(t)
-	url := startTLSEtcd(t, p)
-	rootCert, rootKey := p.issue(t, "root", false)
-	root := tlsClient(t, url, p, rootCert, rootKey, "", "")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
+	f := newFixture(t, withTLSEtcd(p), withoutAgent(), withTimeout(2*time.Minute))
+	root := f.Cli // its certificate is for user root
 	const cluster, user, pass = "prod-a", "leasehold-prod-a", "s3cret-Pa55word"
 	must := func(_ any, err error) {
 		t.Helper()
@@ -226,43 +219,42 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	must(root.UserAdd(ctx, "root", "rootpw"))
-	must(root.RoleAdd(ctx, "root"))
-	must(root.UserGrantRole(ctx, "root", "root"))
-	must(root.RoleAdd(ctx, user))
+	must(root.UserAdd(f.Ctx, "root", "rootpw"))
+	must(root.RoleAdd(f.Ctx, "root"))
+	must(root.UserGrantRole(f.Ctx, "root", "root"))
+	must(root.RoleAdd(f.Ctx, user))
 	for _, prefix := range keyspace.RolePrefixes(cluster) {
 		end := clientv3.GetPrefixRangeEnd(prefix)
-		must(root.RoleGrantPermission(ctx, user, prefix, end, clientv3.PermissionType(clientv3.PermReadWrite)))
+		must(root.RoleGrantPermission(f.Ctx, user, prefix, end, clientv3.PermissionType(clientv3.PermReadWrite)))
 	}
-	must(root.UserAdd(ctx, user, pass))
-	must(root.UserGrantRole(ctx, user, user))
-	must(root.AuthEnable(ctx))
+	must(root.UserAdd(f.Ctx, user, pass))
+	must(root.UserGrantRole(f.Ctx, user, user))
+	must(root.AuthEnable(f.Ctx))
 
 	cert, key := p.issue(t, "agent-prod-a", false)
 	agentEnv := os.Environ()
 	_ = agentEnv
 	t.Setenv("LEASEHOLD_ETCD_PASSWORD", pass)
-	agent := startAgent(t, url, "--cluster", cluster, "--etcd-cacert", p.CACert, "--etcd-cert", cert, "--etcd-key", key,
+	agent := f.startAgent("--cluster", cluster, "--etcd-cacert", p.CACert, "--etcd-cert", cert, "--etcd-key", key,
 		"--etcd-username", user)
-	pl := newPlugin(t)
-	conf := netconf(uniq("net"), agent.Socket, dualStackIPAM("10.61.0.0/24", "fd61::/64"))
-	if _, err := pl.add(ctx, conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+	conf := netconf(f.Pool, agent.Socket, dualStackIPAM("10.61.0.0/24", "fd61::/64"))
+	if _, err := f.add(conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Fatalf("ADD under the limited role: %v", err)
 	}
-	if err := pl.check(ctx, conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+	if err := f.check(conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Errorf("CHECK under the limited role: %v", err)
 	}
-	if err := pl.del(ctx, conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
+	if err := f.del(conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Errorf("DEL (with lease revoke) under the limited role: %v", err)
 	}
 	if strings.Contains(agent.logs.String(), pass) {
 		t.Errorf("the etcd password appears in the agent's logs")
 	}
-	limited := tlsClient(t, url, p, cert, key, user, pass)
-	if _, err := limited.Put(ctx, "/not-leasehold/x", "y"); err == nil || !strings.Contains(err.Error(), "permission denied") {
+	limited := tlsClient(t, f.Endpoint, p, cert, key, user, pass)
+	if _, err := limited.Put(f.Ctx, "/not-leasehold/x", "y"); err == nil || !strings.Contains(err.Error(), "permission denied") {
 		t.Errorf("the role must not write outside leasehold's prefixes; Put /not-leasehold/x: %v", err)
 	}
-	if _, err := limited.Put(ctx, keyspace.OwnerKey("other-cluster", "o", "eth0", "p"), "y"); err == nil {
+	if _, err := limited.Put(f.Ctx, keyspace.OwnerKey("other-cluster", "o", "eth0", "p"), "y"); err == nil {
 		t.Errorf("the role must not write another cluster's owner index")
 	}
 }

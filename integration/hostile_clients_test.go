@@ -1,0 +1,243 @@
+package integration
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/cniplugin/agentapi"
+)
+
+// TestHostileAgentClients attacks the agent socket directly: a request over the size
+// limit, a crowd of clients that connect and send nothing (or half a request), pools
+// of absurd shape. The agent refuses or answers in bounded time, and a normal ADD through
+// the plugin still succeeds within its timeout.
+func TestHostileAgentClients(t *testing.T) {
+	f := newFixture(t, withTimeout(5*time.Minute))
+	agent, pl, ctx := f.Agent, f.pl, f.Ctx
+	client := &agentapi.Client{Socket: agent.Socket, Timeout: 60 * time.Second}
+	// run sends inv as the plugin does and reads the answer as the runtime does.
+	run := func(inv *agentapi.Invocation) error {
+		out, err := client.Invoke(ctx, inv)
+		if err == nil {
+			_, err = out.Result()
+		}
+		return err
+	}
+	// add sends an ADD of container with conf as the plugin does.
+	add := func(conf []byte, container string) (allocator.Result, error) {
+		out, err := client.Invoke(ctx, agentapi.NewInvocation("ADD", conf, container, "eth0"))
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		return out.Result()
+	}
+	name := f.Pool
+	conf := netconf(name, agent.Socket, dualStackIPAM("10.88.0.0/16", "fd88::/64"))
+	var cfg map[string]any
+	_ = json.Unmarshal(conf, &cfg)
+	cfg["ipam"].(map[string]any)["timeout"] = "5s"
+	conf, _ = json.Marshal(cfg)
+	normalAdd := func(t *testing.T, what string) {
+		t.Helper()
+		start := time.Now()
+		c := uniq("ctr")
+		if _, err := pl.add(ctx, conf, c, "eth0", "K8S_POD_UID="+uniq("uid-")); err != nil {
+			t.Fatalf("%s: a normal ADD failed: %v", what, err)
+		}
+		if took := time.Since(start); took > 5*time.Second {
+			t.Errorf("%s: a normal ADD took %s, more than its 5s timeout", what, took)
+		}
+	}
+
+	// Over MaxMessageSize: refused with code 6 naming the limit, read no further, and the
+	// agent serves on.
+	t.Run("2 MiB request", func(t *testing.T) {
+		big := []byte(`{"version":1,"op":"cni","timeoutMs":5000,"request":{"command":"ADD","stdin":"` + strings.Repeat("x", 2<<20) + `"}}`)
+		resp, err := rawAgentCall(agent.Socket, big, 20*time.Second)
+		if err != nil {
+			t.Fatalf("no answer to a 2 MiB request: %v", err)
+		}
+		if resp.Error == nil || resp.Error.Code != agentapi.CodeDecodingFailure || !strings.Contains(resp.Error.Msg, "1048576") {
+			t.Errorf("2 MiB request answered %+v; want code 6 naming the 1048576-byte limit", resp)
+		}
+		// The client refuses to send it at all.
+		inv := agentapi.NewInvocation("ADD", conf, "c", "eth0")
+		inv.Args = "K8S_POD_NAME=" + strings.Repeat("p", 2<<20)
+		if _, err := client.Invoke(ctx, inv); agentapi.CodeOf(err) != agentapi.CodeDecodingFailure {
+			t.Errorf("Client sent a 2 MiB request: %v", err)
+		}
+		normalAdd(t, "after a 2 MiB request")
+	})
+
+	// 100 connections that send nothing (50) or half a request (50) and stay open. A
+	// normal ADD goes through meanwhile, and the agent closes every one of them within
+	// its 10 s read limit.
+	t.Run("100 silent connections", func(t *testing.T) {
+		var conns []net.Conn
+		for i := range 100 {
+			c, err := net.Dial("unix", agent.Socket)
+			if err != nil {
+				t.Fatalf("connection %d: %v", i, err)
+			}
+			conns = append(conns, c)
+			if i%2 == 1 {
+				if _, err := c.Write([]byte(`{"version":1,"op":"cni","request":{"stdin":"`)); err != nil {
+					t.Fatalf("connection %d: %v", i, err)
+				}
+			}
+		}
+		opened := time.Now()
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		normalAdd(t, "with 100 silent connections open")
+		if err := run(agentapi.NewInvocation("STATUS", conf, "", "")); err != nil {
+			t.Errorf("STATUS with 100 silent connections open: %v", err)
+		}
+		var wg sync.WaitGroup
+		closedAfter := make([]time.Duration, len(conns))
+		for i, c := range conns {
+			wg.Go(func() {
+				_ = c.SetReadDeadline(opened.Add(15 * time.Second))
+				_, _ = io.Copy(io.Discard, c)
+				closedAfter[i] = time.Since(opened)
+			})
+		}
+		wg.Wait()
+		if worst := slices.Max(closedAfter); worst > 13*time.Second {
+			t.Errorf("the agent held a silent connection for %s; its read limit is 10s", worst)
+		}
+	})
+
+	// One range set of 10,000 ranges (about 270 KB of JSON, inside the size limit): it
+	// once took seconds of CPU per request (quadratic canonicalization); now refused.
+	t.Run("10000 ranges", func(t *testing.T) {
+		var set allocator.RangeSet
+		for i := range 10000 {
+			set = append(set, allocator.Range{Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{100, byte(64 + i/256), byte(i % 256), 0}), 24)})
+		}
+		pool := uniq("h10k")
+		start := time.Now()
+		res, err := add(netconf(pool, agent.Socket, map[string]any{"ranges": []allocator.RangeSet{set}}), uniq("ctr"))
+		took := time.Since(start)
+		t.Logf("ADD with a 10,000-range pool answered in %s: %v %v", took, res, err)
+		// Canonicalizing compares ranges pairwise, so leasehold bounds them per set
+		// (allocator.MaxRangesPerSet): refused at once, naming the limit.
+		if took > 5*time.Second {
+			t.Errorf("ADD with a 10,000-range pool took %s", took)
+		}
+		if code := agentapi.CodeOf(err); code != agentapi.CodeInvalidNetworkConfig || !strings.Contains(err.Error(), "more than the 1024") {
+			t.Errorf("ADD with a 10,000-range pool: code %d (%v); want code 7 naming the limit", code, err)
+		}
+		normalAdd(t, "after a 10,000-range pool")
+	})
+
+	// ::/0: the whole IPv6 space as one range. Sizes are big integers, candidates are
+	// found without iterating: a quick, correct answer, and DEL works.
+	t.Run("IPv6 /0", func(t *testing.T) {
+		all6 := netconf(uniq("hall6"), agent.Socket, map[string]any{"ranges": []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("::/0")}}}})
+		container := uniq("ctr")
+		start := time.Now()
+		res, err := add(all6, container)
+		if err != nil {
+			t.Fatalf("ADD from ::/0: %v", err)
+		}
+		if took := time.Since(start); took > 5*time.Second {
+			t.Errorf("ADD from ::/0 took %s", took)
+		}
+		if a := res.IPs[0].Address; len(res.IPs) != 1 || a.Bits() != 0 || !a.Addr().Is6() || a.Addr() == netip.MustParseAddr("::1") {
+			t.Errorf("ADD from ::/0 gave %v; want one IPv6 address /0 that is not the gateway ::1", res.IPs)
+		}
+		if err := run(agentapi.NewInvocation("STATUS", all6, "", "")); err != nil {
+			t.Errorf("STATUS of ::/0: %v", err)
+		}
+		if err := run(agentapi.NewInvocation("DEL", all6, container, "eth0")); err != nil {
+			t.Errorf("DEL from ::/0: %v", err)
+		}
+	})
+
+	// Range sets: an ADD claims one address from each in a single etcd transaction, which
+	// etcd bounds (128 operations by default), so a pool may have at most
+	// allocator.MaxRangeSets. At the limit an ADD gets one address per set; one more, or
+	// 2,000 (whose canonicalization once cost time cubic in their number), is refused at
+	// once with code 7 naming the limit, never answered with code 11 ("try again later")
+	// that the runtime would retry forever.
+	t.Run("range sets limit", func(t *testing.T) {
+		add := func(n int) (allocator.Result, time.Duration, error) {
+			var sets []allocator.RangeSet
+			for i := range n {
+				sets = append(sets, allocator.RangeSet{{Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{100, byte(100 + i/256), byte(i % 256), 0}), 24)}})
+			}
+			start := time.Now()
+			res, err := add(netconf(uniq(fmt.Sprintf("h%dsets", n)), agent.Socket, map[string]any{"ranges": sets}), uniq("ctr"))
+			return res, time.Since(start), err
+		}
+		if res, _, err := add(allocator.MaxRangeSets); err != nil || len(res.IPs) != allocator.MaxRangeSets {
+			t.Errorf("ADD with %d range sets: %d addresses, %v", allocator.MaxRangeSets, len(res.IPs), err)
+		}
+		for _, n := range []int{allocator.MaxRangeSets + 1, 42, 2000} {
+			_, took, err := add(n)
+			if code := agentapi.CodeOf(err); code != agentapi.CodeInvalidNetworkConfig || !strings.Contains(err.Error(), fmt.Sprint(allocator.MaxRangeSets)) {
+				t.Errorf("ADD with %d range sets: code %d (%v); want code 7 naming the limit %d", n, code, err, allocator.MaxRangeSets)
+			}
+			if took > 2*time.Second {
+				t.Errorf("refusing %d range sets took %s", n, took)
+			}
+		}
+		normalAdd(t, "after too many range sets")
+	})
+}
+
+// rawAgentCall writes payload to the agent socket, half-closes and reads one response.
+func rawAgentCall(socket string, payload []byte, timeout time.Duration) (*agentapi.WireResponse, error) {
+	conn, err := net.Dial("unix", socket)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(timeout))
+	go func() {
+		_, _ = conn.Write(payload) // the agent stops reading at its limit and answers
+		_ = conn.(*net.UnixConn).CloseWrite()
+	}()
+	var resp agentapi.WireResponse
+	if err := json.NewDecoder(conn).Decode(&resp); err != nil {
+		return nil, err
+	}
+	return &resp, nil
+}
+
+// squash lower-cases s and drops spaces, so that "container ID", "containerID" and
+// "CNI_CONTAINERID" all contain "containerid".
+func squash(s string) string {
+	return strings.ReplaceAll(strings.ToLower(s), " ", "")
+}
+
+// clip shortens s for messages: hostile values are up to 10 KB.
+func clip(s string) string {
+	if len(s) > 120 {
+		return fmt.Sprintf("%.120s...(%d bytes)", s, len(s))
+	}
+	return s
+}
+
+func grepLines(s, word string) string {
+	var out []string
+	for line := range strings.SplitSeq(s, "\n") {
+		if strings.Contains(line, word) {
+			out = append(out, clip(line))
+		}
+	}
+	return strings.Join(out, "\n")
+}
