@@ -30,7 +30,7 @@ type Config struct {
 	// GCGrace protects attachments created less than this long ago from CNI GC; default
 	// DefaultGCGrace, negative for none.
 	GCGrace time.Duration
-	// StateDir holds the local journal of this node's pods (one file each); empty keeps
+	// StateDir holds the local journal of this node's pods (one file, <dir>/journal); empty keeps
 	// none, and a restart after a lease loss then cannot re-claim.
 	StateDir string
 	// LivenessInterval is how often the agent looks for sandboxes whose network namespace
@@ -62,7 +62,7 @@ type Config struct {
 	Logger  *slog.Logger
 }
 
-// Defaults of Config, each with its reason in ARCHITECTURE.md ("Lease lifecycle").
+// Defaults of Config, each with its reason in ARCHITECTURE.md ("The pod lease lifecycle").
 const (
 	DefaultLeaseTTL         = 90 * time.Second
 	DefaultQuarantine       = 30 * time.Second
