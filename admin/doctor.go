@@ -7,8 +7,9 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Kinds of doctor findings; scripts match on them (-o json "kind").

@@ -11,9 +11,10 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // lostResponseKV is etcd's KV with one twist: while armed, the next transaction that etcd

@@ -15,9 +15,10 @@ import (
 	"syscall"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // Files the default node UID is read from.

@@ -10,10 +10,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/keyspace"
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Keeper owns the agent's leases: it pre-grants a few so that an ADD for a new pod costs one

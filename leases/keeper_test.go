@@ -10,9 +10,10 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // TestRenewNowRenewsEveryLeaseAndNamesTheGone: a restarted agent renews all resumed pod

@@ -9,9 +9,10 @@ import (
 	"strings"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/keyspace"
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // nodeJSON is one row of node list (-o json: an array of these). A node with pod records but

@@ -8,8 +8,9 @@ import (
 	"slices"
 	"time"
 
-	"github.com/leasehold/leasehold/keyspace"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // The occupancy sweep's pools: leasehold's in etcd, host-local's in its data directory,
