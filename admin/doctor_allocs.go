@@ -164,17 +164,11 @@ func (c *checker) allocations() {
 
 // rangeProblem says why spec does not hand out ip.
 func rangeProblem(spec allocator.PoolSpec, ip netip.Addr) string {
-	for _, s := range spec.Ranges {
-		for _, r := range s {
-			if r.Gateway == ip {
-				return "it is the gateway of range " + r.String()
-			}
-		}
+	if r, ok := spec.GatewayOf(ip); ok {
+		return "it is the gateway of range " + r.String()
 	}
-	for _, x := range spec.Exclude {
-		if x.Contains(ip) {
-			return "it is excluded by " + x.String()
-		}
+	if x, ok := spec.ExcludedBy(ip); ok {
+		return "it is excluded by " + x.String()
 	}
 	return "it lies in no range of the pool (" + spec.String() + ")"
 }

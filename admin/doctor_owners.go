@@ -192,7 +192,7 @@ func (c *checker) duplicates() {
 	}
 	for i, p := range valid {
 		for _, q := range valid[i+1:] {
-			if !overlaps(p.Value, q.Value) {
+			if !p.Value.Overlaps(q.Value) {
 				continue
 			}
 			for ip, a := range byPool[p.Name] {
@@ -212,15 +212,4 @@ func (c *checker) duplicates() {
 			}
 		}
 	}
-}
-
-func overlaps(a, b allocator.PoolSpec) bool {
-	for _, s := range a.Ranges {
-		for _, t := range b.Ranges {
-			if s.Overlaps(t) {
-				return true
-			}
-		}
-	}
-	return false
 }

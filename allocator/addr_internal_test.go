@@ -84,9 +84,9 @@ func TestExcludedBy(t *testing.T) {
 		{"1.1.1.1", ""},               // before everything
 	}
 	for _, tt := range tests {
-		x, ok := p.excludedBy(netip.MustParseAddr(tt.addr))
+		x, ok := p.ExcludedBy(netip.MustParseAddr(tt.addr))
 		if got := map[bool]string{true: x.String(), false: ""}[ok]; got != tt.want {
-			t.Errorf("excludedBy(%s) = %q, want %q", tt.addr, got, tt.want)
+			t.Errorf("ExcludedBy(%s) = %q, want %q", tt.addr, got, tt.want)
 		}
 	}
 }

@@ -87,9 +87,9 @@ func joinPrefixes(ps []netip.Prefix) string {
 	return strings.Join(parts, ", ")
 }
 
-// excludedBy returns the exclude prefix containing a, if any. p.Exclude must be
+// ExcludedBy returns the exclude prefix containing a, if any. p.Exclude must be
 // canonical (sorted and disjoint), so a binary search finds it.
-func (p *PoolSpec) excludedBy(a netip.Addr) (netip.Prefix, bool) {
+func (p *PoolSpec) ExcludedBy(a netip.Addr) (netip.Prefix, bool) {
 	i := sort.Search(len(p.Exclude), func(i int) bool { return a.Less(p.Exclude[i].Addr()) })
 	if i > 0 && p.Exclude[i-1].Contains(a) {
 		return p.Exclude[i-1], true
@@ -97,9 +97,9 @@ func (p *PoolSpec) excludedBy(a netip.Addr) (netip.Prefix, bool) {
 	return netip.Prefix{}, false
 }
 
-// gatewayOf returns a range of p (of any set) whose gateway is a. A gateway is never
+// GatewayOf returns a range of p (of any set) whose gateway is a. A gateway is never
 // handed out, whichever range it lies in: pods of the range that names it route through it.
-func (p *PoolSpec) gatewayOf(a netip.Addr) (Range, bool) {
+func (p *PoolSpec) GatewayOf(a netip.Addr) (Range, bool) {
 	for _, s := range p.Ranges {
 		for _, r := range s {
 			if r.Gateway == a {
@@ -148,7 +148,7 @@ func (p *PoolSpec) SetSize(i int) *big.Int {
 		}
 	}
 	for _, gw := range p.appendGateways(nil, set.Family()) {
-		if _, excluded := p.excludedBy(gw); set.Contains(gw) && !excluded {
+		if _, excluded := p.ExcludedBy(gw); set.Contains(gw) && !excluded {
 			n.Sub(n, big.NewInt(1))
 		}
 	}
@@ -200,11 +200,11 @@ func (p *PoolSpec) Allocatable(addr netip.Addr) error {
 		return fmt.Errorf("%w: %s lies in no range of pool %s (ranges: %s); request an address inside one",
 			ErrNotInRange, addr, p.Name, p.rangesString())
 	}
-	if r, ok := p.gatewayOf(addr); ok {
+	if r, ok := p.GatewayOf(addr); ok {
 		return fmt.Errorf("%w: %s is the gateway of range %s in pool %s; request another address",
 			ErrNotInRange, addr, r, p.Name)
 	}
-	if x, ok := p.excludedBy(addr); ok {
+	if x, ok := p.ExcludedBy(addr); ok {
 		return fmt.Errorf("%w: %s is excluded by %s in pool %s; request an address outside the excludes",
 			ErrNotInRange, addr, x, p.Name)
 	}
@@ -277,4 +277,17 @@ func (p *PoolSpec) RangeSize(set, rng int) *big.Int {
 		}
 	}
 	return n
+}
+
+// Overlaps tells whether any range of p overlaps any range of o: two pools that could both
+// hand out one address.
+func (p *PoolSpec) Overlaps(o PoolSpec) bool {
+	for _, s := range p.Ranges {
+		for _, t := range o.Ranges {
+			if s.Overlaps(t) {
+				return true
+			}
+		}
+	}
+	return false
 }

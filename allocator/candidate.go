@@ -84,11 +84,11 @@ type scan struct {
 // walk returns the first free address in [lo, hi], jumping over excluded prefixes.
 func (sc *scan) walk(lo, hi netip.Addr) (netip.Addr, bool) {
 	for c := lo; c.IsValid() && c.Compare(hi) <= 0; {
-		if x, ok := sc.p.excludedBy(c); ok {
+		if x, ok := sc.p.ExcludedBy(c); ok {
 			c = lastAddr(x).Next() // zero at the end of the address space: the loop ends
 			continue
 		}
-		if _, ok := sc.p.gatewayOf(c); ok {
+		if _, ok := sc.p.GatewayOf(c); ok {
 			c = c.Next()
 			continue
 		}
