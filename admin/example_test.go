@@ -24,7 +24,7 @@ import (
 // An operator defines a pool before any network uses it. Defining it again is a no-op when
 // the definitions allocate the same addresses, however spelled; a different one is refused.
 func ExampleCreatePool() {
-	ctx, cli, done, err := exampleClient()
+	ctx, cli, done, err := etcdtest.Connect()
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -56,7 +56,7 @@ func ExampleCreatePool() {
 // A full pool grows by another range; the pool's allocations stay where they are. ReadState
 // then shows the stored definition, with host-local's defaults filled in.
 func ExampleAddRange() {
-	ctx, cli, done, err := exampleClient()
+	ctx, cli, done, err := etcdtest.Connect()
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -96,7 +96,7 @@ func ExampleAddRange() {
 // it would never expire. ReadKeys narrows the read to one pool and one cluster (ReadState
 // reads everything).
 func ExampleCheck() {
-	ctx, cli, done, err := exampleClient()
+	ctx, cli, done, err := etcdtest.Connect()
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -228,21 +228,10 @@ func ExampleListAllocations() {
 	// 10.78.5.11 pod-uid-0 default/web-0 node-1 on a lease: true
 }
 
-// exampleClient dials the examples' etcd as a program dials its own (keyspace.ClientConfig);
-// done closes the client.
-func exampleClient() (ctx context.Context, cli *clientv3.Client, done func(), err error) {
-	cli, err = keyspace.ClientConfig{Endpoints: []string{etcdtest.Endpoint}}.Dial()
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	return ctx, cli, func() { cancel(); cli.Close() }, nil
-}
-
-// exampleAgent also starts the agent of node-1 in cluster "example", as ExampleStart shows
-// in full; done stops it and closes the client.
+// exampleAgent connects to etcd and starts the agent of node-1 in cluster "example", as
+// leases' ExampleStart shows in full; done stops it and closes the client.
 func exampleAgent() (ctx context.Context, cli *clientv3.Client, agent *leases.Agent, done func(), err error) {
-	ctx, cli, closeCli, err := exampleClient()
+	ctx, cli, closeCli, err := etcdtest.Connect()
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}

@@ -175,7 +175,7 @@ func ExampleAgent_Del() {
 // node identity (Cluster, Node, NodeUID) adopts them, so the node's pods keep their addresses
 // across an agent upgrade.
 func ExampleAgent_Close() {
-	ctx, cli, done, err := exampleClient()
+	ctx, cli, done, err := etcdtest.Connect()
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -212,7 +212,7 @@ func ExampleAgent_Close() {
 // from Take lives while the keeper renews the lease (or, after Close, for one TTL), and Revoke
 // deletes it at once.
 func ExampleNewKeeper() {
-	ctx, cli, done, err := exampleClient()
+	ctx, cli, done, err := etcdtest.Connect()
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -247,21 +247,10 @@ func ExampleNewKeeper() {
 	// after Revoke: 0 false <nil>
 }
 
-// exampleClient dials the examples' etcd as a program dials its own (keyspace.ClientConfig);
-// done closes the client.
-func exampleClient() (ctx context.Context, cli *clientv3.Client, done func(), err error) {
-	cli, err = keyspace.ClientConfig{Endpoints: []string{etcdtest.Endpoint}}.Dial()
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	return ctx, cli, func() { cancel(); cli.Close() }, nil
-}
-
-// exampleAgent also starts the agent of node-1 in cluster "example", as ExampleStart shows
-// in full; done stops it and closes the client.
+// exampleAgent connects to etcd and starts the agent of node-1 in cluster "example", as
+// leases' ExampleStart shows in full; done stops it and closes the client.
 func exampleAgent() (ctx context.Context, cli *clientv3.Client, agent *leases.Agent, done func(), err error) {
-	ctx, cli, closeCli, err := exampleClient()
+	ctx, cli, closeCli, err := etcdtest.Connect()
 	if err != nil {
 		return nil, nil, nil, nil, err
 	}

@@ -15,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Endpoint is the client URL of the member Main started; tests keep apart by using their own
@@ -57,6 +58,17 @@ func Start() (srv *etcdserver.Server, stop func(), err error) {
 	}
 	os.RemoveAll(dir)
 	return nil, nil, err
+}
+
+// Connect dials Endpoint the way a program dials its etcd (keyspace.ClientConfig), for the
+// runnable examples, which have no *testing.T. done cancels ctx (30 s) and closes the client.
+func Connect() (ctx context.Context, cli *clientv3.Client, done func(), err error) {
+	cli, err = keyspace.ClientConfig{Endpoints: []string{Endpoint}}.Dial()
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	return ctx, cli, func() { cancel(); cli.Close() }, nil
 }
 
 // Client returns a client of Endpoint, closed when the test ends.
