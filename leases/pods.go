@@ -133,7 +133,7 @@ func (t *pods) lose(id clientv3.LeaseID) []string {
 	defer t.mu.Unlock()
 	var owners []string
 	for owner, ps := range t.m {
-		if ps.lease.id == id && !ps.lease.lost() {
+		if ps.lease.id == id {
 			ps.lease.lose()
 			owners = append(owners, owner)
 		}
