@@ -62,6 +62,7 @@ const (
 
 type fixtureConfig struct {
 	etcd       etcdKind
+	etcdFlags  []string
 	pki        *pki
 	agents     int
 	agentFlags []string
@@ -71,6 +72,12 @@ type fixtureConfig struct {
 
 // fixtureOption changes what newFixture builds.
 type fixtureOption func(*fixtureConfig)
+
+// withEtcdFlags adds flags to the command line of the default single etcd process
+// (--quota-backend-bytes, say).
+func withEtcdFlags(flags ...string) fixtureOption {
+	return func(c *fixtureConfig) { c.etcdFlags = append(c.etcdFlags, flags...) }
+}
 
 // withThreeMemberEtcd runs a three-member etcd cluster of separate processes instead of
 // one member.
@@ -140,7 +147,7 @@ func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
 	agents := cfg.agents
 	switch cfg.etcd {
 	case etcdProcessKind:
-		f.Etcd = startEtcdProcess(t)
+		f.Etcd = startEtcdProcess(t, cfg.etcdFlags...)
 		f.Endpoint = f.Etcd.URL
 		f.Cli = etcdClient(t, f.Endpoint)
 	case etcdThreeMembersKind:

@@ -53,10 +53,10 @@ type etcdProc struct {
 // waits until it answers. A port found free can be taken by another process before etcd
 // binds it (test packages run in parallel), so an etcd that exits at once is started again
 // on new ports.
-func startEtcdProcess(t testing.TB) *etcdProc {
+func startEtcdProcess(t testing.TB, flags ...string) *etcdProc {
 	t.Helper()
 	for attempt := 1; ; attempt++ {
-		p, logs := tryEtcdProcess(t)
+		p, logs := tryEtcdProcess(t, flags...)
 		if p != nil {
 			return p
 		}
@@ -67,7 +67,8 @@ func startEtcdProcess(t testing.TB) *etcdProc {
 }
 
 // tryEtcdProcess returns etcd once it answers, or nil and its output when it exited first.
-func tryEtcdProcess(t testing.TB) (*etcdProc, string) {
+// flags are added to etcd's command line.
+func tryEtcdProcess(t testing.TB, flags ...string) (*etcdProc, string) {
 	t.Helper()
 	ctx := context.Background()
 	curl, err := etcdserver.FreeLoopbackURL(ctx)
@@ -84,6 +85,7 @@ func tryEtcdProcess(t testing.TB) (*etcdProc, string) {
 		"--listen-client-urls", curl, "--advertise-client-urls", curl,
 		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
 		"--initial-cluster", "it="+purl, "--log-level", "error")
+	cmd.Args = append(cmd.Args, flags...)
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start etcd: %v", err)

@@ -23,10 +23,11 @@ func httpGet(t *testing.T, url string) (int, string) {
 	return resp.StatusCode, string(b)
 }
 
-// metricValue finds one sample in Prometheus text output by name and label substring.
+// metricValue finds one sample in Prometheus text output by name and label substring ("" for
+// a metric without labels).
 func metricValue(t *testing.T, text, name, labels string) float64 {
 	t.Helper()
-	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + `\{([^}]*)\} (\S+)$`)
+	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + `(?:\{([^}]*)\})? (\S+)$`)
 	for _, m := range re.FindAllStringSubmatch(text, -1) {
 		if strings.Contains(m[1], labels) {
 			v, err := strconv.ParseFloat(m[2], 64)

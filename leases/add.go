@@ -153,6 +153,9 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	a.metrics.rtt("claim", start)
 	if err != nil {
 		p.view.settle(reserved, 0)
+		if refused(err) {
+			return a.claimRefused(owner, st, lease, known, err)
+		}
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
@@ -165,7 +168,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// late by a new leader. The next claim finds the owner index (the lost one applied:
 		// its addresses are returned) or claims afresh on the same lease.
 		st.unanswered++
-		if st.unanswered > maxUnanswered || rejected(err) || ctx.Err() != nil {
+		if st.unanswered > maxUnanswered || ctx.Err() != nil {
 			return allocator.Result{}, false, a.unavailable("claim addresses", err)
 		}
 		a.log.Warn("claim unanswered; sending it again", "owner", owner, "attempt", st.unanswered, "err", err)
@@ -189,6 +192,31 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	p.view.settle(reserved, 0)
 	return a.learn(ctx, p, st, requested, lease, out)
+}
+
+// claimRefused handles a claim etcd refused: it applied nothing, so nothing is unsure. A
+// fresh lease etcd no longer has (a spare that expired or was revoked from outside) is
+// forgotten and the ADD tries again on another. A known pod's lease that is gone takes the
+// pod's keys with it: the pod is queued for re-claim, and the runtime's retry finds it
+// re-claimed. Any other refusal (the NOSPACE alarm, a missing permission, too many requests)
+// is the ADD's answer, naming the cause.
+func (a *Agent) claimRefused(owner string, st *addState, lease clientv3.LeaseID, known bool, err error) (allocator.Result, bool, error) {
+	switch {
+	case leaseGone(err) && !known:
+		a.keeper.Forget(lease)
+		st.fresh = 0
+		a.log.Warn("a spare lease was gone from etcd; claiming on another", "owner", owner, "lease", keyspace.LeaseHex(lease))
+		return allocator.Result{}, false, nil
+	case leaseGone(err):
+		a.keeper.Forget(lease)
+		a.leaseLost(lease)
+		return allocator.Result{}, false, fmt.Errorf("%w: the lease %s of owner %s is gone from etcd, and its addresses with it; "+
+			"they are being re-claimed: retry", allocator.ErrUnavailable, keyspace.LeaseHex(lease), owner)
+	case noSpace(err):
+		return allocator.Result{}, false, fmt.Errorf("%w: etcd is out of space (its NOSPACE alarm is raised) and takes no new "+
+			"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
+	}
+	return allocator.Result{}, false, a.unavailable("etcd refused the claim", err)
 }
 
 // learn acts on what a failed claim found: the attachment may exist already (an idempotent

@@ -2,15 +2,11 @@ package leases
 
 import (
 	"context"
-	"errors"
 	"slices"
 	"sync"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // maxTxnOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
@@ -149,7 +145,7 @@ func (b *claimBatcher) run(batch []*queued) {
 	}
 	resp, err := b.cli.Txn(ctx).If(cmps...).Then(puts...).Commit()
 	switch {
-	case err != nil && !rejected(err):
+	case err != nil && !refused(err):
 		b.m.claimBatches.WithLabelValues("lost").Inc()
 		for _, c := range batch {
 			c.err = err
@@ -161,9 +157,9 @@ func (b *claimBatcher) run(batch []*queued) {
 			c.resp = &clientv3.TxnResponse{Header: resp.Header, Succeeded: true}
 		}
 	default:
-		// Some compare failed, or etcd refused the batch outright (a --max-txn-ops below the
-		// default, say) and applied nothing: each claim alone, so that each learns its own
-		// outcome.
+		// Some compare failed, or etcd refused the batch outright and applied nothing (a
+		// --max-txn-ops below the default, or one claim's lease gone): each claim alone, so
+		// that each learns its own outcome.
 		b.m.claimBatches.WithLabelValues("split").Inc()
 		var wg sync.WaitGroup
 		for _, c := range batch {
@@ -173,11 +169,4 @@ func (b *claimBatcher) run(batch []*queued) {
 		}
 		wg.Wait()
 	}
-}
-
-// rejected tells whether etcd refused a request as invalid, so that it certainly applied
-// nothing: too many operations, a request too large, a key put twice.
-func rejected(err error) bool {
-	var ee rpctypes.EtcdError
-	return errors.As(err, &ee) && ee.Code() == codes.InvalidArgument || status.Code(err) == codes.InvalidArgument
 }

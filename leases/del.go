@@ -93,18 +93,38 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 	r := &release{pool: pool, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
 		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
 		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
-	for range 3 {
+	quarantine := a.cfg.Quarantine >= 0
+	for attempt := 0; attempt < 3; attempt++ {
 		octx, cancel := a.opCtx(ctx)
-		until, err := a.quarantine(octx, r, owner)
-		if err != nil {
-			cancel()
-			return -1, err
+		var until time.Time
+		r.qLease = 0
+		if quarantine && len(r.addrs) > 0 {
+			lease, u, err := a.keeper.QuarantineLease(octx, a.cfg.Quarantine)
+			switch {
+			case noSpace(err):
+				quarantine = false
+				a.withoutQuarantine(r, owner, err)
+			case err != nil:
+				cancel()
+				return -1, a.unavailable("quarantine released addresses", err)
+			default:
+				until = u.UTC()
+				r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until}
+			}
 		}
 		cmps, then, els := r.txn()
 		start := time.Now()
 		resp, err := a.cli.Txn(octx).If(cmps...).Then(then...).Else(els...).Commit()
 		a.metrics.rtt("release", start)
 		cancel()
+		if noSpace(err) && r.qLease != 0 {
+			// The quarantine keys are the release's only puts, and etcd takes no put under
+			// its NOSPACE alarm: release without them, or the pod could never be deleted.
+			quarantine = false
+			a.withoutQuarantine(r, owner, err)
+			attempt--
+			continue
+		}
 		if err != nil {
 			return -1, a.unavailable("release "+r.ownerKey, err)
 		}
@@ -136,18 +156,13 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
 }
 
-// quarantine gets r a quarantine lease for its addresses and says until when they rest
-// (zero: no quarantine).
-func (a *Agent) quarantine(ctx context.Context, r *release, owner string) (time.Time, error) {
-	if a.cfg.Quarantine < 0 || len(r.addrs) == 0 {
-		return time.Time{}, nil
-	}
-	lease, until, err := a.keeper.QuarantineLease(ctx, a.cfg.Quarantine)
-	if err != nil {
-		return time.Time{}, a.unavailable("quarantine released addresses", err)
-	}
-	r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until.UTC()}
-	return until.UTC(), nil
+// withoutQuarantine records that r's addresses go back without quarantine: etcd is out of
+// space, takes no put and no lease grant, and a DEL that waited for it would block the very
+// pod deletions an operator makes to free space.
+func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
+	a.metrics.unquarantined.Inc()
+	a.log.Warn("etcd is out of space (NOSPACE alarm): releasing without quarantine; the addresses may be handed out again at once",
+		"owner", owner, "pool", r.pool, "ips", r.addrs, "err", err)
 }
 
 // dropPodIfEmpty gives up the owner's pod lease once the owner has no attachment left in this

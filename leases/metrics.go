@@ -26,6 +26,8 @@ type metrics struct {
 
 	claimBatches  *prometheus.CounterVec
 	claimsBatched prometheus.Counter
+	// unquarantined counts releases made without quarantine because etcd was out of space.
+	unquarantined prometheus.Counter
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -61,8 +63,12 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_claims_batched_total",
 			Help: "Claims committed as part of a batch.",
 		}),
+		unquarantined: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_releases_without_quarantine_total",
+			Help: "Attachments released without quarantining their addresses because etcd was out of space (NOSPACE alarm).",
+		}),
 	}
-	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched,
+	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_leases_held",
 			Help: "Leases this agent keeps alive: pods, the node, pre-granted spares.",
