@@ -83,6 +83,19 @@ func newMetrics(a *Agent) *metrics {
 		}, func() float64 {
 			return float64(a.pods.count())
 		}),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "leasehold_journal_write_failures_total",
+			Help: "Writes of the local journal that failed (a full or failing --state-dir disk); each is retried until one succeeds.",
+		}, func() float64 { return float64(a.jw.failures.Load()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_journal_healthy",
+			Help: "1 while the local journal is written; 0 from a failed write until a retry writes every change it missed.",
+		}, func() float64 {
+			if a.jw.health() != nil {
+				return 0
+			}
+			return 1
+		}),
 		&poolCollector{a: a},
 	)
 	return m
@@ -165,14 +178,19 @@ func (a *Agent) Metrics() *prometheus.Registry { return a.metrics.reg }
 // ErrNotReady is wrapped by Ready's errors.
 var ErrNotReady = errors.New("agent not ready")
 
-// Ready reports whether the agent can serve ADDs: it has heard from etcd within the last
-// few seconds, or etcd answers a small read now. It backs leaseholdd's /readyz.
+// Ready reports whether the agent can serve ADDs and keep them: it has heard from etcd within
+// the last few seconds, or etcd answers a small read now, and its journal is being written.
+// It backs leaseholdd's /readyz. While the journal cannot be written the error also wraps
+// ErrJournalUnwritable; ADDs still succeed then (journalWriter.save).
 func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
 	}
 	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
 		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
+	}
+	if err := a.jw.health(); err != nil {
+		return fmt.Errorf("%w: %w", ErrNotReady, err)
 	}
 	return nil
 }

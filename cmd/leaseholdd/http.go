@@ -15,7 +15,7 @@ import (
 )
 
 // serveHTTP serves /metrics, /healthz and /readyz on addr until ctx ends. /healthz says the
-// process serves; /readyz that the agent can serve ADDs (etcd answers).
+// process serves; /readyz that the agent can serve ADDs (etcd answers) and its journal is written.
 func serveHTTP(ctx context.Context, addr string, agent *leases.Agent, log *slog.Logger) (func(), error) {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(agent.Metrics(), promhttp.HandlerOpts{}))

@@ -1,0 +1,326 @@
+//go:build linux
+
+package leases
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// smallDisk is a 64 KiB tmpfs, so that the journal meets a real ENOSPC: fill takes its
+// last free byte, free gives the room back.
+type smallDisk struct{ dir, filler string }
+
+func newSmallDisk(t *testing.T) *smallDisk {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("mounting a tmpfs needs root")
+	}
+	dir := t.TempDir()
+	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=64k,mode=0700"); err != nil {
+		t.Skipf("mount a tmpfs on %s: %v", dir, err)
+	}
+	t.Cleanup(func() { // after the agents' and writers' cleanups, registered later
+		if err := syscall.Unmount(dir, syscall.MNT_DETACH); err != nil {
+			t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+	// The filler lives outside the state directory: the journal must not see it.
+	state := filepath.Join(dir, "state")
+	if err := os.Mkdir(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return &smallDisk{dir: state, filler: filepath.Join(dir, "filler")}
+}
+
+func (d *smallDisk) fill(t *testing.T) {
+	t.Helper()
+	f, err := os.OpenFile(d.filler, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 4096)
+	for {
+		if _, err := f.Write(buf); errors.Is(err, syscall.ENOSPC) {
+			return
+		} else if err != nil {
+			t.Fatalf("fill the disk: %v", err)
+		}
+	}
+}
+
+func (d *smallDisk) free(t *testing.T) {
+	t.Helper()
+	if err := os.Remove(d.filler); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// pollUntil checks cond every 20 ms until it holds, and fails the test after d.
+func pollUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(d); !cond(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatalf("after %v: %s", d, what)
+		}
+	}
+}
+
+// logLines is a slog handler's output, safe to read while the writer logs.
+type logLines struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *logLines) count(msg string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Count(l.buf.String(), fmt.Sprintf("msg=%q", msg))
+}
+
+func (l *logLines) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+const (
+	journalFailedMsg    = "journal write failed; re-claim after a lease loss may miss pods"
+	journalRecoveredMsg = "journal written again after failed writes; it holds every pod"
+)
+
+// journalOwners loads the journal in dir: its owners, and what load reported.
+func journalOwners(dir string) ([]string, []error) {
+	l, errs := journal{dir: dir}.load()
+	var out []string
+	for _, ps := range l.pods {
+		out = append(out, ps.Owner)
+	}
+	return out, errs
+}
+
+// TestJournalWriterRecoversFromAFullDisk: changes saved while the state disk is full are
+// kept, retried without any further change, and written once the disk has room again; while
+// the disk is full the journal reads back whole (a failed append is cut back, a failed rewrite
+// leaves no partial copy), and the failure is logged once and reported until it ends.
+func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		before int // pods journaled before the disk fills
+	}{
+		// The journal exists: the pods of the full disk are one append, bigger than the
+		// room left in the file's last page, so the write is short, then ENOSPC.
+		{"append", 1},
+		// No journal yet: the first write is a rewrite (journal.tmp, renamed), which fails.
+		{"rewrite", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			disk := newSmallDisk(t)
+			var logs logLines
+			w := newJournalWriter(journal{dir: disk.dir}, logs.logger())
+			w.start(loaded{})
+			t.Cleanup(w.close)
+			var want []string
+			for i := range tc.before {
+				want = append(want, fmt.Sprintf("before-%d", i))
+				w.save(testPod(want[i], clientv3.LeaseID(i+1), fmt.Sprintf("10.3.0.%d", i+1)))
+			}
+			pollUntil(t, 5*time.Second, "the pods saved before the disk fills are journaled", func() bool {
+				got, _ := journalOwners(disk.dir)
+				return slices.Equal(got, want)
+			})
+			journaled := slices.Clone(want)
+
+			disk.fill(t)
+			for i := range 40 {
+				owner := fmt.Sprintf("full-%02d", i)
+				want = append(want, owner)
+				w.save(testPod(owner, clientv3.LeaseID(100+i), fmt.Sprintf("10.3.1.%d", i+1)))
+			}
+			pollUntil(t, 10*time.Second, "the write fails and is retried", func() bool {
+				return w.health() != nil && w.failures.Load() >= 2
+			})
+			if err := w.health(); !errors.Is(err, ErrJournalUnwritable) || !errors.Is(err, syscall.ENOSPC) {
+				t.Errorf("health while the disk is full: want ErrJournalUnwritable wrapping ENOSPC, got %v", err)
+			}
+			got, errs := journalOwners(disk.dir)
+			if len(errs) > 0 || !slices.Equal(got, journaled) {
+				t.Errorf("journal while the disk is full: %v, load reported %v; want %v and nothing reported (no partial line)", got, errs, journaled)
+			}
+			if _, err := os.Stat(filepath.Join(disk.dir, journalFile+".tmp")); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("a failed rewrite left its partial copy: %v", err)
+			}
+
+			disk.free(t) // no further change: the writer's own retry must write them
+			pollUntil(t, 3*journalRetryMax, "the pods saved while the disk was full reach the journal", func() bool {
+				got, _ := journalOwners(disk.dir)
+				return slices.Equal(got, want)
+			})
+			pollUntil(t, time.Second, "the journal reports itself healthy", func() bool { return w.health() == nil })
+			if _, errs := journalOwners(disk.dir); len(errs) > 0 {
+				t.Errorf("load after the recovery reported %v", errs)
+			}
+			if n := logs.count(journalFailedMsg); n != 1 {
+				t.Errorf("%d failed attempts logged %d lines; want 1 (the first; then one a minute)", w.failures.Load(), n)
+			}
+			if n := logs.count(journalRecoveredMsg); n != 1 {
+				t.Errorf("the recovery logged %d lines; want 1", n)
+			}
+
+			// Appends go on after the recovery.
+			w.save(testPod("after", 999, "10.3.2.1"))
+			want = append(want, "after")
+			slices.Sort(want)
+			pollUntil(t, 5*time.Second, "a pod saved after the recovery is journaled", func() bool {
+				got, _ := journalOwners(disk.dir)
+				return slices.Equal(got, want)
+			})
+		})
+	}
+}
+
+// gauge reads one unlabelled metric of reg.
+func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name || len(mf.GetMetric()) != 1 {
+			continue
+		}
+		m := mf.GetMetric()[0]
+		if m.GetGauge() != nil {
+			return m.GetGauge().GetValue()
+		}
+		return m.GetCounter().GetValue()
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
+}
+
+// TestPodsAddedWhileTheStateDiskWasFullAreReclaimed: ADDs succeed while the state disk is
+// full; /readyz and the metrics report the journal meanwhile; once the disk has room the
+// journal holds those pods without any further ADD, so that an agent that restarts after their
+// leases were lost re-claims them (before, they were missing and their addresses stayed free
+// in etcd while the pods used them).
+func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
+	disk := newSmallDisk(t)
+	cluster := etcdtest.Uniq("c")
+	var logs logLines
+	withState := func(c *Config) { c.StateDir, c.Logger = disk.dir, logs.logger() }
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.17.0.0/24")}}}}
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1", withState)
+	if _, err := a.Add(ctx, addReq(pool, "ctr-before", "eth0", "uid-before")); err != nil {
+		t.Fatal(err)
+	}
+	pollUntil(t, 5*time.Second, "the first pod is journaled", func() bool {
+		got, _ := journalOwners(disk.dir)
+		return slices.Equal(got, []string{"uid-before"})
+	})
+	if err := a.Ready(ctx); err != nil {
+		t.Fatalf("ready before the disk fills: %v", err)
+	}
+
+	disk.fill(t)
+	want := []string{"uid-before"}
+	for i := range 20 {
+		owner := fmt.Sprintf("uid-full-%02d", i)
+		if _, err := a.Add(ctx, addReq(pool, fmt.Sprintf("ctr-full-%02d", i), "eth0", owner)); err != nil {
+			t.Fatalf("ADD while the state disk is full: %v (it must keep working)", err)
+		}
+		want = append(want, owner)
+	}
+	pollUntil(t, 10*time.Second, "/readyz fails while the journal cannot be written", func() bool {
+		return errors.Is(a.Ready(ctx), ErrJournalUnwritable)
+	})
+	if err := a.Ready(ctx); !errors.Is(err, ErrNotReady) || !strings.Contains(err.Error(), "no space left") {
+		t.Errorf("Ready while the disk is full: want ErrNotReady naming the cause, got %v", err)
+	}
+	if g := gauge(t, a.Metrics(), "leasehold_journal_healthy"); g != 0 {
+		t.Errorf("leasehold_journal_healthy while the disk is full: %v, want 0", g)
+	}
+	if n := gauge(t, a.Metrics(), "leasehold_journal_write_failures_total"); n < 1 {
+		t.Errorf("leasehold_journal_write_failures_total while the disk is full: %v, want at least 1", n)
+	}
+	if got, errs := journalOwners(disk.dir); len(errs) > 0 || slices.Equal(got, want) {
+		t.Errorf("journal while the disk is full: %v, load reported %v; want some pods missing and nothing reported", got, errs)
+	}
+
+	disk.free(t) // and no ADD after it
+	pollUntil(t, 3*journalRetryMax, "the pods added while the disk was full reach the journal", func() bool {
+		got, _ := journalOwners(disk.dir)
+		return slices.Equal(got, want)
+	})
+	pollUntil(t, time.Second, "/readyz passes again", func() bool { return a.Ready(ctx) == nil })
+	if g := gauge(t, a.Metrics(), "leasehold_journal_healthy"); g != 1 {
+		t.Errorf("leasehold_journal_healthy after the recovery: %v, want 1", g)
+	}
+	if _, errs := journalOwners(disk.dir); len(errs) > 0 {
+		t.Errorf("load after the recovery reported %v", errs)
+	}
+	if n := logs.count(journalFailedMsg); n != 1 {
+		t.Errorf("the failure logged %d lines; want 1", n)
+	}
+
+	// The agent stops and its pods' leases are lost meanwhile (here revoked from outside);
+	// the pods still run. The restarted agent knows them only from its journal.
+	var lost []clientv3.LeaseID
+	for _, owner := range want {
+		id, ok := a.pods.lease(owner)
+		if !ok {
+			t.Fatalf("pod %s holds no lease", owner)
+		}
+		lost = append(lost, id)
+	}
+	a.Close()
+	cli := etcdtest.Client(t)
+	for _, id := range lost {
+		if _, err := cli.Revoke(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	owned := func(owner string) bool {
+		resp, err := cli.Get(ctx, keyspace.OwnerKey(cluster, owner, "eth0", pool.Name))
+		return err == nil && len(resp.Kvs) == 1
+	}
+	for _, owner := range want {
+		if owned(owner) {
+			t.Fatalf("pod %s's owner index outlived its revoked lease", owner)
+		}
+	}
+	startAgent(t, cluster, "n1", "uid1", withState)
+	pollUntil(t, 15*time.Second, "every pod, also those added while the disk was full, is re-claimed", func() bool {
+		for _, owner := range want {
+			if !owned(owner) {
+				return false
+			}
+		}
+		return true
+	})
+}
