@@ -44,9 +44,10 @@ func binDir(t testing.TB) string {
 
 // etcdProc is etcd running as its own process.
 type etcdProc struct {
-	URL  string
-	cmd  *exec.Cmd
-	done chan struct{}
+	URL     string
+	peerURL string
+	cmd     *exec.Cmd
+	done    chan struct{}
 }
 
 // startEtcdProcess runs bin/etcd with its data in a temporary directory, fsync on, and
@@ -79,6 +80,26 @@ func tryEtcdProcess(t testing.TB, flags ...string) (*etcdProc, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return launchEtcd(t, curl, purl, flags...)
+}
+
+// replaceEtcdProcess kills p and starts an etcd with an empty data directory at p's URLs: an
+// etcd whose data was lost, as the agents see it.
+func replaceEtcdProcess(t testing.TB, p *etcdProc, flags ...string) *etcdProc {
+	t.Helper()
+	p.kill()
+	np, logs := launchEtcd(t, p.URL, p.peerURL, flags...)
+	if np == nil {
+		t.Fatalf("the replacing etcd did not start:\n%s", logs)
+	}
+	return np
+}
+
+// launchEtcd runs etcd at the URLs given, with a new data directory, and returns it once it
+// answers, or nil and its output when it exited first.
+func launchEtcd(t testing.TB, curl, purl string, flags ...string) (*etcdProc, string) {
+	t.Helper()
+	ctx := context.Background()
 	out := &syncBuffer{}
 	cmd := exec.Command(filepath.Join(binDir(t), "etcd"),
 		"--name", "it", "--data-dir", t.TempDir(),
@@ -92,7 +113,7 @@ func tryEtcdProcess(t testing.TB, flags ...string) (*etcdProc, string) {
 	}
 	done := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(done) }()
-	p := &etcdProc{URL: curl, cmd: cmd, done: done}
+	p := &etcdProc{URL: curl, peerURL: purl, cmd: cmd, done: done}
 	t.Cleanup(func() {
 		p.kill()
 		if t.Failed() {

@@ -29,6 +29,8 @@ type addState struct {
 	lost map[netip.Addr]bool
 	// unanswered counts claims whose answer did not come (see tryAdd).
 	unanswered int
+	// relisted: the pool's view was found stale and listed again once in this ADD.
+	relisted bool
 }
 
 // maxUnanswered bounds the claims an ADD sends again after losing their answers; the waits
@@ -74,7 +76,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		if errors.Is(err, allocator.ErrNotInRange) {
 			// The address may lie in a range added since the definition was read.
 			octx, cancel := a.opCtx(ctx)
-			_, changed, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
+			_, changed, _, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
 			cancel()
 			if rerr == nil && changed {
 				a.pools.invalidate(p.spec.Name)
@@ -126,7 +128,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			// have grown since the definition was read: only on this path does the agent read
 			// the owner index and the definition's revision first (the hot path learns both
 			// from the claim's else branch).
-			kv, changed, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
+			kv, changed, stale, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
 			switch {
 			case rerr != nil:
 				return allocator.Result{}, false, rerr
@@ -134,6 +136,15 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 				return a.existing(ctx, p, st, kv)
 			case changed:
 				a.pools.invalidate(p.spec.Name)
+				return allocator.Result{}, false, nil
+			case stale && !st.relisted:
+				st.relisted = true
+				a.log.Warn("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.spec.Name)
+				select {
+				case <-p.view.restart():
+				case <-ctx.Done():
+					return allocator.Result{}, false, a.unavailable("list pool "+p.spec.Name+" again", ctx.Err())
+				}
 				return allocator.Result{}, false, nil
 			}
 			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.spec.Name, err)
@@ -148,7 +159,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 		pod: a.podRecord(req, owner, lease, now)}
-	start := time.Now()
+	start, floor := time.Now(), a.revFloor()
 	resp, err := a.claims.commit(octx, c)
 	a.metrics.rtt("claim", start)
 	if err != nil {
@@ -180,6 +191,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		return allocator.Result{}, false, nil
 	}
 	a.etcdAnswered()
+	a.sawHeader(resp.Header, floor)
 	out := c.outcome(resp)
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)
@@ -287,20 +299,29 @@ func ownerKeyOf(a *Agent, st *addState, p *pool) string {
 	return keyspace.OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.spec.Name)
 }
 
-// recheck reads, in one transaction, an attachment's owner index (nil when there is none)
-// and whether the pool's stored definition changed since p was read.
-func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (*mvccpb.KeyValue, bool, error) {
-	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly())).Commit()
+// recheck reads, in one transaction, an attachment's owner index (nil when there is none),
+// whether the pool's stored definition changed since p was read, and whether p's view holds
+// more allocated or resting addresses than etcd does: then the view is stale in a way its
+// watches did not report (etcd's data replaced), and must be listed again before the ADD may
+// say that no address is free.
+func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvccpb.KeyValue, changed, stale bool, err error) {
+	floor := a.revFloor()
+	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.IPsPrefix(p.spec.Name), clientv3.WithPrefix(), clientv3.WithCountOnly()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(p.spec.Name), clientv3.WithPrefix(), clientv3.WithCountOnly())).Commit()
 	if err != nil {
-		return nil, false, a.unavailable("read "+ownerKey, err)
+		return nil, false, false, a.unavailable("read "+ownerKey, err)
 	}
-	var kv *mvccpb.KeyValue
+	a.sawHeader(resp.Header, floor)
 	if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
 		kv = kvs[0]
 	}
 	pools := resp.Responses[1].GetResponseRange().Kvs
-	changed := len(pools) == 0 || pools[0].ModRevision != p.rev
-	return kv, changed, nil
+	changed = len(pools) == 0 || pools[0].ModRevision != p.rev
+	allocated, quarantined := p.view.counts()
+	stale = resp.Responses[2].GetResponseRange().Count < int64(allocated) ||
+		resp.Responses[3].GetResponseRange().Count < int64(quarantined)
+	return kv, changed, stale, nil
 }
 
 // existing answers an ADD for an attachment that already has addresses. The same container

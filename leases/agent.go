@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -39,6 +40,11 @@ type Agent struct {
 
 	pods        *pods
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
+
+	// etcd's history as this agent has seen it (sawHeader).
+	epochMu      sync.Mutex
+	epochCluster uint64
+	epochRev     int64
 
 	metrics    *metrics
 	started    time.Time    // monotonic origin of lastAnswer
@@ -170,6 +176,49 @@ func (a *Agent) opCtx(ctx context.Context) (context.Context, context.CancelFunc)
 // etcdAnswered records that etcd just answered a request, for probe.
 func (a *Agent) etcdAnswered() { a.lastAnswer.Store(int64(time.Since(a.started))) }
 
+// revFloor is the highest revision the agent has seen etcd answer with: a linearizable
+// request sent after this call must be answered at this revision or a later one.
+func (a *Agent) revFloor() int64 {
+	a.epochMu.Lock()
+	defer a.epochMu.Unlock()
+	return a.epochRev
+}
+
+// sawHeader notes the header of a linearizable answer to a request sent when revFloor was
+// floor. Another cluster ID, or a revision below floor, means etcd's data was replaced (an
+// etcd restored from an old snapshot, or an empty one at the same endpoints): what the agent
+// knows from it is void, and its watches, resumed at revisions the new etcd has not reached,
+// report nothing. Then every view is listed again and the node registers again; the pod
+// leases the new etcd lacks are found lost by their keep-alives and re-claimed.
+func (a *Agent) sawHeader(h *pb.ResponseHeader, floor int64) {
+	if h == nil {
+		return
+	}
+	a.epochMu.Lock()
+	prevCluster, prevRev := a.epochCluster, a.epochRev
+	replaced := prevCluster != 0 && (h.ClusterId != prevCluster || h.Revision < floor)
+	if replaced || h.Revision > a.epochRev {
+		a.epochRev = h.Revision
+	}
+	a.epochCluster = h.ClusterId
+	a.epochMu.Unlock()
+	if !replaced {
+		return
+	}
+	a.log.Error("etcd's data was replaced (restored from a snapshot, or a new etcd at the same endpoints); "+
+		"listing every pool again and registering the node again",
+		"cluster_id", fmt.Sprintf("%x", h.ClusterId), "previous_cluster_id", fmt.Sprintf("%x", prevCluster),
+		"revision", h.Revision, "previous_revision", prevRev)
+	a.pools.restartAll()
+	if node := a.nodeLease(); node != 0 {
+		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
+	}
+	select {
+	case a.lost <- struct{}{}:
+	default:
+	}
+}
+
 // probe tells whether etcd answers: at no cost when it answered within probeAfter, else by a
 // count-only read of key bounded by probeTimeout. STATUS and /readyz ask it.
 func (a *Agent) probe(ctx context.Context, key string) error {
@@ -178,10 +227,13 @@ func (a *Agent) probe(ctx context.Context, key string) error {
 	}
 	octx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	if _, err := a.cli.Get(octx, key, clientv3.WithCountOnly()); err != nil {
+	floor := a.revFloor()
+	resp, err := a.cli.Get(octx, key, clientv3.WithCountOnly())
+	if err != nil {
 		return err
 	}
 	a.etcdAnswered()
+	a.sawHeader(resp.Header, floor)
 	return nil
 }
 

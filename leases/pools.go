@@ -95,6 +95,17 @@ func (ps *pools) viewOf(name string) *view {
 	return nil
 }
 
+// restartAll makes every view list its pool again, and the next ensure of each pool re-read
+// its definition.
+func (ps *pools) restartAll() {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	for name, p := range ps.m {
+		p.view.restart()
+		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view}
+	}
+}
+
 // invalidate makes the next ensure re-read the stored definition.
 func (ps *pools) invalidate(name string) {
 	ps.mu.Lock()

@@ -37,6 +37,10 @@ type view struct {
 	seed        uint64                  // spreads different agents over the range
 	rev         int64                   // revision the view reflects
 	synced      chan struct{}
+	// stopFollow ends the watches of the current listing; relisted, when someone waits for a
+	// new listing (restart), is closed by the next one.
+	stopFollow context.CancelFunc
+	relisted   chan struct{}
 }
 
 func newView(pool string, cli *clientv3.Client, log *slog.Logger, seed uint64) *view {
@@ -212,7 +216,16 @@ func (v *view) run(ctx context.Context) {
 			continue
 		}
 		started := time.Now()
-		v.follow(ctx, rev)
+		fctx, stop := context.WithCancel(ctx)
+		v.mu.Lock()
+		v.stopFollow = stop
+		v.mu.Unlock()
+		v.follow(fctx, rev)
+		restarted := ctx.Err() == nil && fctx.Err() != nil
+		stop()
+		if restarted {
+			continue // list again at once
+		}
 		// A watch that ends at once (permission denied, an etcd going down) must not turn
 		// into a tight loop of lists: back off unless it ran for a while.
 		if time.Since(started) < watchHealthy {
@@ -257,6 +270,10 @@ func (v *view) list(ctx context.Context) (int64, error) {
 			v.addHost(string(kv.Key), ip)
 		}
 	}
+	if v.relisted != nil {
+		close(v.relisted)
+		v.relisted = nil
+	}
 	v.mu.Unlock()
 	select {
 	case <-v.synced:
@@ -264,6 +281,22 @@ func (v *view) list(ctx context.Context) (int64, error) {
 		close(v.synced)
 	}
 	return resp.Header.Revision, nil
+}
+
+// restart makes run drop its watches and list the pool again, for a view that may be stale
+// in a way no watch reports: etcd's data was replaced, and a watch resumed at a revision the
+// new etcd has not reached delivers nothing and no error. The returned channel is closed once
+// the new listing is in.
+func (v *view) restart() <-chan struct{} {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.relisted == nil {
+		v.relisted = make(chan struct{})
+	}
+	if v.stopFollow != nil {
+		v.stopFollow()
+	}
+	return v.relisted
 }
 
 func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {

@@ -1,0 +1,52 @@
+package integration
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestEtcdDataReplaced: etcd's data is lost (an empty etcd at the same endpoints, its
+// revision far below the old one). A watch resumed at the old revision reports nothing, so an
+// agent's view still holds the addresses the old etcd had; the agent must not answer "no free
+// address" from it. It lists the pool again and allocates from what etcd now holds, and it
+// registers its node again.
+func TestEtcdDataReplaced(t *testing.T) {
+	f := newFixture(t, withAgents(2), withTimeout(2*time.Minute))
+	filler, server := f.Agents[0], f.Agents[1]
+	// A /29 hands out .2-.6: the filler takes all five.
+	fillerConf, conf := v4conf(f.Pool, filler.Socket, "10.43.0.0/29"), v4conf(f.Pool, server.Socket, "10.43.0.0/29")
+	for i := range 5 {
+		f.ipv4(fillerConf, fmt.Sprintf("fill-%d", i), fmt.Sprintf("K8S_POD_UID=uid-fill-%d", i))
+	}
+	// The server's view follows the pool and is full.
+	eventually(t, 10*time.Second, "the server's view sees the pool full", func() bool {
+		_, err := f.add(conf, "early", "eth0", "K8S_POD_UID=uid-early")
+		return cniCode(err) == 102
+	})
+	// The writes above raised the revision: the server's watch resumes past anything the
+	// empty etcd will reach during the test.
+	for i := range 50 {
+		if _, err := f.Cli.Put(f.Ctx, fmt.Sprintf("/unrelated/%d", i), "x"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	filler.kill() // its pods are gone with the data; nobody re-claims them
+	f.Etcd = replaceEtcdProcess(t, f.Etcd)
+
+	var err error
+	eventually(t, 30*time.Second, "an ADD through the server succeeds in the empty etcd", func() bool {
+		_, err = f.add(conf, "after", "eth0", "K8S_POD_UID=uid-after")
+		return err == nil
+	})
+	if err != nil {
+		t.Fatalf("ADD after etcd's data was replaced: %v", err)
+	}
+	eventually(t, 30*time.Second, "the server registers its node again in the new etcd", func() bool {
+		return exists(t, f.Cli, "/leasehold/v1/nodes/"+server.Cluster+"/"+server.Node)
+	})
+	if !strings.Contains(server.logs.String(), "etcd's data was replaced") {
+		t.Errorf("the server did not say that etcd's data was replaced:\n%s", server.logs.String())
+	}
+}
