@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -118,6 +119,93 @@ func TestHostileAgentClients(t *testing.T) {
 		if worst := slices.Max(closedAfter); worst > 13*time.Second {
 			t.Errorf("the agent held a silent connection for %s; its read limit is 10s", worst)
 		}
+	})
+
+	// 200 clients each send half of a request near the size limit and stall: the agent's
+	// intake bounds what they make it buffer (its RSS stays well under what they sent), a
+	// normal ADD through the plugin still succeeds in time, the memory is not held after
+	// they close, and the log reports every one of them in at most one line per 10 s.
+	t.Run("200 stalled half requests", func(t *testing.T) {
+		const clients = 200
+		const rssBound = 64 << 20 // the intake's 16.5 MiB, with room for the Go heap's growth
+		pid := agent.cmd.Process.Pid
+		logsBefore := len(agent.logs.String())
+		base := vmRSS(t, pid)
+		half := []byte(`{"version":1,"op":"cni","timeoutMs":5000,"request":{"command":"ADD","stdin":"` +
+			strings.Repeat("A", agentapi.MaxMessageSize/2))
+		start := time.Now()
+		conns := make([]net.Conn, 0, clients)
+		defer func() {
+			for _, c := range conns {
+				c.Close()
+			}
+		}()
+		var writers sync.WaitGroup
+		for i := range clients {
+			c, err := net.Dial("unix", agent.Socket)
+			if err != nil {
+				t.Fatalf("connection %d: %v", i, err)
+			}
+			conns = append(conns, c)
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+			writers.Go(func() { _, _ = c.Write(half) }) // blocks until read, drained or cut off
+		}
+		var peak int64
+		sampled := make(chan struct{})
+		go func() {
+			defer close(sampled)
+			for range 400 {
+				peak = max(peak, vmRSS(t, pid))
+				select {
+				case <-time.After(10 * time.Millisecond):
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+		normalAdd(t, "with 200 stalled half requests")
+		writers.Wait()
+		<-sampled
+		if grew := peak - base; grew > rssBound {
+			t.Errorf("the agent's RSS grew by %d MiB (to %d MiB) with %d stalled clients that sent %d MiB; want at most %d MiB",
+				grew>>20, peak>>20, clients, clients*len(half)>>20, rssBound>>20)
+		}
+		t.Logf("RSS %d MiB before, %d MiB at the peak", base>>20, peak>>20)
+
+		for _, c := range conns {
+			c.Close()
+		}
+		normalAdd(t, "after the stalled clients closed")
+		after := vmRSS(t, pid)
+		if grew := after - base; grew > rssBound {
+			t.Errorf("the agent's RSS is %d MiB above its %d MiB before the stalled clients, after they closed", grew>>20, base>>20)
+		}
+
+		// Every staller is an event the log reports, in a line of its own or counted as
+		// suppressed in another, and there is at most one line per 10 s.
+		var lines, counted int
+		eventually(t, 15*time.Second, "the log reports every stalled client", func() bool {
+			lines, counted = 0, 0
+			for line := range strings.SplitSeq(agent.logs.String()[logsBefore:], "\n") {
+				var rec struct {
+					Msg        string
+					Suppressed int
+				}
+				if json.Unmarshal([]byte(line), &rec) != nil {
+					continue
+				}
+				switch rec.Msg {
+				case "agentapi: request not read", "agentapi: writing response", "agentapi: more clients not served":
+					lines++
+					counted += 1 + rec.Suppressed
+				}
+			}
+			return counted >= clients
+		})
+		if elapsed := time.Since(start); lines > int(elapsed/(10*time.Second))+1 {
+			t.Errorf("%d log lines about clients in %s; at most one per 10s", lines, elapsed)
+		}
+		t.Logf("%d log lines reported %d clients not served", lines, counted)
 	})
 
 	// One range set of 10,000 ranges (about 270 KB of JSON, inside the size limit): it
@@ -240,4 +328,24 @@ func grepLines(s, word string) string {
 		}
 	}
 	return strings.Join(out, "\n")
+}
+
+// vmRSS is the resident set size of process pid, from /proc/<pid>/status.
+func vmRSS(t testing.TB, pid int) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatalf("reading the agent's memory use: %v", err)
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			var kb int64
+			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kb); err != nil {
+				t.Fatalf("VmRSS line %q: %v", line, err)
+			}
+			return kb << 10
+		}
+	}
+	t.Fatalf("no VmRSS in /proc/%d/status", pid)
+	return 0
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"path/filepath"
 	"reflect"
@@ -345,6 +346,12 @@ func (s *fuzzInvoker) last() (*Invocation, error) {
 // fuzzServer serves svc on a socket in tb's temporary directory until cleanup.
 func fuzzServer(tb testing.TB, svc Invoker) string {
 	tb.Helper()
+	return fuzzServerLog(tb, svc, nil)
+}
+
+// fuzzServerLog is fuzzServer logging to log (nil discards).
+func fuzzServerLog(tb testing.TB, svc Invoker, log *slog.Logger) string {
+	tb.Helper()
 	socket := filepath.Join(tb.TempDir(), "lh.sock")
 	l, err := Listen(socket)
 	if err != nil {
@@ -352,7 +359,7 @@ func fuzzServer(tb testing.TB, svc Invoker) string {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- Serve(ctx, l, svc, nil) }()
+	go func() { done <- Serve(ctx, l, svc, log) }()
 	tb.Cleanup(func() {
 		cancel()
 		select {

@@ -33,7 +33,13 @@ var (
 	// maxInFlight bounds how many invocations run at once; more wait for a slot until
 	// their deadline and then fail with code 11.
 	maxInFlight = 64
+	// clientLogEvery is how often at most a client the agent could not serve (stalled,
+	// evicted, oversize, undecodable, refused) is logged; the line counts the ones left out.
+	clientLogEvery = 10 * time.Second
 )
+
+// testHookIntake, when set, is given each Serve's intake, so tests can read its figures.
+var testHookIntake func(*intake)
 
 // Serve answers plugin requests on l until ctx is done, running each invocation with inv
 // (package cniplugin's Served makes one from the agent's Service), then stops accepting,
@@ -45,6 +51,13 @@ var (
 // not a cni invocation of this ProtocolVersion is refused with code 6 (see the wire
 // format).
 //
+// Reading is bounded as a whole too: at most 128 connections are read at once (more
+// wait in the listen backlog) and their buffers, which grow only as bytes arrive, hold
+// at most 16 MiB beyond 4 KiB each. When either runs short, the connection that has
+// sent nothing for longest (at least 1 s) is answered with code 11 and closed to make
+// room; a request for which no room can be made is refused with code 11. Clients that
+// could not be served are logged at most once per 10 s, with a count of the others.
+//
 // Serve returns nil after a clean shutdown; an error when accepting fails for good
 // (wrapping the listener's error) or when requests were still running after the grace
 // period. A nil log discards logs.
@@ -54,7 +67,11 @@ func Serve(ctx context.Context, l net.Listener, inv Invoker, log *slog.Logger) e
 	}
 	reqBase, cancelRequests := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelRequests()
-	s := &server{inv: inv, log: log, stopping: ctx, base: reqBase, slots: make(chan struct{}, maxInFlight)}
+	s := &server{inv: inv, log: log, stopping: ctx, base: reqBase, slots: make(chan struct{}, maxInFlight),
+		in: newIntake(), clientLog: logLimiter{every: clientLogEvery}}
+	if testHookIntake != nil {
+		testHookIntake(s.in)
+	}
 
 	stopClose := context.AfterFunc(ctx, func() { _ = l.Close() })
 	defer stopClose()
@@ -79,12 +96,18 @@ func Serve(ctx context.Context, l net.Listener, inv Invoker, log *slog.Logger) e
 			break
 		}
 		backoff = 0
-		wg.Go(func() { s.handle(conn) })
+		r, err := s.in.admit(ctx, conn)
+		if err != nil {
+			_ = conn.Close() // shutting down: the client reads EOF and tries again
+			break
+		}
+		wg.Go(func() { s.handle(r) })
 	}
 	_ = l.Close()
 
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
+	defer s.flushClientLog() // what the shutdown's last requests left unreported
 	select {
 	case <-done:
 		return acceptErr
@@ -106,29 +129,45 @@ type server struct {
 	base     context.Context // parent of every request's context
 	slots    chan struct{}
 	inFlight atomic.Int64
+	// in admits connections to be read; clientLog paces the log lines about clients
+	// that could not be served.
+	in        *intake
+	clientLog logLimiter
 }
 
-// handle serves one connection: read one request, answer it, close.
-func (s *server) handle(conn net.Conn) {
+// handle serves one connection admitted as r: read one request, answer it, close.
+func (s *server) handle(r *reader) {
+	conn := r.conn
 	s.inFlight.Add(1)
 	defer s.inFlight.Add(-1)
 	defer conn.Close()
+	defer r.leave()
 
-	_ = conn.SetReadDeadline(time.Now().Add(readTimeout))
+	// The read deadline (readTimeout) was set at admission.
 	// A shutdown cuts short a client that has not sent its request yet.
 	stopCut := context.AfterFunc(s.stopping, func() { _ = conn.SetReadDeadline(time.Now()) })
 	var req WireRequest
-	err := readMessage(conn, &req)
+	err := readMessageWithin(r, &req, r)
 	stopCut()
+	r.release()
+	if err != nil {
+		if eerr := r.evictedErr(); eerr != nil {
+			err = eerr // the eviction cut the read short
+		}
+	}
 
 	var resp WireResponse
 	switch {
 	case err == nil:
+		r.leave()
 		resp = s.dispatch(&req)
 	case errors.Is(err, io.EOF):
 		// Connected and closed without a byte: a liveness probe (see Listen). Nothing to say.
 		s.log.Debug("agentapi: empty connection")
 		return
+	case errors.Is(err, allocator.ErrUnavailable):
+		// Evicted for a newcomer, or no room to buffer the request (see the intake).
+		resp.Error = ErrorFrom(err)
 	case s.stopping.Err() != nil:
 		resp.Error = &Error{Code: CodeTryAgainLater, Msg: "leaseholdd is shutting down; try again", Sentinel: "ErrUnavailable"}
 	case isTimeout(err):
@@ -138,22 +177,51 @@ func (s *server) handle(conn net.Conn) {
 		resp.Error = ErrorFrom(fmt.Errorf("reading request: %w", err))
 	}
 	if err != nil {
-		s.log.Warn("agentapi: request not read", "code", resp.Error.Code, "err", resp.Error.Msg)
+		s.logClient("agentapi: request not read", "code", resp.Error.Code, "err", resp.Error.Msg)
 	}
 	resp.Version = ProtocolVersion
 
 	_ = conn.SetWriteDeadline(time.Now().Add(writeTimeout))
 	if err := writeMessage(conn, &resp); err != nil {
-		s.log.Warn("agentapi: writing response", "op", req.Op, "err", err)
+		s.logClient("agentapi: writing response", "op", req.Op, "err", err)
 		return
 	}
-	if errors.Is(err, errTooLarge) {
+	if errors.Is(err, errTooLarge) || errors.Is(err, errBufferFull) {
 		// Let the client finish writing so that it reads our answer instead of a reset.
+		// Draining buffers nothing; it keeps r's slot, which an idle client gives way
+		// from, and ends at the read deadline.
 		if uc, ok := conn.(interface{ CloseWrite() error }); ok {
 			_ = uc.CloseWrite()
 		}
-		_, _ = io.Copy(io.Discard, conn) // bounded by the read deadline
+		_, _ = io.Copy(io.Discard, r)
 	}
+}
+
+// logClient logs a warning about a client the agent could not serve, at most once per
+// clientLogEvery, with the number of such warnings left out before it and the intake's
+// figures. Warnings left out at the end of a period are counted in a line of their own
+// when it ends, so none goes unreported.
+func (s *server) logClient(msg string, attrs ...any) {
+	ok, skipped, flushIn := s.clientLog.allow(time.Now())
+	if flushIn > 0 {
+		time.AfterFunc(flushIn, s.flushClientLog)
+	}
+	if !ok {
+		return
+	}
+	s.log.Warn(msg, append(attrs, s.intakeAttrs(skipped)...)...)
+}
+
+// flushClientLog reports the warnings logClient has left out since its last line.
+func (s *server) flushClientLog() {
+	if n := s.clientLog.flush(time.Now()); n > 0 {
+		s.log.Warn("agentapi: more clients not served", s.intakeAttrs(n)...)
+	}
+}
+
+func (s *server) intakeAttrs(suppressed int) []any {
+	st := s.in.Stats()
+	return []any{"suppressed", suppressed, "reading", st.Reading, "buffered", st.Buffered, "evicted", st.Evicted}
 }
 
 // dispatch runs one decoded request and returns its response (Version unset).
@@ -204,7 +272,7 @@ func (s *server) dispatch(req *WireRequest) WireResponse {
 // refuse answers a request that does not run with err, which wraps ErrProtocol, and logs it.
 func (s *server) refuse(req *WireRequest, start time.Time, err error) WireResponse {
 	resp := errResponse(err)
-	s.log.Warn("agentapi: request failed", "op", req.Op, "took", time.Since(start), "code", resp.Error.Code, "err", resp.Error.Msg)
+	s.logClient("agentapi: request failed", "op", req.Op, "took", time.Since(start), "code", resp.Error.Code, "err", resp.Error.Msg)
 	return resp
 }
 
@@ -231,4 +299,44 @@ func isResourceLimit(err error) bool {
 func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// logLimiter lets one event through per period and counts the rest.
+type logLimiter struct {
+	every time.Duration
+
+	mu      sync.Mutex
+	next    time.Time // when the next event may pass
+	skipped int       // events held back since the last that passed
+}
+
+// allow reports whether an event at now passes and, if it does, how many were held back
+// before it. For the first event held back in a period, flushIn is when the period ends:
+// the caller should then call flush, so the count is reported even if no event follows.
+func (l *logLimiter) allow(now time.Time) (ok bool, skipped int, flushIn time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if now.Before(l.next) {
+		l.skipped++
+		if l.skipped == 1 {
+			return false, 0, l.next.Sub(now)
+		}
+		return false, 0, 0
+	}
+	l.next = now.Add(l.every)
+	skipped, l.skipped = l.skipped, 0
+	return true, skipped, 0
+}
+
+// flush returns how many events were held back since the last that passed; if any were,
+// their report counts as the period's line: the period starts again at now.
+func (l *logLimiter) flush(now time.Time) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := l.skipped
+	if n > 0 {
+		l.skipped = 0
+		l.next = now.Add(l.every)
+	}
+	return n
 }

@@ -1,0 +1,383 @@
+package agentapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"net"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// TestStalledClientsAreBounded: 200 clients each send half of a large request and stall,
+// the attack the intake exists for. While they do, what the server buffers stays within
+// the intake's bound (by its own count and by the live heap), at most maxReading of them
+// are read at once, and a real request is answered within a few seconds; once they close
+// everything they held is let go; the log says so at a bounded rate.
+func TestStalledClientsAreBounded(t *testing.T) {
+	setVar(t, &clientLogEvery, time.Second)
+	logs := &syncBuffer{}
+	socket, in := startIntakeServer(t, &fakeInvoker{}, slog.New(slog.NewJSONHandler(logs, nil)))
+	const clients = 200
+	half := []byte(`{"version":1,"op":"cni","request":{"command":"ADD","stdin":"` + strings.Repeat("A", MaxMessageSize/2))
+	// The bound the intake promises, and room for the rest of a live heap (connections,
+	// goroutines' bookkeeping, the decoding of the real request).
+	bound := maxBuffered + maxReading*firstChunk
+	const slack = 8 << 20
+	base := liveHeap()
+	start := time.Now()
+
+	// Sample the intake's figures throughout the attack.
+	var worst atomic.Int64
+	var worstReading atomic.Int64
+	stopSampling := make(chan struct{})
+	var sampling sync.WaitGroup
+	sampling.Go(func() {
+		for {
+			st := in.Stats()
+			worst.Store(max(worst.Load(), int64(st.Buffered)))
+			worstReading.Store(max(worstReading.Load(), int64(st.Reading)))
+			select {
+			case <-stopSampling:
+				return
+			case <-time.After(time.Millisecond):
+			}
+		}
+	})
+
+	conns := make([]net.Conn, clients)
+	var writers sync.WaitGroup
+	for i := range conns {
+		c, err := net.Dial("unix", socket)
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		conns[i] = c
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		// A client's write blocks until the server reads it (or refuses and drains it),
+		// so each writes on its own goroutine; the server may also cut it off.
+		writers.Go(func() { _, _ = c.Write(half) })
+	}
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	eventually(t, 10*time.Second, "the intake is full", func() bool { return in.Stats().Reading == maxReading })
+
+	// (b) A real request while every slot is taken: it waits for the idlest staller to
+	// give way, then is served.
+	addStart := time.Now()
+	inv := testInvocation(socket)
+	out, err := (&Client{Socket: socket, Timeout: 10 * time.Second}).Invoke(context.Background(), inv)
+	if err != nil || out.Exit != 0 {
+		t.Fatalf("a real request among %d stalled clients: %+v %v", clients, out, err)
+	}
+	if took := time.Since(addStart); took > evictIdle+3*time.Second {
+		t.Errorf("a real request among %d stalled clients took %s", clients, took)
+	}
+
+	// (a) Every staller has had its data read, drained or cut off; the heap holds no
+	// more than the bound, though a good part of 100 MiB was sent.
+	writers.Wait()
+	if h := liveHeap() - base; h > int64(bound+slack) {
+		t.Errorf("live heap grew by %d MiB with %d stalled clients; the intake bounds buffers to %d MiB",
+			h>>20, clients, bound>>20)
+	}
+	close(stopSampling)
+	sampling.Wait()
+	if w := worst.Load(); w > int64(bound) || w < int64(maxBuffered/2) {
+		t.Errorf("the intake buffered at most %d bytes; want more than %d (it was used) and at most %d", w, maxBuffered/2, bound)
+	}
+	if r := worstReading.Load(); r > int64(maxReading) {
+		t.Errorf("%d connections were read at once, more than %d", r, maxReading)
+	}
+	t.Logf("worst buffered %d KiB, reading %d; now %+v", worst.Load()>>10, worstReading.Load(), in.Stats())
+	if st := in.Stats(); st.Evicted == 0 {
+		t.Errorf("no staller was evicted: %+v", st)
+	}
+
+	// (c) The stallers close: their slots and buffers are let go at once, and the heap
+	// returns to what it was.
+	for _, c := range conns {
+		c.Close()
+	}
+	eventually(t, 5*time.Second, "the intake is empty", func() bool { st := in.Stats(); return st.Reading == 0 && st.Buffered == 0 })
+	eventually(t, 5*time.Second, "the heap is back to its size before the attack", func() bool { return liveHeap()-base < 4<<20 })
+
+	// (d) Each staller was answered or cut off, and each such client is a log event: the
+	// log reports every one of them, within a period of the last, in at most one line per
+	// clientLogEvery.
+	var lines, suppressed int
+	eventually(t, clientLogEvery+5*time.Second, "every staller is reported in the log", func() bool {
+		lines, suppressed = clientLogLines(t, logs.String())
+		return lines+suppressed >= clients
+	})
+	elapsed := time.Since(start)
+	t.Logf("%d lines, %d suppressed in %s", lines, suppressed, elapsed)
+	if max := int(elapsed/clientLogEvery) + 1; lines > max {
+		t.Errorf("%d log lines about clients in %s; at most %d (one per %s)", lines, elapsed, max, clientLogEvery)
+	}
+}
+
+// TestIdleClientGivesWayToANewcomer: when every slot is taken, the connection that has
+// sent nothing for longest gives way to the next one, answered with code 11 saying
+// why; the others are left alone.
+func TestIdleClientGivesWayToANewcomer(t *testing.T) {
+	setVar(t, &maxReading, 2)
+	setVar(t, &evictIdle, 300*time.Millisecond)
+	socket, in := startIntakeServer(t, &fakeInvoker{}, nil)
+	stall := func(what string) net.Conn {
+		c, err := net.Dial("unix", socket)
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+		before := in.Stats().Buffered
+		if _, err := c.Write([]byte(`{"version":1,"op":"cni","request":{"stdin":"` + strings.Repeat("A", 8<<10))); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		eventually(t, 5*time.Second, what+" is read", func() bool { return in.Stats().Buffered > before })
+		return c
+	}
+	first, second := stall("first staller"), stall("second staller")
+
+	out, err := (&Client{Socket: socket, Timeout: 10 * time.Second}).Invoke(context.Background(), testInvocation(socket))
+	if err != nil || out.Exit != 0 {
+		t.Fatalf("the newcomer: %+v %v", out, err)
+	}
+	var resp WireResponse
+	if err := json.NewDecoder(first).Decode(&resp); err != nil {
+		t.Fatalf("the first staller got no answer: %v", err)
+	}
+	if e := resp.Error; e == nil || e.Code != CodeTryAgainLater || !errors.Is(e, allocator.ErrUnavailable) ||
+		!strings.Contains(e.Msg, "stopped reading this request: it sent nothing for") ||
+		!strings.Contains(e.Msg, "send the whole request at once") {
+		t.Errorf("the evicted staller was answered %+v; want code 11 saying why and what to do", e)
+	}
+	if st := in.Stats(); st.Reading != 1 || st.Evicted != 1 {
+		t.Errorf("intake %+v; want the second staller still read and one eviction", st)
+	}
+	_ = second.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	if n, err := second.Read(make([]byte, 1)); n != 0 || !isTimeout(err) {
+		t.Errorf("the second staller was answered or closed (%d, %v); only the idlest gives way", n, err)
+	}
+}
+
+// TestRequestRefusedWhenTheBufferBudgetIsSpent: a request that needs more buffer than the
+// budget has left, while the holders are still sending (none may be evicted), is refused
+// with code 11 naming the limit, and the client reads the answer (no reset). Once the
+// holder has been idle long enough, its buffer goes to the next request.
+func TestRequestRefusedWhenTheBufferBudgetIsSpent(t *testing.T) {
+	setVar(t, &maxBuffered, 4*chunkSize)
+	setVar(t, &evictIdle, 2*time.Second)
+	socket, in := startIntakeServer(t, &fakeInvoker{}, nil)
+	part := []byte(`{"version":1,"op":"cni","request":{"stdin":"` + strings.Repeat("A", 3*chunkSize))
+
+	holder, err := net.Dial("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close()
+	_ = holder.SetDeadline(time.Now().Add(20 * time.Second))
+	if _, err := holder.Write(part); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, "the holder's request is buffered", func() bool { return in.Stats().Buffered > 3*chunkSize })
+	heldSince := time.Now()
+
+	resp := rawCall(t, socket, part)
+	if time.Since(heldSince) < evictIdle {
+		if e := resp.Error; e == nil || e.Code != CodeTryAgainLater || !strings.Contains(e.Msg, "already buffering") ||
+			!strings.Contains(e.Msg, "its limit; try again") {
+			t.Errorf("a request with the budget spent was answered %+v; want code 11 naming the limit", e)
+		}
+	} else {
+		t.Logf("the machine is too slow to check the refusal: %s passed", time.Since(heldSince))
+	}
+
+	// Once idle for evictIdle, the holder gives way to a request that needs its buffer.
+	full := []byte(`{"version":1,"op":"cni","request":{"command":"ADD","stdin":"` + strings.Repeat("A", 3*chunkSize) + `"}}`)
+	deadline := time.Now().Add(3 * evictIdle)
+	for {
+		resp := rawCall(t, socket, full)
+		if resp.Error == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a request needing the idle holder's buffer is still refused after %s: %+v", 3*evictIdle, resp.Error)
+		}
+		eventually(t, evictIdle, "the holder has been idle for evictIdle", func() bool { return time.Since(heldSince) > evictIdle })
+	}
+	var hresp WireResponse
+	if err := json.NewDecoder(holder).Decode(&hresp); err != nil || hresp.Error == nil || hresp.Error.Code != CodeTryAgainLater ||
+		!strings.Contains(hresp.Error.Msg, "its buffer was needed by another request") {
+		t.Errorf("the evicted holder was answered %+v (%v); want code 11 saying why", hresp.Error, err)
+	}
+}
+
+// TestValueScanner: the end of the first object is found however the message is cut
+// into pieces, strings and escapes included; anything but an object is noticed at once.
+func TestValueScanner(t *testing.T) {
+	tests := []struct {
+		in   string
+		end  int  // offset just past the object, -1 when it has not ended
+		bad  bool // not an object
+		note string
+	}{
+		{`{"a":1}`, 7, false, "a plain object"},
+		{" \n\t{\"a\":[1,{\"b\":2}]} trailing", 20, false, "leading space, nesting, bytes after the end ignored"},
+		{`{"a":"}]{[\"\\"}`, 16, false, "brackets and escaped quotes inside a string"},
+		{`{"a":"\\"}`, 10, false, "an escaped backslash closes nothing"},
+		{`{"a":{"b":`, -1, false, "cut short"},
+		{`   `, -1, false, "white space only"},
+		{`hello`, -1, true, "not JSON"},
+		{`[{"a":1}]`, -1, true, "an array is not a request"},
+		{`null`, -1, true, "null is not a request"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.note, func(t *testing.T) {
+			for cut := range len(tt.in) + 1 {
+				var s valueScanner
+				end := s.feed([]byte(tt.in[:cut]))
+				if end < 0 {
+					if e := s.feed([]byte(tt.in[cut:])); e >= 0 {
+						end = cut + e
+					}
+				}
+				if end != tt.end || s.notObject != tt.bad {
+					t.Errorf("cut at %d: end %d, not an object %v; want %d, %v", cut, end, s.notObject, tt.end, tt.bad)
+				}
+			}
+		})
+	}
+}
+
+// TestLogLimiter: one event per period passes, counting the ones held back before it;
+// the first held back asks for a flush at the period's end, which reports them even when
+// no event follows and then counts as that period's line.
+func TestLogLimiter(t *testing.T) {
+	l := logLimiter{every: time.Second}
+	t0 := time.Unix(1000, 0)
+	steps := []struct {
+		at      time.Duration
+		flush   bool // flush instead of an event
+		ok      bool
+		skipped int           // events reported as held back
+		flushIn time.Duration // a flush asked for
+	}{
+		{0, false, true, 0, 0}, // the first passes
+		{100 * time.Millisecond, false, false, 0, 900 * time.Millisecond}, // held back: flush at the period's end
+		{900 * time.Millisecond, false, false, 0, 0},                      // held back, the flush is already asked for
+		{time.Second, false, true, 2, 0},                                  // the period is over: passes, counting two
+		{1100 * time.Millisecond, false, false, 0, 900 * time.Millisecond},
+		{2 * time.Second, true, true, 1, 0},                                // the flush reports it, no event having come
+		{2500 * time.Millisecond, false, false, 0, 500 * time.Millisecond}, // the flush began a period
+		{3 * time.Second, true, true, 1, 0},
+		{3100 * time.Millisecond, true, true, 0, 0}, // a flush with nothing held back reports nothing
+		{3200 * time.Millisecond, false, false, 0, 800 * time.Millisecond},
+	}
+	for _, s := range steps {
+		if s.flush {
+			if n := l.flush(t0.Add(s.at)); n != s.skipped {
+				t.Errorf("flush at %s: %d; want %d", s.at, n, s.skipped)
+			}
+			continue
+		}
+		if ok, skipped, flushIn := l.allow(t0.Add(s.at)); ok != s.ok || skipped != s.skipped || flushIn != s.flushIn {
+			t.Errorf("at %s: %v, %d, flush in %s; want %v, %d, %s", s.at, ok, skipped, flushIn, s.ok, s.skipped, s.flushIn)
+		}
+	}
+}
+
+// startIntakeServer is startServer logging to log, returning the server's intake too.
+func startIntakeServer(t *testing.T, inv Invoker, log *slog.Logger) (string, *intake) {
+	t.Helper()
+	got := make(chan *intake, 1)
+	testHookIntake = func(in *intake) { got <- in }
+	t.Cleanup(func() { testHookIntake = nil })
+	socket := fuzzServerLog(t, inv, log)
+	select {
+	case in := <-got:
+		return socket, in
+	case <-time.After(10 * time.Second):
+		t.Fatal("Serve did not start")
+		return "", nil
+	}
+}
+
+// setVar sets *p to v for the test's duration (before any server starts).
+func setVar[T any](t *testing.T, p *T, v T) {
+	t.Helper()
+	old := *p
+	*p = v
+	t.Cleanup(func() { *p = old })
+}
+
+// liveHeap is the heap in use after a collection.
+func liveHeap() int64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return int64(ms.HeapAlloc)
+}
+
+// eventually polls cond every few milliseconds until it holds or within passes.
+func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %s", what, within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// clientLogLines counts the log lines about clients that could not be served and the
+// events they say were left out.
+func clientLogLines(t *testing.T, logs string) (lines, suppressed int) {
+	t.Helper()
+	for line := range strings.SplitSeq(strings.TrimSpace(logs), "\n") {
+		var rec struct {
+			Msg        string
+			Suppressed int
+		}
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		switch rec.Msg {
+		case "agentapi: request not read", "agentapi: writing response", "agentapi: more clients not served":
+			lines++
+			suppressed += rec.Suppressed
+		}
+	}
+	return lines, suppressed
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent use.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
