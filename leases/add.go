@@ -139,7 +139,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 				return allocator.Result{}, false, nil
 			case stale && !st.relisted:
 				st.relisted = true
-				a.log.Warn("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.spec.Name)
+				a.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.spec.Name)
 				select {
 				case <-p.view.restart():
 				case <-ctx.Done():
