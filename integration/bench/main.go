@@ -54,6 +54,7 @@ type config struct {
 	restartTTL   time.Duration
 	sweepSubnet  netip.Prefix
 	fanoutLevels []int
+	fanoutProcs  []int
 	fanoutAdds   int
 	churnPods    int
 }
@@ -84,7 +85,8 @@ func parseFlags(args []string) (*config, error) {
 	burst := fs.String("burst-subnet", "10.40.0.0/20", "pool of the burst figure")
 	fs.IntVar(&c.restartPods, "restart-pods", 10000, "live allocations on the restarted agent's node")
 	fs.DurationVar(&c.restartTTL, "restart-ttl", 30*time.Second, "pod lease TTL in the restart figure (the downtime before the restart is TTL/3 + 3s, so renewals are visible)")
-	fan := fs.String("fanout-agents", "1,100,200", "agents watching the pool in the fan-out simulation (ascending)")
+	fan := fs.String("fanout-agents", "1,50,1000", "agents watching the pool in the fan-out simulation, in one process (ascending)")
+	fanProcs := fs.String("fanout-procs", "1,50", "leaseholdd processes watching the pool in the fan-out figure (ascending)")
 	fs.IntVar(&c.fanoutAdds, "fanout-adds", 200, "sequential ADDs measured at each fan-out size")
 	fs.IntVar(&c.churnPods, "churn-pods", 200, "pods ADDed and DELeted one after the other in the churn figure (and as many through host-local)")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
@@ -105,6 +107,9 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.fanoutLevels, err = parseLevels(*fan); err != nil || len(c.fanoutLevels) == 0 || c.fanoutLevels[0] < 1 {
 		return nil, fmt.Errorf("-fanout-agents: want ascending counts >= 1 (%v)", err)
+	}
+	if c.fanoutProcs, err = parseLevels(*fanProcs); err != nil || len(c.fanoutProcs) == 0 || c.fanoutProcs[0] < 1 {
+		return nil, fmt.Errorf("-fanout-procs: want ascending counts >= 1 (%v)", err)
 	}
 	if c.burstSubnet, err = netip.ParsePrefix(*burst); err != nil {
 		return nil, fmt.Errorf("-burst-subnet: %w", err)
