@@ -14,6 +14,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -25,7 +26,7 @@ type etcdCluster struct {
 	args    [][]string
 	procs   []*exec.Cmd
 	done    []chan struct{}
-	logs    []*syncBuffer
+	logs    []*syncbuf.Buffer
 }
 
 func startEtcdCluster(t *testing.T) *etcdCluster {
@@ -52,7 +53,7 @@ func startEtcdCluster(t *testing.T) *etcdCluster {
 	for i := range c.args {
 		c.args[i] = append(c.args[i], "--initial-cluster", strings.Join(peers, ","))
 	}
-	c.procs, c.done, c.logs = make([]*exec.Cmd, 3), make([]chan struct{}, 3), make([]*syncBuffer, 3)
+	c.procs, c.done, c.logs = make([]*exec.Cmd, 3), make([]chan struct{}, 3), make([]*syncbuf.Buffer, 3)
 	for i := range 3 {
 		c.start(i)
 	}
@@ -66,7 +67,7 @@ func startEtcdCluster(t *testing.T) *etcdCluster {
 }
 
 func (c *etcdCluster) start(i int) {
-	c.logs[i] = &syncBuffer{}
+	c.logs[i] = &syncbuf.Buffer{}
 	cmd := exec.Command(filepath.Join(binDir(c.t), "etcd"), c.args[i]...)
 	cmd.Stdout, cmd.Stderr = c.logs[i], c.logs[i]
 	if err := cmd.Start(); err != nil {

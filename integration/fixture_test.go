@@ -17,6 +17,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 )
 
 // fixture is what an integration test runs against: an etcd of its own, a client of it,
@@ -201,7 +202,7 @@ func (f *fixture) launch(endpoint string, flags []string) *agentProc {
 	a.args = append(a.args, f.cfg.agentFlags...)
 	a.args = append(a.args, flags...)
 	a.Cluster, a.Node, a.NodeUID = lastFlag(a.args, "cluster"), lastFlag(a.args, "node"), lastFlag(a.args, "node-uid")
-	a.logs = &syncBuffer{}
+	a.logs = &syncbuf.Buffer{}
 	t.Cleanup(func() {
 		a.stop()
 		if t.Failed() {

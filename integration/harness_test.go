@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,6 +19,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 )
 
 // binDir is where make put the binaries under test and the tools.
@@ -100,7 +99,7 @@ func replaceEtcdProcess(t testing.TB, p *etcdProc, flags ...string) *etcdProc {
 func launchEtcd(t testing.TB, curl, purl string, flags ...string) (*etcdProc, string) {
 	t.Helper()
 	ctx := context.Background()
-	out := &syncBuffer{}
+	out := &syncbuf.Buffer{}
 	cmd := exec.Command(filepath.Join(binDir(t), "etcd"),
 		"--name", "it", "--data-dir", t.TempDir(),
 		"--listen-client-urls", curl, "--advertise-client-urls", curl,
@@ -158,7 +157,7 @@ type agentProc struct {
 	Cluster, Node, NodeUID string
 	args                   []string
 	cmd                    *exec.Cmd
-	logs                   *syncBuffer
+	logs                   *syncbuf.Buffer
 	done                   chan struct{}
 }
 
@@ -220,24 +219,6 @@ func (a *agentProc) stop() {
 		<-a.done
 	}
 	a.cmd = nil
-}
-
-// syncBuffer collects a process's output from its copying goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // netconf is a CNI network configuration with leasehold as IPAM.

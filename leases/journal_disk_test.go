@@ -3,7 +3,6 @@
 package leases
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,7 +11,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -22,6 +20,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -86,21 +85,10 @@ func pollUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 }
 
 // logLines is a slog handler's output, safe to read while the writer logs.
-type logLines struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *logLines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
+type logLines struct{ syncbuf.Buffer }
 
 func (l *logLines) count(msg string) int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.Count(l.buf.String(), fmt.Sprintf("msg=%q", msg))
+	return strings.Count(l.String(), fmt.Sprintf("msg=%q", msg))
 }
 
 func (l *logLines) logger() *slog.Logger {

@@ -1,7 +1,6 @@
 package agentapi
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -15,6 +14,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 )
 
 // TestStalledClientsAreBounded: 200 clients each send half of a large request and stall,
@@ -24,7 +24,7 @@ import (
 // everything they held is let go; the log says so at a bounded rate.
 func TestStalledClientsAreBounded(t *testing.T) {
 	setVar(t, &clientLogEvery, time.Second)
-	logs := &syncBuffer{}
+	logs := &syncbuf.Buffer{}
 	socket, in := startIntakeServer(t, &fakeInvoker{}, slog.New(slog.NewJSONHandler(logs, nil)))
 	const clients = 200
 	half := []byte(`{"version":1,"op":"cni","request":{"command":"ADD","stdin":"` + strings.Repeat("A", MaxMessageSize/2))
@@ -362,22 +362,4 @@ func clientLogLines(t *testing.T, logs string) (lines, suppressed int) {
 		}
 	}
 	return lines, suppressed
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent use.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
