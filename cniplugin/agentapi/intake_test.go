@@ -225,6 +225,55 @@ func TestRequestRefusedWhenTheBufferBudgetIsSpent(t *testing.T) {
 	}
 }
 
+// TestRequestsWaitingForASlotAreBounded: requests read whole leave the intake and wait for
+// one of the invocation slots; what they hold is bounded too. With the only slot taken, a
+// stream of complete requests is answered code 11 once the bytes waiting exceed the budget,
+// at once rather than at its deadline; once the slot frees, requests run again.
+func TestRequestsWaitingForASlotAreBounded(t *testing.T) {
+	setVar(t, &maxInFlight, 1)
+	setVar(t, &maxWaiting, 4*chunkSize)
+	block := make(chan struct{})
+	inv := &fakeInvoker{block: block}
+	socket, _ := startIntakeServer(t, inv, nil)
+	body := func(n int) []byte {
+		return []byte(`{"version":1,"op":"cni","timeoutMs":20000,"request":{"command":"ADD","stdin":"` + strings.Repeat("A", n) + `"}}`)
+	}
+	first := make(chan WireResponse, 1)
+	go func() { first <- rawCall(t, socket, body(16)) }() // takes the slot and blocks in the Invoker
+	eventually(t, 10*time.Second, "the first request holds the slot", func() bool { _, n := inv.lastCall(); return n == 1 })
+	// Each waiting request holds a chunk's worth; the budget takes four.
+	const waiters = 8
+	answers := make(chan WireResponse, waiters)
+	start := time.Now()
+	for range waiters {
+		go func() { answers <- rawCall(t, socket, body(chunkSize-64)) }()
+	}
+	refused := 0
+	for refused < waiters-4 {
+		select {
+		case resp := <-answers:
+			if e := resp.Error; e == nil || e.Code != CodeTryAgainLater || !strings.Contains(e.Msg, "waiting for them, its limit") {
+				t.Fatalf("a request beyond the waiting budget was answered %+v; want code 11 naming the limit", e)
+			}
+			refused++
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d of %d requests beyond the waiting budget refused after 10 s; want them refused at once", refused, waiters-4)
+		}
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("refusing the requests beyond the budget took %s; they must not wait for their deadline", took)
+	}
+	close(block)
+	if resp := <-first; resp.Error != nil || resp.CNI == nil {
+		t.Errorf("the request holding the slot: %+v", resp.Error)
+	}
+	for range 4 {
+		if resp := <-answers; resp.Error != nil || resp.CNI == nil {
+			t.Errorf("a request within the waiting budget was answered %+v; want it run once the slot freed", resp.Error)
+		}
+	}
+}
+
 // TestValueScanner: the end of the first object is found however the message is cut
 // into pieces, strings and escapes included; anything but an object is noticed at once.
 func TestValueScanner(t *testing.T) {

@@ -33,6 +33,9 @@ var (
 	// maxInFlight bounds how many invocations run at once; more wait for a slot until
 	// their deadline and then fail with code 11.
 	maxInFlight = 64
+	// maxWaiting bounds the bytes of requests read whole and waiting for one of those slots,
+	// as the intake bounds those still being read: sixteen requests of the largest size.
+	maxWaiting = 16 * MaxMessageSize
 	// clientLogEvery is how often at most a client the agent could not serve (stalled,
 	// evicted, oversize, undecodable, refused) is logged; the line counts the ones left out.
 	clientLogEvery = 10 * time.Second
@@ -129,6 +132,9 @@ type server struct {
 	base     context.Context // parent of every request's context
 	slots    chan struct{}
 	inFlight atomic.Int64
+	// waiting is the bytes of the bodies of requests read whole and waiting for a slot: once
+	// read they leave the intake, and this bounds them instead (maxWaiting).
+	waiting atomic.Int64
 	// in admits connections to be read; clientLog paces the log lines about clients
 	// that could not be served.
 	in        *intake
@@ -242,10 +248,18 @@ func (s *server) dispatch(req *WireRequest) WireResponse {
 	ctx, cancel := context.WithTimeout(s.base, timeout)
 	defer cancel()
 
+	n := int64(len(req.Request))
+	if s.waiting.Add(n) > int64(maxWaiting) {
+		s.waiting.Add(-n)
+		return errResponse(fmt.Errorf("%w: leaseholdd is busy (%d requests running, and %d bytes of requests waiting for them, "+
+			"its limit); try again", allocator.ErrUnavailable, maxInFlight, maxWaiting))
+	}
 	select {
 	case s.slots <- struct{}{}:
+		s.waiting.Add(-n)
 		defer func() { <-s.slots }()
 	case <-ctx.Done():
+		s.waiting.Add(-n)
 		return errResponse(fmt.Errorf("%w: leaseholdd is busy (%d requests running); try again", allocator.ErrUnavailable, maxInFlight))
 	}
 
