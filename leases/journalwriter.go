@@ -1,0 +1,347 @@
+package leases
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// journalWriter takes journal writes off the ADD and DEL paths: callers record the newest
+// state of an owner, and a background loop appends what changed every flushEvery, in one
+// write, instead of a file per pod created and renamed on every change, which put file-system
+// work on every ADD's path (docs/performance.md). What a
+// crash can lose is the last flushEvery of changes: the pods concerned still have their pod
+// records in etcd, on leases that live for the TTL, and recovery rebuilds their journal
+// entries from those records; only an agent that crashed inside that window and then stayed
+// away past the TTL misses them.
+//
+// A write that fails (a full or failing disk, a short write) loses nothing: the changes stay
+// with the writer, a partly written line is cut back off the file, and the write is tried
+// again, from journalRetryFirst doubling to journalRetryMax, until the journal holds every
+// pod again; no further change is needed for that. Meanwhile the failure is logged (at the
+// first failure, every journalLogEvery, and on recovery), counted, and fails /readyz.
+type journalWriter struct {
+	j   journal
+	log *slog.Logger
+
+	mu      sync.Mutex
+	pending map[string]*podState // owner -> newest state; nil: forget the owner
+	done    chan struct{}
+	stopped chan struct{}
+	once    sync.Once
+	started atomic.Bool
+
+	// Read by the metrics and by Ready.
+	failures atomic.Int64 // failed write attempts
+	hmu      sync.Mutex
+	failErr  error     // the last failure while the journal misses changes; nil when it holds them all
+	failedAt time.Time // the first failure of the current run of failures
+
+	// Owned by the loop.
+	f         *os.File
+	size      int64             // bytes of f known to end with a whole line: where a failed append is cut back to
+	live      map[string][]byte // owner -> its put line: what the journal must hold
+	unwritten []byte            // lines of changes already in live, not yet appended
+	lines     int               // lines in the file plus those in unwritten
+	rewrite   bool              // the file must be rewritten from live before anything is appended to it
+	aside     bool              // the file has unreadable lines: move it aside before the rewrite
+	legacy    []string          // per-pod files of earlier versions, deleted at the next compaction
+
+	backoff  time.Duration // 0 while writes succeed
+	retryAt  time.Time     // while failing: the next attempt
+	loggedAt time.Time     // while failing: the last log line
+	unlogged int           // failed attempts since the last log line
+	run      int           // failed attempts in the current run
+}
+
+const (
+	flushEvery        = 50 * time.Millisecond
+	journalRetryFirst = 100 * time.Millisecond
+	journalRetryMax   = 5 * time.Second
+	journalLogEvery   = time.Minute
+)
+
+// ErrJournalUnwritable is wrapped by Ready's error while the local journal cannot be written
+// (a full or failing --state-dir disk). ADDs still succeed; the pods they add are journaled
+// once a retry succeeds.
+var ErrJournalUnwritable = errors.New("the journal cannot be written; re-claim after a lease loss would miss the pods changed since")
+
+func newJournalWriter(j journal, log *slog.Logger) *journalWriter {
+	return &journalWriter{j: j, log: log, pending: map[string]*podState{}, done: make(chan struct{}),
+		stopped: make(chan struct{}), live: map[string][]byte{}}
+}
+
+func (w *journalWriter) path() string { return filepath.Join(w.j.dir, journalFile) }
+
+// start begins writing, from what load found, in the background: an unreadable journal is
+// kept aside and the per-pod files of earlier versions are folded in by a compaction first;
+// then what changed is appended every flushEvery.
+func (w *journalWriter) start(from loaded) {
+	if w.j.dir == "" || !w.started.CompareAndSwap(false, true) {
+		return
+	}
+	for _, ps := range from.pods {
+		if line, ok := from.lines[ps.Owner]; ok {
+			w.live[ps.Owner] = line
+		} else if line, err := encodeLine(journalLine{Put: &ps}); err == nil {
+			w.live[ps.Owner] = line
+		}
+	}
+	w.legacy, w.lines = from.legacy, from.nlines
+	w.aside = from.unreadable
+	w.rewrite = len(w.legacy) > 0 || from.unreadable || from.torn
+	go func() {
+		if !w.rewrite {
+			// Else, or when it cannot be opened, the first change rewrites the whole journal.
+			if f, err := os.OpenFile(w.path(), os.O_WRONLY|os.O_APPEND, 0o600); err == nil {
+				if st, err := f.Stat(); err == nil {
+					w.f, w.size = f, st.Size()
+				} else {
+					f.Close()
+				}
+			}
+		}
+		w.loop()
+	}()
+}
+
+// save records ps as the owner's newest state. It never blocks on the disk and never fails,
+// so an ADD neither waits for the journal nor fails with it: a journal that cannot be written
+// fails /readyz instead (Agent.Ready), and etcd's pod record is what a restart resumes from.
+func (w *journalWriter) save(ps podState) {
+	if w.j.dir == "" {
+		return
+	}
+	w.mu.Lock()
+	w.pending[ps.Owner] = &ps
+	w.mu.Unlock()
+}
+
+// remove records that the owner is forgotten.
+func (w *journalWriter) remove(owner string) {
+	if w.j.dir == "" {
+		return
+	}
+	w.mu.Lock()
+	w.pending[owner] = nil
+	w.mu.Unlock()
+}
+
+// health is nil while the journal holds every change the writer has taken, and an error
+// wrapping ErrJournalUnwritable from a failed write until a retry succeeds.
+func (w *journalWriter) health() error {
+	w.hmu.Lock()
+	defer w.hmu.Unlock()
+	if w.failErr == nil {
+		return nil
+	}
+	return fmt.Errorf("%w (failing since %s): %w", ErrJournalUnwritable, w.failedAt.UTC().Format(time.RFC3339), w.failErr)
+}
+
+func (w *journalWriter) loop() {
+	defer close(w.stopped)
+	t := time.NewTicker(flushEvery)
+	defer t.Stop()
+	w.attempt(false) // a journal to keep aside, fold or heal is rewritten at once
+	for {
+		select {
+		case <-w.done:
+			w.attempt(true)
+			if w.f != nil {
+				w.f.Close()
+			}
+			return
+		case <-t.C:
+			w.attempt(false)
+		}
+	}
+}
+
+// attempt writes what changed, unless a failed write's backoff still runs (or last is set:
+// the agent stops), and reports the outcome.
+func (w *journalWriter) attempt(last bool) {
+	if !last && w.backoff > 0 && time.Now().Before(w.retryAt) {
+		return
+	}
+	err := w.flush()
+	now := time.Now()
+	if err == nil {
+		if w.backoff == 0 {
+			return
+		}
+		w.hmu.Lock()
+		since := w.failedAt
+		w.failErr = nil
+		w.hmu.Unlock()
+		w.log.Warn("journal written again after failed writes; it holds every pod", "journal", w.path(),
+			"failed_attempts", w.run, "failing_for", now.Sub(since).Round(time.Millisecond))
+		w.backoff, w.run, w.unlogged = 0, 0, 0
+		return
+	}
+	w.failures.Add(1)
+	first := w.backoff == 0
+	w.hmu.Lock()
+	if first {
+		w.failedAt = now
+	}
+	w.failErr = err
+	w.hmu.Unlock()
+	w.backoff = min(max(2*w.backoff, journalRetryFirst), journalRetryMax)
+	w.retryAt = now.Add(w.backoff)
+	w.run++
+	w.unlogged++
+	if first || now.Sub(w.loggedAt) >= journalLogEvery || last {
+		// The allocations stand in etcd; only re-claim after a long outage depends on it.
+		w.log.Error("journal write failed; re-claim after a lease loss may miss pods", "err", err,
+			"failed_attempts", w.unlogged, "retry_in", w.backoff)
+		w.loggedAt, w.unlogged = now, 0
+	}
+}
+
+func encodeLine(l journalLine) ([]byte, error) {
+	b, err := json.Marshal(l)
+	return append(b, '\n'), err
+}
+
+// absorb moves the pending changes into live and their lines into unwritten.
+func (w *journalWriter) absorb() {
+	w.mu.Lock()
+	batch := w.pending
+	if len(batch) == 0 {
+		w.mu.Unlock()
+		return
+	}
+	w.pending = map[string]*podState{}
+	w.mu.Unlock()
+	for owner, ps := range batch {
+		var line []byte
+		if ps == nil {
+			if _, ok := w.live[owner]; !ok {
+				continue
+			}
+			delete(w.live, owner)
+			line, _ = encodeLine(journalLine{Del: owner})
+		} else {
+			var err error
+			if line, err = encodeLine(journalLine{Put: ps}); err != nil {
+				w.log.Error("journal entry not encodable", "owner", owner, "err", err)
+				continue
+			}
+			w.live[owner] = line
+		}
+		if !w.rewrite {
+			w.unwritten = append(w.unwritten, line...)
+		}
+		w.lines++
+	}
+	if w.backoff > 0 && w.lines > 2*len(w.live)+64 {
+		// Failing for long under churn: the rewrite the next attempt would make anyway keeps
+		// the writer's memory to the live pods.
+		w.rewrite, w.unwritten = true, nil
+	}
+}
+
+// flush writes what changed: appended, or the whole journal rewritten when it must be or
+// has grown to twice the live pods. What a failed write did not write stays for the next.
+func (w *journalWriter) flush() error {
+	w.absorb()
+	if w.aside {
+		aside := fmt.Sprintf("%s.unreadable-%d", w.path(), time.Now().Unix())
+		switch err := os.Rename(w.path(), aside); {
+		case err == nil:
+			w.log.Error("journal had unreadable lines; kept aside, a new one is written", "kept", aside)
+		case !errors.Is(err, fs.ErrNotExist):
+			return fmt.Errorf("journal %s: keep it aside: %w", w.path(), err) // never compacted away
+		}
+		w.aside = false
+	}
+	switch {
+	case w.rewrite:
+		return w.compact()
+	case len(w.unwritten) == 0:
+		return nil
+	case w.f == nil:
+		return w.compact()
+	case w.lines > 2*len(w.live)+64:
+		if err := w.compact(); err != nil {
+			// A rewrite needs room for a second copy; the append may still fit.
+			if aerr := w.append(); aerr != nil {
+				return errors.Join(err, aerr)
+			}
+		}
+		return nil
+	default:
+		return w.append()
+	}
+}
+
+// append writes unwritten at the end of the file. A failed or short write is cut back to the
+// last whole line, so that no partial line stays: the next load would take it for a crash,
+// and the next append would be glued to it. If it cannot be cut back, the file is rewritten.
+func (w *journalWriter) append() error {
+	n, err := w.f.Write(w.unwritten)
+	if err == nil {
+		w.size += int64(n)
+		w.unwritten = nil
+		return nil
+	}
+	err = fmt.Errorf("journal %s: append: %w", w.path(), err)
+	if terr := w.f.Truncate(w.size); terr != nil {
+		w.f.Close()
+		w.f, w.rewrite, w.unwritten = nil, true, nil
+		return errors.Join(err, fmt.Errorf("journal %s: cut back a partly written line: %w", w.path(), terr))
+	}
+	return err
+}
+
+// compact replaces the journal by the live pods' lines, then deletes the per-pod files of
+// earlier versions it folded in. If it fails, the journal is left as it was.
+func (w *journalWriter) compact() error {
+	path := w.path()
+	buf := make([]byte, 0, 512*len(w.live))
+	for _, owner := range slices.Sorted(maps.Keys(w.live)) {
+		buf = append(buf, w.live[owner]...)
+	}
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, buf, 0o600); err != nil {
+		os.Remove(tmp) // a partial copy holds room the next attempt needs
+		return fmt.Errorf("journal %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("journal %s: %w", path, err)
+	}
+	// The journal holds every pod now, whether or not it opens for the next append.
+	if w.f != nil {
+		w.f.Close()
+	}
+	w.f, w.size, w.lines, w.unwritten, w.rewrite = nil, int64(len(buf)), len(w.live), nil, false
+	if f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0o600); err == nil {
+		w.f = f // else the next change rewrites the journal
+	}
+	for _, name := range w.legacy {
+		if err := os.Remove(filepath.Join(w.j.dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			w.log.Warn("could not delete a folded-in journal file of an earlier version", "file", name, "err", err)
+		}
+	}
+	w.legacy = nil
+	return nil
+}
+
+// close writes what is pending and stops the loop; closing again does nothing.
+func (w *journalWriter) close() {
+	if !w.started.Load() {
+		return
+	}
+	w.once.Do(func() { close(w.done) })
+	<-w.stopped
+}
