@@ -188,7 +188,7 @@ func TestAdminRemoveRange(t *testing.T) {
 				t.Errorf("error %q does not name %q", err, s)
 			}
 		}
-		if st, _ := ReadState(ctx, cli); !mustPool(t, st, name).Value.Equal(mustCanon(t, spec)) {
+		if st, _ := ReadState(ctx, cli); !mustPool(t, st, name).Value.Equal(mustCanon(t, withBlocks(spec))) {
 			t.Errorf("definition changed by a refused remove-range")
 		}
 	})
@@ -266,7 +266,7 @@ func TestAdminRelease(t *testing.T) {
 		if _, err := a.Add(ctx, byName(name, container, "u-"+container, ips...)); err != nil {
 			t.Fatalf("add %s: %v", container, err)
 		}
-		return keyspace.OwnerKey(cluster, "u-"+container, "eth0", name), leaseOf(t, cli, keyspace.IPKey(name, netip.MustParseAddr(ips[0])))
+		return keyspace.OwnerKey(cluster, "u-"+container, "eth0", name), leaseOf(t, cli, keyspace.IPKey(name, allocator.DefaultBlocks, netip.MustParseAddr(ips[0])))
 	}
 	ip := netip.MustParseAddr
 	live, liveLease := add("live", "10.68.0.10", "fd68::10")
@@ -276,11 +276,11 @@ func TestAdminRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(ctx, keyspace.IPKey(name, ip("fd68::20")), `{"owner":"someone-else","cluster":"x"}`, clientv3.WithLease(other.ID)); err != nil {
+	if _, err := cli.Put(ctx, keyspace.IPKey(name, allocator.DefaultBlocks, ip("fd68::20")), `{"owner":"someone-else","cluster":"x"}`, clientv3.WithLease(other.ID)); err != nil {
 		t.Fatal(err)
 	}
 	// A key written with a plain etcdctl put: no lease, no owner index.
-	if _, err := cli.Put(ctx, keyspace.IPKey(name, ip("10.68.0.30")), `{"owner":"by-hand","cluster":"x","ifName":"eth0"}`); err != nil {
+	if _, err := cli.Put(ctx, keyspace.IPKey(name, allocator.DefaultBlocks, ip("10.68.0.30")), `{"owner":"by-hand","cluster":"x","ifName":"eth0"}`); err != nil {
 		t.Fatal(err)
 	}
 
@@ -295,7 +295,7 @@ func TestAdminRelease(t *testing.T) {
 				t.Errorf("error %q does not say %q", err, s)
 			}
 		}
-		if leaseOf(t, cli, keyspace.IPKey(name, ip("10.68.0.10"))) != liveLease || leaseOf(t, cli, live) != liveLease {
+		if leaseOf(t, cli, keyspace.IPKey(name, allocator.DefaultBlocks, ip("10.68.0.10"))) != liveLease || leaseOf(t, cli, live) != liveLease {
 			t.Errorf("a refused release changed keys")
 		}
 	})
@@ -309,13 +309,13 @@ func TestAdminRelease(t *testing.T) {
 	}{
 		// Forced: both addresses of the attachment and its owner index go, the pod record stays with the agent.
 		{name: "forced release of a live attachment", ip: "10.68.0.10", opt: ReleaseOptions{Force: true, Quarantine: 30 * time.Second},
-			gone: []string{keyspace.IPKey(name, ip("10.68.0.10")), keyspace.IPKey(name, ip("fd68::10")), live},
+			gone: []string{keyspace.IPKey(name, allocator.DefaultBlocks, ip("10.68.0.10")), keyspace.IPKey(name, allocator.DefaultBlocks, ip("fd68::10")), live},
 			kept: []string{keyspace.PodKey(cluster, "n1", "u-live")}, wantOwner: true},
 		// The sibling on a foreign lease is not this attachment's any more: it stays.
 		{name: "foreign lease untouched", ip: "10.68.0.20", opt: ReleaseOptions{Force: true},
-			gone: []string{keyspace.IPKey(name, ip("10.68.0.20")), foreign}, kept: []string{keyspace.IPKey(name, ip("fd68::20"))}, wantOwner: true},
+			gone: []string{keyspace.IPKey(name, allocator.DefaultBlocks, ip("10.68.0.20")), foreign}, kept: []string{keyspace.IPKey(name, allocator.DefaultBlocks, ip("fd68::20"))}, wantOwner: true},
 		// A key without lease needs no force, and names no owner index to delete.
-		{name: "leaseless key without force", ip: "10.68.0.30", gone: []string{keyspace.IPKey(name, ip("10.68.0.30"))}},
+		{name: "leaseless key without force", ip: "10.68.0.30", gone: []string{keyspace.IPKey(name, allocator.DefaultBlocks, ip("10.68.0.30"))}},
 		// Nothing there: not found, so scripts can tell it from a failure.
 		{name: "no allocation", ip: "10.68.0.99", wantErr: ErrNotFound},
 	}
@@ -340,7 +340,7 @@ func TestAdminRelease(t *testing.T) {
 			}
 			if tt.opt.Quarantine > 0 {
 				for _, r := range res.Addresses {
-					if l := leaseOf(t, cli, keyspace.QuarantineKey(name, r.IP)); l <= 0 {
+					if l := leaseOf(t, cli, keyspace.QuarantineKey(name, allocator.DefaultBlocks, r.IP)); l <= 0 {
 						t.Errorf("%s not quarantined on a lease (lease %d)", r.IP, l)
 					}
 				}
@@ -360,12 +360,22 @@ func TestAdminReadStateFilesEveryFamily(t *testing.T) {
 		t.Fatal(err)
 	}
 	pool := etcdtest.Uniq("ap")
+	ip := netip.MustParseAddr
+	block := netip.MustParsePrefix("10.69.0.0/26")
 	puts := map[string]string{
-		keyspace.IPKey(pool, netip.MustParseAddr("10.69.0.1")):   `{"owner":"o"}`,
-		keyspace.IPsPrefix(pool) + "not-an-address":              `{}`,
-		keyspace.IPsPrefix(pool) + "::ffff:10.69.0.2":            `{}`, // not the canonical spelling
-		keyspace.OwnerKey("c", "o", "eth0", pool):                `nonsense`,
-		keyspace.NodesPrefix("c") + pool + "/extra/parts/here/x": `{}`,
+		keyspace.IPKey(pool, allocator.Blocks{}, ip("10.69.0.1")):              `{"owner":"o"}`, // the flat layout
+		keyspace.IPKey(pool, allocator.DefaultBlocks, ip("10.69.0.2")):         `{"owner":"o"}`, // a block
+		keyspace.QuarantineKey(pool, allocator.Blocks{}, ip("10.69.0.3")):      `{}`,
+		keyspace.QuarantineKey(pool, allocator.DefaultBlocks, ip("10.69.0.4")): `{}`,
+		keyspace.BlockKey(pool, block):                                         `{"cluster":"c","node":"n"}`,
+		keyspace.IPsPrefix(pool) + "not-an-address":                            `{}`,
+		keyspace.IPsPrefix(pool) + "::ffff:10.69.0.2":                          `{}`, // not the canonical spelling
+		keyspace.IPsPrefix(pool) + "10.69.0.0-26/10.69.1.5":                    `{}`, // an address outside its block
+		keyspace.IPsPrefix(pool) + "10.69.0.5-26/10.69.0.5":                    `{}`, // a block not on its boundary
+		keyspace.QuarantinePrefix(pool) + "10.69.0.0-26/010.69.0.6":            `{}`,
+		keyspace.BlocksPrefix(pool) + "10.69.0.64/26":                          `{}`, // "/" for "-"
+		keyspace.OwnerKey("c", "o", "eth0", pool):                              `nonsense`,
+		keyspace.NodesPrefix("c") + pool + "/extra/parts/here/x":               `{}`,
 	}
 	for k, v := range puts {
 		if _, err := cli.Put(ctx, k, v); err != nil {
@@ -376,8 +386,19 @@ func TestAdminReadStateFilesEveryFamily(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(st.Allocations) != len(st0.Allocations)+1 || len(st.BadKeys) != len(st0.BadKeys)+3 || st.Revision <= st0.Revision {
-		t.Errorf("allocations %d->%d (want +1), bad keys %d->%d (want +3)", len(st0.Allocations), len(st.Allocations), len(st0.BadKeys), len(st.BadKeys))
+	if len(st.Allocations) != len(st0.Allocations)+2 || len(st.Quarantine) != len(st0.Quarantine)+2 || len(st.Blocks) != len(st0.Blocks)+1 ||
+		len(st.BadKeys) != len(st0.BadKeys)+7 || st.Revision <= st0.Revision {
+		t.Errorf("allocations %d->%d (want +2), quarantine %d->%d (want +2), block claims %d->%d (want +1), bad keys %d->%d (want +7)",
+			len(st0.Allocations), len(st.Allocations), len(st0.Quarantine), len(st.Quarantine), len(st0.Blocks), len(st.Blocks),
+			len(st0.BadKeys), len(st.BadKeys))
+	}
+	for _, a := range st.Allocations {
+		if a.Pool == pool && a.Block != map[netip.Addr]netip.Prefix{ip("10.69.0.1"): {}, ip("10.69.0.2"): block}[a.IP] {
+			t.Errorf("allocation %s filed in block %v", a.Key, a.Block)
+		}
+	}
+	if c, ok := st.Claim(pool, block); !ok || c.Value.Node != "n" || c.Unreadable != "" {
+		t.Errorf("block claim %+v (found %v), want node n's", c, ok)
 	}
 	var unreadable bool
 	for _, o := range st.Owners {
@@ -386,4 +407,10 @@ func TestAdminReadStateFilesEveryFamily(t *testing.T) {
 	if !unreadable {
 		t.Errorf("the owner index with a nonsense value is not marked unreadable")
 	}
+}
+
+// withBlocks is spec as CreatePool stores it: in the default block layout.
+func withBlocks(spec allocator.PoolSpec) allocator.PoolSpec {
+	spec.Blocks = allocator.DefaultBlocks
+	return spec
 }

@@ -27,17 +27,38 @@ const (
 	KindLeaseMismatch   = "lease-mismatch"                 // keys of one attachment or pod on different leases
 	KindPodMissing      = "pod-record-missing"             // an attachment whose pod record is missing
 	KindDuplicate       = "duplicate"                      // one address held in two pools whose ranges overlap
+
+	// The block layout (issue 16; docs/proposals/blocks.md).
+	KindBlockInvalid   = "block-claim-invalid" // warning: a block claim that is no block of its pool: wrong size, flat or undefined pool, no valid node
+	KindBlockStale     = "block-claim-stale"   // info: a block claim of a node whose agent is gone or was replaced; it expires with its lease
+	KindWrongLayout    = "key-in-wrong-layout" // an allocation or quarantine key not where its pool's layout puts the address
+	KindPoolMigrating  = "pool-migrating"      // warning: a pool frozen by an unfinished pool migrate; its ADDs are refused
+	KindPoolFlat       = "pool-flat"           // info: a pool still in the flat layout (run pool migrate once every agent is upgraded)
+	KindUnclaimedBlock = "block-unclaimed"     // info: allocations of a gone node in a block no node claims; they expire with their leases
+)
+
+// Severities of findings. Doctor fails (leaseholdctl: exit 3) on errors and warnings; info
+// findings describe a state that is normal for a while or a step still to take.
+const (
+	SeverityError   = "error"   // an invariant is broken: an address may get two holders, leak, or expire under its pod
+	SeverityWarning = "warning" // nothing is wrong with the data, but something is refused until an admin acts
+	SeverityInfo    = "info"    // normal for a while, or a recommended step; fails nothing
 )
 
 // Finding is one problem Check reports. Fix is one shell command; etcdctl commands take
 // their connection from ETCDCTL_* as usual, leaseholdctl ones from the same flags as this run.
+// Fix is "" when nothing needs doing (some info findings).
 type Finding struct {
-	Kind    string   `json:"kind"`
-	Keys    []string `json:"keys"`
-	Cluster string   `json:"cluster,omitempty"`
-	Message string   `json:"message"`
-	Fix     string   `json:"fix"`
+	Kind     string   `json:"kind"`
+	Severity string   `json:"severity"`
+	Keys     []string `json:"keys"`
+	Cluster  string   `json:"cluster,omitempty"`
+	Message  string   `json:"message"`
+	Fix      string   `json:"fix"`
 }
+
+// Problem reports whether f is an error or a warning, which fail doctor; info findings do not.
+func (f Finding) Problem() bool { return f.Severity != SeverityInfo }
 
 // delFix deletes one key.
 func delFix(key string) string { return "etcdctl del " + ShellQuote(key) }
@@ -63,15 +84,34 @@ func absentGuard(key string) string { return fmt.Sprintf("create(%q) = \"0\"", k
 // as one pasteable line: etcdctl txn reads compares, a blank line, the success requests and a
 // blank line, then the (empty) failure requests from stdin.
 func putFix(key string, value []byte, lease clientv3.LeaseID, guards ...string) string {
+	return txnFix(guards, putOp(key, value, lease))
+}
+
+// moveFix moves key old (as read at rev) to new, keeping value and lease, unless old changed
+// or new exists: one etcdctl transaction.
+func moveFix(old, new string, value []byte, lease clientv3.LeaseID, rev int64) string {
+	return txnFix([]string{modGuard(old, rev), absentGuard(new)}, putOp(new, value, lease), "del "+old)
+}
+
+func putOp(key string, value []byte, lease clientv3.LeaseID) string {
 	op := "put " + key + " " + strconv.Quote(string(value))
 	if lease != 0 {
 		op += " --lease=" + keyspace.LeaseHex(lease)
 	}
+	return op
+}
+
+// txnFix is an etcdctl transaction of compares and success requests, as one pasteable line.
+func txnFix(guards []string, ops ...string) string {
 	parts := []string{"printf '%s\\n'"}
 	for _, g := range guards {
 		parts = append(parts, ShellQuote(g))
 	}
-	parts = append(parts, "''", ShellQuote(op), "''", "''", "| etcdctl txn")
+	parts = append(parts, "''")
+	for _, op := range ops {
+		parts = append(parts, ShellQuote(op))
+	}
+	parts = append(parts, "''", "''", "| etcdctl txn")
 	return strings.Join(parts, " ")
 }
 

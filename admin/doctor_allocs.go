@@ -16,23 +16,38 @@ import (
 type checker struct {
 	st        *State
 	pools     map[string]PoolEntry
-	allocs    map[string]*AllocationEntry
+	allocs    map[string]*AllocationEntry   // by key
+	byAddr    map[poolAddr]*AllocationEntry // by pool and address, the key in the pool's layout first
 	pods      map[string]*PodEntry
 	conflicts map[string]*ConflictEntry
 	podSeen   map[string]bool
 	out       []Finding
 }
 
+// poolAddr is one address of one pool, whatever the layout of its key.
+type poolAddr struct {
+	pool string
+	ip   netip.Addr
+}
+
 // Check runs every invariant check of ARCHITECTURE.md over st, one state read at one revision,
-// and returns each problem with the command that fixes it, sorted by kind and key.
+// and returns each finding with its severity and the command that fixes it, sorted by kind and
+// key. Errors and warnings are problems (Finding.Problem); info findings describe a state that
+// passes by itself or a step to take. A check relating two key families runs only where st
+// read both (State.Covers), so a narrow ReadKeys reports nothing absent that it did not read.
 func Check(st *State) []Finding {
-	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{},
+	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{}, byAddr: map[poolAddr]*AllocationEntry{},
 		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{}}
 	for _, p := range st.Pools {
 		c.pools[p.Name] = p
 	}
 	for i := range st.Allocations {
-		c.allocs[st.Allocations[i].Key] = &st.Allocations[i]
+		a := &st.Allocations[i]
+		c.allocs[a.Key] = a
+		k := poolAddr{a.Pool, a.IP}
+		if prev := c.byAddr[k]; prev == nil || prev.Block != c.blocksOf(a.Pool).Of(a.IP) {
+			c.byAddr[k] = a
+		}
 	}
 	for i := range st.Pods {
 		c.pods[st.Pods[i].Key] = &st.Pods[i]
@@ -51,12 +66,40 @@ func Check(st *State) []Finding {
 	c.podRecords()
 	c.leasedRecords()
 	c.duplicates()
+	c.poolLayouts()
+	c.blockClaims()
+	c.keyLayouts()
+	c.unclaimedBlocks()
 	sortFindings(c.out)
 	return c.out
 }
 
+// add reports an error: a broken invariant.
 func (c *checker) add(kind, cluster, msg, fix string, keys ...string) {
-	c.out = append(c.out, Finding{Kind: kind, Keys: keys, Cluster: cluster, Message: msg, Fix: fix})
+	c.note(SeverityError, kind, cluster, msg, fix, keys...)
+}
+
+func (c *checker) note(severity, kind, cluster, msg, fix string, keys ...string) {
+	c.out = append(c.out, Finding{Kind: kind, Severity: severity, Keys: keys, Cluster: cluster, Message: msg, Fix: fix})
+}
+
+// blocksOf is the layout pool's keys must have: its stored definition's, or, without a usable
+// one, allocator.DefaultBlocks (what the pool-undefined fix, leaseholdctl pool create, stores).
+func (c *checker) blocksOf(pool string) allocator.Blocks {
+	if p, ok := c.pools[pool]; ok && p.Usable() {
+		return p.Value.Blocks
+	}
+	return allocator.DefaultBlocks
+}
+
+// allocAt is the allocation of ip in pool, in whichever layout its key is.
+func (c *checker) allocAt(pool string, ip netip.Addr) *AllocationEntry {
+	return c.byAddr[poolAddr{pool, ip}]
+}
+
+// ipKey is the key ip's allocation in pool belongs at.
+func (c *checker) ipKey(pool string, ip netip.Addr) string {
+	return keyspace.IPKey(pool, c.blocksOf(pool), ip)
 }
 
 const recreatePool = "; the next ADD of a network whose configuration lists the pool's ranges stores them again, or define it with leaseholdctl pool create"
@@ -156,6 +199,7 @@ func (c *checker) allocations() {
 				fix += " --range " + covering(b[0], b[1]).String()
 			}
 		}
+		fix += blockFlags(list)
 		c.add(KindPoolUndefined, "", fmt.Sprintf("%d allocation(s) of pool %s, which has no definition (%s): an ADD naming the pool without "+
 			"ranges fails. Define it with the ranges of the network's CNI configuration; the fix uses the smallest prefixes covering "+
 			"the held addresses", len(list), pool, keyspace.PoolKey(pool)), fix, keys...)
@@ -201,7 +245,7 @@ func (c *checker) podRef(o *OwnerEntry) allocator.PodRef {
 		}
 	}
 	for _, ip := range o.Value.IPs {
-		if a := c.allocs[keyspace.IPKey(o.Pool, ip)]; a != nil && sameAttachment(a, o) && a.Pod.Name != "" {
+		if a := c.allocAt(o.Pool, ip); a != nil && sameAttachment(a, o) && a.Pod.Name != "" {
 			return a.Pod
 		}
 	}

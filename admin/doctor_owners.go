@@ -22,8 +22,8 @@ func (c *checker) owner(o *OwnerEntry) {
 		c.ownerNoLease(o)
 	}
 	for _, ip := range o.Value.IPs {
-		key := keyspace.IPKey(o.Pool, ip)
-		a := c.allocs[key]
+		key := c.ipKey(o.Pool, ip)
+		a := c.allocAt(o.Pool, ip)
 		switch {
 		case a == nil && o.Lease != 0:
 			rec := keyspace.Allocation{Owner: o.Owner, Cluster: o.Cluster, Node: o.Value.Node, NodeUID: o.Value.NodeUID, Pod: c.podRef(o),
@@ -45,7 +45,7 @@ func (c *checker) ownerNoLease(o *OwnerEntry) {
 	var lease clientv3.LeaseID
 	ok := len(o.Value.IPs) > 0
 	for _, ip := range o.Value.IPs {
-		a := c.allocs[keyspace.IPKey(o.Pool, ip)]
+		a := c.allocAt(o.Pool, ip)
 		if a == nil || !sameAttachment(a, o) || a.BoundLease == 0 || (lease != 0 && a.BoundLease != lease) {
 			ok = false
 			break
@@ -78,7 +78,7 @@ func (c *checker) otherHolder(o *OwnerEntry, ip netip.Addr, a *AllocationEntry) 
 		fix = "kubectl delete pod -n " + ShellQuote(pod.Namespace) + " " + ShellQuote(pod.Name)
 	} else {
 		for _, own := range o.Value.IPs {
-			if oa := c.allocs[keyspace.IPKey(o.Pool, own)]; oa != nil && sameAttachment(oa, o) && oa.BoundLease == o.Lease {
+			if oa := c.allocAt(o.Pool, own); oa != nil && sameAttachment(oa, o) && oa.BoundLease == o.Lease {
 				fix = releaseFix(own, o.Pool, o.Lease)
 				msg += fmt.Sprintf("; no pod is named, so stop container %s on node %s, then release what it holds", short(o.Value.ContainerID), o.Value.Node)
 				break
@@ -163,6 +163,10 @@ func (c *checker) leasedRecords() {
 	for _, h := range c.st.HostIPs {
 		recs = append(recs, rec{h.Key, h.Cluster, "host address: no pool ever hands out " + h.IP.String() + " again; " +
 			"the node's agent publishes it again if the node still uses it", "", h.Lease})
+	}
+	for _, b := range c.st.Blocks {
+		recs = append(recs, rec{b.Key, b.Value.Cluster, "block claim: no other node claims block " + b.Block.String() +
+			" while it stands; the agent that needs the block claims it again", b.Unreadable, b.Lease})
 	}
 	for _, r := range recs {
 		switch {

@@ -109,7 +109,7 @@ func ExampleCheck() {
 		fmt.Println(err)
 		return
 	}
-	if _, err := cli.Put(ctx, keyspace.IPKey(pool, ip), `{"owner":"by-hand","cluster":"example","ifName":"eth0"}`); err != nil {
+	if _, err := cli.Put(ctx, keyspace.IPKey(pool, allocator.DefaultBlocks, ip), `{"owner":"by-hand","cluster":"example","ifName":"eth0"}`); err != nil {
 		fmt.Println(err)
 		return
 	}
@@ -135,7 +135,7 @@ func ExampleCheck() {
 	}
 	// Output:
 	// 1 finding(s)
-	// no-lease [/leasehold/v1/ips/example-doctor/10.78.3.7]
+	// no-lease [/leasehold/v1/ips/example-doctor/10.78.3.0-26/10.78.3.7]
 	// fix: leaseholdctl alloc release 10.78.3.7 --pool example-doctor
 	// released: <nil>
 	// 0 finding(s)

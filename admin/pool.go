@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
-	"net/netip"
 	"slices"
 	"strings"
 	"time"
@@ -27,6 +25,13 @@ var (
 	ErrLeaseAlive = errors.New("allocation is on a live lease")
 	// ErrConcurrentChange: the keys an admin operation read kept changing under it; retry.
 	ErrConcurrentChange = errors.New("changed concurrently")
+	// ErrMigrating: the pool is frozen by an unfinished leaseholdctl pool migrate.
+	ErrMigrating = errors.New("pool is being migrated")
+	// ErrMigrateConflicts: pool migrate left flat keys whose key in the block layout exists.
+	ErrMigrateConflicts = errors.New("keys of one address in both layouts")
+	// ErrAgentsNotUpgraded: a live agent does not serve the block layout; the error is an
+	// *AgentsNotUpgradedError naming each.
+	ErrAgentsNotUpgraded = errors.New("agents not upgraded to the block layout")
 )
 
 // adminAttempts bounds the read-compare-write rounds of one admin operation.
@@ -36,19 +41,29 @@ const adminAttempts = 5
 // runs on its own context, as the caller's may be the one that ran out.
 const cleanupTimeout = 5 * time.Second
 
-// CreatePool stores spec as the definition of pool spec.Name if there is none. An identical
-// stored definition (after both are canonicalized) is not an error: created is false.
+// CreatePool stores spec as the definition of pool spec.Name if there is none, in the block
+// layout: a spec with flat (zero) Blocks gets allocator.DefaultBlocks, since every agent that
+// writes the pool's keys must derive the same block for an address, and new agents serve
+// blocks. It is written with keyspace.EncodePool, whose shape an agent from before blocks
+// refuses. An identical stored definition (after both are canonicalized) is not an error:
+// created is false. When spec gives no Blocks, the stored layout is not compared, so creating
+// an existing flat pool again with its ranges stays a no-op (leaseholdctl pool migrate moves
+// it to blocks).
 //
 // Errors wrap allocator.ErrInvalidConfig or ErrInvalidName (spec does not canonicalize),
 // allocator.ErrPoolMismatch (another definition is stored; the message shows both), or the
 // etcd error.
 func CreatePool(ctx context.Context, cli *clientv3.Client, spec allocator.PoolSpec) (created bool, err error) {
+	anyLayout := spec.Blocks.Flat()
+	if anyLayout {
+		spec.Blocks = allocator.DefaultBlocks
+	}
 	if err := spec.Canonicalize(); err != nil {
 		return false, err
 	}
 	key := keyspace.PoolKey(spec.Name)
 	resp, err := cli.Txn(ctx).If(keyspace.Absent(key)).
-		Then(clientv3.OpPut(key, keyspace.Encode(spec))).Else(clientv3.OpGet(key)).Commit()
+		Then(clientv3.OpPut(key, keyspace.EncodePool(spec))).Else(clientv3.OpGet(key)).Commit()
 	if err != nil {
 		return false, fmt.Errorf("create pool %s: %w", spec.Name, err)
 	}
@@ -59,13 +74,19 @@ func CreatePool(ctx context.Context, cli *clientv3.Client, spec allocator.PoolSp
 	if len(kvs) == 0 {
 		return false, fmt.Errorf("%w: pool %s was deleted while it was created; retry", ErrConcurrentChange, spec.Name)
 	}
-	stored := record[allocator.PoolSpec](kvs[0])
-	if stored.Unreadable == "" && stored.Value.Canonicalize() == nil && stored.Value.Equal(spec) {
-		return false, nil
+	stored, _, derr := keyspace.DecodePool(key, kvs[0].Value)
+	if derr == nil {
+		same := stored
+		if anyLayout {
+			same.Blocks = spec.Blocks
+		}
+		if same.Equal(spec) {
+			return false, nil
+		}
 	}
-	shown := stored.Value.String()
-	if stored.Unreadable != "" {
-		shown = "an unreadable value (" + stored.Unreadable + ")"
+	shown := stored.String()
+	if derr != nil {
+		shown = "an unusable value (" + derr.Error() + ")"
 	}
 	return false, fmt.Errorf("%w: pool %s already exists with another definition\n  stored:    %s\n  requested: %s\n"+
 		"change the stored one with leaseholdctl pool add-range / remove-range, or choose another pool name",
@@ -90,11 +111,15 @@ type PoolChange struct {
 // definition after the write.
 //
 // Errors wrap ErrNotFound (no such pool), allocator.ErrInvalidConfig (r or the result does not
-// canonicalize, or overlaps), ErrConcurrentChange, or the etcd error.
+// canonicalize, or overlaps), ErrMigrating (pool migrate has not finished), ErrConcurrentChange,
+// or the etcd error.
 func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r allocator.Range) (PoolChange, error) {
 	for range adminAttempts {
 		p, allocs, _, err := readPool(ctx, cli, pool)
 		if err != nil {
+			return PoolChange{}, err
+		}
+		if err := notMigrating(p); err != nil {
 			return PoolChange{}, err
 		}
 		old := p.Value
@@ -116,9 +141,12 @@ func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r
 						"give the range another gw= or release the address first", allocator.ErrInvalidConfig, gw, a.Owner, podName(a.Pod), a.Node)
 				}
 			}
-			cmps = append(cmps, keyspace.Absent(keyspace.IPKey(pool, gw)))
+			cmps = append(cmps, keyspace.Absent(keyspace.IPKey(pool, old.Blocks, gw)))
+			if !old.Blocks.Flat() { // a key left in the flat layout holds its address too
+				cmps = append(cmps, keyspace.Absent(keyspace.IPKey(pool, allocator.Blocks{}, gw)))
+			}
 		}
-		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
+		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.EncodePool(next))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}
@@ -164,12 +192,15 @@ func (e *RangeInUseError) Unwrap() error { return ErrRangeInUse }
 // Appeared (doctor reports them as out of range).
 //
 // Errors wrap ErrNotFound (no such pool or range), ErrRangeInUse (a *RangeInUseError listing
-// the holders), allocator.ErrInvalidConfig (the set would be empty), ErrConcurrentChange, or
-// the etcd error.
+// the holders), allocator.ErrInvalidConfig (the set would be empty), ErrMigrating,
+// ErrConcurrentChange, or the etcd error.
 func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int, match allocator.Range) (PoolChange, error) {
 	for range adminAttempts {
 		p, allocs, rev, err := readPool(ctx, cli, pool)
 		if err != nil {
+			return PoolChange{}, err
+		}
+		if err := notMigrating(p); err != nil {
 			return PoolChange{}, err
 		}
 		old := p.Value
@@ -196,7 +227,7 @@ func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int
 		resp, err := cli.Txn(ctx).If(
 			keyspace.Unchanged(p.Key, p.ModRevision),
 			clientv3.Compare(clientv3.CreateRevision(keyspace.IPsPrefix(pool)), "<", rev+1).WithPrefix(),
-		).Then(clientv3.OpPut(p.Key, keyspace.Encode(next))).Commit()
+		).Then(clientv3.OpPut(p.Key, keyspace.EncodePool(next))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}
@@ -219,186 +250,73 @@ func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int
 		ErrConcurrentChange, pool)
 }
 
-// ReleaseOptions tune Release.
-type ReleaseOptions struct {
-	// Force releases an allocation whose lease is still alive.
-	Force bool
-	// Quarantine is how long released addresses rest before reuse, on a lease of their own
-	// (as a DEL's do); 0 puts none.
-	Quarantine time.Duration
-	// ReleasedBy is written into the quarantine records; default "leaseholdctl".
-	ReleasedBy string
-}
-
-// Released is what Release deleted.
-type Released struct {
-	// Addresses are the allocation keys deleted: the one asked for first, then the other
-	// addresses of the same attachment.
-	Addresses []AllocationEntry
-	// OwnerIndex is the owner index key deleted with them; "" when none was, and then
-	// KeptOwnerIndex says why.
-	OwnerIndex     string
-	KeptOwnerIndex string
-	// LeaseTTL is what the allocation's lease had left when it was released.
-	LeaseTTL
-	// QuarantineUntil is when the quarantine keys expire; zero when none were written.
-	QuarantineUntil time.Time
-}
-
-// LeaseAliveError refuses to release an allocation whose lease an agent still renews.
-type LeaseAliveError struct {
-	Allocation AllocationEntry
-	LeaseTTL
-}
-
-// Error names the holder (owner, pod, cluster, node, container), the lease and its TTL left.
-func (e *LeaseAliveError) Error() string {
-	a := e.Allocation
-	return fmt.Sprintf("%v: %s in pool %s is held by owner %s (pod %s, cluster %s, node %s, container %s, interface %s) "+
-		"on lease %s with %ds of %ds left: while the pod runs, the agent of node %s keeps renewing it, so the pod most likely still "+
-		"uses this address, and releasing it lets the next ADD give it to another pod; if the pod is really gone, run again with --force",
-		ErrLeaseAlive, a.IP, a.Pool, a.Owner, podName(a.Pod), a.Cluster, a.Node, a.ContainerID, a.IfName, a.Lease, e.TTL, e.GrantedTTL, a.Node)
-}
-
-// Unwrap makes errors.Is(err, ErrLeaseAlive) true.
-func (e *LeaseAliveError) Unwrap() error { return ErrLeaseAlive }
-
-// Release deletes the allocation of ip in pool, owner-compared: one transaction compares the
-// ModRevision of every key it deletes, as read just before. With the allocation go the
-// attachment's owner index (owners/<cluster>/<owner>/<ifname>/<pool>), when that names ip and
-// is on the same lease, and the attachment's other addresses that are on that lease and name
-// the same owner, so no half attachment is left behind; keys on another lease are never
-// touched. Released addresses are quarantined like a DEL's. The pod record and the pod lease
-// stay: the lease belongs to the agent, which revokes it once the pod has no attachment left.
-//
-// An allocation whose lease is alive (TTL > 0) is refused unless opt.Force is set: its agent
-// still renews it. A key without a lease (written with a plain etcdctl put) needs no force.
-//
-// Errors wrap ErrNotFound (no allocation), ErrLeaseAlive (a *LeaseAliveError),
-// ErrConcurrentChange, or the etcd error.
-func Release(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Addr, opt ReleaseOptions) (Released, error) {
-	if err := allocator.ValidateName("pool", pool); err != nil {
-		return Released{}, err
-	}
-	if opt.ReleasedBy == "" {
-		opt.ReleasedBy = "leaseholdctl"
-	}
-	for range adminAttempts {
-		out, done, err := releaseOnce(ctx, cli, pool, ip.Unmap(), opt)
-		if done || err != nil {
-			return out, err
+// setFor returns the range set of spec that r belongs to: set itself when it is >= 0, else the
+// only set of r's address family.
+func setFor(spec allocator.PoolSpec, set int, r allocator.Range) (int, error) {
+	if set >= 0 {
+		if set >= len(spec.Ranges) {
+			return 0, fmt.Errorf("%w: pool %s has range sets 0-%d, not %d; a new range set would change what every "+
+				"attachment gets, so define a new pool for it", allocator.ErrInvalidConfig, spec.Name, len(spec.Ranges)-1, set)
 		}
+		return set, nil
 	}
-	return Released{}, fmt.Errorf("%w: the allocation of %s in pool %s kept changing while it was released; retry", ErrConcurrentChange, ip, pool)
-}
-
-func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Addr, opt ReleaseOptions) (Released, bool, error) {
-	key := keyspace.IPKey(pool, ip)
-	resp, err := cli.Get(ctx, key)
-	if err != nil {
-		return Released{}, false, fmt.Errorf("read %s: %w", key, err)
-	}
-	if len(resp.Kvs) == 0 {
-		return Released{}, false, fmt.Errorf("%w: %s has no allocation in pool %s (no key %s)", ErrNotFound, ip, pool, key)
-	}
-	e, err := allocationEntry(resp.Kvs[0])
-	if err != nil {
-		return Released{}, false, err
-	}
-	ttl, err := TimeToLive(ctx, cli, e.BoundLease)
-	if err != nil {
-		return Released{}, false, err
-	}
-	if ttl.TTL > 0 && !opt.Force {
-		return Released{}, false, &LeaseAliveError{Allocation: e, LeaseTTL: ttl}
-	}
-	out := Released{LeaseTTL: ttl, Addresses: []AllocationEntry{e}}
-	cmps := []clientv3.Cmp{keyspace.Unchanged(key, e.ModRevision)}
-	ops := []clientv3.Op{clientv3.OpDelete(key)}
-	if err := withAttachment(ctx, cli, e, &out, &cmps, &ops); err != nil {
-		return Released{}, false, err
-	}
-	var qLease clientv3.LeaseID
-	if opt.Quarantine > 0 {
-		g, err := cli.Grant(ctx, int64(math.Ceil(opt.Quarantine.Seconds())))
-		if err != nil {
-			return Released{}, false, fmt.Errorf("grant a quarantine lease: %w", err)
-		}
-		qLease, out.QuarantineUntil = g.ID, time.Now().Add(opt.Quarantine).UTC()
-		rec := keyspace.Encode(keyspace.QuarantineRecord{ReleasedBy: opt.ReleasedBy, Until: out.QuarantineUntil})
-		for _, a := range out.Addresses {
-			ops = append(ops, clientv3.OpPut(keyspace.QuarantineKey(pool, a.IP), rec, clientv3.WithLease(qLease)))
-		}
-	}
-	tresp, err := cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
-	if (err != nil || !tresp.Succeeded) && qLease != 0 {
-		rctx, cancel := context.WithTimeout(context.Background(), cleanupTimeout)
-		_, _ = cli.Revoke(rctx, qLease) // unused; it would expire by itself anyway
-		cancel()
-	}
-	if err != nil {
-		return Released{}, false, fmt.Errorf("release %s: %w", key, err)
-	}
-	return out, tresp.Succeeded, nil // not succeeded: a key changed since it was read; read again
-}
-
-// withAttachment adds the owner index of e's attachment, and its other addresses, to the
-// release when they belong together with e (same lease, same owner), or says in out why not.
-func withAttachment(ctx context.Context, cli *clientv3.Client, e AllocationEntry, out *Released, cmps *[]clientv3.Cmp, ops *[]clientv3.Op) error {
-	if e.Unreadable != "" {
-		out.KeptOwnerIndex = "the allocation's value is unreadable, so it names no owner index"
-		return nil
-	}
-	if err := keyspace.ValidateNames("cluster", e.Cluster, "owner", e.Owner, "interface name", e.IfName); err != nil {
-		out.KeptOwnerIndex = "the allocation names no valid owner index: " + err.Error()
-		return nil
-	}
-	ownerKey := keyspace.OwnerKey(e.Cluster, e.Owner, e.IfName, e.Pool)
-	resp, err := cli.Get(ctx, ownerKey)
-	if err != nil {
-		return fmt.Errorf("read %s: %w", ownerKey, err)
-	}
-	if len(resp.Kvs) == 0 {
-		out.KeptOwnerIndex = "there is no owner index " + ownerKey
-		return nil
-	}
-	okv := resp.Kvs[0]
-	rec := record[keyspace.OwnerRecord](okv)
-	switch {
-	case rec.Unreadable != "":
-		out.KeptOwnerIndex = fmt.Sprintf("owner index %s is unreadable (%s); doctor reports it", ownerKey, rec.Unreadable)
-		return nil
-	case !slices.Contains(rec.Value.IPs, e.IP):
-		out.KeptOwnerIndex = fmt.Sprintf("owner index %s names %v, not %s", ownerKey, rec.Value.IPs, e.IP)
-		return nil
-	case rec.Lease != e.BoundLease:
-		out.KeptOwnerIndex = fmt.Sprintf("owner index %s is on lease %s, the allocation on %s", ownerKey, keyspace.LeaseHex(rec.Lease), e.Lease)
-		return nil
-	}
-	out.OwnerIndex = ownerKey
-	*cmps = append(*cmps, keyspace.Unchanged(ownerKey, okv.ModRevision))
-	*ops = append(*ops, clientv3.OpDelete(ownerKey))
-	var gets []clientv3.Op
-	for _, sib := range rec.Value.IPs {
-		if sib != e.IP {
-			gets = append(gets, clientv3.OpGet(keyspace.IPKey(e.Pool, sib)))
-		}
-	}
-	tresp, err := cli.Txn(ctx).Then(gets...).Commit()
-	if err != nil {
-		return fmt.Errorf("read the other addresses of %s: %w", ownerKey, err)
-	}
-	for _, r := range tresp.Responses {
-		for _, kv := range r.GetResponseRange().Kvs {
-			s, err := allocationEntry(kv)
-			if err != nil || s.Unreadable != "" || s.BoundLease != e.BoundLease ||
-				s.Owner != e.Owner || s.Cluster != e.Cluster || s.IfName != e.IfName {
-				continue // not this attachment's any more: left alone
+	fam := allocator.RangeSet{r}.Family()
+	found := -1
+	for i, s := range spec.Ranges {
+		if s.Family() == fam {
+			if found >= 0 {
+				return 0, fmt.Errorf("%w: pool %s has several IPv%d range sets (%d and %d); say which with --set",
+					allocator.ErrInvalidConfig, spec.Name, fam, found, i)
 			}
-			out.Addresses = append(out.Addresses, s)
-			*cmps = append(*cmps, keyspace.Unchanged(s.Key, s.ModRevision))
-			*ops = append(*ops, clientv3.OpDelete(s.Key))
+			found = i
 		}
+	}
+	if found < 0 {
+		return 0, fmt.Errorf("%w: pool %s has no IPv%d range set", allocator.ErrInvalidConfig, spec.Name, fam)
+	}
+	return found, nil
+}
+
+// findRange locates the range match names in spec.
+func findRange(spec allocator.PoolSpec, set int, match allocator.Range) (int, int, error) {
+	sub := match.Subnet.Masked()
+	var found [][2]int
+	for i, s := range spec.Ranges {
+		if set >= 0 && i != set {
+			continue
+		}
+		for j, r := range s {
+			if r.Subnet == sub && (!match.RangeStart.IsValid() || r.RangeStart == match.RangeStart) {
+				found = append(found, [2]int{i, j})
+			}
+		}
+	}
+	switch {
+	case len(found) == 0:
+		return 0, 0, fmt.Errorf("%w: no range with subnet %s in %s", ErrNotFound, sub, spec.String())
+	case len(found) > 1:
+		var names []string
+		for _, f := range found {
+			names = append(names, fmt.Sprintf("set %d: %s", f[0], spec.Ranges[f[0]][f[1]]))
+		}
+		return 0, 0, fmt.Errorf("%w: pool %s has several ranges with subnet %s (%s); name one with --set and start=",
+			allocator.ErrInvalidConfig, spec.Name, sub, strings.Join(names, "; "))
+	}
+	i, j := found[0][0], found[0][1]
+	if len(spec.Ranges[i]) == 1 {
+		return 0, 0, fmt.Errorf("%w: range %s is the only one of set %d of pool %s; a range set cannot be empty "+
+			"(removing the set would change what every attachment gets: define a new pool instead)",
+			allocator.ErrInvalidConfig, spec.Ranges[i][j], i, spec.Name)
+	}
+	return i, j, nil
+}
+
+// notMigrating refuses to change a pool that leaseholdctl pool migrate has frozen: a rewrite
+// would drop the freeze (and the move compares the definition it froze).
+func notMigrating(p PoolEntry) error {
+	if m := p.Migrating; m != nil {
+		return fmt.Errorf("%w: pool %s is being moved to the block layout (by %s since %s; its ADDs are refused meanwhile); "+
+			"finish it first with leaseholdctl pool migrate %s", ErrMigrating, p.Name, m.By, m.Since.UTC().Format(time.RFC3339), p.Name)
 	}
 	return nil
 }

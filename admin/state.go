@@ -21,6 +21,9 @@ import (
 type AllocationEntry struct {
 	Pool string     `json:"pool"`
 	IP   netip.Addr `json:"ip"`
+	// Block is the block the key names (the zero Prefix for a key in the flat layout); doctor
+	// checks it is the block the pool's definition gives the address.
+	Block netip.Prefix `json:"block,omitzero"`
 	keyspace.Allocation
 	// Lease is the lease the key is bound to, in etcdctl's hex form; "0" means none.
 	Lease string `json:"lease"`
@@ -47,15 +50,22 @@ type Record[T any] struct {
 	Raw        []byte `json:"-"` // the value as stored
 }
 
-// PoolEntry is a stored pool definition. Value is canonical unless Invalid is set.
+// PoolEntry is a stored pool definition (keyspace.PoolRecord). Value is canonical unless
+// Invalid is set; Value.Blocks is zero for a pool in the flat layout.
 type PoolEntry struct {
 	Record[allocator.PoolSpec]
 	// Name is the pool name taken from the key.
 	Name string
-	// Invalid says why the definition cannot be used (it does not canonicalize, or names
-	// another pool than its key).
+	// Invalid says why the definition cannot be used (it does not canonicalize, mixes the two
+	// layouts, or names another pool than its key).
 	Invalid string
+	// Migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
+	// agents refuse its ADDs meanwhile.
+	Migrating *keyspace.Migration
 }
+
+// Usable reports whether the definition can be read and used: not unreadable, not invalid.
+func (p PoolEntry) Usable() bool { return p.Unreadable == "" && p.Invalid == "" }
 
 // OwnerEntry is an owner index key owners/<cluster>/<owner>/<ifname>/<pool>.
 type OwnerEntry struct {
@@ -75,11 +85,21 @@ type PodEntry struct {
 	Cluster, Node, Owner string
 }
 
-// QuarantineEntry is a quarantine key quarantine/<pool>/<ip>.
+// QuarantineEntry is a quarantine key quarantine/<pool>/<block>/<ip> (flat layout:
+// quarantine/<pool>/<ip>, Block zero).
 type QuarantineEntry struct {
 	Record[keyspace.QuarantineRecord]
-	Pool string
-	IP   netip.Addr
+	Pool  string
+	Block netip.Prefix
+	IP    netip.Addr
+}
+
+// BlockEntry is a block claim blocks/<pool>/<block>: the node that claimed the block, on that
+// node's block lease (Record.Lease).
+type BlockEntry struct {
+	Record[keyspace.BlockRecord]
+	Pool  string
+	Block netip.Prefix
 }
 
 // ConflictEntry is a conflict record conflicts/<cluster>/<owner>/<ifname>/<pool>.
@@ -115,7 +135,19 @@ type State struct {
 	Quarantine  []QuarantineEntry
 	Conflicts   []ConflictEntry
 	HostIPs     []HostIPEntry
+	Blocks      []BlockEntry
 	BadKeys     []BadKey
+	// prefixes are the key ranges read (nil: all of Prefix). A check relating two families
+	// runs only where the state holds both, so a narrow read reports no false absence.
+	prefixes []string
+}
+
+// Covers reports whether st read key's range: an absent key is then really absent.
+func (st *State) Covers(key string) bool {
+	if st.prefixes == nil {
+		return true
+	}
+	return slices.ContainsFunc(st.prefixes, func(p string) bool { return strings.HasPrefix(key, p) })
 }
 
 // ReadState reads the whole state at one revision. It fails only when etcd does: values that
@@ -135,7 +167,10 @@ func ReadKeys(ctx context.Context, cli *clientv3.Client, prefixes ...string) (*S
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", strings.Join(prefixes, ", "), err)
 	}
-	st := &State{Revision: resp.Header.Revision}
+	st := &State{Revision: resp.Header.Revision, prefixes: slices.Clone(prefixes)}
+	if slices.Contains(prefixes, keyspace.Prefix) {
+		st.prefixes = nil
+	}
 	for _, r := range resp.Responses {
 		for _, kv := range r.GetResponseRange().Kvs {
 			st.add(kv)
@@ -171,15 +206,14 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			bad("want " + keyspace.PoolsPrefix() + "<pool>")
 			return
 		}
-		e := PoolEntry{Record: record[allocator.PoolSpec](kv), Name: parts[0]}
-		if e.Unreadable == "" {
-			if err := e.Value.Canonicalize(); err != nil {
-				e.Invalid = err.Error()
-			} else if e.Value.Name != e.Name {
-				e.Invalid = fmt.Sprintf("the definition names pool %q, not %q", e.Value.Name, e.Name)
-			}
+		st.Pools = append(st.Pools, poolEntry(kv, parts[0]))
+	case "blocks":
+		pool, block, err := keyspace.ParseBlockKey(key)
+		if err != nil {
+			bad(err.Error())
+			return
 		}
-		st.Pools = append(st.Pools, e)
+		st.Blocks = append(st.Blocks, BlockEntry{Record: record[keyspace.BlockRecord](kv), Pool: pool, Block: block})
 	case "ips":
 		e, err := allocationEntry(kv)
 		if err != nil {
@@ -204,15 +238,15 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			bad("want " + keyspace.NodesPrefix("") + "<cluster>/<node> or " + keyspace.NodesPrefix("") + "<cluster>/<node>/pods/<owner>")
 		}
 	case "quarantine":
-		pool, ip, err := keyspace.ParseQuarantineKey(key)
-		if err == nil && (keyspace.QuarantineKey(pool, ip) != key || ip.Is4In6() || ip.Zone() != "") {
-			err = fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip)
+		pool, block, ip, err := keyspace.ParseQuarantineKey(key)
+		if err == nil {
+			err = canonical(key, keyspace.QuarantinePrefix(pool), block, ip)
 		}
 		if err != nil {
 			bad(err.Error())
 			return
 		}
-		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[keyspace.QuarantineRecord](kv), Pool: pool, IP: ip})
+		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[keyspace.QuarantineRecord](kv), Pool: pool, Block: block, IP: ip})
 	case "conflicts":
 		if len(parts) != 4 {
 			bad("want " + keyspace.ConflictsPrefix("") + "<cluster>/<owner>/<ifname>/<pool>")
@@ -230,17 +264,58 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 	}
 }
 
+// poolEntry decodes a pool definition as keyspace.DecodePool does, telling an unreadable value
+// (not JSON of a PoolRecord) from an invalid definition (one that does not canonicalize).
+func poolEntry(kv *mvccpb.KeyValue, name string) PoolEntry {
+	e := PoolEntry{Record: Record[allocator.PoolSpec]{Key: string(kv.Key), Lease: keyspace.LeaseOf(kv),
+		CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}, Name: name}
+	var rec keyspace.PoolRecord
+	if err := json.Unmarshal(kv.Value, &rec); err != nil {
+		e.Unreadable = err.Error()
+		return e
+	}
+	spec, err := rec.Spec()
+	e.Value, e.Migrating = spec, rec.Migrating
+	switch {
+	case err != nil:
+		e.Invalid = err.Error()
+	case spec.Name != name:
+		e.Invalid = fmt.Sprintf("the definition names pool %q, not %q", spec.Name, name)
+	}
+	return e
+}
+
+// canonical checks that key, parsed into block and ip under dir (the pool's allocation or
+// quarantine prefix), spells them as every writer does: the address in its plain form (no
+// zone, IPv4 not mapped into IPv6), the block as BlockName. Whether the block is the one the
+// pool's definition gives the address is for doctor to say: parsing does not know the pool.
+func canonical(key, dir string, block netip.Prefix, ip netip.Addr) error {
+	if spell(dir, block, ip) != key || ip.Is4In6() || ip.Zone() != "" {
+		return fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip.Unmap().WithZone(""))
+	}
+	return nil
+}
+
+// spell is the key of ip in block under dir (a pool's allocation or quarantine prefix): dir +
+// <block>/<ip>, or dir + <ip> for the zero block (the flat layout).
+func spell(dir string, block netip.Prefix, ip netip.Addr) string {
+	if block.IsValid() {
+		return dir + keyspace.BlockName(block) + "/" + ip.String()
+	}
+	return dir + ip.String()
+}
+
 // allocationEntry decodes an allocation key; an error means the key itself is malformed.
 func allocationEntry(kv *mvccpb.KeyValue) (AllocationEntry, error) {
 	key := string(kv.Key)
-	p, ip, err := keyspace.ParseIPKey(key)
+	p, block, ip, err := keyspace.ParseIPKey(key)
 	if err != nil {
 		return AllocationEntry{}, err
 	}
-	if keyspace.IPKey(p, ip) != key || ip.Is4In6() || ip.Zone() != "" {
-		return AllocationEntry{}, fmt.Errorf("key %q does not spell the address in its canonical form %s", key, ip.Unmap().WithZone(""))
+	if err := canonical(key, keyspace.IPsPrefix(p), block, ip); err != nil {
+		return AllocationEntry{}, err
 	}
-	e := AllocationEntry{Pool: p, IP: ip, Lease: keyspace.LeaseHex(keyspace.LeaseOf(kv)), Key: key,
+	e := AllocationEntry{Pool: p, Block: block, IP: ip, Lease: keyspace.LeaseHex(keyspace.LeaseOf(kv)), Key: key,
 		BoundLease: keyspace.LeaseOf(kv), CreateRevision: kv.CreateRevision, ModRevision: kv.ModRevision, Raw: kv.Value}
 	if err := json.Unmarshal(kv.Value, &e.Allocation); err != nil {
 		e.Unreadable = err.Error()
@@ -256,8 +331,9 @@ func (st *State) Pool(name string) (PoolEntry, bool) {
 	return PoolEntry{}, false
 }
 
-// ListPools returns every stored pool definition, sorted by name. An unreadable definition
-// fails the whole list, naming the key.
+// ListPools returns every stored pool definition, canonical, sorted by name; a pool in the
+// block layout has its Blocks set. An unreadable or invalid definition fails the whole list,
+// naming the key.
 func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec, error) {
 	resp, err := cli.Get(ctx, keyspace.PoolsPrefix(), clientv3.WithPrefix())
 	if err != nil {
@@ -265,18 +341,19 @@ func ListPools(ctx context.Context, cli *clientv3.Client) ([]allocator.PoolSpec,
 	}
 	out := make([]allocator.PoolSpec, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
-		if r := record[allocator.PoolSpec](kv); r.Unreadable == "" {
-			out = append(out, r.Value)
-		} else {
-			return nil, fmt.Errorf("pool definition %s is unreadable (%s); inspect it with: etcdctl get %s", kv.Key, r.Unreadable, kv.Key)
+		spec, _, err := keyspace.DecodePool(string(kv.Key), kv.Value)
+		if err != nil {
+			return nil, err
 		}
+		out = append(out, spec)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
 }
 
 // ListAllocations returns the allocations of pool (every pool when pool is ""), sorted by
-// pool and address. Keys that are not allocation keys are skipped.
+// pool and address, in either layout (a pool being migrated has both). Keys that are not
+// allocation keys are skipped.
 func ListAllocations(ctx context.Context, cli *clientv3.Client, pool string) ([]AllocationEntry, error) {
 	st, err := ReadKeys(ctx, cli, keyspace.IPsPrefix(pool))
 	if err != nil {
@@ -308,7 +385,8 @@ func TimeToLive(ctx context.Context, cli *clientv3.Client, lease clientv3.LeaseI
 	return LeaseTTL{TTL: resp.TTL, GrantedTTL: resp.GrantedTTL}, nil
 }
 
-// readPool reads a pool's definition and every allocation of the pool in one transaction.
+// readPool reads a pool's definition and every allocation of the pool (in either layout) in
+// one transaction. The definition is usable; Migrating may be set.
 func readPool(ctx context.Context, cli *clientv3.Client, pool string) (PoolEntry, []AllocationEntry, int64, error) {
 	if err := allocator.ValidateName("pool", pool); err != nil {
 		return PoolEntry{}, nil, 0, err
@@ -327,67 +405,6 @@ func readPool(ctx context.Context, cli *clientv3.Client, pool string) (PoolEntry
 		return PoolEntry{}, nil, 0, fmt.Errorf("pool definition %s is invalid: %s", p.Key, p.Invalid)
 	}
 	return p, st.Allocations, st.Revision, nil
-}
-
-// setFor returns the range set of spec that r belongs to: set itself when it is >= 0, else the
-// only set of r's address family.
-func setFor(spec allocator.PoolSpec, set int, r allocator.Range) (int, error) {
-	if set >= 0 {
-		if set >= len(spec.Ranges) {
-			return 0, fmt.Errorf("%w: pool %s has range sets 0-%d, not %d; a new range set would change what every "+
-				"attachment gets, so define a new pool for it", allocator.ErrInvalidConfig, spec.Name, len(spec.Ranges)-1, set)
-		}
-		return set, nil
-	}
-	fam := allocator.RangeSet{r}.Family()
-	found := -1
-	for i, s := range spec.Ranges {
-		if s.Family() == fam {
-			if found >= 0 {
-				return 0, fmt.Errorf("%w: pool %s has several IPv%d range sets (%d and %d); say which with --set",
-					allocator.ErrInvalidConfig, spec.Name, fam, found, i)
-			}
-			found = i
-		}
-	}
-	if found < 0 {
-		return 0, fmt.Errorf("%w: pool %s has no IPv%d range set", allocator.ErrInvalidConfig, spec.Name, fam)
-	}
-	return found, nil
-}
-
-// findRange locates the range match names in spec.
-func findRange(spec allocator.PoolSpec, set int, match allocator.Range) (int, int, error) {
-	sub := match.Subnet.Masked()
-	var found [][2]int
-	for i, s := range spec.Ranges {
-		if set >= 0 && i != set {
-			continue
-		}
-		for j, r := range s {
-			if r.Subnet == sub && (!match.RangeStart.IsValid() || r.RangeStart == match.RangeStart) {
-				found = append(found, [2]int{i, j})
-			}
-		}
-	}
-	switch {
-	case len(found) == 0:
-		return 0, 0, fmt.Errorf("%w: no range with subnet %s in %s", ErrNotFound, sub, spec.String())
-	case len(found) > 1:
-		var names []string
-		for _, f := range found {
-			names = append(names, fmt.Sprintf("set %d: %s", f[0], spec.Ranges[f[0]][f[1]]))
-		}
-		return 0, 0, fmt.Errorf("%w: pool %s has several ranges with subnet %s (%s); name one with --set and start=",
-			allocator.ErrInvalidConfig, spec.Name, sub, strings.Join(names, "; "))
-	}
-	i, j := found[0][0], found[0][1]
-	if len(spec.Ranges[i]) == 1 {
-		return 0, 0, fmt.Errorf("%w: range %s is the only one of set %d of pool %s; a range set cannot be empty "+
-			"(removing the set would change what every attachment gets: define a new pool instead)",
-			allocator.ErrInvalidConfig, spec.Ranges[i][j], i, spec.Name)
-	}
-	return i, j, nil
 }
 
 // podName is "namespace/name", or "-" when the runtime named no pod.

@@ -122,6 +122,10 @@ func (p *PoolSpec) Canonicalize() error {
 			}
 		}
 	}
+	p.Blocks = p.Blocks.WithDefaults()
+	if err := p.Blocks.validate(p.Name); err != nil {
+		return err
+	}
 	ex, err := p.canonicalExcludes()
 	if err != nil {
 		return err
@@ -144,7 +148,7 @@ func (p *PoolSpec) Canonicalize() error {
 func (p PoolSpec) Equal(o PoolSpec) bool {
 	return p.Name == o.Name &&
 		slices.EqualFunc(p.Ranges, o.Ranges, func(a, b RangeSet) bool { return slices.Equal(a, b) }) &&
-		slices.Equal(p.Exclude, o.Exclude)
+		slices.Equal(p.Exclude, o.Exclude) && p.Blocks == o.Blocks
 }
 
 // String describes p on one line, for error messages and logs:
@@ -164,6 +168,9 @@ func (p PoolSpec) String() string {
 	}
 	if len(p.Exclude) > 0 {
 		b.WriteString("; exclude " + joinPrefixes(p.Exclude))
+	}
+	if !p.Blocks.Flat() {
+		fmt.Fprintf(&b, "; blocks /%d, /%d", p.Blocks.IPv4, p.Blocks.IPv6)
 	}
 	return b.String()
 }

@@ -26,6 +26,8 @@ type PoolSpec struct {
 	Name    string         `json:"name"`
 	Ranges  []RangeSet     `json:"ranges"`
 	Exclude []netip.Prefix `json:"exclude,omitempty"`
+	// Blocks divides the pool among nodes (see Blocks); fixed once the pool is stored.
+	Blocks Blocks `json:"blocks,omitzero"`
 }
 
 // PodRef names the Kubernetes pod behind an attachment, when the runtime says so

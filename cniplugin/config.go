@@ -74,8 +74,9 @@ type rawNetConf struct {
 //     cni.dev/valid-attachments;
 //   - the ipam object is leasehold's: an unknown field or a value of the wrong type is
 //     an error naming the field;
-//   - the pool (ranges, exclude, name) is canonicalized with allocator's
-//     PoolSpec.Canonicalize; routes are checked against it (ResolveRoutes);
+//   - the pool (ranges, exclude, blocks, name) is canonicalized with allocator's
+//     PoolSpec.Canonicalize; routes are checked against it (ResolveRoutes). Block lengths
+//     out of bounds are an error naming ipam.blocks;
 //   - containerID, ifName and the pod UID, when not empty, must pass
 //     allocator.ValidateName (they become parts of etcd keys). Empty ones are allowed
 //     here because GC and STATUS have none; the handlers require them where needed;
@@ -102,7 +103,7 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 	if ipam.Pool == "" {
 		ipam.Pool = nc.Name
 	}
-	pool := allocator.PoolSpec{Name: ipam.Pool, Ranges: cloneRanges(ipam.Ranges), Exclude: slices.Clone(ipam.Exclude)}
+	pool := allocator.PoolSpec{Name: ipam.Pool, Ranges: cloneRanges(ipam.Ranges), Exclude: slices.Clone(ipam.Exclude), Blocks: ipam.Blocks}
 	if len(pool.Ranges) == 0 {
 		// A reference to a pool defined in etcd (leaseholdctl pool create): the agent uses
 		// the stored definition.
@@ -110,7 +111,7 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 			return nil, fmt.Errorf("ipam.pool: %w", err)
 		}
 	} else if err := pool.Canonicalize(); err != nil {
-		return nil, fmt.Errorf("ipam: %w", err)
+		return nil, poolError(ipam, err)
 	}
 	routes, err := ResolveRoutes(ipam.Routes, pool)
 	if err != nil {
@@ -163,6 +164,19 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		cfg.PrevResult = pc.PrevResult
 	}
 	return cfg, nil
+}
+
+// poolError names the part of the ipam section at fault in err, Canonicalize's error for
+// the pool it describes: ipam.blocks when the same pool without blocks is valid (the block
+// lengths alone are wrong), else the ipam section as a whole.
+func poolError(ipam *IPAMConfig, err error) error {
+	if !ipam.Blocks.Flat() {
+		flat := allocator.PoolSpec{Name: ipam.Pool, Ranges: cloneRanges(ipam.Ranges), Exclude: slices.Clone(ipam.Exclude)}
+		if flat.Canonicalize() == nil {
+			return fmt.Errorf("ipam.blocks: %w", err)
+		}
+	}
+	return fmt.Errorf("ipam: %w", err)
 }
 
 // GCRequest is the agent request for CNI GC: this network and pool, and the runtime's

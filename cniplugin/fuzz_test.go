@@ -39,6 +39,8 @@ import (
 func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","ipam":{"type":"leasehold","ranges":[[{"subnet":"10.10.0.0/16"}],[{"subnet":"fd10::/64"}]]}}`),
 		"K8S_POD_UID=uid-1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", "c0ffee", "eth0", "/var/run/netns/x")
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","ipam":{"type":"leasehold","ranges":[[{"subnet":"10.10.0.0/16"}],[{"subnet":"fd10::/64"}]],"blocks":{"ipv4":28}}}`),
+		"", "c0ffee", "eth0", "")
 	f.Fuzz(func(t *testing.T, stdin []byte, cniArgs, containerID, ifName, netns string) {
 		cfg, err := ParseConfig(stdin, cniArgs, containerID, ifName, netns)
 		rel, relErr := ParseReleaseConfig(stdin, cniArgs, containerID, ifName, netns)

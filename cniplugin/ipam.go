@@ -29,12 +29,18 @@ import (
 //	             [{"subnet": "fd10::/64"}]],
 //	  "subnet": "...", "rangeStart": "...", "rangeEnd": "...", "gateway": "...",
 //	  "exclude": ["10.10.1.0/28", "10.10.2.1"],
+//	  "blocks": {"ipv4": 26, "ipv6": 122},
 //	  "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
 //	  "dns": {"nameservers": ["10.10.0.10"], "search": ["svc.cluster.local"]}
 //	}
 //
 // The top-level subnet/rangeStart/rangeEnd/gateway is host-local's legacy single-range
 // form; as in host-local it becomes a range set of its own, placed before "ranges".
+//
+// "blocks" divides the pool into per-node blocks of the given prefix lengths (see
+// allocator.Blocks); a family left out gets its default. Absent (or all zero) leaves the
+// layout to the agent: the stored definition's, and allocator.DefaultBlocks for a new pool.
+// It needs "ranges": the blocks of a pool defined in etcd are part of that definition.
 type IPAMConfig struct {
 	// Type is the plugin type ("leasehold"); not checked.
 	Type string
@@ -48,6 +54,9 @@ type IPAMConfig struct {
 	Ranges []allocator.RangeSet
 	// Exclude are addresses never handed out; a plain address became a /32 or /128.
 	Exclude []netip.Prefix
+	// Blocks are the block prefix lengths as written, zero when absent (defaults are
+	// filled in the request's pool, not here).
+	Blocks allocator.Blocks
 	// Routes are the routes as written (see ResolveRoutes for what is returned).
 	Routes []Route
 	// DNS is copied into the result.
@@ -66,8 +75,15 @@ type rawIPAM struct {
 	RangeEnd   string       `json:"rangeEnd"`
 	Gateway    string       `json:"gateway"`
 	Exclude    []string     `json:"exclude"`
+	Blocks     *rawBlocks   `json:"blocks"`
 	Routes     []rawRoute   `json:"routes"`
 	DNS        types.DNS    `json:"dns"`
+}
+
+// rawBlocks is ipam.blocks: a block prefix length per family, 0 when not given.
+type rawBlocks struct {
+	IPv4 int `json:"ipv4"`
+	IPv6 int `json:"ipv6"`
 }
 
 type rawRange struct {
@@ -136,6 +152,14 @@ func parseIPAM(data json.RawMessage) (*IPAMConfig, error) {
 	if len(out.Ranges) == 0 && len(raw.Exclude) > 0 {
 		return nil, fmt.Errorf("%w: ipam.exclude without ranges: excluded addresses belong to the definition of pool %q "+
 			"in etcd; give them with leaseholdctl pool create --exclude, or give the ranges here too",
+			allocator.ErrInvalidConfig, raw.Pool)
+	}
+	if raw.Blocks != nil {
+		out.Blocks = allocator.Blocks{IPv4: raw.Blocks.IPv4, IPv6: raw.Blocks.IPv6}
+	}
+	if len(out.Ranges) == 0 && !out.Blocks.Flat() {
+		return nil, fmt.Errorf("%w: ipam.blocks without ranges: the blocks of pool %q belong to its definition in etcd, "+
+			"fixed when the pool was created; remove \"blocks\", or give the ranges here too",
 			allocator.ErrInvalidConfig, raw.Pool)
 	}
 	for i, s := range raw.Exclude {
@@ -232,8 +256,9 @@ func jsonError(where string, err error) error {
 	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
 		name = strings.Trim(name, `"`)
 		hint := "leasehold's ipam accepts type, socket, timeout, pool, ranges, subnet, rangeStart, rangeEnd, gateway, " +
-			"exclude, routes and dns (a range: subnet, rangeStart, rangeEnd, gateway; a route: dst, gw, mtu, advmss, " +
-			"priority, table, scope; dns: nameservers, domain, search, options); fix the spelling or remove it"
+			"exclude, blocks, routes and dns (a range: subnet, rangeStart, rangeEnd, gateway; blocks: ipv4, ipv6; " +
+			"a route: dst, gw, mtu, advmss, priority, table, scope; dns: nameservers, domain, search, options); " +
+			"fix the spelling or remove it"
 		if why, ok := hostLocalOnly[name]; ok {
 			hint = "it is a host-local setting and " + why + "; remove it"
 		}

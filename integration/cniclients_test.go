@@ -28,6 +28,7 @@ import (
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -85,7 +86,7 @@ func ccHeldBy(t testing.TB, cli *clientv3.Client, pool, owner string) []string {
 func ccKeysOf(pool string, addrs []netip.Prefix) []string {
 	var out []string
 	for _, p := range addrs {
-		out = append(out, keyspace.IPKey(pool, p.Addr()))
+		out = append(out, keyspace.IPKey(pool, allocator.DefaultBlocks, p.Addr()))
 	}
 	slices.Sort(out)
 	return out

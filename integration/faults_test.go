@@ -13,6 +13,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/etcdserver"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
@@ -215,7 +216,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 		}
 		missing := 0
 		for ip := range seen {
-			if !have[keyspace.IPKey(name, ip)] {
+			if !have[keyspace.IPKey(name, allocator.DefaultBlocks, ip)] {
 				missing++
 			}
 		}

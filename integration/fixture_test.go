@@ -161,7 +161,7 @@ func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
 		f.Cli = tlsClient(t, f.Endpoint, cfg.pki, cert, key, "", "")
 	case etcdInAgentKind:
 		curl := freeURL(t)
-		f.launch("", []string{"--embedded-etcd", t.TempDir(), "--embedded-etcd-client-url", curl,
+		f.launch("", "", []string{"--embedded-etcd", t.TempDir(), "--embedded-etcd-client-url", curl,
 			"--embedded-etcd-peer-url", freeURL(t)})
 		f.Endpoint = curl
 		f.Cli = etcdClient(t, f.Endpoint)
@@ -179,19 +179,25 @@ func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
 // flags of withAgentFlags, then flags (a flag given again overrides the earlier value).
 func (f *fixture) startAgent(flags ...string) *agentProc {
 	f.t.Helper()
-	return f.launch(f.Endpoint, flags)
+	return f.launch(f.Endpoint, "", flags)
 }
 
-// launch runs bin/leaseholdd against endpoint (none when "": flags name an embedded etcd)
+// startAgentBin is startAgent with another leaseholdd binary (an earlier release).
+func (f *fixture) startAgentBin(bin string, flags ...string) *agentProc {
+	f.t.Helper()
+	return f.launch(f.Endpoint, bin, flags)
+}
+
+// launch runs bin/leaseholdd (or bin) against endpoint (none when "": flags name an embedded etcd)
 // and waits for its socket. Defaults: the fixture's cluster, a node name and identity of its
 // own, a private state directory, 10s leases, no quarantine, no sandbox liveness, no host
 // address publication (this machine's own addresses would change etcd under the tests'
 // snapshots), no metrics listener.
-func (f *fixture) launch(endpoint string, flags []string) *agentProc {
+func (f *fixture) launch(endpoint, bin string, flags []string) *agentProc {
 	t := f.t
 	t.Helper()
 	dir := t.TempDir()
-	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
+	a := &agentProc{Bin: bin, Socket: filepath.Join(dir, "leaseholdd.sock"), StateDir: filepath.Join(dir, "state")}
 	a.args = []string{"--socket", a.Socket, "--state-dir", a.StateDir,
 		"--cluster", f.Cluster, "--node", uniq("node-"), "--node-uid", uniq("node-uid-"),
 		"--lease-ttl", "10s", "--quarantine", "0s", "--liveness-interval", "0s", "--publish-host-addresses=false",

@@ -151,6 +151,8 @@ func (p *etcdProc) kill() {
 
 // agentProc is leaseholdd running as its own process (fixture.startAgent starts one).
 type agentProc struct {
+	// Bin is the leaseholdd binary; bin/leaseholdd when empty.
+	Bin      string
 	Socket   string
 	StateDir string
 	// Cluster, Node and NodeUID are what its flags say.
@@ -165,7 +167,11 @@ type agentProc struct {
 // cleanup when the test failed).
 func (a *agentProc) start(t testing.TB) {
 	t.Helper()
-	a.cmd = exec.Command(filepath.Join(binDir(t), "leaseholdd"), a.args...)
+	bin := a.Bin
+	if bin == "" {
+		bin = filepath.Join(binDir(t), "leaseholdd")
+	}
+	a.cmd = exec.Command(bin, a.args...)
 	a.cmd.Stdout, a.cmd.Stderr = a.logs, a.logs
 	if err := a.cmd.Start(); err != nil {
 		t.Fatalf("start leaseholdd: %v", err)

@@ -75,6 +75,12 @@ func keyShape(key string) error {
 		return nil
 	}
 	switch parts[0] {
+	case "blocks":
+		pool, block, err := keyspace.ParseBlockKey(key)
+		if err != nil || len(parts) != 3 {
+			return fmt.Errorf("want blocks/<pool>/<block>: %v", err)
+		}
+		return errors.Join(names(pool), same(keyspace.BlockKey(pool, block)))
 	case "pools":
 		if len(parts) != 2 {
 			return errors.New("want pools/<pool>")
@@ -85,11 +91,15 @@ func keyShape(key string) error {
 		if parts[0] == "quarantine" {
 			parse, build = keyspace.ParseQuarantineKey, keyspace.QuarantineKey
 		}
-		pool, ip, err := parse(key)
-		if err != nil || len(parts) != 3 {
-			return fmt.Errorf("want %s/<pool>/<ip>: %v", parts[0], err)
+		pool, block, ip, err := parse(key)
+		if err != nil || len(parts) != 4 {
+			return fmt.Errorf("want %s/<pool>/<block>/<ip>: %v", parts[0], err)
 		}
-		return errors.Join(names(pool), addr(ip), same(build(pool, ip)))
+		blocks := allocator.Blocks{IPv4: block.Bits(), IPv6: allocator.DefaultBlocks.IPv6}
+		if ip.Is6() {
+			blocks = allocator.Blocks{IPv4: allocator.DefaultBlocks.IPv4, IPv6: block.Bits()}
+		}
+		return errors.Join(names(pool), addr(ip), same(build(pool, blocks, ip)))
 	case "owners":
 		c, o, i, p, err := keyspace.ParseOwnerKey(key)
 		if err != nil {

@@ -12,6 +12,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -63,17 +64,17 @@ func TestAgentKilledAndRestartedAdoptsLiveSandboxes(t *testing.T) {
 	live, gone := f.sandbox("lh-live-"), f.sandbox("lh-gone-")
 	liveIP := f.ipv4(conf, live, "K8S_POD_UID=uid-"+live)
 	goneIP := f.ipv4(conf, gone, "K8S_POD_UID=uid-"+gone)
-	_, liveLease := allocation(t, f.Cli, keyspace.IPKey(f.Pool, liveIP))
+	_, liveLease := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, liveIP))
 
 	agent.kill()
 	removeSandbox(t, gone) // the sandbox dies while the agent is down
 	agent.restart(t)
 
 	eventually(t, ttl+expirySlack, "the gone sandbox's address is released at restart", func() bool {
-		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, goneIP))
+		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, goneIP))
 	})
 	time.Sleep(3 * ttl) // no condition to poll: the test is that several TTLs pass and the address stays
-	holder, lease := allocation(t, f.Cli, keyspace.IPKey(f.Pool, liveIP))
+	holder, lease := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, liveIP))
 	if holder.Owner != "uid-"+live || lease != liveLease {
 		t.Errorf("live pod's address: owner %s lease %x, want owner uid-%s on its original lease %x", holder.Owner, lease, live, liveLease)
 	}
@@ -141,20 +142,20 @@ func TestSameNameReplacementNeverAdopts(t *testing.T) {
 		t.Errorf("DEL: %v", err)
 	}
 	for ip, owner := range oldIPs {
-		if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, ip)); a.Owner != owner || a.NodeUID != "machine-1.boot-1" {
+		if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip)); a.Owner != owner || a.NodeUID != "machine-1.boot-1" {
 			t.Errorf("old allocation %s changed hands before expiry: %+v", ip, a)
 		}
 	}
 	// The old allocations leave by expiry, the new one stays.
 	eventually(t, ttl+expirySlack, "the old node's allocations expire", func() bool {
 		for ip := range oldIPs {
-			if exists(t, f.Cli, keyspace.IPKey(f.Pool, ip)) {
+			if exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip)) {
 				return false
 			}
 		}
 		return true
 	})
-	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, fresh)); a.Owner != "new-pod-uid" || a.NodeUID != "machine-2.boot-1" {
+	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, fresh)); a.Owner != "new-pod-uid" || a.NodeUID != "machine-2.boot-1" {
 		t.Errorf("new node's allocation: %+v", a)
 	}
 	// Once the old keys are gone, the static pod gets an address on the new node.
@@ -181,7 +182,7 @@ func TestReconcilerRaceStatefulSetReplacementKeepsBothOwners(t *testing.T) {
 	}
 	check := func(ip netip.Addr, uid, node string) {
 		t.Helper()
-		a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, ip))
+		a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip))
 		if a.Owner != uid || a.Pod.Name != "web-0" || a.Node != node {
 			t.Errorf("%s: want owner %s (web-0) on %s, got %+v", ip, uid, node, a)
 		}
@@ -199,14 +200,14 @@ func TestReconcilerRaceStatefulSetReplacementKeepsBothOwners(t *testing.T) {
 	if err := f.del(confA, "web0-old", "eth0", "K8S_POD_UID=uid-1"); err != nil {
 		t.Fatal(err)
 	}
-	if exists(t, f.Cli, keyspace.IPKey(f.Pool, oldIP)) {
+	if exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, oldIP)) {
 		t.Errorf("old web-0's %s survived its DEL", oldIP)
 	}
 	check(newIP, "uid-2", nodeB.Node)
 	// And a pod's address leaves otherwise only by lease expiry, when its node dies.
 	nodeB.kill()
 	eventually(t, ttl+expirySlack, "the new pod's address expires with its node", func() bool {
-		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, newIP))
+		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, newIP))
 	})
 }
 
@@ -226,7 +227,7 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 
 	px.partition()
 	eventually(t, ttl+expirySlack, "the partitioned agent's leases expire in etcd", func() bool {
-		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, ip1)) && !exists(t, f.Cli, keyspace.IPKey(f.Pool, ip2))
+		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)) && !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip2))
 	})
 	// Another node asks for ip1 while it is free in etcd.
 	thief := f.ipv4(v4conf(f.Pool, other.Socket, "10.34.0.0/24"), "thief", "K8S_POD_UID=thief;IP="+ip1.String())
@@ -235,11 +236,11 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 	}
 	px.heal()
 
-	eventually(t, 30*time.Second, "p2's address is re-claimed", func() bool { return exists(t, f.Cli, keyspace.IPKey(f.Pool, ip2)) })
-	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, ip2)); a.Owner != "uid-"+p2 || a.NodeUID != agent.NodeUID {
+	eventually(t, 30*time.Second, "p2's address is re-claimed", func() bool { return exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip2)) })
+	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip2)); a.Owner != "uid-"+p2 || a.NodeUID != agent.NodeUID {
 		t.Errorf("re-claimed %s: %+v", ip2, a)
 	}
-	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, ip1)); a.Owner != "thief" {
+	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)); a.Owner != "thief" {
 		t.Errorf("%s must stay with the owner that got it meanwhile, got %+v", ip1, a)
 	}
 	conflictKey := keyspace.ConflictKey(f.Cluster, "uid-"+p1, "eth0", f.Pool)
@@ -258,7 +259,7 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 	if err := f.del(conf, p1, "eth0", "K8S_POD_UID=uid-"+p1); err != nil {
 		t.Fatal(err)
 	}
-	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, ip1)); a.Owner != "thief" {
+	if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)); a.Owner != "thief" {
 		t.Errorf("DEL of the conflicted pod touched the other owner's %s: %+v", ip1, a)
 	}
 	if exists(t, f.Cli, conflictKey) {
@@ -289,11 +290,11 @@ func TestGCReleasesOnlyAttachmentsMissingFromTheValidList(t *testing.T) {
 	}
 	for c, ip := range ips {
 		want := strings.HasPrefix(c, "keep")
-		if got := exists(t, f.Cli, keyspace.IPKey(f.Pool, ip)); got != want {
+		if got := exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip)); got != want {
 			t.Errorf("after GC, %s (%s) present=%v, want %v", c, ip, got, want)
 		}
 	}
-	if !exists(t, f.Cli, keyspace.IPKey(otherName, otherIP)) {
+	if !exists(t, f.Cli, keyspace.IPKey(otherName, allocator.DefaultBlocks, otherIP)) {
 		t.Errorf("GC of %s released an attachment of network %s", f.Pool, otherName)
 	}
 }
@@ -333,11 +334,11 @@ func TestAgentDownLongerThanTTLReclaimsFromJournal(t *testing.T) {
 	})
 	agent.kill()
 	eventually(t, ttl+expirySlack, "the pods' keys expire while the agent is down", func() bool {
-		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, liveIP)) && !exists(t, f.Cli, keyspace.IPKey(f.Pool, goneIP))
+		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, liveIP)) && !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, goneIP))
 	})
 	removeSandbox(t, gone)
 	agent.restart(t)
-	eventually(t, 15*time.Second, "the live pod's address is re-claimed", func() bool { return exists(t, f.Cli, keyspace.IPKey(f.Pool, liveIP)) })
+	eventually(t, 15*time.Second, "the live pod's address is re-claimed", func() bool { return exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, liveIP)) })
 	if err := f.check(conf, live, "eth0", "K8S_POD_UID=uid-"+live); err != nil {
 		t.Errorf("CHECK after re-claim: %v", err)
 	}
@@ -346,7 +347,7 @@ func TestAgentDownLongerThanTTLReclaimsFromJournal(t *testing.T) {
 		j := agent.journaled(t)
 		return j["uid-"+live] && !j["uid-"+gone]
 	})
-	if exists(t, f.Cli, keyspace.IPKey(f.Pool, goneIP)) {
+	if exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, goneIP)) {
 		t.Errorf("the address of a sandbox that died while the agent was down was re-claimed")
 	}
 }
@@ -420,7 +421,7 @@ func TestAgentKilledDuringABurst(t *testing.T) {
 			t.Errorf("%s given to ADDs %d and %d", r.ip, j, i)
 		}
 		seen[r.ip] = i
-		if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, r.ip)); a.Owner != fmt.Sprintf("uid-%s-%02d", prefix, i) {
+		if a, _ := allocation(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, r.ip)); a.Owner != fmt.Sprintf("uid-%s-%02d", prefix, i) {
 			t.Errorf("ADD %d's %s is held by %q after the restart", i, r.ip, a.Owner)
 		}
 	}

@@ -229,7 +229,7 @@ func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachment
 				t.Errorf("allocation %s: owner index %s missing or unreadable", key, ok)
 				continue
 			}
-			_, ip, _ := keyspace.ParseIPKey(key)
+			_, _, ip, _ := keyspace.ParseIPKey(key)
 			named := false
 			for _, x := range rec.IPs {
 				named = named || x == ip

@@ -10,6 +10,7 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -52,10 +53,10 @@ func TestEtcdOutOfSpace(t *testing.T) {
 	if err := f.del(conf, "ns-a", "eth0", "K8S_POD_UID=uid-a"); err != nil {
 		t.Fatalf("DEL under NOSPACE: %v", err)
 	}
-	if exists(t, f.Cli, keyspace.IPKey(f.Pool, a)) {
+	if exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, a)) {
 		t.Errorf("%s is still allocated after its DEL under NOSPACE", a)
 	}
-	if exists(t, f.Cli, keyspace.QuarantineKey(f.Pool, a)) {
+	if exists(t, f.Cli, keyspace.QuarantineKey(f.Pool, allocator.DefaultBlocks, a)) {
 		t.Errorf("%s was quarantined although etcd takes no put", a)
 	}
 	_, text := httpGet(t, "http://"+addr+"/metrics")
@@ -93,7 +94,7 @@ func TestEtcdOutOfSpace(t *testing.T) {
 	if err := f.del(conf, "ns-b", "eth0", "K8S_POD_UID=uid-b"); err != nil {
 		t.Fatal(err)
 	}
-	if !exists(t, f.Cli, keyspace.QuarantineKey(f.Pool, b)) {
+	if !exists(t, f.Cli, keyspace.QuarantineKey(f.Pool, allocator.DefaultBlocks, b)) {
 		t.Errorf("%s, released after the alarm was disarmed, is not quarantined", b)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -111,7 +112,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 		}
 	}
 	want := []string{
-		keyspace.IPKey(name, results[7].v4), keyspace.IPKey(name, results[7].v6),
+		keyspace.IPKey(name, allocator.DefaultBlocks, results[7].v4), keyspace.IPKey(name, allocator.DefaultBlocks, results[7].v6),
 		keyspace.OwnerKey(f.Cluster, "uid-007", "eth0", name), keyspace.PodKey(f.Cluster, f.Agent.Node, "uid-007"),
 	}
 	if fmt.Sprint(sorted(gone)) != fmt.Sprint(sorted(want)) {

@@ -23,6 +23,7 @@ const (
 	conflictsDir  = Prefix + "conflicts/"
 	hostIPsDir    = Prefix + "hostips/"
 	poolConflicts = Prefix + "poolconflicts/"
+	blocksDir     = Prefix + "blocks/"
 )
 
 // PoolConflictKey is /leasehold/v1/poolconflicts/<pool>/<cluster>/<node>: a node of cluster
@@ -69,8 +70,13 @@ func PoolKey(pool string) string { return poolsDir + pool }
 // PoolsPrefix is the prefix of every pool definition.
 func PoolsPrefix() string { return poolsDir }
 
-// IPKey is /leasehold/v1/ips/<pool>/<ip>: one allocation, on its owner's pod lease.
-func IPKey(pool string, ip netip.Addr) string { return ipsDir + pool + "/" + ip.String() }
+// IPKey is the allocation key of ip in a pool divided by b, on its owner's pod lease:
+// /leasehold/v1/ips/<pool>/<block>/<ip>, or /leasehold/v1/ips/<pool>/<ip> in the flat
+// layout (b zero). Every writer derives the block from the stored definition, so one address
+// has one key.
+func IPKey(pool string, b allocator.Blocks, ip netip.Addr) string {
+	return ipsDir + pool + "/" + addrPart(b, ip)
+}
 
 // IPsPrefix is the prefix of every allocation of pool; with pool "" of every pool.
 func IPsPrefix(pool string) string {
@@ -80,14 +86,19 @@ func IPsPrefix(pool string) string {
 	return ipsDir + pool + "/"
 }
 
-// QuarantineKey is /leasehold/v1/quarantine/<pool>/<ip>: a released address resting
-// before reuse, on a short quarantine lease.
-func QuarantineKey(pool string, ip netip.Addr) string {
-	return quarantineDir + pool + "/" + ip.String()
+// QuarantineKey is the key of ip resting before reuse after a release, on a short quarantine
+// lease: /leasehold/v1/quarantine/<pool>/<block>/<ip> (flat: .../<pool>/<ip>).
+func QuarantineKey(pool string, b allocator.Blocks, ip netip.Addr) string {
+	return quarantineDir + pool + "/" + addrPart(b, ip)
 }
 
-// QuarantinePrefix is the prefix of pool's quarantined addresses.
-func QuarantinePrefix(pool string) string { return quarantineDir + pool + "/" }
+// QuarantinePrefix is the prefix of pool's quarantined addresses; with pool "" of every pool.
+func QuarantinePrefix(pool string) string {
+	if pool == "" {
+		return quarantineDir
+	}
+	return quarantineDir + pool + "/"
+}
 
 // OwnerKey is /leasehold/v1/owners/<cluster>/<owner>/<ifname>/<pool>: the owner index
 // of one attachment, naming its addresses, on the pod lease.
@@ -138,30 +149,43 @@ func PodKey(cluster, node, owner string) string { return PodsPrefix(cluster, nod
 // PodsPrefix is the prefix of every pod record of one node.
 func PodsPrefix(cluster, node string) string { return nodesDir + cluster + "/" + node + "/pods/" }
 
-// ParseIPKey splits an allocation key into its pool and address.
-func ParseIPKey(key string) (pool string, ip netip.Addr, err error) {
+// ParseIPKey splits an allocation key into its pool, its block (the zero Prefix in the flat
+// layout) and its address.
+func ParseIPKey(key string) (pool string, block netip.Prefix, ip netip.Addr, err error) {
 	return parsePoolAddr(ipsDir, key)
 }
 
-// ParseQuarantineKey splits a quarantine key into its pool and address.
-func ParseQuarantineKey(key string) (pool string, ip netip.Addr, err error) {
+// ParseQuarantineKey splits a quarantine key into its pool, block and address.
+func ParseQuarantineKey(key string) (pool string, block netip.Prefix, ip netip.Addr, err error) {
 	return parsePoolAddr(quarantineDir, key)
 }
 
-func parsePoolAddr(dir, key string) (string, netip.Addr, error) {
+func parsePoolAddr(dir, key string) (string, netip.Prefix, netip.Addr, error) {
 	rest, ok := strings.CutPrefix(key, dir)
 	if !ok {
-		return "", netip.Addr{}, fmt.Errorf("key %q is not under %s", key, dir)
+		return "", netip.Prefix{}, netip.Addr{}, fmt.Errorf("key %q is not under %s", key, dir)
 	}
-	pool, addr, ok := strings.Cut(rest, "/")
-	if !ok {
-		return "", netip.Addr{}, fmt.Errorf("key %q has no address part", key)
+	parts := strings.Split(rest, "/")
+	var block netip.Prefix
+	switch len(parts) {
+	case 2:
+	case 3:
+		b, err := ParseBlockName(parts[1])
+		if err != nil {
+			return "", netip.Prefix{}, netip.Addr{}, fmt.Errorf("key %q: %w", key, err)
+		}
+		block = b
+	default:
+		return "", netip.Prefix{}, netip.Addr{}, fmt.Errorf("key %q: want %s<pool>/<block>/<ip> or %s<pool>/<ip>", key, dir, dir)
 	}
-	ip, err := netip.ParseAddr(addr)
+	ip, err := netip.ParseAddr(parts[len(parts)-1])
 	if err != nil {
-		return "", netip.Addr{}, fmt.Errorf("key %q: %w", key, err)
+		return "", netip.Prefix{}, netip.Addr{}, fmt.Errorf("key %q: %w", key, err)
 	}
-	return pool, ip, nil
+	if block.IsValid() && !block.Contains(ip) {
+		return "", netip.Prefix{}, netip.Addr{}, fmt.Errorf("key %q: address %s is not in block %s", key, ip, block)
+	}
+	return parts[0], block, ip, nil
 }
 
 // ParseOwnerKey splits an owner index key into its parts.
@@ -195,7 +219,7 @@ func ValidateNames(pairs ...string) error {
 // these keeps a cluster's credentials away from other clusters' owners (deploy/etcd).
 func RolePrefixes(cluster string) []string {
 	return []string{
-		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts,
+		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir,
 		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster),
 	}
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 )
 
-// Allocation is the value of /leasehold/v1/ips/<pool>/<ip>: who holds the address.
+// Allocation is the value of /leasehold/v1/ips/<pool>/<block>/<ip>: who holds the address.
 type Allocation struct {
 	Owner       string           `json:"owner"`
 	Cluster     string           `json:"cluster"`
@@ -56,9 +56,12 @@ type NodeRecord struct {
 	UID string `json:"uid"`
 	// Host and PID say where the agent runs (Config.Host); a second host with the same UID
 	// is refused.
-	Host    string    `json:"host,omitempty"`
-	PID     int       `json:"pid,omitempty"`
-	Version string    `json:"version"`
+	Host    string `json:"host,omitempty"`
+	PID     int    `json:"pid,omitempty"`
+	Version string `json:"version"`
+	// Blocks says the agent serves pools in the block layout (allocator.Blocks); `leaseholdctl
+	// pool migrate` refuses while a live agent without it could still claim in the flat one.
+	Blocks  bool      `json:"blocks,omitempty"`
 	Started time.Time `json:"started"`
 	LeaseID string    `json:"leaseID"`
 }
@@ -91,7 +94,7 @@ type PoolConflictRecord struct {
 	Detected time.Time          `json:"detected"`
 }
 
-// QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<ip>.
+// QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<block>/<ip>.
 type QuarantineRecord struct {
 	ReleasedBy string    `json:"releasedBy"`
 	Until      time.Time `json:"until"`

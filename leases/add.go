@@ -71,6 +71,11 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		if err != nil {
 			return allocator.Result{}, err
 		}
+		if m := p.migrating; m != nil {
+			return allocator.Result{}, fmt.Errorf("%w: pool %q is being moved to the block layout by leaseholdctl pool migrate "+
+				"(%s, since %s): ADDs resume when it finishes; if it was interrupted, run leaseholdctl pool migrate %s again",
+				allocator.ErrUnavailable, p.spec.Name, m.By, m.Since.Format(time.RFC3339), p.spec.Name)
+		}
 		p.await(ctx)
 		requested, err := p.spec.MatchRequested(req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {
@@ -121,7 +126,13 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			addrs[i] = requested[i]
 			continue
 		}
-		addr, err := p.view.reserve(&p.spec, i, st.skip)
+		addr, err := p.view.choose(ctx, &p.spec, i, st.skip)
+		if errors.Is(err, allocator.ErrUnavailable) {
+			// A block claim or a borrowing read etcd did not answer (a leader election):
+			// wait and try again, as for an unanswered claim.
+			p.view.settle(reserved, 0)
+			return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, err)
+		}
 		if err != nil {
 			p.view.settle(reserved, 0)
 			// No free address in the cached view. A repeated ADD needs none, and the pool may
@@ -154,7 +165,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 
 	now := a.wall()
-	c := &claim{add: true, lease: lease, pool: p.spec.Name, poolRev: p.rev, addrs: addrs,
+	c := &claim{add: true, lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, poolRev: p.rev, addrs: addrs,
 		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name),
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
@@ -178,17 +189,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// one of them applies, whichever etcd orders first, even if the lost one is applied
 		// late by a new leader. The next claim finds the owner index (the lost one applied:
 		// its addresses are returned) or claims afresh on the same lease.
-		st.unanswered++
-		if st.unanswered > maxUnanswered || ctx.Err() != nil {
-			return allocator.Result{}, false, a.unavailable("claim addresses", err)
-		}
-		a.log.Warn("claim unanswered; sending it again", "owner", owner, "attempt", st.unanswered, "err", err)
-		select {
-		case <-ctx.Done():
-			return allocator.Result{}, false, a.unavailable("claim addresses", err)
-		case <-time.After(50 * time.Millisecond << (st.unanswered - 1)):
-		}
-		return allocator.Result{}, false, nil
+		return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, a.unavailable("claim addresses", err))
 	}
 	a.etcdAnswered()
 	a.sawHeader(resp.Header, floor)
@@ -204,6 +205,22 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	p.view.settle(reserved, 0)
 	return a.learn(ctx, p, st, requested, lease, out)
+}
+
+// waitUnanswered waits before the next attempt of an ADD whose etcd request went unanswered
+// (err), 50 ms doubling; after maxUnanswered of them, or when ctx ends, it returns err.
+func (a *Agent) waitUnanswered(ctx context.Context, st *addState, owner string, err error) error {
+	st.unanswered++
+	if st.unanswered > maxUnanswered || ctx.Err() != nil {
+		return err
+	}
+	a.log.Warn("etcd did not answer; trying again", "owner", owner, "attempt", st.unanswered, "err", err)
+	select {
+	case <-ctx.Done():
+		return err
+	case <-time.After(50 * time.Millisecond << (st.unanswered - 1)):
+	}
+	return nil
 }
 
 // claimRefused handles a claim etcd refused: it applied nothing, so nothing is unsure. A
@@ -306,21 +323,27 @@ func ownerKeyOf(a *Agent, st *addState, p *pool) string {
 // say that no address is free.
 func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvccpb.KeyValue, changed, stale bool, err error) {
 	floor := a.revFloor()
-	resp, err := a.cli.Txn(ctx).Then(clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.IPsPrefix(p.spec.Name), clientv3.WithPrefix(), clientv3.WithCountOnly()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(p.spec.Name), clientv3.WithPrefix(), clientv3.WithCountOnly())).Commit()
+	allocated, quarantined, ipPrefixes, qPrefixes := p.view.counts()
+	ops := []clientv3.Op{clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly())}
+	for _, prefix := range append(ipPrefixes, qPrefixes...) {
+		ops = append(ops, clientv3.OpGet(prefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
+	}
+	resps, hdrs, err := readChunked(ctx, a.cli, ops)
 	if err != nil {
 		return nil, false, false, a.unavailable("read "+ownerKey, err)
 	}
-	a.sawHeader(resp.Header, floor)
-	if kvs := resp.Responses[0].GetResponseRange().Kvs; len(kvs) > 0 {
+	a.sawHeader(hdrs[0], floor)
+	if kvs := resps[0].GetResponseRange().Kvs; len(kvs) > 0 {
 		kv = kvs[0]
 	}
-	pools := resp.Responses[1].GetResponseRange().Kvs
+	pools := resps[1].GetResponseRange().Kvs
 	changed = len(pools) == 0 || pools[0].ModRevision != p.rev
-	allocated, quarantined := p.view.counts()
-	stale = resp.Responses[2].GetResponseRange().Count < int64(allocated) ||
-		resp.Responses[3].GetResponseRange().Count < int64(quarantined)
+	var inEtcd [2]int64
+	for i := range ipPrefixes {
+		inEtcd[0] += resps[2+i].GetResponseRange().Count
+		inEtcd[1] += resps[2+len(ipPrefixes)+i].GetResponseRange().Count
+	}
+	stale = inEtcd[0] < int64(allocated) || inEtcd[1] < int64(quarantined)
 	return kv, changed, stale, nil
 }
 
@@ -365,7 +388,7 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 	cmps := []clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)}
 	var puts []clientv3.Op
 	for _, addr := range rec.IPs {
-		key := keyspace.IPKey(p.spec.Name, addr)
+		key := keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr)
 		cmps = append(cmps, keyspace.OnLease(key, lease))
 		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
 	}

@@ -26,8 +26,10 @@ type Agent struct {
 	log    *slog.Logger
 	keeper *Keeper
 	pools  *pools
-	claims *claimBatcher
-	locks  ownerLocks
+	// blockLeases hold this node's block claims (blocks.go).
+	blockLeases *blockLeases
+	claims      *claimBatcher
+	locks       ownerLocks
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -99,6 +101,9 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.keeper = keeper
 	a.pools = newPools(actx, cli, a.log)
 	a.pools.onMismatch = a.recordPoolConflict
+	a.blockLeases = newBlockLeases(keeper)
+	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
+		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools.seed = h.Sum64()
@@ -114,6 +119,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		a.Close()
 		return nil, err
 	}
+	a.resumeBlocks(ctx)
 	a.wg.Add(2)
 	go a.reclaimLoop()
 	go a.livenessLoop()
@@ -268,6 +274,9 @@ func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
 // will delete) every key on it. The pods on it are queued for re-claim.
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.metrics.leaseLost.Inc()
+	if a.blockLeaseLost(id) {
+		return
+	}
 	node := a.nodeLease() == id
 	owners := a.pods.lose(id)
 	for _, owner := range owners {
@@ -283,6 +292,16 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		default:
 		}
 	}
+}
+
+// blockLeaseLost drops, in every pool, the block claims on lease id if it is a block lease,
+// which etcd no longer has; it reports whether it was one.
+func (a *Agent) blockLeaseLost(id clientv3.LeaseID) bool {
+	if !a.blockLeases.lost(id) {
+		return false
+	}
+	a.pools.forEachView(func(v *view) { v.blockLeaseLost(id) })
+	return true
 }
 
 // validate canonicalises the request's pool and checks every name that becomes a key part.

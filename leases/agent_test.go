@@ -157,7 +157,7 @@ func TestCheck(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := keyspace.IPKey(pool.Name, res.IPs[0].Address.Addr())
+	key := keyspace.IPKey(pool.Name, allocator.DefaultBlocks, res.IPs[0].Address.Addr())
 	if _, err := cli.Put(ctx, key, `{"owner":"intruder"}`, clientv3.WithLease(l.ID)); err != nil {
 		t.Fatal(err)
 	}
@@ -273,7 +273,7 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 		t.Fatal(err)
 	}
 	cli := etcdtest.Client(t)
-	key := keyspace.IPKey(pool.Name, res.IPs[0].Address.Addr())
+	key := keyspace.IPKey(pool.Name, allocator.DefaultBlocks, res.IPs[0].Address.Addr())
 	for time.Since(added) < grace-300*time.Millisecond {
 		if len(etcdtest.Dump(t, cli, key)) == 0 {
 			t.Fatalf("released %s after the ADD, inside the %s grace", time.Since(added), grace)

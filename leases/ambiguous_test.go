@@ -13,6 +13,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -86,7 +87,7 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 	}
 	lease := mustLease(t, a, "uid-x")
 	for _, ip := range res.IPs {
-		if l, ok := keys[keyspace.IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
+		if l, ok := keys[keyspace.IPKey(pool.Name, allocator.DefaultBlocks, ip.Address.Addr())]; !ok || l != lease {
 			t.Errorf("ADD returned %s; its key is missing or not on the pod's lease %x (%v)", ip.Address, lease, keys)
 		}
 	}

@@ -47,7 +47,7 @@ func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
 				t.Fatalf("ADDs %d and %d both got %s", j, i, ip.Address)
 			}
 			seen[ip.Address.Addr()] = i
-			resp, err := cli.Get(ctx, keyspace.IPKey(pool.Name, ip.Address.Addr()))
+			resp, err := cli.Get(ctx, keyspace.IPKey(pool.Name, allocator.DefaultBlocks, ip.Address.Addr()))
 			if err != nil || len(resp.Kvs) != 1 {
 				t.Fatalf("key of %s: %v", ip.Address, err)
 			}
@@ -188,7 +188,7 @@ func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 		for i, res := range results {
 			lease := mustLease(t, a, fmt.Sprintf("r%d-%d", round, i))
 			for _, ip := range res.IPs {
-				if l, ok := keys[keyspace.IPKey(pool.Name, ip.Address.Addr())]; !ok || l != lease {
+				if l, ok := keys[keyspace.IPKey(pool.Name, allocator.DefaultBlocks, ip.Address.Addr())]; !ok || l != lease {
 					t.Errorf("ADD %d returned %s; its key is missing or not on its lease", i, ip.Address)
 				}
 			}

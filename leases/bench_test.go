@@ -43,7 +43,7 @@ func benchPool(b *testing.B) (allocator.PoolSpec, []netip.Addr) {
 }
 
 func benchView() *view {
-	return newView("bench", nil, slog.New(slog.DiscardHandler), 1)
+	return newView("bench", allocator.Blocks{}, nil, slog.New(slog.DiscardHandler), 1, nil)
 }
 
 // putEvents is a watch response creating an allocation key for each address, as etcd
@@ -52,7 +52,7 @@ func putEvents(addrs []netip.Addr) clientv3.WatchResponse {
 	evs := make([]*clientv3.Event, len(addrs))
 	for i, a := range addrs {
 		evs[i] = &clientv3.Event{Type: clientv3.EventTypePut, Kv: &mvccpb.KeyValue{
-			Key: []byte(keyspace.IPKey("bench", a)), CreateRevision: int64(i + 2), ModRevision: int64(i + 2), Version: 1}}
+			Key: []byte(keyspace.IPKey("bench", allocator.Blocks{}, a)), CreateRevision: int64(i + 2), ModRevision: int64(i + 2), Version: 1}}
 	}
 	return clientv3.WatchResponse{Header: etcdserverpb.ResponseHeader{Revision: int64(len(addrs) + 1)}, Events: evs}
 }

@@ -57,7 +57,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	lease := keyspace.LeaseOf(kv)
 	ops := make([]clientv3.Op, 0, len(rec.IPs))
 	for _, addr := range rec.IPs {
-		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, addr)))
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr)))
 	}
 	tresp, err := a.cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
@@ -67,7 +67,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		kvs := tresp.Responses[i].GetResponseRange().Kvs
 		if len(kvs) == 0 {
 			return allocator.Result{}, fmt.Errorf("%w: owner index %s names %s, but %s does not exist",
-				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.spec.Name, addr))
+				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr))
 		}
 		holder, err := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
 		if err != nil {
@@ -145,7 +145,7 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 		return err
 	}
 	p.await(ctx)
-	if err := p.view.free(&p.spec); err != nil {
+	if err := p.view.free(ctx, &p.spec); err != nil {
 		return fmt.Errorf("pool %q: %w", p.spec.Name, err)
 	}
 	return nil

@@ -7,6 +7,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -28,8 +29,12 @@ import (
 // record separately, once every attachment is back. The else branch reads exactly what
 // decides the outcome, so a failed claim costs no second read; outcome names what it found.
 type claim struct {
-	lease    clientv3.LeaseID
-	pool     string
+	lease  clientv3.LeaseID
+	pool   string
+	blocks allocator.Blocks // the pool's layout: where each address's keys are
+	// alsoFlat compares each address's flat-layout keys absent too (a re-claim while the pool
+	// is being migrated to blocks, when an address may still be held under its old key).
+	alsoFlat bool
 	ownerKey string
 	addrs    []netip.Addr
 	// Values written: an allocation record per address (the same for all) and the owner index.
@@ -90,12 +95,16 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 	}
 	alloc := keyspace.Encode(c.alloc)
 	for _, addr := range c.addrs {
-		ipKey := keyspace.IPKey(c.pool, addr)
+		ipKey := keyspace.IPKey(c.pool, c.blocks, addr)
 		cmps = append(cmps, keyspace.Absent(ipKey))
+		if c.alsoFlat && !c.blocks.Flat() {
+			cmps = append(cmps, keyspace.Absent(keyspace.IPKey(c.pool, allocator.Blocks{}, addr)),
+				keyspace.Absent(keyspace.QuarantineKey(c.pool, allocator.Blocks{}, addr)))
+		}
 		puts = append(puts, clientv3.OpPut(ipKey, alloc, on))
 		gets = append(gets, clientv3.OpGet(ipKey))
 		if c.add {
-			qKey, hosts := keyspace.QuarantineKey(c.pool, addr), keyspace.HostIPPrefix(addr)
+			qKey, hosts := keyspace.QuarantineKey(c.pool, c.blocks, addr), keyspace.HostIPPrefix(addr)
 			// No node publishes the address as its own.
 			cmps = append(cmps, keyspace.Absent(qKey), keyspace.NoneUnder(hosts))
 			gets = append(gets, clientv3.OpGet(qKey),

@@ -8,6 +8,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -35,10 +36,10 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	v4, v6 := netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd01::5")
 	const lease, other = clientv3.LeaseID(7), clientv3.LeaseID(8)
 	add := func(newPod bool) *claim {
-		return &claim{add: true, lease: lease, pool: "p", poolRev: 40, addrs: []netip.Addr{v4, v6},
+		return &claim{add: true, lease: lease, pool: "p", blocks: allocator.DefaultBlocks, poolRev: 40, addrs: []netip.Addr{v4, v6},
 			ownerKey: keyspace.OwnerKey("c", "o", "eth0", "p"), podKey: keyspace.PodKey("c", "n", "o"), newPod: newPod}
 	}
-	reclaim := &claim{lease: lease, pool: "p", addrs: []netip.Addr{v4, v6}, ownerKey: keyspace.OwnerKey("c", "o", "eth0", "p"),
+	reclaim := &claim{lease: lease, pool: "p", blocks: allocator.DefaultBlocks, addrs: []netip.Addr{v4, v6}, ownerKey: keyspace.OwnerKey("c", "o", "eth0", "p"),
 		conflictKey: keyspace.ConflictKey("c", "o", "eth0", "p"), conflict: &keyspace.ConflictRecord{}}
 	pool := &mvccpb.KeyValue{ModRevision: 40}
 	tests := []struct {
@@ -50,7 +51,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	}{{
 		// New pod: owner index, pool, pod record, then per address allocation, quarantine, hosts.
 		name: "ADD of a new pod whose v6 address rests in quarantine", c: add(true), cmps: 9, puts: 4, gets: 9,
-		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.QuarantineKey("p", v6): {}},
+		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.QuarantineKey("p", allocator.DefaultBlocks, v6): {}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Applied || o.Existing != nil || o.PoolChanged || o.Pod != podAsExpected {
 				t.Errorf("only the quarantine failed the claim; got %+v", o)
@@ -87,7 +88,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	}, {
 		name: "ADD of a known pod whose record is on another lease, v6 held by another owner", c: add(false), cmps: 9, puts: 3, gets: 9,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.PodKey("c", "n", "o"): {Lease: int64(other)},
-			keyspace.IPKey("p", v6): {CreateRevision: 12}},
+			keyspace.IPKey("p", allocator.DefaultBlocks, v6): {CreateRevision: 12}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Pod != podMoved || o.Addrs[1].Holder == nil || o.Addrs[1].Holder.CreateRevision != 12 || o.Addrs[0].taken() {
 				t.Errorf("want podMoved and v6 held, got %+v", o)
@@ -105,7 +106,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	}, {
 		// Re-claim: owner index and allocations only, and the conflict record among the puts.
 		name: "re-claim whose v4 address another owner took", c: reclaim, cmps: 3, puts: 4, gets: 3,
-		found: map[string]*mvccpb.KeyValue{keyspace.IPKey("p", v4): {}},
+		found: map[string]*mvccpb.KeyValue{keyspace.IPKey("p", allocator.DefaultBlocks, v4): {}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.PoolChanged || o.Pod != podAsExpected || o.Addrs[0].Holder == nil || o.Addrs[1].taken() {
 				t.Errorf("want only v4 held, got %+v", o)
@@ -127,5 +128,48 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	ok := add(true).outcome(&clientv3.TxnResponse{Header: &pb.ResponseHeader{Revision: 99}, Succeeded: true})
 	if !ok.Applied || ok.Revision != 99 {
 		t.Errorf("a succeeded claim: want applied at 99, got %+v", ok)
+	}
+}
+
+// TestImportClaimHasThePodRecordAndNoADDCompares checks an import's claim (import.go): the
+// pod record is created with the attachment (or compared on the lease), and neither the pool
+// definition nor quarantine or host keys are compared: the container uses its addresses already.
+func TestImportClaimHasThePodRecordAndNoADDCompares(t *testing.T) {
+	v4, v6 := netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd01::5")
+	const lease, other = clientv3.LeaseID(7), clientv3.LeaseID(8)
+	podKey := keyspace.PodKey("c", "n", "ctr")
+	imp := func(newPod bool) *claim {
+		return &claim{lease: lease, pool: "p", blocks: allocator.DefaultBlocks, addrs: []netip.Addr{v4, v6},
+			ownerKey: keyspace.OwnerKey("c", "ctr", "eth0", "p"), podKey: podKey, newPod: newPod}
+	}
+	for _, tt := range []struct {
+		newPod bool
+		puts   int
+		found  map[string]*mvccpb.KeyValue
+		want   func(claimOutcome) bool
+	}{
+		{true, 4, map[string]*mvccpb.KeyValue{podKey: {Lease: int64(other)}},
+			func(o claimOutcome) bool {
+				return o.Pod == podExists && o.PodKV != nil && !o.Addrs[0].taken() && !o.Addrs[1].taken()
+			}},
+		{true, 4, map[string]*mvccpb.KeyValue{keyspace.IPKey("p", allocator.DefaultBlocks, v6): {CreateRevision: 3}},
+			func(o claimOutcome) bool {
+				return o.Pod == podAsExpected && !o.Addrs[0].taken() && o.Addrs[1].Holder != nil
+			}},
+		{false, 3, map[string]*mvccpb.KeyValue{},
+			func(o claimOutcome) bool { return o.Pod == podGone && !o.PoolChanged }},
+		{false, 3, map[string]*mvccpb.KeyValue{podKey: {Lease: int64(lease)}, keyspace.OwnerKey("c", "ctr", "eth0", "p"): {ModRevision: 5}},
+			func(o claimOutcome) bool {
+				return o.Pod == podAsExpected && o.Existing != nil && o.Existing.ModRevision == 5
+			}},
+	} {
+		c := imp(tt.newPod)
+		cmps, puts, gets := c.txn()
+		if len(cmps) != 4 || len(puts) != tt.puts || len(gets) != 4 {
+			t.Errorf("new pod %v: %d compares, %d puts, %d reads; want 4, %d, 4", tt.newPod, len(cmps), len(puts), len(gets), tt.puts)
+		}
+		if o := c.outcome(elseResponse(c, tt.found)); !tt.want(o) {
+			t.Errorf("new pod %v, found %v: outcome %+v", tt.newPod, tt.found, o)
+		}
 	}
 }

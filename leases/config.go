@@ -57,6 +57,10 @@ type Config struct {
 	// periods use the monotonic clock and leases use etcd's, so a stepped clock changes
 	// only what the records say. Tests step it to show that.
 	WallClock func() time.Time
+	// BlockIdle is how long a block this node claimed must stay empty (no allocation, nothing
+	// in quarantine) before the agent gives it back to the pool; default DefaultBlockIdle,
+	// negative keeps blocks until the agent's identity goes.
+	BlockIdle time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -72,6 +76,7 @@ const (
 	DefaultLivenessInterval = 10 * time.Second
 	DefaultLivenessGrace    = 30 * time.Second
 	DefaultHostResync       = 15 * time.Second
+	DefaultBlockIdle        = 5 * time.Minute
 )
 
 // Bounds the agent sets itself. Every other wait is Config.OpTimeout.
@@ -94,6 +99,13 @@ const (
 	// retryFirst and retryMax bound the backoff of the agent's background retries (view
 	// lists, spare grants); reclaimRetryFirst and reclaimRetryMax the re-claim's, which
 	// waits for etcd to come back.
+	// maxBlockTries bounds the block claims one ADD tries (each lost to another node's claim
+	// of the same block) before it borrows instead.
+	maxBlockTries = 4
+	// claimsFresh is how long a read of a pool's block claims serves as the answer to "is any
+	// block unclaimed" before an ADD that found none reads them again: a burst of borrowing
+	// ADDs then costs one read, not one each.
+	claimsFresh       = 10 * time.Second
 	retryFirst        = 100 * time.Millisecond
 	retryMax          = 5 * time.Second
 	reclaimRetryFirst = 200 * time.Millisecond
@@ -111,6 +123,9 @@ func (c *Config) validate() error {
 	}
 	if c.LeaseTTL < minLeaseTTL {
 		return fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, c.LeaseTTL, minLeaseTTL)
+	}
+	if c.BlockIdle == 0 {
+		c.BlockIdle = DefaultBlockIdle
 	}
 	if c.Quarantine == 0 {
 		c.Quarantine = DefaultQuarantine

@@ -90,7 +90,11 @@ var errStale = errors.New("owner index changed since the agent last saw it")
 // or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
 // set; an owner index that changed since is then errStale, not "released by someone else".
 func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
-	r := &release{pool: pool, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
+	blocks, err := a.pools.blocksOf(ctx, pool)
+	if err != nil {
+		return -1, err
+	}
+	r := &release{pool: pool, blocks: blocks, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
 		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
 		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
 	quarantine := a.cfg.Quarantine >= 0

@@ -105,7 +105,7 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The agent's view knows its own release when DEL returns, not once the watch brings it.
-	if allocated, quarantined := a.pools.viewOf(pool.Name).counts(); allocated != 0 || quarantined != 1 {
+	if allocated, quarantined, _, _ := a.pools.viewOf(pool.Name).counts(); allocated != 0 || quarantined != 1 {
 		t.Errorf("view right after DEL: %d allocated, %d quarantined; want 0 and 1", allocated, quarantined)
 	}
 	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
@@ -246,13 +246,19 @@ func waitSpares(t *testing.T, k *Keeper, n int) {
 	etcdtest.Eventually(t, 10*time.Second, fmt.Sprintf("at least %d spares", n), func() bool { return len(spares(k)) >= n })
 }
 
-// podWithRoomForItsLease starts an agent with 6 spare leases and ADDs pod uid-a (container
+// podWithRoomForItsLease starts an agent with 10 spare leases and ADDs pod uid-a (container
 // "a", eth0) into a pool of subnet, leaving the keeper room to take the pod's lease back.
 func podWithRoomForItsLease(t *testing.T, cluster, subnet string) (*Agent, allocator.PoolSpec, clientv3.LeaseID) {
 	t.Helper()
-	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 6; c.Quarantine = time.Minute })
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 10; c.Quarantine = time.Minute })
 	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}}}
-	waitSpares(t, a.keeper, 5) // 6, less the node lease if it took a spare; an ADD leaves more than the low water (3)
+	// A first pod makes the node claim its block, on a lease of its own taken from the spares.
+	if _, err := a.Add(ctxT(t), addReq(pool, "first", "eth0", "uid-first")); err != nil {
+		t.Fatal(err)
+	}
+	// 10, less the node lease if it took a spare, less the block and first pod leases; the
+	// next ADD leaves more than the low water (5), so nothing refills the room away.
+	waitSpares(t, a.keeper, 7)
 	if _, err := a.Add(ctxT(t), addReq(pool, "a", "eth0", "uid-a")); err != nil {
 		t.Fatal(err)
 	}

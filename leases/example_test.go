@@ -52,7 +52,7 @@ func ExampleStart() {
 		return
 	}
 	fmt.Println(res.IPs[0].Address, "via", res.IPs[0].Gateway)
-	key := keyspace.IPKey(examplePool.Name, res.IPs[0].Address.Addr())
+	key := keyspace.IPKey(examplePool.Name, allocator.DefaultBlocks, res.IPs[0].Address.Addr())
 	got, err := cli.Get(ctx, key)
 	if err != nil {
 		fmt.Println(err)
@@ -68,8 +68,8 @@ func ExampleStart() {
 	fmt.Println(key, "keys after DEL:", got.Count, err)
 	// Output:
 	// 10.77.0.2/30 via 10.77.0.1
-	// /leasehold/v1/ips/example-net/10.77.0.2 on a lease: true
-	// /leasehold/v1/ips/example-net/10.77.0.2 keys after DEL: 0 <nil>
+	// /leasehold/v1/ips/example-net/10.77.0.0-26/10.77.0.2 on a lease: true
+	// /leasehold/v1/ips/example-net/10.77.0.0-26/10.77.0.2 keys after DEL: 0 <nil>
 }
 
 // A runtime may ask for static addresses (CNI_ARGS IP=): one per range set of the pool. An ADD

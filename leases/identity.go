@@ -99,7 +99,7 @@ func (a *Agent) register(ctx context.Context) error {
 		return fmt.Errorf("%w: register node %s in etcd: %w", allocator.ErrUnavailable, a.cfg.Node, err)
 	}
 	key := keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)
-	rec := keyspace.NodeRecord{UID: a.cfg.NodeUID, Host: a.cfg.Host, PID: os.Getpid(), Version: a.cfg.Version,
+	rec := keyspace.NodeRecord{UID: a.cfg.NodeUID, Host: a.cfg.Host, PID: os.Getpid(), Version: a.cfg.Version, Blocks: true,
 		Started: a.wall(), LeaseID: keyspace.LeaseHex(id)}
 	for attempt := 0; ; attempt++ {
 		cur, err := a.cli.Get(octx, key)

@@ -187,7 +187,7 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.GC(ctx, gc); err != nil {
 		t.Fatal(err)
 	}
-	ipKey := keyspace.IPKey(pool.Name, first.IPs[0].Address.Addr())
+	ipKey := keyspace.IPKey(pool.Name, allocator.DefaultBlocks, first.IPs[0].Address.Addr())
 	if keys := etcdtest.Dump(t, cli, ipKey); len(keys) != 1 {
 		t.Fatal("GC collected an attachment made just before the clock was stepped forward")
 	}
@@ -210,7 +210,7 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "uid-1")); err != nil {
 		t.Fatal(err)
 	}
-	qKey := keyspace.QuarantineKey(pool.Name, first.IPs[0].Address.Addr())
+	qKey := keyspace.QuarantineKey(pool.Name, allocator.DefaultBlocks, first.IPs[0].Address.Addr())
 	q := etcdtest.Dump(t, cli, qKey)
 	if len(q) != 1 {
 		t.Fatal("released address not quarantined")
@@ -250,7 +250,7 @@ func TestSteppedWallClockChangesNoLeaseOrDecision(t *testing.T) {
 	if err := a.GC(ctx, gc); err != nil {
 		t.Fatal(err)
 	}
-	if keys := etcdtest.Dump(t, cli, keyspace.IPKey(pool.Name, second.IPs[0].Address.Addr())); len(keys) != 0 {
+	if keys := etcdtest.Dump(t, cli, keyspace.IPKey(pool.Name, allocator.DefaultBlocks, second.IPs[0].Address.Addr())); len(keys) != 0 {
 		t.Error("GC kept an attachment past the grace because its record was written while the clock was ahead")
 	}
 	if err := a.Ready(ctx); err != nil {

@@ -28,6 +28,8 @@ type metrics struct {
 	claimsBatched prometheus.Counter
 	// unquarantined counts releases made without quarantine because etcd was out of space.
 	unquarantined prometheus.Counter
+	// Blocks: claims made, empty blocks given back, addresses borrowed from others' blocks.
+	blockClaims, blocksGivenBack, borrowed prometheus.Counter
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -67,8 +69,29 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_releases_without_quarantine_total",
 			Help: "Attachments released without quarantining their addresses because etcd was out of space (NOSPACE alarm).",
 		}),
+		blockClaims: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_block_claims_total",
+			Help: "Blocks this node claimed (its blocks had no free address left).",
+		}),
+		blocksGivenBack: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_blocks_given_back_total",
+			Help: "Blocks this node gave back after they stayed empty for --block-idle.",
+		}),
+		borrowed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_borrowed_addresses_total",
+			Help: "Addresses chosen inside other nodes' blocks because every block was claimed and this node's were full.",
+		}),
 	}
 	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
+		m.blockClaims, m.blocksGivenBack, m.borrowed,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_blocks_held",
+			Help: "Blocks this node holds, over every pool it serves.",
+		}, func() float64 {
+			n := 0
+			a.pools.forEachView(func(v *view) { n += v.heldBlocks() })
+			return float64(n)
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_leases_held",
 			Help: "Leases this agent keeps alive: pods, the node, pre-granted spares.",
@@ -120,7 +143,7 @@ func (m *metrics) rtt(kind string, start time.Time) {
 type poolCollector struct{ a *Agent }
 
 var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
-	"Addresses of a pool's range set by state (size, allocated, quarantined, free), as this agent's view sees them.",
+	"Addresses of a pool's range set by state (size, allocated, quarantined, free), as this agent's view sees them: in the block layout allocated and quarantined count this node's blocks, and free is not given.",
 	[]string{"pool", "set", "state"}, nil)
 
 func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolDesc }
@@ -146,7 +169,11 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 			emit("size", size)
 			emit("allocated", float64(alloc[set]))
 			emit("quarantined", float64(quar[set]))
-			emit("free", max(size-float64(alloc[set]+quar[set]), 0))
+			if p.view.blocks.Flat() {
+				// In the block layout the view holds this node's blocks only: the pool's free
+				// count is leaseholdctl pool list's to give.
+				emit("free", max(size-float64(alloc[set]+quar[set]), 0))
+			}
 		}
 	}
 }

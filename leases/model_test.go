@@ -2,10 +2,13 @@ package leases
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"net/netip"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -21,14 +24,26 @@ import (
 )
 
 // TestModelRandomHistories drives several agents and owners through random interleavings of
-// ADD, DEL, CHECK, GC, agent restarts and lease losses against the real etcd, records the
-// history, and after every step checks the state against a simple model:
+// ADD, DEL, CHECK, GC, agent restarts, lease losses, node drains and node deaths against the
+// real etcd, records the history, and after every step checks the state against a simple
+// model. The pool has small blocks (model_blocks_test.go), so histories claim blocks, fill
+// them, borrow in other nodes' blocks when every block is claimed, and give empty blocks
+// back; a dead node's leases expire with its pods and block claims, and it comes back
+// replaced. A history ends by deleting every attachment (settle).
 //
 //   - at most one owner per address: no two owner indexes name one address of a pool, and
-//     every allocation key is named by exactly one owner index on the same lease;
+//     every allocation key is named by exactly one owner index on the same lease; no ADD
+//     returns an address the model gives to another attachment;
 //   - ADD is idempotent: an ADD for an attachment the model holds returns its addresses;
 //   - release is owner-compared: a DEL, GC or stale DEL never removes another owner's keys;
-//   - quarantine is respected: a released address goes to no other owner before it ends.
+//   - quarantine is respected: a released address goes to no other owner before it ends;
+//   - keys are in their blocks: every allocation and quarantine key lies in the block its key
+//     names, which is the pool's block of the address;
+//   - block claims are sound: each is on a live lease and names a live node of the model;
+//     no two agents consider one block theirs, and each agent's blocks are its claims;
+//   - a dead node leaves nothing behind: every key naming it goes with its leases;
+//   - no leak: once every attachment is deleted, no allocation is left, and every block is
+//     given back when its quarantine and BlockIdle are over.
 //
 // A simpler model than a linearizability checker (porcupine) suffices because every
 // invariant is a predicate over etcd's state at quiet points between steps, and every
@@ -47,7 +62,7 @@ func TestModelRandomHistories(t *testing.T) {
 	m := newModel(t, seed)
 	defer func() {
 		if t.Failed() {
-			t.Logf("replay with LEASEHOLD_MODEL_SEED=%d; last steps:\n%s", seed, m.tail(400))
+			t.Logf("replay with LEASEHOLD_MODEL_SEED=%d; last steps:\n%s\nblocks:%s", seed, m.tail(400), m.blocksDump())
 		}
 	}()
 	for i := range steps {
@@ -57,15 +72,27 @@ func TestModelRandomHistories(t *testing.T) {
 			return
 		}
 	}
-	t.Logf("seed %d: %d steps, %d ADDs, %d DELs, %d GCs, %d restarts, %d lease losses", seed, steps,
-		m.count["add"], m.count["del"], m.count["gc"], m.count["restart"], m.count["lose"])
+	m.settle(steps)
+	if t.Failed() {
+		return
+	}
+	tot := m.totals()
+	t.Logf("seed %d: %d steps, %d ADDs (%d refused: %v), %d DELs, %d GCs, %d restarts, %d lease losses, "+
+		"%d drains, %d node deaths (%d replaced); %v block claims, %v blocks given back, %v addresses borrowed; "+
+		"%d claims left to expire by restarted nodes at the end", seed, steps,
+		m.count["add"], m.count["add refused"], m.refusals(), m.count["del"], m.count["gc"], m.count["restart"],
+		m.count["lose"], m.count["drain"], m.count["death"], m.count["replace"],
+		tot["leasehold_block_claims_total"], tot["leasehold_blocks_given_back_total"], tot["leasehold_borrowed_addresses_total"],
+		m.count["orphaned"])
 }
 
 const modelQuarantine = 2 * time.Second
 
 type modelNode struct {
 	name, uid, state string
-	agent            *Agent
+	agent            *Agent // nil while the node is dead
+	gen              int    // replacements so far: the node UID's suffix
+	back             int    // the step a dead node comes back at, replaced
 }
 
 type attKey struct{ owner, ifName string }
@@ -83,17 +110,16 @@ type model struct {
 	freed   map[netip.Addr]time.Time // address -> when its holder released it
 	history []string
 	count   map[string]int
+	errs    map[string]int     // why new ADDs were refused
+	stats   map[string]float64 // block counters of agents gone (model_blocks_test.go)
 	mu      sync.Mutex
 }
 
 func newModel(t *testing.T, seed uint64) *model {
 	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
-		pool: allocator.PoolSpec{Name: etcdtest.Uniq("mp"), Ranges: []allocator.RangeSet{
-			{{Subnet: netip.MustParsePrefix("10.77.0.0/27")}}, // 29 addresses for 24 owners x 2 interfaces: exhaustion happens
-			{{Subnet: netip.MustParsePrefix("fd77::/120")}},
-		}},
-		cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{}, ctr: map[attKey]string{},
-		freed: map[netip.Addr]time.Time{}, count: map[string]int{}}
+		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
+		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
+		stats: map[string]float64{}}
 	for i := range 3 {
 		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
 		n.agent = m.start(n)
@@ -105,6 +131,7 @@ func newModel(t *testing.T, seed uint64) *model {
 func (m *model) start(n *modelNode) *Agent {
 	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
 		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
+		c.BlockIdle = modelBlockIdle
 	})
 }
 
@@ -129,6 +156,7 @@ func (m *model) req(k attKey, container string) allocator.Request {
 func (m *model) step(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	m.revive(i)
 	switch r := m.rng.IntN(100); {
 	case r < 4:
 		m.restart(i)
@@ -138,6 +166,13 @@ func (m *model) step(i int) {
 		return
 	case r < 11:
 		m.gc(ctx, i)
+		return
+	case r < 14:
+		if m.die(ctx, i) {
+			return
+		}
+	case r < 17:
+		m.drain(ctx, i)
 		return
 	}
 	// Plan the whole step first: its operations run at once on distinct owners.
@@ -155,10 +190,7 @@ func (m *model) step(i int) {
 			continue
 		}
 		used[k.owner] = true
-		if _, ok := m.home[k.owner]; !ok {
-			m.home[k.owner] = m.rng.IntN(len(m.nodes))
-		}
-		plan = append(plan, planned{m.nodes[m.home[k.owner]], k, m.rng.IntN(10), m.rng.IntN(4)})
+		plan = append(plan, planned{m.homeOf(k.owner), k, m.rng.IntN(10), m.rng.IntN(4)})
 	}
 	var wg sync.WaitGroup
 	for _, p := range plan {
@@ -186,6 +218,11 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			if have {
 				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
 			}
+			if !errors.Is(err, allocator.ErrPoolExhausted) {
+				// The model injects no etcd fault: a pool with room must serve.
+				m.t.Errorf("step %d: ADD of %v refused, not for exhaustion: %v", i, k, err)
+			}
+			m.refused(err)
 			return
 		}
 		got := addrs(res)
@@ -193,6 +230,13 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			m.t.Errorf("step %d: ADD of %v is not idempotent: had %v, got %v", i, k, held, got)
 		}
 		m.mu.Lock()
+		for other, theirs := range m.held {
+			for _, a := range got {
+				if other != k && slices.Contains(theirs, a) {
+					m.t.Errorf("step %d: ADD of %v returned %s, which %v holds", i, k, a, other)
+				}
+			}
+		}
 		for _, a := range got {
 			if at, ok := m.freed[a]; ok && !have && time.Since(at) < modelQuarantine {
 				m.t.Errorf("step %d: %s handed to %v %s after its release, inside the %s quarantine", i, a, k, time.Since(at), modelQuarantine)
@@ -252,9 +296,32 @@ func (m *model) release(k attKey, held []netip.Addr) {
 	delete(m.ctr, k)
 }
 
+// refused notes why a new ADD was refused.
+func (m *model) refused(err error) {
+	why := "other"
+	switch {
+	case errors.Is(err, allocator.ErrPoolExhausted):
+		why = "exhausted"
+	case errors.Is(err, allocator.ErrUnavailable):
+		why = "unavailable"
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.count["add refused"]++
+	m.errs[why]++
+}
+
+func (m *model) refusals() map[string]int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return maps.Clone(m.errs)
+}
+
 // restart stops one agent and starts it again with the same identity and state directory.
 func (m *model) restart(i int) {
-	n := m.nodes[m.rng.IntN(len(m.nodes))]
+	live := m.live()
+	n := m.nodes[live[m.rng.IntN(len(live))]]
+	m.harvest(n.agent)
 	n.agent.Close()
 	n.agent = m.start(n)
 	m.log("%d %s RESTART", i, n.name)
@@ -273,6 +340,9 @@ func (m *model) lose(ctx context.Context, i int) {
 	for j := range owners {
 		owner := owners[(start+j)%len(owners)]
 		ni := m.home[owner]
+		if m.nodes[ni].agent == nil {
+			continue // a dead node's pods are gone
+		}
 		lease, ok := m.nodes[ni].agent.pods.lease(owner)
 		if !ok {
 			continue
@@ -303,7 +373,8 @@ func (m *model) lose(ctx context.Context, i int) {
 
 // gc runs CNI GC on one node with a random part of its attachments listed as valid.
 func (m *model) gc(ctx context.Context, i int) {
-	ni := m.rng.IntN(len(m.nodes))
+	live := m.live()
+	ni := live[m.rng.IntN(len(live))]
 	var valid []allocator.Attachment
 	var dropped []attKey
 	m.mu.Lock()
@@ -363,15 +434,35 @@ func (m *model) check() {
 	resp, err := m.cli.Txn(ctx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
 		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
 	).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	allocLease := map[netip.Addr]int64{}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		_, ip, _ := keyspace.ParseIPKey(string(kv.Key))
+		_, block, ip, err := keyspace.ParseIPKey(string(kv.Key))
+		if err != nil {
+			m.t.Errorf("allocation key: %v", err)
+			continue
+		}
+		if _, dup := allocLease[ip]; dup {
+			m.t.Errorf("%s has two allocation keys", ip)
+		}
 		allocLease[ip] = kv.Lease
+		m.checkKeyBlocks(string(kv.Key), block, ip, keyspace.IPKey(m.pool.Name, m.pool.Blocks, ip))
 	}
+	for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
+		_, block, ip, err := keyspace.ParseQuarantineKey(string(kv.Key))
+		if err != nil {
+			m.t.Errorf("quarantine key: %v", err)
+			continue
+		}
+		m.checkKeyBlocks(string(kv.Key), block, ip, keyspace.QuarantineKey(m.pool.Name, m.pool.Blocks, ip))
+	}
+	m.checkClaims(ctx, resp.Responses[3].GetResponseRange().Kvs)
+	m.checkViews()
 	namedBy := map[netip.Addr]string{}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
 		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)

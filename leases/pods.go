@@ -226,3 +226,20 @@ func (t *pods) count() int {
 	defer t.mu.Unlock()
 	return len(t.m)
 }
+
+// pools lists the pools the node's pods have attachments in.
+func (t *pods) pools() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	seen := make(map[string]bool)
+	var out []string
+	for _, ps := range t.m {
+		for _, at := range ps.Attachments {
+			if !seen[at.Pool] {
+				seen[at.Pool] = true
+				out = append(out, at.Pool)
+			}
+		}
+	}
+	return out
+}

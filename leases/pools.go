@@ -2,7 +2,6 @@ package leases
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -21,6 +20,9 @@ type pool struct {
 	// definition changed under the agent makes the ADD re-read it instead of using a stale one.
 	rev  int64
 	view *view
+	// migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
+	// ADDs are refused until it finishes.
+	migrating *keyspace.Migration
 }
 
 // pools caches the stored definitions of the pools this agent serves.
@@ -33,13 +35,16 @@ type pools struct {
 
 	// onMismatch, if set, records a refused definition where the pool's other users see it.
 	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
+	// own claims this node's blocks in pools of the block layout.
+	own *blockOwner
 
-	mu sync.Mutex
-	m  map[string]*pool
+	mu    sync.Mutex
+	m     map[string]*pool
+	stops map[string]context.CancelFunc // ends a view's run
 }
 
 func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger) *pools {
-	return &pools{cli: cli, log: log, ctx: ctx, m: make(map[string]*pool)}
+	return &pools{cli: cli, log: log, ctx: ctx, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
 }
 
 // ensure returns the stored definition of spec.Name, creating it from spec if no definition
@@ -49,14 +54,14 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 	ps.mu.Lock()
 	p, ok := ps.m[spec.Name]
 	ps.mu.Unlock()
-	if ok && p.rev > 0 && (len(spec.Ranges) == 0 || p.spec.Equal(spec)) {
+	if ok && p.rev > 0 && p.migrating == nil && (len(spec.Ranges) == 0 || p.spec.Equal(configured(spec, p.spec))) {
 		return p, nil
 	}
-	stored, rev, err := ps.load(ctx, spec)
+	stored, migrating, rev, err := ps.load(ctx, spec)
 	if err != nil {
 		return nil, err
 	}
-	if len(spec.Ranges) > 0 && !stored.Equal(spec) {
+	if len(spec.Ranges) > 0 && !stored.Equal(configured(spec, stored)) {
 		if ps.onMismatch != nil {
 			ps.onMismatch(ctx, spec, stored)
 		}
@@ -66,14 +71,52 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 	}
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
-	if old, ok := ps.m[spec.Name]; ok {
-		p = &pool{spec: stored, rev: rev, view: old.view}
+	if old, ok := ps.m[spec.Name]; ok && old.view.blocks == stored.Blocks {
+		p = &pool{spec: stored, rev: rev, view: old.view, migrating: migrating}
 	} else {
-		p = &pool{spec: stored, rev: rev, view: newView(spec.Name, ps.cli, ps.log, ps.seed)}
-		go p.view.run(ps.ctx)
+		if stop := ps.stops[spec.Name]; stop != nil {
+			stop() // the pool's layout changed (pool migrate): follow it anew
+		}
+		vctx, stop := context.WithCancel(ps.ctx)
+		p = &pool{spec: stored, rev: rev, migrating: migrating,
+			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own)}
+		ps.stops[spec.Name] = stop
+		go p.view.run(vctx)
 	}
 	ps.m[spec.Name] = p
 	return p, nil
+}
+
+// configured is the definition a network configuration asks for, compared with stored: a
+// configuration that says nothing of blocks takes the stored layout.
+func configured(spec, stored allocator.PoolSpec) allocator.PoolSpec {
+	if spec.Blocks.Flat() {
+		spec.Blocks = stored.Blocks
+	}
+	return spec
+}
+
+// blocksOf is the stored layout of pool name, read when this agent does not serve it yet
+// (a DEL or re-claim after a restart).
+func (ps *pools) blocksOf(ctx context.Context, name string) (allocator.Blocks, error) {
+	p, err := ps.ensure(ctx, allocator.PoolSpec{Name: name})
+	if err != nil {
+		return allocator.Blocks{}, err
+	}
+	return p.spec.Blocks, nil
+}
+
+// forEachView calls f with every view.
+func (ps *pools) forEachView(f func(*view)) {
+	ps.mu.Lock()
+	views := make([]*view, 0, len(ps.m))
+	for _, p := range ps.m {
+		views = append(views, p.view)
+	}
+	ps.mu.Unlock()
+	for _, v := range views {
+		f(v)
+	}
 }
 
 // await blocks until p's view has been listed once, or ctx ends. An ADD may go ahead
@@ -102,7 +145,7 @@ func (ps *pools) restartAll() {
 	defer ps.mu.Unlock()
 	for name, p := range ps.m {
 		p.view.restart()
-		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view}
+		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
 	}
 }
 
@@ -111,42 +154,42 @@ func (ps *pools) invalidate(name string) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p, ok := ps.m[name]; ok {
-		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view}
+		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
 	}
 }
 
-// load reads the stored definition, creating it from spec when absent.
-func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, int64, error) {
+// load reads the stored definition, creating it from spec when absent: in the block layout,
+// with allocator.DefaultBlocks unless the configuration names block sizes.
+func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, *keyspace.Migration, int64, error) {
 	key := keyspace.PoolKey(spec.Name)
 	var txn clientv3.Txn
 	if len(spec.Ranges) > 0 {
+		if spec.Blocks.Flat() {
+			spec.Blocks = allocator.DefaultBlocks
+		}
 		txn = ps.cli.Txn(ctx).If(keyspace.Absent(key)).
-			Then(clientv3.OpPut(key, keyspace.Encode(spec))).
+			Then(clientv3.OpPut(key, keyspace.EncodePool(spec))).
 			Else(clientv3.OpGet(key))
 	} else {
 		txn = ps.cli.Txn(ctx).Then(clientv3.OpGet(key))
 	}
 	resp, err := txn.Commit()
 	if err != nil {
-		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: read pool %q from etcd: %w", allocator.ErrUnavailable, spec.Name, err)
+		return allocator.PoolSpec{}, nil, 0, fmt.Errorf("%w: read pool %q from etcd: %w", allocator.ErrUnavailable, spec.Name, err)
 	}
 	if resp.Succeeded && len(spec.Ranges) > 0 {
 		ps.log.Info("pool defined", "pool", spec.Name, "spec", spec.String())
-		return spec, resp.Header.Revision, nil
+		return spec, nil, resp.Header.Revision, nil
 	}
 	kvs := resp.Responses[0].GetResponseRange().Kvs
 	if len(kvs) == 0 {
-		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: pool %q is not defined in etcd (%s) and the configuration gives no ranges; "+
+		return allocator.PoolSpec{}, nil, 0, fmt.Errorf("%w: pool %q is not defined in etcd (%s) and the configuration gives no ranges; "+
 			"add \"ranges\" to the ipam configuration or create the pool with leaseholdctl pool create",
 			allocator.ErrInvalidConfig, spec.Name, key)
 	}
-	var stored allocator.PoolSpec
-	if err := json.Unmarshal(kvs[0].Value, &stored); err != nil {
-		return allocator.PoolSpec{}, 0, fmt.Errorf("%w: pool definition at %s is unreadable (%v); inspect it with: etcdctl get %s",
-			allocator.ErrInvalidConfig, key, err, key)
+	stored, migrating, err := keyspace.DecodePool(key, kvs[0].Value)
+	if err != nil {
+		return allocator.PoolSpec{}, nil, 0, err
 	}
-	if err := stored.Canonicalize(); err != nil {
-		return allocator.PoolSpec{}, 0, fmt.Errorf("pool definition at %s is invalid: %w", key, err)
-	}
-	return stored, kvs[0].ModRevision, nil
+	return stored, migrating, kvs[0].ModRevision, nil
 }

@@ -315,7 +315,11 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 // is left to that owner and recorded in the attachment's conflict record.
 func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, error) {
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	c := &claim{lease: lease, pool: at.Pool, addrs: slices.Clone(at.IPs),
+	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: at.Pool})
+	if err != nil {
+		return 0, err
+	}
+	c := &claim{lease: lease, pool: at.Pool, blocks: p.spec.Blocks, alsoFlat: p.migrating != nil, addrs: slices.Clone(at.IPs),
 		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		alloc:    a.allocation(req, ps.Owner, lease, at.Created),
 		index: keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Network: at.Network, Node: a.cfg.Node,

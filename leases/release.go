@@ -5,6 +5,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -25,6 +26,7 @@ import (
 // know without a read of its own whether the pod has attachments left.
 type release struct {
 	pool     string
+	blocks   allocator.Blocks
 	ownerKey string
 	ownerRev int64
 	lease    clientv3.LeaseID
@@ -41,7 +43,7 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	cmps = append(cmps, keyspace.Unchanged(r.ownerKey, r.ownerRev))
 	then = append(then, clientv3.OpDelete(r.ownerKey))
 	for _, addr := range r.addrs {
-		key := keyspace.IPKey(r.pool, addr)
+		key := keyspace.IPKey(r.pool, r.blocks, addr)
 		cmps = append(cmps, keyspace.OnLease(key, r.lease))
 		then = append(then, clientv3.OpDelete(key))
 		els = append(els, clientv3.OpGet(key, clientv3.WithKeysOnly()))
@@ -49,7 +51,7 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	if r.qLease != 0 {
 		rec := keyspace.Encode(r.qRecord)
 		for _, addr := range r.addrs {
-			then = append(then, clientv3.OpPut(keyspace.QuarantineKey(r.pool, addr), rec, clientv3.WithLease(r.qLease)))
+			then = append(then, clientv3.OpPut(keyspace.QuarantineKey(r.pool, r.blocks, addr), rec, clientv3.WithLease(r.qLease)))
 		}
 	}
 	then = append(then, clientv3.OpTxn([]clientv3.Cmp{

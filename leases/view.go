@@ -2,13 +2,12 @@ package leases
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
 	"math/rand/v2"
 	"net/netip"
-	"strings"
+	"slices"
 	"sync"
 	"time"
 
@@ -22,10 +21,19 @@ import (
 // which rest in quarantine. It is a hint for choosing candidates, never the authority:
 // every claim is a create-if-absent transaction, so a stale view costs a retry, never a
 // duplicate. Choosing from it costs no etcd read.
+//
+// In the block layout the view follows only the blocks this node holds (spans), so an
+// allocation in one node's block is sent to that node alone; addresses elsewhere are chosen
+// from a snapshot read when the node borrows (borrow.go). In the flat layout of a pool stored
+// before blocks it follows the whole pool, as one span.
 type view struct {
-	pool string
-	cli  *clientv3.Client
-	log  *slog.Logger
+	pool   string
+	blocks allocator.Blocks // the stored layout; a changed layout gets a new view
+	cli    *clientv3.Client
+	log    *slog.Logger
+	own    *blockOwner // claims, keeps and gives back this node's blocks; nil in the flat layout
+	// claimMu makes block claims one at a time (choose).
+	claimMu sync.Mutex
 
 	mu          sync.Mutex
 	allocated   map[netip.Addr]int64 // address -> revision that created it
@@ -35,17 +43,53 @@ type view struct {
 	pending     map[netip.Addr]struct{} // chosen by an ADD whose transaction is in flight
 	next        map[int]netip.Addr      // range set -> where the next search starts
 	seed        uint64                  // spreads different agents over the range
-	rev         int64                   // revision the view reflects
 	synced      chan struct{}
-	// stopFollow ends the watches of the current listing; relisted, when someone waits for a
-	// new listing (restart), is closed by the next one.
+
+	// spans are the key ranges the view follows: a block this node holds each, or the whole
+	// pool (the zero Prefix) in the flat layout. spansAdded counts additions, so that a
+	// listing can tell a block was claimed while it ran.
+	spans      map[netip.Prefix]*span
+	spansAdded int
+	// claims are the pool's block claims as last read: block -> the claiming node.
+	claims     map[netip.Prefix]string
+	claimsRead time.Time
+	// borrowed is the whole pool as last read for borrowing, at borrowedAt; nil until a node
+	// borrows.
+	borrowed   *snapshot
+	borrowedAt time.Time
+
+	// gen is the current listing's generation: its watches run on it, and so do those of a
+	// block claimed during it. stopFollow ends it; relisted, when someone waits for a new
+	// listing (restart), is closed by the next one.
+	gen        *generation
 	stopFollow context.CancelFunc
 	relisted   chan struct{}
+	restarting bool
 }
 
-func newView(pool string, cli *clientv3.Client, log *slog.Logger, seed uint64) *view {
-	return &view{
+// span is one key range the view follows.
+type span struct {
+	block netip.Prefix     // zero: the whole pool (flat layout)
+	lease clientv3.LeaseID // the block lease the claim is on (block layout)
+	rev   int64            // the revision it was listed at; its watches start after it
+	stop  context.CancelFunc
+	// emptySince is when the view last found the block empty (zero: it holds something);
+	// leaving is set while the block is being given back, so no ADD chooses from it.
+	emptySince time.Time
+	leaving    bool
+}
+
+// generation is one listing and the watches that follow it.
+type generation struct {
+	ctx  context.Context
+	stop context.CancelFunc
+	wg   sync.WaitGroup
+}
+
+func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner) *view {
+	v := &view{
 		pool:        pool,
+		blocks:      blocks,
 		cli:         cli,
 		log:         log.With("pool", pool),
 		allocated:   make(map[netip.Addr]int64),
@@ -56,7 +100,15 @@ func newView(pool string, cli *clientv3.Client, log *slog.Logger, seed uint64) *
 		next:        make(map[int]netip.Addr),
 		seed:        seed,
 		synced:      make(chan struct{}),
+		spans:       make(map[netip.Prefix]*span),
+		claims:      make(map[netip.Prefix]string),
 	}
+	if blocks.Flat() {
+		v.spans[netip.Prefix{}] = &span{}
+	} else {
+		v.own = own
+	}
+	return v
 }
 
 // unlocked implements allocator.Taken over a view whose lock the caller holds.
@@ -72,30 +124,69 @@ func (u unlocked) Quarantined(a netip.Addr) (time.Time, bool) {
 	return t, ok
 }
 
+// follows reports whether a lies in a span the view follows; the caller holds the lock.
+func (v *view) follows(a netip.Addr) bool {
+	_, ok := v.spans[v.blocks.Of(a)]
+	return ok
+}
+
 // reserve picks a free address of range set `set` that no other in-flight ADD of this
-// agent holds and skip does not refuse, and marks it pending.
+// agent holds and skip does not refuse, and marks it pending. In the block layout it looks
+// only in this node's blocks, in address order from where the last search ended; its error
+// then means "no room in my blocks", and the caller claims a block or borrows (choose).
 func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	addr, err := spec.Next(set, v.from(spec, set), unlocked{v}, func(a netip.Addr) bool {
+	busy := func(a netip.Addr) bool {
 		if _, ok := v.pending[a]; ok {
 			return true
 		}
 		return skip != nil && skip(a)
-	})
-	if err != nil {
-		return netip.Addr{}, err
 	}
+	if v.blocks.Flat() {
+		addr, err := spec.Next(set, v.from(spec, set), unlocked{v}, busy)
+		if err != nil {
+			return netip.Addr{}, err
+		}
+		return v.take(spec, set, addr), nil
+	}
+	from := v.next[set]
+	for _, b := range v.ownBlocks(v.blocks.Of(from)) {
+		if addr, err := spec.NextIn(set, b, from, unlocked{v}, busy); err == nil {
+			return v.take(spec, set, addr), nil
+		}
+	}
+	return netip.Addr{}, errNoBlock
+}
+
+// take marks addr pending and moves set's next search past it; the caller holds the lock.
+func (v *view) take(spec *allocator.PoolSpec, set int, addr netip.Addr) netip.Addr {
 	v.pending[addr] = struct{}{}
 	v.next[set] = spec.Ranges[set].After(addr)
-	return addr, nil
+	return addr
+}
+
+// ownBlocks lists the blocks this node holds and may allocate from, in address order
+// starting with first (when held); the caller holds the lock.
+func (v *view) ownBlocks(first netip.Prefix) []netip.Prefix {
+	var out []netip.Prefix
+	for b, s := range v.spans {
+		if b.IsValid() && !s.leaving {
+			out = append(out, b)
+		}
+	}
+	slices.SortFunc(out, func(x, y netip.Prefix) int { return x.Addr().Compare(y.Addr()) })
+	if i := slices.Index(out, first); i > 0 {
+		out = append(out[i:], out[:i]...)
+	}
+	return out
 }
 
 // from is where the round-robin search of a range set starts: after the address handed out
 // last, so a crash-looping container does not get the same address straight back. An
 // agent's first search starts at a place of the range derived from its identity, so that
 // agents on different nodes begin in different places instead of racing for the same
-// first addresses.
+// first addresses (and, in the block layout, claim blocks far apart).
 func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
 	if next, ok := v.next[set]; ok {
 		return next
@@ -106,11 +197,14 @@ func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
 }
 
 // scatter moves the next search of a range set to a random place, after this agent lost a
-// race there: the winner is likely to take the addresses right after it too.
+// race there: the winner is likely to take the addresses right after it too. In the block
+// layout the race was with a borrower, and the search stays in the node's blocks.
 func (v *view) scatter(spec *allocator.PoolSpec, set int) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	v.next[set] = spec.Ranges[set].Spread(rand.Float64())
+	if v.blocks.Flat() {
+		v.next[set] = spec.Ranges[set].Spread(rand.Float64())
+	}
 }
 
 // settle ends the pending state of addrs; when rev > 0 the transaction created them at rev.
@@ -119,8 +213,16 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 	defer v.mu.Unlock()
 	for _, a := range addrs {
 		delete(v.pending, a)
-		if rev > 0 && v.allocated[a] < rev {
-			v.allocated[a] = rev
+		if rev <= 0 {
+			continue
+		}
+		switch {
+		case v.follows(a):
+			if v.allocated[a] < rev {
+				v.allocated[a] = rev
+			}
+		case v.borrowed != nil:
+			v.borrowed.allocated[a] = true
 		}
 	}
 }
@@ -132,6 +234,15 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for _, a := range addrs {
+		if !v.follows(a) {
+			if v.borrowed != nil {
+				delete(v.borrowed.allocated, a)
+				if !until.IsZero() {
+					v.borrowed.quarantined[a] = until
+				}
+			}
+			continue
+		}
 		if v.allocated[a] <= rev {
 			delete(v.allocated, a)
 		}
@@ -145,8 +256,13 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 func (v *view) markAllocated(a netip.Addr, rev int64) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	if v.allocated[a] < rev {
-		v.allocated[a] = rev
+	switch {
+	case v.follows(a):
+		if v.allocated[a] < rev {
+			v.allocated[a] = rev
+		}
+	case v.borrowed != nil:
+		v.borrowed.allocated[a] = true
 	}
 }
 
@@ -154,7 +270,12 @@ func (v *view) markAllocated(a netip.Addr, rev int64) {
 func (v *view) markQuarantined(a netip.Addr, until time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	v.quarantined[a] = until
+	switch {
+	case v.follows(a):
+		v.quarantined[a] = until
+	case v.borrowed != nil:
+		v.borrowed.quarantined[a] = until
+	}
 }
 
 // markHost records what a failed transaction learned: a node publishes addr as its own.
@@ -180,107 +301,77 @@ func (v *view) removeHost(key string) {
 	}
 }
 
-// free reports whether an ADD could find an address in every range set now.
-func (v *view) free(spec *allocator.PoolSpec) error {
-	v.mu.Lock()
-	defer v.mu.Unlock()
+// free reports whether an ADD could find an address in every range set now. In the block
+// layout, with no room in this node's blocks and no unclaimed block known, it asks the
+// borrowing snapshot, read again when older than claimsFresh: STATUS must not call a pool
+// exhausted on stale knowledge, nor read the whole pool at every poll.
+func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 	for set := range spec.Ranges {
-		if _, err := spec.Next(set, v.from(spec, set), unlocked{v}, nil); err != nil {
+		v.mu.Lock()
+		var err error
+		known := true
+		switch {
+		case v.blocks.Flat():
+			_, err = spec.Next(set, v.from(spec, set), unlocked{v}, nil)
+		case v.roomIn(spec, set):
+		default:
+			_, unclaimed := spec.NextBlock(set, v.blocks, netip.Addr{}, v.isClaimed)
+			known = unclaimed || (v.borrowed != nil && time.Since(v.borrowedAt) < claimsFresh)
+			if !unclaimed && known {
+				_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
+			}
+		}
+		v.mu.Unlock()
+		if err != nil {
 			return err
+		}
+		if !known {
+			if _, err := v.readPool(ctx); err != nil {
+				return err
+			}
+			v.mu.Lock()
+			_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
+			v.mu.Unlock()
+			if err != nil {
+				return err
+			}
 		}
 	}
 	return nil
 }
 
-// counts returns how many addresses the view holds as allocated and quarantined.
-func (v *view) counts() (allocated, quarantined int) {
+// roomIn reports whether one of this node's blocks has a free address of set; the caller
+// holds the lock.
+func (v *view) roomIn(spec *allocator.PoolSpec, set int) bool {
+	for _, b := range v.ownBlocks(netip.Prefix{}) {
+		if _, err := spec.NextIn(set, b, netip.Addr{}, unlocked{v}, nil); err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// isClaimed reports whether block is claimed, as last read; the caller holds the lock.
+func (v *view) isClaimed(block netip.Prefix) bool {
+	_, ok := v.claims[block]
+	return ok || v.spans[block] != nil
+}
+
+// counts returns how many addresses the view holds as allocated and quarantined, and the
+// key ranges they were listed from (the recheck compares them with etcd's counts there).
+func (v *view) counts() (allocated, quarantined int, ipPrefixes, qPrefixes []string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return len(v.allocated), len(v.quarantined)
-}
-
-// run lists the pool, then follows it with watches until ctx ends, listing again after a
-// broken watch (compaction, etcd restart).
-func (v *view) run(ctx context.Context) {
-	backoff := retryFirst
-	for ctx.Err() == nil {
-		rev, err := v.list(ctx)
-		if err != nil {
-			v.log.Warn("listing pool failed; candidates come from the last known view", "err", err, "retry_in", backoff)
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(backoff):
-			}
-			backoff = min(2*backoff, retryMax)
+	for b := range v.spans {
+		if !b.IsValid() {
+			ipPrefixes = append(ipPrefixes, keyspace.IPsPrefix(v.pool))
+			qPrefixes = append(qPrefixes, keyspace.QuarantinePrefix(v.pool))
 			continue
 		}
-		started := time.Now()
-		fctx, stop := context.WithCancel(ctx)
-		v.mu.Lock()
-		v.stopFollow = stop
-		v.mu.Unlock()
-		v.follow(fctx, rev)
-		restarted := ctx.Err() == nil && fctx.Err() != nil
-		stop()
-		if restarted {
-			continue // list again at once
-		}
-		// A watch that ends at once (permission denied, an etcd going down) must not turn
-		// into a tight loop of lists: back off unless it ran for a while.
-		if time.Since(started) < watchHealthy {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(backoff):
-			}
-			backoff = min(2*backoff, retryMax)
-		} else {
-			backoff = retryFirst
-		}
+		ipPrefixes = append(ipPrefixes, keyspace.BlockIPsPrefix(v.pool, b))
+		qPrefixes = append(qPrefixes, keyspace.BlockQuarantinePrefix(v.pool, b))
 	}
-}
-
-func (v *view) list(ctx context.Context) (int64, error) {
-	lctx, cancel := context.WithTimeout(ctx, viewListTimeout)
-	defer cancel()
-	resp, err := v.cli.Txn(lctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
-	if err != nil {
-		return 0, err
-	}
-	allocated := make(map[netip.Addr]int64, len(resp.Responses[0].GetResponseRange().Kvs))
-	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		if _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
-			allocated[ip] = kv.CreateRevision
-		}
-	}
-	quarantined := make(map[netip.Addr]time.Time)
-	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
-		v.applyQuarantine(quarantined, kv.Key, kv.Value)
-	}
-	v.mu.Lock()
-	v.allocated, v.quarantined, v.rev = allocated, quarantined, resp.Header.Revision
-	v.hosts, v.hostCount = make(map[string]netip.Addr), make(map[netip.Addr]int)
-	for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
-		if ip, err := keyspace.ParseHostIPKey(string(kv.Key)); err == nil {
-			v.addHost(string(kv.Key), ip)
-		}
-	}
-	if v.relisted != nil {
-		close(v.relisted)
-		v.relisted = nil
-	}
-	v.mu.Unlock()
-	select {
-	case <-v.synced:
-	default:
-		close(v.synced)
-	}
-	return resp.Header.Revision, nil
+	return len(v.allocated), len(v.quarantined), ipPrefixes, qPrefixes
 }
 
 // restart makes run drop its watches and list the pool again, for a view that may be stale
@@ -293,92 +384,9 @@ func (v *view) restart() <-chan struct{} {
 	if v.relisted == nil {
 		v.relisted = make(chan struct{})
 	}
+	v.restarting = true
 	if v.stopFollow != nil {
 		v.stopFollow()
 	}
 	return v.relisted
-}
-
-func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
-	_, ip, err := keyspace.ParseQuarantineKey(string(key))
-	if err != nil {
-		return
-	}
-	var rec keyspace.QuarantineRecord
-	if json.Unmarshal(value, &rec) != nil || rec.Until.IsZero() {
-		rec.Until = time.Now() // unreadable record: still taken, expiry unknown
-	}
-	m[ip] = rec.Until
-}
-
-func (v *view) follow(ctx context.Context, rev int64) {
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer cancel()
-	ips := v.cli.Watch(wctx, keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	qs := v.cli.Watch(wctx, keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	hs := v.cli.Watch(wctx, keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	pcs := v.cli.Watch(wctx, keyspace.PoolConflictsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	for {
-		var resp clientv3.WatchResponse
-		var ok bool
-		select {
-		case resp, ok = <-ips:
-		case resp, ok = <-qs:
-		case resp, ok = <-hs:
-		case resp, ok = <-pcs:
-		}
-		if !ok || resp.Err() != nil {
-			if ctx.Err() == nil {
-				v.log.Info("pool watch ended; listing again", "err", resp.Err())
-			}
-			return
-		}
-		v.apply(resp)
-	}
-}
-
-func (v *view) apply(resp clientv3.WatchResponse) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	for _, ev := range resp.Events {
-		key := string(ev.Kv.Key)
-		if _, ip, err := keyspace.ParseIPKey(key); err == nil {
-			switch ev.Type {
-			case clientv3.EventTypePut:
-				if v.allocated[ip] < ev.Kv.CreateRevision {
-					v.allocated[ip] = ev.Kv.CreateRevision
-				}
-			case clientv3.EventTypeDelete:
-				// A delete older than a creation this agent already saw is stale.
-				if v.allocated[ip] <= ev.Kv.ModRevision {
-					delete(v.allocated, ip)
-				}
-			}
-			continue
-		}
-		if strings.HasPrefix(key, keyspace.PoolConflictsPrefix(v.pool)) {
-			if ev.Type == clientv3.EventTypePut {
-				rec, _ := keyspace.Decode[keyspace.PoolConflictRecord](key, ev.Kv.Value)
-				v.log.Error("another node defines this pool differently; its ADDs are refused until the definitions agree",
-					"other_cluster", rec.Cluster, "other_node", rec.Node, "stored", rec.Stored.String(), "wanted", rec.Wanted.String(), "record", key)
-			}
-			continue
-		}
-		if ip, err := keyspace.ParseHostIPKey(key); err == nil {
-			if ev.Type == clientv3.EventTypeDelete {
-				v.removeHost(key)
-			} else {
-				v.addHost(key, ip)
-			}
-			continue
-		}
-		if _, ip, err := keyspace.ParseQuarantineKey(key); err == nil {
-			if ev.Type == clientv3.EventTypeDelete {
-				delete(v.quarantined, ip)
-			} else {
-				v.applyQuarantine(v.quarantined, ev.Kv.Key, ev.Kv.Value)
-			}
-		}
-	}
-	v.rev = resp.Header.Revision
 }

@@ -7,8 +7,6 @@ import (
 	"strings"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
 	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -49,6 +47,10 @@ func allocList(ctx context.Context, e *env) error {
 type allocDetail struct {
 	admin.AllocationEntry
 	admin.LeaseTTL
+	// BlockClaim is the claim of the key's block, when a node claims it.
+	BlockClaim *keyspace.BlockRecord `json:"blockClaim,omitempty"`
+	// WrongLayout says why the key is not where its pool's layout puts the address.
+	WrongLayout string `json:"wrongLayout,omitempty"`
 }
 
 func allocShow(ctx context.Context, e *env) error {
@@ -56,46 +58,42 @@ func allocShow(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	pools := []string{e.pool}
-	if e.pool == "" {
-		if pools, err = poolsHolding(ctx, e.cli, ip); err != nil {
+	if e.pool != "" {
+		if _, err := poolArg(e.pool); err != nil {
 			return err
 		}
-	} else if _, err := poolArg(e.pool); err != nil {
+	}
+	st, err := admin.FindAddress(ctx, e.cli, e.pool, ip)
+	if err != nil {
 		return err
 	}
-	var prefixes []string
-	for _, p := range pools {
-		prefixes = append(prefixes, keyspace.IPKey(p, ip), keyspace.QuarantineKey(p, ip))
-	}
 	var out []allocDetail
-	var resting []string
-	if len(prefixes) > 0 {
-		st, err := admin.ReadKeys(ctx, e.cli, prefixes...)
+	for _, a := range st.Allocations {
+		ttl, err := admin.TimeToLive(ctx, e.cli, a.BoundLease)
 		if err != nil {
 			return err
 		}
-		for _, a := range st.Allocations {
-			if a.IP != ip {
-				continue // a longer address sharing the key prefix (10.0.0.1 / 10.0.0.10)
-			}
-			ttl, err := admin.TimeToLive(ctx, e.cli, a.BoundLease)
-			if err != nil {
-				return err
-			}
-			out = append(out, allocDetail{a, ttl})
+		d := allocDetail{AllocationEntry: a, LeaseTTL: ttl}
+		if c, ok := st.Claim(a.Pool, a.Block); ok && c.Unreadable == "" {
+			d.BlockClaim = &c.Value
 		}
-		for _, q := range st.Quarantine {
-			if q.IP == ip {
-				resting = append(resting, fmt.Sprintf("pool %s until %s (released by %s)", q.Pool,
-					q.Value.Until.Format(time.RFC3339), q.Value.ReleasedBy))
-			}
+		if p, ok := st.Pool(a.Pool); ok && p.Usable() && p.Value.Blocks.Of(a.IP) != a.Block {
+			d.WrongLayout = "pool " + a.Pool + " puts it at " + keyspace.IPKey(a.Pool, p.Value.Blocks, a.IP) + " (leaseholdctl doctor says what to do)"
 		}
+		out = append(out, d)
+	}
+	var resting []string
+	for _, q := range st.Quarantine {
+		resting = append(resting, fmt.Sprintf("pool %s until %s (released by %s; %s)", q.Pool,
+			q.Value.Until.Format(time.RFC3339), q.Value.ReleasedBy, q.Key))
 	}
 	if len(out) == 0 {
 		where := "any pool"
 		if e.pool != "" {
 			where = "pool " + e.pool
+			if p, ok := st.Pool(e.pool); ok && p.Usable() {
+				where += " (no key " + keyspace.IPKey(e.pool, p.Value.Blocks, ip) + ")"
+			}
 		}
 		if len(resting) > 0 {
 			return fmt.Errorf("%w: %s has no allocation in %s; it rests in quarantine in %s", admin.ErrNotFound, ip, where, strings.Join(resting, ", "))
@@ -120,6 +118,19 @@ func showOne(e *env, d allocDetail, now time.Time) {
 	t.row("pool:", d.Pool)
 	t.row("ip:", d.IP.String())
 	t.row("key:", d.Key)
+	t.row("etcdctl:", "etcdctl get "+d.Key+" --print-value-only")
+	switch {
+	case !d.Block.IsValid():
+		t.row("block:", "none (a key of the flat layout)")
+	case d.BlockClaim != nil:
+		t.row("block:", fmt.Sprintf("%s, claimed by %s/%s since %s", d.Block, dash(d.BlockClaim.Cluster), dash(d.BlockClaim.Node),
+			timeText(d.BlockClaim.Since, now)))
+	default:
+		t.row("block:", d.Block.String()+", claimed by no node")
+	}
+	if d.WrongLayout != "" {
+		t.row("layout:", "WRONG: "+d.WrongLayout)
+	}
 	if d.Unreadable != "" {
 		t.row("value:", "unreadable ("+d.Unreadable+"); inspect it with: etcdctl get "+d.Key)
 	} else {
@@ -145,32 +156,6 @@ func showOne(e *env, d allocDetail, now time.Time) {
 		t.row("lease:", fmt.Sprintf("%s (TTL %ds left of %ds; etcdctl lease timetolive %s --keys)", d.Lease, d.TTL, d.GrantedTTL, d.Lease))
 	}
 	_ = t.flush()
-}
-
-// poolsHolding lists the pools with an allocation or quarantine key for ip, reading keys only.
-func poolsHolding(ctx context.Context, cli *clientv3.Client, ip netip.Addr) ([]string, error) {
-	resp, err := cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(""), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.Prefix+"quarantine/", clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
-	if err != nil {
-		return nil, fmt.Errorf("list allocations: %w", err)
-	}
-	seen := map[string]bool{}
-	var pools []string
-	for i, r := range resp.Responses {
-		for _, kv := range r.GetResponseRange().Kvs {
-			parse := keyspace.ParseIPKey
-			if i == 1 {
-				parse = keyspace.ParseQuarantineKey
-			}
-			if p, a, err := parse(string(kv.Key)); err == nil && a == ip && !seen[p] {
-				seen[p] = true
-				pools = append(pools, p)
-			}
-		}
-	}
-	return pools, nil
 }
 
 // releaseJSON is the -o json output of alloc release.

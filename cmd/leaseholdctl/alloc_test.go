@@ -6,6 +6,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -55,7 +56,7 @@ func TestAllocShowAndRelease(t *testing.T) {
 				t.Errorf("refusal does not say %q: %s", s, r.stderr)
 			}
 		}
-		if r.code != exitError || len(keys(t, cli, keyspace.IPKey(pool, mustIP("10.87.0.10")))) != 1 {
+		if r.code != exitError || len(keys(t, cli, keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("10.87.0.10")))) != 1 {
 			t.Errorf("exit %d, or the key was touched", r.code)
 		}
 	})
@@ -66,12 +67,12 @@ func TestAllocShowAndRelease(t *testing.T) {
 		if r.code != 0 || len(out.Released) != 2 || !out.Forced || out.OwnerIndex != keyspace.OwnerKey(cluster, "u-web", "eth0", pool) || out.QuarantineUntil == nil {
 			t.Fatalf("release: exit %d %+v (%s)", r.code, out, r.stderr)
 		}
-		for _, k := range []string{keyspace.IPKey(pool, mustIP("10.87.0.10")), keyspace.IPKey(pool, mustIP("fd87::10")), out.OwnerIndex} {
+		for _, k := range []string{keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("10.87.0.10")), keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("fd87::10")), out.OwnerIndex} {
 			if len(keys(t, cli, k)) != 0 {
 				t.Errorf("%s still exists", k)
 			}
 		}
-		if len(keys(t, cli, keyspace.IPKey(pool2, mustIP("10.87.0.10")))) != 1 {
+		if len(keys(t, cli, keyspace.IPKey(pool2, allocator.DefaultBlocks, mustIP("10.87.0.10")))) != 1 {
 			t.Errorf("the other pool's allocation of the same address was touched")
 		}
 		if r := ctl("alloc", "show", "10.87.0.10", "--pool", pool); r.code != exitNotFound || !strings.Contains(r.stderr, "quarantine") {
@@ -82,8 +83,8 @@ func TestAllocShowAndRelease(t *testing.T) {
 		ip := "10.87.0.10"
 		own := keyspace.OwnerKey(cluster, "u-db", "eth0", pool2)
 		// A hand edit drops the allocation's lease: it no longer shares one with its owner index.
-		v := keys(t, cli, keyspace.IPKey(pool2, mustIP(ip)))[keyspace.IPKey(pool2, mustIP(ip))]
-		if _, err := cli.Put(ctx, keyspace.IPKey(pool2, mustIP(ip)), v); err != nil {
+		v := keys(t, cli, keyspace.IPKey(pool2, allocator.DefaultBlocks, mustIP(ip)))[keyspace.IPKey(pool2, allocator.DefaultBlocks, mustIP(ip))]
+		if _, err := cli.Put(ctx, keyspace.IPKey(pool2, allocator.DefaultBlocks, mustIP(ip)), v); err != nil {
 			t.Fatal(err)
 		}
 		r := ctl("alloc", "release", ip, "--pool", pool2, "--quarantine", "0s")
@@ -93,7 +94,7 @@ func TestAllocShowAndRelease(t *testing.T) {
 		if len(keys(t, cli, own)) != 1 {
 			t.Errorf("the owner index on another lease was deleted")
 		}
-		if len(keys(t, cli, keyspace.QuarantineKey(pool2, mustIP(ip)))) != 0 {
+		if len(keys(t, cli, keyspace.QuarantineKey(pool2, allocator.DefaultBlocks, mustIP(ip)))) != 0 {
 			t.Errorf("--quarantine 0s still quarantined the address")
 		}
 	})

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +12,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
@@ -39,7 +41,7 @@ func newDoctorWorld(t *testing.T, ep string) *doctorWorld {
 	a := agent(t, ep, w.cluster, w.node)
 	w.agent = a
 	attach(t, a, w.pool, "web", "10.90.0.10", "fd90::10")
-	w.ip4, w.ip6 = keyspace.IPKey(w.pool, mustIP("10.90.0.10")), keyspace.IPKey(w.pool, mustIP("fd90::10"))
+	w.ip4, w.ip6 = keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.10")), keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("fd90::10"))
 	w.owner, w.pod = keyspace.OwnerKey(w.cluster, "u-web", "eth0", w.pool), keyspace.PodKey(w.cluster, w.node, "u-web")
 	w.lease = w.leaseOf(t, w.ip4)
 	return w
@@ -66,6 +68,13 @@ func (w *doctorWorld) put(t *testing.T, key, value string, lease clientv3.LeaseI
 	if _, err := w.cli.Put(etcdtest.Ctx(t), key, value, opts...); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// move puts key's value at to, on the same lease, and deletes key: a key in the wrong layout.
+func (w *doctorWorld) move(t *testing.T, key, to string) {
+	t.Helper()
+	w.put(t, to, w.value(t, key), w.leaseOf(t, key))
+	w.del(t, key)
 }
 
 func (w *doctorWorld) del(t *testing.T, key string) {
@@ -114,6 +123,8 @@ func etcdctlDir() string {
 func (w *doctorWorld) apply(t *testing.T, f admin.Finding, bin string) {
 	t.Helper()
 	switch {
+	case !f.Problem():
+		// info: a state that passes by itself, or advice; doctor does not fail on it
 	case strings.HasPrefix(f.Fix, "leaseholdctl "):
 		if r := ctlAt(w.ep, strings.Fields(f.Fix)[1:]...); r.code != 0 {
 			t.Errorf("fix %q: exit %d: %s", f.Fix, r.code, r.stderr)
@@ -151,9 +162,11 @@ func TestDoctor(t *testing.T) {
 		// A plain `etcdctl put` of an allocation: no lease, no owner index. Released without --force.
 		{name: "hand-written allocation without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
+				w.put(t, keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
 			},
-			key: func(w *doctorWorld) string { return keyspace.IPKey(w.pool, mustIP("10.90.0.50")) },
+			key: func(w *doctorWorld) string {
+				return keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.50"))
+			},
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.50 --pool net" }},
 		// An agent's allocation put again by hand loses its lease; it goes back on its owner index's lease.
 		{name: "allocation rewritten without lease", kind: admin.KindNoLease, partial: true,
@@ -193,21 +206,21 @@ func TestDoctor(t *testing.T) {
 		// The definition was shrunk with a plain put, bypassing remove-range's check.
 		{name: "allocation outside every range", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.1.0/24"}],[{"subnet":"fd90::/120"}]]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","layout":"blocks","rangeSets":[[{"subnet":"10.90.1.0/24"}],[{"subnet":"fd90::/120"}]],"blocks":{"ipv4":26,"ipv6":122}}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// An exclude added by hand covers a held address.
 		{name: "allocation in an exclude", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24"}],[{"subnet":"fd90::/120"}]],"exclude":["10.90.0.8/29"]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","layout":"blocks","rangeSets":[[{"subnet":"10.90.0.0/24"}],[{"subnet":"fd90::/120"}]],"exclude":["10.90.0.8/29"],"blocks":{"ipv4":26,"ipv6":122}}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
 		// A gateway set by hand onto a held address: the pod has the router's address.
 		{name: "allocation on a gateway", kind: admin.KindOutOfRange,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","ranges":[[{"subnet":"10.90.0.0/24","gateway":"10.90.0.10"}],[{"subnet":"fd90::/120"}]]}`, 0)
+				w.put(t, keyspace.PoolKey(w.pool), `{"name":"net","layout":"blocks","rangeSets":[[{"subnet":"10.90.0.0/24","gateway":"10.90.0.10"}],[{"subnet":"fd90::/120"}]],"blocks":{"ipv4":26,"ipv6":122}}`, 0)
 			},
 			key: func(w *doctorWorld) string { return w.ip4 },
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.10 --pool net --force" }},
@@ -231,9 +244,11 @@ func TestDoctor(t *testing.T) {
 		// Garbage where an allocation should be, on a lease.
 		{name: "unreadable allocation", kind: admin.KindUnreadable,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.60")), "garbage", w.grant(t))
+				w.put(t, keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.60")), "garbage", w.grant(t))
 			},
-			key: func(w *doctorWorld) string { return keyspace.IPKey(w.pool, mustIP("10.90.0.60")) },
+			key: func(w *doctorWorld) string {
+				return keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.60"))
+			},
 			fix: func(w *doctorWorld) string { return "leaseholdctl alloc release 10.90.0.60 --pool net --force" }},
 		// Garbage owner index: DEL and CHECK of that attachment would fail on it.
 		{name: "unreadable owner index", kind: admin.KindUnreadable,
@@ -250,11 +265,13 @@ func TestDoctor(t *testing.T) {
 		// Records that only need a lease: quarantine, node, host address, conflict.
 		{name: "quarantine without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) {
-				w.put(t, keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70")), `{"releasedBy":"x"}`, 0)
+				w.put(t, keyspace.QuarantineKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.70")), `{"releasedBy":"x"}`, 0)
 			},
-			key: func(w *doctorWorld) string { return keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70")) },
+			key: func(w *doctorWorld) string {
+				return keyspace.QuarantineKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.70"))
+			},
 			fix: func(w *doctorWorld) string {
-				return "etcdctl del " + keyspace.QuarantineKey(w.pool, mustIP("10.90.0.70"))
+				return "etcdctl del " + keyspace.QuarantineKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.70"))
 			}},
 		{name: "node record without lease", kind: admin.KindNoLease,
 			seed: func(t *testing.T, w *doctorWorld) { w.put(t, keyspace.NodeKey("c1", "ghost"), ghost, 0) },
@@ -281,6 +298,37 @@ func TestDoctor(t *testing.T) {
 			},
 			key: func(w *doctorWorld) string { return keyspace.PoolKey(w.pool) },
 			fix: func(w *doctorWorld) string { return `' '' 'put ` + keyspace.PoolKey(w.pool) + ` "` }},
+		// The block layout. An allocation in a block of another size is moved to its block, value and lease kept.
+		{name: "allocation in the wrong block", kind: admin.KindWrongLayout, partial: true,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.move(t, w.ip4, keyspace.IPsPrefix(w.pool)+"10.90.0.0-24/10.90.0.10")
+			},
+			key: func(w *doctorWorld) string { return keyspace.IPsPrefix(w.pool) + "10.90.0.0-24/10.90.0.10" },
+			fix: func(w *doctorWorld) string { return `'del ` + keyspace.IPsPrefix(w.pool) + "10.90.0.0-24/10.90.0.10' " }},
+		// An allocation left in the flat layout of a block pool: pool migrate moves it.
+		{name: "allocation in the flat layout", kind: admin.KindWrongLayout,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.move(t, w.ip4, keyspace.IPKey(w.pool, allocator.Blocks{}, mustIP("10.90.0.10")))
+			},
+			key: func(w *doctorWorld) string { return keyspace.IPKey(w.pool, allocator.Blocks{}, mustIP("10.90.0.10")) },
+			fix: func(w *doctorWorld) string { return "leaseholdctl pool migrate net" }},
+		// A pool frozen by a migration that stopped: running it again finishes it.
+		{name: "pool frozen by a migration", kind: admin.KindPoolMigrating,
+			seed: func(t *testing.T, w *doctorWorld) {
+				v := strings.Replace(w.value(t, keyspace.PoolKey(w.pool)), `"blocks":`, `"migrating":{"by":"x","since":"2026-01-01T00:00:00Z"},"blocks":`, 1)
+				w.put(t, keyspace.PoolKey(w.pool), v, 0)
+			},
+			key: func(w *doctorWorld) string { return keyspace.PoolKey(w.pool) },
+			fix: func(w *doctorWorld) string { return "leaseholdctl pool migrate net" }},
+		// A block claim of a size the pool does not have: deleted.
+		{name: "block claim of another size", kind: admin.KindBlockInvalid,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.BlockKey(w.pool, netip.MustParsePrefix("10.90.0.0/24")), `{"cluster":"c1","node":"n1","nodeUID":"uid-n1"}`, w.grant(t))
+			},
+			key: func(w *doctorWorld) string { return keyspace.BlockKey(w.pool, netip.MustParsePrefix("10.90.0.0/24")) },
+			fix: func(w *doctorWorld) string {
+				return "etcdctl del " + keyspace.BlockKey(w.pool, netip.MustParsePrefix("10.90.0.0/24"))
+			}},
 		// After a lost lease another pod took web's address (a recorded conflict): web must be recreated.
 		{name: "owner index names another holder", kind: admin.KindOwnerOtherAlloc,
 			seed: func(t *testing.T, w *doctorWorld) {
@@ -336,7 +384,7 @@ func TestDoctor(t *testing.T) {
 	// --cluster keeps one cluster's findings (and the shared pools'); -o json has stable names.
 	t.Run("scope and json", func(t *testing.T) {
 		w := newDoctorWorld(t, ep)
-		w.put(t, keyspace.IPKey(w.pool, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
+		w.put(t, keyspace.IPKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.50")), `{"owner":"x","cluster":"c1","ifName":"eth0"}`, 0)
 		if code, out := w.doctor(t, "--cluster", "c2"); code != exitOK || len(out.Findings) != 0 {
 			t.Errorf("doctor --cluster c2: exit %d, %+v", code, out.Findings)
 		}

@@ -41,27 +41,39 @@ const usage = `leaseholdctl: inspect, check and repair leasehold's state in etcd
 usage: leaseholdctl [flags] COMMAND [ARGS] [flags]   (flags go before or after the command words)
 
 pools:
-  pool list                       every pool, per range set: ranges, size, allocated, quarantined, hosts, free
-  pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster
-  pool create NAME --range SPEC [--range SPEC]... [--exclude CIDR]... [--set N]
-                                  define a pool if absent; an identical definition is a no-op (exit 0),
-                                  a different one is refused showing both (exit 1)
+  pool list                       every pool, per range set: ranges, size, allocated, quarantined, hosts, free;
+                                  its layout (block sizes, or flat) and how many blocks nodes claim
+  pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster;
+                                  layout and each block claim (block, cluster/node, since, lease)
+  pool create NAME --range SPEC [--range SPEC]... [--exclude CIDR]... [--set N] [--block-v4 N] [--block-v6 N]
+                                  define a pool if absent, divided into blocks nodes claim (default /26 and
+                                  /122: 64 addresses); an identical definition is a no-op (exit 0), a
+                                  different one is refused showing both (exit 1)
+  pool migrate NAME [--block-v4 N] [--block-v6 N] [--force]
+                                  move a pool of the flat layout to blocks: freeze it (ADDs refused), move
+                                  each allocation and quarantine key to its block keeping value and lease,
+                                  unfreeze. Refused while a live agent does not serve blocks (upgrade every
+                                  agent first; --force skips only this check). Idempotent; a run that
+                                  stopped is resumed by running it again. Default --command-timeout 10m
   pool add-range NAME --range SPEC [--set N]
                                   add a range to a range set; every allocation is kept
   pool remove-range NAME --subnet SUBNET[,start=ADDR] [--set N]
                                   remove a range; refused while it has allocations, listing each holder
 allocations:
   alloc list                      allocations; filters --pool --cluster --node --owner --namespace
-  alloc show IP [--pool P]        who holds IP (in every pool holding it): owner, pod, node, container,
-                                  interface, network, lease ID and TTL left, created
+  alloc show IP [--pool P]        who holds IP (in every pool holding it): its key (in either layout) and the
+                                  etcdctl get of it, its block and the node claiming it, owner, pod, node,
+                                  container, interface, network, lease ID and TTL left, created
   alloc release IP --pool P [--force] [--quarantine 30s]
                                   release IP with its attachment's owner index and other addresses on the
                                   same lease, owner-compared; a lease an agent still renews needs --force
 nodes and problems:
-  node list                       agents: identity, version, started, lease TTL left, last renewal, pods
+  node list                       agents: identity, version, whether it serves blocks, started, lease TTL left,
+                                  last renewal, pods
   conflicts                       addresses a pod lost to another owner while its lease was lost
   pool conflicts [--pool P]       nodes whose configuration defines a pool differently from etcd
   doctor                          check every invariant; print each problem with the command that fixes it
+                                  (errors and warnings fail it; info findings are printed only)
   version                         print leaseholdctl's version
 
 SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
@@ -72,6 +84,9 @@ SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
   example above makes set 0 IPv4 and set 1 IPv6). add-range and remove-range pick the pool's only
   set of the range's family unless --set says which.
 --exclude CIDR: an address or prefix never handed out; repeatable or comma-separated.
+--block-v4 N, --block-v6 N: a block's prefix length per family (pool create, pool migrate). A node
+  claims blocks and watches only its own; fixed once stored, since every agent must derive the same
+  key for an address.
 --cluster C: alloc list, node list, conflicts and doctor show only cluster C's records; pool show
   lists only C's holders.
 
@@ -80,7 +95,7 @@ exit codes:
   1  the operation failed or was refused: etcd error, pool defined differently, range in use,
      live lease without --force, concurrent changes
   2  usage error: unknown command or flag, flag not valid for the command, malformed argument
-  3  doctor found problems
+  3  doctor found problems (errors or warnings)
   4  not found: alloc show/release of an address without allocation, pool show/add-range/
      remove-range of an unknown pool or range
 
@@ -96,6 +111,7 @@ type globals struct {
 	pool, node, owner, ns                        string
 	ranges, excludes                             listFlag
 	set                                          int
+	blockV4, blockV6                             int
 	subnet                                       string
 	force                                        bool
 	quarantine                                   time.Duration
@@ -115,12 +131,17 @@ type command struct {
 	args  []string // names of the positional arguments, all required
 	flags []string // command flags it accepts besides the connection flags and -o
 	run   func(ctx context.Context, e *env) error
+	// timeout replaces --command-timeout's default when neither the flag nor
+	// ETCDCTL_COMMAND_TIMEOUT gives one (pool migrate reads and writes a whole pool).
+	timeout time.Duration
 }
 
 var commands = []command{
 	{words: []string{"pool", "list"}, run: poolList},
 	{words: []string{"pool", "show"}, args: []string{"NAME"}, flags: []string{"cluster"}, run: poolShow},
-	{words: []string{"pool", "create"}, args: []string{"NAME"}, flags: []string{"range", "exclude", "set"}, run: poolCreate},
+	{words: []string{"pool", "create"}, args: []string{"NAME"}, flags: []string{"range", "exclude", "set", "block-v4", "block-v6"}, run: poolCreate},
+	{words: []string{"pool", "migrate"}, args: []string{"NAME"}, flags: []string{"block-v4", "block-v6", "force"}, run: poolMigrate,
+		timeout: 10 * time.Minute},
 	{words: []string{"pool", "add-range"}, args: []string{"NAME"}, flags: []string{"range", "set"}, run: poolAddRange},
 	{words: []string{"pool", "remove-range"}, args: []string{"NAME"}, flags: []string{"subnet", "set"}, run: poolRemoveRange},
 	{words: []string{"alloc", "list"}, flags: []string{"pool", "cluster", "node", "owner", "namespace"}, run: allocList},
@@ -160,7 +181,9 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&g.excludes, "exclude", "pool create: addresses or CIDRs never handed out; repeatable or comma-separated")
 	fs.IntVar(&g.set, "set", -1, "pool create/add-range/remove-range: range set index; -1 picks the set by address family")
 	fs.StringVar(&g.subnet, "subnet", "", "pool remove-range: the range to remove, SUBNET[,start=A]")
-	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive")
+	fs.IntVar(&g.blockV4, "block-v4", 0, "pool create/migrate: IPv4 block prefix length, /16 to /30 (default /26)")
+	fs.IntVar(&g.blockV6, "block-v6", 0, "pool create/migrate: IPv6 block prefix length, /112 to /126 (default /122)")
+	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check")
 	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release: how long released addresses rest (0s: none)")
 	return fs
 }
@@ -202,6 +225,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "leaseholdctl: %v\n(leaseholdctl -h lists the commands and flags)\n", err)
 		return exitUsage
+	}
+	if cmd.timeout > 0 && !isSet(fs, "command-timeout") {
+		e.timeout = cmd.timeout
 	}
 	cc := keyspace.ClientConfig{Endpoints: strings.Split(e.endpoints, ","), CACert: e.cacert, Cert: e.cert, Key: e.key,
 		DialTimeout: e.dialTimeout}
@@ -264,6 +290,13 @@ func pick(fs *flag.FlagSet, e *env, words []string) (command, error) {
 		return c, nil
 	}
 	return command{}, usagef("unknown command %q", strings.Join(words, " "))
+}
+
+// isSet reports whether flag name was given, on the command line or from its ETCDCTL_ variable.
+func isSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }
 
 func argsText(names []string) string {

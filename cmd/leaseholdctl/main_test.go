@@ -190,13 +190,13 @@ func TestJSONShapes(t *testing.T) {
 		keys []string // fields every script may rely on
 	}{
 		// Per set and per range counts, stable names; sizes are strings (IPv6 exceeds 64 bits).
-		{"pool list", []string{"pool", "list"}, true, []string{"name", "key", "sets", "exclude", "allocated", "outOfRange"}},
+		{"pool list", []string{"pool", "list"}, true, []string{"name", "key", "sets", "exclude", "allocated", "outOfRange", "layout", "blocks", "claimedBlocks"}},
 		// pool show adds the holders per cluster.
-		{"pool show", []string{"pool", "show", pool}, false, []string{"name", "sets", "exclude", "holders"}},
+		{"pool show", []string{"pool", "show", pool}, false, []string{"name", "sets", "exclude", "holders", "layout", "blocks", "claimedBlocks"}},
 		// The allocation record's own field names, plus where it lives.
 		{"alloc list", []string{"alloc", "list", "--pool", pool}, true, []string{"pool", "ip", "owner", "cluster", "node", "nodeUID", "pod", "containerID", "ifName", "network", "leaseID", "created", "lease", "key"}},
 		// alloc show adds the lease's TTL.
-		{"alloc show", []string{"alloc", "show", ip}, true, []string{"pool", "ip", "owner", "pod", "node", "leaseID", "ttl", "grantedTTL", "created"}},
+		{"alloc show", []string{"alloc", "show", ip}, true, []string{"pool", "ip", "block", "key", "owner", "pod", "node", "leaseID", "ttl", "grantedTTL", "created"}},
 		// node list: identity and how long ago the agent renewed its lease.
 		{"node list", []string{"node", "list", "--cluster", cluster}, true, []string{"cluster", "node", "agent", "uid", "version", "started", "leaseID", "ttl", "grantedTTL", "lastRenewedSecondsAgo", "pods"}},
 		// conflicts: the record with its key parts.

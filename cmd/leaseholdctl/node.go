@@ -18,12 +18,14 @@ import (
 // nodeJSON is one row of node list (-o json: an array of these). A node with pod records but
 // no agent record has Agent false: its agent is gone and its pods' leases run out.
 type nodeJSON struct {
-	Cluster string     `json:"cluster"`
-	Node    string     `json:"node"`
-	Agent   bool       `json:"agent"`
-	UID     string     `json:"uid"`
-	Host    string     `json:"host"`
-	Version string     `json:"version"`
+	Cluster string `json:"cluster"`
+	Node    string `json:"node"`
+	Agent   bool   `json:"agent"`
+	UID     string `json:"uid"`
+	Host    string `json:"host"`
+	Version string `json:"version"`
+	// Blocks says the agent serves the block layout; pool migrate refuses while one does not.
+	Blocks  bool       `json:"blocks"`
 	Started *time.Time `json:"started"` // null without an agent record
 	LeaseID string     `json:"leaseID"`
 	admin.LeaseTTL
@@ -55,6 +57,7 @@ func nodeStatuses(ctx context.Context, cli *clientv3.Client, st *admin.State, cl
 		s.Agent, s.Unreadable = true, e.Unreadable
 		started := e.Value.Started
 		s.UID, s.Host, s.Version, s.Started, s.LeaseID = e.Value.UID, e.Value.Host, e.Value.Version, &started, keyspace.LeaseHex(e.Lease)
+		s.Blocks = e.Value.Blocks
 		ttl, err := admin.TimeToLive(ctx, cli, e.Lease)
 		if err != nil {
 			return nil, err
@@ -89,7 +92,7 @@ func nodeList(ctx context.Context, e *env) error {
 		return writeJSON(e.stdout, rows)
 	}
 	now := time.Now()
-	t := newTable(e.stdout, "CLUSTER", "NODE", "AGENT", "NODE UID", "HOST", "VERSION", "STARTED", "LEASE", "TTL LEFT", "LAST RENEWED", "PODS")
+	t := newTable(e.stdout, "CLUSTER", "NODE", "AGENT", "NODE UID", "HOST", "VERSION", "BLOCKS", "STARTED", "LEASE", "TTL LEFT", "LAST RENEWED", "PODS")
 	for _, n := range rows {
 		agent, renewed := "yes", "-"
 		switch {
@@ -105,7 +108,14 @@ func nodeList(ctx context.Context, e *env) error {
 		if n.Started != nil {
 			started = timeText(*n.Started, now)
 		}
-		t.row(n.Cluster, n.Node, agent, dash(n.UID), dash(n.Host), dash(n.Version), started, dash(n.LeaseID), ttlText(n.TTL, n.GrantedTTL),
+		blocks := "no"
+		switch {
+		case !n.Agent:
+			blocks = "-"
+		case n.Blocks:
+			blocks = "yes"
+		}
+		t.row(n.Cluster, n.Node, agent, dash(n.UID), dash(n.Host), dash(n.Version), blocks, started, dash(n.LeaseID), ttlText(n.TTL, n.GrantedTTL),
 			renewed, strconv.Itoa(n.Pods))
 	}
 	return t.flush()

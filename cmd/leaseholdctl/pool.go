@@ -8,6 +8,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/allocator"
@@ -39,11 +40,13 @@ func (c *counts) add(o counts) {
 
 // poolUsage is one pool's counts per range, from one state read.
 type poolUsage struct {
+	entry     admin.PoolEntry
 	spec      allocator.PoolSpec
 	ranges    [][]counts // [set][range]
 	allocated int        // every allocation key of the pool
 	outside   int        // allocations no range of the pool hands out (doctor reports them)
 	holders   map[string]*holder
+	claims    []admin.BlockEntry
 }
 
 type holder struct {
@@ -59,8 +62,15 @@ func handedOut(spec allocator.PoolSpec, ip netip.Addr) (int, int, bool) {
 	return spec.Locate(ip)
 }
 
-func usageOf(st *admin.State, spec allocator.PoolSpec) *poolUsage {
-	u := &poolUsage{spec: spec, holders: map[string]*holder{}}
+func usageOf(st *admin.State, p admin.PoolEntry) *poolUsage {
+	spec := p.Value
+	u := &poolUsage{entry: p, spec: spec, holders: map[string]*holder{}}
+	for _, b := range st.Blocks {
+		if b.Pool == spec.Name {
+			u.claims = append(u.claims, b)
+		}
+	}
+	sort.Slice(u.claims, func(i, j int) bool { return u.claims[i].Block.Addr().Less(u.claims[j].Block.Addr()) })
 	for i, s := range spec.Ranges {
 		u.ranges = append(u.ranges, make([]counts, len(s)))
 		for j := range s {
@@ -148,17 +158,46 @@ type poolJSON struct {
 	Allocated  int            `json:"allocated"`
 	OutOfRange int            `json:"outOfRange"`
 	Holders    []holderJSON   `json:"holders"`
+	// Layout is "blocks" or "flat" (a pool stored before blocks: leaseholdctl pool migrate);
+	// Blocks the block lengths ({} when flat); Migrating is set while the pool is frozen.
+	Layout    string              `json:"layout"`
+	Blocks    allocator.Blocks    `json:"blocks"`
+	Migrating *keyspace.Migration `json:"migrating,omitempty"`
+	// ClaimedBlocks counts the pool's block claims; Claims lists them (pool show only).
+	ClaimedBlocks int         `json:"claimedBlocks"`
+	Claims        []claimJSON `json:"claims,omitempty"`
 	// Problem is set for a definition that is unreadable, invalid or missing.
 	Problem string `json:"problem,omitempty"`
+}
+
+// claimJSON is one block claim as pool show prints it.
+type claimJSON struct {
+	Block      netip.Prefix `json:"block"`
+	Key        string       `json:"key"`
+	Cluster    string       `json:"cluster"`
+	Node       string       `json:"node"`
+	NodeUID    string       `json:"nodeUID"`
+	Since      time.Time    `json:"since"`
+	Lease      string       `json:"lease"`
+	Unreadable string       `json:"unreadable,omitempty"`
 }
 
 func toJSON(c counts) countsJSON {
 	return countsJSON{Size: bigText(c.size), Allocated: c.allocated, Quarantined: c.quarantined, Hosts: c.hosts, Free: bigText(c.free())}
 }
 
-func (u *poolUsage) json(cluster string) poolJSON {
+// json is u as pool list (claims false) or pool show (claims true) prints it; with cluster set,
+// only that cluster's holders and claims.
+func (u *poolUsage) json(cluster string, claims bool) poolJSON {
 	p := poolJSON{Name: u.spec.Name, Key: keyspace.PoolKey(u.spec.Name), Sets: []setJSON{}, Exclude: u.spec.Exclude,
-		Allocated: u.allocated, OutOfRange: u.outside, Holders: []holderJSON{}}
+		Allocated: u.allocated, OutOfRange: u.outside, Holders: []holderJSON{}, Layout: layoutName(u.entry),
+		Blocks: u.spec.Blocks, Migrating: u.entry.Migrating, ClaimedBlocks: len(u.claims)}
+	for _, b := range u.claims {
+		if claims && (cluster == "" || b.Value.Cluster == cluster) {
+			p.Claims = append(p.Claims, claimJSON{Block: b.Block, Key: b.Key, Cluster: b.Value.Cluster, Node: b.Value.Node,
+				NodeUID: b.Value.NodeUID, Since: b.Value.Since, Lease: keyspace.LeaseHex(b.Lease), Unreadable: b.Unreadable})
+		}
+	}
 	if p.Exclude == nil {
 		p.Exclude = []netip.Prefix{}
 	}
@@ -203,7 +242,7 @@ func poolRows(st *admin.State) []poolJSON {
 			out = append(out, poolJSON{Name: p.Name, Key: p.Key, Sets: []setJSON{}, Exclude: []netip.Prefix{}, Holders: []holderJSON{},
 				Problem: "invalid definition: " + p.Invalid})
 		default:
-			out = append(out, usageOf(st, p.Value).json(""))
+			out = append(out, usageOf(st, p).json("", false))
 		}
 	}
 	undefined := map[string]int{}
@@ -233,10 +272,10 @@ func poolList(ctx context.Context, e *env) error {
 		}
 		return writeJSON(e.stdout, rows)
 	}
-	t := newTable(e.stdout, "POOL", "SET", "RANGES", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "FREE")
+	t := newTable(e.stdout, "POOL", "SET", "RANGES", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "FREE", "LAYOUT", "CLAIMED BLOCKS")
 	for _, p := range rows {
 		if p.Problem != "" {
-			t.row(p.Name, "-", "("+p.Problem+")", "-", strconv.Itoa(p.Allocated), "-", "-", "-")
+			t.row(p.Name, "-", "("+p.Problem+")", "-", strconv.Itoa(p.Allocated), "-", "-", "-", "-", "-")
 			continue
 		}
 		for _, s := range p.Sets {
@@ -245,7 +284,7 @@ func poolList(ctx context.Context, e *env) error {
 				rs = append(rs, allocator.Range{Subnet: r.Subnet, RangeStart: r.Start, RangeEnd: r.End, Gateway: r.Gateway}.String())
 			}
 			t.row(p.Name, strconv.Itoa(s.Set), strings.Join(rs, ", "), s.Size, strconv.Itoa(s.Allocated),
-				strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), s.Free)
+				strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), s.Free, layoutShort(p), strconv.Itoa(p.ClaimedBlocks))
 		}
 	}
 	return t.flush()
@@ -269,11 +308,11 @@ func poolShow(ctx context.Context, e *env) error {
 	case p.Invalid != "":
 		return fmt.Errorf("pool definition %s is invalid: %s", p.Key, p.Invalid)
 	}
-	pj := usageOf(st, p.Value).json(e.cluster)
+	pj := usageOf(st, p).json(e.cluster, true)
 	if e.output == "json" {
 		return writeJSON(e.stdout, pj)
 	}
-	fmt.Fprintf(e.stdout, "pool %s (%s, written at revision %d)\n\n", name, p.Key, p.ModRevision)
+	fmt.Fprintf(e.stdout, "pool %s (%s, written at revision %d)\nlayout: %s\n\n", name, p.Key, p.ModRevision, layoutText(p))
 	t := newTable(e.stdout, "SET", "SUBNET", "START-END", "GATEWAY", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "FREE")
 	for _, s := range pj.Sets {
 		for _, r := range s.Ranges {
@@ -295,11 +334,30 @@ func poolShow(ctx context.Context, e *env) error {
 	fmt.Fprintln(e.stdout)
 	if len(pj.Holders) == 0 {
 		fmt.Fprintln(e.stdout, "no allocations")
+	} else {
+		t = newTable(e.stdout, "CLUSTER", "NODES", "ALLOCATED")
+		for _, h := range pj.Holders {
+			t.row(h.Cluster, strconv.Itoa(h.Nodes), strconv.Itoa(h.Allocated))
+		}
+		if err := t.flush(); err != nil {
+			return err
+		}
+	}
+	if p.Value.Blocks.Flat() {
 		return nil
 	}
-	t = newTable(e.stdout, "CLUSTER", "NODES", "ALLOCATED")
-	for _, h := range pj.Holders {
-		t.row(h.Cluster, strconv.Itoa(h.Nodes), strconv.Itoa(h.Allocated))
+	fmt.Fprintf(e.stdout, "\n%d block(s) claimed\n", pj.ClaimedBlocks)
+	if len(pj.Claims) == 0 {
+		return nil
+	}
+	now := time.Now()
+	t = newTable(e.stdout, "BLOCK", "CLUSTER/NODE", "NODE UID", "SINCE", "LEASE")
+	for _, c := range pj.Claims {
+		if c.Unreadable != "" {
+			t.row(c.Block.String(), "(unreadable: "+c.Unreadable+")", "", "", c.Lease)
+			continue
+		}
+		t.row(c.Block.String(), dash(c.Cluster)+"/"+dash(c.Node), dash(c.NodeUID), timeText(c.Since, now), c.Lease)
 	}
 	return t.flush()
 }

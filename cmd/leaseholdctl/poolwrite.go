@@ -38,7 +38,13 @@ func poolCreate(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	spec := allocator.PoolSpec{Name: name, Ranges: sets, Exclude: ex}
+	blocks, err := blockFlags(e)
+	if err != nil {
+		return err
+	}
+	// Blocks stay zero without flags: CreatePool then stores the defaults, and an existing pool
+	// of the same ranges in either layout is "unchanged".
+	spec := allocator.PoolSpec{Name: name, Ranges: sets, Exclude: ex, Blocks: blocks}
 	if err := spec.Canonicalize(); err != nil {
 		return usageError{err.Error()}
 	}
@@ -46,19 +52,38 @@ func poolCreate(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
+	stored, err := admin.ReadKeys(ctx, e.cli, keyspace.PoolKey(name))
+	if err != nil {
+		return err
+	}
+	p, ok := stored.Pool(name)
+	if !ok || !p.Usable() {
+		return fmt.Errorf("%w: pool %s was deleted or overwritten right after it was written; see leaseholdctl pool show %s", admin.ErrConcurrentChange, name, name)
+	}
 	if e.output == "json" {
 		return writeJSON(e.stdout, struct {
 			Pool    allocator.PoolSpec `json:"pool"`
 			Key     string             `json:"key"`
 			Created bool               `json:"created"`
-		}{spec, keyspace.PoolKey(name), created})
+			Layout  string             `json:"layout"`
+		}{p.Value, keyspace.PoolKey(name), created, layoutName(p)})
 	}
 	if created {
-		fmt.Fprintf(e.stdout, "created %s\n", spec)
+		fmt.Fprintf(e.stdout, "created %s\n", p.Value)
 	} else {
 		fmt.Fprintf(e.stdout, "unchanged: %s is already defined exactly so\n", name)
 	}
+	fmt.Fprintf(e.stdout, "layout: %s\n", layoutText(p))
 	return nil
+}
+
+// blockFlags reads --block-v4 and --block-v6; zero when neither is given.
+func blockFlags(e *env) (allocator.Blocks, error) {
+	b := allocator.Blocks{IPv4: e.blockV4, IPv6: e.blockV6}
+	if b.IPv4 < 0 || b.IPv6 < 0 {
+		return b, usagef("--block-v4 %d / --block-v6 %d: want a prefix length, such as 26 and 122", b.IPv4, b.IPv6)
+	}
+	return b, nil
 }
 
 func poolAddRange(ctx context.Context, e *env) error {

@@ -13,17 +13,20 @@
 #   readwrite  /leasehold/v1/pools/                  pool definitions                (shared)
 #   readwrite  /leasehold/v1/hostips/                addresses nodes use themselves  (shared)
 #   readwrite  /leasehold/v1/poolconflicts/          pool definitions nodes disagree with (shared)
+#   readwrite  /leasehold/v1/blocks/                 which node claimed which block  (shared)
 #   readwrite  /leasehold/v1/owners/<CLUSTER>/       this cluster's owner indexes
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
 #
-# Why the first five are shared: pools are shared across clusters by design. An address is
-# taken by creating ips/<pool>/<ip> only if it, quarantine/<pool>/<ip> and every
+# Why the first six are shared: pools are shared across clusters by design. An address is
+# taken by creating ips/<pool>/<block>/<ip> only if it, its quarantine/ key and every
 # hostips/<ip>/ key are absent, in one transaction; every agent of every cluster using the
 # pool must read and write those keys, or two clusters could hand out one address. A pool's
 # definition is written by the first agent that uses it (read it, and write it on creation);
 # a node that wants it defined otherwise records that under poolconflicts/<pool>/, which
-# every agent using the pool watches, whatever its cluster.
+# every agent using the pool watches, whatever its cluster. A block of a pool is claimed by
+# one node of one cluster under blocks/<pool>/<block>; every cluster's agents read the claims
+# to find a free block.
 # Releasing an address deletes its ips/ key and writes its quarantine/ key, and etcd only
 # revokes a lease (which deletes its keys) for a user that may write every key on it.
 # The per-cluster prefixes carry a trailing slash, so cluster "a" is not granted "a-b".
@@ -96,7 +99,7 @@ for c in "${clusters[@]}"; do
   name="leasehold-$c"
   exists role "$name" || ctl role add "$name"
   # Keep in step with leases.RolePrefixes (integration/deploy_test.go compares them).
-  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ "owners/$c/" "nodes/$c/" "conflicts/$c/"; do
+  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ "owners/$c/" "nodes/$c/" "conflicts/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
   if ! exists user "$name"; then

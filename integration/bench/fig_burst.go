@@ -119,7 +119,7 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	}
 	mismatch := 0
 	for _, kv := range kvs.Kvs {
-		_, ip, err := keyspace.ParseIPKey(string(kv.Key))
+		_, _, ip, err := keyspace.ParseIPKey(string(kv.Key))
 		if err != nil {
 			return err
 		}
@@ -134,13 +134,15 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	if len(kvs.Kvs) != len(holder) {
 		mismatch += abs(len(kvs.Kvs) - len(holder))
 	}
-	var retries float64
+	var retries, blockClaims, borrowed float64
 	for _, a := range agents {
 		m, err := gather(a.agent.Metrics())
 		if err != nil {
 			return err
 		}
 		retries += sum(m, "leasehold_cas_retries_total", nil)
+		blockClaims += sum(m, "leasehold_block_claims_total", nil)
+		borrowed += sum(m, "leasehold_borrowed_addresses_total", nil)
 	}
 	bound := float64(cfg.burstAdds) // one retry per ADD on average, stated before measuring
 	fig := fmt.Sprintf("burst, %s ADDs from %d agents into one /%d", thousands(cfg.burstAdds), len(agents), cfg.burstSubnet.Bits())
@@ -155,15 +157,17 @@ func figBurst(ctx context.Context, env *env, res *results) error {
 	r = row{Figure: fig + ": CAS retries", Leasehold: retries, Unit: "", Target: fmt.Sprintf("<= %s (1 per ADD)", thousands(int(bound)))}
 	r.judge(retries <= bound)
 	res.add(r)
+	res.add(row{Figure: fig + ": block claims per 1,000 ADDs", Leasehold: 1000 * blockClaims / float64(cfg.burstAdds), Unit: ""})
 	note := fmt.Sprintf("Burst: %d in-process agents (leases.Start each with its own clientv3 client, node name and UID, leaseholdd's "+
 		"defaults), each served on its own socket by agentapi.Serve; every agent had answered a STATUS for the pool (view listed) "+
 		"and had its spare leases; then %d goroutines, %d per agent, released at once, each one ADD of a new pod through "+
 		"agentapi.Client as the plugin binary sends it (operation cni). Duplicates are counted over the results and checked against etcd's allocation keys (%d keys, %d mismatches). "+
 		"ADD p50 %.1f ms, p99 %.1f ms, max %.1f ms; %.0f CAS retries summed from every agent's leasehold_cas_retries_total "+
 		"(%.2f per ADD). The bound, 1 retry per ADD on average, was set before measuring; the implementation's hard cap "+
-		"is 15 retries per ADD (16 transactions, then code 11).",
+		"is 15 retries per ADD (16 transactions, then code 11). Blocks: %.0f claimed (default /26), %.0f addresses borrowed "+
+		"from other nodes' blocks.",
 		len(agents), cfg.burstAdds, cfg.burstAdds/len(agents), len(kvs.Kvs), mismatch, ms(lat.pct(50)), ms(lat.pct(99)), ms(lat.max()),
-		retries, retries/float64(cfg.burstAdds))
+		retries, retries/float64(cfg.burstAdds), blockClaims, borrowed)
 	if firstErr != nil {
 		note += fmt.Sprintf(" First failure: %v.", firstErr)
 	}

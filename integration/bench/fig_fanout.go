@@ -13,8 +13,9 @@ import (
 
 // figFanout measures what one ADD costs etcd (CPU, watch events sent) as the number of agents
 // serving its pool grows: with W agents simulated in one process (each its own client, node
-// identity and socket), and with W real leaseholdd processes. Every agent lists the pool and
-// watches it; one of them takes sequential ADDs. Issue 16's targets: at every size at most
+// identity and socket), and with W real leaseholdd processes. Every agent serves the pool (it
+// has answered a STATUS for it: definition read, block claims listed, watches open); one of
+// them takes sequential ADDs, in the blocks it claims. Issue 16's targets: at every size at most
 // 1.3x the etcd CPU of one agent, and at most 2 watch events sent per ADD.
 func figFanout(ctx context.Context, env *env, res *results) error {
 	cfg := env.cfg
@@ -164,7 +165,8 @@ func fanout(ctx context.Context, env *env, res *results, kind string, levels []i
 			agentsN(p.w), ms(p.p50), p.etcdCPU, p.events, 100*p.idleRate)
 	}
 	res.note("Watch fan-out (%s): W agents, each with its own etcd client, node identity and socket, all serving one /16 "+
-		"(each has listed it and watches it); one of them takes %d sequential ADDs through its socket. etcd CPU per ADD is "+
+		"(each has answered a STATUS for it: read the definition and the block claims, opened its watches; in the block layout "+
+		"an agent follows only the blocks it claimed); one of them takes %d sequential ADDs through its socket. etcd CPU per ADD is "+
 		"etcd's CPU time during the ADDs less its idle rate measured just before (keep-alives of the idle agents' node and "+
 		"spare leases); watch events sent = delta of etcd_debugging_mvcc_events_total. %s",
 		kind, cfg.fanoutAdds, desc)

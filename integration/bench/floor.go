@@ -87,7 +87,7 @@ func (f *floor) sample(ctx context.Context) error {
 	f.next = f.next.Next()
 	ownerKey := keyspace.OwnerKey("default", owner, "eth0", floorPool)
 	podKey := keyspace.PodKey("default", "floor-node", owner)
-	ipKey, qKey, hostPrefix := keyspace.IPKey(floorPool, addr), keyspace.QuarantineKey(floorPool, addr), keyspace.HostIPPrefix(addr)
+	ipKey, qKey, hostPrefix := keyspace.IPKey(floorPool, allocator.DefaultBlocks, addr), keyspace.QuarantineKey(floorPool, allocator.DefaultBlocks, addr), keyspace.HostIPPrefix(addr)
 	with := clientv3.WithLease(f.lease)
 	now := time.Now().UTC()
 	pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}

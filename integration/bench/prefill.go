@@ -89,7 +89,7 @@ func prefillBatch(ctx context.Context, cli *clientv3.Client, pool string, addrs 
 		pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}
 		with := clientv3.WithLease(lease)
 		ops = append(ops,
-			clientv3.OpPut(keyspace.IPKey(pool, addr), string(mustJSON(keyspace.Allocation{
+			clientv3.OpPut(keyspace.IPKey(pool, allocator.DefaultBlocks, addr), string(mustJSON(keyspace.Allocation{
 				Owner: owner, Cluster: prefillCluster, Node: node, NodeUID: nodeUID, Pod: pod, ContainerID: container,
 				IfName: "eth0", Network: pool, LeaseID: keyspace.LeaseHex(lease), Created: now,
 			})), with),

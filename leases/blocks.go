@@ -1,0 +1,528 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Blocks (allocator.Blocks): a node claims blocks of a pool and allocates from them first,
+// following only their keys. A block claim is where a node looks first, never who may hold an
+// address: every address is still claimed by create-if-absent on its own key, so a stale or
+// lost block claim costs a retry, never a duplicate.
+
+// errNoBlock is reserve's answer in the block layout when this node's blocks have no free
+// address of the set: choose then claims a block or borrows.
+var errNoBlock = errors.New("no free address in this node's blocks")
+
+// blockOwner is what a view needs to claim, keep and give back blocks for its node.
+type blockOwner struct {
+	cluster, node, nodeUID string
+	leases                 *blockLeases
+	idle                   time.Duration
+	opTimeout              time.Duration
+	wall                   func() time.Time
+	metrics                *metrics
+	// lostLease drops the claims on a block lease etcd no longer has, in every pool.
+	lostLease func(clientv3.LeaseID)
+}
+
+// blockLeases are the leases this node's block claims are on: one granted for new claims, and
+// those adopted from claims found after a restart. They are never revoked by the agent (a
+// restart keeps the node's blocks); a dead node's expire, and its claims with them.
+type blockLeases struct {
+	keeper *Keeper
+
+	mu      sync.Mutex
+	current clientv3.LeaseID
+	held    map[clientv3.LeaseID]bool
+}
+
+func newBlockLeases(k *Keeper) *blockLeases {
+	return &blockLeases{keeper: k, held: make(map[clientv3.LeaseID]bool)}
+}
+
+// get returns the lease new block claims go on, granting it the first time.
+func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {
+	b.mu.Lock()
+	cur := b.current
+	b.mu.Unlock()
+	if cur != 0 {
+		return cur, nil
+	}
+	id, err := b.keeper.Take(ctx)
+	if err != nil {
+		return 0, err
+	}
+	b.keeper.Refill()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.current != 0 {
+		b.keeper.Return(id)
+		return b.current, nil
+	}
+	b.current, b.held[id] = id, true
+	return id, nil
+}
+
+// adopt resumes renewing a block lease this node identity granted earlier.
+func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
+	b.mu.Lock()
+	held := b.held[id]
+	b.mu.Unlock()
+	if held {
+		return nil
+	}
+	if err := b.keeper.Adopt(ctx, id); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.held[id] = true
+	if b.current == 0 {
+		b.current = id
+	}
+	return nil
+}
+
+// lost forgets a block lease etcd no longer has; it reports whether id was one.
+func (b *blockLeases) lost(id clientv3.LeaseID) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.held[id] {
+		return false
+	}
+	delete(b.held, id)
+	if b.current == id {
+		b.current = 0
+	}
+	return true
+}
+
+// sortClaims reads a listing of a pool's block claims into who claimed each block, and the
+// blocks that are this node's: claimed by its identity, on a lease it holds or adopts now.
+func (o *blockOwner) sortClaims(ctx context.Context, log *slog.Logger, kvs []*mvccpb.KeyValue) (map[netip.Prefix]string, map[netip.Prefix]clientv3.LeaseID) {
+	claims := make(map[netip.Prefix]string, len(kvs))
+	mine := make(map[netip.Prefix]clientv3.LeaseID)
+	for _, kv := range kvs {
+		_, block, err := keyspace.ParseBlockKey(string(kv.Key))
+		if err != nil {
+			continue
+		}
+		rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+		claims[block] = rec.Cluster + "/" + rec.Node
+		if err != nil || rec.Cluster != o.cluster || rec.Node != o.node || rec.NodeUID != o.nodeUID || kv.Lease == 0 {
+			continue
+		}
+		lease := keyspace.LeaseOf(kv)
+		if err := o.leases.adopt(ctx, lease); err != nil {
+			log.Warn("a block claim of this node is on a lease that cannot be adopted; it goes with that lease",
+				"block", block, "lease", keyspace.LeaseHex(lease), "err", err)
+			continue
+		}
+		mine[block] = lease
+	}
+	return claims, mine
+}
+
+// choose picks an address of range set `set` for an ADD and marks it pending: from this
+// node's blocks; else from a block it claims now; else, with every block claimed, borrowed
+// from another node's block (borrow.go). In the flat layout it is reserve.
+func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+	addr, err := v.reserve(spec, set, skip)
+	if !errors.Is(err, errNoBlock) {
+		return addr, err
+	}
+	for try := range maxBlockTries {
+		if try > 0 && !v.haveSnapshot() {
+			// The block just claimed had no room (allocations of a dead node's pods, of
+			// borrowers, or moved there by a migration): read the pool once, so that the next
+			// choice skips blocks without room.
+			if _, err := v.readPool(ctx); err != nil {
+				return netip.Addr{}, err
+			}
+		}
+		// One claim at a time: concurrent ADDs that found the node's blocks full would all
+		// race for the same next block. Whoever waited looks again first.
+		v.claimMu.Lock()
+		if addr, err := v.reserve(spec, set, skip); err == nil {
+			v.claimMu.Unlock()
+			return addr, nil
+		}
+		claimed, err := v.claimBlock(ctx, spec, set)
+		v.claimMu.Unlock()
+		if err != nil {
+			return netip.Addr{}, err
+		}
+		if !claimed {
+			break
+		}
+		if addr, err := v.reserve(spec, set, skip); err == nil {
+			return addr, nil
+		}
+	}
+	return v.borrow(ctx, spec, set, skip)
+}
+
+// claimBlock claims a block of set with no claim, nearest after the blocks this node holds
+// (so that routes aggregate), and starts following it. It reports false when no block is
+// free as far as a recent read of the claims tells, or when another node claimed the chosen
+// block first (the claims are then read again from the failed transaction).
+func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int) (_ bool, err error) {
+	v.mu.Lock()
+	from := v.from(spec, set)
+	var top netip.Prefix
+	for b := range v.spans {
+		if b.IsValid() && spec.Serves(set, b) && (!top.IsValid() || top.Addr().Less(b.Addr())) {
+			top = b
+		}
+	}
+	if top.IsValid() {
+		from = lastAddrOf(top).Next()
+	}
+	skip := v.unclaimable(spec, set)
+	block, ok := spec.NextBlock(set, v.blocks, from, skip)
+	fresh := time.Since(v.claimsRead) < claimsFresh
+	v.mu.Unlock()
+	if !ok {
+		if fresh {
+			return false, nil
+		}
+		if err := v.readClaims(ctx); err != nil {
+			return false, err
+		}
+		v.mu.Lock()
+		block, ok = spec.NextBlock(set, v.blocks, from, skip)
+		v.mu.Unlock()
+		if !ok {
+			return false, nil
+		}
+	}
+	o := v.own
+	octx, cancel := context.WithTimeout(ctx, o.opTimeout)
+	defer cancel()
+	key := keyspace.BlockKey(v.pool, block)
+	var resp *clientv3.TxnResponse
+	var lease clientv3.LeaseID
+	for range 2 {
+		if lease, err = o.leases.get(octx); err != nil {
+			return false, fmt.Errorf("%w: grant a block lease: %w", allocator.ErrUnavailable, err)
+		}
+		rec := keyspace.BlockRecord{Cluster: o.cluster, Node: o.node, NodeUID: o.nodeUID, LeaseID: keyspace.LeaseHex(lease), Since: o.wall().UTC()}
+		resp, err = v.cli.Txn(octx).If(keyspace.Absent(key)).Then(
+			clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(lease)),
+			clientv3.OpGet(keyspace.BlockIPsPrefix(v.pool, block), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+			clientv3.OpGet(keyspace.BlockQuarantinePrefix(v.pool, block), clientv3.WithPrefix()),
+		).Else(clientv3.OpGet(keyspace.BlocksPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())).Commit()
+		if !leaseGone(err) {
+			break
+		}
+		// The block lease expired or was revoked from outside: its claims went with it.
+		o.leases.keeper.Forget(lease)
+		o.lostLease(lease)
+	}
+	if err != nil {
+		return false, fmt.Errorf("%w: claim block %s of pool %s: %w", allocator.ErrUnavailable, block, v.pool, err)
+	}
+	if !resp.Succeeded {
+		v.mu.Lock()
+		v.claims, v.claimsRead = make(map[netip.Prefix]string), time.Now()
+		for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+			if _, b, err := keyspace.ParseBlockKey(string(kv.Key)); err == nil {
+				v.claims[b] = "?"
+			}
+		}
+		v.mu.Unlock()
+		return true, nil // another node was first; the caller tries the next block
+	}
+	o.metrics.blockClaims.Inc()
+	v.log.Info("block claimed", "block", block, "lease", keyspace.LeaseHex(lease))
+	v.addSpan(&span{block: block, lease: lease, rev: resp.Header.Revision},
+		listed{rev: resp.Header.Revision, ips: resp.Responses[1].GetResponseRange(), qs: resp.Responses[2].GetResponseRange()})
+	return true, nil
+}
+
+func lastAddrOf(p netip.Prefix) netip.Addr {
+	a := p.Masked().Addr()
+	b := a.AsSlice()
+	for i := range b {
+		bits := p.Bits() - i*8
+		switch {
+		case bits <= 0:
+			b[i] = 0xff
+		case bits < 8:
+			b[i] |= 0xff >> bits
+		}
+	}
+	out, _ := netip.AddrFromSlice(b)
+	return out
+}
+
+// unclaimable tells which blocks a claim should skip: claimed ones, and those the last pool
+// snapshot shows without a free address of set. It is called with the lock held.
+func (v *view) unclaimable(spec *allocator.PoolSpec, set int) func(netip.Prefix) bool {
+	return func(b netip.Prefix) bool {
+		if v.isClaimed(b) {
+			return true
+		}
+		if v.borrowed == nil {
+			return false
+		}
+		_, err := spec.NextIn(set, b, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
+		return err != nil
+	}
+}
+
+func (v *view) haveSnapshot() bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.borrowed != nil
+}
+
+// readClaims reads which blocks of the pool are claimed.
+func (v *view) readClaims(ctx context.Context) error {
+	octx, cancel := context.WithTimeout(ctx, v.own.opTimeout)
+	defer cancel()
+	resp, err := v.cli.Get(octx, keyspace.BlocksPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return fmt.Errorf("%w: read the block claims of pool %s: %w", allocator.ErrUnavailable, v.pool, err)
+	}
+	claims := make(map[netip.Prefix]string, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		if _, b, err := keyspace.ParseBlockKey(string(kv.Key)); err == nil {
+			claims[b] = "?"
+		}
+	}
+	v.mu.Lock()
+	v.claims, v.claimsRead = claims, time.Now()
+	v.mu.Unlock()
+	return nil
+}
+
+// addSpan starts following a block this node just claimed, from its listing l on.
+func (v *view) addSpan(s *span, l listed) {
+	v.mu.Lock()
+	v.spans[s.block] = s
+	v.spansAdded++
+	v.claims[s.block] = v.own.cluster + "/" + v.own.node
+	for _, kv := range l.ips.GetKvs() {
+		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil && v.allocated[ip] < kv.CreateRevision {
+			v.allocated[ip] = kv.CreateRevision
+		}
+	}
+	for _, kv := range l.qs.GetKvs() {
+		v.applyQuarantine(v.quarantined, kv.Key, kv.Value)
+	}
+	if v.borrowed != nil {
+		// The snapshot's copy of this block is older than the listing just installed.
+		for a := range v.borrowed.allocated {
+			if s.block.Contains(a) {
+				delete(v.borrowed.allocated, a)
+			}
+		}
+	}
+	g := v.gen
+	v.mu.Unlock()
+	if g != nil && g.ctx.Err() == nil {
+		v.watchSpan(g, span{block: s.block, rev: s.rev})
+	}
+}
+
+// dropSpan stops following block and forgets what the view knew inside it.
+func (v *view) dropSpan(block netip.Prefix) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, ok := v.spans[block]
+	if !ok {
+		return
+	}
+	if s.stop != nil {
+		s.stop()
+	}
+	delete(v.spans, block)
+	delete(v.claims, block)
+	for a := range v.allocated {
+		if block.Contains(a) {
+			delete(v.allocated, a)
+		}
+	}
+	for a := range v.quarantined {
+		if block.Contains(a) {
+			delete(v.quarantined, a)
+		}
+	}
+}
+
+// blockLeaseLost drops the blocks whose claims were on lease, which etcd no longer has: their
+// claims are gone with it. The pods inside keep their addresses on their own leases; the next
+// ADD claims a block again.
+func (v *view) blockLeaseLost(lease clientv3.LeaseID) {
+	v.mu.Lock()
+	var gone []netip.Prefix
+	for b, s := range v.spans {
+		if b.IsValid() && s.lease == lease {
+			gone = append(gone, b)
+		}
+	}
+	v.mu.Unlock()
+	for _, b := range gone {
+		v.log.Warn("block claim lost with its lease", "block", b, "lease", keyspace.LeaseHex(lease))
+		v.dropSpan(b)
+	}
+}
+
+// giveBackLoop gives back the blocks that stayed empty for the idle time.
+func (v *view) giveBackLoop(ctx context.Context) {
+	tick := min(max(v.own.idle/4, 50*time.Millisecond), time.Minute)
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, s := range v.idleBlocks(time.Now()) {
+			v.giveBack(ctx, s)
+		}
+	}
+}
+
+// idleBlocks notes which blocks are empty now and returns those empty for the idle time,
+// marked leaving so that no ADD chooses from them while they are given back.
+func (v *view) idleBlocks(now time.Time) []span {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	used := make(map[netip.Prefix]bool)
+	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.allocated), mapKeys(v.quarantined), mapKeys(v.pending)} {
+		m(func(a netip.Addr) bool {
+			used[v.blocks.Of(a)] = true
+			return true
+		})
+	}
+	var out []span
+	for b, s := range v.spans {
+		switch {
+		case !b.IsValid() || s.leaving:
+		case used[b]:
+			s.emptySince = time.Time{}
+		case s.emptySince.IsZero():
+			s.emptySince = now
+		case now.Sub(s.emptySince) >= v.own.idle:
+			s.leaving = true
+			out = append(out, *s)
+		}
+	}
+	return out
+}
+
+func mapKeys[V any](m map[netip.Addr]V) func(func(netip.Addr) bool) {
+	return func(yield func(netip.Addr) bool) {
+		for a := range m {
+			if !yield(a) {
+				return
+			}
+		}
+	}
+}
+
+// giveBack deletes the claim of an empty block, if it is still this node's on the same lease
+// and etcd holds no allocation and no quarantined address in it.
+func (v *view) giveBack(ctx context.Context, s span) {
+	octx, cancel := context.WithTimeout(ctx, v.own.opTimeout)
+	defer cancel()
+	key := keyspace.BlockKey(v.pool, s.block)
+	resp, err := v.cli.Txn(octx).If(keyspace.OnLease(key, s.lease),
+		keyspace.NoneUnder(keyspace.BlockIPsPrefix(v.pool, s.block)),
+		keyspace.NoneUnder(keyspace.BlockQuarantinePrefix(v.pool, s.block))).
+		Then(clientv3.OpDelete(key)).Commit()
+	if err == nil && resp.Succeeded {
+		v.own.metrics.blocksGivenBack.Inc()
+		v.log.Info("empty block given back", "block", s.block)
+		v.dropSpan(s.block)
+		return
+	}
+	v.mu.Lock()
+	if cur := v.spans[s.block]; cur != nil {
+		cur.leaving, cur.emptySince = false, time.Time{}
+	}
+	v.mu.Unlock()
+	if err != nil {
+		v.log.Warn("giving back an empty block failed; it stays this node's", "block", s.block, "err", err)
+	}
+}
+
+// heldBlocks is how many blocks this node holds in the view's pool.
+func (v *view) heldBlocks() int {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	n := 0
+	for b := range v.spans {
+		if b.IsValid() {
+			n++
+		}
+	}
+	return n
+}
+
+// resumeBlocks keeps this node's blocks across a restart: it serves at once every pool its
+// pods are in, whose listing adopts the block leases of this identity's claims, then serves
+// every other pool with a claim on those leases too, so that each claim is followed (and
+// given back once empty) instead of renewed unseen. Claims of a node that comes back with no
+// pod expire with their lease, which is all an empty block needs. Errors are logged: the
+// next ADD of a pool serves it anyway.
+func (a *Agent) resumeBlocks(ctx context.Context) {
+	serve := func(name string) *pool {
+		p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: name})
+		if err != nil {
+			a.log.Warn("serving a pool of this node's blocks failed; its claims are adopted at its next request", "pool", name, "err", err)
+			return nil
+		}
+		return p
+	}
+	served := make(map[string]bool)
+	for _, name := range a.pods.pools() {
+		if p := serve(name); p != nil {
+			served[name] = true
+			p.await(ctx)
+		}
+	}
+	for _, id := range a.blockLeases.all() {
+		octx, cancel := a.opCtx(ctx)
+		ttl, err := a.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
+		cancel()
+		if err != nil {
+			a.log.Warn("listing a block lease's claims failed", "lease", keyspace.LeaseHex(id), "err", err)
+			continue
+		}
+		for _, k := range ttl.Keys {
+			if name, _, err := keyspace.ParseBlockKey(string(k)); err == nil && !served[name] {
+				if p := serve(name); p != nil {
+					served[name] = true
+					p.await(ctx)
+				}
+			}
+		}
+	}
+}
+
+// all lists the block leases held.
+func (b *blockLeases) all() []clientv3.LeaseID {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]clientv3.LeaseID, 0, len(b.held))
+	for id := range b.held {
+		out = append(out, id)
+	}
+	return out
+}

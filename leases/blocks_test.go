@@ -1,0 +1,365 @@
+package leases
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+func v4Pool(name, subnet string, blockBits int) allocator.PoolSpec {
+	return allocator.PoolSpec{Name: name, Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}},
+		Blocks: allocator.Blocks{IPv4: blockBits}}
+}
+
+// blockClaims reads the pool's block claims: block -> node.
+func blockClaims(t *testing.T, cli *clientv3.Client, pool string) map[netip.Prefix]keyspace.BlockRecord {
+	t.Helper()
+	resp, err := cli.Get(etcdtest.Ctx(t), keyspace.BlocksPrefix(pool), clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[netip.Prefix]keyspace.BlockRecord{}
+	for _, kv := range resp.Kvs {
+		_, b, err := keyspace.ParseBlockKey(string(kv.Key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if kv.Lease == 0 {
+			t.Errorf("block claim %s has no lease", kv.Key)
+		}
+		out[b] = rec
+	}
+	return out
+}
+
+// TestAddsLandInTheNodesOwnBlock: each node claims a block, allocates inside it, and its view
+// follows that block alone.
+func TestAddsLandInTheNodesOwnBlock(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2")
+	pool := v4Pool(etcdtest.Uniq("p"), "10.60.0.0/24", 27)
+	ctx := ctxT(t)
+	got := map[string][]netip.Addr{}
+	for i := range 6 {
+		for _, ag := range []*Agent{a, b} {
+			res, err := ag.Add(ctx, addReq(pool, fmt.Sprintf("%s-c%d", ag.cfg.Node, i), "eth0", fmt.Sprintf("%s-u%d", ag.cfg.Node, i)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got[ag.cfg.Node] = append(got[ag.cfg.Node], res.IPs[0].Address.Addr())
+		}
+	}
+	claims := blockClaims(t, cli, pool.Name)
+	for node, addrs := range got {
+		block := pool.Blocks.Of(addrs[0])
+		if rec := claims[block]; rec.Node != node || rec.Cluster != cluster {
+			t.Errorf("block %s of %s's first address is claimed by %+v", block, node, rec)
+		}
+		for _, addr := range addrs {
+			if pool.Blocks.Of(addr) != block {
+				t.Errorf("%s got %s outside its block %s", node, addr, block)
+			}
+			key := keyspace.IPKey(pool.Name, pool.Blocks, addr)
+			if n := etcdtest.Count(etcdtest.Dump(t, cli, key), key); n != 1 {
+				t.Errorf("allocation key %s: %d keys", key, n)
+			}
+		}
+	}
+	if len(claims) != 2 {
+		t.Errorf("want one block per node, got %v", claims)
+	}
+	for _, ag := range []*Agent{a, b} {
+		v := ag.pools.viewOf(pool.Name)
+		if n := v.heldBlocks(); n != 1 {
+			t.Errorf("%s follows %d blocks, want 1", ag.cfg.Node, n)
+		}
+		if allocated, _, _, _ := v.counts(); allocated != 6 {
+			t.Errorf("%s's view holds %d allocations, want its own 6 only", ag.cfg.Node, allocated)
+		}
+	}
+}
+
+// TestEveryAddressIsAllocatableWhenBlocksRunOut: with every block claimed, nodes borrow free
+// addresses in each other's blocks until the pool is full, with no address given twice.
+func TestEveryAddressIsAllocatableWhenBlocksRunOut(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	agents := []*Agent{startAgent(t, cluster, "n1", "uid1"), startAgent(t, cluster, "n2", "uid2"), startAgent(t, cluster, "n3", "uid3")}
+	pool := v4Pool(etcdtest.Uniq("p"), "10.61.0.0/27", 29) // 29 allocatable addresses in 4 blocks
+	ctx := ctxT(t)
+	seen := map[netip.Addr]string{}
+	for i := 0; ; i++ {
+		if i > 40 {
+			t.Fatal("pool never ran out")
+		}
+		ag := agents[i%len(agents)]
+		if i%7 == 0 {
+			ag = agents[0] // uneven load, so that some node runs out first and borrows
+		}
+		owner := fmt.Sprintf("u%d", i)
+		res, err := ag.Add(ctx, addReq(pool, "c"+owner, "eth0", owner))
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("ADD %d on %s: %v", i, ag.cfg.Node, err)
+		}
+		addr := res.IPs[0].Address.Addr()
+		if prev, dup := seen[addr]; dup {
+			t.Fatalf("%s given to %s and %s", addr, prev, owner)
+		}
+		seen[addr] = owner
+	}
+	if len(seen) != 29 {
+		t.Errorf("pool filled with %d addresses, want all 29", len(seen))
+	}
+	borrowed := 0.0
+	for _, ag := range agents {
+		borrowed += metricValue(t, ag, "leasehold_borrowed_addresses_total")
+	}
+	if borrowed == 0 {
+		t.Error("no address was borrowed, so the test did not reach borrowing")
+	}
+}
+
+func metricValue(t *testing.T, a *Agent, name string) float64 {
+	t.Helper()
+	mfs, err := a.Metrics().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			total := 0.0
+			for _, m := range mf.Metric {
+				total += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+			return total
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
+}
+
+// TestEmptyBlockIsGivenBackAndRestartKeepsBlocks: a restarted agent adopts its blocks; an
+// empty block goes back to the pool after the idle time.
+func TestEmptyBlockIsGivenBackAndRestartKeepsBlocks(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.62.0.0/24", 26)
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.BlockIdle = time.Hour })
+	req := addReq(pool, "c1", "eth0", "u1")
+	res, err := a.Add(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	block := pool.Blocks.Of(res.IPs[0].Address.Addr())
+	before := blockClaims(t, cli, pool.Name)[block]
+	a.Close()
+
+	b := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.BlockIdle = 300 * time.Millisecond })
+	if _, err := b.Add(ctx, addReq(pool, "c2", "eth0", "u2")); err != nil {
+		t.Fatal(err)
+	}
+	if after := blockClaims(t, cli, pool.Name); len(after) != 1 || after[block] != before {
+		t.Fatalf("after a restart the claims are %v, want the same claim of %s: %+v", after, block, before)
+	}
+	if err := b.Del(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Del(ctx, addReq(pool, "c2", "eth0", "u2")); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 10*time.Second, "the empty block given back", func() bool {
+		return len(blockClaims(t, cli, pool.Name)) == 0
+	})
+	if n := metricValue(t, b, "leasehold_blocks_given_back_total"); n != 1 {
+		t.Errorf("blocks given back: %v, want 1", n)
+	}
+	if n := b.pools.viewOf(pool.Name).heldBlocks(); n != 0 {
+		t.Errorf("the view still follows %d blocks", n)
+	}
+}
+
+// TestDeadNodesBlocksGoWithItsLease: a node that stops renewing loses its block claims after
+// the TTL; its pods' addresses stay on their own leases until those expire, and another node
+// claiming the block never hands them out.
+func TestDeadNodesBlocksGoWithItsLease(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.63.0.0/28", 29) // two blocks
+	ctx := ctxT(t)
+	short := func(c *Config) { c.LeaseTTL = 2 * time.Second }
+	dead := startAgent(t, cluster, "dead", "uid-dead", short)
+	live := startAgent(t, cluster, "live", "uid-live", short)
+	var deadAddrs []netip.Addr
+	for i := range 3 {
+		res, err := dead.Add(ctx, addReq(pool, fmt.Sprintf("d%d", i), "eth0", fmt.Sprintf("du%d", i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		deadAddrs = append(deadAddrs, res.IPs[0].Address.Addr())
+	}
+	if _, err := live.Add(ctx, addReq(pool, "l0", "eth0", "lu0")); err != nil {
+		t.Fatal(err)
+	}
+	dead.Close() // stops renewing: pod and block leases expire
+	etcdtest.Eventually(t, 15*time.Second, "the dead node's block claim expired", func() bool {
+		return len(blockClaims(t, cli, pool.Name)) == 1
+	})
+	// Fill the pool from the live node: it claims the dead node's block and never hands out an
+	// address whose pod lease has not expired yet.
+	for i := 1; ; i++ {
+		res, err := live.Add(ctx, addReq(pool, fmt.Sprintf("l%d", i), "eth0", fmt.Sprintf("lu%d", i)))
+		if err != nil {
+			if !errors.Is(err, allocator.ErrPoolExhausted) {
+				t.Fatal(err)
+			}
+			break
+		}
+		addr := res.IPs[0].Address.Addr()
+		for _, d := range deadAddrs {
+			if d != addr {
+				continue
+			}
+			key := keyspace.IPKey(pool.Name, pool.Blocks, d)
+			if n := etcdtest.Count(etcdtest.Dump(t, cli, key), key); n != 1 {
+				t.Fatalf("%s handed out: %d keys", d, n)
+			}
+		}
+		if i > 20 {
+			t.Fatal("pool never ran out")
+		}
+	}
+}
+
+// TestMigratingPoolRefusesAdds: while leaseholdctl pool migrate moves a pool to blocks, ADDs
+// are refused with a message naming the migration; DELs still release.
+func TestMigratingPoolRefusesAdds(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	a := startAgent(t, cluster, "n1", "uid1")
+	pool := v4Pool(etcdtest.Uniq("p"), "10.64.0.0/24", 0) // flat
+	ctx := ctxT(t)
+	// A pool stored in the flat layout, as before blocks: served as it was.
+	if err := pool.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, keyspace.PoolKey(pool.Name), keyspace.EncodePool(pool)); err != nil {
+		t.Fatal(err)
+	}
+	req := addReq(pool, "c1", "eth0", "u1")
+	res, err := a.Add(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	flatKey := keyspace.IPKey(pool.Name, allocator.Blocks{}, res.IPs[0].Address.Addr())
+	if n := etcdtest.Count(etcdtest.Dump(t, cli, flatKey), flatKey); n != 1 {
+		t.Fatalf("flat pool: allocation key %s missing", flatKey)
+	}
+	// Frozen for migration.
+	rec := keyspace.NewPoolRecord(allocator.PoolSpec{Name: pool.Name, Ranges: pool.Ranges, Blocks: allocator.DefaultBlocks})
+	rec.Migrating = &keyspace.Migration{By: "test", Since: time.Now()}
+	if _, err := cli.Put(ctx, keyspace.PoolKey(pool.Name), keyspace.Encode(rec)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", "u2"))
+	if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), "pool migrate") {
+		t.Fatalf("ADD into a migrating pool: %v, want ErrUnavailable naming pool migrate", err)
+	}
+	if err := a.Del(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 5*time.Second, "the flat key released with the pod's lease", func() bool {
+		return etcdtest.Count(etcdtest.Dump(t, cli, flatKey), flatKey) == 0
+	})
+	// Migrated: ADDs claim in the block layout.
+	if _, err := cli.Put(ctx, keyspace.PoolKey(pool.Name), keyspace.EncodePool(allocator.PoolSpec{Name: pool.Name, Ranges: pool.Ranges, Blocks: allocator.DefaultBlocks})); err != nil {
+		t.Fatal(err)
+	}
+	res, err = a.Add(ctx, addReq(pool, "c3", "eth0", "u3"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blockKey := keyspace.IPKey(pool.Name, allocator.DefaultBlocks, res.IPs[0].Address.Addr())
+	if n := etcdtest.Count(etcdtest.Dump(t, cli, blockKey), blockKey); n != 1 {
+		t.Fatalf("migrated pool: allocation key %s missing", blockKey)
+	}
+}
+
+// TestRestartWithManyBlocksListsThemAll: a node holding more blocks than one etcd
+// transaction may list (128 operations, two per block) lists them in several after a restart
+// and keeps allocating in them.
+func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.65.0.0/22", 30) // 4 addresses a block
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.SpareLeases = 16 })
+	for i := range 300 {
+		if _, err := a.Add(ctx, addReq(pool, fmt.Sprintf("c%d", i), "eth0", fmt.Sprintf("u%d", i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held := a.pools.viewOf(pool.Name).heldBlocks()
+	if held <= maxTxnOps/2 {
+		t.Fatalf("the node holds %d blocks; the test needs more than %d", held, maxTxnOps/2)
+	}
+	a.Close()
+	b := startAgent(t, cluster, "n1", "uid1")
+	res, err := b.Add(ctx, addReq(pool, "after", "eth0", "u-after"))
+	if err != nil {
+		t.Fatalf("ADD after a restart with %d blocks: %v", held, err)
+	}
+	if n := b.pools.viewOf(pool.Name).heldBlocks(); n < held {
+		t.Errorf("after the restart the node follows %d blocks, want its %d", n, held)
+	}
+	if allocated, _, _, _ := b.pools.viewOf(pool.Name).counts(); allocated != 301 {
+		t.Errorf("the view holds %d allocations, want 301", allocated)
+	}
+	key := keyspace.IPKey(pool.Name, pool.Blocks, res.IPs[0].Address.Addr())
+	if n := etcdtest.Count(etcdtest.Dump(t, cli, key), key); n != 1 {
+		t.Errorf("allocation key %s: %d keys", key, n)
+	}
+}
+
+// TestRestartedNodeKeepsItsBlocksWithoutARequest: a restarted agent adopts its block lease
+// at start, from the pools its pods are in, not at the pool's next request: a quiet node
+// keeps its blocks past the lease TTL.
+func TestRestartedNodeKeepsItsBlocksWithoutARequest(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.66.0.0/24", 26)
+	ctx := ctxT(t)
+	const ttl = 2 * time.Second
+	short := func(c *Config) { c.LeaseTTL = ttl }
+	a := startAgent(t, cluster, "n1", "uid1", short)
+	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	before := blockClaims(t, cli, pool.Name)
+	a.Close()
+	startAgent(t, cluster, "n1", "uid1", short)
+	restarted := time.Now()
+	etcdtest.Eventually(t, 10*ttl, "three lease TTLs after the restart", func() bool {
+		if after := blockClaims(t, cli, pool.Name); fmt.Sprint(after) != fmt.Sprint(before) {
+			t.Fatalf("%s after the restart the claims are %v, want %v", time.Since(restarted).Round(time.Millisecond), after, before)
+		}
+		return time.Since(restarted) > 3*ttl
+	})
+}

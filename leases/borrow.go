@@ -1,0 +1,120 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Borrowing: with every block of a set claimed and no room in its own, a node takes a free
+// address inside another node's block, found in one keys-only read of the whole pool. The
+// claim is the same create-if-absent transaction as always, so the block's owner and the
+// borrower never both hold an address; the owner hears of it through its block's watch.
+
+// snapshot is the whole pool as read for borrowing: allocated and resting addresses. It is
+// kept and reused until it offers nothing; a claim that fails on it marks what it learned.
+type snapshot struct {
+	allocated   map[netip.Addr]bool
+	quarantined map[netip.Addr]time.Time
+}
+
+func (s *snapshot) Allocated(a netip.Addr) bool { return s.allocated[a] }
+
+func (s *snapshot) Quarantined(a netip.Addr) (time.Time, bool) {
+	t, ok := s.quarantined[a]
+	return t, ok
+}
+
+// borrowTaken is what is taken in the whole pool: this node's blocks as its view follows them,
+// the rest as the snapshot read them, and host addresses everywhere. The view's lock is held.
+type borrowTaken struct {
+	v *view
+	s *snapshot
+}
+
+func (t borrowTaken) Allocated(a netip.Addr) bool {
+	if t.v.follows(a) {
+		return unlocked{t.v}.Allocated(a)
+	}
+	return t.s.allocated[a] || t.v.hostCount[a] > 0
+}
+
+func (t borrowTaken) Quarantined(a netip.Addr) (time.Time, bool) {
+	if t.v.follows(a) {
+		return unlocked{t.v}.Quarantined(a)
+	}
+	return t.s.Quarantined(a)
+}
+
+// borrow picks a free address of set anywhere in the pool, outside this node's blocks (full,
+// or the caller would not be here), and marks it pending. It reuses the last snapshot and
+// reads the pool again once when that offers nothing, so "exhausted" is said only after a
+// fresh read.
+func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+	for fresh := false; ; fresh = true {
+		v.mu.Lock()
+		s := v.borrowed
+		v.mu.Unlock()
+		if s == nil || fresh {
+			var err error
+			if s, err = v.readPool(ctx); err != nil {
+				return netip.Addr{}, err
+			}
+			fresh = true
+		}
+		v.mu.Lock()
+		busy := func(a netip.Addr) bool {
+			if _, ok := v.pending[a]; ok {
+				return true
+			}
+			return skip != nil && skip(a)
+		}
+		// Borrowers start at random places: they compete for the same few free addresses.
+		addr, err := spec.Next(set, spec.Ranges[set].Spread(rand.Float64()), borrowTaken{v, s}, busy)
+		if err == nil {
+			v.pending[addr] = struct{}{}
+		}
+		v.mu.Unlock()
+		if err == nil {
+			v.own.metrics.borrowed.Inc()
+			return addr, nil
+		}
+		if fresh {
+			return netip.Addr{}, err
+		}
+	}
+}
+
+// readPool reads every allocation key (keys only) and quarantine key of the pool, and keeps
+// the result as the borrowing snapshot.
+func (v *view) readPool(ctx context.Context) (*snapshot, error) {
+	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
+	defer cancel()
+	resp, err := v.cli.Txn(octx).Then(
+		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return nil, fmt.Errorf("%w: read pool %s to borrow an address: %w", allocator.ErrUnavailable, v.pool, err)
+	}
+	s := &snapshot{allocated: make(map[netip.Addr]bool), quarantined: make(map[netip.Addr]time.Time)}
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
+			s.allocated[ip] = true
+		}
+	}
+	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+		v.applyQuarantine(s.quarantined, kv.Key, kv.Value)
+	}
+	v.mu.Lock()
+	v.borrowed, v.borrowedAt = s, time.Now()
+	v.mu.Unlock()
+	return s, nil
+}

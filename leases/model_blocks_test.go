@@ -1,0 +1,537 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// The block part of TestModelRandomHistories (issue 16): the model's pool has small blocks,
+// so that histories claim blocks, fill them, borrow in other nodes' blocks and give empty
+// blocks back; nodes die (their leases expire, their pods are gone) and come back replaced.
+
+const (
+	// modelBlockIdle is the model agents' Config.BlockIdle: short, so that histories give
+	// blocks back.
+	modelBlockIdle = 300 * time.Millisecond
+	// modelViewSettle bounds how long check waits for the agents' views of their blocks to
+	// agree with etcd: a give-back deletes the claim, then drops the span.
+	modelViewSettle = 3 * time.Second
+)
+
+// modelBlockMetrics are the counters the model sums over every agent it ran.
+var modelBlockMetrics = []string{
+	"leasehold_block_claims_total",
+	"leasehold_blocks_given_back_total",
+	"leasehold_borrowed_addresses_total",
+}
+
+// modelPool is the model's pool: 29 IPv4 addresses in four /29 blocks for 24 owners x 2
+// interfaces (blocks run out, nodes borrow, the pool is exhausted), and 126 IPv6 addresses
+// in 32 /126 blocks (blocks are claimed and given back, seldom all of them).
+func modelPool() allocator.PoolSpec {
+	return allocator.PoolSpec{Name: etcdtest.Uniq("mp"), Ranges: []allocator.RangeSet{
+		{{Subnet: netip.MustParsePrefix("10.77.0.0/27")}},
+		{{Subnet: netip.MustParsePrefix("fd77::/121")}},
+	}, Blocks: allocator.Blocks{IPv4: 29, IPv6: 126}}
+}
+
+// harvest adds the block counters of an agent about to go to the model's totals.
+func (m *model) harvest(a *Agent) {
+	for _, name := range modelBlockMetrics {
+		m.stats[name] += metricValue(m.t, a, name)
+	}
+}
+
+// totals are the block counters of every agent the model ran, live ones included.
+func (m *model) totals() map[string]float64 {
+	out := map[string]float64{}
+	for name, v := range m.stats {
+		out[name] = v
+	}
+	for _, n := range m.nodes {
+		if n.agent != nil {
+			for _, name := range modelBlockMetrics {
+				out[name] += metricValue(m.t, n.agent, name)
+			}
+		}
+	}
+	return out
+}
+
+// live returns the indexes of the nodes whose agent runs.
+func (m *model) live() []int {
+	var out []int
+	for i, n := range m.nodes {
+		if n.agent != nil {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+// homeOf returns the node that serves owner: its home while that node is alive, else a live
+// node chosen now (a pod of a dead node is rescheduled as a new pod). An owner that holds
+// nothing is sometimes scheduled anew, so that owners drained off a node come back to it.
+func (m *model) homeOf(owner string) *modelNode {
+	if ni, ok := m.home[owner]; ok && m.nodes[ni].agent != nil && (m.holds(owner) || m.rng.IntN(8) > 0) {
+		return m.nodes[ni]
+	}
+	live := m.live()
+	ni := live[m.rng.IntN(len(live))]
+	m.home[owner] = ni
+	return m.nodes[ni]
+}
+
+// holds reports whether the model gives owner any address.
+func (m *model) holds(owner string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for k := range m.held {
+		if k.owner == owner {
+			return true
+		}
+	}
+	return false
+}
+
+// keptAlive lists the leases an agent renews: what expires when its node dies.
+func keptAlive(a *Agent) []clientv3.LeaseID {
+	a.keeper.mu.Lock()
+	defer a.keeper.mu.Unlock()
+	out := make([]clientv3.LeaseID, 0, len(a.keeper.held))
+	for id := range a.keeper.held {
+		out = append(out, id)
+	}
+	return out
+}
+
+// die kills one node: its agent stops, and every lease it renewed expires (revoked here, as
+// etcd does a TTL after the last renewal), taking its pods' addresses and its block claims.
+// The model forgets the node's pods; the node comes back later with a new identity (revive).
+// It reports false when too few nodes are alive to lose one.
+func (m *model) die(ctx context.Context, i int) bool {
+	live := m.live()
+	if len(live) < 3 {
+		return false
+	}
+	ni := live[m.rng.IntN(len(live))]
+	n := m.nodes[ni]
+	leases := keptAlive(n.agent)
+	m.harvest(n.agent)
+	n.agent.Close()
+	n.agent = nil
+	n.back = i + 3 + m.rng.IntN(15)
+	for _, id := range leases {
+		if _, err := m.cli.Revoke(ctx, id); err != nil && !keyspace.IsLeaseNotFound(err) {
+			m.t.Fatalf("step %d: revoke %s of dead node %s: %v", i, keyspace.LeaseHex(id), n.name, err)
+		}
+	}
+	m.mu.Lock()
+	var gone []string
+	for k := range m.held {
+		if m.home[k.owner] == ni {
+			gone = append(gone, fmt.Sprint(k))
+			delete(m.held, k)
+			delete(m.ctr, k)
+		}
+	}
+	m.mu.Unlock()
+	sort.Strings(gone)
+	m.log("%d %s DIES (uid %s, %d leases expire, its attachments %v are gone)", i, n.name, n.uid, len(leases), gone)
+	m.count["death"]++
+	// Every key the dead node wrote for its pods and blocks must go with its leases: a key on
+	// a lease it did not renew expires on its own within the TTL, one on no lease never does.
+	deadline := time.Now().Add(12 * time.Second)
+	for {
+		left := m.keysOfNode(ctx, n.name, n.uid)
+		if len(left) == 0 {
+			return true
+		}
+		if time.Now().After(deadline) {
+			m.t.Errorf("step %d: keys of dead node %s (uid %s) outlive its leases: %v", i, n.name, n.uid, left)
+			return true
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// drain deletes every attachment of one node at once, as when its pods are evicted, and
+// schedules its owners on other nodes: its blocks empty, and are given back once their
+// quarantine and BlockIdle are over, unless another node borrows in them first.
+func (m *model) drain(ctx context.Context, i int) {
+	live := m.live()
+	ni := live[m.rng.IntN(len(live))]
+	n := m.nodes[ni]
+	var others []int
+	for _, o := range live {
+		if o != ni {
+			others = append(others, o)
+		}
+	}
+	m.mu.Lock()
+	var keys []attKey
+	busy := map[string]bool{}
+	for k := range m.held {
+		if m.home[k.owner] == ni {
+			keys = append(keys, k)
+			busy[k.owner] = true
+		}
+	}
+	m.mu.Unlock()
+	defer func() {
+		owners := slices.Sorted(maps.Keys(m.home)) // in order: a replay draws the same homes
+		for _, owner := range owners {
+			if m.home[owner] == ni && len(others) > 0 {
+				m.home[owner] = others[m.rng.IntN(len(others))]
+			}
+		}
+	}()
+	sort.Slice(keys, func(a, b int) bool { return keys[a].owner+keys[a].ifName < keys[b].owner+keys[b].ifName })
+	m.log("%d %s DRAIN %v", i, n.name, keys)
+	m.count["drain"]++
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		wg.Go(func() { m.do(ctx, i, n, k, 5, 1, busy) })
+	}
+	wg.Wait()
+}
+
+// settle ends a history: every attachment the model holds is deleted, after which the pool
+// must hold no allocation, and every block must be given back once its quarantine and
+// BlockIdle are over. A block claim left then is a leaked block, unless its node restarted
+// and has not served the pool since: nothing renews such a claim, and it goes with its
+// lease (counted as "orphaned").
+func (m *model) settle(i int) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	m.revive(i)
+	m.mu.Lock()
+	var keys []attKey
+	busy := map[string]bool{}
+	for k := range m.held {
+		keys = append(keys, k)
+		busy[k.owner] = true
+	}
+	m.mu.Unlock()
+	sort.Slice(keys, func(a, b int) bool { return keys[a].owner+keys[a].ifName < keys[b].owner+keys[b].ifName })
+	m.log("%d SETTLE: DEL %v", i, keys)
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		n := m.nodes[m.home[k.owner]]
+		wg.Go(func() { m.do(ctx, i, n, k, 5, 1, busy) })
+	}
+	wg.Wait()
+	m.check()
+	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		m.t.Errorf("every attachment was deleted, and allocation %s is left", kv.Key)
+	}
+	// A quarantine key lives on a lease of up to the quarantine plus a window (the keeper's
+	// QuarantineLease), which etcd revokes within about a second of its TTL.
+	start := time.Now()
+	deadline := start.Add(modelQuarantine + 2*time.Second + modelBlockIdle + modelViewSettle)
+	orphanDeadline := start.Add(10*time.Second + 2*time.Second) // startAgent's LeaseTTL
+	for {
+		left, orphans := m.claimsLeft(ctx)
+		if len(left) == 0 && len(orphans) == 0 {
+			break
+		}
+		if len(left) > 0 && time.Now().After(deadline) {
+			m.t.Errorf("every attachment was deleted %s ago, and these blocks are still claimed: %v\nblocks:%s",
+				time.Since(start).Round(time.Millisecond),
+				left, m.blocksDump())
+			return
+		}
+		if len(left) == 0 && time.Now().After(orphanDeadline) {
+			m.t.Errorf("block claims of restarted nodes outlive their lease TTL: %v\nblocks:%s", orphans, m.blocksDump())
+			return
+		}
+		if len(orphans) > 0 && m.count["orphaned"] == 0 {
+			m.count["orphaned"] = len(orphans)
+			m.log("%d SETTLE: claims no agent follows (restarted, pool not served since): %v", i, orphans)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	m.log("%d SETTLE: every block given back", i)
+	m.check()
+}
+
+// claimsLeft lists the pool's block claims: those of agents that follow the pool (left), and
+// those of agents that do not, having restarted since they last served it (orphans).
+func (m *model) claimsLeft(ctx context.Context) (left, orphans []string) {
+	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		rec, _ := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+		claim := fmt.Sprintf("%s by %s", kv.Key, rec.Node)
+		orphan := false
+		for _, n := range m.nodes {
+			if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.viewOf(m.pool.Name) == nil {
+				orphan = true
+			}
+		}
+		if orphan {
+			orphans = append(orphans, claim)
+		} else {
+			left = append(left, claim)
+		}
+	}
+	return left, orphans
+}
+
+// revive brings back, with a new node UID and an empty state directory, the dead nodes whose
+// time has come: the same-name replacement of a machine.
+func (m *model) revive(i int) {
+	for ni, n := range m.nodes {
+		if n.agent != nil || i < n.back {
+			continue
+		}
+		n.gen++
+		n.uid, n.state = fmt.Sprintf("uid%d-r%d", ni, n.gen), m.t.TempDir()
+		n.agent = m.start(n)
+		m.log("%d %s REPLACED (uid %s)", i, n.name, n.uid)
+		m.count["replace"]++
+	}
+}
+
+// keysOfNode lists the keys that name node identity (name, uid): allocations, owner indexes,
+// pod records and block claims.
+func (m *model) keysOfNode(ctx context.Context, name, uid string) []string {
+	resp, err := m.cli.Txn(ctx).Then(
+		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.PodsPrefix(m.cluster, name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	var out []string
+	for i, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			var of string
+			switch i {
+			case 0:
+				rec, _ := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value)
+				of = rec.NodeUID
+			case 1:
+				rec, _ := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
+				of = rec.NodeUID
+			case 2:
+				rec, _ := keyspace.Decode[keyspace.PodRecord](string(kv.Key), kv.Value)
+				of = rec.NodeUID
+			case 3:
+				rec, _ := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+				of = rec.NodeUID
+			}
+			if of == uid {
+				out = append(out, fmt.Sprintf("%s (lease %s)", kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv))))
+			}
+		}
+	}
+	return out
+}
+
+// checkKeyBlocks checks that an allocation or quarantine key lies in the block its key names,
+// and that this block is the pool's block of the address.
+func (m *model) checkKeyBlocks(key string, block netip.Prefix, ip netip.Addr, want string) {
+	if b := m.pool.Blocks.Of(ip); block != b {
+		m.t.Errorf("key %s names block %s, the pool's block of %s is %s", key, block, ip, b)
+	}
+	if key != want {
+		m.t.Errorf("key %s is not the pool's key of %s (%s)", key, ip, want)
+	}
+}
+
+// checkClaims checks the pool's block claims as read at a quiet point: each lies on a live
+// lease, names a live node of the model with its current identity, and spells a block of the
+// pool's size.
+func (m *model) checkClaims(ctx context.Context, kvs []*mvccpb.KeyValue) {
+	alive := map[clientv3.LeaseID]bool{}
+	for _, kv := range kvs {
+		pool, block, err := keyspace.ParseBlockKey(string(kv.Key))
+		if err != nil {
+			m.t.Errorf("block claim key: %v", err)
+			continue
+		}
+		if pool != m.pool.Name || !block.IsValid() || m.pool.Blocks.Of(block.Addr()) != block {
+			m.t.Errorf("block claim %s is not a block of pool %s (%s)", kv.Key, m.pool.Name, m.pool.Blocks)
+		}
+		rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+		if err != nil {
+			m.t.Errorf("block claim: %v", err)
+			continue
+		}
+		if !m.isLiveNode(rec.Node, rec.NodeUID) || rec.Cluster != m.cluster {
+			m.t.Errorf("block claim %s names %s/%s (uid %s), not a live node of the model", kv.Key, rec.Cluster, rec.Node, rec.NodeUID)
+		}
+		lease := keyspace.LeaseOf(kv)
+		if lease == 0 {
+			m.t.Errorf("block claim %s is on no lease", kv.Key)
+			continue
+		}
+		if rec.LeaseID != keyspace.LeaseHex(lease) {
+			m.t.Errorf("block claim %s says lease %s, is on %s", kv.Key, rec.LeaseID, keyspace.LeaseHex(lease))
+		}
+		ok, seen := alive[lease]
+		if !seen {
+			resp, err := m.cli.TimeToLive(ctx, lease)
+			ok = err == nil && resp.TTL > 0
+			alive[lease] = ok
+		}
+		if !ok {
+			m.t.Errorf("block claim %s is on lease %s, which is not alive", kv.Key, keyspace.LeaseHex(lease))
+		}
+	}
+}
+
+func (m *model) isLiveNode(name, uid string) bool {
+	for _, n := range m.nodes {
+		if n.agent != nil && n.name == name && n.uid == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// checkViews checks that no two agents consider one block theirs, and that every agent whose
+// view of the pool is listed holds exactly its claims in etcd, on leases it renews. A
+// give-back deletes a claim before the view drops the block, so a disagreement must last
+// modelViewSettle to count.
+func (m *model) checkViews() {
+	deadline := time.Now().Add(modelViewSettle)
+	for {
+		problems := m.viewProblems()
+		if len(problems) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			m.t.Errorf("block views disagree with etcd for %s:\n  %s\nclaims: %s", modelViewSettle,
+				strings.Join(problems, "\n  "), m.blocksDump())
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (m *model) viewProblems() []string {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	type claim struct {
+		node, uid string
+		lease     clientv3.LeaseID
+	}
+	claims := map[netip.Prefix]claim{}
+	for _, kv := range resp.Kvs {
+		_, block, err := keyspace.ParseBlockKey(string(kv.Key))
+		rec, derr := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+		if err == nil && derr == nil {
+			claims[block] = claim{rec.Node, rec.NodeUID, keyspace.LeaseOf(kv)}
+		}
+	}
+	var problems []string
+	holder := map[netip.Prefix]string{}
+	for _, n := range m.nodes {
+		if n.agent == nil {
+			continue
+		}
+		v := n.agent.pools.viewOf(m.pool.Name)
+		if v == nil {
+			continue
+		}
+		select {
+		case <-v.synced:
+		default:
+			continue // not listed yet: it knows no block
+		}
+		v.mu.Lock()
+		spans := map[netip.Prefix]clientv3.LeaseID{}
+		for b, s := range v.spans {
+			if b.IsValid() {
+				spans[b] = s.lease
+			}
+		}
+		v.mu.Unlock()
+		for b, lease := range spans {
+			if other, dup := holder[b]; dup {
+				problems = append(problems, fmt.Sprintf("block %s is held by both %s and %s", b, other, n.name))
+			}
+			holder[b] = n.name
+			c, ok := claims[b]
+			switch {
+			case !ok:
+				problems = append(problems, fmt.Sprintf("%s holds block %s, which has no claim", n.name, b))
+			case c.node != n.name || c.uid != n.uid:
+				problems = append(problems, fmt.Sprintf("%s (uid %s) holds block %s, claimed by %s (uid %s)", n.name, n.uid, b, c.node, c.uid))
+			case c.lease != lease:
+				problems = append(problems, fmt.Sprintf("%s holds block %s on lease %s, its claim is on %s", n.name, b,
+					keyspace.LeaseHex(lease), keyspace.LeaseHex(c.lease)))
+			case !n.agent.keeper.Holds(lease):
+				problems = append(problems, fmt.Sprintf("%s holds block %s on lease %s, which it does not renew", n.name, b, keyspace.LeaseHex(lease)))
+			}
+		}
+		for b, c := range claims {
+			if c.node == n.name && c.uid == n.uid {
+				if _, ok := spans[b]; !ok {
+					problems = append(problems, fmt.Sprintf("%s's claim of block %s is not in its view", n.name, b))
+				}
+			}
+		}
+	}
+	sort.Strings(problems)
+	return problems
+}
+
+// blocksDump is the pool's claims and each live agent's blocks, for a failure report.
+func (m *model) blocksDump() string {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var b strings.Builder
+	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	if err != nil {
+		return err.Error()
+	}
+	for _, kv := range resp.Kvs {
+		fmt.Fprintf(&b, "\n  %s on %s: %s", kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
+	}
+	for _, n := range m.nodes {
+		if n.agent == nil {
+			fmt.Fprintf(&b, "\n  %s: dead", n.name)
+			continue
+		}
+		var held []string
+		if v := n.agent.pools.viewOf(m.pool.Name); v != nil {
+			v.mu.Lock()
+			for blk, s := range v.spans {
+				held = append(held, fmt.Sprintf("%s@%s leaving=%v", blk, keyspace.LeaseHex(s.lease), s.leaving))
+			}
+			v.mu.Unlock()
+		}
+		sort.Strings(held)
+		fmt.Fprintf(&b, "\n  %s (uid %s) holds %v", n.name, n.uid, held)
+	}
+	return b.String()
+}
