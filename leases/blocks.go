@@ -190,7 +190,7 @@ func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int
 	if top.IsValid() {
 		from = lastAddrOf(top).Next()
 	}
-	skip := v.unclaimable(spec, set)
+	skip := v.unclaimable()
 	block, ok := spec.NextBlock(set, v.blocks, from, skip)
 	fresh := time.Since(v.claimsRead) < claimsFresh
 	v.mu.Unlock()
@@ -269,18 +269,22 @@ func lastAddrOf(p netip.Prefix) netip.Addr {
 }
 
 // unclaimable tells which blocks a claim should skip: claimed ones, and those the last pool
-// snapshot shows without a free address of set. It is called with the lock held.
-func (v *view) unclaimable(spec *allocator.PoolSpec, set int) func(netip.Prefix) bool {
+// snapshot shows at least half used. It is called with the lock held.
+func (v *view) unclaimable() func(netip.Prefix) bool {
 	return func(b netip.Prefix) bool {
 		if v.isClaimed(b) {
 			return true
 		}
-		if v.borrowed == nil {
-			return false
-		}
-		_, err := spec.NextIn(set, b, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
-		return err != nil
+		// A block the last pool snapshot shows at least half used is left to borrowing: near
+		// exhaustion a claim of a block with one free address would cost an extra transaction
+		// per ADD, and borrowing finds that address anyway.
+		return v.borrowed != nil && v.borrowed.used[b] >= blockSize(b)/2
 	}
+}
+
+// blockSize is the number of addresses in block b (capped: only halves of it are compared).
+func blockSize(b netip.Prefix) int {
+	return 1 << min(b.Addr().BitLen()-b.Bits(), 30)
 }
 
 func (v *view) haveSnapshot() bool {
@@ -314,6 +318,7 @@ func (v *view) addSpan(s *span, l listed) {
 	v.mu.Lock()
 	v.spans[s.block] = s
 	v.spansAdded++
+	v.order = nil
 	v.claims[s.block] = v.own.cluster + "/" + v.own.node
 	for _, kv := range l.ips.GetKvs() {
 		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil && v.allocated[ip] < kv.CreateRevision {
@@ -322,14 +327,6 @@ func (v *view) addSpan(s *span, l listed) {
 	}
 	for _, kv := range l.qs.GetKvs() {
 		v.applyQuarantine(v.quarantined, kv.Key, kv.Value)
-	}
-	if v.borrowed != nil {
-		// The snapshot's copy of this block is older than the listing just installed.
-		for a := range v.borrowed.allocated {
-			if s.block.Contains(a) {
-				delete(v.borrowed.allocated, a)
-			}
-		}
 	}
 	g := v.gen
 	v.mu.Unlock()
@@ -350,6 +347,7 @@ func (v *view) dropSpan(block netip.Prefix) {
 		s.stop()
 	}
 	delete(v.spans, block)
+	v.order = nil
 	delete(v.claims, block)
 	for a := range v.allocated {
 		if block.Contains(a) {

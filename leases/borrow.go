@@ -23,6 +23,28 @@ import (
 type snapshot struct {
 	allocated   map[netip.Addr]bool
 	quarantined map[netip.Addr]time.Time
+	// used counts allocated and resting addresses per block: a block claim skips blocks
+	// without room (unclaimable) at no cost per block.
+	used map[netip.Prefix]int
+}
+
+// take records a as allocated in the snapshot.
+func (s *snapshot) take(b allocator.Blocks, a netip.Addr) {
+	if !s.allocated[a] {
+		s.allocated[a] = true
+		s.used[b.Of(a)]++
+	}
+}
+
+// free records a as released, with its quarantine until until (zero: none).
+func (s *snapshot) free(b allocator.Blocks, a netip.Addr, until time.Time) {
+	if s.allocated[a] {
+		delete(s.allocated, a)
+		s.used[b.Of(a)]--
+	}
+	if !until.IsZero() {
+		s.quarantined[a] = until
+	}
 }
 
 func (s *snapshot) Allocated(a netip.Addr) bool { return s.allocated[a] }
@@ -104,14 +126,20 @@ func (v *view) readPool(ctx context.Context) (*snapshot, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: read pool %s to borrow an address: %w", allocator.ErrUnavailable, v.pool, err)
 	}
-	s := &snapshot{allocated: make(map[netip.Addr]bool), quarantined: make(map[netip.Addr]time.Time)}
+	s := &snapshot{allocated: make(map[netip.Addr]bool), quarantined: make(map[netip.Addr]time.Time),
+		used: make(map[netip.Prefix]int)}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
 		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
-			s.allocated[ip] = true
+			s.take(v.blocks, ip)
 		}
 	}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
 		v.applyQuarantine(s.quarantined, kv.Key, kv.Value)
+	}
+	for a := range s.quarantined {
+		if !s.allocated[a] {
+			s.used[v.blocks.Of(a)]++
+		}
 	}
 	v.mu.Lock()
 	v.borrowed, v.borrowedAt = s, time.Now()

@@ -50,6 +50,7 @@ type view struct {
 	// listing can tell a block was claimed while it ran.
 	spans      map[netip.Prefix]*span
 	spansAdded int
+	order      []netip.Prefix // the spans' blocks in address order; nil when spans changed
 	// claims are the pool's block claims as last read: block -> the claiming node.
 	claims     map[netip.Prefix]string
 	claimsRead time.Time
@@ -77,6 +78,8 @@ type span struct {
 	// leaving is set while the block is being given back, so no ADD chooses from it.
 	emptySince time.Time
 	leaving    bool
+	// full marks range sets the block had no free address of at the last search.
+	full map[int]bool
 }
 
 // generation is one listing and the watches that follow it.
@@ -151,12 +154,32 @@ func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) 
 		return v.take(spec, set, addr), nil
 	}
 	from := v.next[set]
-	for _, b := range v.ownBlocks(v.blocks.Of(from)) {
+	order := v.sorted()
+	first, _ := slices.BinarySearchFunc(order, v.blocks.Of(from), comparePrefix)
+	for k := range order {
+		b := order[(first+k)%len(order)]
+		s := v.spans[b]
+		if s.leaving || s.full[set] {
+			continue
+		}
 		if addr, err := spec.NextIn(set, b, from, unlocked{v}, busy); err == nil {
 			return v.take(spec, set, addr), nil
 		}
+		// Full for now: skipped until an address in it comes free (roomAt), so that a node
+		// holding many blocks does not walk every full one on each ADD.
+		if s.full == nil {
+			s.full = make(map[int]bool)
+		}
+		s.full[set] = true
 	}
 	return netip.Addr{}, errNoBlock
+}
+
+// roomAt notes that a may have come free; the caller holds the lock.
+func (v *view) roomAt(a netip.Addr) {
+	if s := v.spans[v.blocks.Of(a)]; s != nil {
+		clear(s.full)
+	}
 }
 
 // take marks addr pending and moves set's next search past it; the caller holds the lock.
@@ -166,21 +189,22 @@ func (v *view) take(spec *allocator.PoolSpec, set int, addr netip.Addr) netip.Ad
 	return addr
 }
 
-// ownBlocks lists the blocks this node holds and may allocate from, in address order
-// starting with first (when held); the caller holds the lock.
-func (v *view) ownBlocks(first netip.Prefix) []netip.Prefix {
-	var out []netip.Prefix
-	for b, s := range v.spans {
-		if b.IsValid() && !s.leaving {
-			out = append(out, b)
+// sorted is the blocks this node holds in address order, kept until the spans change; the
+// caller holds the lock.
+func (v *view) sorted() []netip.Prefix {
+	if v.order == nil {
+		v.order = make([]netip.Prefix, 0, len(v.spans))
+		for b := range v.spans {
+			if b.IsValid() {
+				v.order = append(v.order, b)
+			}
 		}
+		slices.SortFunc(v.order, comparePrefix)
 	}
-	slices.SortFunc(out, func(x, y netip.Prefix) int { return x.Addr().Compare(y.Addr()) })
-	if i := slices.Index(out, first); i > 0 {
-		out = append(out[i:], out[:i]...)
-	}
-	return out
+	return v.order
 }
+
+func comparePrefix(x, y netip.Prefix) int { return x.Addr().Compare(y.Addr()) }
 
 // from is where the round-robin search of a range set starts: after the address handed out
 // last, so a crash-looping container does not get the same address straight back. An
@@ -214,6 +238,7 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 	for _, a := range addrs {
 		delete(v.pending, a)
 		if rev <= 0 {
+			v.roomAt(a)
 			continue
 		}
 		switch {
@@ -222,7 +247,7 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 				v.allocated[a] = rev
 			}
 		case v.borrowed != nil:
-			v.borrowed.allocated[a] = true
+			v.borrowed.take(v.blocks, a)
 		}
 	}
 }
@@ -236,10 +261,7 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 	for _, a := range addrs {
 		if !v.follows(a) {
 			if v.borrowed != nil {
-				delete(v.borrowed.allocated, a)
-				if !until.IsZero() {
-					v.borrowed.quarantined[a] = until
-				}
+				v.borrowed.free(v.blocks, a, until)
 			}
 			continue
 		}
@@ -249,6 +271,7 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 		if !until.IsZero() {
 			v.quarantined[a] = until
 		}
+		v.roomAt(a)
 	}
 }
 
@@ -262,7 +285,7 @@ func (v *view) markAllocated(a netip.Addr, rev int64) {
 			v.allocated[a] = rev
 		}
 	case v.borrowed != nil:
-		v.borrowed.allocated[a] = true
+		v.borrowed.take(v.blocks, a)
 	}
 }
 
@@ -343,7 +366,10 @@ func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 // roomIn reports whether one of this node's blocks has a free address of set; the caller
 // holds the lock.
 func (v *view) roomIn(spec *allocator.PoolSpec, set int) bool {
-	for _, b := range v.ownBlocks(netip.Prefix{}) {
+	for _, b := range v.sorted() {
+		if v.spans[b].leaving {
+			continue
+		}
 		if _, err := spec.NextIn(set, b, netip.Addr{}, unlocked{v}, nil); err == nil {
 			return true
 		}

@@ -202,7 +202,7 @@ func sortedBlocks(spans map[netip.Prefix]*span) []netip.Prefix {
 	for b := range spans {
 		out = append(out, b)
 	}
-	slices.SortFunc(out, func(x, y netip.Prefix) int { return x.Addr().Compare(y.Addr()) })
+	slices.SortFunc(out, comparePrefix)
 	return out
 }
 
@@ -258,7 +258,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			old.stop()
 		}
 	}
-	v.spans, v.allocated, v.quarantined = spans, allocated, quarantined
+	v.spans, v.allocated, v.quarantined, v.order = spans, allocated, quarantined, nil
 	if claims != nil {
 		v.claims, v.claimsRead = claims, time.Now()
 	}
@@ -310,6 +310,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 				// A delete older than a creation this agent already saw is stale.
 				if v.allocated[ip] <= ev.Kv.ModRevision {
 					delete(v.allocated, ip)
+					v.roomAt(ip)
 				}
 			}
 			continue
@@ -325,6 +326,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 		if ip, err := keyspace.ParseHostIPKey(key); err == nil {
 			if ev.Type == clientv3.EventTypeDelete {
 				v.removeHost(key)
+				v.roomAt(ip)
 			} else {
 				v.addHost(key, ip)
 			}
@@ -333,6 +335,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 		if _, _, ip, err := keyspace.ParseQuarantineKey(key); err == nil && v.follows(ip) {
 			if ev.Type == clientv3.EventTypeDelete {
 				delete(v.quarantined, ip)
+				v.roomAt(ip)
 			} else {
 				v.applyQuarantine(v.quarantined, ev.Kv.Key, ev.Kv.Value)
 			}
