@@ -98,8 +98,10 @@ func fanout(ctx context.Context, env *env, res *results, kind string, levels []i
 			return firstErr
 		}
 		time.Sleep(time.Second) // spares granted, views synced
+		// etcd's CPU time is counted in 10 ms ticks: the idle window and the ADDs must both be
+		// long enough for the subtraction to mean something.
 		c0, t0 := e.cpu().etcd, time.Now()
-		time.Sleep(2 * time.Second)
+		time.Sleep(5 * time.Second)
 		idle := float64(e.cpu().etcd-c0) / float64(time.Since(t0)) // etcd CPU seconds per second with nothing allocated
 		m0, err := scrape(ctx, e.URL+"/metrics")
 		if err != nil {

@@ -64,7 +64,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn (add includes exhaustion and rss); empty runs all")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive (add includes exhaustion and rss); empty runs all")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
@@ -87,7 +87,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.DurationVar(&c.restartTTL, "restart-ttl", 30*time.Second, "pod lease TTL in the restart figure (the downtime before the restart is TTL/3 + 3s, so renewals are visible)")
 	fan := fs.String("fanout-agents", "1,50,1000", "agents watching the pool in the fan-out simulation, in one process (ascending)")
 	fanProcs := fs.String("fanout-procs", "1,50", "leaseholdd processes watching the pool in the fan-out figure (ascending)")
-	fs.IntVar(&c.fanoutAdds, "fanout-adds", 200, "sequential ADDs measured at each fan-out size")
+	fs.IntVar(&c.fanoutAdds, "fanout-adds", 1000, "sequential ADDs measured at each fan-out size")
 	fs.IntVar(&c.churnPods, "churn-pods", 200, "pods ADDed and DELeted one after the other in the churn figure (and as many through host-local)")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
 	if err := fs.Parse(args); err != nil {
@@ -249,6 +249,8 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"restart", figRestart},
 		{"fanout", figFanout},
 		{"churn", figChurn},
+		{"expiry", figExpiry},
+		{"keepalive", figKeepalive},
 	}
 	var loads []string
 	for _, f := range figures {
