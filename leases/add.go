@@ -54,6 +54,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	if err != nil {
 		return allocator.Result{}, err
 	}
+	owner = a.attachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool)}

@@ -42,6 +42,7 @@ type Agent struct {
 
 	pods        *pods
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
+	importMu    sync.Mutex   // one Import at a time (import.go)
 
 	// etcd's history as this agent has seen it (sawHeader).
 	epochMu      sync.Mutex

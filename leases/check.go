@@ -28,6 +28,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	if err != nil {
 		return allocator.Result{}, err
 	}
+	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	p, err := a.pools.ensure(ctx, req.Pool)

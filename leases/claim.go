@@ -17,17 +17,20 @@ import (
 //
 //	If(   owner index absent,
 //	      [ADD] pool definition unchanged since the agent read it,
-//	      [ADD, new pod] pod record absent | [ADD, known pod] pod record on this lease,
+//	      [ADD, import; new pod] pod record absent | [known pod] pod record on this lease,
 //	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key)
 //	Then( [new pod] put pod record, put every allocation, put owner index, [re-claim] put conflict record )
-//	Else( get owner index, [ADD] pod record and pool definition,
+//	Else( get owner index, [ADD, import] pod record, [ADD] pool definition,
 //	      per address: allocation, [ADD] quarantine key, [ADD] first host address key )
 //
-// An ADD claims addresses the view chose (forAdd); a re-claim restores a running pod's own
-// addresses after its lease was lost (forReclaim), so it does not compare the pool definition
-// (the addresses were the pod's under whatever definition was current) and writes the pod
-// record separately, once every attachment is back. The else branch reads exactly what
-// decides the outcome, so a failed claim costs no second read; outcome names what it found.
+// An ADD claims addresses the view chose; a re-claim restores a running pod's own addresses
+// after its lease was lost, so it does not compare the pool definition (the addresses were
+// the pod's under whatever definition was current) and writes the pod record separately,
+// once every attachment is back. An import (import.go) claims the addresses another IPAM
+// plugin gave a running container: like a re-claim it compares neither the definition nor
+// quarantine and host keys (the container uses the address already), and like an ADD it
+// writes the pod record with the attachment. The else branch reads exactly what decides the
+// outcome, so a failed claim costs no second read; outcome names what it found.
 type claim struct {
 	lease  clientv3.LeaseID
 	pool   string
@@ -41,12 +44,14 @@ type claim struct {
 	alloc keyspace.Allocation
 	index keyspace.OwnerRecord
 
-	// ADD only (forAdd).
+	// ADD only.
 	add     bool
-	poolRev int64  // ModRevision of the pool definition the addresses were chosen by
-	podKey  string // the pod record: created with newPod, else compared on the lease
-	newPod  bool
-	pod     keyspace.PodRecord
+	poolRev int64 // ModRevision of the pool definition the addresses were chosen by
+	// ADD and import: the pod record, created with newPod, else compared on the lease; a
+	// re-claim has none (podKey empty).
+	podKey string
+	newPod bool
+	pod    keyspace.PodRecord
 	// Re-claim only: addresses of the attachment another owner took, recorded on the lease.
 	conflictKey string
 	conflict    *keyspace.ConflictRecord
@@ -54,10 +59,9 @@ type claim struct {
 
 // Positions of the else branch's reads, shared by txn and outcome so that neither counts.
 const (
-	elseOwner    = iota // ADD and re-claim
-	elsePod             // ADD only
-	elsePool            // ADD only
-	elseAddrsADD        // first address read of an ADD
+	elseOwner = iota // every claim
+	elsePod          // ADD and import
+	elsePool         // ADD only
 )
 
 // readsPerAddr is the else branch's reads per address: the allocation, then for an ADD its
@@ -70,9 +74,12 @@ func (c *claim) readsPerAddr() int {
 }
 
 func (c *claim) addrRead(i, which int) int {
-	first := elseAddrsADD
-	if !c.add {
-		first = elseOwner + 1
+	first := elseOwner + 1
+	if c.podKey != "" {
+		first++
+	}
+	if c.add {
+		first++
 	}
 	return first + i*c.readsPerAddr() + which
 }
@@ -82,16 +89,19 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 	on := clientv3.WithLease(c.lease)
 	cmps = append(cmps, keyspace.Absent(c.ownerKey))
 	gets = append(gets, clientv3.OpGet(c.ownerKey))
-	if c.add {
-		poolKey := keyspace.PoolKey(c.pool)
-		cmps = append(cmps, keyspace.Unchanged(poolKey, c.poolRev))
+	if c.podKey != "" {
 		if c.newPod {
 			cmps = append(cmps, keyspace.Absent(c.podKey))
 			puts = append(puts, clientv3.OpPut(c.podKey, keyspace.Encode(c.pod), on))
 		} else {
 			cmps = append(cmps, keyspace.OnLease(c.podKey, c.lease))
 		}
-		gets = append(gets, clientv3.OpGet(c.podKey), clientv3.OpGet(poolKey, clientv3.WithKeysOnly()))
+		gets = append(gets, clientv3.OpGet(c.podKey))
+	}
+	if c.add {
+		poolKey := keyspace.PoolKey(c.pool)
+		cmps = append(cmps, keyspace.Unchanged(poolKey, c.poolRev))
+		gets = append(gets, clientv3.OpGet(poolKey, clientv3.WithKeysOnly()))
 	}
 	alloc := keyspace.Encode(c.alloc)
 	for _, addr := range c.addrs {
@@ -139,14 +149,14 @@ type claimOutcome struct {
 	Existing *mvccpb.KeyValue
 	// PoolChanged: the pool definition is not the one the addresses were chosen by (ADD).
 	PoolChanged bool
-	// Pod says what the claim found of the pod record (ADD), and PodKV is that record.
+	// Pod says what the claim found of the pod record (ADD, import), and PodKV is that record.
 	Pod   podFound
 	PodKV *mvccpb.KeyValue
 	// Addrs says, per address claimed (in claim order), why it was not free.
 	Addrs []addrFound
 }
 
-// podFound is what an ADD's claim found of the pod record.
+// podFound is what an ADD's or an import's claim found of the pod record.
 type podFound int
 
 const (
@@ -190,6 +200,8 @@ func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
 	if c.add {
 		pool := kv(elsePool)
 		out.PoolChanged = pool == nil || pool.ModRevision != c.poolRev
+	}
+	if c.podKey != "" {
 		out.PodKV = kv(elsePod)
 		switch {
 		case c.newPod && out.PodKV != nil:

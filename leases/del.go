@@ -19,7 +19,9 @@ import (
 // went to someone else releases nothing), and each address must still be on the owner's
 // lease. Released addresses go to quarantine in the same transaction, which also counts the
 // owner's attachments left and, with the last one, deletes the pod record; then the pod lease
-// is given up (dropPodIfEmpty). Releasing nothing is not an error.
+// is given up (dropPodIfEmpty). Releasing nothing is not an error. A request naming a pod
+// UID reaches an attachment this agent keeps under its container ID, as an import from
+// host-local does (attachmentOwner): the container ID is part of that owner key.
 //
 // Errors wrap allocator.ErrInvalidName or ErrUnavailable.
 func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
@@ -28,6 +30,7 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	if err != nil {
 		return err
 	}
+	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	left, err := a.releaseAttachment(ctx, req, owner)

@@ -30,6 +30,8 @@ type metrics struct {
 	unquarantined prometheus.Counter
 	// Blocks: claims made, empty blocks given back, addresses borrowed from others' blocks.
 	blockClaims, blocksGivenBack, borrowed prometheus.Counter
+	// imports counts the addresses of imports from other IPAM plugins by what became of them.
+	imports *prometheus.CounterVec
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -81,9 +83,13 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_borrowed_addresses_total",
 			Help: "Addresses chosen inside other nodes' blocks because every block was claimed and this node's were full.",
 		}),
+		imports: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_import_addresses_total",
+			Help: "Addresses of imports from host-local or whereabouts, by result: imported, already (imported before), released (imported before, released since), conflict (held by another owner: not taken), outside_pool.",
+		}, []string{"result"}),
 	}
 	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
-		m.blockClaims, m.blocksGivenBack, m.borrowed,
+		m.blockClaims, m.blocksGivenBack, m.borrowed, m.imports,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_blocks_held",
 			Help: "Blocks this node holds, over every pool it serves.",

@@ -1,6 +1,8 @@
 package leases
 
 import (
+	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -225,6 +227,36 @@ func (t *pods) count() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return len(t.m)
+}
+
+// keptByContainer tells whether the agent keeps container's attachment ifName in pool with
+// the container ID itself as owner (an import from host-local, which knows no pod UID, or an
+// ADD without one), held or being re-claimed. A request naming the pod UID is then served
+// under the container ID (Agent.attachmentOwner).
+func (t *pods) keptByContainer(container, ifName, pool string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[container]
+	if !ok {
+		return false
+	}
+	return slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
+		return at.IfName == ifName && at.Pool == pool && at.ContainerID == container
+	})
+}
+
+// holdsAddr tells whether owner's attachment ifName in pool, held or being re-claimed,
+// lists addr.
+func (t *pods) holdsAddr(owner, ifName, pool string, addr netip.Addr) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok {
+		return false
+	}
+	return slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
+		return at.IfName == ifName && at.Pool == pool && slices.Contains(at.IPs, addr)
+	})
 }
 
 // pools lists the pools the node's pods have attachments in.

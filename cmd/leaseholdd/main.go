@@ -46,6 +46,7 @@ type options struct {
 	spare                                  int
 	logLevel                               string
 	showVersion                            bool
+	imports                                importOptions
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -79,6 +80,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.spare, "spare-leases", 8, "pre-granted leases kept ready for new pods")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
+	o.imports.register(fs)
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -90,6 +92,9 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	}
 	if (o.endpoints == "") == (o.embeddedDir == "") {
 		return nil, errors.New("give exactly one of --etcd-endpoints URLS or --embedded-etcd DIR")
+	}
+	if err := o.imports.check(); err != nil {
+		return nil, err
 	}
 	o.password = os.Getenv("LEASEHOLD_ETCD_PASSWORD")
 	return o, nil
@@ -170,6 +175,11 @@ func serve(o *options, log *slog.Logger) error {
 		return fmt.Errorf("start agent against etcd %s: %w", endpoints, err)
 	}
 	defer agent.Close()
+	// A switch from host-local or whereabouts: the running containers' addresses are claimed
+	// before the socket is served, so that no ADD is given one of them.
+	if err := o.imports.run(ctx, agent, o.node, log); err != nil {
+		return err
+	}
 
 	if o.metricsAddr != "" {
 		stopHTTP, err := serveHTTP(ctx, o.metricsAddr, agent, log)

@@ -1,0 +1,334 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/adopt"
+)
+
+// Import is what one import claims: the attachments another IPAM plugin (host-local,
+// whereabouts) recorded for this node's running containers on one network.
+type Import struct {
+	// Network is the CNI network name of the attachments. GC collects by it, so it must be the
+	// name in the network's configuration.
+	Network string
+	// Pool is the leasehold pool the network's configuration names; default Network. It must
+	// be defined in etcd already (leaseholdctl pool create, or a node's first ADD).
+	Pool string
+	// Source names what was read, for the log ("host-local /var/lib/cni/networks/net1").
+	Source      string
+	Attachments []adopt.Attachment
+}
+
+// ImportedAddr is one address of an import and what became of it.
+type ImportedAddr struct {
+	IP          netip.Addr `json:"ip"`
+	Owner       string     `json:"owner"`
+	ContainerID string     `json:"containerID"`
+	IfName      string     `json:"ifName"`
+	// Detail says why, for the addresses not imported.
+	Detail string `json:"detail,omitempty"`
+}
+
+// ImportReport says what an import did with each address it was given.
+type ImportReport struct {
+	// Imported were claimed now, for their containers, on pod leases this agent renews.
+	Imported []ImportedAddr `json:"imported"`
+	// Already were held by this agent for the same attachment (an earlier import).
+	Already []ImportedAddr `json:"already"`
+	// Released were imported before and released since (a DEL, GC): not claimed again.
+	Released []ImportedAddr `json:"released"`
+	// Conflicts are held in etcd by another owner, or leasehold's record of the attachment
+	// disagrees: never taken. Two containers may use one such address.
+	Conflicts []ImportedAddr `json:"conflicts"`
+	// OutsidePool are addresses the pool never hands out (no range, gateway, excluded): not
+	// claimed, and no ADD can be given them.
+	OutsidePool []ImportedAddr `json:"outsidePool"`
+}
+
+// maxImportAttempts bounds the claims of one attachment's import, as maxAddAttempts an ADD's.
+const maxImportAttempts = 16
+
+// Import claims, for each attachment, the addresses another IPAM plugin gave a container
+// that still runs on this node, so that no ADD hands them out again and the container's DEL,
+// or GC, releases them. Each attachment is one claim (claim.go) on the owner's pod lease,
+// which this agent renews: allocations, owner index and pod record in one create-if-absent
+// transaction, then the journal. The owner is the pod UID when the attachment has one (a
+// whereabouts allocation of a pod in the pods list), else the container ID (host-local);
+// requests naming the pod UID then find it by container ID (attachmentOwner). With no netns
+// path known, sandbox liveness never releases an imported pod: its DEL or CNI GC does.
+//
+// An address held by another owner is reported and never taken; one the pool does not hand
+// out is reported. Running an import again changes nothing: addresses it holds are reported
+// as already imported, and those released since it imported them (the ledger in the state
+// directory) as released. The error is for what must stop the agent from serving: the pool
+// is not defined, or etcd did not answer.
+func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err error) {
+	if err := a.Err(); err != nil {
+		return rep, fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
+	}
+	if imp.Pool == "" {
+		imp.Pool = imp.Network
+	}
+	if err := keyspace.ValidateNames("network", imp.Network, "pool", imp.Pool); err != nil {
+		return rep, err
+	}
+	a.importMu.Lock()
+	defer a.importMu.Unlock()
+	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: imp.Pool})
+	if errors.Is(err, allocator.ErrInvalidConfig) {
+		return rep, fmt.Errorf("import %s into pool %q: the pool is not defined in etcd, and the import needs its ranges to tell "+
+			"which addresses are its own: create it with leaseholdctl pool create %s --range ... with the ranges of network %s's "+
+			"configuration, then start leaseholdd again: %w", imp.Source, imp.Pool, imp.Pool, imp.Network, err)
+	}
+	if err != nil {
+		return rep, fmt.Errorf("import %s into pool %q: %w", imp.Source, imp.Pool, err)
+	}
+	if p.migrating != nil {
+		return rep, fmt.Errorf("%w: import %s: pool %q is being moved to the block layout; run leaseholdctl pool migrate %s to its end first",
+			allocator.ErrUnavailable, imp.Source, imp.Pool, imp.Pool)
+	}
+	ledger, lerr := a.loadLedger()
+	if lerr != nil {
+		a.log.Warn("the import ledger is unreadable; addresses released since an earlier import may be imported again", "err", lerr)
+	}
+	defer a.keeper.Refill()
+	defer func() { a.reportImport(imp, rep, ledger) }()
+	for _, at := range imp.Attachments {
+		owner := at.Owner()
+		if err := keyspace.ValidateNames("container ID", at.ContainerID, "interface name", at.IfName, "owner", owner); err != nil {
+			return rep, fmt.Errorf("import %s: %v: %w", imp.Source, at.Where, err)
+		}
+		var claim []netip.Addr
+		for _, ip := range at.IPs {
+			e := ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName}
+			switch err := p.spec.Allocatable(ip); {
+			case err != nil:
+				e.Detail = err.Error()
+				rep.OutsidePool = append(rep.OutsidePool, e)
+			case a.pods.holdsAddr(owner, at.IfName, imp.Pool, ip):
+				rep.Already = append(rep.Already, e)
+			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}]:
+				e.Detail = "imported before and released since (DEL or GC)"
+				rep.Released = append(rep.Released, e)
+			default:
+				claim = append(claim, ip)
+			}
+		}
+		if len(claim) > 0 {
+			if err := a.importAttachment(ctx, p, imp, at, claim, &rep); err != nil {
+				return rep, err
+			}
+		}
+	}
+	return rep, nil
+}
+
+// importAttachment claims addrs for one attachment, as an ADD claims (add.go's tryAdd and
+// learn) but with the import's addresses: a claim whose answer was lost keeps its lease with
+// the owner and is sent again; an address found held is reported and dropped.
+func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
+	owner := at.Owner()
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	req := allocator.Request{Network: imp.Network, Pool: allocator.PoolSpec{Name: imp.Pool}, ContainerID: at.ContainerID,
+		IfName: at.IfName, Pod: at.Pod}
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, at.IfName, imp.Pool)
+	entry := func(ip netip.Addr, detail string) ImportedAddr {
+		return ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName, Detail: detail}
+	}
+	var fresh clientv3.LeaseID
+	defer func() {
+		if fresh != 0 {
+			a.keeper.Return(fresh)
+		}
+	}()
+	unanswered := 0
+	for range maxImportAttempts {
+		octx, cancel := a.opCtx(ctx)
+		lease, known := a.pods.lease(owner)
+		if !known {
+			if fresh == 0 {
+				id, err := a.keeper.Take(octx)
+				if err != nil {
+					cancel()
+					return a.unavailable("grant a pod lease for the import of "+ownerKey, err)
+				}
+				fresh = id
+			}
+			lease = fresh
+		}
+		now := a.wall()
+		c := &claim{lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, addrs: slices.Clone(addrs), ownerKey: ownerKey,
+			alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
+			podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known, pod: a.podRecord(req, owner, lease, now)}
+		out, err := c.commit(octx, a.cli)
+		cancel()
+		switch {
+		case err != nil && refused(err) && leaseGone(err) && !known:
+			a.keeper.Forget(fresh)
+			fresh = 0
+			continue
+		case err != nil && refused(err):
+			return fmt.Errorf("%w: import %s: etcd refused the claim: %w", allocator.ErrUnavailable, ownerKey, err)
+		case err != nil:
+			// It may have applied: the lease stays with the owner, never a spare, and the claim
+			// is sent again; both compare the owner index absent, so at most one applies.
+			if fresh != 0 {
+				a.pods.claimed(req, owner, fresh)
+				fresh = 0
+			}
+			a.pods.unanswered(owner)
+			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
+				return a.unavailable("import "+ownerKey, err)
+			}
+			continue
+		}
+		a.etcdAnswered()
+		if out.Applied {
+			for _, ip := range addrs {
+				p.view.markAllocated(ip, out.Revision)
+				rep.Imported = append(rep.Imported, entry(ip, ""))
+			}
+			a.pods.claimed(req, owner, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
+				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
+			fresh = 0
+			a.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
+				"pool", imp.Pool, "ips", addrs, "lease", keyspace.LeaseHex(lease))
+			return nil
+		}
+		if out.Existing != nil {
+			return a.importFound(ctx, req, owner, addrs, out.Existing, rep, entry)
+		}
+		switch out.Pod {
+		case podExists:
+			if rec, derr := keyspace.Decode[keyspace.PodRecord](string(out.PodKV.Key), out.PodKV.Value); derr == nil && rec.NodeUID != a.cfg.NodeUID {
+				for _, ip := range addrs {
+					rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("owner %s has a pod record of node identity %s, not this agent's %s",
+						owner, rec.NodeUID, a.cfg.NodeUID)))
+				}
+				return nil
+			}
+			if err := a.resumePod(ctx, owner, out.PodKV); err != nil {
+				return err
+			}
+			continue
+		case podGone, podMoved:
+			a.pods.drop(owner)
+			if out.Pod == podGone && a.keeper.Holds(lease) && fresh == 0 {
+				fresh = lease
+			}
+			continue
+		}
+		var still []netip.Addr
+		for _, f := range out.Addrs {
+			if f.Holder == nil {
+				still = append(still, f.Addr)
+				continue
+			}
+			h, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
+			if h.NodeUID == a.cfg.NodeUID && h.ContainerID == at.ContainerID && h.IfName == at.IfName {
+				rep.Already = append(rep.Already, entry(f.Addr, "held for the same container by owner "+h.Owner))
+				continue
+			}
+			rep.Conflicts = append(rep.Conflicts, entry(f.Addr, holderOf(f.Holder)))
+		}
+		if addrs = still; len(addrs) == 0 {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: import %s: its keys kept changing", allocator.ErrUnavailable, ownerKey)
+}
+
+// importFound handles an owner index that exists already: of this node identity and
+// container, the import was done before and its lease is renewed here; anything else is
+// another attachment's, and the addresses are conflicts.
+func (a *Agent) importFound(ctx context.Context, req allocator.Request, owner string, addrs []netip.Addr, kv *mvccpb.KeyValue,
+	rep *ImportReport, entry func(netip.Addr, string) ImportedAddr) error {
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
+	if err != nil {
+		return err
+	}
+	if rec.NodeUID != a.cfg.NodeUID || rec.ContainerID != req.ContainerID {
+		for _, ip := range addrs {
+			rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("owner index %s names container %s of node %s (identity %s)",
+				kv.Key, rec.ContainerID, rec.Node, rec.NodeUID)))
+		}
+		return nil
+	}
+	lease := keyspace.LeaseOf(kv)
+	if !a.keeper.Holds(lease) {
+		octx, cancel := a.opCtx(ctx)
+		defer cancel()
+		if err := a.keeper.Adopt(octx, lease); err != nil {
+			return a.unavailable("resume the pod lease of "+string(kv.Key), err)
+		}
+	}
+	a.pods.claimed(req, owner, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
+		ContainerID: rec.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
+	var missing []netip.Addr
+	for _, ip := range addrs {
+		if slices.Contains(rec.IPs, ip) {
+			rep.Already = append(rep.Already, entry(ip, ""))
+		} else {
+			missing = append(missing, ip)
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	// Imported before without them (they were held by another owner then): say who holds
+	// them now. The attachment is not changed; its DEL or GC ends it.
+	p, err := a.pools.ensure(ctx, req.Pool)
+	if err != nil {
+		return err
+	}
+	ops := make([]clientv3.Op, len(missing))
+	for i, ip := range missing {
+		ops[i] = clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, ip))
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return a.unavailable("read the addresses of "+string(kv.Key), err)
+	}
+	for i, ip := range missing {
+		detail := "free now"
+		if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
+			detail = holderOf(kvs[0])
+		}
+		rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("%s, but the attachment was imported before without it (%s lists %v): "+
+			"it is not claimed for the attachment until its DEL or GC releases it", detail, kv.Key, rec.IPs)))
+	}
+	return nil
+}
+
+// holderOf describes the holder of an allocation key.
+func holderOf(kv *mvccpb.KeyValue) string {
+	h, _ := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value)
+	return fmt.Sprintf("held by owner %s (pod %s/%s, cluster %s, node %s, container %s, interface %s): %s",
+		h.Owner, h.Pod.Namespace, h.Pod.Name, h.Cluster, h.Node, h.ContainerID, h.IfName, kv.Key)
+}
+
+// attachmentOwner is the owner a CNI request's attachment is kept under: the request's own
+// (the pod UID when given), or the container ID when this agent keeps that container's
+// attachment under it, as an import from host-local does. The container ID is part of the
+// owner key and compared with the owner index's, so a request reaches only its own
+// container's attachment.
+func (a *Agent) attachmentOwner(req allocator.Request, owner string) string {
+	if owner != req.ContainerID && a.pods.keptByContainer(req.ContainerID, req.IfName, req.Pool.Name) {
+		return req.ContainerID
+	}
+	return owner
+}
