@@ -144,7 +144,7 @@ func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 		return addr, err
 	}
 	for try := range maxBlockTries {
-		if try > 0 && !v.haveSnapshot() {
+		if try > 0 && !v.freshSnapshot() {
 			// The block just claimed had no room (allocations of a dead node's pods, of
 			// borrowers, or moved there by a migration): read the pool once, so that the next
 			// choice skips blocks without room.
@@ -278,7 +278,7 @@ func (v *view) unclaimable() func(netip.Prefix) bool {
 		// A block the last pool snapshot shows at least half used is left to borrowing: near
 		// exhaustion a claim of a block with one free address would cost an extra transaction
 		// per ADD, and borrowing finds that address anyway.
-		return v.borrowed != nil && v.borrowed.used[b] >= blockSize(b)/2
+		return v.borrowed != nil && time.Since(v.borrowedAt) < snapshotFresh && v.borrowed.used[b] >= blockSize(b)/2
 	}
 }
 
@@ -287,10 +287,11 @@ func blockSize(b netip.Prefix) int {
 	return 1 << min(b.Addr().BitLen()-b.Bits(), 30)
 }
 
-func (v *view) haveSnapshot() bool {
+// freshSnapshot reports whether the borrowing snapshot was read within snapshotFresh.
+func (v *view) freshSnapshot() bool {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	return v.borrowed != nil
+	return v.borrowed != nil && time.Since(v.borrowedAt) < snapshotFresh
 }
 
 // readClaims reads which blocks of the pool are claimed.
@@ -330,7 +331,7 @@ func (v *view) addSpan(s *span, l listed) {
 	}
 	g := v.gen
 	v.mu.Unlock()
-	if g != nil && g.ctx.Err() == nil {
+	if g != nil {
 		v.watchSpan(g, span{block: s.block, rev: s.rev})
 	}
 }

@@ -76,15 +76,16 @@ func (t borrowTaken) Quarantined(a netip.Addr) (time.Time, bool) {
 }
 
 // borrow picks a free address of set anywhere in the pool, outside this node's blocks (full,
-// or the caller would not be here), and marks it pending. It reuses the last snapshot and
-// reads the pool again once when that offers nothing, so "exhausted" is said only after a
-// fresh read.
+// or the caller would not be here), and marks it pending. It reuses the last snapshot while
+// younger than snapshotFresh and reads the pool again once when that offers nothing, so
+// "exhausted" is said only after a fresh read.
 func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	for fresh := false; ; fresh = true {
 		v.mu.Lock()
 		s := v.borrowed
+		stale := time.Since(v.borrowedAt) >= snapshotFresh
 		v.mu.Unlock()
-		if s == nil || fresh {
+		if s == nil || fresh || stale {
 			var err error
 			if s, err = v.readPool(ctx); err != nil {
 				return netip.Addr{}, err

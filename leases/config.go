@@ -105,7 +105,11 @@ const (
 	// claimsFresh is how long a read of a pool's block claims serves as the answer to "is any
 	// block unclaimed" before an ADD that found none reads them again: a burst of borrowing
 	// ADDs then costs one read, not one each.
-	claimsFresh       = 10 * time.Second
+	claimsFresh = 10 * time.Second
+	// snapshotFresh is how long a read of the whole pool (borrow.go) is reused: for borrowing,
+	// and to leave blocks it shows half used to borrowing instead of claiming them. Others'
+	// releases outside this node's blocks reach it only by a new read.
+	snapshotFresh     = time.Minute
 	retryFirst        = 100 * time.Millisecond
 	retryMax          = 5 * time.Second
 	reclaimRetryFirst = 200 * time.Millisecond

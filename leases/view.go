@@ -87,6 +87,8 @@ type generation struct {
 	ctx  context.Context
 	stop context.CancelFunc
 	wg   sync.WaitGroup
+	// closed is set, under the view's lock, once the generation waits for its watches.
+	closed bool
 }
 
 func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner) *view {

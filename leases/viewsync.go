@@ -88,16 +88,21 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 // follow watches what the listing at rev covered, each span from its own listing, until the
 // generation ends, and waits for every watch of it to return.
 func (v *view) follow(g *generation, rev int64, spans []span) {
-	v.watchGen(g, g.ctx, keyspace.HostIPPrefix(netip.Addr{}), rev)
-	v.watchGen(g, g.ctx, keyspace.PoolConflictsPrefix(v.pool), rev)
+	g.wg.Add(2)
+	go v.watch(g, g.ctx, keyspace.HostIPPrefix(netip.Addr{}), rev)
+	go v.watch(g, g.ctx, keyspace.PoolConflictsPrefix(v.pool), rev)
 	for _, s := range spans {
 		v.watchSpan(g, s)
 	}
 	<-g.ctx.Done()
+	v.mu.Lock()
+	g.closed = true // no watch joins it any more (watchSpan)
+	v.mu.Unlock()
 	g.wg.Wait()
 }
 
-// watchSpan starts the watches of one span's allocation and quarantine keys after s.rev.
+// watchSpan starts the watches of one span's allocation and quarantine keys after s.rev, in
+// generation g unless it has ended or the span was given back meanwhile.
 func (v *view) watchSpan(g *generation, s span) {
 	ips, qs := keyspace.IPsPrefix(v.pool), keyspace.QuarantinePrefix(v.pool)
 	if s.block.IsValid() {
@@ -106,40 +111,39 @@ func (v *view) watchSpan(g *generation, s span) {
 	ctx, stop := context.WithCancel(g.ctx)
 	v.mu.Lock()
 	cur := v.spans[s.block]
-	if cur == nil {
+	if cur == nil || g.closed {
 		v.mu.Unlock()
-		stop() // given back meanwhile
+		stop()
 		return
 	}
 	if cur.stop != nil {
 		cur.stop()
 	}
 	cur.stop = stop
+	g.wg.Add(2)
 	v.mu.Unlock()
-	v.watchGen(g, ctx, ips, s.rev)
-	v.watchGen(g, ctx, qs, s.rev)
+	go v.watch(g, ctx, ips, s.rev)
+	go v.watch(g, ctx, qs, s.rev)
 }
 
-// watchGen follows prefix after rev in a goroutine of generation g until ctx ends. A watch
-// that breaks on its own ends the generation, so that the view lists again.
-func (v *view) watchGen(g *generation, ctx context.Context, prefix string, rev int64) {
-	g.wg.Add(1)
-	go func() {
-		defer g.wg.Done()
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		defer cancel()
-		var err error
-		for resp := range v.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1)) {
-			if err = resp.Err(); err != nil {
-				break
-			}
-			v.apply(resp)
+// watch follows prefix after rev, as a member of generation g (the caller added it to g.wg),
+// until ctx ends. A watch that breaks on its own ends the generation, so that the view lists
+// again.
+func (v *view) watch(g *generation, ctx context.Context, prefix string, rev int64) {
+	defer g.wg.Done()
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	var err error
+	for resp := range v.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev+1)) {
+		if err = resp.Err(); err != nil {
+			break
 		}
-		if ctx.Err() == nil {
-			v.log.Info("pool watch ended; listing again", "prefix", prefix, "err", err)
-			g.stop()
-		}
-	}()
+		v.apply(resp)
+	}
+	if ctx.Err() == nil {
+		v.log.Info("pool watch ended; listing again", "prefix", prefix, "err", err)
+		g.stop()
+	}
 }
 
 // list reads what the view follows and replaces the view with it. In the block layout it
