@@ -9,7 +9,7 @@ TOOLS_MOD := integration/tools
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
-.PHONY: all build tools test test-unit demo bench soak fuzz soak-fuzz lint clean
+.PHONY: all build tools test test-unit demo bench soak fuzz soak-fuzz lint clean e2e
 
 # Fuzz targets as Name:package. `make fuzz` runs each for FUZZTIME (make test runs it);
 # `make soak-fuzz` runs each for SOAK_FUZZTIME. A failure leaves its input in the
@@ -75,6 +75,13 @@ demo: build tools
 bench: build tools
 	$(GO) test -run '^$$' -bench . -benchmem ./allocator/ ./leases/
 	cd integration/bench && $(GO) run . -bin $(BIN) -out ../../bench/results
+
+# deploy/kubernetes as shipped on a single-node Kubernetes made on this machine (root; Debian's
+# containerd, runc and busybox-static; not part of `make test` or CI): docs/e2e.md. Kubernetes
+# (e2e/tools/go.mod) is built once into E2E_CACHE, niced (about 15 minutes). E2E_FLAGS: -keep, -v.
+E2E_CACHE ?= $(HOME)/.cache/leasehold-e2e
+e2e: build tools
+	cd e2e && $(GO) run . -repo $(CURDIR) -cache $(E2E_CACHE) $(E2E_FLAGS)
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
