@@ -1,8 +1,9 @@
 // Package admin is the operator's side of leasehold, importable by any program: pool
 // definitions (CreatePool, AddRange, RemoveRange), the move of a pool from the flat layout to
-// per-node blocks (MigratePool), the owner-compared Release of an allocation, a consistent
-// snapshot of every key (ReadState) or of one address in either layout (FindAddress), and the
-// doctor's invariant checks with the command that fixes each problem (Check). leaseholdctl is
-// a thin command line over it. Nothing here renews a lease: that is only ever the agent's
+// per-node blocks (MigratePool), the owner-compared Release of an allocation, sticky claims
+// (ListClaims, ClaimAddresses, and ReleaseClaim, which returns a claim's addresses to the pool
+// through quarantine), a consistent snapshot of every key (ReadState) or of one address in
+// either layout (FindAddress), and the doctor's invariant checks with the command that fixes
+// each problem (Check). leaseholdctl is a thin command line over it. Nothing here renews a lease: that is only ever the agent's
 // (package leases).
 package admin

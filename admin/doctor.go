@@ -35,6 +35,11 @@ const (
 	KindPoolMigrating  = "pool-migrating"      // warning: a pool frozen by an unfinished pool migrate; its ADDs are refused
 	KindPoolFlat       = "pool-flat"           // info: a pool still in the flat layout (run pool migrate once every agent is upgraded)
 	KindUnclaimedBlock = "block-unclaimed"     // info: allocations of a gone node in a block no node claims; they expire with their leases
+
+	// Sticky claims (issue 19; docs/proposals/sticky.md). Malformed, unreadable and leaseless
+	// claim records are bad-key, unreadable and no-lease findings.
+	KindClaimPoolUndefined = "claim-pool-undefined" // warning: a claim of a pool that has no definition; no ADD can hand its addresses over
+	KindClaimHolderGone    = "claim-holder-gone"    // info: a claim naming a holder whose owner index is gone; it goes when its lease runs out
 )
 
 // Severities of findings. Doctor fails (leaseholdctl: exit 3) on errors and warnings; info

@@ -102,6 +102,14 @@ type BlockEntry struct {
 	Block netip.Prefix
 }
 
+// ClaimEntry is a sticky claim claims/<cluster>/<pool>/<claim> (issue 19): the addresses the
+// next attachment naming the claim gets, and who holds them now, on the claim lease
+// (Record.Lease) its holder's agent renews.
+type ClaimEntry struct {
+	Record[keyspace.ClaimRecord]
+	Cluster, Pool, Name string
+}
+
 // ConflictEntry is a conflict record conflicts/<cluster>/<owner>/<ifname>/<pool>.
 type ConflictEntry struct {
 	Record[keyspace.ConflictRecord]
@@ -136,6 +144,7 @@ type State struct {
 	Conflicts   []ConflictEntry
 	HostIPs     []HostIPEntry
 	Blocks      []BlockEntry
+	Claims      []ClaimEntry
 	BadKeys     []BadKey
 	// prefixes are the key ranges read (nil: all of Prefix). A check relating two families
 	// runs only where the state holds both, so a narrow read reports no false absence.
@@ -247,6 +256,16 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			return
 		}
 		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[keyspace.QuarantineRecord](kv), Pool: pool, Block: block, IP: ip})
+	case "claims":
+		c, p, n, err := keyspace.ParseClaimKey(key)
+		if err == nil {
+			err = keyspace.ValidateNames("cluster", c, "pool", p, "claim", n)
+		}
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Claims = append(st.Claims, ClaimEntry{Record: record[keyspace.ClaimRecord](kv), Cluster: c, Pool: p, Name: n})
 	case "conflicts":
 		if len(parts) != 4 {
 			bad("want " + keyspace.ConflictsPrefix("") + "<cluster>/<owner>/<ifname>/<pool>")

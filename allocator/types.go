@@ -54,6 +54,13 @@ type Request struct {
 	// RequestedIPs are addresses the runtime asks for (CNI_ARGS IP=, args.cni.ips,
 	// runtimeConfig.ips). Each must fall into a different range set of the pool.
 	RequestedIPs []netip.Addr `json:"requestedIPs,omitempty"`
+	// Claim names a sticky claim for the attachment (ipam "sticky", CNI_ARGS LEASEHOLD_CLAIM,
+	// args.cni.claim): a later attachment naming the same claim gets the same addresses once
+	// no live pod holds them. Empty: not sticky.
+	Claim string `json:"claim,omitempty"`
+	// ClaimHold is how long a claim outlives its holder's release (ipam "stickyHold"); zero
+	// uses the agent's default.
+	ClaimHold time.Duration `json:"claimHold,omitempty"`
 }
 
 // OwnerID is the identity that holds the attachment's addresses and lease: the pod UID

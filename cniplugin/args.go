@@ -14,18 +14,40 @@ type CNIArgs struct {
 	IPs []netip.Addr
 	// Pod is filled from K8S_POD_UID, K8S_POD_NAMESPACE and K8S_POD_NAME.
 	Pod allocator.PodRef
+	// Claim is LEASEHOLD_CLAIM, the sticky claim the runtime names for the attachment;
+	// empty when not given (or given empty). ParseConfig validates it, not ParseCNIArgs.
+	Claim string
+
+	// claimErr is set by parseCNIArgs, instead of failing, when LEASEHOLD_CLAIM is given
+	// twice with different values: a DEL needs no claim (the agent finds it in its own
+	// records), so only the commands that use one refuse it (see ParseConfig).
+	claimErr error
 }
 
 // ParseCNIArgs parses CNI_ARGS: ';'-separated KEY=VALUE pairs. Keys are case-sensitive;
-// keys other than IP, K8S_POD_UID, K8S_POD_NAMESPACE and K8S_POD_NAME are ignored
-// (runtimes pass many, IgnoreUnknown among them). Empty segments (a trailing ';') are
-// skipped. A VALUE may contain '='. IP= may be empty (no request) and empty entries
-// in its list are skipped.
+// keys other than IP, K8S_POD_UID, K8S_POD_NAMESPACE, K8S_POD_NAME and LEASEHOLD_CLAIM
+// are ignored (runtimes pass many, IgnoreUnknown among them). Empty segments (a trailing
+// ';') are skipped. A VALUE may contain '='. IP= may be empty (no request) and empty
+// entries in its list are skipped; an empty LEASEHOLD_CLAIM= names no claim.
 //
 // Errors wrap allocator.ErrInvalidConfig: a segment without '=' or with an empty key, a
 // key leasehold reads given twice with different values, or an IP= entry that is not an
-// address (see ParseRequestedIP). The pod UID is validated by ParseConfig, not here.
+// address (see ParseRequestedIP). The pod UID and the claim name are validated by
+// ParseConfig, not here.
 func ParseCNIArgs(s string) (CNIArgs, error) {
+	out, err := parseCNIArgs(s)
+	if err == nil && out.claimErr != nil {
+		err = out.claimErr
+	}
+	if err != nil {
+		return CNIArgs{}, err
+	}
+	return out, nil
+}
+
+// parseCNIArgs is ParseCNIArgs, except that a LEASEHOLD_CLAIM given twice with different
+// values sets the result's claimErr (and leaves Claim empty) instead of failing.
+func parseCNIArgs(s string) (CNIArgs, error) {
 	var out CNIArgs
 	seen := map[string]string{}
 	for seg := range strings.SplitSeq(s, ";") {
@@ -38,13 +60,20 @@ func ParseCNIArgs(s string) (CNIArgs, error) {
 				allocator.ErrInvalidConfig, seg)
 		}
 		switch key {
-		case "IP", "K8S_POD_UID", "K8S_POD_NAMESPACE", "K8S_POD_NAME":
+		case "IP", "K8S_POD_UID", "K8S_POD_NAMESPACE", "K8S_POD_NAME", "LEASEHOLD_CLAIM":
 		default:
 			continue
 		}
 		if prev, dup := seen[key]; dup && prev != val {
-			return CNIArgs{}, fmt.Errorf("%w: CNI_ARGS gives %s twice (%q and %q); give it once",
+			err := fmt.Errorf("%w: CNI_ARGS gives %s twice (%q and %q); give it once",
 				allocator.ErrInvalidConfig, key, prev, val)
+			if key != "LEASEHOLD_CLAIM" {
+				return CNIArgs{}, err
+			}
+			if out.claimErr == nil {
+				out.claimErr = err
+			}
+			continue
 		}
 		seen[key] = val
 		switch key {
@@ -66,7 +95,12 @@ func ParseCNIArgs(s string) (CNIArgs, error) {
 			out.Pod.Namespace = val
 		case "K8S_POD_NAME":
 			out.Pod.Name = val
+		case "LEASEHOLD_CLAIM":
+			out.Claim = val
 		}
+	}
+	if out.claimErr != nil {
+		out.Claim = ""
 	}
 	return out, nil
 }

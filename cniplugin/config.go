@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
@@ -37,7 +38,7 @@ type Config struct {
 	// priorities assigned (see ResolveRoutes); they go into the result as they are.
 	Routes []Route
 	// Request is the agent request for ADD, DEL and CHECK: network, canonical pool,
-	// attachment, pod and requested addresses.
+	// attachment, pod, requested addresses and sticky claim.
 	Request allocator.Request
 	// ValidAttachments is the netconf's "cni.dev/valid-attachments" (GC only): nil when
 	// the key is absent, empty when it is an empty list.
@@ -55,6 +56,9 @@ type rawNetConf struct {
 	Args       *struct {
 		CNI *struct {
 			IPs []string `json:"ips"`
+			// Claim is decoded by ParseConfig: of a wrong type, it must not stop
+			// ParseReleaseConfig's own decoding (a DEL needs no claim).
+			Claim json.RawMessage `json:"claim"`
 		} `json:"cni"`
 	} `json:"args"`
 	RuntimeConfig *struct {
@@ -70,8 +74,8 @@ type rawNetConf struct {
 // before anything is sent to the agent:
 //
 //   - the top level may carry any fields (they belong to other plugins); leasehold
-//     reads cniVersion, name, ipam, args.cni.ips, runtimeConfig.ips, prevResult and
-//     cni.dev/valid-attachments;
+//     reads cniVersion, name, ipam, args.cni.ips, args.cni.claim, runtimeConfig.ips,
+//     prevResult and cni.dev/valid-attachments;
 //   - the ipam object is leasehold's: an unknown field or a value of the wrong type is
 //     an error naming the field;
 //   - the pool (ranges, exclude, blocks, name) is canonicalized with allocator's
@@ -80,7 +84,16 @@ type rawNetConf struct {
 //   - containerID, ifName and the pod UID, when not empty, must pass
 //     allocator.ValidateName (they become parts of etcd keys). Empty ones are allowed
 //     here because GC and STATUS have none; the handlers require them where needed;
-//   - requested addresses come from CNI_ARGS IP=, args.cni.ips and runtimeConfig.ips.
+//   - requested addresses come from CNI_ARGS IP=, args.cni.ips and runtimeConfig.ips;
+//   - the sticky claim (Request.Claim, Request.ClaimHold) is resolved only for an
+//     invocation that names an attachment (ADD, DEL, CHECK; GC and STATUS have no
+//     claim): CNI_ARGS LEASEHOLD_CLAIM or args.cni.claim names it explicitly, with or
+//     without ipam.sticky (both may be given only if equal); otherwise ipam.sticky names
+//     it <namespace>.<name> from CNI_ARGS K8S_POD_NAMESPACE and K8S_POD_NAME, both then
+//     required. The name must pass allocator.ValidateName. ipam.stickyHold becomes
+//     ClaimHold and needs a claim: without one it would be ignored, so it is refused.
+//     These errors wrap allocator.ErrInvalidConfig (an invalid name also ErrInvalidName),
+//     so that ParseReleaseConfig falls back and a DEL still runs, without a claim.
 //
 // Errors wrap allocator.ErrInvalidConfig or allocator.ErrInvalidName and say what to
 // fix; an input that is not JSON also wraps ErrUndecodable.
@@ -123,8 +136,9 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		return nil, err
 	}
 	var argsIPs, runtimeIPs []string
+	var argsClaim json.RawMessage
 	if nc.Args != nil && nc.Args.CNI != nil {
-		argsIPs = nc.Args.CNI.IPs
+		argsIPs, argsClaim = nc.Args.CNI.IPs, nc.Args.CNI.Claim
 	}
 	if nc.RuntimeConfig != nil {
 		runtimeIPs = nc.RuntimeConfig.IPs
@@ -137,6 +151,13 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 	ips, err := requestedIPs(args.IPs, argsIPs, runtimeIPs)
 	if err != nil {
 		return nil, err
+	}
+	var claim string
+	var hold time.Duration
+	if containerID != "" || ifName != "" {
+		if claim, hold, err = resolveClaim(ipam, args, argsClaim); err != nil {
+			return nil, err
+		}
 	}
 
 	cfg := &Config{
@@ -152,6 +173,8 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 			Netns:        netns,
 			Pod:          args.Pod,
 			RequestedIPs: ips,
+			Claim:        claim,
+			ClaimHold:    hold,
 		},
 		ValidAttachments: nc.ValidAttachments,
 	}
@@ -198,7 +221,63 @@ func (c *Config) StatusRequest() allocator.StatusRequest {
 	return allocator.StatusRequest{Network: c.Name, Pool: c.Request.Pool}
 }
 
+// claimHint tells how to name a claim explicitly.
+const claimHint = `name the claim explicitly with CNI_ARGS LEASEHOLD_CLAIM=<name> or "args": {"cni": {"claim": "<name>"}}`
+
+// resolveClaim returns the attachment's sticky claim and its hold (see ParseConfig):
+// explicit (CNI_ARGS LEASEHOLD_CLAIM, args.cni.claim) before ipam.sticky's pod name.
+// rawArgsClaim is args.cni.claim as written (nil when absent). Errors wrap
+// allocator.ErrInvalidConfig.
+func resolveClaim(ipam *IPAMConfig, args CNIArgs, rawArgsClaim json.RawMessage) (string, time.Duration, error) {
+	var argsClaim string
+	if rawArgsClaim != nil {
+		if err := json.Unmarshal(rawArgsClaim, &argsClaim); err != nil { // null leaves it empty
+			return "", 0, jsonError("args.cni.claim", err)
+		}
+	}
+	if args.claimErr != nil {
+		return "", 0, args.claimErr
+	}
+	claim, source, hint := args.Claim, "CNI_ARGS LEASEHOLD_CLAIM", ""
+	switch {
+	case claim != "" && argsClaim != "" && claim != argsClaim:
+		return "", 0, fmt.Errorf("%w: CNI_ARGS LEASEHOLD_CLAIM %q and args.cni.claim %q name different claims; "+
+			"give the claim once, or the same name in both", allocator.ErrInvalidConfig, claim, argsClaim)
+	case claim == "" && argsClaim != "":
+		claim, source = argsClaim, "args.cni.claim"
+	case claim == "" && ipam.Sticky:
+		var missing []string
+		if args.Pod.Namespace == "" {
+			missing = append(missing, "K8S_POD_NAMESPACE")
+		}
+		if args.Pod.Name == "" {
+			missing = append(missing, "K8S_POD_NAME")
+		}
+		if len(missing) > 0 {
+			return "", 0, fmt.Errorf("%w: ipam.sticky names the claim after the pod, <namespace>.<name>, but CNI_ARGS "+
+				"has no %s; have the runtime pass K8S_POD_NAMESPACE and K8S_POD_NAME, or %s",
+				allocator.ErrInvalidConfig, strings.Join(missing, " and no "), claimHint)
+		}
+		claim = args.Pod.Namespace + "." + args.Pod.Name
+		source = "ipam.sticky: the claim named after the pod (K8S_POD_NAMESPACE.K8S_POD_NAME)"
+		hint = "; or " + claimHint
+	}
+	if claim == "" {
+		if ipam.StickyHold != 0 {
+			return "", 0, fmt.Errorf("%w: ipam.stickyHold %s without a claim would be ignored; set \"sticky\": true, "+
+				"or %s, or remove stickyHold", allocator.ErrInvalidConfig, ipam.StickyHold, claimHint)
+		}
+		return "", 0, nil
+	}
+	if err := allocator.ValidateName("claim", claim); err != nil {
+		return "", 0, fmt.Errorf("%w: %s: %w%s", allocator.ErrInvalidConfig, source, err, hint)
+	}
+	return claim, ipam.StickyHold, nil
+}
+
 // attachmentArgs validates the names an attachment's keys are made of and parses CNI_ARGS.
+// A LEASEHOLD_CLAIM given twice with different values is left for resolveClaim to refuse
+// (see parseCNIArgs), so that DEL's fallback (ParseReleaseConfig) is not refused for it.
 func attachmentArgs(cniArgs, containerID, ifName string) (CNIArgs, error) {
 	for _, n := range []struct{ kind, val string }{{"container ID", containerID}, {"interface", ifName}} {
 		if n.val != "" {
@@ -207,7 +286,7 @@ func attachmentArgs(cniArgs, containerID, ifName string) (CNIArgs, error) {
 			}
 		}
 	}
-	args, err := ParseCNIArgs(cniArgs)
+	args, err := parseCNIArgs(cniArgs)
 	if err != nil {
 		return CNIArgs{}, err
 	}

@@ -264,6 +264,8 @@ func TestParseCNIArgs(t *testing.T) {
 		{"empty IP", "IP=;K8S_POD_NAME=a", CNIArgs{Pod: allocator.PodRef{Name: "a"}}},
 		// A value may contain '=' (some runtimes pass base64).
 		{"equals in value", "FOO=a=b;K8S_POD_NAMESPACE=ns", CNIArgs{Pod: allocator.PodRef{Namespace: "ns"}}},
+		// The runtime may name a sticky claim.
+		{"claim", "K8S_POD_NAME=a;LEASEHOLD_CLAIM=vm-1", CNIArgs{Pod: allocator.PodRef{Name: "a"}, Claim: "vm-1"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

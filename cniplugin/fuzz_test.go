@@ -30,9 +30,11 @@ import (
 //   - routes of one same-destination group (destination, table, scope) of two or more
 //     carry distinct non-zero priorities (the rule against the route family split,
 //     docs/field-failures.md);
+//   - a claim is valid (ValidateName) and only given to an invocation that names an
+//     attachment, its hold is never negative, and a hold comes only with a claim;
 //   - ParseReleaseConfig returns exactly ParseConfig's configuration when ParseConfig
-//     succeeds; when it falls back, its names still pass ValidateName and its pool has
-//     no ranges.
+//     succeeds; when it falls back, its names still pass ValidateName, its pool has no
+//     ranges and its request no claim.
 //
 // Seeds: testdata/fuzz/FuzzParseConfig (host-local configurations, legacy single range,
 // dual stack, /8 and ::/0, hostile names, deep nesting, long strings, NUL, duplicate keys).
@@ -41,6 +43,12 @@ func FuzzParseConfig(f *testing.F) {
 		"K8S_POD_UID=uid-1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", "c0ffee", "eth0", "/var/run/netns/x")
 	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","ipam":{"type":"leasehold","ranges":[[{"subnet":"10.10.0.0/16"}],[{"subnet":"fd10::/64"}]],"blocks":{"ipv4":28}}}`),
 		"", "c0ffee", "eth0", "")
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","ipam":{"type":"leasehold","ranges":[[{"subnet":"10.10.0.0/16"}]],"sticky":true,"stickyHold":"10m"}}`),
+		"K8S_POD_UID=uid-1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p", "c0ffee", "eth0", "")
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","args":{"cni":{"claim":"vm-a"}},"ipam":{"type":"leasehold","pool":"shared","sticky":true}}`),
+		"LEASEHOLD_CLAIM=vm-a", "c0ffee", "eth0", "")
+	f.Add([]byte(`{"cniVersion":"1.1.0","name":"net1","ipam":{"type":"leasehold","pool":"shared","sticky":true,"stickyHold":"-1s"}}`),
+		"LEASEHOLD_CLAIM=a;LEASEHOLD_CLAIM=b", "c0ffee", "eth0", "")
 	f.Fuzz(func(t *testing.T, stdin []byte, cniArgs, containerID, ifName, netns string) {
 		cfg, err := ParseConfig(stdin, cniArgs, containerID, ifName, netns)
 		rel, relErr := ParseReleaseConfig(stdin, cniArgs, containerID, ifName, netns)
@@ -54,12 +62,20 @@ func FuzzParseConfig(f *testing.F) {
 			if len(rel.Request.Pool.Ranges) != 0 || rel.Request.Pool.Name != rel.IPAM.Pool {
 				t.Errorf("ParseReleaseConfig fallback pool %+v, want only the name %q", rel.Request.Pool, rel.IPAM.Pool)
 			}
+			if rel.Request.Claim != "" || rel.Request.ClaimHold != 0 {
+				t.Errorf("ParseReleaseConfig fallback has claim %q hold %s, want none", rel.Request.Claim, rel.Request.ClaimHold)
+			}
 			return
 		}
 		if relErr != nil || !reflect.DeepEqual(rel, cfg) {
 			t.Fatalf("ParseConfig succeeded with %+v but ParseReleaseConfig gave %+v, %v", cfg, rel, relErr)
 		}
 		checkNames(t, "ParseConfig", cfg)
+		if r := cfg.Request; r.ClaimHold < 0 || r.ClaimHold != 0 && r.Claim == "" ||
+			r.Claim != "" && containerID == "" && ifName == "" {
+			t.Errorf("claim %q hold %s for attachment %q %q: a hold without a claim, a negative hold, or a claim without attachment",
+				r.Claim, r.ClaimHold, containerID, ifName)
+		}
 		if cfg.Request.Netns != netns || cfg.Request.ContainerID != containerID || cfg.Request.IfName != ifName {
 			t.Errorf("attachment %q %q %q, want %q %q %q", cfg.Request.ContainerID, cfg.Request.IfName, cfg.Request.Netns,
 				containerID, ifName, netns)
@@ -139,7 +155,7 @@ func checkNames(t *testing.T, what string, cfg *Config) {
 	t.Helper()
 	r := cfg.Request
 	names := []struct{ kind, v string }{{"network", r.Network}, {"pool", r.Pool.Name}}
-	for _, opt := range []struct{ kind, v string }{{"container ID", r.ContainerID}, {"interface", r.IfName}, {"pod UID", r.Pod.UID}} {
+	for _, opt := range []struct{ kind, v string }{{"container ID", r.ContainerID}, {"interface", r.IfName}, {"pod UID", r.Pod.UID}, {"claim", r.Claim}} {
 		if opt.v != "" {
 			names = append(names, opt)
 		}
@@ -158,7 +174,7 @@ func checkNames(t *testing.T, what string, cfg *Config) {
 //
 //   - it never panics, and gives the same answer for the same input;
 //   - an error wraps allocator.ErrInvalidConfig;
-//   - on success, the K8S_POD_* values contain no ';', the addresses are valid, unzoned
+//   - on success, the K8S_POD_* and LEASEHOLD_CLAIM values contain no ';', the addresses are valid, unzoned
 //     and IPv4 unmapped, and writing the result back as CNI_ARGS parses to the same
 //     result;
 //   - the runtime's framing does not change the meaning: a trailing ';' and an
@@ -167,6 +183,7 @@ func checkNames(t *testing.T, what string, cfg *Config) {
 // Seeds: testdata/fuzz/FuzzParseCNIArgs.
 func FuzzParseCNIArgs(f *testing.F) {
 	f.Add("IgnoreUnknown=1;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;K8S_POD_INFRA_CONTAINER_ID=abc;K8S_POD_UID=uid-1")
+	f.Add("K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p;LEASEHOLD_CLAIM=ns.p;LEASEHOLD_CLAIM=x")
 	f.Fuzz(func(t *testing.T, s string) {
 		got, err := ParseCNIArgs(s)
 		got2, err2 := ParseCNIArgs(s)
@@ -179,9 +196,9 @@ func FuzzParseCNIArgs(f *testing.F) {
 			}
 			return
 		}
-		for _, v := range []string{got.Pod.UID, got.Pod.Namespace, got.Pod.Name} {
+		for _, v := range []string{got.Pod.UID, got.Pod.Namespace, got.Pod.Name, got.Claim} {
 			if strings.Contains(v, ";") {
-				t.Errorf("pod value %q contains ';'", v)
+				t.Errorf("value %q contains ';'", v)
 			}
 		}
 		var ips []string
@@ -195,7 +212,7 @@ func FuzzParseCNIArgs(f *testing.F) {
 		if len(ips) > 0 {
 			parts = append(parts, "IP="+strings.Join(ips, ","))
 		}
-		for _, kv := range []struct{ k, v string }{{"K8S_POD_UID", got.Pod.UID}, {"K8S_POD_NAMESPACE", got.Pod.Namespace}, {"K8S_POD_NAME", got.Pod.Name}} {
+		for _, kv := range []struct{ k, v string }{{"K8S_POD_UID", got.Pod.UID}, {"K8S_POD_NAMESPACE", got.Pod.Namespace}, {"K8S_POD_NAME", got.Pod.Name}, {"LEASEHOLD_CLAIM", got.Claim}} {
 			if kv.v != "" {
 				parts = append(parts, kv.k+"="+kv.v)
 			}
@@ -214,5 +231,5 @@ func FuzzParseCNIArgs(f *testing.F) {
 
 // sameArgs compares two parses, treating a nil and an empty address list alike.
 func sameArgs(a, b CNIArgs) bool {
-	return a.Pod == b.Pod && fmt.Sprint(a.IPs) == fmt.Sprint(b.IPs)
+	return a.Pod == b.Pod && a.Claim == b.Claim && fmt.Sprint(a.IPs) == fmt.Sprint(b.IPs)
 }

@@ -31,7 +31,9 @@ import (
 //	  "exclude": ["10.10.1.0/28", "10.10.2.1"],
 //	  "blocks": {"ipv4": 26, "ipv6": 122},
 //	  "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
-//	  "dns": {"nameservers": ["10.10.0.10"], "search": ["svc.cluster.local"]}
+//	  "dns": {"nameservers": ["10.10.0.10"], "search": ["svc.cluster.local"]},
+//	  "sticky": true,
+//	  "stickyHold": "10m"
 //	}
 //
 // The top-level subnet/rangeStart/rangeEnd/gateway is host-local's legacy single-range
@@ -41,6 +43,12 @@ import (
 // allocator.Blocks); a family left out gets its default. Absent (or all zero) leaves the
 // layout to the agent: the stored definition's, and allocator.DefaultBlocks for a new pool.
 // It needs "ranges": the blocks of a pool defined in etcd are part of that definition.
+//
+// "sticky" names each attachment's claim after its pod, <namespace>.<name> from CNI_ARGS
+// K8S_POD_NAMESPACE and K8S_POD_NAME (docs/proposals/sticky.md); a claim named by the
+// runtime (CNI_ARGS LEASEHOLD_CLAIM, args.cni.claim) takes precedence and needs no
+// "sticky". "stickyHold" is how long a released claim keeps its addresses, a positive
+// duration; absent, the agent's default. It needs a claim (see ParseConfig).
 type IPAMConfig struct {
 	// Type is the plugin type ("leasehold"); not checked.
 	Type string
@@ -61,6 +69,10 @@ type IPAMConfig struct {
 	Routes []Route
 	// DNS is copied into the result.
 	DNS types.DNS
+	// Sticky names the attachment's claim after its pod (see ParseConfig).
+	Sticky bool
+	// StickyHold is ipam.stickyHold, zero when absent (the agent's default).
+	StickyHold time.Duration
 }
 
 // rawIPAM is the ipam object; every field is ours, so unknown ones are refused.
@@ -78,6 +90,8 @@ type rawIPAM struct {
 	Blocks     *rawBlocks   `json:"blocks"`
 	Routes     []rawRoute   `json:"routes"`
 	DNS        types.DNS    `json:"dns"`
+	Sticky     bool         `json:"sticky"`
+	StickyHold string       `json:"stickyHold"`
 }
 
 // rawBlocks is ipam.blocks: a block prefix length per family, 0 when not given.
@@ -106,7 +120,7 @@ func parseIPAM(data json.RawMessage) (*IPAMConfig, error) {
 	if err := dec.Decode(&raw); err != nil {
 		return nil, jsonError("ipam", err)
 	}
-	out := &IPAMConfig{Type: raw.Type, Socket: raw.Socket, Pool: raw.Pool, DNS: raw.DNS, Timeout: DefaultTimeout}
+	out := &IPAMConfig{Type: raw.Type, Socket: raw.Socket, Pool: raw.Pool, DNS: raw.DNS, Timeout: DefaultTimeout, Sticky: raw.Sticky}
 	if out.Socket == "" {
 		out.Socket = DefaultSocket
 	} else if !filepath.IsAbs(out.Socket) {
@@ -120,6 +134,14 @@ func parseIPAM(data json.RawMessage) (*IPAMConfig, error) {
 				allocator.ErrInvalidConfig, raw.Timeout)
 		}
 		out.Timeout = d
+	}
+	if raw.StickyHold != "" {
+		d, err := time.ParseDuration(raw.StickyHold)
+		if err != nil || d <= 0 {
+			return nil, fmt.Errorf("%w: ipam.stickyHold %q is not a positive duration; write it like \"10m\" or \"1h\", "+
+				"or leave it out for the agent's default", allocator.ErrInvalidConfig, raw.StickyHold)
+		}
+		out.StickyHold = d
 	}
 
 	legacy := rawRange{Subnet: raw.Subnet, RangeStart: raw.RangeStart, RangeEnd: raw.RangeEnd, Gateway: raw.Gateway}
@@ -256,8 +278,8 @@ func jsonError(where string, err error) error {
 	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
 		name = strings.Trim(name, `"`)
 		hint := "leasehold's ipam accepts type, socket, timeout, pool, ranges, subnet, rangeStart, rangeEnd, gateway, " +
-			"exclude, blocks, routes and dns (a range: subnet, rangeStart, rangeEnd, gateway; blocks: ipv4, ipv6; " +
-			"a route: dst, gw, mtu, advmss, priority, table, scope; dns: nameservers, domain, search, options); " +
+			"exclude, blocks, routes, dns, sticky and stickyHold (a range: subnet, rangeStart, rangeEnd, gateway; " +
+			"blocks: ipv4, ipv6; a route: dst, gw, mtu, advmss, priority, table, scope; dns: nameservers, domain, search, options); " +
 			"fix the spelling or remove it"
 		if why, ok := hostLocalOnly[name]; ok {
 			hint = "it is a host-local setting and " + why + "; remove it"

@@ -220,6 +220,6 @@ func ValidateNames(pairs ...string) error {
 func RolePrefixes(cluster string) []string {
 	return []string{
 		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir,
-		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster),
+		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster), ClaimsPrefix(cluster),
 	}
 }

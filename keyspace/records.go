@@ -36,6 +36,12 @@ type OwnerRecord struct {
 	NodeUID     string       `json:"nodeUID"`
 	LeaseID     string       `json:"leaseID"`
 	Created     time.Time    `json:"created"`
+	// Claim names the attachment's sticky claim, if any; ClaimLease is the claim lease the
+	// agent renews while the attachment holds it.
+	Claim      string `json:"claim,omitempty"`
+	ClaimLease string `json:"claimLease,omitempty"`
+	// ClaimHoldSeconds is how long the claim outlives the attachment's release.
+	ClaimHoldSeconds int64 `json:"claimHoldSeconds,omitempty"`
 }
 
 // PodRecord is the value of /leasehold/v1/nodes/<cluster>/<node>/pods/<owner>: the pod
@@ -98,6 +104,9 @@ type PoolConflictRecord struct {
 type QuarantineRecord struct {
 	ReleasedBy string    `json:"releasedBy"`
 	Until      time.Time `json:"until"`
+	// Claim names the sticky claim the address rests under: only the claim's next holder may
+	// take it before it ends (see ClaimRecord).
+	Claim string `json:"claim,omitempty"`
 }
 
 // LeaseHex renders a lease ID as etcdctl prints it (etcdctl lease timetolive <hex>).

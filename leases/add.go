@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -31,6 +32,10 @@ type addState struct {
 	unanswered int
 	// relisted: the pool's view was found stale and listed again once in this ADD.
 	relisted bool
+	// sticky is the claim the ADD names, as read (sticky.go); origRequested the addresses
+	// the runtime asked for, before the claim's replaced them.
+	sticky        *stickyAdd
+	origRequested []netip.Addr
 }
 
 // maxUnanswered bounds the claims an ADD sends again after losing their answers; the waits
@@ -57,7 +62,8 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	owner = a.attachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
 	unlock := a.locks.lock(owner)
 	defer unlock()
-	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool)}
+	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
+	defer a.dropSticky(st)
 	defer func() {
 		if st.fresh != 0 {
 			a.keeper.Return(st.fresh)
@@ -78,7 +84,12 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 				allocator.ErrUnavailable, p.spec.Name, m.By, m.Since.Format(time.RFC3339), p.spec.Name)
 		}
 		p.await(ctx)
-		requested, err := p.spec.MatchRequested(req.RequestedIPs)
+		if req.Claim != "" && (st.sticky == nil || st.sticky.stale) {
+			if err := a.readSticky(ctx, p, st); err != nil {
+				return allocator.Result{}, err
+			}
+		}
+		requested, err := p.spec.MatchRequested(st.req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {
 			// The address may lie in a range added since the definition was read.
 			octx, cancel := a.opCtx(ctx)
@@ -171,8 +182,22 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 		pod: a.podRecord(req, owner, lease, now)}
+	if st.sticky != nil {
+		if err := a.stickyClaim(octx, st, c, now); err != nil {
+			p.view.settle(reserved, 0)
+			return allocator.Result{}, false, err
+		}
+	}
 	start, floor := time.Now(), a.revFloor()
-	resp, err := a.claims.commit(octx, c)
+	var resp *clientv3.TxnResponse
+	var err error
+	if c.claimKey != "" {
+		// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
+		cmps, puts, gets := c.txn()
+		resp, err = a.cli.Txn(octx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	} else {
+		resp, err = a.claims.commit(octx, c)
+	}
 	a.metrics.rtt("claim", start)
 	if err != nil {
 		p.view.settle(reserved, 0)
@@ -197,8 +222,16 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	out := c.outcome(resp)
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)
-		a.pods.claimed(req, owner, lease, attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
-			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
+		at := attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
+			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision}
+		if s := st.sticky; s != nil {
+			at.Claim, at.ClaimLease, at.ClaimHold, s.used = s.name, s.lease, s.hold, true
+			if s.handover {
+				a.metrics.claimHandovers.Inc()
+				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.spec.Name, "ips", addrs)
+			}
+		}
+		a.pods.claimed(req, owner, lease, at)
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
@@ -259,6 +292,12 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 	}
 	if out.PoolChanged {
 		a.pools.invalidate(p.spec.Name)
+		return allocator.Result{}, false, nil
+	}
+	if s := st.sticky; s != nil && (out.ClaimChanged || slices.ContainsFunc(out.Addrs, addrFound.taken)) {
+		// The claim moved, or its addresses were taken, since the ADD read it: read it again
+		// (and wait, if another holder has them).
+		s.stale = true
 		return allocator.Result{}, false, nil
 	}
 	switch out.Pod {
@@ -374,8 +413,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.pods.claimed(st.req, st.owner, lease, attachment{IfName: st.req.IfName, Pool: p.spec.Name, Network: rec.Network,
-		ContainerID: st.req.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: rev})
+	a.pods.claimed(st.req, st.owner, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
 }

@@ -121,6 +121,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.resumeBlocks(ctx)
+	a.resumeClaims(ctx)
 	a.wg.Add(2)
 	go a.reclaimLoop()
 	go a.livenessLoop()

@@ -55,6 +55,16 @@ type claim struct {
 	// Re-claim only: addresses of the attachment another owner took, recorded on the lease.
 	conflictKey string
 	conflict    *keyspace.ConflictRecord
+	// ADD naming a sticky claim (sticky.go): the claim record, compared absent (claimRev 0)
+	// or unchanged since read, is put with this attachment as holder on claimLease; the
+	// addresses resting in quarantine under the claim are compared unchanged and deleted
+	// instead of compared absent.
+	claimKey   string
+	claimRev   int64
+	claimRec   keyspace.ClaimRecord
+	claimLease clientv3.LeaseID
+	claimQ     string // the quarantine record marking an address as the claim's
+	resting    map[netip.Addr]int64
 }
 
 // Positions of the else branch's reads, shared by txn and outcome so that neither counts.
@@ -115,8 +125,16 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 		gets = append(gets, clientv3.OpGet(ipKey))
 		if c.add {
 			qKey, hosts := keyspace.QuarantineKey(c.pool, c.blocks, addr), keyspace.HostIPPrefix(addr)
+			if rev, ok := c.resting[addr]; ok {
+				cmps = append(cmps, keyspace.Unchanged(qKey, rev))
+			} else {
+				cmps = append(cmps, keyspace.Absent(qKey))
+			}
+			if c.claimKey != "" {
+				puts = append(puts, clientv3.OpPut(qKey, c.claimQ, clientv3.WithLease(c.claimLease)))
+			}
 			// No node publishes the address as its own.
-			cmps = append(cmps, keyspace.Absent(qKey), keyspace.NoneUnder(hosts))
+			cmps = append(cmps, keyspace.NoneUnder(hosts))
 			gets = append(gets, clientv3.OpGet(qKey),
 				clientv3.OpGet(hosts, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
 		}
@@ -124,6 +142,15 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 	puts = append(puts, clientv3.OpPut(c.ownerKey, keyspace.Encode(c.index), on))
 	if c.conflict != nil {
 		puts = append(puts, clientv3.OpPut(c.conflictKey, keyspace.Encode(*c.conflict), on))
+	}
+	if c.claimKey != "" {
+		if c.claimRev == 0 {
+			cmps = append(cmps, keyspace.Absent(c.claimKey))
+		} else {
+			cmps = append(cmps, keyspace.Unchanged(c.claimKey, c.claimRev))
+		}
+		puts = append(puts, clientv3.OpPut(c.claimKey, keyspace.Encode(c.claimRec), clientv3.WithLease(c.claimLease)))
+		gets = append(gets, clientv3.OpGet(c.claimKey, clientv3.WithKeysOnly()))
 	}
 	return cmps, puts, gets
 }
@@ -154,6 +181,9 @@ type claimOutcome struct {
 	PodKV *mvccpb.KeyValue
 	// Addrs says, per address claimed (in claim order), why it was not free.
 	Addrs []addrFound
+	// ClaimChanged: the sticky claim record is not as the ADD read it (another holder took
+	// it, or it was created or released meanwhile).
+	ClaimChanged bool
 }
 
 // podFound is what an ADD's or an import's claim found of the pod record.
@@ -216,8 +246,15 @@ func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
 		f := addrFound{Addr: addr, Holder: kv(c.addrRead(i, 0))}
 		if c.add {
 			f.Quarantine, f.Host = kv(c.addrRead(i, 1)), kv(c.addrRead(i, 2))
+			if rev, ok := c.resting[addr]; ok && f.Quarantine != nil && f.Quarantine.ModRevision == rev {
+				f.Quarantine = nil // resting under the claim: this ADD's to take
+			}
 		}
 		out.Addrs[i] = f
+	}
+	if c.claimKey != "" {
+		rec := kv(len(resp.Responses) - 1)
+		out.ClaimChanged = (c.claimRev == 0) != (rec == nil) || rec != nil && rec.ModRevision != c.claimRev
 	}
 	return out
 }

@@ -61,6 +61,10 @@ type Config struct {
 	// in quarantine) before the agent gives it back to the pool; default DefaultBlockIdle,
 	// negative keeps blocks until the agent's identity goes.
 	BlockIdle time.Duration
+	// ClaimHold is how long a sticky claim outlives its holder's release when the network
+	// configuration does not say (ipam "stickyHold"); default DefaultClaimHold. It must be at
+	// least LeaseTTL: a dead node's claims must outlive its pods' leases.
+	ClaimHold time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -77,6 +81,7 @@ const (
 	DefaultLivenessGrace    = 30 * time.Second
 	DefaultHostResync       = 15 * time.Second
 	DefaultBlockIdle        = 5 * time.Minute
+	DefaultClaimHold        = 10 * time.Minute
 )
 
 // Bounds the agent sets itself. Every other wait is Config.OpTimeout.
@@ -127,6 +132,13 @@ func (c *Config) validate() error {
 	}
 	if c.LeaseTTL < minLeaseTTL {
 		return fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, c.LeaseTTL, minLeaseTTL)
+	}
+	if c.ClaimHold == 0 {
+		c.ClaimHold = DefaultClaimHold
+	}
+	if c.ClaimHold < c.LeaseTTL {
+		return fmt.Errorf("%w: claim hold %s is shorter than the lease TTL %s: a dead node's claims must outlive its pods' leases",
+			allocator.ErrInvalidConfig, c.ClaimHold, c.LeaseTTL)
 	}
 	if c.BlockIdle == 0 {
 		c.BlockIdle = DefaultBlockIdle

@@ -49,7 +49,12 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		// it first. The transaction compares that revision, so an owner index changed since
 		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
 		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
-		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID}, true)
+		rec := keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Claim: at.Claim,
+			ClaimHoldSeconds: int64(at.ClaimHold / time.Second)}
+		if at.ClaimLease != 0 {
+			rec.ClaimLease = keyspace.LeaseHex(at.ClaimLease)
+		}
+		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, true)
 		if !errors.Is(err, errStale) {
 			return left, err
 		}
@@ -101,22 +106,42 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
 		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
 	quarantine := a.cfg.Quarantine >= 0
+	outOfSpace := false // etcd's NOSPACE alarm: no puts, so no claim kept either
+	var claimLease clientv3.LeaseID
+	if rec.Claim != "" {
+		claimLease, _ = keyspace.ParseLeaseHex(rec.ClaimLease)
+		r.claimLease = claimLease
+	}
 	for attempt := 0; attempt < 3; attempt++ {
 		octx, cancel := a.opCtx(ctx)
 		var until time.Time
-		r.qLease = 0
+		r.qLease, r.holdLease = 0, 0
+		if rec.Claim != "" && !outOfSpace && len(r.addrs) > 0 {
+			// The claim and its addresses' quarantine keys outlive the release by the hold.
+			at := attachment{Claim: rec.Claim, IPs: r.addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
+			key, crec, lease, err := a.releaseSticky(octx, pool, owner, at)
+			if err != nil {
+				cancel()
+				return -1, err
+			}
+			until = time.Now().Add(time.Duration(crec.HoldSeconds) * time.Second).UTC()
+			r.claimKey, r.claimRec, r.holdLease = key, crec, lease
+			r.claimQ = keyspace.QuarantineRecord{ReleasedBy: owner, Until: until, Claim: rec.Claim}
+		}
 		if quarantine && len(r.addrs) > 0 {
 			lease, u, err := a.keeper.QuarantineLease(octx, a.cfg.Quarantine)
 			switch {
 			case noSpace(err):
-				quarantine = false
+				quarantine, outOfSpace = false, true
 				a.withoutQuarantine(r, owner, err)
 			case err != nil:
 				cancel()
 				return -1, a.unavailable("quarantine released addresses", err)
 			default:
-				until = u.UTC()
-				r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until}
+				if until.IsZero() {
+					until = u.UTC()
+				}
+				r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: u.UTC()}
 			}
 		}
 		cmps, then, els := r.txn()
@@ -124,10 +149,10 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		resp, err := a.cli.Txn(octx).If(cmps...).Then(then...).Else(els...).Commit()
 		a.metrics.rtt("release", start)
 		cancel()
-		if noSpace(err) && r.qLease != 0 {
+		if noSpace(err) && (r.qLease != 0 || r.holdLease != 0) {
 			// The quarantine keys are the release's only puts, and etcd takes no put under
 			// its NOSPACE alarm: release without them, or the pod could never be deleted.
-			quarantine = false
+			quarantine, outOfSpace = false, true
 			a.withoutQuarantine(r, owner, err)
 			attempt--
 			continue
@@ -144,6 +169,12 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 			}
 			if v := a.pools.viewOf(pool); v != nil {
 				v.released(r.addrs, out.Revision, until)
+			}
+			if claimLease != 0 {
+				// The claim moved onto the release's lease: its old one carries nothing now.
+				if err := a.keeper.Revoke(claimLease); err != nil {
+					a.log.Warn("revoking a released claim's lease failed; it expires by itself", "lease", keyspace.LeaseHex(claimLease), "err", err)
+				}
 			}
 			a.log.Debug("released", "owner", owner, "pool", pool, "ips", r.addrs)
 			return out.Left, nil

@@ -30,6 +30,8 @@ type metrics struct {
 	unquarantined prometheus.Counter
 	// Blocks: claims made, empty blocks given back, addresses borrowed from others' blocks.
 	blockClaims, blocksGivenBack, borrowed prometheus.Counter
+	// Sticky claims: taken over by a new holder, and ADDs refused because a live pod held them.
+	claimHandovers, claimsRefused prometheus.Counter
 	// imports counts the addresses of imports from other IPAM plugins by what became of them.
 	imports *prometheus.CounterVec
 }
@@ -79,6 +81,14 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_blocks_given_back_total",
 			Help: "Blocks this node gave back after they stayed empty for --block-idle.",
 		}),
+		claimHandovers: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_claim_handovers_total",
+			Help: "ADDs that took a sticky claim's addresses over from an earlier holder (released, or gone with its node).",
+		}),
+		claimsRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_claim_handovers_refused_total",
+			Help: "ADDs naming a sticky claim that failed because a live pod still held its addresses.",
+		}),
 		borrowed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_borrowed_addresses_total",
 			Help: "Addresses chosen inside other nodes' blocks because every block was claimed and this node's were full.",
@@ -89,7 +99,11 @@ func newMetrics(a *Agent) *metrics {
 		}, []string{"result"}),
 	}
 	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
-		m.blockClaims, m.blocksGivenBack, m.borrowed, m.imports,
+		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_claims_held",
+			Help: "Sticky claims held by attachments of this node.",
+		}, func() float64 { return float64(len(a.pods.claimLeases())) }), m.imports,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_blocks_held",
 			Help: "Blocks this node holds, over every pool it serves.",

@@ -64,6 +64,11 @@ type attachment struct {
 	// OwnerRev is the owner index's ModRevision as this agent last wrote or read it (0:
 	// unknown). A DEL that finds it current needs no read before its transaction.
 	OwnerRev int64 `json:"ownerRev,omitempty"`
+	// Claim is the attachment's sticky claim, kept on ClaimLease, which this agent renews
+	// while the attachment holds it, and released with it for ClaimHold (sticky.go).
+	Claim      string           `json:"claim,omitempty"`
+	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
+	ClaimHold  time.Duration    `json:"claimHold,omitempty"`
 }
 
 // podState is what the agent knows of one pod whose lease it holds. It is mirrored in the

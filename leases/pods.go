@@ -275,3 +275,18 @@ func (t *pods) pools() []string {
 	}
 	return out
 }
+
+// claimLeases lists the claim leases of the node's attachments that hold a sticky claim.
+func (t *pods) claimLeases() []clientv3.LeaseID {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []clientv3.LeaseID
+	for _, ps := range t.m {
+		for _, at := range ps.Attachments {
+			if at.ClaimLease != 0 {
+				out = append(out, at.ClaimLease)
+			}
+		}
+	}
+	return out
+}

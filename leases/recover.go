@@ -143,8 +143,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 		if err != nil || rec.NodeUID != a.cfg.NodeUID {
 			continue
 		}
-		out = append(out, attachment{IfName: ifName, Pool: pool, Network: rec.Network, ContainerID: rec.ContainerID,
-			IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
+		out = append(out, attachmentOf(rec, ifName, pool, rec.ContainerID, kv.ModRevision))
 	}
 	return out, nil
 }

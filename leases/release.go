@@ -36,6 +36,15 @@ type release struct {
 	// qLease and qRecord quarantine the addresses; qLease 0 puts none.
 	qLease  clientv3.LeaseID
 	qRecord keyspace.QuarantineRecord
+	// A sticky attachment's claim (sticky.go): if the record is still on the attachment's
+	// claim lease, it goes without a holder onto holdLease (the hold plus quarantine, renewed
+	// by nobody) with its addresses' quarantine keys marked with the claim (claimQ); if an
+	// admin released the claim meanwhile, the addresses get ordinary quarantine (qLease).
+	claimKey   string
+	claimLease clientv3.LeaseID
+	claimRec   keyspace.ClaimRecord
+	holdLease  clientv3.LeaseID
+	claimQ     keyspace.QuarantineRecord
 }
 
 // txn is the release's compares, writes and else-branch reads.
@@ -48,11 +57,22 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 		then = append(then, clientv3.OpDelete(key))
 		els = append(els, clientv3.OpGet(key, clientv3.WithKeysOnly()))
 	}
+	var plain []clientv3.Op
 	if r.qLease != 0 {
 		rec := keyspace.Encode(r.qRecord)
 		for _, addr := range r.addrs {
-			then = append(then, clientv3.OpPut(keyspace.QuarantineKey(r.pool, r.blocks, addr), rec, clientv3.WithLease(r.qLease)))
+			plain = append(plain, clientv3.OpPut(keyspace.QuarantineKey(r.pool, r.blocks, addr), rec, clientv3.WithLease(r.qLease)))
 		}
+	}
+	if r.claimKey != "" && r.holdLease != 0 {
+		kept := []clientv3.Op{clientv3.OpPut(r.claimKey, keyspace.Encode(r.claimRec), clientv3.WithLease(r.holdLease))}
+		q := keyspace.Encode(r.claimQ)
+		for _, addr := range r.addrs {
+			kept = append(kept, clientv3.OpPut(keyspace.QuarantineKey(r.pool, r.blocks, addr), q, clientv3.WithLease(r.holdLease)))
+		}
+		then = append(then, clientv3.OpTxn([]clientv3.Cmp{keyspace.OnLease(r.claimKey, r.claimLease)}, kept, plain))
+	} else {
+		then = append(then, plain...)
 	}
 	then = append(then, clientv3.OpTxn([]clientv3.Cmp{
 		// No owner index before this one, and none after it (an empty range compares as absent).

@@ -329,6 +329,21 @@ func TestDoctor(t *testing.T) {
 			fix: func(w *doctorWorld) string {
 				return "etcdctl del " + keyspace.BlockKey(w.pool, netip.MustParsePrefix("10.90.0.0/24"))
 			}},
+		// Sticky claims. A claim record written without lease never goes: released with claim release.
+		{name: "claim without lease", kind: admin.KindNoLease,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.ClaimKey("c1", "net", "ns.web-0"), `{"ips":["10.90.0.30"],"holdSeconds":600}`, 0)
+				w.put(t, keyspace.QuarantineKey("net", allocator.DefaultBlocks, mustIP("10.90.0.30")), `{"releasedBy":"n1","claim":"ns.web-0"}`, w.grant(t))
+			},
+			key: func(w *doctorWorld) string { return keyspace.ClaimKey("c1", "net", "ns.web-0") },
+			fix: func(w *doctorWorld) string { return "leaseholdctl claim release ns.web-0 --pool net --cluster c1" }},
+		// A claim of a pool that has no definition: its next holder's ADD is refused.
+		{name: "claim of an undefined pool", kind: admin.KindClaimPoolUndefined,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.ClaimKey("c1", "gone", "ns.web-0"), `{"ips":["10.90.0.30"],"holdSeconds":600}`, w.grant(t))
+			},
+			key: func(w *doctorWorld) string { return keyspace.ClaimKey("c1", "gone", "ns.web-0") },
+			fix: func(w *doctorWorld) string { return "leaseholdctl claim release ns.web-0 --pool gone --cluster c1" }},
 		// After a lost lease another pod took web's address (a recorded conflict): web must be recreated.
 		{name: "owner index names another holder", kind: admin.KindOwnerOtherAlloc,
 			seed: func(t *testing.T, w *doctorWorld) {

@@ -67,6 +67,20 @@ allocations:
   alloc release IP --pool P [--force] [--quarantine 30s]
                                   release IP with its attachment's owner index and other addresses on the
                                   same lease, owner-compared; a lease an agent still renews needs --force
+sticky claims (issue 19: an attachment naming a claim gets the addresses its previous holder had):
+  claim list [--cluster C] [--pool P]
+                                  claims: cluster, pool, claim, addresses, holder (pod and node) or when it was
+                                  released, hold time, claim lease TTL left
+  claim show NAME [--pool P] [--cluster C]
+                                  every claim NAME (of every pool and cluster unless given): its key, holder
+                                  (owner, pod, node, container, interface, pod lease) or release time, hold,
+                                  lease TTL left, and each address: allocated (to whom), resting in quarantine
+                                  under the claim, in other quarantine, or free
+  claim release NAME --pool P [--cluster C] [--quarantine 30s]
+                                  delete the claim (compared unchanged) and, in the same transaction, move the
+                                  addresses resting under it to ordinary quarantine on a fresh lease (0s: free
+                                  at once). A held claim's pod keeps its addresses; only the stickiness goes.
+                                  --cluster is needed when several clusters have a claim NAME in pool P
 nodes and problems:
   node list                       agents: identity, version, whether it serves blocks, started, lease TTL left,
                                   last renewal, pods
@@ -87,8 +101,8 @@ SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
 --block-v4 N, --block-v6 N: a block's prefix length per family (pool create, pool migrate). A node
   claims blocks and watches only its own; fixed once stored, since every agent must derive the same
   key for an address.
---cluster C: alloc list, node list, conflicts and doctor show only cluster C's records; pool show
-  lists only C's holders.
+--cluster C: alloc list, claim list/show, node list, conflicts and doctor show only cluster C's
+  records; pool show lists only C's holders; claim release: the claim's cluster.
 
 exit codes:
   0  ok (doctor: no problem found)
@@ -97,7 +111,7 @@ exit codes:
   2  usage error: unknown command or flag, flag not valid for the command, malformed argument
   3  doctor found problems (errors or warnings)
   4  not found: alloc show/release of an address without allocation, pool show/add-range/
-     remove-range of an unknown pool or range
+     remove-range of an unknown pool or range, claim show/release of an unknown claim
 
 flags (connection flags are etcdctl's; each defaults from ETCDCTL_<FLAG>, e.g. ETCDCTL_ENDPOINTS,
 ETCDCTL_USER, ETCDCTL_COMMAND_TIMEOUT):
@@ -147,6 +161,9 @@ var commands = []command{
 	{words: []string{"alloc", "list"}, flags: []string{"pool", "cluster", "node", "owner", "namespace"}, run: allocList},
 	{words: []string{"alloc", "show"}, args: []string{"IP"}, flags: []string{"pool"}, run: allocShow},
 	{words: []string{"alloc", "release"}, args: []string{"IP"}, flags: []string{"pool", "force", "quarantine"}, run: allocRelease},
+	{words: []string{"claim", "list"}, flags: []string{"cluster", "pool"}, run: claimList},
+	{words: []string{"claim", "show"}, args: []string{"NAME"}, flags: []string{"pool", "cluster"}, run: claimShow},
+	{words: []string{"claim", "release"}, args: []string{"NAME"}, flags: []string{"pool", "cluster", "quarantine"}, run: claimRelease},
 	{words: []string{"node", "list"}, flags: []string{"cluster"}, run: nodeList},
 	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
 	{words: []string{"pool", "conflicts"}, flags: []string{"pool"}, run: poolConflictList},
@@ -173,7 +190,7 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&g.output, "w", "table", "same as -o")
 	fs.StringVar(&g.output, "write-out", "table", "same as -o")
 	fs.StringVar(&g.cluster, "cluster", "", "only this cluster's records (default: all clusters)")
-	fs.StringVar(&g.pool, "pool", "", "alloc list/show: only this pool; alloc release: the pool (required)")
+	fs.StringVar(&g.pool, "pool", "", "alloc list/show, claim list/show: only this pool; alloc release, claim release: the pool (required)")
 	fs.StringVar(&g.node, "node", "", "alloc list: only this node")
 	fs.StringVar(&g.owner, "owner", "", "alloc list: only this owner (pod UID or container ID)")
 	fs.StringVar(&g.ns, "namespace", "", "alloc list: only pods of this namespace")
@@ -184,7 +201,7 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&g.blockV4, "block-v4", 0, "pool create/migrate: IPv4 block prefix length, /16 to /30 (default /26)")
 	fs.IntVar(&g.blockV6, "block-v6", 0, "pool create/migrate: IPv6 block prefix length, /112 to /126 (default /122)")
 	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check")
-	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release: how long released addresses rest (0s: none)")
+	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release, claim release: how long released addresses rest (0s: none)")
 	return fs
 }
 

@@ -36,7 +36,7 @@ type options struct {
 	username, password                     string
 	embeddedDir, embeddedURL, embeddedPeer string
 	leaseTTL, quarantine, gcGrace          time.Duration
-	blockIdle                              time.Duration
+	blockIdle, claimHold                   time.Duration
 	stateDir                               string
 	livenessInterval, livenessGrace        time.Duration
 	publishHosts                           bool
@@ -68,6 +68,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.embeddedPeer, "embedded-etcd-peer-url", "http://127.0.0.1:2380", "peer URL of the embedded etcd")
 	fs.DurationVar(&o.leaseTTL, "lease-ttl", leases.DefaultLeaseTTL, "TTL of pod and node leases")
 	fs.DurationVar(&o.quarantine, "quarantine", leases.DefaultQuarantine, "how long a released address rests before reuse (0s disables)")
+	fs.DurationVar(&o.claimHold, "claim-hold", leases.DefaultClaimHold, "how long a sticky claim outlives its holder's release when the network configuration gives no stickyHold (at least --lease-ttl)")
 	fs.DurationVar(&o.blockIdle, "block-idle", leases.DefaultBlockIdle, "how long a block this node claimed must stay empty before it is given back to the pool (0s: never)")
 	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC (0s: none)")
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/leasehold", "local journal of this node's pods, for re-claim after a lease loss")
@@ -165,7 +166,7 @@ func serve(o *options, log *slog.Logger) error {
 
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	agent, err := leases.Start(sctx, cli, leases.Config{
-		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine), BlockIdle: disabledIfZero(o.blockIdle),
+		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine), BlockIdle: disabledIfZero(o.blockIdle), ClaimHold: o.claimHold,
 		SpareLeases: o.spare, GCGrace: disabledIfZero(o.gcGrace), Version: version, Logger: log,
 		PublishHostAddrs: o.publishHosts, HostNetns: o.hostNetns, HostResync: o.hostResync,
 		StateDir: o.stateDir, LivenessInterval: disabledIfZero(o.livenessInterval), LivenessGrace: o.livenessGrace,

@@ -17,6 +17,7 @@
 #   readwrite  /leasehold/v1/owners/<CLUSTER>/       this cluster's owner indexes
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
+#   readwrite  /leasehold/v1/claims/<CLUSTER>/       this cluster's sticky claims
 #
 # Why the first six are shared: pools are shared across clusters by design. An address is
 # taken by creating ips/<pool>/<block>/<ip> only if it, its quarantine/ key and every
@@ -99,7 +100,7 @@ for c in "${clusters[@]}"; do
   name="leasehold-$c"
   exists role "$name" || ctl role add "$name"
   # Keep in step with leases.RolePrefixes (integration/deploy_test.go compares them).
-  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ "owners/$c/" "nodes/$c/" "conflicts/$c/"; do
+  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
   if ! exists user "$name"; then

@@ -1,0 +1,66 @@
+package keyspace
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+)
+
+// Sticky claims (issue 19): a named claim keeps an attachment's addresses for the next
+// attachment that names it, once no live pod holds them. The addresses' own keys stay the
+// authority; a claim says only who may take them next.
+
+const claimsDir = Prefix + "claims/"
+
+// ClaimKey is /leasehold/v1/claims/<cluster>/<pool>/<claim>: one sticky claim, on its claim
+// lease (renewed by the holder's agent; while nobody holds it, it runs out after the hold).
+func ClaimKey(cluster, pool, claim string) string { return ClaimsPrefix(cluster) + pool + "/" + claim }
+
+// ClaimsPrefix is the prefix of cluster's claims; with cluster "" of every cluster's.
+func ClaimsPrefix(cluster string) string {
+	if cluster == "" {
+		return claimsDir
+	}
+	return claimsDir + cluster + "/"
+}
+
+// ParseClaimKey splits a claim key into its cluster, pool and claim name.
+func ParseClaimKey(key string) (cluster, pool, claim string, err error) {
+	rest, ok := strings.CutPrefix(key, claimsDir)
+	if !ok {
+		return "", "", "", fmt.Errorf("key %q is not under %s", key, claimsDir)
+	}
+	parts := strings.Split(rest, "/")
+	if len(parts) != 3 {
+		return "", "", "", fmt.Errorf("key %q: want %s<cluster>/<pool>/<claim>", key, claimsDir)
+	}
+	return parts[0], parts[1], parts[2], nil
+}
+
+// ClaimRecord is the value of a claim key: the addresses (one per range set of the pool), who
+// holds them now (nil: nobody; the addresses rest in quarantine under the claim until the hold
+// runs out or the next holder takes them), and for how long the claim outlives a release.
+type ClaimRecord struct {
+	IPs    []netip.Addr `json:"ips"`
+	Holder *ClaimHolder `json:"holder,omitempty"`
+	// HoldSeconds is how long the claim outlives its holder's release: its lease's TTL.
+	HoldSeconds int64     `json:"holdSeconds"`
+	Since       time.Time `json:"since"`
+	// Released is when the last holder released it (zero while held).
+	Released time.Time `json:"released,omitzero"`
+}
+
+// ClaimHolder names the attachment holding a claim.
+type ClaimHolder struct {
+	Owner       string           `json:"owner"`
+	Pod         allocator.PodRef `json:"pod,omitzero"`
+	Node        string           `json:"node"`
+	NodeUID     string           `json:"nodeUID"`
+	ContainerID string           `json:"containerID"`
+	IfName      string           `json:"ifName"`
+	// LeaseID is the holder's pod lease, in etcdctl's hex form.
+	LeaseID string `json:"leaseID"`
+}

@@ -1,0 +1,219 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Sticky claims (issue 19; docs/proposals/sticky.md). An attachment that names a claim keeps
+// its addresses for the next attachment naming it. The claim record and one quarantine key per
+// address, marked with the claim, live on a claim lease: renewed by the holder's agent while
+// it holds the claim, moved by its release onto a lease of hold plus quarantine that nobody
+// renews. Every other ADD compares those quarantine keys absent, so the addresses stay out of
+// others' reach for as long as the claim lives, through a holder's DEL or its node's death;
+// only an ADD naming the claim takes them, comparing the keys unchanged. Uniqueness still
+// comes from each address's create-if-absent allocation key.
+
+// stickyAdd is what an ADD naming a claim read of it.
+type stickyAdd struct {
+	name, key string
+	hold      time.Duration
+	rev       int64                // the claim record's ModRevision; 0: there was none
+	resting   map[netip.Addr]int64 // quarantine keys of the claim's addresses: ModRevision
+	handover  bool                 // the record named another holder or none
+	lease     clientv3.LeaseID     // the claim lease this ADD writes on, granted at first use
+	used      bool                 // the lease carries the claim now
+	stale     bool                 // a claim transaction found it changed: read it again
+}
+
+// claimHold is the hold of req's claim: the configuration's, else the agent's default.
+func (a *Agent) claimHold(req allocator.Request) (time.Duration, error) {
+	hold := a.cfg.ClaimHold
+	if req.ClaimHold > 0 {
+		hold = req.ClaimHold
+	}
+	if hold < a.cfg.LeaseTTL {
+		return 0, fmt.Errorf("%w: stickyHold %s is shorter than the agent's lease TTL %s: a dead node's claims must outlive its pods' leases; "+
+			"give a longer stickyHold", allocator.ErrInvalidConfig, hold, a.cfg.LeaseTTL)
+	}
+	return hold, nil
+}
+
+// stickyWaitStep is how often an ADD whose claim's addresses are still held looks again.
+const stickyWaitStep = 500 * time.Millisecond
+
+// readSticky reads st's claim and the state of its addresses, and sets st.sticky. A claim
+// whose addresses another owner still holds (the previous pod lives, or its node's lease has
+// not expired) is waited for, polling, until shortly before ctx ends; then the ADD fails
+// naming the holder. The addresses are never taken from a live holder.
+func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
+	hold, err := a.claimHold(st.req)
+	if err != nil {
+		return err
+	}
+	key := keyspace.ClaimKey(a.cfg.Cluster, p.spec.Name, st.req.Claim)
+	for {
+		s, holder, err := a.readClaim(ctx, p, st, key)
+		if err != nil {
+			return err
+		}
+		if holder == "" {
+			s.hold = hold
+			if prev := st.sticky; prev != nil {
+				s.lease = prev.lease // granted by an earlier attempt, still unused
+			}
+			st.sticky = s
+			return nil
+		}
+		deadline, ok := ctx.Deadline()
+		if !ok || time.Until(deadline) < 2*stickyWaitStep {
+			a.metrics.claimsRefused.Inc()
+			return fmt.Errorf("%w: claim %q of pool %q: its addresses are still held by %s; an attachment naming the claim gets them "+
+				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, st.req.Claim, p.spec.Name, holder)
+		}
+		select {
+		case <-ctx.Done():
+			return a.unavailable("wait for claim "+st.req.Claim, ctx.Err())
+		case <-time.After(stickyWaitStep):
+		}
+	}
+}
+
+// readClaim reads the claim record and its addresses' allocation and quarantine keys. It
+// returns a non-empty holder when another owner holds an address (or one rests in quarantine
+// for something else than this claim), else the claim as this ADD will take it; the request's
+// addresses become the claim's.
+func (a *Agent) readClaim(ctx context.Context, p *pool, st *addState, key string) (*stickyAdd, string, error) {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, key)
+	if err != nil {
+		return nil, "", a.unavailable("read claim "+key, err)
+	}
+	s := &stickyAdd{name: st.req.Claim, key: key, resting: make(map[netip.Addr]int64)}
+	if len(resp.Kvs) == 0 {
+		return s, "", nil
+	}
+	rec, err := keyspace.Decode[keyspace.ClaimRecord](key, resp.Kvs[0].Value)
+	if err != nil {
+		return nil, "", err
+	}
+	s.rev = resp.Kvs[0].ModRevision
+	s.handover = rec.Holder == nil || rec.Holder.Owner != st.owner
+	if len(st.origRequested) > 0 && !slices.Equal(st.origRequested, rec.IPs) {
+		return nil, "", fmt.Errorf("%w: claim %q holds %v, but the runtime asks for %v; ask for none or for the claim's",
+			allocator.ErrInvalidConfig, st.req.Claim, rec.IPs, st.origRequested)
+	}
+	var ops []clientv3.Op
+	for _, ip := range rec.IPs {
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, ip)),
+			clientv3.OpGet(keyspace.QuarantineKey(p.spec.Name, p.spec.Blocks, ip)))
+	}
+	resps, _, err := readChunked(octx, a.cli, ops)
+	if err != nil {
+		return nil, "", a.unavailable("read the addresses of claim "+key, err)
+	}
+	for i, ip := range rec.IPs {
+		if kvs := resps[2*i].GetResponseRange().Kvs; len(kvs) > 0 {
+			al, _ := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
+			if al.Owner != st.owner {
+				return nil, fmt.Sprintf("owner %s (pod %s/%s, node %s, container %s, lease %s)",
+					al.Owner, al.Pod.Namespace, al.Pod.Name, al.Node, al.ContainerID, al.LeaseID), nil
+			}
+		}
+		if kvs := resps[2*i+1].GetResponseRange().Kvs; len(kvs) > 0 {
+			q, _ := keyspace.Decode[keyspace.QuarantineRecord](string(kvs[0].Key), kvs[0].Value)
+			if q.Claim != st.req.Claim {
+				return nil, fmt.Sprintf("a release by %s resting until %s", q.ReleasedBy, q.Until.Format(time.RFC3339)), nil
+			}
+			s.resting[ip] = kvs[0].ModRevision
+		}
+	}
+	st.req.RequestedIPs = rec.IPs
+	return s, "", nil
+}
+
+// stickyClaim adds st's claim to the ADD's claim transaction c: the record with this
+// attachment as holder, and a quarantine key per address marked with the claim, on the claim
+// lease (granted here at first use and renewed by the keeper).
+func (a *Agent) stickyClaim(ctx context.Context, st *addState, c *claim, now time.Time) error {
+	s := st.sticky
+	if s.lease == 0 {
+		resp, err := a.cli.Grant(ctx, int64((s.hold+time.Second-1)/time.Second))
+		if err != nil {
+			return a.unavailable("grant the claim lease", err)
+		}
+		if err := a.keeper.Resume(resp.ID); err != nil {
+			return err
+		}
+		s.lease = resp.ID
+	}
+	c.claimKey, c.claimRev, c.claimLease, c.resting = s.key, s.rev, s.lease, s.resting
+	c.claimQ = keyspace.Encode(keyspace.QuarantineRecord{Claim: s.name})
+	c.claimRec = keyspace.ClaimRecord{IPs: c.addrs, HoldSeconds: int64(s.hold / time.Second), Since: now,
+		Holder: &keyspace.ClaimHolder{Owner: st.owner, Pod: st.req.Pod, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
+			ContainerID: st.req.ContainerID, IfName: st.req.IfName, LeaseID: keyspace.LeaseHex(c.lease)}}
+	c.index.Claim, c.index.ClaimLease, c.index.ClaimHoldSeconds = s.name, keyspace.LeaseHex(s.lease), int64(s.hold/time.Second)
+	return nil
+}
+
+// dropSticky gives up the claim lease an ADD granted but did not bind the claim to.
+func (a *Agent) dropSticky(st *addState) {
+	if s := st.sticky; s != nil && s.lease != 0 && !s.used {
+		if err := a.keeper.Revoke(s.lease); err != nil {
+			a.log.Warn("revoking an unused claim lease failed; it expires by itself", "lease", keyspace.LeaseHex(s.lease), "err", err)
+		}
+	}
+}
+
+// releaseSticky prepares the release of a sticky attachment: the claim record without a
+// holder and the claim's quarantine keys go onto a fresh lease of hold plus quarantine that
+// nobody renews. It returns the claim key, the released record and that lease.
+func (a *Agent) releaseSticky(ctx context.Context, pool, owner string, at attachment) (string, keyspace.ClaimRecord, clientv3.LeaseID, error) {
+	hold := at.ClaimHold
+	if hold <= 0 {
+		hold = a.cfg.ClaimHold
+	}
+	ttl := hold + max(a.cfg.Quarantine, 0)
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Grant(octx, int64((ttl+time.Second-1)/time.Second))
+	if err != nil {
+		return "", keyspace.ClaimRecord{}, 0, a.unavailable("grant the lease of a released claim", err)
+	}
+	now := a.wall()
+	rec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: now, Released: now}
+	return keyspace.ClaimKey(a.cfg.Cluster, pool, at.Claim), rec, resp.ID, nil
+}
+
+// resumeClaims renews again, after a restart, the claim leases of the attachments this node
+// holds (from the journal or the owner indexes).
+func (a *Agent) resumeClaims(ctx context.Context) {
+	for _, id := range a.pods.claimLeases() {
+		octx, cancel := a.opCtx(ctx)
+		err := a.keeper.Adopt(octx, id)
+		cancel()
+		if err != nil {
+			a.log.Warn("a claim lease could not be resumed; the claim goes with it, the pod keeps its addresses",
+				"lease", keyspace.LeaseHex(id), "err", err)
+		}
+	}
+}
+
+// attachmentOf is the attachment an owner index describes, as held by container at rev.
+func attachmentOf(rec keyspace.OwnerRecord, ifName, pool, container string, rev int64) attachment {
+	at := attachment{IfName: ifName, Pool: pool, Network: rec.Network, ContainerID: container, IPs: rec.IPs,
+		Created: rec.Created, OwnerRev: rev, Claim: rec.Claim, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
+	if rec.Claim != "" {
+		at.ClaimLease, _ = keyspace.ParseLeaseHex(rec.ClaimLease)
+	}
+	return at
+}

@@ -1,0 +1,193 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+func stickyReq(pool allocator.PoolSpec, container, uid, claim string) allocator.Request {
+	r := addReq(pool, container, "eth0", uid)
+	r.Pod.Name = "web-2"
+	r.Claim = claim
+	return r
+}
+
+func readClaimRecord(t *testing.T, cli *clientv3.Client, key string) (keyspace.ClaimRecord, bool) {
+	t.Helper()
+	resp, err := cli.Get(etcdtest.Ctx(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) == 0 {
+		return keyspace.ClaimRecord{}, false
+	}
+	rec, err := keyspace.Decode[keyspace.ClaimRecord](key, resp.Kvs[0].Value)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec, true
+}
+
+func resultAddrs(res allocator.Result) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range res.IPs {
+		out = append(out, ip.Address.Addr())
+	}
+	return out
+}
+
+// TestStickyClaimFollowsThePodAcrossNodes is a StatefulSet's web-2: ADD on one node, an ADD
+// of its replacement on another node while it lives (refused, naming it), its DEL, and the
+// replacement's ADD, which gets the same addresses; meanwhile no other pod can take them.
+func TestStickyClaimFollowsThePodAcrossNodes(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2")
+	pool := dualStack(etcdtest.Uniq("p"), "10.67.0.0/24", "fd67::/64")
+	ctx := ctxT(t)
+	first, err := a.Add(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := keyspace.ClaimKey(cluster, pool.Name, "default.web-2")
+	rec, ok := readClaimRecord(t, cli, key)
+	if !ok || rec.Holder == nil || rec.Holder.Owner != "pod-uid-1" || len(rec.IPs) != 2 {
+		t.Fatalf("claim record after the first ADD: %+v (present %v)", rec, ok)
+	}
+
+	// The replacement while the first pod lives: waits, then names the holder.
+	short, cancel := context.WithTimeout(ctx, 2*time.Second)
+	_, err = b.Add(short, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
+	cancel()
+	if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), "pod-uid-1") {
+		t.Fatalf("ADD of the replacement while web-2 lives: %v, want ErrUnavailable naming pod-uid-1", err)
+	}
+
+	if err := a.Del(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2")); err != nil {
+		t.Fatal(err)
+	}
+	if rec, ok := readClaimRecord(t, cli, key); !ok || rec.Holder != nil || rec.Released.IsZero() {
+		t.Fatalf("claim record after the DEL: %+v (present %v), want it released", rec, ok)
+	}
+	// Another pod asking for the address without the claim does not get it.
+	other := addReq(pool, "c3", "eth0", "pod-uid-3")
+	other.RequestedIPs = []netip.Addr{resultAddrs(first)[0]}
+	if _, err := a.Add(ctx, other); !errors.Is(err, allocator.ErrAddressInUse) {
+		t.Fatalf("ADD of another pod for a claimed address: %v, want ErrAddressInUse", err)
+	}
+
+	second, err := b.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := resultAddrs(second), resultAddrs(first); len(got) != 2 || got[0] != want[0] || got[1] != want[1] {
+		t.Fatalf("the replacement got %v, want the claim's %v", got, want)
+	}
+	rec, _ = readClaimRecord(t, cli, key)
+	if rec.Holder == nil || rec.Holder.Owner != "pod-uid-2" || rec.Holder.Node != "n2" {
+		t.Errorf("claim record after the hand-over: %+v", rec)
+	}
+	if n := metricValue(t, b, "leasehold_claim_handovers_total"); n != 1 {
+		t.Errorf("hand-overs counted: %v, want 1", n)
+	}
+	// A repeated ADD of the holder is idempotent.
+	again, err := b.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
+	if err != nil || resultAddrs(again)[0] != resultAddrs(first)[0] {
+		t.Fatalf("repeated ADD of the holder: %v %v", again, err)
+	}
+}
+
+// TestStickyClaimOutlivesItsNodesDeath: the holder's node stops renewing; once its pod lease
+// has expired, the claim (on its own, longer lease) hands the addresses to the replacement.
+func TestStickyClaimOutlivesItsNodesDeath(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	pool := v4Pool(etcdtest.Uniq("p"), "10.68.0.0/24", 26)
+	ctx := ctxT(t)
+	mod := func(c *Config) { c.LeaseTTL, c.ClaimHold = 2*time.Second, 8*time.Second }
+	dead := startAgent(t, cluster, "n1", "uid1", mod)
+	first, err := dead.Add(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead.Close()
+	live := startAgent(t, cluster, "n2", "uid2", mod)
+	second, err := live.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resultAddrs(second)[0] != resultAddrs(first)[0] {
+		t.Fatalf("after the node's death the replacement got %v, want %v", resultAddrs(second), resultAddrs(first))
+	}
+}
+
+// TestStickyClaimExpiresAfterTheHold: released and not taken again, the claim and its
+// addresses' reservation go after the hold, and the addresses return to the pool.
+func TestStickyClaimExpiresAfterTheHold(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.69.0.0/24", 26)
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.LeaseTTL, c.ClaimHold = 2*time.Second, 2*time.Second })
+	res, err := a.Add(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2")); err != nil {
+		t.Fatal(err)
+	}
+	key := keyspace.ClaimKey(cluster, pool.Name, "default.web-2")
+	etcdtest.Eventually(t, 15*time.Second, "the released claim expired", func() bool {
+		_, ok := readClaimRecord(t, cli, key)
+		return !ok
+	})
+	other := addReq(pool, "c3", "eth0", "pod-uid-3")
+	other.RequestedIPs = resultAddrs(res)
+	if _, err := a.Add(ctx, other); err != nil {
+		t.Fatalf("ADD of another pod for the address after the hold: %v", err)
+	}
+}
+
+// TestReleasedClaimLeavesOrdinaryQuarantine: a claim an admin released while its pod lived
+// (its record deleted) is not brought back by the pod's DEL, whose addresses then rest in
+// ordinary quarantine, not under the gone claim for its hold.
+func TestReleasedClaimLeavesOrdinaryQuarantine(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.70.0.0/24", 26)
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1", func(c *Config) { c.Quarantine = 30 * time.Second })
+	res, err := a.Add(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := keyspace.ClaimKey(cluster, pool.Name, "default.web-2")
+	if _, err := cli.Delete(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2")); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := readClaimRecord(t, cli, key); ok {
+		t.Fatal("the DEL brought the released claim back")
+	}
+	qKey := keyspace.QuarantineKey(pool.Name, pool.Blocks, resultAddrs(res)[0])
+	resp, err := cli.Get(ctx, qKey)
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("quarantine key %s after the DEL: %v %v", qKey, resp, err)
+	}
+	q, _ := keyspace.Decode[keyspace.QuarantineRecord](qKey, resp.Kvs[0].Value)
+	if q.Claim != "" || time.Until(q.Until) > time.Minute {
+		t.Errorf("quarantine after the DEL of a released claim: %+v, want ordinary (no claim, about 30 s)", q)
+	}
+}
