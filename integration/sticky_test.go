@@ -81,4 +81,3 @@ func sameAddrs(x, y []netip.Addr) bool {
 	}
 	return true
 }
-
