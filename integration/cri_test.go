@@ -4,7 +4,9 @@ package integration
 // containerd 1.6's CRI plugin, driven with k8s.io/cri-api's v1 RuntimeService over its
 // socket, creates pod sandboxes whose network is the reference bridge plugin with leasehold
 // as IPAM, against a real leaseholdd and etcd. What etcd holds is read with
-// admin.ListAllocations, as leaseholdctl does.
+// admin.ListAllocations and admin.GetClaim, as leaseholdctl does. The ipam is sticky (issue
+// 19): every sandbox's attachment names the claim <namespace>.<name> of its CRI metadata, so
+// the sandboxes of one test have distinct names wherever they expect distinct addresses.
 
 import (
 	"context"
@@ -23,14 +25,21 @@ import (
 	"github.com/leasehold/leasehold/admin"
 )
 
+// criIPAMTimeout is the conflist's ipam timeout: short, so that the ADD of a sandbox whose
+// claim another live sandbox holds fails within seconds (it waits until shortly before the
+// timeout), and still ample for an ADD's conversation with a local agent.
+const criIPAMTimeout = 5 * time.Second
+
 // criConflist is a cniVersion 1.0.0 network configuration list (containerd 1.6 refuses
 // 1.1.0 results): the bridge plugin, no gateway address on the host bridge and no
-// masquerading, delegating to leasehold for pool's addresses in subnet.
+// masquerading, delegating to leasehold for pool's addresses in subnet, each attachment
+// under the sticky claim of its pod's namespace and name.
 func criConflist(network, pool, bridge, socket string, subnet netip.Prefix) []byte {
 	b, err := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": network, "plugins": []any{
 		map[string]any{"type": "bridge", "bridge": bridge, "isGateway": false, "ipMasq": false,
 			"ipam": map[string]any{"type": "leasehold", "socket": socket, "pool": pool,
-				"ranges": []any{[]any{map[string]any{"subnet": subnet.String()}}}}},
+				"ranges": []any{[]any{map[string]any{"subnet": subnet.String()}}},
+				"sticky": true, "timeout": criIPAMTimeout.String()}},
 	}})
 	if err != nil {
 		panic(err)
@@ -206,6 +215,105 @@ func TestCRI(t *testing.T) {
 		s.release(t, s.live[criLast(s.live, "ags-")])
 		s.checkLive(t)
 	})
+
+	// A StatefulSet's pod re-created (issue 19): sandbox web-2 is stopped and removed, and a
+	// sandbox of the same name with a new UID gets its address again, owned in etcd by the
+	// new UID. While sandbox web-3 runs, a second web-3 with another UID gets no address:
+	// RunPodSandbox fails, naming the holder, and leaves nothing behind.
+	t.Run("SameNameSandboxKeepsItsAddress", func(t *testing.T) {
+		first, err := c.runPod(f.Ctx, "web-2", criUID("web-2"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.live[first.ID] = first
+		if cl := s.claim(t, "web-2"); cl.Value.Holder == nil || cl.Value.Holder.Owner != first.UID || !slices.Contains(cl.Value.IPs, first.IP) {
+			t.Fatalf("claim web-2 after the first sandbox's ADD: %+v, want %s held by %s", cl.Value, first.IP, first.UID)
+		}
+		s.release(t, first)
+		if cl := s.claim(t, "web-2"); cl.Value.Holder != nil || cl.Value.Released.IsZero() || !slices.Contains(cl.Value.IPs, first.IP) {
+			t.Fatalf("claim web-2 after RemovePodSandbox: %+v, want %s released and kept", cl.Value, first.IP)
+		}
+		// Another pod does not get the resting address.
+		other, err := c.runPod(f.Ctx, "web-other", criUID("web-other"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.live[other.ID] = other
+		if other.IP == first.IP {
+			t.Errorf("sandbox web-other got %s, which rests under claim web-2", other.IP)
+		}
+
+		second, err := c.runPod(f.Ctx, "web-2", criUID("web-2"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.live[second.ID] = second
+		if second.UID == first.UID || second.ID == first.ID {
+			t.Fatalf("the re-created sandbox has uid %s id %s, the first had %s %s", second.UID, second.ID, first.UID, first.ID)
+		}
+		if second.IP != first.IP {
+			t.Errorf("the re-created sandbox web-2 got %s, the removed one had %s", second.IP, first.IP)
+		}
+		if a, ok := s.allocations(t)[first.IP]; !ok || a.Owner != second.UID || a.ContainerID != second.ID || a.Pod.Name != "web-2" {
+			t.Errorf("%s after the re-creation: held %v by %q for container %q (pod %+v), want %q for %q",
+				first.IP, ok, a.Owner, a.ContainerID, a.Pod, second.UID, second.ID)
+		}
+		if cl := s.claim(t, "web-2"); cl.Value.Holder == nil || cl.Value.Holder.Owner != second.UID || cl.Value.Holder.ContainerID != second.ID {
+			t.Errorf("claim web-2 after the re-creation: %+v, want held by %s for %s", cl.Value, second.UID, second.ID)
+		}
+		s.checkLive(t)
+
+		holder, err := c.runPod(f.Ctx, "web-3", criUID("web-3"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.live[holder.ID] = holder
+		dupUID := criUID("web-3")
+		start := time.Now()
+		dup, err := c.runPod(f.Ctx, "web-3", dupUID)
+		took := time.Since(start).Round(time.Millisecond)
+		switch {
+		case err == nil:
+			t.Fatalf("a second sandbox web-3 (uid %s) got %s while the first (uid %s) holds %s", dupUID, dup.IP, holder.UID, holder.IP)
+		case !strings.Contains(err.Error(), holder.UID):
+			t.Errorf("RunPodSandbox of a second web-3 after %s: %v, want an error naming the holder %s", took, err, holder.UID)
+		case took > criIPAMTimeout+10*time.Second:
+			t.Errorf("RunPodSandbox of a second web-3 took %s to fail, the ipam timeout is %s", took, criIPAMTimeout)
+		default:
+			t.Logf("RunPodSandbox of a second web-3 failed after %s: %v", took, err)
+		}
+		if ids, err := c.sandboxes(f.Ctx); err != nil {
+			t.Fatal(err)
+		} else if len(ids) != len(s.live) {
+			t.Errorf("containerd lists %d sandboxes after the failed RunPodSandbox, want the %d alive", len(ids), len(s.live))
+		}
+		if owned := criOwnedBy(s.allocations(t), dupUID); len(owned) > 0 {
+			t.Errorf("the refused sandbox's uid %s holds %v", dupUID, owned)
+		}
+		if cl := s.claim(t, "web-3"); cl.Value.Holder == nil || cl.Value.Holder.Owner != holder.UID {
+			t.Errorf("claim web-3 after the refused sandbox: %+v, want still held by %s", cl.Value, holder.UID)
+		}
+		s.checkLive(t)
+		for _, p := range []criPod{holder, second, other} {
+			s.release(t, p)
+		}
+		s.checkLive(t)
+	})
+}
+
+// claim reads the sticky claim of the sandboxes named name.
+func (s *criSuite) claim(t testing.TB, name string) admin.ClaimEntry {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(s.f.Ctx, 10*time.Second)
+	defer cancel()
+	cl, err := admin.GetClaim(ctx, s.f.Cli, s.f.Cluster, s.f.Pool, criNamespace+"."+name)
+	if err != nil {
+		t.Fatalf("GetClaim %s: %v", name, err)
+	}
+	if cl.Unreadable != "" {
+		t.Fatalf("claim %s is unreadable: %s", name, cl.Unreadable)
+	}
+	return cl
 }
 
 // allocations returns the pool's allocations by address.

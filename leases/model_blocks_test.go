@@ -37,6 +37,8 @@ var modelBlockMetrics = []string{
 	"leasehold_block_claims_total",
 	"leasehold_blocks_given_back_total",
 	"leasehold_borrowed_addresses_total",
+	"leasehold_claim_handovers_total",
+	"leasehold_claim_handovers_refused_total",
 }
 
 // modelPool is the model's pool: 29 IPv4 addresses in four /29 blocks for 24 owners x 2
@@ -120,7 +122,8 @@ func keptAlive(a *Agent) []clientv3.LeaseID {
 }
 
 // die kills one node: its agent stops, and every lease it renewed expires (revoked here, as
-// etcd does a TTL after the last renewal), taking its pods' addresses and its block claims.
+// etcd does a TTL after the last renewal), taking its pods' addresses and its block claims;
+// its sticky claims' leases run out only after the hold (model_sticky_test.go), so they stay.
 // The model forgets the node's pods; the node comes back later with a new identity (revive).
 // It reports false when too few nodes are alive to lose one.
 func (m *model) die(ctx context.Context, i int) bool {
@@ -130,7 +133,8 @@ func (m *model) die(ctx context.Context, i int) bool {
 	}
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
-	leases := keptAlive(n.agent)
+	claims := claimLeaseSet(n.agent)
+	leases := slices.DeleteFunc(keptAlive(n.agent), func(id clientv3.LeaseID) bool { return claims[id] })
 	m.harvest(n.agent)
 	n.agent.Close()
 	n.agent = nil
@@ -151,7 +155,8 @@ func (m *model) die(ctx context.Context, i int) bool {
 	}
 	m.mu.Unlock()
 	sort.Strings(gone)
-	m.log("%d %s DIES (uid %s, %d leases expire, its attachments %v are gone)", i, n.name, n.uid, len(leases), gone)
+	m.log("%d %s DIES (uid %s, %d leases expire, %d claim leases stay for the hold, its attachments %v are gone)",
+		i, n.name, n.uid, len(leases), len(claims), gone)
 	m.count["death"]++
 	// Every key the dead node wrote for its pods and blocks must go with its leases: a key on
 	// a lease it did not renew expires on its own within the TTL, one on no lease never does.
@@ -236,6 +241,7 @@ func (m *model) settle(i int) {
 	}
 	wg.Wait()
 	m.check()
+	m.endClaims(ctx, i)
 	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 	if err != nil {
 		m.t.Fatal(err)

@@ -29,7 +29,11 @@ import (
 // model. The pool has small blocks (model_blocks_test.go), so histories claim blocks, fill
 // them, borrow in other nodes' blocks when every block is claimed, and give empty blocks
 // back; a dead node's leases expire with its pods and block claims, and it comes back
-// replaced. A history ends by deleting every attachment (settle).
+// replaced. A few owners are StatefulSet pods whose attachments name a sticky claim
+// (model_sticky_test.go): each deletion, drain, GC or node death of one is followed by a new
+// incarnation (a new pod UID, on any node) that must get the claim's addresses, and an
+// incarnation created while another lives must be refused. A history ends by deleting every
+// attachment and letting the claims' holds run out (settle).
 //
 //   - at most one owner per address: no two owner indexes name one address of a pool, and
 //     every allocation key is named by exactly one owner index on the same lease; no ADD
@@ -42,6 +46,11 @@ import (
 //   - block claims are sound: each is on a live lease and names a live node of the model;
 //     no two agents consider one block theirs, and each agent's blocks are its claims;
 //   - a dead node leaves nothing behind: every key naming it goes with its leases;
+//   - claims are sound: an ADD naming a claim is refused exactly while another live
+//     incarnation holds it, else gets the claim record's addresses; a claim holder's owner
+//     index lists and names the claim, unless its node is dead; a claim-marked quarantine key
+//     and an allocation of one address imply the claim's holder owns it; no ADD without the
+//     claim gets its addresses (details in model_sticky_test.go);
 //   - no leak: once every attachment is deleted, no allocation is left, and every block is
 //     given back when its quarantine and BlockIdle are over.
 //
@@ -79,11 +88,17 @@ func TestModelRandomHistories(t *testing.T) {
 	tot := m.totals()
 	t.Logf("seed %d: %d steps, %d ADDs (%d refused: %v), %d DELs, %d GCs, %d restarts, %d lease losses, "+
 		"%d drains, %d node deaths (%d replaced); %v block claims, %v blocks given back, %v addresses borrowed; "+
-		"%d claims left to expire by restarted nodes at the end", seed, steps,
+		"%d claims left to expire by restarted nodes at the end; sticky: %d ADDs of new incarnations, %d hand-overs "+
+		"(%d from a dead node's pod, %d racing the DEL of the one before; agents counted %v), %d refused while an incarnation lived "+
+		"(agents counted %v)", seed, steps,
 		m.count["add"], m.count["add refused"], m.refusals(), m.count["del"], m.count["gc"], m.count["restart"],
 		m.count["lose"], m.count["drain"], m.count["death"], m.count["replace"],
 		tot["leasehold_block_claims_total"], tot["leasehold_blocks_given_back_total"], tot["leasehold_borrowed_addresses_total"],
-		m.count["orphaned"])
+		m.count["orphaned"], m.count["sticky add"], m.count["handover"], m.count["handover from a dead node"], m.count["sticky add racing a DEL"],
+		tot["leasehold_claim_handovers_total"], m.count["sticky refused"], tot["leasehold_claim_handovers_refused_total"])
+	if m.count["handover"] == 0 {
+		t.Errorf("seed %d: no sticky claim was handed over in %d steps: the history did not exercise claims", seed, steps)
+	}
 }
 
 const modelQuarantine = 2 * time.Second
@@ -108,18 +123,23 @@ type model struct {
 	held    map[attKey][]netip.Addr  // what the model believes each attachment holds
 	ctr     map[attKey]string        // its container ID
 	freed   map[netip.Addr]time.Time // address -> when its holder released it
-	history []string
-	count   map[string]int
-	errs    map[string]int     // why new ADDs were refused
-	stats   map[string]float64 // block counters of agents gone (model_blocks_test.go)
-	mu      sync.Mutex
+	// Sticky claims (model_sticky_test.go): each StatefulSet incarnation's ordinal, each
+	// ordinal's incarnations so far, and its claim's addresses once known.
+	stsOf    map[string]string
+	stsGen   map[string]int
+	claimIPs map[string][]netip.Addr
+	history  []string
+	count    map[string]int
+	errs     map[string]int     // why new ADDs were refused
+	stats    map[string]float64 // block counters of agents gone (model_blocks_test.go)
+	mu       sync.Mutex
 }
 
 func newModel(t *testing.T, seed uint64) *model {
 	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
 		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
-		stats: map[string]float64{}}
+		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{}}
 	for i := range 3 {
 		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
 		n.agent = m.start(n)
@@ -131,7 +151,7 @@ func newModel(t *testing.T, seed uint64) *model {
 func (m *model) start(n *modelNode) *Agent {
 	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
 		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
-		c.BlockIdle = modelBlockIdle
+		c.BlockIdle, c.ClaimHold = modelBlockIdle, modelClaimHold
 	})
 }
 
@@ -148,8 +168,24 @@ func (m *model) tail(n int) string {
 }
 
 func (m *model) req(k attKey, container string) allocator.Request {
-	return allocator.Request{Network: m.pool.Name, Pool: m.pool, ContainerID: container, IfName: k.ifName,
+	r := allocator.Request{Network: m.pool.Name, Pool: m.pool, ContainerID: container, IfName: k.ifName,
 		Pod: allocator.PodRef{UID: k.owner, Namespace: "ns", Name: k.owner}}
+	if ord := m.ordinalOf(k.owner); ord != "" {
+		r.Pod.Name, r.Claim = ord, modelClaim(ord)
+	}
+	return r
+}
+
+// modelOp is one planned operation of a step: op on attachment k at node, or, with sticky
+// set, the ADD of a new incarnation k of that StatefulSet ordinal.
+type modelOp struct {
+	node   *modelNode
+	k      attKey
+	op     int
+	roll   int // drawn when planned, not in the goroutine: the generator is not shared
+	sticky string
+	// afterDel: the sticky ADD runs at once with the DEL of the ordinal's live incarnation.
+	afterDel bool
 }
 
 // step runs one to three random operations at once, on distinct owners.
@@ -175,25 +211,28 @@ func (m *model) step(i int) {
 		m.drain(ctx, i)
 		return
 	}
-	// Plan the whole step first: its operations run at once on distinct owners.
-	type planned struct {
-		node *modelNode
-		k    attKey
-		op   int
-		roll int // drawn here, not in the goroutine: the generator is not shared
-	}
-	var plan []planned
+	// Plan the whole step first: its operations run at once on distinct owners (and
+	// distinct StatefulSet ordinals).
+	var plan []modelOp
 	used := map[string]bool{}
 	for range 1 + m.rng.IntN(3) {
+		if m.rng.IntN(4) == 0 {
+			plan = append(plan, m.planSticky(used)...)
+			continue
+		}
 		k := attKey{owner: fmt.Sprintf("pod%02d", m.rng.IntN(24)), ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
 		if used[k.owner] {
 			continue
 		}
 		used[k.owner] = true
-		plan = append(plan, planned{m.homeOf(k.owner), k, m.rng.IntN(10), m.rng.IntN(4)})
+		plan = append(plan, modelOp{node: m.homeOf(k.owner), k: k, op: m.rng.IntN(10), roll: m.rng.IntN(4)})
 	}
 	var wg sync.WaitGroup
 	for _, p := range plan {
+		if p.sticky != "" {
+			wg.Go(func() { m.stickyAdd(ctx, i, p.node, p.k, p.sticky, p.afterDel) })
+			continue
+		}
 		wg.Go(func() { m.do(ctx, i, p.node, p.k, p.op, p.roll, used) })
 	}
 	wg.Wait()
@@ -238,6 +277,9 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			}
 		}
 		for _, a := range got {
+			if ord := m.claimOfAddrLocked(a); ord != "" && m.stsOf[k.owner] != ord {
+				m.t.Errorf("step %d: ADD of %v returned %s, an address of claim %s", i, k, a, modelClaim(ord))
+			}
 			if at, ok := m.freed[a]; ok && !have && time.Since(at) < modelQuarantine {
 				m.t.Errorf("step %d: %s handed to %v %s after its release, inside the %s quarantine", i, a, k, time.Since(at), modelQuarantine)
 			}
@@ -434,8 +476,9 @@ func (m *model) check() {
 	resp, err := m.cli.Txn(ctx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
 		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix()),
 		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.ClaimsPrefix(m.cluster), clientv3.WithPrefix()),
 	).Commit()
 	if err != nil {
 		m.t.Fatal(err)
@@ -462,6 +505,8 @@ func (m *model) check() {
 		m.checkKeyBlocks(string(kv.Key), block, ip, keyspace.QuarantineKey(m.pool.Name, m.pool.Blocks, ip))
 	}
 	m.checkClaims(ctx, resp.Responses[3].GetResponseRange().Kvs)
+	m.checkSticky(resp.Responses[4].GetResponseRange().Kvs, resp.Responses[0].GetResponseRange().Kvs,
+		resp.Responses[1].GetResponseRange().Kvs, resp.Responses[2].GetResponseRange().Kvs)
 	m.checkViews()
 	namedBy := map[netip.Addr]string{}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {

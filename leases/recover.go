@@ -319,10 +319,9 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		return 0, err
 	}
 	c := &claim{lease: lease, pool: at.Pool, blocks: p.spec.Blocks, alsoFlat: p.migrating != nil, addrs: slices.Clone(at.IPs),
-		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
-		alloc:    a.allocation(req, ps.Owner, lease, at.Created),
-		index: keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Network: at.Network, Node: a.cfg.Node,
-			NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created},
+		ownerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
+		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
+		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
 		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
 	var taken []keyspace.TakenByOther
 	for range 4 {

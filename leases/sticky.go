@@ -217,3 +217,16 @@ func attachmentOf(rec keyspace.OwnerRecord, ifName, pool, container string, rev 
 	}
 	return at
 }
+
+// ownerIndexOf is the owner index of attachment at on lease, written by node: with its
+// sticky claim, so that a re-claim after a lost lease keeps the attachment the claim's holder
+// (a DEL or GC that reads the index back then releases the claim, not plain addresses).
+func ownerIndexOf(at attachment, node, nodeUID string, lease clientv3.LeaseID) keyspace.OwnerRecord {
+	rec := keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Network: at.Network, Node: node,
+		NodeUID: nodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created,
+		Claim: at.Claim, ClaimHoldSeconds: int64(at.ClaimHold / time.Second)}
+	if at.ClaimLease != 0 {
+		rec.ClaimLease = keyspace.LeaseHex(at.ClaimLease)
+	}
+	return rec
+}
