@@ -328,7 +328,7 @@ func (v *view) removeHost(key string) {
 
 // free reports whether an ADD could find an address in every range set now. In the block
 // layout, with no room in this node's blocks and no unclaimed block known, it asks the
-// borrowing snapshot, read again when older than claimsFresh: STATUS must not call a pool
+// borrowing snapshot, read again when older than snapshotFresh: STATUS must not call a pool
 // exhausted on stale knowledge, nor read the whole pool at every poll.
 func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 	for set := range spec.Ranges {
@@ -341,7 +341,7 @@ func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 		case v.roomIn(spec, set):
 		default:
 			_, unclaimed := spec.NextBlock(set, v.blocks, netip.Addr{}, v.isClaimed)
-			known = unclaimed || (v.borrowed != nil && time.Since(v.borrowedAt) < claimsFresh)
+			known = unclaimed || (v.borrowed != nil && time.Since(v.borrowedAt) < snapshotFresh)
 			if !unclaimed && known {
 				_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
 			}
