@@ -84,9 +84,15 @@ func BlockQuarantinePrefix(pool string, block netip.Prefix) string {
 	return QuarantinePrefix(pool) + BlockName(block) + "/"
 }
 
+// BlockHeldPrefix is the key range of block's held keys.
+func BlockHeldPrefix(pool string, block netip.Prefix) string {
+	return HeldPrefix(pool) + BlockName(block) + "/"
+}
+
 // BlockRecord is the value of /leasehold/v1/blocks/<pool>/<block>: which node of which
 // cluster claimed the block, with which identity, since when. It lives on the node's block
-// lease, which its agent adopts again after a restart, so a dead node's blocks go with it.
+// lease, which its agent adopts again after a restart, so a dead node's blocks go with it, a
+// reuse delay after its pods' leases (HeldKey).
 type BlockRecord struct {
 	Cluster string    `json:"cluster"`
 	Node    string    `json:"node"`

@@ -24,6 +24,7 @@ const (
 	hostIPsDir    = Prefix + "hostips/"
 	poolConflicts = Prefix + "poolconflicts/"
 	blocksDir     = Prefix + "blocks/"
+	heldDir       = Prefix + "held/"
 )
 
 // PoolConflictKey is /leasehold/v1/poolconflicts/<pool>/<cluster>/<node>: a node of cluster
@@ -98,6 +99,28 @@ func QuarantinePrefix(pool string) string {
 		return quarantineDir
 	}
 	return quarantineDir + pool + "/"
+}
+
+// HeldKey is /leasehold/v1/held/<pool>/<block>/<ip> (flat: .../<pool>/<ip>): the node whose pod
+// holds ip, written with the allocation and deleted with its release, on that node's block
+// lease. The block lease outlives the pod leases by the reuse delay, so a held key without an
+// allocation marks an address whose holder expired without a release (its node dead or cut
+// off): held back from reuse while the pool has other room, and its node's to re-claim.
+func HeldKey(pool string, b allocator.Blocks, ip netip.Addr) string {
+	return heldDir + pool + "/" + addrPart(b, ip)
+}
+
+// HeldPrefix is the prefix of pool's held keys; with pool "" of every pool's.
+func HeldPrefix(pool string) string {
+	if pool == "" {
+		return heldDir
+	}
+	return heldDir + pool + "/"
+}
+
+// ParseHeldKey splits a held key into its pool, block and address.
+func ParseHeldKey(key string) (pool string, block netip.Prefix, ip netip.Addr, err error) {
+	return parsePoolAddr(heldDir, key)
 }
 
 // OwnerKey is /leasehold/v1/owners/<cluster>/<owner>/<ifname>/<pool>: the owner index
@@ -213,13 +236,14 @@ func ValidateNames(pairs ...string) error {
 }
 
 // RolePrefixes are the key prefixes one cluster's agents read and write: the shared ones
-// (pool definitions, allocations, quarantine, host addresses, pool conflicts: one address
+// (pool definitions, allocations, quarantine, held keys, block claims, host addresses, pool
+// conflicts: one address
 // has one owner across clusters, so every cluster must see them) and the cluster's own
 // owners, nodes and conflicts. An etcd role per cluster granting readwrite on exactly
 // these keeps a cluster's credentials away from other clusters' owners (deploy/etcd).
 func RolePrefixes(cluster string) []string {
 	return []string{
-		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir,
+		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir, heldDir,
 		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster), ClaimsPrefix(cluster),
 	}
 }

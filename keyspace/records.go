@@ -70,6 +70,17 @@ type NodeRecord struct {
 	Blocks  bool      `json:"blocks,omitempty"`
 	Started time.Time `json:"started"`
 	LeaseID string    `json:"leaseID"`
+	// BlockLease is the lease the agent's block claims and held keys go on (HeldKey): it
+	// outlives the pod leases by the reuse delay. A restart with the same UID adopts it.
+	BlockLease string `json:"blockLease,omitempty"`
+}
+
+// HeldRecord is the value of /leasehold/v1/held/<pool>/<block>/<ip>: the node and owner whose
+// allocation of the address the key stands for (HeldKey).
+type HeldRecord struct {
+	Cluster string `json:"cluster"`
+	Node    string `json:"node"`
+	Owner   string `json:"owner"`
 }
 
 // ConflictRecord is the value of /leasehold/v1/conflicts/<cluster>/<owner>/<ifname>/<pool>.

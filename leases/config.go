@@ -65,6 +65,12 @@ type Config struct {
 	// configuration does not say (ipam "stickyHold"); default DefaultClaimHold. It must be at
 	// least LeaseTTL: a dead node's claims must outlive its pods' leases.
 	ClaimHold time.Duration
+	// ReuseDelay is how long an address whose pod lease expired without a release (its node
+	// cut off from etcd or dead) is held back from other pods while the pool has other room,
+	// and how long a dead node's blocks stay its own: the node's block lease, which carries its
+	// block claims and its pods' held keys, has a TTL of LeaseTTL plus ReuseDelay. Default
+	// DefaultReuseDelay; negative holds nothing back.
+	ReuseDelay time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -82,6 +88,7 @@ const (
 	DefaultHostResync       = 15 * time.Second
 	DefaultBlockIdle        = 5 * time.Minute
 	DefaultClaimHold        = 10 * time.Minute
+	DefaultReuseDelay       = 15 * time.Minute
 )
 
 // Bounds the agent sets itself. Every other wait is Config.OpTimeout.
@@ -139,6 +146,12 @@ func (c *Config) validate() error {
 	if c.ClaimHold < c.LeaseTTL {
 		return fmt.Errorf("%w: claim hold %s is shorter than the lease TTL %s: a dead node's claims must outlive its pods' leases",
 			allocator.ErrInvalidConfig, c.ClaimHold, c.LeaseTTL)
+	}
+	if c.ReuseDelay == 0 {
+		c.ReuseDelay = DefaultReuseDelay
+	}
+	if c.ReuseDelay < 0 {
+		c.ReuseDelay = 0
 	}
 	if c.BlockIdle == 0 {
 		c.BlockIdle = DefaultBlockIdle

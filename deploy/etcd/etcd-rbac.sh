@@ -14,12 +14,13 @@
 #   readwrite  /leasehold/v1/hostips/                addresses nodes use themselves  (shared)
 #   readwrite  /leasehold/v1/poolconflicts/          pool definitions nodes disagree with (shared)
 #   readwrite  /leasehold/v1/blocks/                 which node claimed which block  (shared)
+#   readwrite  /leasehold/v1/held/                   addresses held back after expiry (shared)
 #   readwrite  /leasehold/v1/owners/<CLUSTER>/       this cluster's owner indexes
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
 #   readwrite  /leasehold/v1/claims/<CLUSTER>/       this cluster's sticky claims
 #
-# Why the first six are shared: pools are shared across clusters by design. An address is
+# Why the first seven are shared: pools are shared across clusters by design. An address is
 # taken by creating ips/<pool>/<block>/<ip> only if it, its quarantine/ key and every
 # hostips/<ip>/ key are absent, in one transaction; every agent of every cluster using the
 # pool must read and write those keys, or two clusters could hand out one address. A pool's
@@ -27,7 +28,8 @@
 # a node that wants it defined otherwise records that under poolconflicts/<pool>/, which
 # every agent using the pool watches, whatever its cluster. A block of a pool is claimed by
 # one node of one cluster under blocks/<pool>/<block>; every cluster's agents read the claims
-# to find a free block.
+# to find a free block. A pod's held/<pool>/<block>/<ip> key outlives its allocation when its
+# node is cut off, and every cluster's agents read it to leave that address to its node.
 # Releasing an address deletes its ips/ key and writes its quarantine/ key, and etcd only
 # revokes a lease (which deletes its keys) for a user that may write every key on it.
 # The per-cluster prefixes carry a trailing slash, so cluster "a" is not granted "a-b".
@@ -100,7 +102,7 @@ for c in "${clusters[@]}"; do
   name="leasehold-$c"
   exists role "$name" || ctl role add "$name"
   # Keep in step with leases.RolePrefixes (integration/deploy_test.go compares them).
-  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
+  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
   if ! exists user "$name"; then
