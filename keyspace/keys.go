@@ -118,6 +118,9 @@ func HeldPrefix(pool string) string {
 	return heldDir + pool + "/"
 }
 
+// IPKeyOfHeld is the allocation key of the address a held key stands for.
+func IPKeyOfHeld(heldKey string) string { return ipsDir + strings.TrimPrefix(heldKey, heldDir) }
+
 // ParseHeldKey splits a held key into its pool, block and address.
 func ParseHeldKey(key string) (pool string, block netip.Prefix, ip netip.Addr, err error) {
 	return parsePoolAddr(heldDir, key)

@@ -60,6 +60,9 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		return allocator.Result{}, err
 	}
 	owner = a.attachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
+	if err := a.reachable(ctx); err != nil {
+		return allocator.Result{}, err // a node cut off from etcd says so at once
+	}
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
@@ -104,6 +107,12 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 			return allocator.Result{}, err
 		}
 		res, done, err := a.tryAdd(ctx, p, st, requested)
+		if done && err == nil {
+			// Answered once the journal has the pod: a crash right after the answer followed
+			// by an outage past the TTL still re-claims it. A journal that cannot be written
+			// fails /readyz, not the ADD (the pod record in etcd outlives a restart).
+			_ = a.jw.sync(ctx)
+		}
 		if done || err != nil {
 			return res, err
 		}
@@ -138,7 +147,11 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			addrs[i] = requested[i]
 			continue
 		}
-		addr, err := p.view.choose(ctx, &p.spec, i, st.skip)
+		addr, err := p.view.choose(ctx, &p.spec, i, func(x netip.Addr) bool {
+			// Never an address of this node's own pods: one whose lease expired (a freeze, a
+			// crash, a cut-off) looks free until its re-claim writes it back.
+			return st.skip(x) || a.pods.ownsAddr(p.spec.Name, x)
+		})
 		if errors.Is(err, allocator.ErrUnavailable) {
 			// A block claim or a borrowing read etcd did not answer (a leader election):
 			// wait and try again, as for an unanswered claim.
@@ -176,8 +189,14 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		reserved = append(reserved, addr)
 	}
 
+	heldLease, held, err := a.heldFor(octx, owner)
+	if err != nil {
+		p.view.settle(reserved, 0)
+		return allocator.Result{}, false, err
+	}
 	now := a.wall()
 	c := &claim{add: true, lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, poolRev: p.rev, addrs: addrs,
+		heldLease: heldLease, held: held,
 		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name),
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
@@ -190,7 +209,6 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	start, floor := time.Now(), a.revFloor()
 	var resp *clientv3.TxnResponse
-	var err error
 	if c.claimKey != "" {
 		// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
 		cmps, puts, gets := c.txn()
@@ -202,7 +220,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	if err != nil {
 		p.view.settle(reserved, 0)
 		if refused(err) {
-			return a.claimRefused(owner, st, lease, known, err)
+			return a.claimRefused(ctx, owner, st, lease, known, heldLease, err)
 		}
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
@@ -263,7 +281,11 @@ func (a *Agent) waitUnanswered(ctx context.Context, st *addState, owner string, 
 // pod's keys with it: the pod is queued for re-claim, and the runtime's retry finds it
 // re-claimed. Any other refusal (the NOSPACE alarm, a missing permission, too many requests)
 // is the ADD's answer, naming the cause.
-func (a *Agent) claimRefused(owner string, st *addState, lease clientv3.LeaseID, known bool, err error) (allocator.Result, bool, error) {
+func (a *Agent) claimRefused(ctx context.Context, owner string, st *addState, lease clientv3.LeaseID, known bool,
+	heldLease clientv3.LeaseID, err error) (allocator.Result, bool, error) {
+	if leaseGone(err) && a.heldLeaseGone(ctx, heldLease) {
+		return allocator.Result{}, false, nil // claimed again on a new block lease
+	}
 	switch {
 	case leaseGone(err) && !known:
 		a.keeper.Forget(lease)
@@ -280,6 +302,40 @@ func (a *Agent) claimRefused(owner string, st *addState, lease clientv3.LeaseID,
 			"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
 	}
 	return allocator.Result{}, false, a.unavailable("etcd refused the claim", err)
+}
+
+// heldFor is what an owner's claim writes as its held keys: the node's block lease and the
+// record naming node and owner. With no reuse delay nothing is held back and no held key
+// is written (lease 0).
+func (a *Agent) heldFor(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error) {
+	if a.cfg.ReuseDelay <= 0 {
+		return 0, keyspace.HeldRecord{}, nil
+	}
+	id, err := a.blockLeases.get(ctx)
+	if err != nil {
+		return 0, keyspace.HeldRecord{}, a.unavailable("grant this node's block lease", err)
+	}
+	return id, keyspace.HeldRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Owner: owner}, nil
+}
+
+// heldLeaseGone tells, for a claim etcd refused because a lease was not found, whether it was
+// the block lease its held keys were to go on (expired or revoked from outside): then its
+// claims are gone with it, and the caller claims again on a new one.
+func (a *Agent) heldLeaseGone(ctx context.Context, id clientv3.LeaseID) bool {
+	if id == 0 {
+		return false
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	ttl, err := a.cli.TimeToLive(octx, id)
+	if err != nil || ttl.TTL > 0 {
+		return false
+	}
+	a.log.Warn("this node's block lease is gone from etcd, and its block claims and held keys with it; claiming on a new one",
+		"lease", keyspace.LeaseHex(id))
+	a.keeper.Forget(id)
+	a.blockLeaseLost(id)
+	return true
 }
 
 // learn acts on what a failed claim found: the attachment may exist already (an idempotent

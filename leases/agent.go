@@ -37,11 +37,14 @@ type Agent struct {
 	journal journal
 	jw      *journalWriter
 	unlock  func()        // releases the state directory's lock
-	lost    chan struct{} // wakes the re-claim loop
+	lost    chan struct{} // wakes the recovery loop (wake)
 	wg      sync.WaitGroup
 
 	pods        *pods
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
+	// cwatch follows each conflicted address of this node's pods (conflicts.go).
+	cmu    sync.Mutex
+	cwatch map[conflictRef]context.CancelFunc
 	importMu    sync.Mutex   // one Import at a time (import.go)
 
 	// etcd's history as this agent has seen it (sawHeader).
@@ -86,6 +89,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		journal: journal{dir: cfg.StateDir},
 		jw:      newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
 		lost:    make(chan struct{}, 1),
+		cwatch:  make(map[conflictRef]context.CancelFunc),
 		started: time.Now(),
 		stopped: make(chan struct{}),
 	}
@@ -93,7 +97,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.metrics = newMetrics(a)
 	a.claims = &claimBatcher{cli: cli, timeout: cfg.OpTimeout, m: a.metrics}
 	keeper, err := NewKeeper(cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
-		Log: a.log, OnLost: a.leaseLost})
+		Log: a.log, OnLost: a.leaseLost, OnHeard: a.etcdAnswered})
 	if err != nil {
 		cancel()
 		unlock()
@@ -102,7 +106,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.keeper = keeper
 	a.pools = newPools(actx, cli, a.log)
 	a.pools.onMismatch = a.recordPoolConflict
-	a.blockLeases = newBlockLeases(keeper)
+	a.blockLeases = newBlockLeases(keeper, cfg.LeaseTTL+cfg.ReuseDelay)
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
 		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
 	h := fnv.New64a()
@@ -158,9 +162,16 @@ func (a *Agent) Err() error {
 
 // Close stops the agent. Pod leases stop being renewed but are not revoked: a restarted
 // agent with the same node identity adopts them, and otherwise they expire after their TTL.
+// An agent that stops with no pod left gives its blocks back at once (their lease is
+// revoked): the reuse delay is for the addresses of pods that may still run.
 func (a *Agent) Close() {
 	a.cancel()
 	a.wg.Wait()
+	if a.pods.count() == 0 && a.Err() == nil {
+		if err := a.blockLeases.revokeAll(); err != nil {
+			a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
+		}
+	}
 	if node := a.nodeLease(); node != 0 {
 		if err := a.keeper.Revoke(node); err != nil {
 			a.log.Warn("revoke node lease", "err", err)
@@ -221,10 +232,18 @@ func (a *Agent) sawHeader(h *pb.ResponseHeader, floor int64) {
 	if node := a.nodeLease(); node != 0 {
 		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
 	}
-	select {
-	case a.lost <- struct{}{}:
-	default:
+	a.wake()
+}
+
+// reachable tells whether etcd answers (probe): an ADD or DEL asks it first, so that a node
+// cut off from etcd answers them at once instead of after the plugin's timeout.
+func (a *Agent) reachable(ctx context.Context) error {
+	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
+		since := a.started.Add(time.Duration(a.lastAnswer.Load()))
+		return fmt.Errorf("%w: etcd does not answer (no answer since %s): %w", allocator.ErrUnavailable,
+			time.Now().Add(-time.Since(since)).UTC().Format(time.RFC3339), err)
 	}
+	return nil
 }
 
 // probe tells whether etcd answers: at no cost when it answered within probeAfter, else by a
@@ -289,10 +308,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		a.log.Error("node lease lost; the node record will be written again", "lease", keyspace.LeaseHex(id))
 	}
 	if node || n > 0 {
-		select {
-		case a.lost <- struct{}{}:
-		default:
-		}
+		a.wake()
 	}
 }
 

@@ -37,22 +37,27 @@ type blockOwner struct {
 	lostLease func(clientv3.LeaseID)
 }
 
-// blockLeases are the leases this node's block claims are on: one granted for new claims, and
-// those adopted from claims found after a restart. They are never revoked by the agent (a
-// restart keeps the node's blocks); a dead node's expire, and its claims with them.
+// blockLeases are the leases this node's block claims and its pods' held keys are on: one
+// for new claims and held keys, granted at registration with a TTL of the pod leases' plus
+// the reuse delay (Config.ReuseDelay) and named in the node record, and those adopted from
+// claims found after a restart. The agent revokes them only when it stops with no pod left
+// (Close): a restart keeps the node's blocks, and a node cut off from etcd or dead keeps its
+// blocks and its pods' addresses held back for the reuse delay after its pods' leases expire.
 type blockLeases struct {
 	keeper *Keeper
+	ttl    time.Duration
 
 	mu      sync.Mutex
 	current clientv3.LeaseID
 	held    map[clientv3.LeaseID]bool
 }
 
-func newBlockLeases(k *Keeper) *blockLeases {
-	return &blockLeases{keeper: k, held: make(map[clientv3.LeaseID]bool)}
+func newBlockLeases(k *Keeper, ttl time.Duration) *blockLeases {
+	return &blockLeases{keeper: k, ttl: ttl, held: make(map[clientv3.LeaseID]bool)}
 }
 
-// get returns the lease new block claims go on, granting it the first time.
+// get returns the lease new block claims and held keys go on, granting it if there is none
+// (the one granted at registration was lost: the node was cut off for longer than its TTL).
 func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {
 	b.mu.Lock()
 	cur := b.current
@@ -60,22 +65,30 @@ func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {
 	if cur != 0 {
 		return cur, nil
 	}
-	id, err := b.keeper.Take(ctx)
+	id, err := b.keeper.GrantKept(ctx, b.ttl)
 	if err != nil {
 		return 0, err
 	}
-	b.keeper.Refill()
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.current != 0 {
-		b.keeper.Return(id)
+		go b.keeper.revokeQuietly(id)
 		return b.current, nil
 	}
 	b.current, b.held[id] = id, true
 	return id, nil
 }
 
-// adopt resumes renewing a block lease this node identity granted earlier.
+// peek is the current lease, 0 while there is none; it never grants.
+func (b *blockLeases) peek() clientv3.LeaseID {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.current
+}
+
+// adopt resumes renewing a block lease this node identity granted earlier. It becomes the
+// current one if there is none and it was granted with this agent's TTL: a shorter one (an
+// earlier version's, or an earlier --reuse-delay) keeps its claims but takes no new ones.
 func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
 	b.mu.Lock()
 	held := b.held[id]
@@ -83,16 +96,24 @@ func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
 	if held {
 		return nil
 	}
-	if err := b.keeper.Adopt(ctx, id); err != nil {
+	granted, err := b.keeper.adopt(ctx, id)
+	if err != nil {
 		return err
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.held[id] = true
-	if b.current == 0 {
+	if b.current == 0 && granted >= b.ttl {
 		b.current = id
 	}
 	return nil
+}
+
+// mine reports whether id is one of this node's block leases.
+func (b *blockLeases) mine(id clientv3.LeaseID) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.held[id]
 }
 
 // lost forgets a block lease etcd no longer has; it reports whether id was one.
@@ -107,6 +128,20 @@ func (b *blockLeases) lost(id clientv3.LeaseID) bool {
 		b.current = 0
 	}
 	return true
+}
+
+// revokeAll revokes every block lease, deleting the node's claims and held keys with them:
+// the agent stops with no pod left, so nothing of its blocks needs holding back.
+func (b *blockLeases) revokeAll() error {
+	var errs []error
+	for _, id := range b.all() {
+		if err := b.keeper.Revoke(id); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		b.lost(id)
+	}
+	return errors.Join(errs...)
 }
 
 // sortClaims reads a listing of a pool's block claims into who claimed each block, and the

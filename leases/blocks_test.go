@@ -204,7 +204,7 @@ func TestDeadNodesBlocksGoWithItsLease(t *testing.T) {
 	cli := etcdtest.Client(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.63.0.0/28", 29) // two blocks
 	ctx := ctxT(t)
-	short := func(c *Config) { c.LeaseTTL = 2 * time.Second }
+	short := func(c *Config) { c.LeaseTTL, c.ReuseDelay = 2*time.Second, 3*time.Second }
 	dead := startAgent(t, cluster, "dead", "uid-dead", short)
 	live := startAgent(t, cluster, "live", "uid-live", short)
 	var deadAddrs []netip.Addr
@@ -218,7 +218,23 @@ func TestDeadNodesBlocksGoWithItsLease(t *testing.T) {
 	if _, err := live.Add(ctx, addReq(pool, "l0", "eth0", "lu0")); err != nil {
 		t.Fatal(err)
 	}
-	dead.Close() // stops renewing: pod and block leases expire
+	dead.Close() // stops renewing: pod leases expire, the block lease a reuse delay later
+	etcdtest.Eventually(t, 15*time.Second, "the dead node's pods' keys expired", func() bool {
+		for _, d := range deadAddrs {
+			if len(etcdtest.Dump(t, cli, keyspace.IPKey(pool.Name, pool.Blocks, d))) > 0 {
+				return false
+			}
+		}
+		return true
+	})
+	if n := len(blockClaims(t, cli, pool.Name)); n != 2 {
+		t.Errorf("%d block claims left when the dead node's pod leases expired; its claim must stay for the reuse delay", n)
+	}
+	for _, d := range deadAddrs {
+		if len(etcdtest.Dump(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, d))) != 1 {
+			t.Errorf("the held key of %s went with its pod's lease; it must stay for the reuse delay", d)
+		}
+	}
 	etcdtest.Eventually(t, 15*time.Second, "the dead node's block claim expired", func() bool {
 		return len(blockClaims(t, cli, pool.Name)) == 1
 	})

@@ -19,7 +19,8 @@ import (
 //	      [ADD] pool definition unchanged since the agent read it,
 //	      [ADD, import; new pod] pod record absent | [known pod] pod record on this lease,
 //	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key)
-//	Then( [new pod] put pod record, put every allocation, put owner index, [re-claim] put conflict record )
+//	Then( [new pod] put pod record, put every allocation and its held key, put owner index,
+//	      [re-claim] put conflict record )
 //	Else( get owner index, [ADD, import] pod record, [ADD] pool definition,
 //	      per address: allocation, [ADD] quarantine key, [ADD] first host address key )
 //
@@ -43,6 +44,10 @@ type claim struct {
 	// Values written: an allocation record per address (the same for all) and the owner index.
 	alloc keyspace.Allocation
 	index keyspace.OwnerRecord
+	// heldLease, when set, carries a held key per address (keyspace.HeldKey) with held: the
+	// node's block lease, which outlives the pod lease by the reuse delay.
+	heldLease clientv3.LeaseID
+	held      keyspace.HeldRecord
 
 	// ADD only.
 	add     bool
@@ -113,7 +118,7 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 		cmps = append(cmps, keyspace.Unchanged(poolKey, c.poolRev))
 		gets = append(gets, clientv3.OpGet(poolKey, clientv3.WithKeysOnly()))
 	}
-	alloc := keyspace.Encode(c.alloc)
+	alloc, held := keyspace.Encode(c.alloc), keyspace.Encode(c.held)
 	for _, addr := range c.addrs {
 		ipKey := keyspace.IPKey(c.pool, c.blocks, addr)
 		cmps = append(cmps, keyspace.Absent(ipKey))
@@ -122,6 +127,11 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 				keyspace.Absent(keyspace.QuarantineKey(c.pool, allocator.Blocks{}, addr)))
 		}
 		puts = append(puts, clientv3.OpPut(ipKey, alloc, on))
+		if c.heldLease != 0 {
+			// Overwrites the held key of an earlier holder that expired without a release:
+			// the address is this owner's now (see view.reuseExpired).
+			puts = append(puts, clientv3.OpPut(keyspace.HeldKey(c.pool, c.blocks, addr), held, clientv3.WithLease(c.heldLease)))
+		}
 		gets = append(gets, clientv3.OpGet(ipKey))
 		if c.add {
 			qKey, hosts := keyspace.QuarantineKey(c.pool, c.blocks, addr), keyspace.HostIPPrefix(addr)

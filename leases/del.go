@@ -23,6 +23,13 @@ import (
 // UID reaches an attachment this agent keeps under its container ID, as an import from
 // host-local does (attachmentOwner): the container ID is part of that owner key.
 //
+// A DEL answered is final: it is answered only once the journal no longer lists the
+// attachment (or lists it as released), so that neither a restart nor a re-claim brings it
+// back; a re-claim of the same pod waits for the DEL (the owner lock) and finds nothing to
+// re-claim. When etcd cannot be reached the DEL is recorded as such, answered, and the
+// release done once etcd answers (releasePending): a runtime's DEL never waits on an etcd
+// outage, and is never lost.
+//
 // Errors wrap allocator.ErrInvalidName or ErrUnavailable.
 func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	defer a.metrics.observe("del", time.Now(), &err)
@@ -33,11 +40,45 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	unlock := a.locks.lock(owner)
 	defer unlock()
+	if err := a.reachable(ctx); err != nil {
+		return a.deferRelease(ctx, req, owner, err)
+	}
 	left, err := a.releaseAttachment(ctx, req, owner)
+	if err == nil {
+		err = a.dropPodIfEmpty(ctx, owner, left)
+	}
 	if err != nil {
+		if errors.Is(err, allocator.ErrUnavailable) && a.reachable(ctx) != nil {
+			return a.deferRelease(ctx, req, owner, err)
+		}
 		return err
 	}
-	return a.dropPodIfEmpty(ctx, owner, left)
+	a.stopConflicts(owner)
+	return a.durable(ctx, "DEL", owner)
+}
+
+// durable waits until the journal holds what an operation on owner changed, so that its
+// answer survives a crash right after it (journalWriter.sync).
+func (a *Agent) durable(ctx context.Context, op, owner string) error {
+	if err := a.jw.sync(ctx); err != nil {
+		return fmt.Errorf("%w: %s of %s is done in etcd, but the agent's journal in %s cannot record it, and a restart "+
+			"could undo it: %w; free the state directory's disk, then retry", allocator.ErrUnavailable, op, owner, a.cfg.StateDir, err)
+	}
+	return nil
+}
+
+// deferRelease answers a DEL that etcd could not take (cause): the attachment is recorded as
+// released in the journal, never re-claimed, and released in etcd once etcd answers.
+func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, owner string, cause error) error {
+	a.pods.markReleased(owner, req.IfName, req.Pool.Name, req.ContainerID)
+	if err := a.durable(ctx, "DEL", owner); err != nil {
+		return err
+	}
+	a.metrics.releasesDeferred.Inc()
+	a.log.Warn("etcd cannot be reached: the DEL is recorded and answered; its addresses are released once etcd answers",
+		"owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", req.Pool.Name, "cause", cause)
+	a.wake()
+	return nil
 }
 
 // releaseAttachment deletes the request's attachment and returns the owner's attachments left, or -1
@@ -67,6 +108,9 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 	}
 	a.etcdAnswered()
 	if len(resp.Kvs) == 0 {
+		if a.forgetLost(owner, req) {
+			return -1, nil
+		}
 		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
 		return -1, nil
 	}
@@ -81,11 +125,30 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		return -1, nil
 	}
 	if rec.ContainerID != req.ContainerID {
+		a.forgetLost(owner, req)
 		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
 		return -1, nil
 	}
 	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, false)
+}
+
+// forgetLost drops the request's attachment from a pod whose lease was lost, when etcd holds
+// nothing of it to release (its keys expired): it must never be re-claimed now that its DEL
+// is answered. Its held keys are freed by the next settleHeld. It reports whether there was
+// such an attachment.
+func (a *Agent) forgetLost(owner string, req allocator.Request) bool {
+	if _, held := a.pods.lease(owner); held {
+		return false
+	}
+	if !a.pods.forgetAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID) {
+		return false
+	}
+	a.metrics.reclaimsCancelled.Inc()
+	a.log.Info("DEL of a pod whose lease was lost: its keys are gone, and it is not re-claimed",
+		"owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", req.Pool.Name)
+	a.wake()
+	return true
 }
 
 // errStale is releaseRecord's answer when the owner index it was given from the agent's
@@ -211,6 +274,11 @@ func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
 func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
 	lease, ok := a.pods.lease(owner)
 	if !ok {
+		// A pod whose lease was lost: with its last attachment released it has nothing
+		// left to re-claim.
+		if ps, known := a.pods.snapshot(owner); known && len(ps.Attachments) == 0 {
+			a.pods.drop(owner)
+		}
 		return nil
 	}
 	octx, cancel := a.opCtx(ctx)

@@ -22,9 +22,14 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1")
 	pool := dualStack(etcdtest.Uniq("p"), "10.4.0.0/24", "fd04::/64")
 	ctx := ctxT(t)
+	var dropped []netip.Addr
 	for _, c := range []string{"keep", "drop"} {
-		if _, err := a.Add(ctx, addReq(pool, c, "eth0", "uid-"+c)); err != nil {
+		res, err := a.Add(ctx, addReq(pool, c, "eth0", "uid-"+c))
+		if err != nil {
 			t.Fatalf("add %s: %v", c, err)
+		}
+		if c == "drop" {
+			dropped = addrs(res)
 		}
 	}
 	cli := etcdtest.Client(t)
@@ -39,7 +44,9 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	after := etcdtest.Dump(t, cli, keyspace.Prefix)
 	for k, l := range before {
 		_, still := after[k]
-		mine := l == int64(dropLease)
+		// The owner's keys: those on its lease, and the held keys of its addresses.
+		_, _, ip, err := keyspace.ParseHeldKey(k)
+		mine := l == int64(dropLease) || err == nil && slices.Contains(dropped, ip)
 		if mine && still {
 			t.Errorf("key %s of the deleted owner survived DEL", k)
 		}

@@ -125,8 +125,21 @@ func (a *Agent) register(ctx context.Context) error {
 				a.log.Warn("node record of another node UID replaced (a same-name replacement)", "previous_uid", old.UID,
 					"previous_host", old.Host)
 			}
+			if bl, err := keyspace.ParseLeaseHex(old.BlockLease); err == nil && bl != 0 && old.UID == a.cfg.NodeUID {
+				// This identity's block lease from before a restart or a lost node lease: its
+				// claims and held keys are this node's.
+				if err := a.blockLeases.adopt(octx, bl); err != nil && !errors.Is(err, ErrLeaseLost) {
+					a.log.Warn("resuming this node's block lease failed; its claims go with it", "lease", old.BlockLease, "err", err)
+				}
+			}
 			cmp = keyspace.Unchanged(key, kv.ModRevision)
 		}
+		bl, err := a.blockLeases.get(octx)
+		if err != nil {
+			a.keeper.Return(id)
+			return fmt.Errorf("%w: grant this node's block lease: %w", allocator.ErrUnavailable, err)
+		}
+		rec.BlockLease = keyspace.LeaseHex(bl)
 		resp, err := a.cli.Txn(octx).If(cmp).Then(clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(id))).Commit()
 		if err != nil {
 			a.keeper.Return(id)

@@ -168,13 +168,21 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			}
 			lease = fresh
 		}
+		heldLease, held, err := a.heldFor(octx, owner)
+		if err != nil {
+			cancel()
+			return err
+		}
 		now := a.wall()
 		c := &claim{lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, addrs: slices.Clone(addrs), ownerKey: ownerKey,
+			heldLease: heldLease, held: held,
 			alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 			podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known, pod: a.podRecord(req, owner, lease, now)}
 		out, err := c.commit(octx, a.cli)
 		cancel()
 		switch {
+		case err != nil && refused(err) && leaseGone(err) && a.heldLeaseGone(ctx, heldLease):
+			continue
 		case err != nil && refused(err) && leaseGone(err) && !known:
 			a.keeper.Forget(fresh)
 			fresh = 0

@@ -1,6 +1,7 @@
 package leases
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -35,6 +36,8 @@ type journalWriter struct {
 
 	mu      sync.Mutex
 	pending map[string]*podState // owner -> newest state; nil: forget the owner
+	seq     uint64               // changes taken so far (save, remove)
+	kick    chan struct{}        // asks the loop to write now (sync)
 	done    chan struct{}
 	stopped chan struct{}
 	once    sync.Once
@@ -45,8 +48,13 @@ type journalWriter struct {
 	hmu      sync.Mutex
 	failErr  error     // the last failure while the journal misses changes; nil when it holds them all
 	failedAt time.Time // the first failure of the current run of failures
+	// written is the highest seq the file holds; failedThrough the highest seq the last failed
+	// attempt tried to write. notify is closed, and replaced, whenever either moves (sync).
+	written, failedThrough uint64
+	notify                 chan struct{}
 
 	// Owned by the loop.
+	absorbed  uint64 // seq of the last change absorbed
 	f         *os.File
 	size      int64             // bytes of f known to end with a whole line: where a failed append is cut back to
 	live      map[string][]byte // owner -> its put line: what the journal must hold
@@ -77,7 +85,7 @@ var ErrJournalUnwritable = errors.New("the journal cannot be written; re-claim a
 
 func newJournalWriter(j journal, log *slog.Logger) *journalWriter {
 	return &journalWriter{j: j, log: log, pending: map[string]*podState{}, done: make(chan struct{}),
-		stopped: make(chan struct{}), live: map[string][]byte{}}
+		stopped: make(chan struct{}), live: map[string][]byte{}, kick: make(chan struct{}, 1), notify: make(chan struct{})}
 }
 
 func (w *journalWriter) path() string { return filepath.Join(w.j.dir, journalFile) }
@@ -123,6 +131,7 @@ func (w *journalWriter) save(ps podState) {
 	}
 	w.mu.Lock()
 	w.pending[ps.Owner] = &ps
+	w.seq++
 	w.mu.Unlock()
 }
 
@@ -133,7 +142,62 @@ func (w *journalWriter) remove(owner string) {
 	}
 	w.mu.Lock()
 	w.pending[owner] = nil
+	w.seq++
 	w.mu.Unlock()
+}
+
+// sync returns once the journal holds every change taken before the call: an ADD or DEL is
+// answered only then, so that a crash right after the answer (kill -9) neither forgets a pod
+// the runtime was told it has nor brings back one it was told is deleted. No fsync: see
+// journal. It asks the loop to write at once; concurrent callers share that write. It returns
+// the error of the write that failed to record those changes (a full or failing disk), or
+// ctx's. Without a journal it returns nil at once.
+func (w *journalWriter) sync(ctx context.Context) error {
+	if w.j.dir == "" || !w.started.Load() {
+		return nil
+	}
+	w.mu.Lock()
+	target := w.seq
+	w.mu.Unlock()
+	select {
+	case w.kick <- struct{}{}:
+	default:
+	}
+	for {
+		w.hmu.Lock()
+		written, failed, err, notify := w.written, w.failedThrough, w.failErr, w.notify
+		w.hmu.Unlock()
+		switch {
+		case written >= target:
+			return nil
+		case err != nil && failed >= target:
+			return w.health()
+		}
+		select {
+		case <-notify:
+		case <-w.stopped:
+			if w.written >= target {
+				return nil
+			}
+			return fmt.Errorf("the journal writer stopped before writing the change")
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the journal to be written: %w", ctx.Err())
+		}
+	}
+}
+
+// publish records the outcome of a write attempt of the changes up to w.absorbed and wakes
+// the sync callers.
+func (w *journalWriter) publish(err error) {
+	w.hmu.Lock()
+	if err == nil {
+		w.written = w.absorbed
+	} else {
+		w.failedThrough = w.absorbed
+	}
+	close(w.notify)
+	w.notify = make(chan struct{})
+	w.hmu.Unlock()
 }
 
 // health is nil while the journal holds every change the writer has taken, and an error
@@ -151,37 +215,41 @@ func (w *journalWriter) loop() {
 	defer close(w.stopped)
 	t := time.NewTicker(flushEvery)
 	defer t.Stop()
-	w.attempt(false) // a journal to keep aside, fold or heal is rewritten at once
+	w.attempt(false, false) // a journal to keep aside, fold or heal is rewritten at once
 	for {
 		select {
 		case <-w.done:
-			w.attempt(true)
+			w.attempt(true, true)
 			if w.f != nil {
 				w.f.Close()
 			}
 			return
+		case <-w.kick:
+			w.attempt(true, false) // someone waits for it (sync): no backoff
 		case <-t.C:
-			w.attempt(false)
+			w.attempt(false, false)
 		}
 	}
 }
 
-// attempt writes what changed, unless a failed write's backoff still runs (or last is set:
-// the agent stops), and reports the outcome.
-func (w *journalWriter) attempt(last bool) {
-	if !last && w.backoff > 0 && time.Now().Before(w.retryAt) {
+// attempt writes what changed, unless a failed write's backoff still runs and force is not
+// set (the agent stops, or a caller waits: sync), and reports the outcome.
+func (w *journalWriter) attempt(force, stopping bool) {
+	if !force && w.backoff > 0 && time.Now().Before(w.retryAt) {
 		return
 	}
 	err := w.flush()
 	now := time.Now()
 	if err == nil {
 		if w.backoff == 0 {
+			w.publish(nil)
 			return
 		}
 		w.hmu.Lock()
 		since := w.failedAt
 		w.failErr = nil
 		w.hmu.Unlock()
+		w.publish(nil)
 		w.log.Warn("journal written again after failed writes; it holds every pod", "journal", w.path(),
 			"failed_attempts", w.run, "failing_for", now.Sub(since).Round(time.Millisecond))
 		w.backoff, w.run, w.unlogged = 0, 0, 0
@@ -195,12 +263,13 @@ func (w *journalWriter) attempt(last bool) {
 	}
 	w.failErr = err
 	w.hmu.Unlock()
+	w.publish(err)
 	w.backoff = min(max(2*w.backoff, journalRetryFirst), journalRetryMax)
 	w.retryAt = now.Add(w.backoff)
 	w.run++
 	w.unlogged++
-	if first || now.Sub(w.loggedAt) >= journalLogEvery || last {
-		// The allocations stand in etcd; only re-claim after a long outage depends on it.
+	if first || now.Sub(w.loggedAt) >= journalLogEvery || stopping {
+		// The allocations stand in etcd; re-claim after a long outage, and DELs, depend on it.
 		w.log.Error("journal write failed; re-claim after a lease loss may miss pods", "err", err,
 			"failed_attempts", w.unlogged, "retry_in", w.backoff)
 		w.loggedAt, w.unlogged = now, 0
@@ -216,6 +285,7 @@ func encodeLine(l journalLine) ([]byte, error) {
 func (w *journalWriter) absorb() {
 	w.mu.Lock()
 	batch := w.pending
+	w.absorbed = w.seq
 	if len(batch) == 0 {
 		w.mu.Unlock()
 		return

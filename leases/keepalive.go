@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -39,7 +40,10 @@ func (k *Keeper) keepAliveLater(id clientv3.LeaseID, ttl time.Duration) {
 	due := time.Now().Add(ttl/3 - keepAliveTick)
 	k.mu.Lock()
 	k.held[id] = cancel
-	k.fresh = append(k.fresh, freshLease{id: id, ctx: ctx, due: due})
+	// In due order: pod leases are granted with one TTL, in grant order; a block lease's is
+	// longer (GrantKept).
+	i, _ := slices.BinarySearchFunc(k.fresh, due, func(f freshLease, t time.Time) int { return f.due.Compare(t) })
+	k.fresh = slices.Insert(k.fresh, i, freshLease{id: id, ctx: ctx, due: due})
 	k.mu.Unlock()
 	select {
 	case k.freshKick <- struct{}{}:
@@ -125,6 +129,9 @@ func (k *Keeper) register(ctx context.Context, id clientv3.LeaseID) {
 // the keep-alive was cancelled.
 func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clientv3.LeaseKeepAliveResponse) {
 	for range ch {
+		if k.onHeard != nil {
+			k.onHeard()
+		}
 	}
 	if ctx.Err() != nil {
 		return

@@ -29,6 +29,7 @@ type Keeper struct {
 	timeout time.Duration
 	log     *slog.Logger
 	onLost  func(clientv3.LeaseID)
+	onHeard func()
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -41,7 +42,7 @@ type Keeper struct {
 	// fresh are leases this keeper granted whose renewals have not started: a lease is
 	// granted with its whole TTL, so the client's keep-alive, which renews at once on
 	// registration, is registered only when its first renewal is due (see keepAliveLater).
-	// In grant order, which is due order.
+	// In due order.
 	fresh     []freshLease
 	freshKick chan struct{}
 
@@ -66,6 +67,9 @@ type KeeperConfig struct {
 	// OnLost, if not nil, is called (from the keeper's own goroutine) when a held lease stops
 	// being renewed without Forget or Revoke.
 	OnLost func(clientv3.LeaseID)
+	// OnHeard, if not nil, is called for each renewal etcd answers: the agent knows from it,
+	// at no cost, that etcd answers (Agent.reachable).
+	OnHeard func()
 }
 
 // NewKeeper starts a keeper granting leases as cfg says and keeping its spare leases ready.
@@ -88,6 +92,7 @@ func NewKeeper(cli *clientv3.Client, cfg KeeperConfig) (*Keeper, error) {
 		timeout: cfg.OpTimeout,
 		log:     cfg.Log,
 		onLost:  cfg.OnLost,
+		onHeard: cfg.OnHeard,
 		ctx:     ctx,
 		cancel:  cancel,
 		refill:  make(chan struct{}, 1),
@@ -138,14 +143,32 @@ func (k *Keeper) Return(id clientv3.LeaseID) {
 // Adopt resumes keep-alive of a lease this node identity granted earlier (agent restart).
 // It returns ErrLeaseLost if etcd no longer has the lease.
 func (k *Keeper) Adopt(ctx context.Context, id clientv3.LeaseID) error {
+	_, err := k.adopt(ctx, id)
+	return err
+}
+
+// adopt is Adopt, returning the TTL the lease was granted with.
+func (k *Keeper) adopt(ctx context.Context, id clientv3.LeaseID) (time.Duration, error) {
 	resp, err := k.cli.TimeToLive(ctx, id)
 	if err != nil {
-		return fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), err)
+		return 0, fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), err)
 	}
 	if resp.TTL <= 0 {
-		return fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), ErrLeaseLost)
+		return 0, fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), ErrLeaseLost)
 	}
-	return k.keepAlive(id)
+	return time.Duration(resp.GrantedTTL) * time.Second, k.keepAlive(id)
+}
+
+// GrantKept grants a lease of its own TTL, not a pod lease's, and keeps it alive like every
+// lease it holds (the block lease: blocks.go).
+func (k *Keeper) GrantKept(ctx context.Context, ttl time.Duration) (clientv3.LeaseID, error) {
+	secs := int64(math.Ceil(ttl.Seconds()))
+	resp, err := k.cli.Grant(ctx, secs)
+	if err != nil {
+		return 0, fmt.Errorf("grant lease (ttl %ds): %w", secs, err)
+	}
+	k.keepAliveLater(resp.ID, time.Duration(resp.TTL)*time.Second)
+	return resp.ID, nil
 }
 
 // Resume keeps renewing a lease this node identity granted earlier without asking etcd

@@ -34,6 +34,11 @@ type metrics struct {
 	claimHandovers, claimsRefused prometheus.Counter
 	// imports counts the addresses of imports from other IPAM plugins by what became of them.
 	imports *prometheus.CounterVec
+	// Expiry and recovery: held-back addresses handed out because the pool had no other room;
+	// DELs recorded while etcd was away; DELs that stopped a lost pod's re-claim; conflicts
+	// resolved, and open.
+	expiredReused, releasesDeferred, reclaimsCancelled, conflictsResolved prometheus.Counter
+	conflictsOpen                                                         prometheus.Gauge
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -97,8 +102,28 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_import_addresses_total",
 			Help: "Addresses of imports from host-local or whereabouts, by result: imported, already (imported before), released (imported before, released since), conflict (held by another owner: not taken), outside_pool.",
 		}, []string{"result"}),
+		expiredReused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_expired_addresses_reused_total",
+			Help: "Addresses whose holder expired without a release (its node cut off or dead) that this agent handed out before the reuse delay ended, because the pool had no other room.",
+		}),
+		releasesDeferred: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_releases_deferred_total",
+			Help: "DELs answered while etcd could not be reached: recorded in the journal and released once etcd answered.",
+		}),
+		reclaimsCancelled: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_reclaims_cancelled_total",
+			Help: "Attachments of pods whose lease was lost that a DEL ended before they were re-claimed: never re-claimed (a deleted pod stays deleted).",
+		}),
+		conflictsResolved: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_conflicts_resolved_total",
+			Help: "Conflicted addresses taken back for their running pod after the other holder let them go.",
+		}),
+		conflictsOpen: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "leasehold_conflicts_open",
+			Help: "Addresses of this node's running pods held by another owner now (conflicts not yet resolved).",
+		}),
 	}
-	m.reg.MustRegister(m.ops, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
+	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
 		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",

@@ -69,6 +69,14 @@ type attachment struct {
 	Claim      string           `json:"claim,omitempty"`
 	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
 	ClaimHold  time.Duration    `json:"claimHold,omitempty"`
+	// Released: the runtime's DEL of the attachment was answered while etcd could not be
+	// reached. The DEL is final: the attachment is never re-claimed, and the agent releases
+	// its keys once etcd answers (Agent.releasePending).
+	Released bool `json:"released,omitempty"`
+	// Conflicts are addresses of the attachment that another owner took while the pod's lease
+	// was lost (a re-claim found them held). The agent watches them and takes each back for
+	// the running pod as soon as its holder lets it go (conflicts.go).
+	Conflicts []netip.Addr `json:"conflicts,omitempty"`
 }
 
 // podState is what the agent knows of one pod whose lease it holds. It is mirrored in the
@@ -109,6 +117,9 @@ func (ps *podState) drop(ifName, pool string) {
 func (ps *podState) clone() podState {
 	c := *ps
 	c.Attachments = slices.Clone(ps.Attachments)
+	for i := range c.Attachments {
+		c.Attachments[i].Conflicts = slices.Clone(c.Attachments[i].Conflicts)
+	}
 	return c
 }
 

@@ -21,10 +21,43 @@ type pods struct {
 
 	mu sync.Mutex
 	m  map[string]*podState
+	// addrs counts, per pool and address, the attachments of m listing it: the addresses of
+	// this node's pods, held, being re-claimed or waiting for their release, which no ADD of
+	// this node may offer to another pod (ownsAddr).
+	addrs map[poolAddr]int
+}
+
+type poolAddr struct {
+	pool string
+	addr netip.Addr
 }
 
 func newPods(nodeUID string, jw *journalWriter) *pods {
-	return &pods{nodeUID: nodeUID, jw: jw, m: make(map[string]*podState)}
+	return &pods{nodeUID: nodeUID, jw: jw, m: make(map[string]*podState), addrs: make(map[poolAddr]int)}
+}
+
+// index adds (delta 1) or removes (-1) ps's addresses to t.addrs; the caller holds t.mu.
+func (t *pods) index(ps *podState, delta int) {
+	if ps == nil {
+		return
+	}
+	for _, at := range ps.Attachments {
+		for _, a := range at.IPs {
+			k := poolAddr{at.Pool, a}
+			if t.addrs[k] += delta; t.addrs[k] <= 0 {
+				delete(t.addrs, k)
+			}
+		}
+	}
+}
+
+// ownsAddr tells whether one of this node's pods lists addr in pool: held, being re-claimed
+// after a lost lease (its keys may be gone from etcd, and with them the view's record of it),
+// in conflict, or waiting for its release. An ADD never offers such an address to a new pod.
+func (t *pods) ownsAddr(pool string, addr netip.Addr) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.addrs[poolAddr{pool, addr}] > 0
 }
 
 // lease returns owner's lease while it is held.
@@ -76,9 +109,11 @@ func (t *pods) claimed(req allocator.Request, owner string, lease clientv3.Lease
 	if req.Netns != "" {
 		ps.Netns = req.Netns
 	}
+	t.index(ps, -1)
 	for _, at := range ats {
 		ps.put(at)
 	}
+	t.index(ps, 1)
 	snap := ps.clone()
 	t.mu.Unlock()
 	t.jw.save(snap)
@@ -103,7 +138,9 @@ func (t *pods) restore(ps podState, held, journaled bool) {
 		ps.lease.lose()
 	}
 	t.mu.Lock()
+	t.index(t.m[ps.Owner], -1)
 	t.m[ps.Owner] = &ps
+	t.index(&ps, 1)
 	snap := ps.clone()
 	t.mu.Unlock()
 	if !journaled {
@@ -208,7 +245,9 @@ func (t *pods) dropAttachment(owner, ifName, pool string) {
 		t.mu.Unlock()
 		return
 	}
+	t.index(ps, -1)
 	ps.drop(ifName, pool)
+	t.index(ps, 1)
 	snap := ps.clone()
 	t.mu.Unlock()
 	t.jw.save(snap)
@@ -217,9 +256,148 @@ func (t *pods) dropAttachment(owner, ifName, pool string) {
 // drop forgets owner entirely (its lease was given up, or its keys are gone).
 func (t *pods) drop(owner string) {
 	t.mu.Lock()
+	t.index(t.m[owner], -1)
 	delete(t.m, owner)
 	t.mu.Unlock()
 	t.jw.remove(owner)
+}
+
+// markReleased records that the runtime's DEL of container's attachment ifName in pool was
+// answered while etcd could not be reached: the attachment is released once etcd answers and
+// never re-claimed (attachment.Released). An attachment the agent does not know is recorded
+// without addresses; its release then reads them from etcd.
+func (t *pods) markReleased(owner, ifName, pool, container string) {
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		ps = &podState{Owner: owner, NodeUID: t.nodeUID}
+		t.m[owner] = ps
+	}
+	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ifName && at.Pool == pool })
+	switch {
+	case i < 0:
+		ps.Attachments = append(ps.Attachments, attachment{IfName: ifName, Pool: pool, ContainerID: container, Released: true})
+	case ps.Attachments[i].ContainerID == container:
+		ps.Attachments[i].Released = true
+	default:
+		// Another sandbox of the pod holds the attachment now: this DEL is not its.
+		t.mu.Unlock()
+		return
+	}
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+}
+
+// releasedAttachments lists owner's attachments whose DEL was answered but not yet released
+// in etcd.
+func (t *pods) releasedAttachments(owner string) []attachment {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok {
+		return nil
+	}
+	var out []attachment
+	for _, at := range ps.Attachments {
+		if at.Released {
+			out = append(out, at)
+		}
+	}
+	return out
+}
+
+// pendingReleases lists the owners with an attachment whose release waits for etcd.
+func (t *pods) pendingReleases() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []string
+	for owner, ps := range t.m {
+		if slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.Released }) {
+			out = append(out, owner)
+		}
+	}
+	return out
+}
+
+// forgetAttachment drops container's attachment ifName in pool from what the agent knows of
+// owner, and owner itself once it has no attachment left; it reports whether it knew it.
+// A DEL of a pod whose lease was lost uses it: etcd has nothing of the attachment left to
+// release (its keys expired), and nothing must re-claim it.
+func (t *pods) forgetAttachment(owner, ifName, pool, container string) bool {
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		t.mu.Unlock()
+		return false
+	}
+	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool {
+		return at.IfName == ifName && at.Pool == pool && (container == "" || at.ContainerID == container)
+	})
+	if i < 0 {
+		t.mu.Unlock()
+		return false
+	}
+	t.index(ps, -1)
+	ps.Attachments = slices.Delete(ps.Attachments, i, i+1)
+	t.index(ps, 1)
+	if len(ps.Attachments) == 0 {
+		delete(t.m, owner)
+		t.mu.Unlock()
+		t.jw.remove(owner)
+		return true
+	}
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+	return true
+}
+
+// setConflicts records which addresses of owner's attachment ifName in pool another owner
+// holds (attachment.Conflicts).
+func (t *pods) setConflicts(owner, ifName, pool string, taken []netip.Addr) {
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		t.mu.Unlock()
+		return
+	}
+	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ifName && at.Pool == pool })
+	if i < 0 {
+		t.mu.Unlock()
+		return
+	}
+	ps.Attachments[i].Conflicts = slices.Clone(taken)
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+}
+
+// conflicted lists, per owner, the attachments with addresses another owner holds.
+func (t *pods) conflicted() map[string][]attachment {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string][]attachment{}
+	for owner, ps := range t.m {
+		for _, at := range ps.Attachments {
+			if len(at.Conflicts) > 0 && !at.Released {
+				at.Conflicts = slices.Clone(at.Conflicts)
+				out[owner] = append(out[owner], at)
+			}
+		}
+	}
+	return out
+}
+
+// snapshot returns a copy of owner's state.
+func (t *pods) snapshot(owner string) (podState, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok {
+		return podState{}, false
+	}
+	return ps.clone(), true
 }
 
 // count is how many pods the agent holds or is re-claiming.

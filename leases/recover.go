@@ -117,9 +117,7 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.pods.restore(ps, false, true)
 		lost++
 	}
-	if lost > 0 {
-		a.lost <- struct{}{}
-	}
+	a.wake() // re-claims, releases recorded while etcd was away, held keys no pod holds any more
 	a.log.Info("recovered this node's pods", "resumed", resumed, "released", released, "to_reclaim", lost,
 		"other_identities_left_to_expire", foreign)
 	return nil
@@ -190,8 +188,18 @@ func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
 	}
 }
 
-// reclaimLoop re-claims lost leases whenever the keeper reports one, retrying with backoff
-// until etcd answers.
+// wake makes the recovery loop run.
+func (a *Agent) wake() {
+	select {
+	case a.lost <- struct{}{}:
+	default:
+	}
+}
+
+// reclaimLoop is the agent's recovery: whenever woken (a lease lost, a DEL recorded while
+// etcd was away or of a pod being re-claimed, a start) it re-claims lost leases, finishes
+// recorded releases and frees the held keys no pod of this node holds any more, retrying with
+// backoff until etcd answers.
 func (a *Agent) reclaimLoop() {
 	defer a.wg.Done()
 	for {
@@ -210,7 +218,7 @@ func (a *Agent) reclaimLoop() {
 				a.fail(err) // another host took this node identity while etcd could not hear us
 				return
 			}
-			a.log.Warn("re-claim incomplete; retrying", "err", err, "retry_in", backoff)
+			a.log.Warn("recovery incomplete; retrying", "err", err, "retry_in", backoff)
 			select {
 			case <-a.ctx.Done():
 				return
@@ -233,6 +241,83 @@ func (a *Agent) reclaimAll(ctx context.Context) error {
 	var errs []error
 	for _, owner := range owners {
 		errs = append(errs, a.reclaim(ctx, owner))
+	}
+	for _, owner := range a.pods.pendingReleases() {
+		errs = append(errs, a.releasePending(ctx, owner))
+	}
+	a.watchConflicts()
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	// Only once every lost pod is re-claimed: its held keys must stay until then.
+	return a.settleHeld(ctx)
+}
+
+// releasePending releases owner's attachments whose DEL was answered while etcd could not be
+// reached (deferRelease), and gives the pod's lease up with the last.
+func (a *Agent) releasePending(ctx context.Context, owner string) error {
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	var errs []error
+	for _, at := range a.pods.releasedAttachments(owner) {
+		req := allocator.Request{Pool: allocator.PoolSpec{Name: at.Pool}, Network: at.Network, IfName: at.IfName, ContainerID: at.ContainerID}
+		left, err := a.releaseAttachment(ctx, req, owner)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		// Released, or nothing of it was left in etcd: either way it is done.
+		a.pods.forgetAttachment(owner, at.IfName, at.Pool, at.ContainerID)
+		a.log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
+			"ifname", at.IfName, "pool", at.Pool)
+		if err := a.dropPodIfEmpty(ctx, owner, left); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// settleHeld frees the held keys on this node's block leases that no pod of it lists (their
+// pods were deleted while their leases were lost, or were not re-claimed because their
+// sandbox was gone): only the addresses of pods that may still run are held back. Each is
+// deleted only if no allocation stands at its address, so an ADD in flight keeps its own.
+func (a *Agent) settleHeld(ctx context.Context) error {
+	if a.cfg.ReuseDelay <= 0 {
+		return nil
+	}
+	var errs []error
+	for _, id := range a.blockLeases.all() {
+		octx, cancel := a.opCtx(ctx)
+		ttl, err := a.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
+		cancel()
+		if err != nil {
+			errs = append(errs, a.unavailable("list the keys of block lease "+keyspace.LeaseHex(id), err))
+			continue
+		}
+		var ops []clientv3.Op
+		var freed []string
+		for _, k := range ttl.Keys {
+			key := string(k)
+			pool, _, ip, err := keyspace.ParseHeldKey(key)
+			if err != nil || a.pods.ownsAddr(pool, ip) {
+				continue
+			}
+			ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.OnLease(key, id), keyspace.Absent(keyspace.IPKeyOfHeld(key))},
+				[]clientv3.Op{clientv3.OpDelete(key)}, nil))
+			freed = append(freed, key)
+		}
+		for len(ops) > 0 {
+			n := min(len(ops), maxTxnOps/2)
+			octx, cancel := a.opCtx(ctx)
+			_, err := a.cli.Txn(octx).Then(ops[:n]...).Commit()
+			cancel()
+			if err != nil {
+				errs = append(errs, a.unavailable("free held keys no pod holds", err))
+				break
+			}
+			a.log.Info("held keys of addresses no pod of this node holds any more freed", "keys", freed[:n])
+			ops, freed = ops[n:], freed[n:]
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -271,16 +356,27 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			return nil
 		}
 	}
+	if !slices.ContainsFunc(snap.Attachments, func(at attachment) bool { return !at.Released }) {
+		// Every attachment's DEL was answered meanwhile: nothing to re-claim, and nothing in
+		// etcd to release (the lease is gone). Its held keys are freed by settleHeld.
+		a.log.Info("every attachment of a lost pod was deleted meanwhile; nothing to re-claim", "owner", owner)
+		a.pods.drop(owner)
+		return nil
+	}
 	defer a.keeper.Refill()
 	lease, err := a.keeper.Take(octx)
 	if err != nil {
 		return a.unavailable("grant a lease for re-claim", err)
 	}
 	req := allocator.Request{Pod: snap.Pod, Netns: snap.Netns}
+	wrote := false // an attachment's keys may be on lease
 	for i, at := range snap.Attachments {
-		rev, err := a.reclaimAttachment(octx, snap, at, lease)
+		if at.Released {
+			continue // its release is pending (releasePending): never re-claimed
+		}
+		rev, taken, err := a.reclaimAttachment(octx, snap, at, lease)
 		if err != nil {
-			if i == 0 && !errors.Is(err, allocator.ErrUnavailable) {
+			if !wrote && !errors.Is(err, allocator.ErrUnavailable) {
 				a.keeper.Return(lease) // etcd answered and nothing is on it
 			} else {
 				// An earlier attachment is on it, or this one may be (a claim whose answer was
@@ -294,7 +390,8 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			}
 			return err
 		}
-		snap.Attachments[i].OwnerRev = rev
+		snap.Attachments[i].OwnerRev, snap.Attachments[i].Conflicts = rev, taken
+		wrote = true
 	}
 	pr := keyspace.PodRecord{Owner: owner, Pod: snap.Pod, NodeUID: a.cfg.NodeUID, LeaseID: keyspace.LeaseHex(lease), Netns: snap.Netns, Created: a.wall()}
 	if len(snap.Attachments) > 0 {
@@ -310,49 +407,65 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
-// ModRevision, so that its DEL needs no read first. An address another owner took meanwhile
-// is left to that owner and recorded in the attachment's conflict record.
-func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, error) {
+// ModRevision, so that its DEL needs no read first, and the addresses another owner took
+// meanwhile: they are left to that owner, recorded in the attachment's conflict record, and
+// taken back when that owner lets them go (conflicts.go).
+func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: at.Pool})
 	if err != nil {
-		return 0, err
+		return 0, nil, err
+	}
+	heldLease, held, err := a.heldFor(ctx, ps.Owner)
+	if err != nil {
+		return 0, nil, err
 	}
 	c := &claim{lease: lease, pool: at.Pool, blocks: p.spec.Blocks, alsoFlat: p.migrating != nil, addrs: slices.Clone(at.IPs),
+		heldLease: heldLease, held: held,
 		ownerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
 		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
 		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
 	var taken []keyspace.TakenByOther
-	for range 4 {
+	for range 5 {
 		if len(taken) > 0 {
 			c.conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
 				Taken: taken, Detected: a.wall()}
 		}
 		out, err := c.commit(ctx, a.cli)
+		if err != nil && refused(err) && leaseGone(err) && a.heldLeaseGone(ctx, c.heldLease) {
+			if c.heldLease, _, err = a.heldFor(ctx, ps.Owner); err != nil {
+				return 0, nil, err
+			}
+			continue
+		}
 		if err != nil {
-			return 0, a.unavailable("re-claim "+c.ownerKey, err)
+			return 0, nil, a.unavailable("re-claim "+c.ownerKey, err)
 		}
 		if out.Applied {
+			var lost []netip.Addr
 			if len(taken) > 0 {
 				a.conflicts.Add(int64(len(taken)))
 				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
 					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken, "record", c.conflictKey)
+				for _, t := range taken {
+					lost = append(lost, t.IP)
+				}
 			}
-			return out.Revision, nil
+			return out.Revision, lost, nil
 		}
 		if kv := out.Existing; kv != nil {
 			rec, _ := keyspace.Decode[keyspace.OwnerRecord](c.ownerKey, kv.Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
 				if keyspace.HeldOn(kv, lease) {
-					return kv.ModRevision, nil // already re-claimed
+					return kv.ModRevision, nil, nil // already re-claimed
 				}
 				// Written by an earlier attempt whose lease is being revoked or expires: the
 				// attachment must end up on this attempt's lease, so wait for those keys to go.
-				return 0, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
+				return 0, nil, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
 					allocator.ErrUnavailable, c.ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(kv)))
 			}
-			return 0, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
+			return 0, nil, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
 				allocator.ErrConflict, c.ownerKey, rec.NodeUID, rec.ContainerID)
 		}
 		var still []netip.Addr
@@ -367,5 +480,5 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		}
 		c.addrs = still
 	}
-	return 0, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.ownerKey)
+	return 0, nil, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.ownerKey)
 }

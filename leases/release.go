@@ -14,7 +14,7 @@ import (
 //
 //	If(   owner index unchanged since the agent wrote or read it,
 //	      per address: allocation on the attachment's lease)
-//	Then( delete the owner index and every allocation,
+//	Then( delete the owner index, every allocation and its held key,
 //	      [quarantine] put each address's quarantine key, on the shared quarantine lease,
 //	      Txn(If(no other owner index of the owner, pod record on the lease) Then(delete pod record)),
 //	      count the owner's owner indexes left)
@@ -54,7 +54,7 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	for _, addr := range r.addrs {
 		key := keyspace.IPKey(r.pool, r.blocks, addr)
 		cmps = append(cmps, keyspace.OnLease(key, r.lease))
-		then = append(then, clientv3.OpDelete(key))
+		then = append(then, clientv3.OpDelete(key), clientv3.OpDelete(keyspace.HeldKey(r.pool, r.blocks, addr)))
 		els = append(els, clientv3.OpGet(key, clientv3.WithKeysOnly()))
 	}
 	var plain []clientv3.Op

@@ -1,0 +1,193 @@
+package leases
+
+import (
+	"context"
+	"net/netip"
+	"slices"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// A conflict is an address of a running pod that another owner took while the pod's lease was
+// lost (a cut-off longer than the reuse delay, or a pool with no other room). The re-claim
+// leaves it to that owner and records it (the conflict record, CHECK code 104, the
+// attachment's Conflicts). It is resolved when it can be: the agent watches the address's
+// allocation key, and as soon as the other owner lets it go (its DEL, or its lease's
+// expiry) puts it back on the running pod's lease, before any other ADD can take it (a
+// release leaves the address in quarantine, which the resolution, like every re-claim, does
+// not compare). A running pod's address so never sits without a key.
+
+// conflictRef names one conflicted address of one attachment.
+type conflictRef struct {
+	owner, ifName, pool string
+	addr                netip.Addr
+}
+
+// watchConflicts starts following every conflicted address the agent's pods list, and stops
+// following those no pod lists any more.
+func (a *Agent) watchConflicts() {
+	want := map[conflictRef]bool{}
+	for owner, ats := range a.pods.conflicted() {
+		for _, at := range ats {
+			for _, addr := range at.Conflicts {
+				want[conflictRef{owner, at.IfName, at.Pool, addr}] = true
+			}
+		}
+	}
+	a.cmu.Lock()
+	defer a.cmu.Unlock()
+	if a.ctx.Err() != nil {
+		return
+	}
+	for ref, stop := range a.cwatch {
+		if !want[ref] {
+			stop()
+			delete(a.cwatch, ref)
+		}
+	}
+	for ref := range want {
+		if _, ok := a.cwatch[ref]; ok {
+			continue
+		}
+		ctx, stop := context.WithCancel(a.ctx)
+		a.cwatch[ref] = stop
+		a.wg.Add(1)
+		go a.followConflict(ctx, ref)
+	}
+	a.metrics.conflictsOpen.Set(float64(len(a.cwatch)))
+}
+
+// followConflict tries to resolve ref, and while the address is held by another owner waits
+// for that owner's key to go, until the conflict is resolved or no longer the agent's.
+func (a *Agent) followConflict(ctx context.Context, ref conflictRef) {
+	defer a.wg.Done()
+	defer func() {
+		a.cmu.Lock()
+		if a.cwatch[ref] != nil && ctx.Err() == nil {
+			delete(a.cwatch, ref)
+		}
+		a.metrics.conflictsOpen.Set(float64(len(a.cwatch)))
+		a.cmu.Unlock()
+	}()
+	backoff := retryFirst
+	for ctx.Err() == nil {
+		key, rev, done, err := a.resolveConflict(ctx, ref)
+		if done {
+			return
+		}
+		if err != nil || key == "" { // key "": the conflict record moved meanwhile
+			if err != nil {
+				a.log.Warn("resolving a conflict failed; retrying", "owner", ref.owner, "ip", ref.addr, "err", err, "retry_in", backoff)
+			}
+			if !sleepCtx(ctx, backoff) {
+				return
+			}
+			backoff = min(2*backoff, retryMax)
+			continue
+		}
+		backoff = retryFirst
+		a.awaitDelete(ctx, key, rev)
+	}
+}
+
+// awaitDelete returns once key is deleted after revision rev, or the watch breaks, or ctx ends.
+func (a *Agent) awaitDelete(ctx context.Context, key string, rev int64) {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	for resp := range a.cli.Watch(wctx, key, clientv3.WithRev(rev+1), clientv3.WithFilterPut()) {
+		if resp.Err() != nil || len(resp.Events) > 0 {
+			return
+		}
+	}
+}
+
+// resolveConflict puts ref's address back on its running pod's lease if no allocation holds
+// it. It returns done when the conflict is resolved or is no longer the agent's (the pod was
+// deleted, re-claimed anew, or its lease is lost: the re-claim takes over); else the key
+// another owner holds the address with and the revision it was read at.
+func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key string, rev int64, done bool, err error) {
+	unlock := a.locks.lock(ref.owner)
+	defer unlock()
+	ps, ok := a.pods.snapshot(ref.owner)
+	lease, held := ps.lease.held()
+	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
+	if !ok || !held || i < 0 || ps.Attachments[i].Released || !slices.Contains(ps.Attachments[i].Conflicts, ref.addr) {
+		return "", 0, true, nil
+	}
+	at := ps.Attachments[i]
+	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: ref.pool})
+	if err != nil {
+		return "", 0, false, err
+	}
+	heldLease, heldRec, err := a.heldFor(ctx, ref.owner)
+	if err != nil {
+		return "", 0, false, err
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	ipKey := keyspace.IPKey(ref.pool, p.spec.Blocks, ref.addr)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
+	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
+	cur, err := a.cli.Get(octx, conflictKey)
+	if err != nil {
+		return "", 0, false, a.unavailable("read "+conflictKey, err)
+	}
+	cmps := []clientv3.Cmp{keyspace.Absent(ipKey), keyspace.OnLease(ownerKey, lease)}
+	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
+	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.owner, lease, at.Created)), clientv3.WithLease(lease))}
+	if heldLease != 0 {
+		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
+	}
+	if len(cur.Kvs) > 0 {
+		// The conflict record lists what is still taken: without this address, or gone.
+		cmps = append(cmps, keyspace.Unchanged(conflictKey, cur.Kvs[0].ModRevision))
+		rec, _ := keyspace.Decode[keyspace.ConflictRecord](conflictKey, cur.Kvs[0].Value)
+		rec.Taken = slices.DeleteFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr })
+		if len(rec.Taken) == 0 {
+			puts = append(puts, clientv3.OpDelete(conflictKey))
+		} else {
+			puts = append(puts, clientv3.OpPut(conflictKey, keyspace.Encode(rec), clientv3.WithLease(lease)))
+		}
+	}
+	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(clientv3.OpGet(ipKey, clientv3.WithKeysOnly()), clientv3.OpGet(ownerKey, clientv3.WithKeysOnly())).Commit()
+	if err != nil {
+		return "", 0, false, a.unavailable("take "+ref.addr.String()+" back for its running pod", err)
+	}
+	a.etcdAnswered()
+	if !resp.Succeeded {
+		if kvs := resp.Responses[1].GetResponseRange().Kvs; len(kvs) == 0 || !keyspace.HeldOn(kvs[0], lease) {
+			return "", 0, true, nil // the attachment is not on this lease any more: the re-claim or DEL has it
+		}
+		if len(resp.Responses[0].GetResponseRange().Kvs) == 0 {
+			return "", 0, false, nil // the address is free: the conflict record moved, read it again
+		}
+		return ipKey, resp.Header.Revision, false, nil
+	}
+	left := slices.DeleteFunc(slices.Clone(at.Conflicts), func(x netip.Addr) bool { return x == ref.addr })
+	a.pods.setConflicts(ref.owner, ref.ifName, ref.pool, left)
+	if v := a.pools.viewOf(ref.pool); v != nil {
+		v.markAllocated(ref.addr, resp.Header.Revision)
+	}
+	a.metrics.conflictsResolved.Inc()
+	a.log.Warn("conflict resolved: the other holder let the address go, and it is the running pod's again",
+		"owner", ref.owner, "ifname", ref.ifName, "pool", ref.pool, "ip", ref.addr, "lease", keyspace.LeaseHex(lease),
+		"conflicts_left", len(left))
+	return "", 0, true, nil
+}
+
+// stopConflicts ends the conflict watches of owner's attachments that no longer list them
+// (after its DEL).
+func (a *Agent) stopConflicts(owner string) {
+	a.cmu.Lock()
+	mine := false
+	for ref := range a.cwatch {
+		mine = mine || ref.owner == owner
+	}
+	a.cmu.Unlock()
+	if mine {
+		a.watchConflicts()
+	}
+}
