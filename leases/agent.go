@@ -43,9 +43,9 @@ type Agent struct {
 	pods        *pods
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
-	cmu    sync.Mutex
-	cwatch map[conflictRef]context.CancelFunc
-	importMu    sync.Mutex   // one Import at a time (import.go)
+	cmu      sync.Mutex
+	cwatch   map[conflictRef]context.CancelFunc
+	importMu sync.Mutex // one Import at a time (import.go)
 
 	// etcd's history as this agent has seen it (sawHeader).
 	epochMu      sync.Mutex
