@@ -15,11 +15,13 @@ import (
 // readBatch bounds the gets of one read transaction, within etcd's default of 128 operations.
 const readBatch = 100
 
-// FindAddress reads every allocation and quarantine key of ip in pool (in every pool when pool
-// is ""), whatever the layout of the key: a pool being migrated has keys in both, and a key
-// can only be found where it is, not where its pool's layout says it should be. With them it
-// reads the definitions of those pools (and of pool) and the claims of the blocks the keys
-// name. It lists the keys first (keys only), then reads the ones of ip by name.
+// FindAddress reads every allocation, quarantine and held key of ip in pool (in every pool when
+// pool is ""), whatever the layout of the key: a pool being migrated has keys in both, and a
+// key can only be found where it is, not where its pool's layout says it should be. With them
+// it reads the definitions of those pools (and of pool), the claims of the blocks the keys
+// name, and the node records of the nodes the held keys and those claims name. It lists the
+// keys first (keys only), then reads the ones of ip by name; the state covers ip's allocation
+// key beside each held key, so State.Expired tells an expired address.
 func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Addr) (*State, error) {
 	if pool != "" {
 		if err := allocator.ValidateName("pool", pool); err != nil {
@@ -30,6 +32,7 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	resp, err := cli.Txn(ctx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 		clientv3.OpGet(keyspace.QuarantinePrefix(pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.HeldPrefix(pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("list the keys of %s: %w", ip, err)
@@ -44,10 +47,7 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 		}
 	}
 	for i, r := range resp.Responses {
-		parse := keyspace.ParseIPKey
-		if i == 1 {
-			parse = keyspace.ParseQuarantineKey
-		}
+		parse := []func(string) (string, netip.Prefix, netip.Addr, error){keyspace.ParseIPKey, keyspace.ParseQuarantineKey, keyspace.ParseHeldKey}[i]
 		for _, kv := range r.GetResponseRange().Kvs {
 			p, block, a, err := parse(string(kv.Key))
 			if err != nil || a != ip {
@@ -58,9 +58,37 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 			if block.IsValid() {
 				add(keyspace.BlockKey(p, block))
 			}
+			if i == 2 {
+				add(spell(keyspace.IPsPrefix(p), block, a)) // absent for an expired address: read, so covered
+			}
 		}
 	}
 	st := &State{prefixes: keys}
+	if err := st.readByName(ctx, cli, ip, keys); err != nil {
+		return nil, err
+	}
+	var nodes []string
+	for _, h := range st.Held {
+		if h.Unreadable == "" && keyspace.ValidateNames("cluster", h.Value.Cluster, "node", h.Value.Node) == nil {
+			nodes = append(nodes, keyspace.NodeKey(h.Value.Cluster, h.Value.Node))
+		}
+	}
+	for _, b := range st.Blocks {
+		if b.Unreadable == "" && keyspace.ValidateNames("cluster", b.Value.Cluster, "node", b.Value.Node) == nil {
+			nodes = append(nodes, keyspace.NodeKey(b.Value.Cluster, b.Value.Node))
+		}
+	}
+	slices.Sort(nodes)
+	nodes = slices.Compact(nodes)
+	st.prefixes = append(st.prefixes, nodes...)
+	if err := st.readByName(ctx, cli, ip, nodes); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// readByName reads keys by name (not as prefixes) in batches and files them into st.
+func (st *State) readByName(ctx context.Context, cli *clientv3.Client, ip netip.Addr, keys []string) error {
 	for len(keys) > 0 {
 		n := min(len(keys), readBatch)
 		ops := make([]clientv3.Op, n)
@@ -69,7 +97,7 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 		}
 		resp, err := cli.Txn(ctx).Then(ops...).Commit()
 		if err != nil {
-			return nil, fmt.Errorf("read the keys of %s: %w", ip, err)
+			return fmt.Errorf("read the keys of %s: %w", ip, err)
 		}
 		st.Revision = resp.Header.Revision
 		for _, r := range resp.Responses {
@@ -79,7 +107,7 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 		}
 		keys = keys[n:]
 	}
-	return st, nil
+	return nil
 }
 
 // Claim returns the claim of block in pool, if the state has one.

@@ -40,6 +40,11 @@ const (
 	// claim records are bad-key, unreadable and no-lease findings.
 	KindClaimPoolUndefined = "claim-pool-undefined" // warning: a claim of a pool that has no definition; no ADD can hand its addresses over
 	KindClaimHolderGone    = "claim-holder-gone"    // info: a claim naming a holder whose owner index is gone; it goes when its lease runs out
+
+	// Held keys (issue 23, "expired is not free"). Malformed, unreadable and leaseless held keys
+	// are bad-key, unreadable and no-lease findings; an expired block is block-claim-stale.
+	KindAddressExpired  = "address-expired"         // info: held keys without allocation: addresses of a node cut off or gone, held back until their lease expires
+	KindHeldOtherHolder = "held-names-other-holder" // a held key naming another node or owner than the allocation of its address
 )
 
 // Severities of findings. Doctor fails (leaseholdctl: exit 3) on errors and warnings; info
@@ -67,6 +72,11 @@ func (f Finding) Problem() bool { return f.Severity != SeverityInfo }
 
 // delFix deletes one key.
 func delFix(key string) string { return "etcdctl del " + ShellQuote(key) }
+
+// forgetFix is the leaseholdctl command that frees what a gone node still holds back.
+func forgetFix(cluster, node string) string {
+	return "leaseholdctl node forget " + ShellQuote(node) + " --cluster " + ShellQuote(cluster)
+}
 
 // releaseFix is the leaseholdctl command that releases ip's allocation in pool.
 func releaseFix(ip netip.Addr, pool string, lease clientv3.LeaseID) string {

@@ -70,6 +70,7 @@ func Check(st *State) []Finding {
 	c.blockClaims()
 	c.keyLayouts()
 	c.unclaimedBlocks()
+	c.heldKeys()
 	c.claims()
 	sortFindings(c.out)
 	return c.out

@@ -80,13 +80,21 @@ func (c *checker) blockClaims() {
 		case n.Unreadable == "" && n.Value.UID != v.NodeUID:
 			why = fmt.Sprintf("now runs with node UID %s, not %s: the node was replaced, and the old identity renews nothing", n.Value.UID, dash(v.NodeUID))
 		}
-		if why != "" {
-			c.note(SeverityInfo, KindBlockStale, v.Cluster, fmt.Sprintf("block %s of pool %s is claimed by node %s/%s (node UID %s), which %s. "+
-				"The claim goes when block lease %s expires (an agent restarted in time adopts it again); meanwhile other nodes only "+
-				"borrow its free addresses. To free it at once, once sure the node is gone for good, revoke the lease",
-				b.Block, b.Pool, v.Cluster, v.Node, dash(v.NodeUID), why, keyspace.LeaseHex(b.Lease)),
-				"etcdctl lease revoke "+keyspace.LeaseHex(b.Lease), b.Key)
+		if why == "" {
+			continue
 		}
+		free, fix := "run node forget, which frees the node's held addresses too", forgetFix(v.Cluster, v.Node)
+		if n != nil {
+			// node forget refuses while the node's name has a live agent; the old identity's block
+			// lease carries only its block claims and its pods' held keys.
+			free = fmt.Sprintf("revoke the lease (etcdctl lease timetolive %s --keys lists what it carries)", keyspace.LeaseHex(b.Lease))
+			fix = "etcdctl lease revoke " + keyspace.LeaseHex(b.Lease)
+		}
+		c.note(SeverityInfo, KindBlockStale, v.Cluster, fmt.Sprintf("block %s of pool %s is claimed by node %s/%s (node UID %s), which %s: "+
+			"an expired block. The claim goes when block lease %s expires, the reuse delay (leaseholdd --reuse-delay, default 15m) "+
+			"after the node's pods' leases; its agent back in time adopts it again. Meanwhile other nodes only borrow its free "+
+			"addresses (leaseholdctl pool show %s says when it is reusable). To free it at once, once sure the node is gone for good, %s",
+			b.Block, b.Pool, v.Cluster, v.Node, dash(v.NodeUID), why, keyspace.LeaseHex(b.Lease), b.Pool, free), fix, b.Key)
 	}
 }
 
@@ -115,6 +123,10 @@ func (c *checker) keyLayouts() {
 		exists[q.Key] = true
 		keys = append(keys, layoutKey{"quarantine key", q.Key, q.Pool, "", keyspace.QuarantinePrefix(q.Pool), q.Block, q.IP, q.Lease, q.ModRevision, q.Raw})
 	}
+	for _, h := range c.st.Held {
+		exists[h.Key] = true
+		keys = append(keys, layoutKey{"held key", h.Key, h.Pool, h.Value.Cluster, keyspace.HeldPrefix(h.Pool), h.Block, h.IP, h.Lease, h.ModRevision, h.Raw})
+	}
 	for _, k := range keys {
 		p, ok := c.pools[k.pool]
 		if !ok || !p.Usable() {
@@ -132,16 +144,20 @@ func (c *checker) keyLayouts() {
 		msg := fmt.Sprintf("%s of %s is in %s, but pool %s %s, so its key is %s: agents compare only that key", k.what, k.ip, where,
 			k.pool, layoutText(p.Value.Blocks), right)
 		var fix string
+		risk := ", and may give the address to a second holder"
+		if k.what == "held key" {
+			risk = ", so it holds the address back for nobody once its pod's lease expires"
+		}
 		switch {
 		case exists[right]:
 			msg += "; that key exists too, so this one protects nothing. Delete it (if it was another attachment's, doctor then " +
 				"names the pod to recreate)"
 			fix = delFix(k.key)
 		case !k.block.IsValid():
-			msg += ", and may give the address to a second holder. Move the pool's flat keys to their blocks"
+			msg += risk + ". Move the pool's flat keys to their blocks"
 			fix = "leaseholdctl pool migrate " + k.pool
 		default:
-			msg += ", and may give the address to a second holder. Move it there, keeping value and lease"
+			msg += risk + ". Move it there, keeping value and lease"
 			fix = moveFix(k.key, right, k.raw, k.lease, k.modRev)
 		}
 		c.add(KindWrongLayout, k.cluster, msg, fix, k.key)

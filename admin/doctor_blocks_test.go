@@ -15,13 +15,14 @@ import (
 
 // blockWorld is a healthy state of the block layout, written key by key as an agent of blocks
 // writes it: pool "net" (10.77.0.0/24, fd77::/120, default blocks), node c1/n1's agent, its
-// claims of 10.77.0.0/26 and fd77::/122 on its block lease, and one attachment "web"
-// (10.77.0.10, fd77::10) with its owner index and pod record on the pod lease, and 10.77.0.20
-// resting in quarantine.
+// claims of 10.77.0.0/26 and fd77::/122 on its block lease (named in its node record), and one
+// attachment "web" (10.77.0.10, fd77::10) with its owner index and pod record on the pod lease
+// and its held keys on the block lease, and 10.77.0.20 resting in quarantine.
 type blockWorld struct {
 	cli                       *clientv3.Client
 	pod, nodeLease, blockL, q clientv3.LeaseID
 	ip4, ip6, owner, podKey   string
+	held4, held6              string
 	claim4, claim6, quar      string
 	block4                    netip.Prefix
 }
@@ -41,7 +42,7 @@ func newBlockWorld(t *testing.T, cli *clientv3.Client) *blockWorld {
 		block4: netip.MustParsePrefix("10.77.0.0/26")}
 	now := time.Now().UTC()
 	put(t, cli, keyspace.NodeKey(wCluster, wNode), keyspace.Encode(keyspace.NodeRecord{UID: wUID, Host: "h1", Version: "v", Blocks: true,
-		Started: now, LeaseID: keyspace.LeaseHex(w.nodeLease)}), w.nodeLease)
+		Started: now, LeaseID: keyspace.LeaseHex(w.nodeLease), BlockLease: keyspace.LeaseHex(w.blockL)}), w.nodeLease)
 	claim := keyspace.Encode(keyspace.BlockRecord{Cluster: wCluster, Node: wNode, NodeUID: wUID, LeaseID: keyspace.LeaseHex(w.blockL), Since: now})
 	w.claim4, w.claim6 = keyspace.BlockKey(wPool, w.block4), keyspace.BlockKey(wPool, netip.MustParsePrefix("fd77::/122"))
 	put(t, cli, w.claim4, claim, w.blockL)
@@ -53,6 +54,10 @@ func newBlockWorld(t *testing.T, cli *clientv3.Client) *blockWorld {
 	w.ip4, w.ip6 = keyspace.IPKey(wPool, allocator.DefaultBlocks, ips[0]), keyspace.IPKey(wPool, allocator.DefaultBlocks, ips[1])
 	put(t, cli, w.ip4, alloc, w.pod)
 	put(t, cli, w.ip6, alloc, w.pod)
+	w.held4, w.held6 = keyspace.HeldKey(wPool, allocator.DefaultBlocks, ips[0]), keyspace.HeldKey(wPool, allocator.DefaultBlocks, ips[1])
+	held := keyspace.Encode(keyspace.HeldRecord{Cluster: wCluster, Node: wNode, Owner: "u-web"})
+	put(t, cli, w.held4, held, w.blockL)
+	put(t, cli, w.held6, held, w.blockL)
 	w.owner, w.podKey = keyspace.OwnerKey(wCluster, "u-web", "eth0", wPool), keyspace.PodKey(wCluster, wNode, "u-web")
 	put(t, cli, w.owner, keyspace.Encode(keyspace.OwnerRecord{IPs: ips, ContainerID: "ctr", Network: wPool, Node: wNode, NodeUID: wUID,
 		LeaseID: keyspace.LeaseHex(w.pod), Created: now}), w.pod)
@@ -135,12 +140,14 @@ func TestDoctorBlockLayout(t *testing.T) {
 			seed: func(t *testing.T, w *blockWorld) { put(t, w.cli, w.claim4, w.value(t, w.claim4), 0) },
 			key:  func(w *blockWorld) string { return w.claim4 },
 			fix:  func(w *blockWorld) string { return "etcdctl del " + w.claim4 }},
-		// The claiming node's agent is gone: the claim expires with its lease.
+		// The claiming node's agent is gone: an expired block, reusable when its lease expires, or
+		// at once with node forget.
 		{name: "claim of a gone node", kind: KindBlockStale, severity: SeverityInfo,
 			seed: func(t *testing.T, w *blockWorld) { w.del(t, keyspace.NodeKey(wCluster, wNode)) },
 			key:  func(w *blockWorld) string { return w.claim4 },
-			fix:  func(w *blockWorld) string { return "etcdctl lease revoke " + keyspace.LeaseHex(w.blockL) }},
-		// The node was replaced: its record has another node UID than the claim.
+			fix:  func(w *blockWorld) string { return "leaseholdctl node forget " + wNode + " --cluster " + wCluster }},
+		// The node was replaced: its record has another node UID than the claim. node forget
+		// refuses while the name has an agent; the old identity's block lease can go.
 		{name: "claim of a replaced node", kind: KindBlockStale, severity: SeverityInfo,
 			seed: func(t *testing.T, w *blockWorld) {
 				put(t, w.cli, keyspace.NodeKey(wCluster, wNode), keyspace.Encode(keyspace.NodeRecord{UID: "uid-other", Blocks: true}), w.nodeLease)

@@ -22,9 +22,10 @@ import (
 //     Migrating set. Agents from before blocks find no "ranges" in it and refuse the pool's
 //     ADDs; new agents refuse them while Migrating is set. Refused while a live agent does not
 //     serve blocks (its node record says so), unless forced.
-//  2. Move: each flat key goes to its block in a transaction that compares it unchanged and
-//     its new key absent, and puts the same value on the same lease: a pod's DEL that runs
-//     meanwhile finds its key off its lease and revokes the lease, which takes the moved key.
+//  2. Move: each flat key (allocation, quarantine and held key) goes to its block in a
+//     transaction that compares it unchanged and its new key absent, and puts the same value on
+//     the same lease: a pod's DEL that runs meanwhile finds its key off its lease and revokes
+//     the lease, which takes the moved key.
 //  3. Unfreeze: once no flat key is left, the definition is written without Migrating,
 //     comparing that no key of the pool appeared since the listing that found none.
 
@@ -66,6 +67,9 @@ type MigrateReport struct {
 	Forced           bool `json:"forced"`
 	MovedAllocations int  `json:"movedAllocations"`
 	MovedQuarantine  int  `json:"movedQuarantine"`
+	// MovedHeld counts held keys moved (issue 23), with their allocation or, for an expired
+	// address, alone.
+	MovedHeld int `json:"movedHeld"`
 	// Gone counts flat keys that expired or were released before they could be moved.
 	Gone int `json:"gone"`
 	// Conflicts are flat keys whose block key already exists: they were left where they are.
@@ -81,8 +85,10 @@ type MigrateReport struct {
 type MigrateConflict struct {
 	IP         netip.Addr `json:"ip"`
 	Quarantine bool       `json:"quarantine"`
-	Old        string     `json:"old"`
-	New        string     `json:"new"`
+	// Held says the key is a held key (issue 23); with neither set it is an allocation.
+	Held bool   `json:"held,omitempty"`
+	Old  string `json:"old"`
+	New  string `json:"new"`
 }
 
 // AgentsNotUpgradedError refuses a migration while live agents do not serve blocks.

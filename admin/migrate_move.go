@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -79,44 +80,89 @@ func (m *mover) conflictError() error {
 	return fmt.Errorf("%w: %s", ErrMigrateConflicts, b.String())
 }
 
-// flatKeys lists the pool's allocation and quarantine keys in the flat layout (keys only),
-// with the revision of the listing.
+// Families of keys a migration moves: each address's allocation, quarantine and held key
+// (issue 23: the held key goes with its allocation, same value and lease; one without an
+// allocation, an expired address, goes too).
+type moveFamily int
+
+const (
+	famAllocation moveFamily = iota
+	famQuarantine
+	famHeld
+)
+
+// dir is the family's prefix in the pool; parse reads one of its keys.
+func (f moveFamily) dir(pool string) string {
+	switch f {
+	case famQuarantine:
+		return keyspace.QuarantinePrefix(pool)
+	case famHeld:
+		return keyspace.HeldPrefix(pool)
+	}
+	return keyspace.IPsPrefix(pool)
+}
+
+func (f moveFamily) parse(key string) (string, netip.Prefix, netip.Addr, error) {
+	switch f {
+	case famQuarantine:
+		return keyspace.ParseQuarantineKey(key)
+	case famHeld:
+		return keyspace.ParseHeldKey(key)
+	}
+	return keyspace.ParseIPKey(key)
+}
+
+var moveFamilies = []moveFamily{famAllocation, famQuarantine, famHeld}
+
+// flatKeys lists the pool's allocation, quarantine and held keys in the flat layout (keys
+// only), with the revision of the listing.
 func (m *mover) flatKeys(ctx context.Context) ([]string, int64, error) {
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(m.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
+	ops := make([]clientv3.Op, len(moveFamilies))
+	for i, f := range moveFamilies {
+		ops[i] = clientv3.OpGet(f.dir(m.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	}
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		return nil, 0, fmt.Errorf("list the keys of pool %s: %w", m.pool, err)
 	}
 	var keys []string
 	for i, r := range resp.Responses {
 		for _, kv := range r.GetResponseRange().Kvs {
-			if _, block, _, ok := m.parse(i == 1, string(kv.Key)); ok && !block.IsValid() {
+			if _, block, _, ok := m.parse(moveFamilies[i], string(kv.Key)); ok && !block.IsValid() {
 				keys = append(keys, string(kv.Key))
 			}
 		}
 	}
+	// By address, then family: the keys of one address side by side, for moveAll.
+	slices.SortStableFunc(keys, func(a, b string) int { return m.addrOf(a).Compare(m.addrOf(b)) })
 	return keys, resp.Header.Revision, nil
 }
 
-// parse reads an allocation (or quarantine) key of the pool; malformed keys are doctor's.
-func (m *mover) parse(quarantine bool, key string) (newKey string, block netip.Prefix, ip netip.Addr, ok bool) {
-	parse, dir := keyspace.ParseIPKey, keyspace.IPsPrefix(m.pool)
-	if quarantine {
-		parse, dir = keyspace.ParseQuarantineKey, keyspace.QuarantinePrefix(m.pool)
-	}
-	pool, block, ip, err := parse(key)
+// addrOf is the address of one of the pool's keys (the zero Addr for one that does not parse).
+func (m *mover) addrOf(key string) netip.Addr {
+	_, _, ip, _ := m.parse(m.family(key), key)
+	return ip
+}
+
+// parse reads a key of family f of the pool; malformed keys are doctor's.
+func (m *mover) parse(f moveFamily, key string) (newKey string, block netip.Prefix, ip netip.Addr, ok bool) {
+	dir := f.dir(m.pool)
+	pool, block, ip, err := f.parse(key)
 	if err != nil || pool != m.pool || canonical(key, dir, block, ip) != nil {
 		return "", netip.Prefix{}, netip.Addr{}, false
 	}
 	return spell(dir, m.blocks.Of(ip), ip), block, ip, true
 }
 
-// moveAll moves keys in batches; a batch that fails moves its keys one at a time.
+// moveAll moves keys in batches; a batch that fails moves its keys one at a time. The keys of
+// one address (its allocation, quarantine and held key) are moved in one batch: flatKeys lists
+// them side by side, and a batch ends only between two addresses (at most migrateBatch+2 keys).
 func (m *mover) moveAll(ctx context.Context, keys []string) error {
 	for len(keys) > 0 {
 		n := min(len(keys), migrateBatch)
+		for n < len(keys) && m.addrOf(keys[n]) == m.addrOf(keys[n-1]) {
+			n++
+		}
 		if err := m.moveBatch(ctx, keys[:n]); err != nil {
 			return err
 		}
@@ -139,7 +185,7 @@ func (m *mover) moveBatch(ctx context.Context, keys []string) error {
 	var ops []clientv3.Op
 	for _, r := range resp.Responses {
 		for _, kv := range r.GetResponseRange().Kvs {
-			newKey, _, _, _ := m.parse(m.isQuarantine(string(kv.Key)), string(kv.Key))
+			newKey, _, _, _ := m.parse(m.family(string(kv.Key)), string(kv.Key))
 			kvs = append(kvs, kv)
 			cmps = append(cmps, keyspace.Unchanged(string(kv.Key), kv.ModRevision), keyspace.Absent(newKey))
 			ops = append(ops, putAs(newKey, kv), clientv3.OpDelete(string(kv.Key)))
@@ -170,7 +216,8 @@ func (m *mover) moveBatch(ctx context.Context, keys []string) error {
 // moveOne moves one key, reading it again: gone is skipped, a block key that exists is a
 // conflict, a key whose lease ended meanwhile is read again (and is then gone).
 func (m *mover) moveOne(ctx context.Context, key string) error {
-	newKey, _, ip, _ := m.parse(m.isQuarantine(key), key)
+	f := m.family(key)
+	newKey, _, ip, _ := m.parse(f, key)
 	for range adminAttempts {
 		resp, err := m.cli.Get(ctx, key)
 		if err != nil {
@@ -195,7 +242,7 @@ func (m *mover) moveOne(ctx context.Context, key string) error {
 			m.conflicts++
 			if !m.seen[key] {
 				m.seen[key] = true
-				m.rep.Conflicts = append(m.rep.Conflicts, MigrateConflict{IP: ip, Quarantine: m.isQuarantine(key), Old: key, New: newKey})
+				m.rep.Conflicts = append(m.rep.Conflicts, MigrateConflict{IP: ip, Quarantine: f == famQuarantine, Held: f == famHeld, Old: key, New: newKey})
 			}
 			return nil
 		}
@@ -203,14 +250,23 @@ func (m *mover) moveOne(ctx context.Context, key string) error {
 	return nil // kept changing: the next round lists it again
 }
 
-func (m *mover) isQuarantine(key string) bool {
-	return strings.HasPrefix(key, keyspace.QuarantinePrefix(m.pool))
+// family is the family of one of the pool's keys.
+func (m *mover) family(key string) moveFamily {
+	for _, f := range moveFamilies {
+		if strings.HasPrefix(key, f.dir(m.pool)) {
+			return f
+		}
+	}
+	return famAllocation
 }
 
 func (m *mover) count(key string) {
-	if m.isQuarantine(key) {
+	switch m.family(key) {
+	case famQuarantine:
 		m.rep.MovedQuarantine++
-	} else {
+	case famHeld:
+		m.rep.MovedHeld++
+	default:
 		m.rep.MovedAllocations++
 	}
 }
@@ -222,7 +278,7 @@ func (m *mover) unfreeze(ctx context.Context, poolKey string, spec allocator.Poo
 		return clientv3.Compare(clientv3.CreateRevision(prefix), "<", rev+1).WithPrefix()
 	}
 	resp, err := m.cli.Txn(ctx).If(keyspace.Unchanged(poolKey, m.rep.FrozenRevision),
-		created(keyspace.IPsPrefix(m.pool)), created(keyspace.QuarantinePrefix(m.pool))).
+		created(keyspace.IPsPrefix(m.pool)), created(keyspace.QuarantinePrefix(m.pool)), created(keyspace.HeldPrefix(m.pool))).
 		Then(clientv3.OpPut(poolKey, keyspace.EncodePool(spec))).Else(clientv3.OpGet(poolKey)).Commit()
 	if err != nil {
 		return false, fmt.Errorf("unfreeze pool %s: %w", m.pool, err)

@@ -32,6 +32,12 @@ var (
 	// ErrAgentsNotUpgraded: a live agent does not serve the block layout; the error is an
 	// *AgentsNotUpgradedError naming each.
 	ErrAgentsNotUpgraded = errors.New("agents not upgraded to the block layout")
+	// ErrNodeAlive: node forget of a node whose node record exists, or whose pod records are
+	// on live leases; the error is a *NodeInUseError.
+	ErrNodeAlive = errors.New("node may still be alive")
+	// ErrAmbiguousNode: node forget without a cluster, of a node name that keys of several
+	// clusters name; the error is a *NodeClustersError.
+	ErrAmbiguousNode = errors.New("node name in several clusters")
 )
 
 // adminAttempts bounds the read-compare-write rounds of one admin operation.

@@ -35,6 +35,9 @@ type Released struct {
 	// KeptOwnerIndex says why.
 	OwnerIndex     string
 	KeptOwnerIndex string
+	// HeldKeys are the released addresses' held keys (issue 23), deleted with them: an address
+	// released by an admin is not held back for its node.
+	HeldKeys []string
 	// LeaseTTL is what the allocation's lease had left when it was released.
 	LeaseTTL
 	// QuarantineUntil is when the quarantine keys expire; zero when none were written.
@@ -66,8 +69,11 @@ func (e *LeaseAliveError) Unwrap() error { return ErrLeaseAlive }
 // attachment's owner index (owners/<cluster>/<owner>/<ifname>/<pool>), when that names ip and
 // is on the same lease, and the attachment's other addresses that are on that lease and name
 // the same owner, so no half attachment is left behind; keys on another lease are never
-// touched. Released addresses are quarantined like a DEL's. The pod record and the pod lease
-// stay: the lease belongs to the agent, which revokes it once the pod has no attachment left.
+// touched. Released addresses are quarantined like a DEL's, and their held keys (in either
+// layout) are deleted in the same transaction, each compared unchanged since it was read, or
+// absent, as it was read: a released address is not held back for its node. The pod record
+// and the pod lease stay: the lease belongs to the agent, which revokes it once the pod has no
+// attachment left.
 //
 // An allocation whose lease is alive (TTL > 0) is refused unless opt.Force is set: its agent
 // still renews it. A key without a lease (written with a plain etcdctl put) needs no force.
@@ -184,6 +190,9 @@ func releaseOnce(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	if err := withAttachment(ctx, cli, l, e, &out, &cmps, &ops); err != nil {
 		return Released{}, false, err
 	}
+	if err := withHeld(ctx, cli, l, &out, &cmps, &ops); err != nil {
+		return Released{}, false, err
+	}
 	var qLease clientv3.LeaseID
 	if opt.Quarantine > 0 {
 		g, err := cli.Grant(ctx, int64(math.Ceil(opt.Quarantine.Seconds())))
@@ -267,6 +276,35 @@ func withAttachment(ctx context.Context, cli *clientv3.Client, l layout, e Alloc
 			*cmps = append(*cmps, keyspace.Unchanged(s.Key, s.ModRevision))
 			*ops = append(*ops, clientv3.OpDelete(s.Key))
 		}
+	}
+	return nil
+}
+
+// withHeld adds the held keys of the released addresses to the release: each that exists is
+// compared unchanged and deleted, each that does not is compared absent, so a held key written
+// after the read (by an agent's claim) fails the transaction, which then reads again.
+func withHeld(ctx context.Context, cli *clientv3.Client, l layout, out *Released, cmps *[]clientv3.Cmp, ops *[]clientv3.Op) error {
+	var keys []string
+	for _, a := range out.Addresses {
+		keys = append(keys, l.heldCandidates(a.IP)...)
+	}
+	gets := make([]clientv3.Op, len(keys))
+	for i, k := range keys {
+		gets[i] = clientv3.OpGet(k, clientv3.WithKeysOnly())
+	}
+	resp, err := cli.Txn(ctx).Then(gets...).Commit()
+	if err != nil {
+		return fmt.Errorf("read the held keys of %s: %w", strings.Join(keys, ", "), err)
+	}
+	for i, r := range resp.Responses {
+		kvs := r.GetResponseRange().Kvs
+		if len(kvs) == 0 {
+			*cmps = append(*cmps, keyspace.Absent(keys[i]))
+			continue
+		}
+		out.HeldKeys = append(out.HeldKeys, keys[i])
+		*cmps = append(*cmps, keyspace.Unchanged(keys[i], kvs[0].ModRevision))
+		*ops = append(*ops, clientv3.OpDelete(keys[i]))
 	}
 	return nil
 }

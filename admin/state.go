@@ -102,6 +102,18 @@ type BlockEntry struct {
 	Block netip.Prefix
 }
 
+// HeldEntry is a held key held/<pool>/<block>/<ip> (flat layout: held/<pool>/<ip>, Block
+// zero): the node and owner whose allocation of the address it stands for, on that node's
+// block lease (Record.Lease). Beside the allocation it is normal; without one the address is
+// expired (State.Expired): its pod's lease ran out without a release, and the address is held
+// back for its node until the block lease expires.
+type HeldEntry struct {
+	Record[keyspace.HeldRecord]
+	Pool  string
+	Block netip.Prefix
+	IP    netip.Addr
+}
+
 // ClaimEntry is a sticky claim claims/<cluster>/<pool>/<claim> (issue 19): the addresses the
 // next attachment naming the claim gets, and who holds them now, on the claim lease
 // (Record.Lease) its holder's agent renews.
@@ -144,6 +156,7 @@ type State struct {
 	Conflicts   []ConflictEntry
 	HostIPs     []HostIPEntry
 	Blocks      []BlockEntry
+	Held        []HeldEntry
 	Claims      []ClaimEntry
 	BadKeys     []BadKey
 	// prefixes are the key ranges read (nil: all of Prefix). A check relating two families
@@ -256,6 +269,16 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			return
 		}
 		st.Quarantine = append(st.Quarantine, QuarantineEntry{Record: record[keyspace.QuarantineRecord](kv), Pool: pool, Block: block, IP: ip})
+	case "held":
+		pool, block, ip, err := keyspace.ParseHeldKey(key)
+		if err == nil {
+			err = canonical(key, keyspace.HeldPrefix(pool), block, ip)
+		}
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Held = append(st.Held, HeldEntry{Record: record[keyspace.HeldRecord](kv), Pool: pool, Block: block, IP: ip})
 	case "claims":
 		c, p, n, err := keyspace.ParseClaimKey(key)
 		if err == nil {
@@ -304,9 +327,9 @@ func poolEntry(kv *mvccpb.KeyValue, name string) PoolEntry {
 	return e
 }
 
-// canonical checks that key, parsed into block and ip under dir (the pool's allocation or
-// quarantine prefix), spells them as every writer does: the address in its plain form (no
-// zone, IPv4 not mapped into IPv6), the block as BlockName. Whether the block is the one the
+// canonical checks that key, parsed into block and ip under dir (the pool's allocation,
+// quarantine or held prefix), spells them as every writer does: the address in its plain form
+// (no zone, IPv4 not mapped into IPv6), the block as BlockName. Whether the block is the one the
 // pool's definition gives the address is for doctor to say: parsing does not know the pool.
 func canonical(key, dir string, block netip.Prefix, ip netip.Addr) error {
 	if spell(dir, block, ip) != key || ip.Is4In6() || ip.Zone() != "" {
@@ -315,8 +338,8 @@ func canonical(key, dir string, block netip.Prefix, ip netip.Addr) error {
 	return nil
 }
 
-// spell is the key of ip in block under dir (a pool's allocation or quarantine prefix): dir +
-// <block>/<ip>, or dir + <ip> for the zero block (the flat layout).
+// spell is the key of ip in block under dir (a pool's allocation, quarantine or held
+// prefix): dir + <block>/<ip>, or dir + <ip> for the zero block (the flat layout).
 func spell(dir string, block netip.Prefix, ip netip.Addr) string {
 	if block.IsValid() {
 		return dir + keyspace.BlockName(block) + "/" + ip.String()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -51,6 +52,33 @@ type allocDetail struct {
 	BlockClaim *keyspace.BlockRecord `json:"blockClaim,omitempty"`
 	// WrongLayout says why the key is not where its pool's layout puts the address.
 	WrongLayout string `json:"wrongLayout,omitempty"`
+	// Expired is set on an entry of an address without allocation but with a held key (issue
+	// 23): its pod's lease ran out without a release, and it is held back for the node Held
+	// names until Held's lease expires. Such an entry has no allocation fields (key and lease
+	// are "") and TTL -1.
+	Expired bool `json:"expired,omitempty"`
+	// Held is the address's held key in the pool, if any.
+	Held *heldDetail `json:"held,omitempty"`
+}
+
+// heldDetail is a held key as alloc show prints it.
+type heldDetail struct {
+	Key string `json:"key"`
+	keyspace.HeldRecord
+	// Lease is the lease the key is on (its node's block lease), in etcdctl's hex form; "0"
+	// means none: it never expires.
+	Lease string `json:"lease"`
+	admin.LeaseTTL
+	// ReusableAt is when the lease expires: an expired address is reusable then. Null while the
+	// address is allocated, or when the lease is gone or there is none.
+	ReusableAt *time.Time `json:"reusableAt,omitempty"`
+	// Agent is "live" when a node record of the node exists, "gone" when none does ("unknown"
+	// when the held key names no valid node).
+	Agent string `json:"agent"`
+	// OtherHolder says the held key names another node or owner than the allocation
+	// (leaseholdctl doctor: held-names-other-holder).
+	OtherHolder bool   `json:"otherHolder,omitempty"`
+	Unreadable  string `json:"unreadable,omitempty"`
 }
 
 func allocShow(ctx context.Context, e *env) error {
@@ -68,6 +96,7 @@ func allocShow(ctx context.Context, e *env) error {
 		return err
 	}
 	var out []allocDetail
+	allocated := 0
 	for _, a := range st.Allocations {
 		ttl, err := admin.TimeToLive(ctx, e.cli, a.BoundLease)
 		if err != nil {
@@ -80,12 +109,52 @@ func allocShow(ctx context.Context, e *env) error {
 		if p, ok := st.Pool(a.Pool); ok && p.Usable() && p.Value.Blocks.Of(a.IP) != a.Block {
 			d.WrongLayout = "pool " + a.Pool + " puts it at " + keyspace.IPKey(a.Pool, p.Value.Blocks, a.IP) + " (leaseholdctl doctor says what to do)"
 		}
+		if d.Held, err = heldOf(ctx, e, st, a.Pool, a.IP, a.Block, &a); err != nil {
+			return err
+		}
+		out = append(out, d)
+		allocated++
+	}
+	for _, h := range st.Expired() {
+		if slices.ContainsFunc(out, func(d allocDetail) bool { return d.Pool == h.Pool }) {
+			continue // one entry per pool: the allocation in the other layout is the holder
+		}
+		d := allocDetail{AllocationEntry: admin.AllocationEntry{Pool: h.Pool, IP: h.IP, Block: h.Block}, LeaseTTL: admin.LeaseTTL{TTL: -1}, Expired: true}
+		if c, ok := st.Claim(h.Pool, h.Block); ok && c.Unreadable == "" {
+			d.BlockClaim = &c.Value
+		}
+		var err error
+		if d.Held, err = heldOf(ctx, e, st, h.Pool, h.IP, h.Block, nil); err != nil {
+			return err
+		}
 		out = append(out, d)
 	}
 	var resting []string
 	for _, q := range st.Quarantine {
 		resting = append(resting, fmt.Sprintf("pool %s until %s (released by %s; %s)", q.Pool,
 			q.Value.Until.Format(time.RFC3339), q.Value.ReleasedBy, q.Key))
+	}
+	if allocated == 0 && len(out) > 0 {
+		// Expired only: what holds it back goes to stdout, and the exit status still says that
+		// nothing holds an allocation of it.
+		if e.output == "json" {
+			if err := writeJSON(e.stdout, out); err != nil {
+				return err
+			}
+		} else {
+			now := time.Now()
+			for i, d := range out {
+				if i > 0 {
+					fmt.Fprintln(e.stdout)
+				}
+				showExpired(e, d, now)
+			}
+		}
+		var pools []string
+		for _, d := range out {
+			pools = append(pools, d.Pool)
+		}
+		return fmt.Errorf("%w: %s has no allocation; it is expired, held back in pool %s (above)", admin.ErrNotFound, ip, strings.Join(pools, ", "))
 	}
 	if len(out) == 0 {
 		where := "any pool"
@@ -111,6 +180,108 @@ func allocShow(ctx context.Context, e *env) error {
 		showOne(e, d, now)
 	}
 	return nil
+}
+
+// heldOf is the held key of ip in pool that st holds (in block's layout first), with its
+// lease's TTL; a, when given, is the allocation it should name.
+func heldOf(ctx context.Context, e *env, st *admin.State, pool string, ip netip.Addr, block netip.Prefix, a *admin.AllocationEntry) (*heldDetail, error) {
+	hs := st.HeldAt(pool, ip)
+	if len(hs) == 0 {
+		return nil, nil
+	}
+	h := hs[0]
+	for _, x := range hs {
+		if x.Block == block {
+			h = x
+		}
+	}
+	ttl, err := admin.TimeToLive(ctx, e.cli, h.Lease)
+	if err != nil {
+		return nil, err
+	}
+	d := &heldDetail{Key: h.Key, HeldRecord: h.Value, Lease: keyspace.LeaseHex(h.Lease), LeaseTTL: ttl, Unreadable: h.Unreadable,
+		Agent: st.AgentOf(h.Value.Cluster, h.Value.Node, "")}
+	if a != nil && a.Unreadable == "" && h.Unreadable == "" && (a.Cluster != h.Value.Cluster || a.Node != h.Value.Node || a.Owner != h.Value.Owner) {
+		d.OtherHolder = true
+	}
+	if a == nil && ttl.TTL >= 0 {
+		at := time.Now().UTC().Truncate(time.Second).Add(time.Duration(ttl.TTL) * time.Second)
+		d.ReusableAt = &at
+	}
+	return d, nil
+}
+
+// heldText is the "held key:" line of an allocated address.
+func heldText(d allocDetail) string {
+	h := d.Held
+	switch {
+	case h == nil:
+		return "none: if the pod's lease expires without a release, the address is free at once"
+	case h.Unreadable != "":
+		return h.Key + ": unreadable (" + h.Unreadable + "); leaseholdctl doctor reports it"
+	case h.OtherHolder:
+		return fmt.Sprintf("%s names node %s/%s and owner %s, not this holder: leaseholdctl doctor reports it (held-names-other-holder)",
+			h.Key, dash(h.Cluster), dash(h.Node), dash(h.Owner))
+	case h.Lease == "0":
+		return h.Key + " without a lease: it never expires (leaseholdctl doctor reports it)"
+	}
+	return fmt.Sprintf("%s on node %s's block lease %s (%s): if the pod's lease expires without a release, the address is held back "+
+		"for the node until this lease expires", h.Key, dash(h.Node), h.Lease, leaseTTLText(h.LeaseTTL))
+}
+
+func leaseTTLText(t admin.LeaseTTL) string {
+	if t.TTL < 0 {
+		return "expired"
+	}
+	return fmt.Sprintf("TTL %ds left of %ds", t.TTL, t.GrantedTTL)
+}
+
+// showExpired prints an address without allocation whose held key holds it back.
+func showExpired(e *env, d allocDetail, now time.Time) {
+	h := d.Held
+	t := newTable(e.stdout)
+	t.row("pool:", d.Pool)
+	t.row("ip:", d.IP.String())
+	t.row("state:", "EXPIRED: no allocation, but a held key: its pod's lease ran out without a release (its node cut off from etcd, or dead)")
+	t.row("held key:", h.Key+" (etcdctl get "+h.Key+" --print-value-only)")
+	switch {
+	case !d.Block.IsValid():
+	case d.BlockClaim != nil:
+		t.row("block:", fmt.Sprintf("%s, claimed by %s/%s since %s", d.Block, dash(d.BlockClaim.Cluster), dash(d.BlockClaim.Node),
+			timeText(d.BlockClaim.Since, now)))
+	default:
+		t.row("block:", d.Block.String()+", claimed by no node")
+	}
+	if h.Unreadable != "" {
+		t.row("held for:", "unreadable ("+h.Unreadable+"); leaseholdctl doctor reports it")
+	} else {
+		agent := "node " + dash(h.Node) + " has no agent (no " + keyspace.NodeKey(h.Cluster, h.Node) + "): cut off from etcd, or dead"
+		if h.Agent == admin.AgentLive {
+			agent = "node " + dash(h.Node) + " has an agent again (" + keyspace.NodeKey(h.Cluster, h.Node) + ")"
+		}
+		t.row("held for:", fmt.Sprintf("node %s/%s, owner %s; %s", dash(h.Cluster), dash(h.Node), dash(h.Owner), agent))
+	}
+	switch {
+	case h.Lease == "0":
+		t.row("until:", "never: the held key has no lease, so it is a leak (leaseholdctl doctor reports it)")
+	case h.ReusableAt == nil:
+		t.row("until:", "now: block lease "+h.Lease+" has expired; etcd is deleting the key")
+	default:
+		t.row("until:", fmt.Sprintf("%s, when block lease %s expires (%s; etcdctl lease timetolive %s --keys)", timeText(*h.ReusableAt, now),
+			h.Lease, leaseTTLText(h.LeaseTTL), h.Lease))
+	}
+	t.row("meanwhile:", "another pod gets it only when the pool has no other free address")
+	switch {
+	case h.Unreadable != "":
+		t.row("to do:", "leaseholdctl doctor")
+	case h.Agent == admin.AgentLive:
+		t.row("to do:", "nothing: the node's agent re-claims the address for its pod if that still runs, or frees it (a replacement machine "+
+			"under the same name does not: then it is reusable at the time above)")
+	default:
+		t.row("to do:", fmt.Sprintf("wait: node %s, back before then, gets it back for its pod. Once the node is gone for good, free its "+
+			"addresses and blocks at once: leaseholdctl node forget %s --cluster %s", dash(h.Node), h.Node, h.Cluster))
+	}
+	_ = t.flush()
 }
 
 func showOne(e *env, d allocDetail, now time.Time) {
@@ -155,18 +326,21 @@ func showOne(e *env, d allocDetail, now time.Time) {
 	default:
 		t.row("lease:", fmt.Sprintf("%s (TTL %ds left of %ds; etcdctl lease timetolive %s --keys)", d.Lease, d.TTL, d.GrantedTTL, d.Lease))
 	}
+	t.row("held key:", heldText(d))
 	_ = t.flush()
 }
 
 // releaseJSON is the -o json output of alloc release.
 type releaseJSON struct {
-	Pool            string       `json:"pool"`
-	Released        []netip.Addr `json:"released"`
-	OwnerIndex      string       `json:"ownerIndex,omitempty"`
-	KeptOwnerIndex  string       `json:"keptOwnerIndex,omitempty"`
-	Forced          bool         `json:"forced"`
-	LeaseTTL        int64        `json:"leaseTTL"`
-	QuarantineUntil *time.Time   `json:"quarantineUntil,omitempty"`
+	Pool           string       `json:"pool"`
+	Released       []netip.Addr `json:"released"`
+	OwnerIndex     string       `json:"ownerIndex,omitempty"`
+	KeptOwnerIndex string       `json:"keptOwnerIndex,omitempty"`
+	// HeldKeys are the released addresses' held keys, deleted with them (issue 23).
+	HeldKeys        []string   `json:"heldKeys"`
+	Forced          bool       `json:"forced"`
+	LeaseTTL        int64      `json:"leaseTTL"`
+	QuarantineUntil *time.Time `json:"quarantineUntil,omitempty"`
 }
 
 func allocRelease(ctx context.Context, e *env) error {
@@ -187,8 +361,11 @@ func allocRelease(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
-	out := releaseJSON{Pool: e.pool, OwnerIndex: res.OwnerIndex, KeptOwnerIndex: res.KeptOwnerIndex,
+	out := releaseJSON{Pool: e.pool, OwnerIndex: res.OwnerIndex, KeptOwnerIndex: res.KeptOwnerIndex, HeldKeys: res.HeldKeys,
 		Forced: e.force && res.TTL > 0, LeaseTTL: res.TTL}
+	if out.HeldKeys == nil {
+		out.HeldKeys = []string{}
+	}
 	for _, a := range res.Addresses {
 		out.Released = append(out.Released, a.IP)
 	}
@@ -211,6 +388,9 @@ func allocRelease(ctx context.Context, e *env) error {
 		fmt.Fprintf(e.stdout, "deleted owner index %s\n", res.OwnerIndex)
 	} else {
 		fmt.Fprintf(e.stdout, "owner index left alone: %s\n", res.KeptOwnerIndex)
+	}
+	for _, k := range res.HeldKeys {
+		fmt.Fprintf(e.stdout, "deleted held key %s\n", k)
 	}
 	if out.QuarantineUntil != nil {
 		fmt.Fprintf(e.stdout, "quarantined until %s\n", out.QuarantineUntil.Format(time.RFC3339))

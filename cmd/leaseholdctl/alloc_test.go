@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -61,13 +62,21 @@ func TestAllocShowAndRelease(t *testing.T) {
 		}
 	})
 	t.Run("forced release takes the attachment, not the other pool's", func(t *testing.T) {
+		// The address's held key (issue 23), here in the flat layout beside the block one, goes with it.
+		held := keyspace.HeldKey(pool, allocator.Blocks{}, mustIP("10.87.0.10"))
+		if _, err := cli.Put(ctx, held, `{"cluster":"`+cluster+`","node":"n1","owner":"u-web"}`); err != nil {
+			t.Fatal(err)
+		}
 		var out releaseJSON
 		r := ctl("alloc", "release", "10.87.0.10", "--pool", pool, "--force", "-o", "json")
 		jsonOf(t, r, &out)
 		if r.code != 0 || len(out.Released) != 2 || !out.Forced || out.OwnerIndex != keyspace.OwnerKey(cluster, "u-web", "eth0", pool) || out.QuarantineUntil == nil {
 			t.Fatalf("release: exit %d %+v (%s)", r.code, out, r.stderr)
 		}
-		for _, k := range []string{keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("10.87.0.10")), keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("fd87::10")), out.OwnerIndex} {
+		if !slices.Contains(out.HeldKeys, held) {
+			t.Errorf("held keys released %v, want %s among them", out.HeldKeys, held)
+		}
+		for _, k := range []string{keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("10.87.0.10")), keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("fd87::10")), out.OwnerIndex, held} {
 			if len(keys(t, cli, k)) != 0 {
 				t.Errorf("%s still exists", k)
 			}

@@ -73,8 +73,8 @@ func printFindings(e *env, st *admin.State, found []admin.Finding, problems int)
 		notes = fmt.Sprintf(", %d info finding(s) above", n)
 	}
 	if problems == 0 {
-		fmt.Fprintf(e.stdout, "no problems found (%d allocations, %d owner indexes, %d pods, %d pools, %d block claims; %s; revision %d%s)\n",
-			len(st.Allocations), len(st.Owners), len(st.Pods), len(st.Pools), len(st.Blocks), scope, st.Revision, notes)
+		fmt.Fprintf(e.stdout, "no problems found (%d allocations, %d owner indexes, %d pods, %d pools, %d block claims, %d held keys; %s; revision %d%s)\n",
+			len(st.Allocations), len(st.Owners), len(st.Pods), len(st.Pools), len(st.Blocks), len(st.Held), scope, st.Revision, notes)
 		return
 	}
 	fmt.Fprintf(e.stdout, "%d problem(s) found (%s; revision %d%s). etcdctl fixes read ETCDCTL_ENDPOINTS etc.; "+

@@ -344,6 +344,38 @@ func TestDoctor(t *testing.T) {
 			},
 			key: func(w *doctorWorld) string { return keyspace.ClaimKey("c1", "gone", "ns.web-0") },
 			fix: func(w *doctorWorld) string { return "leaseholdctl claim release ns.web-0 --pool gone --cluster c1" }},
+		// Held keys (issue 23). One written with a plain etcdctl put never expires: put back on
+		// the node's block lease when its node record names one, else deleted, guarded.
+		{name: "held key without lease", kind: admin.KindNoLease, partial: true,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.10")), `{"cluster":"c1","node":"n1","owner":"u-web"}`, 0)
+			},
+			key: func(w *doctorWorld) string {
+				return keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.10"))
+			},
+			fix: func(w *doctorWorld) string {
+				return `mod("` + keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.10")) + `")`
+			}},
+		// Garbage where a held key should be.
+		{name: "unreadable held key", kind: admin.KindUnreadable,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.77")), "garbage", w.grant(t))
+			},
+			key: func(w *doctorWorld) string {
+				return keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.77"))
+			},
+			fix: func(w *doctorWorld) string {
+				return "etcdctl del " + keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("10.90.0.77"))
+			}},
+		// A held key naming another node than web's allocation: rewritten for web, or deleted, guarded.
+		{name: "held key naming another holder", kind: admin.KindHeldOtherHolder, partial: true,
+			seed: func(t *testing.T, w *doctorWorld) {
+				w.put(t, keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("fd90::10")), `{"cluster":"c1","node":"n9","owner":"u-old"}`, w.grant(t))
+			},
+			key: func(w *doctorWorld) string {
+				return keyspace.HeldKey(w.pool, allocator.DefaultBlocks, mustIP("fd90::10"))
+			},
+			fix: func(w *doctorWorld) string { return `mod("` + w.ip6 + `")` }},
 		// After a lost lease another pod took web's address (a recorded conflict): web must be recreated.
 		{name: "owner index names another holder", kind: admin.KindOwnerOtherAlloc,
 			seed: func(t *testing.T, w *doctorWorld) {

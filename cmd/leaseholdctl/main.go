@@ -41,20 +41,24 @@ const usage = `leaseholdctl: inspect, check and repair leasehold's state in etcd
 usage: leaseholdctl [flags] COMMAND [ARGS] [flags]   (flags go before or after the command words)
 
 pools:
-  pool list                       every pool, per range set: ranges, size, allocated, quarantined, hosts, free;
-                                  its layout (block sizes, or flat) and how many blocks nodes claim
+  pool list                       every pool, per range set: ranges, size, allocated, quarantined, hosts, expired,
+                                  free; its layout (block sizes, or flat), how many blocks nodes claim and how
+                                  many of those are expired (their node's agent is gone)
   pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster;
-                                  layout and each block claim (block, cluster/node, since, lease)
+                                  what is held back for nodes cut off or gone (expired addresses and blocks per
+                                  node, lease, when reusable); layout and each block claim (block, cluster/node,
+                                  agent, since, lease)
   pool create NAME --range SPEC [--range SPEC]... [--exclude CIDR]... [--set N] [--block-v4 N] [--block-v6 N]
                                   define a pool if absent, divided into blocks nodes claim (default /26 and
                                   /122: 64 addresses); an identical definition is a no-op (exit 0), a
                                   different one is refused showing both (exit 1)
   pool migrate NAME [--block-v4 N] [--block-v6 N] [--force]
                                   move a pool of the flat layout to blocks: freeze it (ADDs refused), move
-                                  each allocation and quarantine key to its block keeping value and lease,
-                                  unfreeze. Refused while a live agent does not serve blocks (upgrade every
-                                  agent first; --force skips only this check). Idempotent; a run that
-                                  stopped is resumed by running it again. Default --command-timeout 10m
+                                  each allocation, quarantine and held key to its block keeping value and
+                                  lease, unfreeze. Refused while a live agent does not serve blocks
+                                  (upgrade every agent first; --force skips only this check). Idempotent; a
+                                  run that stopped is resumed by running it again. Default
+                                  --command-timeout 10m
   pool add-range NAME --range SPEC [--set N]
                                   add a range to a range set; every allocation is kept
   pool remove-range NAME --subnet SUBNET[,start=ADDR] [--set N]
@@ -63,10 +67,13 @@ allocations:
   alloc list                      allocations; filters --pool --cluster --node --owner --namespace
   alloc show IP [--pool P]        who holds IP (in every pool holding it): its key (in either layout) and the
                                   etcdctl get of it, its block and the node claiming it, owner, pod, node,
-                                  container, interface, network, lease ID and TTL left, created
+                                  container, interface, network, lease ID and TTL left, created, held key.
+                                  An expired address (no allocation, a held key: its node cut off or gone):
+                                  the node and owner it is held back for, until when, what to do (exit 4)
   alloc release IP --pool P [--force] [--quarantine 30s]
                                   release IP with its attachment's owner index and other addresses on the
-                                  same lease, owner-compared; a lease an agent still renews needs --force
+                                  same lease, and their held keys, owner-compared; a lease an agent still
+                                  renews needs --force
 sticky claims (issue 19: an attachment naming a claim gets the addresses its previous holder had):
   claim list [--cluster C] [--pool P]
                                   claims: cluster, pool, claim, addresses, holder (pod and node) or when it was
@@ -84,6 +91,11 @@ sticky claims (issue 19: an attachment naming a claim gets the addresses its pre
 nodes and problems:
   node list                       agents: identity, version, whether it serves blocks, started, lease TTL left,
                                   last renewal, pods
+  node forget NODE [--cluster C]  free at once what a node that is really gone still holds back: delete the
+                                  block claims and held keys naming it (each compared unchanged). Refused (exit
+                                  1) while its node record exists or its pods' leases live; idempotent (a second
+                                  run says nothing is held back, exit 0). --cluster is needed when keys of
+                                  several clusters name NODE
   conflicts                       addresses a pod lost to another owner while its lease was lost
   pool conflicts [--pool P]       nodes whose configuration defines a pool differently from etcd
   doctor                          check every invariant; print each problem with the command that fixes it
@@ -102,16 +114,16 @@ SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
   claims blocks and watches only its own; fixed once stored, since every agent must derive the same
   key for an address.
 --cluster C: alloc list, claim list/show, node list, conflicts and doctor show only cluster C's
-  records; pool show lists only C's holders; claim release: the claim's cluster.
+  records; pool show lists only C's holders; claim release, node forget: the claim's or node's cluster.
 
 exit codes:
   0  ok (doctor: no problem found)
   1  the operation failed or was refused: etcd error, pool defined differently, range in use,
-     live lease without --force, concurrent changes
+     live lease without --force, concurrent changes, node forget of a node with an agent
   2  usage error: unknown command or flag, flag not valid for the command, malformed argument
   3  doctor found problems (errors or warnings)
-  4  not found: alloc show/release of an address without allocation, pool show/add-range/
-     remove-range of an unknown pool or range, claim show/release of an unknown claim
+  4  not found: alloc show/release of an address without allocation (an expired one too), pool
+     show/add-range/remove-range of an unknown pool or range, claim show/release of an unknown claim
 
 flags (connection flags are etcdctl's; each defaults from ETCDCTL_<FLAG>, e.g. ETCDCTL_ENDPOINTS,
 ETCDCTL_USER, ETCDCTL_COMMAND_TIMEOUT):
@@ -165,6 +177,7 @@ var commands = []command{
 	{words: []string{"claim", "show"}, args: []string{"NAME"}, flags: []string{"pool", "cluster"}, run: claimShow},
 	{words: []string{"claim", "release"}, args: []string{"NAME"}, flags: []string{"pool", "cluster", "quarantine"}, run: claimRelease},
 	{words: []string{"node", "list"}, flags: []string{"cluster"}, run: nodeList},
+	{words: []string{"node", "forget"}, args: []string{"NODE"}, flags: []string{"cluster"}, run: nodeForget},
 	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
 	{words: []string{"pool", "conflicts"}, flags: []string{"pool"}, run: poolConflictList},
 	{words: []string{"doctor"}, flags: []string{"cluster"}, run: doctor},
@@ -189,7 +202,7 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&g.output, "output", "table", "same as -o")
 	fs.StringVar(&g.output, "w", "table", "same as -o")
 	fs.StringVar(&g.output, "write-out", "table", "same as -o")
-	fs.StringVar(&g.cluster, "cluster", "", "only this cluster's records (default: all clusters)")
+	fs.StringVar(&g.cluster, "cluster", "", "only this cluster's records (default: all clusters); claim release, node forget: the cluster")
 	fs.StringVar(&g.pool, "pool", "", "alloc list/show, claim list/show: only this pool; alloc release, claim release: the pool (required)")
 	fs.StringVar(&g.node, "node", "", "alloc list: only this node")
 	fs.StringVar(&g.owner, "owner", "", "alloc list: only this owner (pod UID or container ID)")

@@ -125,6 +125,9 @@ func TestExitCodes(t *testing.T) {
 		{"range with host bits", []string{"pool", "create", etcdtest.Uniq("net"), "--range", "10.81.0.5/24"}, nil, exitUsage, "did you mean 10.81.0.0/24"},
 		// A cluster name that would escape its key prefix.
 		{"bad cluster name", []string{"node", "list", "--cluster", "a/b"}, nil, exitUsage, "cluster name"},
+		// node forget names a node; one holding nothing is no error.
+		{"node forget without node", []string{"node", "forget"}, nil, exitUsage, "NODE"},
+		{"node forget of nothing", []string{"node", "forget", "nobody", "--cluster", "nowhere"}, nil, exitOK, "nothing is held back"},
 		// An address nobody holds: not found, distinct from a failure.
 		{"alloc show not found", []string{"alloc", "show", "10.80.0.77"}, nil, exitNotFound, "no allocation"},
 		// Release of an address nobody holds.
@@ -190,15 +193,20 @@ func TestJSONShapes(t *testing.T) {
 		keys []string // fields every script may rely on
 	}{
 		// Per set and per range counts, stable names; sizes are strings (IPv6 exceeds 64 bits).
-		{"pool list", []string{"pool", "list"}, true, []string{"name", "key", "sets", "exclude", "allocated", "outOfRange", "layout", "blocks", "claimedBlocks"}},
-		// pool show adds the holders per cluster.
-		{"pool show", []string{"pool", "show", pool}, false, []string{"name", "sets", "exclude", "holders", "layout", "blocks", "claimedBlocks"}},
+		{"pool list", []string{"pool", "list"}, true, []string{"name", "key", "sets", "exclude", "allocated", "outOfRange", "layout", "blocks", "claimedBlocks",
+			"expired", "expiredBlocks"}},
+		// pool show adds the holders per cluster, and what is held back per node.
+		{"pool show", []string{"pool", "show", pool}, false, []string{"name", "sets", "exclude", "holders", "layout", "blocks", "claimedBlocks",
+			"expired", "expiredBlocks", "heldBack"}},
 		// The allocation record's own field names, plus where it lives.
 		{"alloc list", []string{"alloc", "list", "--pool", pool}, true, []string{"pool", "ip", "owner", "cluster", "node", "nodeUID", "pod", "containerID", "ifName", "network", "leaseID", "created", "lease", "key"}},
 		// alloc show adds the lease's TTL.
 		{"alloc show", []string{"alloc", "show", ip}, true, []string{"pool", "ip", "block", "key", "owner", "pod", "node", "leaseID", "ttl", "grantedTTL", "created"}},
 		// node list: identity and how long ago the agent renewed its lease.
 		{"node list", []string{"node", "list", "--cluster", cluster}, true, []string{"cluster", "node", "agent", "uid", "version", "started", "leaseID", "ttl", "grantedTTL", "lastRenewedSecondsAgo", "pods"}},
+		// node forget: what it freed; a node holding nothing frees nothing.
+		{"node forget", []string{"node", "forget", "nobody", "--cluster", cluster}, false, []string{"cluster", "node", "blocks", "held", "leases",
+			"kept", "gone", "revision", "nothing", "refused"}},
 		// conflicts: the record with its key parts.
 		{"conflicts", []string{"conflicts", "--cluster", cluster}, true, []string{"key", "cluster", "owner", "ifName", "pool", "node", "containerID", "taken", "detected"}},
 	}

@@ -66,8 +66,8 @@ func printMigration(e *env, rep admin.MigrateReport, err error) {
 	if rep.Forced {
 		fmt.Fprintln(e.stdout, "forced: the check that every live agent serves blocks was skipped")
 	}
-	fmt.Fprintf(e.stdout, "moved %d allocation(s) and %d quarantine key(s) to blocks of %s in %s\n",
-		rep.MovedAllocations, rep.MovedQuarantine, sizes, rep.Duration.Round(time.Millisecond))
+	fmt.Fprintf(e.stdout, "moved %d allocation(s), %d quarantine key(s) and %d held key(s) to blocks of %s in %s\n",
+		rep.MovedAllocations, rep.MovedQuarantine, rep.MovedHeld, sizes, rep.Duration.Round(time.Millisecond))
 	if rep.Gone > 0 {
 		fmt.Fprintf(e.stdout, "%d key(s) expired or were released before they could be moved\n", rep.Gone)
 	}
@@ -76,8 +76,11 @@ func printMigration(e *env, rep admin.MigrateReport, err error) {
 		t := newTable(e.stdout, "IP", "KIND", "FLAT KEY", "BLOCK KEY")
 		for _, c := range rep.Conflicts {
 			kind := "allocation"
-			if c.Quarantine {
+			switch {
+			case c.Quarantine:
 				kind = "quarantine"
+			case c.Held:
+				kind = "held"
 			}
 			t.row(c.IP.String(), kind, c.Old, c.New)
 		}

@@ -52,6 +52,8 @@ func TestPoolLayoutAndMigrate(t *testing.T) {
 	put(keyspace.OwnerKey("c1", "u-web", "eth0", "net"), `{"ips":["10.91.0.5"],"node":"n1"}`, pod)
 	put(keyspace.PodKey("c1", "n1", "u-web"), `{"owner":"u-web"}`, pod)
 	put(keyspace.QuarantineKey("net", flat, mustIP("10.91.0.6")), `{"releasedBy":"n1"}`, grant())
+	blockLease := grant()
+	put(keyspace.HeldKey("net", flat, mustIP("10.91.0.5")), `{"cluster":"c1","node":"n1","owner":"u-web"}`, blockLease)
 
 	if r := ctlAt(ep, "pool", "show", "net"); r.code != 0 || !strings.Contains(r.stdout, "layout: flat (run leaseholdctl pool migrate net") {
 		t.Errorf("pool show of a flat pool: %+v", r)
@@ -81,13 +83,17 @@ func TestPoolLayoutAndMigrate(t *testing.T) {
 
 	// Upgraded: migrated into /28 blocks, every key moved.
 	r = ctlAt(ep, "pool", "migrate", "net", "--block-v4", "28")
-	if r.code != 0 || !strings.Contains(r.stdout, "moved 1 allocation(s) and 1 quarantine key(s) to blocks of /28 (IPv4) and /122 (IPv6)") ||
+	if r.code != 0 || !strings.Contains(r.stdout, "moved 1 allocation(s), 1 quarantine key(s) and 1 held key(s) to blocks of /28 (IPv4) and /122 (IPv6)") ||
 		!strings.Contains(r.stdout, "unfrozen") {
 		t.Fatalf("pool migrate: %+v", r)
 	}
 	moved := keyspace.IPKey("net", allocator.Blocks{IPv4: 28, IPv6: 122}, mustIP("10.91.0.5"))
 	if moved != keyspace.IPsPrefix("net")+"10.91.0.0-28/10.91.0.5" || len(keys(t, cli, moved)) != 1 {
 		t.Fatalf("the allocation is not at %s", moved)
+	}
+	heldMoved := keyspace.HeldKey("net", allocator.Blocks{IPv4: 28, IPv6: 122}, mustIP("10.91.0.5"))
+	if resp, err := cli.Get(ctx, heldMoved); err != nil || len(resp.Kvs) != 1 || clientv3.LeaseID(resp.Kvs[0].Lease) != blockLease {
+		t.Fatalf("the held key is not at %s on lease %x: %v %v", heldMoved, blockLease, resp, err)
 	}
 	var rep migrateJSON
 	r = ctlAt(ep, "pool", "migrate", "net", "-o", "json")

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -230,4 +232,73 @@ func poolConflictList(ctx context.Context, e *env) error {
 		t.row(r.Pool, r.Cluster, r.Node, timeText(r.Detected, now), r.Wanted, r.Stored)
 	}
 	return t.flush()
+}
+
+// forgetJSON is the -o json output of node forget: the report, whether the node held nothing
+// back (a second run), and, when the run was refused or failed, the error (the report then
+// says what was done before it).
+type forgetJSON struct {
+	admin.ForgetReport
+	Nothing bool   `json:"nothing"`
+	Refused bool   `json:"refused"`
+	Error   string `json:"error,omitempty"`
+}
+
+// nodeForget frees at once what a node that is really gone still holds back (issue 23): its
+// block claims and its pods' held keys.
+func nodeForget(ctx context.Context, e *env) error {
+	node := e.args[0]
+	if err := allocator.ValidateName("node", node); err != nil {
+		return usageError{err.Error()}
+	}
+	rep, err := admin.ForgetNode(ctx, e.cli, e.cluster, node)
+	var amb *admin.NodeClustersError
+	if errors.As(err, &amb) {
+		return usagef("block claims or held keys of node %s are in clusters %s: give --cluster C", node, strings.Join(amb.Clusters, ", "))
+	}
+	if e.output == "json" {
+		out := forgetJSON{ForgetReport: rep, Nothing: err == nil && rep.Nothing(), Refused: errors.Is(err, admin.ErrNodeAlive)}
+		if err != nil {
+			out.Error = err.Error()
+		}
+		if werr := writeJSON(e.stdout, out); werr != nil {
+			return werr
+		}
+		return err
+	}
+	if err == nil || !rep.Nothing() {
+		printForget(e, rep)
+	}
+	return err
+}
+
+func printForget(e *env, rep admin.ForgetReport) {
+	who := "node " + rep.Node + " in any cluster"
+	if rep.Cluster != "" {
+		who = "node " + rep.Cluster + "/" + rep.Node
+	}
+	if rep.Nothing() {
+		if len(rep.Blocks)+len(rep.Held) == 0 && rep.Revision == 0 {
+			fmt.Fprintf(e.stdout, "nothing is held back for %s: no block claim or held key names it\n", who)
+		}
+		return
+	}
+	if n := len(rep.Blocks) + len(rep.Held); n > 0 {
+		fmt.Fprintf(e.stdout, "forgot %s: freed %d block(s) and %d held address(es) (they were on lease(s) %s)\n",
+			who, len(rep.Blocks), len(rep.Held), strings.Join(rep.Leases, ", "))
+		t := newTable(e.stdout, "KIND", "POOL", "BLOCK OR ADDRESS", "OWNER", "LEASE", "KEY")
+		for _, k := range rep.Blocks {
+			t.row("block", k.Pool, k.Block.String(), "-", k.Lease, k.Key)
+		}
+		for _, k := range rep.Held {
+			t.row("held", k.Pool, k.IP.String(), dash(k.Owner), k.Lease, k.Key)
+		}
+		_ = t.flush()
+	}
+	for _, k := range rep.Kept {
+		fmt.Fprintf(e.stdout, "left alone: %s: %s\n", k.Key, k.Reason)
+	}
+	if rep.Gone > 0 {
+		fmt.Fprintf(e.stdout, "%d key(s) expired or were deleted meanwhile\n", rep.Gone)
+	}
 }

@@ -10,22 +10,26 @@ import (
 	"strings"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/admin"
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
 // counts is how much of a range, or of a range set, is taken. An address counts once: as
-// allocated, else as quarantined, else as used by a host; only addresses the pool can hand
-// out are counted, so free = size - allocated - quarantined - hosts.
+// allocated, else as quarantined, else as used by a host, else as expired (a held key without
+// allocation: held back for its node, issue 23); only addresses the pool can hand out are
+// counted, so free = size - allocated - quarantined - hosts - expired. An expired address still
+// goes to an ADD that finds nothing free.
 type counts struct {
-	size                          *big.Int
-	allocated, quarantined, hosts int
+	size                                   *big.Int
+	allocated, quarantined, hosts, expired int
 }
 
 func (c counts) free() *big.Int {
 	n := new(big.Int).Set(c.size)
-	return n.Sub(n, big.NewInt(int64(c.allocated+c.quarantined+c.hosts)))
+	return n.Sub(n, big.NewInt(int64(c.allocated+c.quarantined+c.hosts+c.expired)))
 }
 
 func (c *counts) add(o counts) {
@@ -36,6 +40,7 @@ func (c *counts) add(o counts) {
 	c.allocated += o.allocated
 	c.quarantined += o.quarantined
 	c.hosts += o.hosts
+	c.expired += o.expired
 }
 
 // poolUsage is one pool's counts per range, from one state read.
@@ -47,6 +52,29 @@ type poolUsage struct {
 	outside   int        // allocations no range of the pool hands out (doctor reports them)
 	holders   map[string]*holder
 	claims    []admin.BlockEntry
+	// expired are the pool's held keys without allocation; expiredBlocks its block claims of
+	// nodes whose agent is gone or was replaced (issue 23).
+	expired       []admin.HeldEntry
+	expiredBlocks []admin.BlockEntry
+	agents        map[string]string // agent state (admin.Agent*) by block claim key
+}
+
+// expiry is what st holds back for nodes cut off or gone, by pool: computed once for every pool.
+type expiry struct {
+	st     *admin.State
+	held   map[string][]admin.HeldEntry
+	blocks map[string][]admin.BlockEntry
+}
+
+func expiryOf(st *admin.State) *expiry {
+	x := &expiry{st: st, held: map[string][]admin.HeldEntry{}, blocks: map[string][]admin.BlockEntry{}}
+	for _, h := range st.Expired() {
+		x.held[h.Pool] = append(x.held[h.Pool], h)
+	}
+	for _, b := range st.ExpiredBlocks() {
+		x.blocks[b.Pool] = append(x.blocks[b.Pool], b)
+	}
+	return x
 }
 
 type holder struct {
@@ -62,9 +90,13 @@ func handedOut(spec allocator.PoolSpec, ip netip.Addr) (int, int, bool) {
 	return spec.Locate(ip)
 }
 
-func usageOf(st *admin.State, p admin.PoolEntry) *poolUsage {
+func usageOf(st *admin.State, p admin.PoolEntry, x *expiry) *poolUsage {
 	spec := p.Value
-	u := &poolUsage{entry: p, spec: spec, holders: map[string]*holder{}}
+	u := &poolUsage{entry: p, spec: spec, holders: map[string]*holder{}, expired: x.held[spec.Name], expiredBlocks: x.blocks[spec.Name],
+		agents: map[string]string{}}
+	for _, b := range u.expiredBlocks {
+		u.agents[b.Key] = st.AgentOf(b.Value.Cluster, b.Value.Node, b.Value.NodeUID)
+	}
 	for _, b := range st.Blocks {
 		if b.Pool == spec.Name {
 			u.claims = append(u.claims, b)
@@ -109,6 +141,12 @@ func usageOf(st *admin.State, p admin.PoolEntry) *poolUsage {
 			u.ranges[i][j].hosts++
 		}
 	}
+	for _, h := range u.expired {
+		if i, j, ok := handedOut(spec, h.IP); ok && !taken[h.IP] {
+			taken[h.IP] = true
+			u.ranges[i][j].expired++
+		}
+	}
 	return u
 }
 
@@ -126,7 +164,10 @@ type countsJSON struct {
 	Allocated   int    `json:"allocated"`
 	Quarantined int    `json:"quarantined"`
 	Hosts       int    `json:"hosts"`
-	Free        string `json:"free"`
+	// Expired counts addresses held back for a node cut off or gone (issue 23): not free, but
+	// handed out when nothing else is.
+	Expired int    `json:"expired"`
+	Free    string `json:"free"`
 }
 
 type rangeJSON struct {
@@ -166,24 +207,54 @@ type poolJSON struct {
 	// ClaimedBlocks counts the pool's block claims; Claims lists them (pool show only).
 	ClaimedBlocks int         `json:"claimedBlocks"`
 	Claims        []claimJSON `json:"claims,omitempty"`
+	// Expired counts the pool's expired addresses: held keys without allocation, held back for
+	// their node until their lease expires (issue 23). ExpiredBlocks counts its block claims of
+	// nodes whose agent is gone or was replaced, their node's until their lease expires.
+	Expired       int `json:"expired"`
+	ExpiredBlocks int `json:"expiredBlocks"`
+	// HeldBack (pool show only) lists them per node and lease, with when each becomes reusable;
+	// FirstReusable is the earliest (null when nothing is held back).
+	HeldBack      []heldBackJSON `json:"heldBack,omitzero"`
+	FirstReusable *time.Time     `json:"firstReusable,omitempty"`
 	// Problem is set for a definition that is unreadable, invalid or missing.
 	Problem string `json:"problem,omitempty"`
 }
 
 // claimJSON is one block claim as pool show prints it.
 type claimJSON struct {
-	Block      netip.Prefix `json:"block"`
-	Key        string       `json:"key"`
-	Cluster    string       `json:"cluster"`
-	Node       string       `json:"node"`
-	NodeUID    string       `json:"nodeUID"`
-	Since      time.Time    `json:"since"`
-	Lease      string       `json:"lease"`
-	Unreadable string       `json:"unreadable,omitempty"`
+	Block   netip.Prefix `json:"block"`
+	Key     string       `json:"key"`
+	Cluster string       `json:"cluster"`
+	Node    string       `json:"node"`
+	NodeUID string       `json:"nodeUID"`
+	Since   time.Time    `json:"since"`
+	Lease   string       `json:"lease"`
+	// Agent is "gone" or "replaced" for an expired block (its node's agent is gone, or runs with
+	// another node UID), else "live".
+	Agent      string `json:"agent"`
+	Unreadable string `json:"unreadable,omitempty"`
+}
+
+// heldBackJSON is what a pool holds back for one node on one lease (pool show): its expired
+// addresses and blocks, reusable when the lease expires.
+type heldBackJSON struct {
+	Cluster string `json:"cluster"`
+	Node    string `json:"node"`
+	// Agent is "gone", "replaced" or "live" (an agent of the node is back: it re-claims or
+	// frees the addresses).
+	Agent     string `json:"agent"`
+	Addresses int    `json:"addresses"`
+	Blocks    int    `json:"blocks"`
+	Lease     string `json:"lease"`
+	lease     clientv3.LeaseID
+	// LeaseTTL is the lease's TTL left: the seconds until they are reusable (-1: expired now).
+	admin.LeaseTTL
+	ReusableAt *time.Time `json:"reusableAt"`
 }
 
 func toJSON(c counts) countsJSON {
-	return countsJSON{Size: bigText(c.size), Allocated: c.allocated, Quarantined: c.quarantined, Hosts: c.hosts, Free: bigText(c.free())}
+	return countsJSON{Size: bigText(c.size), Allocated: c.allocated, Quarantined: c.quarantined, Hosts: c.hosts, Expired: c.expired,
+		Free: bigText(c.free())}
 }
 
 // json is u as pool list (claims false) or pool show (claims true) prints it; with cluster set,
@@ -191,12 +262,19 @@ func toJSON(c counts) countsJSON {
 func (u *poolUsage) json(cluster string, claims bool) poolJSON {
 	p := poolJSON{Name: u.spec.Name, Key: keyspace.PoolKey(u.spec.Name), Sets: []setJSON{}, Exclude: u.spec.Exclude,
 		Allocated: u.allocated, OutOfRange: u.outside, Holders: []holderJSON{}, Layout: layoutName(u.entry),
-		Blocks: u.spec.Blocks, Migrating: u.entry.Migrating, ClaimedBlocks: len(u.claims)}
+		Blocks: u.spec.Blocks, Migrating: u.entry.Migrating, ClaimedBlocks: len(u.claims), Expired: len(u.expired), ExpiredBlocks: len(u.expiredBlocks)}
 	for _, b := range u.claims {
 		if claims && (cluster == "" || b.Value.Cluster == cluster) {
+			agent := admin.AgentLive
+			if a, ok := u.agents[b.Key]; ok {
+				agent = a
+			}
 			p.Claims = append(p.Claims, claimJSON{Block: b.Block, Key: b.Key, Cluster: b.Value.Cluster, Node: b.Value.Node,
-				NodeUID: b.Value.NodeUID, Since: b.Value.Since, Lease: keyspace.LeaseHex(b.Lease), Unreadable: b.Unreadable})
+				NodeUID: b.Value.NodeUID, Since: b.Value.Since, Lease: keyspace.LeaseHex(b.Lease), Agent: agent, Unreadable: b.Unreadable})
 		}
+	}
+	if claims {
+		p.HeldBack = u.heldBack(cluster)
 	}
 	if p.Exclude == nil {
 		p.Exclude = []netip.Prefix{}
@@ -218,6 +296,69 @@ func (u *poolUsage) json(cluster string, claims bool) poolJSON {
 	return p
 }
 
+// heldBack groups the pool's expired addresses and blocks by node and lease (of cluster only,
+// unless it is ""), without TTLs: poolShow asks etcd for them.
+func (u *poolUsage) heldBack(cluster string) []heldBackJSON {
+	byKey := map[string]*heldBackJSON{}
+	get := func(c, n string, lease clientv3.LeaseID, agent string) *heldBackJSON {
+		k := c + "/" + n + "/" + keyspace.LeaseHex(lease)
+		h := byKey[k]
+		if h == nil {
+			h = &heldBackJSON{Cluster: c, Node: n, Agent: agent, Lease: keyspace.LeaseHex(lease), lease: lease, LeaseTTL: admin.LeaseTTL{TTL: -1}}
+			byKey[k] = h
+		}
+		return h
+	}
+	for _, h := range u.expired {
+		if h.Unreadable == "" && (cluster == "" || h.Value.Cluster == cluster) {
+			get(h.Value.Cluster, h.Value.Node, h.Lease, "").Addresses++
+		}
+	}
+	for _, b := range u.expiredBlocks {
+		if cluster == "" || b.Value.Cluster == cluster {
+			g := get(b.Value.Cluster, b.Value.Node, b.Lease, u.agents[b.Key])
+			g.Blocks++
+			if g.Agent == "" || g.Agent == admin.AgentLive {
+				g.Agent = u.agents[b.Key]
+			}
+		}
+	}
+	out := []heldBackJSON{}
+	for _, k := range sortedKeys(byKey) {
+		out = append(out, *byKey[k])
+	}
+	return out
+}
+
+// reusableTimes asks etcd for the TTL left of each held-back lease of p: when its addresses
+// and blocks become reusable.
+func reusableTimes(ctx context.Context, e *env, st *admin.State, p *poolJSON) error {
+	var ids []clientv3.LeaseID
+	for _, h := range p.HeldBack {
+		ids = append(ids, h.lease)
+	}
+	ttls, err := admin.LeaseTTLs(ctx, e.cli, ids...)
+	if err != nil {
+		return err
+	}
+	now := time.Now().UTC().Truncate(time.Second)
+	for i := range p.HeldBack {
+		h := &p.HeldBack[i]
+		if h.Agent == "" {
+			h.Agent = st.AgentOf(h.Cluster, h.Node, "")
+		}
+		h.LeaseTTL = ttls[h.lease]
+		if h.TTL >= 0 {
+			at := now.Add(time.Duration(h.TTL) * time.Second)
+			h.ReusableAt = &at
+			if p.FirstReusable == nil || at.Before(*p.FirstReusable) {
+				p.FirstReusable = &at
+			}
+		}
+	}
+	return nil
+}
+
 func sortedKeys[V any](m map[string]V) []string {
 	keys := make([]string, 0, len(m))
 	for k := range m {
@@ -231,6 +372,7 @@ func sortedKeys[V any](m map[string]V) []string {
 // allocations but no (usable) definition.
 func poolRows(st *admin.State) []poolJSON {
 	var out []poolJSON
+	x := expiryOf(st)
 	defined := map[string]bool{}
 	for _, p := range st.Pools {
 		defined[p.Name] = true
@@ -242,7 +384,7 @@ func poolRows(st *admin.State) []poolJSON {
 			out = append(out, poolJSON{Name: p.Name, Key: p.Key, Sets: []setJSON{}, Exclude: []netip.Prefix{}, Holders: []holderJSON{},
 				Problem: "invalid definition: " + p.Invalid})
 		default:
-			out = append(out, usageOf(st, p).json("", false))
+			out = append(out, usageOf(st, p, x).json("", false))
 		}
 	}
 	undefined := map[string]int{}
@@ -272,10 +414,11 @@ func poolList(ctx context.Context, e *env) error {
 		}
 		return writeJSON(e.stdout, rows)
 	}
-	t := newTable(e.stdout, "POOL", "SET", "RANGES", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "FREE", "LAYOUT", "CLAIMED BLOCKS")
+	t := newTable(e.stdout, "POOL", "SET", "RANGES", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "EXPIRED", "FREE", "LAYOUT", "CLAIMED BLOCKS",
+		"EXPIRED BLOCKS")
 	for _, p := range rows {
 		if p.Problem != "" {
-			t.row(p.Name, "-", "("+p.Problem+")", "-", strconv.Itoa(p.Allocated), "-", "-", "-", "-", "-")
+			t.row(p.Name, "-", "("+p.Problem+")", "-", strconv.Itoa(p.Allocated), "-", "-", "-", "-", "-", "-", "-")
 			continue
 		}
 		for _, s := range p.Sets {
@@ -284,7 +427,8 @@ func poolList(ctx context.Context, e *env) error {
 				rs = append(rs, allocator.Range{Subnet: r.Subnet, RangeStart: r.Start, RangeEnd: r.End, Gateway: r.Gateway}.String())
 			}
 			t.row(p.Name, strconv.Itoa(s.Set), strings.Join(rs, ", "), s.Size, strconv.Itoa(s.Allocated),
-				strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), s.Free, layoutShort(p), strconv.Itoa(p.ClaimedBlocks))
+				strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), strconv.Itoa(s.Expired), s.Free, layoutShort(p), strconv.Itoa(p.ClaimedBlocks),
+				strconv.Itoa(p.ExpiredBlocks))
 		}
 	}
 	return t.flush()
@@ -308,21 +452,24 @@ func poolShow(ctx context.Context, e *env) error {
 	case p.Invalid != "":
 		return fmt.Errorf("pool definition %s is invalid: %s", p.Key, p.Invalid)
 	}
-	pj := usageOf(st, p).json(e.cluster, true)
+	pj := usageOf(st, p, expiryOf(st)).json(e.cluster, true)
+	if err := reusableTimes(ctx, e, st, &pj); err != nil {
+		return err
+	}
 	if e.output == "json" {
 		return writeJSON(e.stdout, pj)
 	}
 	fmt.Fprintf(e.stdout, "pool %s (%s, written at revision %d)\nlayout: %s\n\n", name, p.Key, p.ModRevision, layoutText(p))
-	t := newTable(e.stdout, "SET", "SUBNET", "START-END", "GATEWAY", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "FREE")
+	t := newTable(e.stdout, "SET", "SUBNET", "START-END", "GATEWAY", "SIZE", "ALLOCATED", "QUARANTINED", "HOSTS", "EXPIRED", "FREE")
 	for _, s := range pj.Sets {
 		for _, r := range s.Ranges {
 			t.row(strconv.Itoa(s.Set), r.Subnet.String(), r.Start.String()+"-"+r.End.String(), r.Gateway.String(), r.Size,
-				strconv.Itoa(r.Allocated), strconv.Itoa(r.Quarantined), strconv.Itoa(r.Hosts), r.Free)
+				strconv.Itoa(r.Allocated), strconv.Itoa(r.Quarantined), strconv.Itoa(r.Hosts), strconv.Itoa(r.Expired), r.Free)
 		}
 		if len(s.Ranges) < 2 {
 			continue
 		}
-		t.row("", "total", "", "", s.Size, strconv.Itoa(s.Allocated), strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), s.Free)
+		t.row("", "total", "", "", s.Size, strconv.Itoa(s.Allocated), strconv.Itoa(s.Quarantined), strconv.Itoa(s.Hosts), strconv.Itoa(s.Expired), s.Free)
 	}
 	if err := t.flush(); err != nil {
 		return err
@@ -343,6 +490,9 @@ func poolShow(ctx context.Context, e *env) error {
 			return err
 		}
 	}
+	if err := showHeldBack(e, pj); err != nil {
+		return err
+	}
 	if p.Value.Blocks.Flat() {
 		return nil
 	}
@@ -351,13 +501,58 @@ func poolShow(ctx context.Context, e *env) error {
 		return nil
 	}
 	now := time.Now()
-	t = newTable(e.stdout, "BLOCK", "CLUSTER/NODE", "NODE UID", "SINCE", "LEASE")
+	t = newTable(e.stdout, "BLOCK", "CLUSTER/NODE", "NODE UID", "AGENT", "SINCE", "LEASE")
 	for _, c := range pj.Claims {
 		if c.Unreadable != "" {
-			t.row(c.Block.String(), "(unreadable: "+c.Unreadable+")", "", "", c.Lease)
+			t.row(c.Block.String(), "(unreadable: "+c.Unreadable+")", "", "", "", c.Lease)
 			continue
 		}
-		t.row(c.Block.String(), dash(c.Cluster)+"/"+dash(c.Node), dash(c.NodeUID), timeText(c.Since, now), c.Lease)
+		agent := "yes"
+		if c.Agent != admin.AgentLive {
+			agent = c.Agent + " (expired block)"
+		}
+		t.row(c.Block.String(), dash(c.Cluster)+"/"+dash(c.Node), dash(c.NodeUID), agent, timeText(c.Since, now), c.Lease)
 	}
 	return t.flush()
+}
+
+// showHeldBack prints what the pool holds back for nodes cut off or gone (issue 23): its
+// expired addresses and blocks, per node and lease, and when they become reusable.
+func showHeldBack(e *env, pj poolJSON) error {
+	fmt.Fprintln(e.stdout)
+	if pj.Expired+pj.ExpiredBlocks == 0 {
+		fmt.Fprintln(e.stdout, "no expired addresses or blocks")
+		return nil
+	}
+	now := time.Now()
+	first := "-"
+	if pj.FirstReusable != nil {
+		first = timeText(*pj.FirstReusable, now)
+	}
+	fmt.Fprintf(e.stdout, "expired: %d address(es) held back, %d block(s) of nodes whose agent is gone; first reusable %s\n",
+		pj.Expired, pj.ExpiredBlocks, first)
+	if len(pj.HeldBack) > 0 {
+		t := newTable(e.stdout, "CLUSTER/NODE", "AGENT", "EXPIRED ADDRESSES", "EXPIRED BLOCKS", "LEASE", "REUSABLE")
+		for _, h := range pj.HeldBack {
+			agent := h.Agent
+			if agent == admin.AgentLive {
+				agent = "back (re-claims or frees them)"
+			}
+			reusable := "now (lease expired)"
+			switch {
+			case h.lease == 0:
+				reusable = "never: held keys without a lease (leaseholdctl doctor)"
+			case h.ReusableAt != nil:
+				reusable = timeText(*h.ReusableAt, now)
+			}
+			t.row(dash(h.Cluster)+"/"+dash(h.Node), agent, strconv.Itoa(h.Addresses), strconv.Itoa(h.Blocks), h.Lease, reusable)
+		}
+		if err := t.flush(); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintln(e.stdout, "(another pod gets an expired address only when the pool has no other free address; a node back before "+
+		"REUSABLE gets its\naddresses and blocks back. leaseholdctl alloc show IP tells one address; leaseholdctl node forget NODE frees "+
+		"a node's at once\nonce it is gone for good)")
+	return nil
 }

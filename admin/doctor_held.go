@@ -1,0 +1,139 @@
+package admin
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// The doctor's checks of held keys (issue 23; held.go). A held key is readable, on a lease (its
+// node's block lease), and names the holder of its address's allocation when there is one.
+// Without an allocation the address is expired: information, not a problem.
+
+// heldKeys checks each held key, and lists the expired addresses grouped by node and lease.
+func (c *checker) heldKeys() {
+	nodes := c.st.nodeIndex()
+	type group struct {
+		pool, cluster, node string
+		lease               clientv3.LeaseID
+		keys                []string
+		ips                 []string
+	}
+	groups := map[string]*group{}
+	for i := range c.st.Held {
+		h := &c.st.Held[i]
+		v := h.Value
+		if h.Unreadable != "" {
+			c.add(KindUnreadable, "", fmt.Sprintf("held key is unreadable (%s): no agent can tell which node %s of pool %s is held back "+
+				"for. Delete it: an allocation of the address, if any, still holds it", h.Unreadable, h.IP, h.Pool), delFix(h.Key), h.Key)
+			continue
+		}
+		a := c.allocAt(h.Pool, h.IP)
+		if h.Lease == 0 {
+			c.heldNoLease(h, a, nodes)
+		}
+		switch {
+		case a != nil && a.Unreadable == "" && (a.Cluster != v.Cluster || a.Node != v.Node || a.Owner != v.Owner):
+			c.heldOtherHolder(h, a, nodes)
+		case a == nil && h.Lease != 0 && c.st.Covers(spell(keyspace.IPsPrefix(h.Pool), h.Block, h.IP)):
+			k := fmt.Sprintf("%s\x00%s\x00%s\x00%x", h.Pool, v.Cluster, v.Node, int64(h.Lease))
+			g := groups[k]
+			if g == nil {
+				g = &group{pool: h.Pool, cluster: v.Cluster, node: v.Node, lease: h.Lease}
+				groups[k] = g
+			}
+			g.keys = append(g.keys, h.Key)
+			g.ips = append(g.ips, h.IP.String())
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(groups)) {
+		g := groups[k]
+		lease := keyspace.LeaseHex(g.lease)
+		ips := strings.Join(g.ips[:min(len(g.ips), 5)], ", ")
+		if len(g.ips) > 5 {
+			ips += fmt.Sprintf(" and %d more", len(g.ips)-5)
+		}
+		msg := fmt.Sprintf("%d address(es) of pool %s (%s) are expired: their pods' leases ran out without a release, and the held "+
+			"keys of node %s/%s keep them back from other pods while the pool has other room, until block lease %s expires, the reuse "+
+			"delay (leaseholdd --reuse-delay, default 15m) after the pods' leases (leaseholdctl alloc show %s says when). ",
+			len(g.keys), g.pool, ips, dash(g.cluster), dash(g.node), lease, g.ips[0])
+		fix := ""
+		switch agentOf(c.st, nodes, g.cluster, g.node, "") {
+		case AgentLive:
+			msg += fmt.Sprintf("Node %s has an agent again (%s): for its pods still running it re-claims their addresses, the others it "+
+				"frees; a replacement machine under the same name frees nothing, and they are reusable when the lease expires. Nothing to do",
+				g.node, keyspace.NodeKey(g.cluster, g.node))
+		case AgentGone:
+			msg += fmt.Sprintf("Node %s has no agent (no %s): it is cut off from etcd or dead; if it comes back in time, its pods keep "+
+				"their addresses. Nothing to do; once sure the node is gone for good, free them and its blocks at once",
+				g.node, keyspace.NodeKey(g.cluster, g.node))
+			fix = forgetFix(g.cluster, g.node)
+		default:
+			msg += "Nothing to do"
+		}
+		c.note(SeverityInfo, KindAddressExpired, g.cluster, msg, fix, g.keys...)
+	}
+}
+
+// nodeBlockLease is the block lease a live agent of cluster/node with node UID uid (any, when
+// "") names in its node record, or 0.
+func nodeBlockLease(nodes map[string]*NodeEntry, cluster, node, uid string) clientv3.LeaseID {
+	if keyspace.ValidateNames("cluster", cluster, "node", node) != nil {
+		return 0
+	}
+	n := nodes[keyspace.NodeKey(cluster, node)]
+	if n == nil || n.Unreadable != "" || n.Value.BlockLease == "" || (uid != "" && n.Value.UID != uid) {
+		return 0
+	}
+	id, err := keyspace.ParseLeaseHex(n.Value.BlockLease)
+	if err != nil {
+		return 0
+	}
+	return id
+}
+
+// heldNoLease reports a held key without lease: it never expires, so its address stays held
+// back for good once its pod is gone. It goes back on its node's block lease when a live agent
+// of that node names one, else it is deleted (an allocation still holds the address meanwhile).
+func (c *checker) heldNoLease(h *HeldEntry, a *AllocationEntry, nodes map[string]*NodeEntry) {
+	v := h.Value
+	uid := ""
+	if a != nil && a.Unreadable == "" && a.Cluster == v.Cluster && a.Node == v.Node {
+		uid = a.NodeUID
+	}
+	msg := fmt.Sprintf("held key of %s in pool %s (node %s/%s, owner %s) has no lease (written with a plain etcdctl put?), so it never "+
+		"expires: once its pod is gone, the address stays held back for good, a leak", h.IP, h.Pool, dash(v.Cluster), dash(v.Node), dash(v.Owner))
+	if bl := nodeBlockLease(nodes, v.Cluster, v.Node, uid); bl != 0 {
+		c.add(KindNoLease, v.Cluster, msg+fmt.Sprintf(". Put it back on the node's block lease %s (its node record names it)", keyspace.LeaseHex(bl)),
+			putFix(h.Key, h.Raw, bl, modGuard(h.Key, h.ModRevision)), h.Key)
+		return
+	}
+	c.add(KindNoLease, v.Cluster, msg+". Delete it: an allocation of the address, if any, still holds it while its pod runs",
+		txnFix([]string{modGuard(h.Key, h.ModRevision)}, "del "+h.Key), h.Key)
+}
+
+// heldOtherHolder reports a held key naming another node or owner than its address's
+// allocation: the claim that took the address should have written it. Once that holder's pod
+// lease expires (its node cut off), the address would be held back for the wrong node, and
+// could go to another pod while the holder's pod still runs.
+func (c *checker) heldOtherHolder(h *HeldEntry, a *AllocationEntry, nodes map[string]*NodeEntry) {
+	v := h.Value
+	msg := fmt.Sprintf("held key of %s in pool %s names node %s/%s and owner %s, but %s holds the address for owner %s (pod %s, "+
+		"node %s/%s): the claim that took it should have written its own held key. If node %s is cut off, its pod's address is "+
+		"held back for the wrong node and may go to another pod while that pod still runs",
+		h.IP, h.Pool, dash(v.Cluster), dash(v.Node), dash(v.Owner), a.Key, dash(a.Owner), podName(a.Pod), dash(a.Cluster), dash(a.Node), dash(a.Node))
+	guards := []string{modGuard(h.Key, h.ModRevision), modGuard(a.Key, a.ModRevision)}
+	if bl := nodeBlockLease(nodes, a.Cluster, a.Node, a.NodeUID); bl != 0 {
+		rec := keyspace.HeldRecord{Cluster: a.Cluster, Node: a.Node, Owner: a.Owner}
+		c.add(KindHeldOtherHolder, a.Cluster, msg+fmt.Sprintf(". Write it for the holder, on its node's block lease %s", keyspace.LeaseHex(bl)),
+			putFix(h.Key, []byte(keyspace.Encode(rec)), bl, guards...), h.Key, a.Key)
+		return
+	}
+	c.add(KindHeldOtherHolder, a.Cluster, msg+". The holder's node names no block lease, so delete the held key: the allocation "+
+		"still holds the address while its pod runs", txnFix(guards, "del "+h.Key), h.Key, a.Key)
+}
