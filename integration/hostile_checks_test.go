@@ -86,10 +86,13 @@ func keyShape(key string) error {
 			return errors.New("want pools/<pool>")
 		}
 		return errors.Join(names(parts[1]), same(keyspace.PoolKey(parts[1])))
-	case "ips", "quarantine":
+	case "ips", "quarantine", "held":
 		parse, build := keyspace.ParseIPKey, keyspace.IPKey
-		if parts[0] == "quarantine" {
+		switch parts[0] {
+		case "quarantine":
 			parse, build = keyspace.ParseQuarantineKey, keyspace.QuarantineKey
+		case "held":
+			parse, build = keyspace.ParseHeldKey, keyspace.HeldKey
 		}
 		pool, block, ip, err := parse(key)
 		if err != nil || len(parts) != 4 {

@@ -99,7 +99,8 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 		t.Errorf("CHECK: %v", err)
 	}
 
-	// DEL frees exactly the owner's keys: its two addresses, owner index and pod record.
+	// DEL frees exactly the owner's keys: its two addresses and their held keys, owner index
+	// and pod record.
 	before := snapshot(t, f.Cli, keyspace.Prefix)
 	if err := f.del(conf, "ctr007", "eth0", "K8S_POD_UID=uid-007"); err != nil {
 		t.Fatal(err)
@@ -114,6 +115,7 @@ func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
 	want := []string{
 		keyspace.IPKey(name, allocator.DefaultBlocks, results[7].v4), keyspace.IPKey(name, allocator.DefaultBlocks, results[7].v6),
 		keyspace.OwnerKey(f.Cluster, "uid-007", "eth0", name), keyspace.PodKey(f.Cluster, f.Agent.Node, "uid-007"),
+		keyspace.HeldKey(name, allocator.DefaultBlocks, results[7].v4), keyspace.HeldKey(name, allocator.DefaultBlocks, results[7].v6),
 	}
 	if fmt.Sprint(sorted(gone)) != fmt.Sprint(sorted(want)) {
 		t.Errorf("DEL removed %v, want exactly %v", sorted(gone), sorted(want))

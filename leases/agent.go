@@ -57,9 +57,10 @@ type Agent struct {
 	lastAnswer atomic.Int64 // monotonic nanoseconds after started of the last etcd call that succeeded
 	conflicts  atomic.Int64 // addresses found taken by another owner on re-claim
 
-	stopped  chan struct{} // closed when the agent stops itself (fail)
-	stopOnce sync.Once
-	stopErr  error
+	stopped   chan struct{} // closed when the agent stops itself (fail)
+	stopOnce  sync.Once
+	closeOnce sync.Once
+	stopErr   error
 }
 
 // Start registers the node (its record on the agent's own lease) and returns a serving agent.
@@ -108,7 +109,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(keeper, cfg.LeaseTTL+cfg.ReuseDelay)
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
-		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
+		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, holdBack: cfg.ReuseDelay > 0, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools.seed = h.Sum64()
@@ -164,22 +165,25 @@ func (a *Agent) Err() error {
 // agent with the same node identity adopts them, and otherwise they expire after their TTL.
 // An agent that stops with no pod left gives its blocks back at once (their lease is
 // revoked): the reuse delay is for the addresses of pods that may still run.
+// Closing again does nothing.
 func (a *Agent) Close() {
-	a.cancel()
-	a.wg.Wait()
-	if a.pods.count() == 0 && a.Err() == nil {
-		if err := a.blockLeases.revokeAll(); err != nil {
-			a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
+	a.closeOnce.Do(func() {
+		a.cancel()
+		a.wg.Wait()
+		if a.pods.count() == 0 && a.Err() == nil {
+			if err := a.blockLeases.revokeAll(); err != nil {
+				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
+			}
 		}
-	}
-	if node := a.nodeLease(); node != 0 {
-		if err := a.keeper.Revoke(node); err != nil {
-			a.log.Warn("revoke node lease", "err", err)
+		if node := a.nodeLease(); node != 0 {
+			if err := a.keeper.Revoke(node); err != nil {
+				a.log.Warn("revoke node lease", "err", err)
+			}
 		}
-	}
-	a.keeper.Close()
-	a.jw.close()
-	a.unlock()
+		a.keeper.Close()
+		a.jw.close()
+		a.unlock()
+	})
 }
 
 // LeasesHeld is the number of leases this agent keeps alive (pods, node, spares).

@@ -31,8 +31,10 @@ type blockOwner struct {
 	leases                 *blockLeases
 	idle                   time.Duration
 	opTimeout              time.Duration
-	wall                   func() time.Time
-	metrics                *metrics
+	// holdBack: the node has a reuse delay, and its views apply the reuse order (reuse.go).
+	holdBack bool
+	wall     func() time.Time
+	metrics  *metrics
 	// lostLease drops the claims on a block lease etcd no longer has, in every pool.
 	lostLease func(clientv3.LeaseID)
 }
@@ -173,7 +175,19 @@ func (o *blockOwner) sortClaims(ctx context.Context, log *slog.Logger, kvs []*mv
 // choose picks an address of range set `set` for an ADD and marks it pending: from this
 // node's blocks; else from a block it claims now; else, with every block claimed, borrowed
 // from another node's block (borrow.go). In the flat layout it is reserve.
+//
+// Addresses whose holder expired without a release are passed over by each of these, and
+// taken only when none of them finds another (reuseExpired).
 func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+	addr, err := v.chooseFree(ctx, spec, set, skip)
+	if errors.Is(err, allocator.ErrPoolExhausted) {
+		return v.reuseExpired(ctx, spec, set, skip, err)
+	}
+	return addr, err
+}
+
+// chooseFree is choose without the addresses held back after an expiry.
+func (v *view) chooseFree(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	addr, err := v.reserve(spec, set, skip)
 	if !errors.Is(err, errNoBlock) {
 		return addr, err
@@ -255,9 +269,7 @@ func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int
 		}
 		rec := keyspace.BlockRecord{Cluster: o.cluster, Node: o.node, NodeUID: o.nodeUID, LeaseID: keyspace.LeaseHex(lease), Since: o.wall().UTC()}
 		resp, err = v.cli.Txn(octx).If(keyspace.Absent(key)).Then(
-			clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(lease)),
-			clientv3.OpGet(keyspace.BlockIPsPrefix(v.pool, block), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-			clientv3.OpGet(keyspace.BlockQuarantinePrefix(v.pool, block), clientv3.WithPrefix()),
+			append([]clientv3.Op{clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(lease))}, v.blockReads(block)...)...,
 		).Else(clientv3.OpGet(keyspace.BlocksPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())).Commit()
 		if !leaseGone(err) {
 			break
@@ -283,7 +295,8 @@ func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int
 	o.metrics.blockClaims.Inc()
 	v.log.Info("block claimed", "block", block, "lease", keyspace.LeaseHex(lease))
 	v.addSpan(&span{block: block, lease: lease, rev: resp.Header.Revision},
-		listed{rev: resp.Header.Revision, ips: resp.Responses[1].GetResponseRange(), qs: resp.Responses[2].GetResponseRange()})
+		listed{rev: resp.Header.Revision, ips: resp.Responses[1].GetResponseRange(), qs: resp.Responses[2].GetResponseRange(),
+			held: resp.Responses[3].GetResponseRange()})
 	return true, nil
 }
 
@@ -364,6 +377,7 @@ func (v *view) addSpan(s *span, l listed) {
 	for _, kv := range l.qs.GetKvs() {
 		v.applyQuarantine(v.quarantined, kv.Key, kv.Value)
 	}
+	v.heldListed(l.held.GetKvs())
 	g := v.gen
 	v.mu.Unlock()
 	if g != nil {
@@ -394,6 +408,16 @@ func (v *view) dropSpan(block netip.Prefix) {
 		if block.Contains(a) {
 			delete(v.quarantined, a)
 		}
+	}
+	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.heldBack), mapKeys(v.suspect), mapKeys(v.relRev)} {
+		m(func(a netip.Addr) bool {
+			if block.Contains(a) {
+				delete(v.heldBack, a)
+				delete(v.suspect, a)
+				delete(v.relRev, a)
+			}
+			return true
+		})
 	}
 }
 
@@ -438,7 +462,8 @@ func (v *view) idleBlocks(now time.Time) []span {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	used := make(map[netip.Prefix]bool)
-	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.allocated), mapKeys(v.quarantined), mapKeys(v.pending)} {
+	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.allocated), mapKeys(v.quarantined), mapKeys(v.pending),
+		mapKeys(v.heldBack), mapKeys(v.suspect)} {
 		m(func(a netip.Addr) bool {
 			used[v.blocks.Of(a)] = true
 			return true
@@ -471,14 +496,16 @@ func mapKeys[V any](m map[netip.Addr]V) func(func(netip.Addr) bool) {
 }
 
 // giveBack deletes the claim of an empty block, if it is still this node's on the same lease
-// and etcd holds no allocation and no quarantined address in it.
+// and etcd holds no allocation, no quarantined address and no held key in it.
 func (v *view) giveBack(ctx context.Context, s span) {
 	octx, cancel := context.WithTimeout(ctx, v.own.opTimeout)
 	defer cancel()
 	key := keyspace.BlockKey(v.pool, s.block)
 	resp, err := v.cli.Txn(octx).If(keyspace.OnLease(key, s.lease),
 		keyspace.NoneUnder(keyspace.BlockIPsPrefix(v.pool, s.block)),
-		keyspace.NoneUnder(keyspace.BlockQuarantinePrefix(v.pool, s.block))).
+		keyspace.NoneUnder(keyspace.BlockQuarantinePrefix(v.pool, s.block)),
+		// Nor an address held back for a pod that may still run (a lost lease being re-claimed).
+		keyspace.NoneUnder(keyspace.BlockHeldPrefix(v.pool, s.block))).
 		Then(clientv3.OpDelete(key)).Commit()
 	if err == nil && resp.Succeeded {
 		v.own.metrics.blocksGivenBack.Inc()

@@ -23,17 +23,23 @@ import (
 type snapshot struct {
 	allocated   map[netip.Addr]bool
 	quarantined map[netip.Addr]time.Time
-	// used counts allocated and resting addresses per block: a block claim skips blocks
-	// without room (unclaimable) at no cost per block.
+	// used counts allocated, resting and held-back addresses per block: a block claim skips
+	// blocks without room (unclaimable) at no cost per block.
 	used map[netip.Prefix]int
+	// expired are addresses with another node's held key and no allocation: their holder
+	// expired without a release (reuse.go). Value: the held key's lease.
+	expired map[netip.Addr]clientv3.LeaseID
 }
 
 // take records a as allocated in the snapshot.
 func (s *snapshot) take(b allocator.Blocks, a netip.Addr) {
 	if !s.allocated[a] {
 		s.allocated[a] = true
-		s.used[b.Of(a)]++
+		if _, ok := s.expired[a]; !ok {
+			s.used[b.Of(a)]++
+		}
 	}
+	delete(s.expired, a)
 }
 
 // free records a as released, with its quarantine until until (zero: none).
@@ -55,15 +61,20 @@ func (s *snapshot) Quarantined(a netip.Addr) (time.Time, bool) {
 }
 
 // borrowTaken is what is taken in the whole pool: this node's blocks as its view follows them,
-// the rest as the snapshot read them, and host addresses everywhere. The view's lock is held.
+// the rest as the snapshot read them, and host addresses everywhere; with strict, also the
+// addresses held back after an expiry. The view's lock is held.
 type borrowTaken struct {
-	v *view
-	s *snapshot
+	v      *view
+	s      *snapshot
+	strict bool
 }
 
 func (t borrowTaken) Allocated(a netip.Addr) bool {
 	if t.v.follows(a) {
 		return unlocked{t.v}.Allocated(a)
+	}
+	if _, held := t.s.expired[a]; held && t.strict {
+		return true
 	}
 	return t.s.allocated[a] || t.v.hostCount[a] > 0
 }
@@ -93,14 +104,8 @@ func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 			fresh = true
 		}
 		v.mu.Lock()
-		busy := func(a netip.Addr) bool {
-			if _, ok := v.pending[a]; ok {
-				return true
-			}
-			return skip != nil && skip(a)
-		}
 		// Borrowers start at random places: they compete for the same few free addresses.
-		addr, err := spec.Next(set, spec.Ranges[set].Spread(rand.Float64()), borrowTaken{v, s}, busy)
+		addr, err := spec.Next(set, spec.Ranges[set].Spread(rand.Float64()), borrowTaken{v, s, true}, v.busy(skip))
 		if err == nil {
 			v.pending[addr] = struct{}{}
 		}
@@ -123,12 +128,13 @@ func (v *view) readPool(ctx context.Context) (*snapshot, error) {
 	resp, err := v.cli.Txn(octx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 		clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.HeldPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("%w: read pool %s to borrow an address: %w", allocator.ErrUnavailable, v.pool, err)
 	}
 	s := &snapshot{allocated: make(map[netip.Addr]bool), quarantined: make(map[netip.Addr]time.Time),
-		used: make(map[netip.Prefix]int)}
+		used: make(map[netip.Prefix]int), expired: make(map[netip.Addr]clientv3.LeaseID)}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
 		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
 			s.take(v.blocks, ip)
@@ -140,6 +146,19 @@ func (v *view) readPool(ctx context.Context) (*snapshot, error) {
 	for a := range s.quarantined {
 		if !s.allocated[a] {
 			s.used[v.blocks.Of(a)]++
+		}
+	}
+	if v.holding() {
+		for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
+			_, _, ip, err := keyspace.ParseHeldKey(string(kv.Key))
+			id := clientv3.LeaseID(kv.Lease)
+			if err != nil || s.allocated[ip] || v.nodeLeases.mine(id) {
+				continue
+			}
+			if _, q := s.quarantined[ip]; !q {
+				s.used[v.blocks.Of(ip)]++
+			}
+			s.expired[ip] = id
 		}
 	}
 	v.mu.Lock()

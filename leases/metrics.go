@@ -191,7 +191,20 @@ var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
 	"Addresses of a pool's range set by state (size, allocated, quarantined, free), as this agent's view sees them: in the block layout allocated and quarantined count this node's blocks, and free is not given.",
 	[]string{"pool", "set", "state"}, nil)
 
-func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) { ch <- poolDesc }
+var (
+	heldBackDesc = prometheus.NewDesc("leasehold_held_back_addresses",
+		"Addresses this agent passes over because their holder expired without a release (its node cut off from etcd or dead): in its own blocks, and in the pool as its last borrowing read saw it. They go to other pods only when the pool has no other room, or when the hold ends.",
+		[]string{"pool"}, nil)
+	heldBackEndDesc = prometheus.NewDesc("leasehold_held_back_first_reusable_seconds",
+		"Seconds until the first hold this agent knows of ends (the holder's block lease expires) and its address is free again; absent when none is known.",
+		[]string{"pool"}, nil)
+)
+
+func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- poolDesc
+	ch <- heldBackDesc
+	ch <- heldBackEndDesc
+}
 
 func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 	c.a.pools.mu.Lock()
@@ -203,6 +216,11 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range served {
 		if p.rev <= 0 {
 			continue
+		}
+		n, first := p.view.heldBackCount()
+		ch <- prometheus.MustNewConstMetric(heldBackDesc, prometheus.GaugeValue, float64(n), p.spec.Name)
+		if !first.IsZero() {
+			ch <- prometheus.MustNewConstMetric(heldBackEndDesc, prometheus.GaugeValue, max(time.Until(first).Seconds(), 0), p.spec.Name)
 		}
 		alloc, quar := p.view.perSet(&p.spec)
 		for set := range p.spec.Ranges {

@@ -59,6 +59,16 @@ type view struct {
 	borrowed   *snapshot
 	borrowedAt time.Time
 
+	// The reuse order (reuse.go), when nodeLeases is set: addresses held back because their
+	// holder expired without a release (value: when to look again), deleted allocations no
+	// release explains yet, and the revisions of releases seen before their deletes.
+	nodeLeases *blockLeases
+	metrics    *metrics
+	heldBack   map[netip.Addr]time.Time
+	suspect    map[netip.Addr]suspectDel
+	relRev     map[netip.Addr]int64
+	heldKick   chan struct{}
+
 	// gen is the current listing's generation: its watches run on it, and so do those of a
 	// block claimed during it. stopFollow ends it; relisted, when someone waits for a new
 	// listing (restart), is closed by the next one.
@@ -107,11 +117,18 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 		synced:      make(chan struct{}),
 		spans:       make(map[netip.Prefix]*span),
 		claims:      make(map[netip.Prefix]string),
+		heldBack:    make(map[netip.Addr]time.Time),
+		suspect:     make(map[netip.Addr]suspectDel),
+		relRev:      make(map[netip.Addr]int64),
+		heldKick:    make(chan struct{}, 1),
 	}
 	if blocks.Flat() {
 		v.spans[netip.Prefix{}] = &span{}
 	} else {
 		v.own = own
+	}
+	if own != nil && own.holdBack {
+		v.nodeLeases, v.metrics = own.leases, own.metrics
 	}
 	return v
 }
@@ -142,12 +159,7 @@ func (v *view) follows(a netip.Addr) bool {
 func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	busy := func(a netip.Addr) bool {
-		if _, ok := v.pending[a]; ok {
-			return true
-		}
-		return skip != nil && skip(a)
-	}
+	busy := v.busy(skip)
 	if v.blocks.Flat() {
 		addr, err := spec.Next(set, v.from(spec, set), unlocked{v}, busy)
 		if err != nil {
@@ -175,6 +187,17 @@ func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) 
 		s.full[set] = true
 	}
 	return netip.Addr{}, errNoBlock
+}
+
+// busy is what a search must pass over besides what is taken: addresses chosen by ADDs in
+// flight, those skip refuses, and those held back (reuse.go). The caller holds the lock.
+func (v *view) busy(skip func(netip.Addr) bool) func(netip.Addr) bool {
+	return func(a netip.Addr) bool {
+		if _, ok := v.pending[a]; ok {
+			return true
+		}
+		return skip != nil && skip(a) || v.heldBackLocked(a)
+	}
 }
 
 // roomAt notes that a may have come free; the caller holds the lock.
@@ -248,6 +271,7 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 			if v.allocated[a] < rev {
 				v.allocated[a] = rev
 			}
+			v.allocPut(a)
 		case v.borrowed != nil:
 			v.borrowed.take(v.blocks, a)
 		}
@@ -273,6 +297,7 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 		if !until.IsZero() {
 			v.quarantined[a] = until
 		}
+		v.releaseSeen(a, rev)
 		v.roomAt(a)
 	}
 }
@@ -286,6 +311,7 @@ func (v *view) markAllocated(a netip.Addr, rev int64) {
 		if v.allocated[a] < rev {
 			v.allocated[a] = rev
 		}
+		v.allocPut(a)
 	case v.borrowed != nil:
 		v.borrowed.take(v.blocks, a)
 	}
@@ -343,7 +369,7 @@ func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 			_, unclaimed := spec.NextBlock(set, v.blocks, netip.Addr{}, v.isClaimed)
 			known = unclaimed || (v.borrowed != nil && time.Since(v.borrowedAt) < snapshotFresh)
 			if !unclaimed && known {
-				_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
+				_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed, false}, nil)
 			}
 		}
 		v.mu.Unlock()
@@ -355,7 +381,7 @@ func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 				return err
 			}
 			v.mu.Lock()
-			_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed}, nil)
+			_, err = spec.Next(set, netip.Addr{}, borrowTaken{v, v.borrowed, false}, nil)
 			v.mu.Unlock()
 			if err != nil {
 				return err

@@ -25,6 +25,9 @@ func (v *view) run(ctx context.Context) {
 	if v.own != nil && v.own.idle > 0 {
 		go v.giveBackLoop(ctx)
 	}
+	if v.holding() {
+		go v.heldLoop(ctx)
+	}
 	backoff := retryFirst
 	for ctx.Err() == nil {
 		v.mu.Lock()
@@ -158,13 +161,15 @@ func (v *view) list(ctx context.Context) (int64, error) {
 			clientv3.OpGet(keyspace.HostIPPrefix(netip.Addr{}), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 			clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 			clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
+			clientv3.OpGet(keyspace.HeldPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 		).Commit()
 		if err != nil {
 			return 0, err
 		}
 		rev := resp.Header.Revision
 		v.replace(resp.Responses[0].GetResponseRange(), map[netip.Prefix]*span{{}: {rev: rev}}, nil,
-			[]listed{{rev: rev, ips: resp.Responses[1].GetResponseRange(), qs: resp.Responses[2].GetResponseRange()}})
+			[]listed{{rev: rev, ips: resp.Responses[1].GetResponseRange(), qs: resp.Responses[2].GetResponseRange(),
+				held: resp.Responses[3].GetResponseRange()}})
 		return rev, nil
 	}
 	resp, err := v.cli.Txn(lctx).Then(
@@ -181,8 +186,8 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	}
 	var ops []clientv3.Op
 	for _, b := range sortedBlocks(spans) {
-		ops = append(ops, clientv3.OpGet(keyspace.BlockIPsPrefix(v.pool, b), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-			clientv3.OpGet(keyspace.BlockQuarantinePrefix(v.pool, b), clientv3.WithPrefix()))
+		// A block's three reads in one transaction (readChunked splits between blocks).
+		ops = append(ops, v.blockReads(b)...)
 	}
 	var blocks []listed
 	resps, hdrs, err := readChunked(lctx, v.cli, ops)
@@ -193,8 +198,9 @@ func (v *view) list(ctx context.Context) (int64, error) {
 	for _, b := range sortedBlocks(spans) {
 		rev := hdrs[i].Revision
 		spans[b].rev = rev
-		blocks = append(blocks, listed{rev: rev, ips: resps[i].GetResponseRange(), qs: resps[i+1].GetResponseRange()})
-		i += 2
+		blocks = append(blocks, listed{rev: rev, ips: resps[i].GetResponseRange(), qs: resps[i+1].GetResponseRange(),
+			held: resps[i+2].GetResponseRange()})
+		i += 3
 	}
 	v.replace(resp.Responses[0].GetResponseRange(), spans, claims, blocks)
 	return resp.Header.Revision, nil
@@ -210,14 +216,25 @@ func sortedBlocks(spans map[netip.Prefix]*span) []netip.Prefix {
 	return out
 }
 
+// blockReads are the reads that list one block this node follows: its allocation keys, its
+// quarantine keys and its held keys.
+func (v *view) blockReads(b netip.Prefix) []clientv3.Op {
+	return []clientv3.Op{
+		clientv3.OpGet(keyspace.BlockIPsPrefix(v.pool, b), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.BlockQuarantinePrefix(v.pool, b), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.BlockHeldPrefix(v.pool, b), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+	}
+}
+
 // readChunked runs read-only ops in transactions of at most maxTxnOps each (etcd refuses
 // larger ones: a node holding many blocks lists them in several), and returns each op's
-// response with the header of the transaction that read it.
+// response with the header of the transaction that read it. A chunk holds a multiple of 3
+// ops, so that one block's reads (blockReads) are read at one revision.
 func readChunked(ctx context.Context, cli *clientv3.Client, ops []clientv3.Op) ([]*pb.ResponseOp, []*pb.ResponseHeader, error) {
 	resps := make([]*pb.ResponseOp, 0, len(ops))
 	hdrs := make([]*pb.ResponseHeader, 0, len(ops))
 	for len(ops) > 0 {
-		n := min(len(ops), maxTxnOps)
+		n := min(len(ops), maxTxnOps/3*3)
 		resp, err := cli.Txn(ctx).Then(ops[:n]...).Commit()
 		if err != nil {
 			return nil, nil, err
@@ -231,10 +248,10 @@ func readChunked(ctx context.Context, cli *clientv3.Client, ops []clientv3.Op) (
 	return resps, hdrs, nil
 }
 
-// listed is what a listing read of one span: its allocation keys and quarantine keys.
+// listed is what a listing read of one span: its allocation, quarantine and held keys.
 type listed struct {
-	rev     int64
-	ips, qs *pb.RangeResponse
+	rev           int64
+	ips, qs, held *pb.RangeResponse
 }
 
 // replace installs a listing: host addresses, the spans followed (with their state kept
@@ -263,6 +280,12 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		}
 	}
 	v.spans, v.allocated, v.quarantined, v.order = spans, allocated, quarantined, nil
+	clear(v.heldBack)
+	clear(v.suspect)
+	clear(v.relRev)
+	for _, l := range lists {
+		v.heldListed(l.held.GetKvs())
+	}
 	if claims != nil {
 		v.claims, v.claimsRead = claims, time.Now()
 	}
@@ -310,10 +333,12 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 				if v.allocated[ip] < ev.Kv.CreateRevision {
 					v.allocated[ip] = ev.Kv.CreateRevision
 				}
+				v.allocPut(ip)
 			case clientv3.EventTypeDelete:
 				// A delete older than a creation this agent already saw is stale.
 				if v.allocated[ip] <= ev.Kv.ModRevision {
 					delete(v.allocated, ip)
+					v.allocDeleted(ip, ev.Kv.ModRevision)
 					v.roomAt(ip)
 				}
 			}
@@ -342,6 +367,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 				v.roomAt(ip)
 			} else {
 				v.applyQuarantine(v.quarantined, ev.Kv.Key, ev.Kv.Value)
+				v.releaseSeen(ip, ev.Kv.ModRevision)
 			}
 		}
 	}

@@ -1,0 +1,445 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Issues 23 and 27 in-process, against a real etcd: expired is not free, a deleted pod stays
+// deleted, a running pod keeps its key. The same properties are proved with real processes,
+// network namespaces and cut-offs by the fault run (integration/chaos).
+
+// crash stops a as kill -9 would: nothing is revoked, given back or written any more; what
+// the journal has not written yet is lost.
+func crash(a *Agent) {
+	a.closeOnce.Do(func() {
+		a.jw.mu.Lock()
+		a.jw.pending = map[string]*podState{}
+		a.jw.mu.Unlock()
+		a.cancel()
+		a.wg.Wait()
+		k := a.keeper
+		k.cancel()
+		k.wg.Wait()
+		k.mu.Lock()
+		for id, stop := range k.held {
+			stop()
+			delete(k.held, id)
+		}
+		k.spare = nil
+		k.mu.Unlock()
+		a.jw.close()
+		a.unlock()
+	})
+}
+
+// holdDelay is the tests' reuse delay: far longer than any of them runs.
+const holdDelay = 5 * time.Minute
+
+func withHold(dir string) func(*Config) {
+	return func(c *Config) { c.StateDir, c.ReuseDelay, c.LivenessInterval, c.GCGrace = dir, holdDelay, -1, -1 }
+}
+
+// expire revokes the pod leases of owners on a, as etcd does a TTL after their agent was cut
+// off: their keys go, their held keys (on the block lease) stay.
+func expire(t *testing.T, cli *clientv3.Client, a *Agent, owners ...string) {
+	t.Helper()
+	for _, o := range owners {
+		ps, ok := a.pods.snapshot(o)
+		if !ok || ps.lease.id == 0 {
+			t.Fatalf("agent knows no lease of %s", o)
+		}
+		if _, err := cli.Revoke(context.Background(), ps.lease.id); err != nil && !keyspace.IsLeaseNotFound(err) {
+			t.Fatal(err)
+		}
+	}
+}
+
+func allocOwner(t *testing.T, cli *clientv3.Client, pool allocator.PoolSpec, ip netip.Addr) string {
+	t.Helper()
+	resp, err := cli.Get(context.Background(), keyspace.IPKey(pool.Name, pool.Blocks, ip))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) == 0 {
+		return ""
+	}
+	rec, _ := keyspace.Decode[keyspace.Allocation](string(resp.Kvs[0].Key), resp.Kvs[0].Value)
+	return rec.Owner
+}
+
+// TestExpiredAddressesAreHeldBackWhileThePoolHasRoom: a node is cut off (it stops renewing)
+// and its pods' leases expire. Another node fills the pool: it gets every address no expired
+// holder had first, then the expired ones (the longest expired first), then the pool is full.
+// When the cut-off node comes back, it re-claims what was not taken and records the rest as
+// conflicts; nothing was ever handed out twice.
+func TestExpiredAddressesAreHeldBackWhileThePoolHasRoom(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.66.0.0/27", 29) // four blocks of 8
+	cutDir := t.TempDir()
+	cut := startAgent(t, cluster, "cut", "uid-cut", withHold(cutDir))
+	other := startAgent(t, cluster, "other", "uid-other", withHold(t.TempDir()))
+	held := map[netip.Addr]string{}
+	var owners []string
+	for i := range 6 {
+		owner := fmt.Sprintf("cut-%d", i)
+		res, err := cut.Add(ctx, addReq(pool, owner, "eth0", owner))
+		if err != nil {
+			t.Fatal(err)
+		}
+		held[addrs(res)[0]] = owner
+		owners = append(owners, owner)
+	}
+	crash(cut)
+	expire(t, cli, cut, owners...)
+	for ip := range held {
+		if o := allocOwner(t, cli, pool, ip); o != "" {
+			t.Fatalf("%s still held by %s after its lease was revoked", ip, o)
+		}
+	}
+	spec := pool
+	if err := spec.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
+	size := int(spec.SetSize(0).Int64()) // without network, broadcast and gateway
+	free := size - len(held)
+	var got []netip.Addr
+	for i := 0; ; i++ {
+		res, err := other.Add(ctx, addReq(pool, fmt.Sprintf("o-%d", i), "eth0", fmt.Sprintf("o-%d", i)))
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("ADD %d: %v", i, err)
+		}
+		a := addrs(res)[0]
+		if _, ok := held[a]; ok && len(got) < free {
+			t.Errorf("ADD %d got %s, an address held back for %s, while %d addresses no expired holder had were free",
+				i, a, held[a], free-len(got))
+		}
+		got = append(got, a)
+		if i > 40 {
+			t.Fatal("the pool never ran out")
+		}
+	}
+	if len(got) != size {
+		t.Errorf("the pool of %d addresses gave %d before it was full: an ADD failed while an expired address was free", size, len(got))
+	}
+	if n := metricValue(t, other, "leasehold_expired_addresses_reused_total"); n != float64(len(held)) {
+		t.Errorf("leasehold_expired_addresses_reused_total = %v, want %d", n, len(held))
+	}
+}
+
+// TestACutOffNodeThatComesBackWithinTheDelayGetsEverythingBack: while the node is away other
+// ADDs find room elsewhere; back, it re-claims every address with no conflict, its blocks are
+// still its own, and what it does not re-claim (a pod deleted while it was away) is free at once.
+func TestACutOffNodeThatComesBackWithinTheDelayGetsEverythingBack(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.67.0.0/26", 29)
+	cutDir := t.TempDir()
+	cut := startAgent(t, cluster, "cut", "uid-cut", withHold(cutDir))
+	other := startAgent(t, cluster, "other", "uid-other", withHold(t.TempDir()))
+	mine := map[string]netip.Addr{}
+	var owners []string
+	sandboxes := t.TempDir()
+	for i := range 8 {
+		owner := fmt.Sprintf("cut-%d", i)
+		req := addReq(pool, owner, "eth0", owner)
+		req.Netns = sandboxes + "/" + owner // the agent only looks whether the path exists
+		if err := os.WriteFile(req.Netns, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		res, err := cut.Add(ctx, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine[owner] = addrs(res)[0]
+		owners = append(owners, owner)
+	}
+	blocksBefore := blockClaims(t, cli, pool.Name)
+	crash(cut)
+	expire(t, cli, cut, owners...)
+	for i := range 20 {
+		res, err := other.Add(ctx, addReq(pool, fmt.Sprintf("o-%d", i), "eth0", fmt.Sprintf("o-%d", i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for o, a := range mine {
+			if addrs(res)[0] == a {
+				t.Errorf("another node got %s of the cut-off node's %s while the pool had room", a, o)
+			}
+		}
+	}
+	for b, rec := range blocksBefore {
+		if got := blockClaims(t, cli, pool.Name)[b]; got.Node != rec.Node {
+			t.Errorf("block %s of the cut-off node is claimed by %q now", b, got.Node)
+		}
+	}
+	// One pod was deleted while its node was away: its sandbox is gone, its DEL not sent.
+	gone := owners[0]
+	if err := os.Remove(sandboxes + "/" + gone); err != nil {
+		t.Fatal(err)
+	}
+	back := startAgent(t, cluster, "cut", "uid-cut", withHold(cutDir))
+	etcdtest.Eventually(t, 15*time.Second, "the cut-off node's pods are re-claimed", func() bool {
+		for _, o := range owners[1:] {
+			if allocOwner(t, cli, pool, mine[o]) != o {
+				return false
+			}
+		}
+		return true
+	})
+	if back.Conflicts() != 0 {
+		t.Errorf("%d conflicts after coming back within the delay; want 0", back.Conflicts())
+	}
+	etcdtest.Eventually(t, 15*time.Second, "the held key of the pod deleted meanwhile is freed", func() bool {
+		return len(etcdtest.Dump(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, mine[gone]))) == 0
+	})
+	for _, o := range owners[1:] {
+		key := keyspace.HeldKey(pool.Name, pool.Blocks, mine[o])
+		if len(etcdtest.Dump(t, cli, key)) != 1 {
+			t.Errorf("re-claimed %s has no held key", mine[o])
+		}
+	}
+}
+
+// TestAnAgentStoppingWithNoPodGivesItsBlocksBackAtOnce: the reuse delay is for what expired,
+// not for a node that left cleanly.
+func TestAnAgentStoppingWithNoPodGivesItsBlocksBackAtOnce(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.68.0.0/27", 29)
+	a := startAgent(t, cluster, "n", "uid-n", withHold(t.TempDir()))
+	for i := range 10 {
+		if _, err := a.Add(ctx, addReq(pool, fmt.Sprint(i), "eth0", fmt.Sprint(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 10 {
+		if err := a.Del(ctx, addReq(pool, fmt.Sprint(i), "eth0", fmt.Sprint(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(blockClaims(t, cli, pool.Name)) == 0 {
+		t.Fatal("no block was claimed")
+	}
+	a.Close()
+	if n := len(blockClaims(t, cli, pool.Name)); n != 0 {
+		t.Errorf("%d block claims left by an agent that stopped with no pod", n)
+	}
+	if n := len(etcdtest.Dump(t, cli, keyspace.HeldPrefix(pool.Name))); n != 0 {
+		t.Errorf("%d held keys left by an agent that stopped with no pod", n)
+	}
+}
+
+// TestADeletedPodStaysDeletedAfterACrash: ADD, DEL answered, the agent killed at once (the
+// journal's later writes lost) and started again: the pod is never brought back. And the pod
+// added just before a crash is kept even if the agent stays away past its lease.
+func TestADeletedPodStaysDeletedAfterACrash(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.69.0.0/24", 26)
+	dir := t.TempDir()
+	a := startAgent(t, cluster, "n", "uid-n", withHold(dir))
+	for round := range 20 {
+		owner, kept := fmt.Sprintf("del-%d", round), fmt.Sprintf("kept-%d", round)
+		res, err := a.Add(ctx, addReq(pool, owner, "eth0", owner))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ip := addrs(res)[0]
+		kres, err := a.Add(ctx, addReq(pool, kept, "eth0", kept))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := a.Del(ctx, addReq(pool, owner, "eth0", owner)); err != nil {
+			t.Fatal(err)
+		}
+		crash(a)                // right after the DEL's answer
+		expire(t, cli, a, kept) // away past its lease: only the journal knows it
+		a = startAgent(t, cluster, "n", "uid-n", withHold(dir))
+		etcdtest.Eventually(t, 10*time.Second, "the pod added before the crash is re-claimed", func() bool {
+			return allocOwner(t, cli, pool, addrs(kres)[0]) == kept
+		})
+		if o := allocOwner(t, cli, pool, ip); o == owner {
+			t.Fatalf("round %d: %s's DEL was answered, and after a crash and restart it holds %s again", round, owner, ip)
+		}
+		if _, ok := a.pods.snapshot(owner); ok {
+			t.Fatalf("round %d: the restarted agent knows the deleted pod %s", round, owner)
+		}
+		if err := a.Del(ctx, addReq(pool, kept, "eth0", kept)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestADelOfAPodBeingReclaimedIsFinal: the pod's lease is lost and its DEL races the re-claim.
+// Whichever goes first, the DEL's answer is final: no key of the pod is left, and nothing
+// writes one later.
+func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.70.0.0/24", 26)
+	a := startAgent(t, cluster, "n", "uid-n", withHold(t.TempDir()), func(c *Config) { c.LeaseTTL = 3 * time.Second })
+	for round := range 8 {
+		owner := fmt.Sprintf("race-%d", round)
+		res, err := a.Add(ctx, addReq(pool, owner, "eth0", owner))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ip := addrs(res)[0]
+		// Hold the owner, so that the re-claim waits with the DEL until the lease is lost.
+		unlock := a.locks.lock(owner)
+		expire(t, cli, a, owner)
+		etcdtest.Eventually(t, 10*time.Second, "the agent finds the lease lost", func() bool {
+			_, lost := a.pods.lostPod(owner)
+			return lost
+		})
+		var wg sync.WaitGroup
+		var delErr error
+		wg.Go(func() { delErr = a.Del(ctx, addReq(pool, owner, "eth0", owner)) })
+		time.Sleep(time.Duration(round%4) * 5 * time.Millisecond) // let the re-claim or the DEL queue first
+		unlock()
+		wg.Wait()
+		if delErr != nil {
+			t.Fatal(delErr)
+		}
+		// Give any late re-claim its chance, then look.
+		etcdtest.Eventually(t, 10*time.Second, "the agent forgets the deleted pod", func() bool {
+			_, known := a.pods.snapshot(owner)
+			return !known
+		})
+		time.Sleep(200 * time.Millisecond)
+		if o := allocOwner(t, cli, pool, ip); o == owner {
+			t.Fatalf("round %d: %s holds %s after its DEL was answered", round, owner, ip)
+		}
+		if n := len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, owner))); n != 0 {
+			t.Fatalf("round %d: %d owner keys of %s after its DEL", round, n, owner)
+		}
+	}
+}
+
+// TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods: the node's pod leases expired (a freeze) and
+// the agent has not re-claimed them yet; a burst of ADDs on the same node takes none of them,
+// and every pod gets its address back.
+func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.71.0.0/26", 29)
+	a := startAgent(t, cluster, "n", "uid-n", withHold(t.TempDir()))
+	mine := map[netip.Addr]string{}
+	var owners []string
+	for i := range 6 {
+		owner := fmt.Sprintf("run-%d", i)
+		res, err := a.Add(ctx, addReq(pool, owner, "eth0", owner))
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine[addrs(res)[0]] = owner
+		owners = append(owners, owner)
+	}
+	var unlocks []func()
+	for _, o := range owners {
+		unlocks = append(unlocks, a.locks.lock(o)) // no re-claim before the burst is done
+	}
+	expire(t, cli, a, owners...)
+	etcdtest.Eventually(t, 10*time.Second, "the agent's view takes the expired allocations for free", func() bool {
+		// Gone, and found on this node's own block lease: nothing of another node holds them.
+		v := a.pools.viewOf(pool.Name)
+		v.mu.Lock()
+		defer v.mu.Unlock()
+		for ip := range mine {
+			if _, ok := v.allocated[ip]; ok || v.heldBackLocked(ip) {
+				return false
+			}
+		}
+		return true
+	})
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for i := range 20 {
+		wg.Go(func() {
+			res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("new-%d", i), "eth0", fmt.Sprintf("new-%d", i)))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if o, ok := mine[addrs(res)[0]]; ok {
+				t.Errorf("a new pod got %s of the node's running pod %s", addrs(res)[0], o)
+			}
+		})
+	}
+	wg.Wait()
+	for _, unlock := range unlocks {
+		unlock()
+	}
+	etcdtest.Eventually(t, 15*time.Second, "every running pod holds its address again", func() bool {
+		for ip, o := range mine {
+			if allocOwner(t, cli, pool, ip) != o {
+				return false
+			}
+		}
+		return true
+	})
+	if a.Conflicts() != 0 {
+		t.Errorf("%d conflicts: the node gave its own running pods' addresses away", a.Conflicts())
+	}
+}
+
+// TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo: while a pod's lease was lost
+// another owner took its address; the re-claim records the conflict; when the other owner's
+// DEL comes, the running pod holds its address again at once, and CHECK passes.
+func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.72.0.0/24", 26)
+	a := startAgent(t, cluster, "a", "uid-a", withHold(t.TempDir()), func(c *Config) { c.Quarantine = 30 * time.Second })
+	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()), func(c *Config) { c.Quarantine = 30 * time.Second })
+	res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	unlock := a.locks.lock("run")
+	expire(t, cli, a, "run")
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, thief); err != nil {
+		t.Fatalf("another node asks for the expired address: %v", err)
+	}
+	unlock()
+	etcdtest.Eventually(t, 15*time.Second, "the re-claim records the conflict", func() bool {
+		return len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name))) == 1
+	})
+	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); !errors.Is(err, allocator.ErrConflict) {
+		t.Errorf("CHECK of the conflicted pod: %v, want a conflict", err)
+	}
+	if err := b.Del(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 5*time.Second, "the running pod holds its address again", func() bool {
+		return allocOwner(t, cli, pool, ip) == "run"
+	})
+	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); err != nil {
+		t.Errorf("CHECK after the conflict was resolved: %v", err)
+	}
+	if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name))); n != 0 {
+		t.Errorf("the conflict record outlived the resolution")
+	}
+	if n := metricValue(t, a, "leasehold_conflicts_resolved_total"); n != 1 {
+		t.Errorf("leasehold_conflicts_resolved_total = %v, want 1", n)
+	}
+	if ps, _ := a.pods.snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
+		t.Errorf("the pod's state still lists conflicts: %+v", ps.Attachments)
+	}
+}
