@@ -16,20 +16,20 @@ import (
 	"time"
 )
 
-// journalWriter takes journal writes off the ADD and DEL paths: callers record the newest
-// state of an owner, and a background loop appends what changed every flushEvery, in one
-// write, instead of a file per pod created and renamed on every change, which put file-system
-// work on every ADD's path (docs/performance.md). What a
-// crash can lose is the last flushEvery of changes: the pods concerned still have their pod
-// records in etcd, on leases that live for the TTL, and recovery rebuilds their journal
-// entries from those records; only an agent that crashed inside that window and then stayed
-// away past the TTL misses them.
+// journalWriter is the journal's one writer. Callers record the newest state of an owner;
+// a background loop appends what changed in one write, every flushEvery, or at once when an
+// ADD or DEL waits for its change (sync): concurrent callers share that write, and the file
+// system sees one append, never a file per pod (docs/performance.md). An ADD or DEL is
+// answered only once the journal holds it, so a crash right after an answer loses nothing;
+// other changes (re-claims, recorded conflicts) may lose the last flushEvery, which the next
+// recovery rebuilds from etcd.
 //
 // A write that fails (a full or failing disk, a short write) loses nothing: the changes stay
 // with the writer, a partly written line is cut back off the file, and the write is tried
 // again, from journalRetryFirst doubling to journalRetryMax, until the journal holds every
 // pod again; no further change is needed for that. Meanwhile the failure is logged (at the
-// first failure, every journalLogEvery, and on recovery), counted, and fails /readyz.
+// first failure, every journalLogEvery, and on recovery), counted, and fails /readyz; a DEL
+// waiting for it fails (code 11), an ADD does not.
 type journalWriter struct {
 	j   journal
 	log *slog.Logger
@@ -79,7 +79,7 @@ const (
 )
 
 // ErrJournalUnwritable is wrapped by Ready's error while the local journal cannot be written
-// (a full or failing --state-dir disk). ADDs still succeed; the pods they add are journaled
+// (a full or failing --state-dir disk). ADDs still succeed (DELs wait); the pods they add are journaled
 // once a retry succeeds.
 var ErrJournalUnwritable = errors.New("the journal cannot be written; re-claim after a lease loss would miss the pods changed since")
 
@@ -122,9 +122,8 @@ func (w *journalWriter) start(from loaded) {
 	}()
 }
 
-// save records ps as the owner's newest state. It never blocks on the disk and never fails,
-// so an ADD neither waits for the journal nor fails with it: a journal that cannot be written
-// fails /readyz instead (Agent.Ready), and etcd's pod record is what a restart resumes from.
+// save records ps as the owner's newest state. It never blocks on the disk and never fails;
+// an ADD or DEL that must survive a crash waits with sync.
 func (w *journalWriter) save(ps podState) {
 	if w.j.dir == "" {
 		return

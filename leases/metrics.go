@@ -271,7 +271,7 @@ var ErrNotReady = errors.New("agent not ready")
 // Ready reports whether the agent can serve ADDs and keep them: it has heard from etcd within
 // the last few seconds, or etcd answers a small read now, and its journal is being written.
 // It backs leaseholdd's /readyz. While the journal cannot be written the error also wraps
-// ErrJournalUnwritable; ADDs still succeed then (journalWriter.save).
+// ErrJournalUnwritable; ADDs still succeed then, DELs wait for it (journalWriter.sync).
 func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
