@@ -150,7 +150,7 @@ func (b *claimBatcher) run(batch []*queued) {
 		for _, c := range batch {
 			c.err = err
 		}
-	case resp.Succeeded:
+	case err == nil && resp.Succeeded:
 		b.m.claimBatches.WithLabelValues("committed").Inc()
 		b.m.claimsBatched.Add(float64(len(batch)))
 		for _, c := range batch {

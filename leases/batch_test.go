@@ -112,6 +112,43 @@ func TestBatchWithAClaimThatLosesSplitsAndEachLearns(t *testing.T) {
 	}
 }
 
+// TestARefusedBatchSplitsAndEachLearns: etcd refuses a batch outright (one claim's lease is
+// gone: nothing of the batch applies). The batcher answers each claim alone, as it would
+// have been answered without the batch; it used to read the nil response of the refusal.
+func TestARefusedBatchSplitsAndEachLearns(t *testing.T) {
+	cli := etcdtest.Client(t)
+	ctx := ctxT(t)
+	lease := func() clientv3.LeaseID {
+		resp, err := cli.Grant(ctx, 60)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.ID
+	}
+	live, gone := lease(), lease()
+	if _, err := cli.Revoke(ctx, gone); err != nil {
+		t.Fatal(err)
+	}
+	prefix := etcdtest.Uniq("/batch-refused/")
+	claimOn := func(name string, l clientv3.LeaseID) *queued {
+		key := prefix + name
+		return &queued{cmps: []clientv3.Cmp{keyspace.Absent(key)}, puts: []clientv3.Op{clientv3.OpPut(key, "x", clientv3.WithLease(l))},
+			gets: []clientv3.Op{clientv3.OpGet(key)}, keys: []string{key}, done: make(chan struct{})}
+	}
+	ok, refusedOne := claimOn("ok", live), claimOn("gone", gone)
+	b := &claimBatcher{cli: cli, timeout: 10 * time.Second, m: newMetrics(&Agent{})}
+	b.run([]*queued{ok, refusedOne})
+	if ok.err != nil || ok.resp == nil || !ok.resp.Succeeded {
+		t.Errorf("the claim on a live lease: %v, %+v; want it applied alone", ok.err, ok.resp)
+	}
+	if !leaseGone(refusedOne.err) {
+		t.Errorf("the claim on a gone lease: %v; want etcd's refusal, alone", refusedOne.err)
+	}
+	if n := counterValue(b.m.claimBatches.WithLabelValues("split")); n != 1 {
+		t.Errorf("split batches counted: %v, want 1", n)
+	}
+}
+
 // TestTakeFitsABatchToOneTransaction checks the batch's composition (no I/O): etcd's
 // operation limit, and no key put twice in one transaction.
 func TestTakeFitsABatchToOneTransaction(t *testing.T) {
@@ -150,7 +187,7 @@ func counterValue(c prometheus.Counter) float64 {
 func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 	cli := etcdtest.Client(t)
 	var armed atomic.Bool
-	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 10} // more than one dual-stack claim has
+	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 12} // more than one dual-stack claim has (11)
 	a, err := Start(ctxT(t), cli, Config{Cluster: etcdtest.Uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
 	if err != nil {
 		t.Fatal(err)
