@@ -30,8 +30,9 @@ type addState struct {
 	lost map[netip.Addr]bool
 	// unanswered counts claims whose answer did not come (see tryAdd).
 	unanswered int
-	// relisted: the pool's view was found stale and listed again once in this ADD.
-	relisted bool
+	// relisted: the pool's view was found stale and listed again once in this ADD; reread: a
+	// borrowed address was found taken, and the borrowing snapshot is read again once.
+	relisted, reread bool
 	// sticky is the claim the ADD names, as read (sticky.go); origRequested the addresses
 	// the runtime asked for, before the claim's replaced them.
 	sticky        *stickyAdd
@@ -142,12 +143,13 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 
 	addrs := make([]netip.Addr, len(p.spec.Ranges))
 	var reserved []netip.Addr
+	notHeld := map[netip.Addr]bool{}
 	for i := range p.spec.Ranges {
 		if requested[i].IsValid() {
 			addrs[i] = requested[i]
 			continue
 		}
-		addr, err := p.view.choose(ctx, &p.spec, i, func(x netip.Addr) bool {
+		addr, expired, err := p.view.choose(ctx, &p.spec, i, func(x netip.Addr) bool {
 			// Never an address of this node's own pods: one whose lease expired (a freeze, a
 			// crash, a cut-off) looks free until its re-claim writes it back.
 			return st.skip(x) || a.pods.ownsAddr(p.spec.Name, x)
@@ -187,6 +189,9 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		}
 		addrs[i] = addr
 		reserved = append(reserved, addr)
+		if !expired {
+			notHeld[addr] = true
+		}
 	}
 
 	heldLease, held, err := a.heldFor(octx, owner)
@@ -196,7 +201,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	now := a.wall()
 	c := &claim{add: true, lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, poolRev: p.rev, addrs: addrs,
-		heldLease: heldLease, held: held,
+		heldLease: heldLease, held: held, notHeld: notHeld,
 		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name),
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
@@ -386,7 +391,13 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 			}
 		}
 		if f.Holder != nil {
-			p.view.markAllocated(f.Addr, f.Holder.CreateRevision)
+			if p.view.markAllocated(f.Addr, f.Holder.CreateRevision) && !st.reread {
+				// Borrowed from a snapshot that others' ADDs have made stale: near
+				// exhaustion each of its addresses may be taken, so read the pool again
+				// once rather than try them one by one.
+				st.reread = true
+				p.view.staleSnapshot()
+			}
 			if !wanted {
 				p.view.scatter(&p.spec, i)
 			} else {
@@ -394,6 +405,14 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
 					allocator.ErrAddressInUse, f.Addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
 					holder.Cluster, holder.Node, holder.ContainerID)
+			}
+		}
+		if f.Held != nil && f.Holder == nil {
+			// Held back for a holder that expired without a release, though the view or
+			// snapshot took it for free: the search passes it over from now on.
+			p.view.markHeld(f.Addr, clientv3.LeaseID(f.Held.Lease))
+			if a.blockLeases.mine(clientv3.LeaseID(f.Held.Lease)) {
+				a.wake() // this node's own held key no pod of it lists: settleHeld frees it
 			}
 		}
 		if f.Quarantine != nil {

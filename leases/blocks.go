@@ -178,12 +178,16 @@ func (o *blockOwner) sortClaims(ctx context.Context, log *slog.Logger, kvs []*mv
 //
 // Addresses whose holder expired without a release are passed over by each of these, and
 // taken only when none of them finds another (reuseExpired).
-func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+// It reports whether the address is one whose holder expired (then the claim overwrites its
+// held key); any other the claim compares without a held key, so that a stale view or
+// snapshot never hands out a held-back address as a free one.
+func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (_ netip.Addr, expired bool, _ error) {
 	addr, err := v.chooseFree(ctx, spec, set, skip)
 	if errors.Is(err, allocator.ErrPoolExhausted) {
-		return v.reuseExpired(ctx, spec, set, skip, err)
+		addr, err = v.reuseExpired(ctx, spec, set, skip, err)
+		return addr, err == nil, err
 	}
-	return addr, err
+	return addr, false, err
 }
 
 // chooseFree is choose without the addresses held back after an expiry.

@@ -379,3 +379,40 @@ func TestRestartedNodeKeepsItsBlocksWithoutARequest(t *testing.T) {
 		return time.Since(restarted) > 3*ttl
 	})
 }
+
+// TestManyAgentsFillAPoolToItsLastAddress: ten nodes take turns filling a pool whose blocks
+// run out early, so most of the last ADDs borrow from snapshots the others keep making stale.
+// Every address is placed, and only then is the pool exhausted: a borrowed address found
+// taken makes the ADD read the pool again, instead of trying stale ones until it gives up.
+func TestManyAgentsFillAPoolToItsLastAddress(t *testing.T) {
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.90.0.0/23", 26)
+	spec := pool
+	if err := spec.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
+	size := int(spec.SetSize(0).Int64())
+	var agents []*Agent
+	for i := range 10 {
+		agents = append(agents, startAgent(t, cluster, fmt.Sprint("n", i), fmt.Sprint("u", i)))
+	}
+	placed := 0
+	for i := 0; ; i++ {
+		_, err := agents[i%len(agents)].Add(ctx, addReq(pool, fmt.Sprint("p", i), "eth0", fmt.Sprint("p", i)))
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("ADD %d of a pool of %d: %v", i, size, err)
+		}
+		placed++
+	}
+	if placed != size {
+		t.Errorf("%d of %d addresses placed before the pool said it was exhausted", placed, size)
+	}
+	var retries float64
+	for _, a := range agents {
+		retries += metricValue(t, a, "leasehold_cas_retries_total")
+	}
+	t.Logf("%d ADDs, %.0f CAS retries", placed, retries)
+}

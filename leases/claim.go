@@ -18,11 +18,12 @@ import (
 //	If(   owner index absent,
 //	      [ADD] pool definition unchanged since the agent read it,
 //	      [ADD, import; new pod] pod record absent | [known pod] pod record on this lease,
-//	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key)
+//	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key,
+//	      [ADD, chosen as free] held key absent)
 //	Then( [new pod] put pod record, put every allocation and its held key, put owner index,
 //	      [re-claim] put conflict record )
 //	Else( get owner index, [ADD, import] pod record, [ADD] pool definition,
-//	      per address: allocation, [ADD] quarantine key, [ADD] first host address key )
+//	      per address: allocation, [ADD] quarantine key, [ADD] first host address key, [ADD] held key )
 //
 // An ADD claims addresses the view chose; a re-claim restores a running pod's own addresses
 // after its lease was lost, so it does not compare the pool definition (the addresses were
@@ -48,6 +49,10 @@ type claim struct {
 	// node's block lease, which outlives the pod lease by the reuse delay.
 	heldLease clientv3.LeaseID
 	held      keyspace.HeldRecord
+	// notHeld are the addresses an ADD chose as free ones: the claim compares their held key
+	// absent, so that one whose holder expired without a release goes only to an ADD that
+	// chose it as such (view.reuseExpired), whatever a stale view or snapshot said.
+	notHeld map[netip.Addr]bool
 
 	// ADD only.
 	add     bool
@@ -80,10 +85,10 @@ const (
 )
 
 // readsPerAddr is the else branch's reads per address: the allocation, then for an ADD its
-// quarantine key and its first host address key.
+// quarantine key, its first host address key and its held key.
 func (c *claim) readsPerAddr() int {
 	if c.add {
-		return 3
+		return 4
 	}
 	return 1
 }
@@ -145,8 +150,13 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 			}
 			// No node publishes the address as its own.
 			cmps = append(cmps, keyspace.NoneUnder(hosts))
+			heldKey := keyspace.HeldKey(c.pool, c.blocks, addr)
+			if c.notHeld[addr] {
+				cmps = append(cmps, keyspace.Absent(heldKey))
+			}
 			gets = append(gets, clientv3.OpGet(qKey),
-				clientv3.OpGet(hosts, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
+				clientv3.OpGet(hosts, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)),
+				clientv3.OpGet(heldKey, clientv3.WithKeysOnly()))
 		}
 	}
 	puts = append(puts, clientv3.OpPut(c.ownerKey, keyspace.Encode(c.index), on))
@@ -220,10 +230,15 @@ type addrFound struct {
 	Quarantine *mvccpb.KeyValue
 	// Host is the key of a node that publishes the address as its own (ADD).
 	Host *mvccpb.KeyValue
+	// Held is the held key of an address the ADD chose as free: its holder expired without
+	// a release, and it is held back (reuse.go).
+	Held *mvccpb.KeyValue
 }
 
 // taken tells whether anything stood at the address.
-func (f addrFound) taken() bool { return f.Holder != nil || f.Quarantine != nil || f.Host != nil }
+func (f addrFound) taken() bool {
+	return f.Holder != nil || f.Quarantine != nil || f.Host != nil || f.Held != nil
+}
 
 // outcome decodes resp, the response to c's transaction.
 func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
@@ -256,6 +271,9 @@ func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
 		f := addrFound{Addr: addr, Holder: kv(c.addrRead(i, 0))}
 		if c.add {
 			f.Quarantine, f.Host = kv(c.addrRead(i, 1)), kv(c.addrRead(i, 2))
+			if c.notHeld[addr] {
+				f.Held = kv(c.addrRead(i, 3))
+			}
 			if rev, ok := c.resting[addr]; ok && f.Quarantine != nil && f.Quarantine.ModRevision == rev {
 				f.Quarantine = nil // resting under the claim: this ADD's to take
 			}

@@ -443,3 +443,62 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 		t.Errorf("the pod's state still lists conflicts: %+v", ps.Attachments)
 	}
 }
+
+// TestStaleSnapshotsNeverHandOutAHeldBackAddress: many nodes, more than the pool has blocks,
+// so that most borrow from snapshots read while the pods of two nodes were still being
+// added. The two nodes die; the others fill the pool: every address no expired holder had
+// goes first, whatever a stale snapshot said (the claim compares the held key absent), then
+// the held-back ones.
+func TestStaleSnapshotsNeverHandOutAHeldBackAddress(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/23", 26) // 8 blocks for 12 nodes
+	var agents []*Agent
+	for i := range 12 {
+		agents = append(agents, startAgent(t, cluster, fmt.Sprint("n", i), fmt.Sprint("u", i), withHold(t.TempDir())))
+	}
+	dead := map[netip.Addr]bool{}
+	var owners [2][]string
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for n, a := range agents {
+		wg.Go(func() {
+			for j := range 20 {
+				o := fmt.Sprintf("p%d-%d", n, j)
+				res, err := a.Add(ctx, addReq(pool, o, "eth0", o))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if n < 2 {
+					mu.Lock()
+					dead[addrs(res)[0]], owners[n] = true, append(owners[n], o)
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for n := range 2 {
+		crash(agents[n])
+		expire(t, cli, agents[n], owners[n]...)
+	}
+	live := agents[2:]
+	reused := 0
+	for i := 0; ; i++ {
+		res, err := live[i%len(live)].Add(ctx, addReq(pool, fmt.Sprint("f", i), "eth0", fmt.Sprint("f", i)))
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a := addrs(res)[0]; dead[a] {
+			reused++
+		} else if reused > 0 {
+			t.Fatalf("ADD %d got %s, which no expired holder had, after %d held-back addresses were reused", i, a, reused)
+		}
+	}
+	if reused != len(dead) {
+		t.Errorf("%d of the %d held-back addresses were reused before the pool was exhausted", reused, len(dead))
+	}
+}

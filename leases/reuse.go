@@ -91,6 +91,28 @@ func (v *view) allocPut(a netip.Addr) {
 	delete(v.relRev, a)
 }
 
+// markHeld records what a failed claim learned: a's held key, on lease, stands with no
+// allocation. A held key of this node's own (one no pod of it lists) is freed by settleHeld.
+func (v *view) markHeld(a netip.Addr, lease clientv3.LeaseID) {
+	if !v.holding() || v.nodeLeases.mine(lease) {
+		return
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	switch {
+	case v.follows(a):
+		if _, ok := v.heldBack[a]; !ok {
+			v.heldBack[a] = time.Time{}
+			v.kickHeld()
+		}
+	case v.borrowed != nil:
+		if _, ok := v.borrowed.expired[a]; !ok {
+			v.borrowed.expired[a] = lease
+			v.borrowed.used[v.blocks.Of(a)]++
+		}
+	}
+}
+
 // heldListed installs what a listing found of held keys in its spans: those of another node
 // with no allocation at their address are held back, to be looked up (their hold's end) at
 // once. The caller holds the lock.
@@ -218,8 +240,8 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 	return next
 }
 
-// holdEnds fills in when each lease of ends expires, as etcd says now (zero when it could
-// not be read, or the lease is gone). A hold ends with the block lease of the node that held
+// holdEnds fills in when each lease of ends expires, as etcd says now: now when the lease is
+// gone, zero when it could not be read. A hold ends with the block lease of the node that held
 // the address: the reuse delay after its pods' leases expired, unless it comes back.
 func (v *view) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time) {
 	var mu sync.Mutex
@@ -233,11 +255,15 @@ func (v *view) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time
 			octx, cancel := context.WithTimeout(ctx, probeTimeout)
 			defer cancel()
 			resp, err := v.cli.TimeToLive(octx, id)
-			if err != nil || resp.TTL <= 0 {
+			if err != nil {
 				return
 			}
+			end := now // the lease is gone: the hold has ended
+			if resp.TTL > 0 {
+				end = now.Add(time.Duration(resp.TTL) * time.Second)
+			}
 			mu.Lock()
-			ends[id] = now.Add(time.Duration(resp.TTL) * time.Second)
+			ends[id] = end
 			mu.Unlock()
 		})
 	}
@@ -282,6 +308,11 @@ func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 			cands = append(cands, cand{a: a, until: until})
 		}
 	}
+	for a := range v.suspect { // gone just now, not looked up yet: last
+		if usable(a) {
+			cands = append(cands, cand{a: a})
+		}
+	}
 	leases := map[clientv3.LeaseID]time.Time{}
 	if s := v.borrowed; s != nil {
 		for a, id := range s.expired {
@@ -301,11 +332,17 @@ func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 			cands[i].until = leases[cands[i].lease]
 		}
 	}
-	// The hold that ends first goes first; a hold whose end is unknown (its lease just
-	// expired, or its TTL could not be read) counts as ended.
+	// The hold that ends first goes first; one whose end is unknown (gone just now, or its
+	// TTL could not be read) goes last.
 	slices.SortFunc(cands, func(x, y cand) int {
-		if c := x.until.Compare(y.until); c != 0 {
-			return c
+		switch {
+		case x.until.IsZero() != y.until.IsZero():
+			if x.until.IsZero() {
+				return 1
+			}
+			return -1
+		case !x.until.Equal(y.until):
+			return x.until.Compare(y.until)
 		}
 		return x.a.Compare(y.a)
 	})

@@ -302,8 +302,9 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 	}
 }
 
-// markAllocated records what a failed transaction learned: addr was created at rev.
-func (v *view) markAllocated(a netip.Addr, rev int64) {
+// markAllocated records what a failed transaction learned: addr was created at rev. It
+// reports whether addr lies outside the view's spans (a borrowed address).
+func (v *view) markAllocated(a netip.Addr, rev int64) (borrowed bool) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	switch {
@@ -312,9 +313,18 @@ func (v *view) markAllocated(a netip.Addr, rev int64) {
 			v.allocated[a] = rev
 		}
 		v.allocPut(a)
+		return false
 	case v.borrowed != nil:
 		v.borrowed.take(v.blocks, a)
 	}
+	return true
+}
+
+// staleSnapshot makes the next borrowing read the pool again.
+func (v *view) staleSnapshot() {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.borrowedAt = time.Time{}
 }
 
 // markQuarantined records what a failed transaction learned about a quarantined address.
