@@ -163,8 +163,9 @@ func (a *Agent) Err() error {
 
 // Close stops the agent. Pod leases stop being renewed but are not revoked: a restarted
 // agent with the same node identity adopts them, and otherwise they expire after their TTL.
-// An agent that stops with no pod left gives its blocks back at once (their lease is
-// revoked): the reuse delay is for the addresses of pods that may still run.
+// So does the node record, which names the block lease the restart adopts. An agent that
+// stops with no pod left leaves at once: its node lease and block leases are revoked, and
+// its blocks are free (the reuse delay is for the addresses of pods that may still run).
 // Closing again does nothing.
 func (a *Agent) Close() {
 	a.closeOnce.Do(func() {
@@ -174,10 +175,10 @@ func (a *Agent) Close() {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
 			}
-		}
-		if node := a.nodeLease(); node != 0 {
-			if err := a.keeper.Revoke(node); err != nil {
-				a.log.Warn("revoke node lease", "err", err)
+			if node := a.nodeLease(); node != 0 {
+				if err := a.keeper.Revoke(node); err != nil {
+					a.log.Warn("revoke node lease", "err", err)
+				}
 			}
 		}
 		a.keeper.Close()
