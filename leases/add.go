@@ -230,7 +230,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
-			a.pods.claimed(req, owner, st.fresh)
+			a.claimedOn(ctx, req, owner, st.fresh)
 			st.fresh = 0
 		}
 		a.pods.unanswered(owner)
@@ -254,7 +254,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.spec.Name, "ips", addrs)
 			}
 		}
-		a.pods.claimed(req, owner, lease, at)
+		a.claimedOn(ctx, req, owner, lease, at)
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
@@ -488,7 +488,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.pods.claimed(st.req, st.owner, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
+	a.claimedOn(ctx, st.req, st.owner, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
 }
@@ -541,7 +541,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.pods.claimed(allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
+	a.claimedOn(ctx, allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
 	return nil
 }
 

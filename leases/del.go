@@ -108,7 +108,13 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 	}
 	a.etcdAnswered()
 	if len(resp.Kvs) == 0 {
-		if a.forgetLost(owner, req) {
+		if lease, held := a.pods.lease(owner); held && a.pods.lists(owner, req.IfName, req.Pool.Name, req.ContainerID) {
+			// The agent holds the attachment, etcd has no key of it: its lease expired before
+			// the keeper noticed. The pod's other attachments are re-claimed (if the lease
+			// still lives, the re-claim resumes it), this one is not.
+			a.pods.lose(lease)
+		}
+		if a.forgetLost(ctx, owner, req) {
 			return -1, nil
 		}
 		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
@@ -125,7 +131,7 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		return -1, nil
 	}
 	if rec.ContainerID != req.ContainerID {
-		a.forgetLost(owner, req)
+		a.forgetLost(ctx, owner, req)
 		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
 		return -1, nil
@@ -137,18 +143,58 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 // nothing of it to release (its keys expired): it must never be re-claimed now that its DEL
 // is answered. Its held keys are freed by the next settleHeld. It reports whether there was
 // such an attachment.
-func (a *Agent) forgetLost(owner string, req allocator.Request) bool {
+func (a *Agent) forgetLost(ctx context.Context, owner string, req allocator.Request) bool {
 	if _, held := a.pods.lease(owner); held {
 		return false
 	}
-	if !a.pods.forgetAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID) {
+	at, ok := a.pods.lostAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID)
+	if !ok || !a.pods.forgetAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID) {
 		return false
 	}
 	a.metrics.reclaimsCancelled.Inc()
 	a.log.Info("DEL of a pod whose lease was lost: its keys are gone, and it is not re-claimed",
 		"owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", req.Pool.Name)
+	a.reportTakenAtDel(ctx, owner, at)
 	a.wake()
 	return true
+}
+
+// reportTakenAtDel logs, as a conflict, the addresses of a deleted attachment that another
+// owner holds: its lease was lost, and another pod got them while this one still ran (the
+// window ARCHITECTURE.md names). The DEL ends the overlap; the record says it happened.
+func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachment) {
+	if len(at.IPs) == 0 {
+		return
+	}
+	blocks, err := a.pools.blocksOf(ctx, at.Pool)
+	if err != nil {
+		return
+	}
+	ops := make([]clientv3.Op, len(at.IPs))
+	for i, ip := range at.IPs {
+		ops[i] = clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip))
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return
+	}
+	var taken []keyspace.TakenByOther
+	for i, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			if holder, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err == nil && holder.Owner != owner {
+				taken = append(taken, keyspace.TakenByOther{IP: at.IPs[i], Holder: holder.Owner, Cluster: holder.Cluster,
+					Node: holder.Node, ContainerID: holder.ContainerID})
+			}
+		}
+	}
+	if len(taken) == 0 {
+		return
+	}
+	a.conflicts.Add(int64(len(taken)))
+	a.log.Error("CONFLICT: addresses of a pod were taken by another owner while its lease was lost; found at its DEL",
+		"owner", owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken)
 }
 
 // errStale is releaseRecord's answer when the owner index it was given from the agent's
@@ -168,6 +214,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 	r := &release{pool: pool, blocks: blocks, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
 		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
 		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
+	if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
+		r.conflictKey = keyspace.ConflictKey(a.cfg.Cluster, owner, ifName, pool)
+	}
 	quarantine := a.cfg.Quarantine >= 0
 	outOfSpace := false // etcd's NOSPACE alarm: no puts, so no claim kept either
 	var claimLease clientv3.LeaseID
@@ -293,6 +342,13 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	if left > 0 {
 		return nil
 	}
+	if ps, _ := a.pods.snapshot(owner); len(ps.Attachments) > 0 {
+		// etcd holds no attachment of the pod, the agent still knows some: their keys went
+		// with the lease, which expired before the keeper noticed. They are re-claimed.
+		a.pods.lose(lease)
+		a.wake()
+		return nil
+	}
 	recycled := false
 	var err error
 	if !a.pods.mayRecycle(owner) {
@@ -347,6 +403,8 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 			errs = append(errs, err)
 		}
 	}
+	// What GC released must stay released across a crash right after its answer.
+	errs = append(errs, a.durable(ctx, "GC", req.Network))
 	return errors.Join(errs...)
 }
 

@@ -502,3 +502,156 @@ func TestStaleSnapshotsNeverHandOutAHeldBackAddress(t *testing.T) {
 		t.Errorf("%d of the %d held-back addresses were reused before the pool was exhausted", reused, len(dead))
 	}
 }
+
+// TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed: a spare lease whose renewals stopped
+// while etcd had no leader is reported lost, though etcd, which extends every lease on a new
+// leader, still has it; an ADD that took it just before sees its claim apply on it. The pod
+// must not be left on a lease nobody renews: the agent resumes the lease, or, when etcd no
+// longer has it, re-claims the pod.
+func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	a := startAgent(t, cluster, "n", "uid-n", withHold(t.TempDir()))
+	alive, err := a.keeper.Take(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.keeper.Forget(alive) // reported lost: no longer renewed
+	a.claimedOn(ctx, allocator.Request{}, "alive", alive)
+	if !a.keeper.Holds(alive) {
+		t.Errorf("a pod's lease that etcd still has is not renewed")
+	}
+	gone, err := a.keeper.Take(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.keeper.Forget(gone)
+	if _, err := cli.Revoke(ctx, gone); err != nil {
+		t.Fatal(err)
+	}
+	unlock := a.locks.lock("gone") // keep the re-claim from running before the look
+	a.claimedOn(ctx, allocator.Request{}, "gone", gone)
+	if _, lost := a.pods.lostPod("gone"); !lost {
+		t.Errorf("a pod whose lease etcd no longer has is not queued for re-claim")
+	}
+	unlock()
+}
+
+// TestTheRestOfAPodSurvivesADelOfOneAttachment: the pod's lease expired before the agent
+// noticed, and the runtime deletes one of its two attachments, or replays a DEL of an older
+// sandbox. The other attachment, and the pod, are re-claimed; the deleted one is not, and its
+// held key is freed.
+func TestTheRestOfAPodSurvivesADelOfOneAttachment(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 26)
+	a := startAgent(t, cluster, "a", "uid-a", withHold(t.TempDir()))
+	eth0, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	net1, err := a.Add(ctx, addReq(pool, "run", "net1", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := a.Add(ctx, addReq(pool, "other", "eth0", "other"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	expire(t, cli, a, "run", "other")
+	if err := a.Del(ctx, addReq(pool, "run", "eth0", "run")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "other-old", "eth0", "other")); err != nil { // an older sandbox's
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 15*time.Second, "the attachments not deleted are re-claimed", func() bool {
+		return allocOwner(t, cli, pool, addrs(net1)[0]) == "run" && allocOwner(t, cli, pool, addrs(other)[0]) == "other"
+	})
+	etcdtest.Eventually(t, 5*time.Second, "the deleted attachment's held key is freed", func() bool {
+		return len(etcdtest.Dump(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, addrs(eth0)[0]))) == 0
+	})
+	if o := allocOwner(t, cli, pool, addrs(eth0)[0]); o != "" {
+		t.Errorf("the deleted attachment's %s is held by %q", addrs(eth0)[0], o)
+	}
+}
+
+// TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment: a conflicted attachment's ADD
+// is repeated (the owner index does not list its conflicts, the agent does), and the conflict
+// is still resolved when the other holder lets go; a conflicted attachment deleted while its
+// pod keeps another takes its conflict record with it.
+func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/24", 26)
+	quarantine := func(c *Config) { c.Quarantine = 30 * time.Second }
+	a := startAgent(t, cluster, "a", "uid-a", withHold(t.TempDir()), quarantine)
+	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()), quarantine)
+	conflict := func(ifName string) (netip.Addr, allocator.Request) {
+		res, err := a.Add(ctx, addReq(pool, "run", ifName, "run"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ip := addrs(res)[0]
+		unlock := a.locks.lock("run")
+		expire(t, cli, a, "run")
+		thief := addReq(pool, "thief-"+ifName, "eth0", "thief-"+ifName)
+		thief.RequestedIPs = []netip.Addr{ip}
+		if _, err := b.Add(ctx, thief); err != nil {
+			t.Fatal(err)
+		}
+		unlock()
+		etcdtest.Eventually(t, 15*time.Second, "the re-claim records the conflict", func() bool {
+			return len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name))) == 1
+		})
+		return ip, thief
+	}
+	ip, thief := conflict("eth0")
+	if _, err := a.Add(ctx, addReq(pool, "run", "eth0", "run")); err != nil {
+		t.Fatalf("repeated ADD: %v", err)
+	}
+	if err := b.Del(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 5*time.Second, "the running pod holds its address again after a repeated ADD", func() bool {
+		return allocOwner(t, cli, pool, ip) == "run"
+	})
+	conflict("net1")
+	if err := a.Del(ctx, addReq(pool, "run", "net1", "run")); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", "net1", pool.Name))); n != 0 {
+		t.Errorf("the conflict record of the deleted attachment is left while its pod lives")
+	}
+}
+
+// TestWhatGCReleasedStaysReleasedAfterACrash: GC answers once the journal records what it
+// released: a crash right after, and the agent away past the TTL, bring nothing back.
+func TestWhatGCReleasedStaysReleasedAfterACrash(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.76.0.0/24", 26)
+	dir := t.TempDir()
+	noGrace := func(c *Config) { c.GCGrace = -1 }
+	a := startAgent(t, cluster, "a", "uid-a", withHold(dir), noGrace)
+	for round := range 5 {
+		gone, kept := fmt.Sprintf("gc-%d", round), fmt.Sprintf("kept-%d", round)
+		for _, o := range []string{gone, kept} {
+			if _, err := a.Add(ctx, addReq(pool, o, "eth0", o)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		gc := allocator.GCRequest{Network: pool.Name, Pool: pool, ValidAttachments: []allocator.Attachment{{ContainerID: kept, IfName: "eth0"}}}
+		if err := a.GC(ctx, gc); err != nil {
+			t.Fatal(err)
+		}
+		crash(a)
+		expire(t, cli, a, kept)
+		a = startAgent(t, cluster, "a", "uid-a", withHold(dir), noGrace)
+		etcdtest.Eventually(t, 10*time.Second, "the kept pod is re-claimed", func() bool {
+			return len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, kept))) == 1
+		})
+		if n := len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, gone))); n != 0 {
+			t.Fatalf("round %d: the attachment GC released came back after a crash", round)
+		}
+		if err := a.Del(ctx, addReq(pool, kept, "eth0", kept)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

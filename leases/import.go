@@ -193,7 +193,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			// It may have applied: the lease stays with the owner, never a spare, and the claim
 			// is sent again; both compare the owner index absent, so at most one applies.
 			if fresh != 0 {
-				a.pods.claimed(req, owner, fresh)
+				a.claimedOn(ctx, req, owner, fresh)
 				fresh = 0
 			}
 			a.pods.unanswered(owner)
@@ -208,7 +208,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 				p.view.markAllocated(ip, out.Revision)
 				rep.Imported = append(rep.Imported, entry(ip, ""))
 			}
-			a.pods.claimed(req, owner, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
+			a.claimedOn(ctx, req, owner, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
 				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
 			fresh = 0
 			a.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
@@ -282,7 +282,7 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, owner st
 			return a.unavailable("resume the pod lease of "+string(kv.Key), err)
 		}
 	}
-	a.pods.claimed(req, owner, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
+	a.claimedOn(ctx, req, owner, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
 		ContainerID: rec.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
 	var missing []netip.Addr
 	for _, ip := range addrs {

@@ -100,9 +100,15 @@ func (ps *podState) hold(id clientv3.LeaseID) {
 	ps.LeaseID = keyspace.LeaseHex(id)
 }
 
+// put records at as the pod's attachment of its interface and pool. The same container's
+// attachment read again from etcd (a repeated ADD) keeps the conflicts the agent knows of
+// for its addresses: the owner index does not list them.
 func (ps *podState) put(at attachment) {
 	for i, old := range ps.Attachments {
 		if old.IfName == at.IfName && old.Pool == at.Pool {
+			if at.Conflicts == nil && old.ContainerID == at.ContainerID {
+				at.Conflicts = slices.DeleteFunc(slices.Clone(old.Conflicts), func(a netip.Addr) bool { return !slices.Contains(at.IPs, a) })
+			}
 			ps.Attachments[i] = at
 			return
 		}

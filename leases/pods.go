@@ -1,6 +1,7 @@
 package leases
 
 import (
+	"context"
 	"net/netip"
 	"slices"
 	"sync"
@@ -9,6 +10,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // pods is what the agent knows of the pods whose leases it holds, one podState per owner,
@@ -89,6 +91,28 @@ func (t *pods) attachment(owner, ifName, pool string) (at attachment, lease clie
 		}
 	}
 	return attachment{}, 0, false
+}
+
+// claimedOn is pods.claimed, and makes sure the keeper renews lease: a spare may have been
+// reported lost (its renewals stopped while etcd had no leader, which etcd itself survives by
+// extending every lease) after an ADD took it and before its claim applied on it. Then the
+// lease is adopted again, or, gone from etcd, its pod re-claimed; never left to expire
+// unrenewed under a pod that was told it has its addresses.
+func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, owner string, lease clientv3.LeaseID, ats ...attachment) {
+	a.pods.claimed(req, owner, lease, ats...)
+	if a.keeper.Holds(lease) {
+		return
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if err := a.keeper.Adopt(octx, lease); err != nil {
+		a.log.Warn("the lease a claim applied on had stopped being renewed, and cannot be resumed; the pod is re-claimed",
+			"owner", owner, "lease", keyspace.LeaseHex(lease), "err", err)
+		a.pods.lose(lease)
+		a.wake()
+		return
+	}
+	a.log.Warn("the lease a claim applied on had stopped being renewed; resumed", "owner", owner, "lease", keyspace.LeaseHex(lease))
 }
 
 // claimed records that owner's keys are on lease, now held (after a claim, an adoption, a
@@ -318,6 +342,37 @@ func (t *pods) pendingReleases() []string {
 		}
 	}
 	return out
+}
+
+// lists tells whether the agent knows container's attachment ifName in pool of owner.
+func (t *pods) lists(owner, ifName, pool, container string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	return ok && slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
+		return at.IfName == ifName && at.Pool == pool && at.ContainerID == container
+	})
+}
+
+// lostAttachment returns container's attachment ifName in pool of owner, whose lease is not
+// held.
+func (t *pods) lostAttachment(owner, ifName, pool, container string) (attachment, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok {
+		return attachment{}, false
+	}
+	if _, held := ps.lease.held(); held {
+		return attachment{}, false
+	}
+	for _, at := range ps.Attachments {
+		if at.IfName == ifName && at.Pool == pool && (container == "" || at.ContainerID == container) {
+			at.IPs = slices.Clone(at.IPs)
+			return at, true
+		}
+	}
+	return attachment{}, false
 }
 
 // forgetAttachment drops container's attachment ifName in pool from what the agent knows of

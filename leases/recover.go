@@ -246,11 +246,9 @@ func (a *Agent) reclaimAll(ctx context.Context) error {
 		errs = append(errs, a.releasePending(ctx, owner))
 	}
 	a.watchConflicts()
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	// Only once every lost pod is re-claimed: its held keys must stay until then.
-	return a.settleHeld(ctx)
+	// The held keys of pods still being re-claimed stay: the pods list their addresses.
+	errs = append(errs, a.settleHeld(ctx))
+	return errors.Join(errs...)
 }
 
 // releasePending releases owner's attachments whose DEL was answered while etcd could not be
@@ -400,7 +398,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	if _, err := a.cli.Put(octx, keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
 		return a.unavailable("write the pod record", err)
 	}
-	a.pods.claimed(req, owner, lease, snap.Attachments...)
+	a.claimedOn(ctx, req, owner, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
 	return nil

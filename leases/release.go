@@ -14,7 +14,7 @@ import (
 //
 //	If(   owner index unchanged since the agent wrote or read it,
 //	      per address: allocation on the attachment's lease)
-//	Then( delete the owner index, every allocation and its held key,
+//	Then( delete the owner index and conflict record, every allocation and its held key,
 //	      [quarantine] put each address's quarantine key, on the shared quarantine lease,
 //	      Txn(If(no other owner index of the owner, pod record on the lease) Then(delete pod record)),
 //	      count the owner's owner indexes left)
@@ -31,8 +31,9 @@ type release struct {
 	ownerRev int64
 	lease    clientv3.LeaseID
 	addrs    []netip.Addr
-	// ownerPrefix holds the owner's owner indexes; podKey is its pod record on this node.
-	ownerPrefix, podKey string
+	// ownerPrefix holds the owner's owner indexes; podKey is its pod record on this node;
+	// conflictKey is the attachment's conflict record, if a re-claim left one: it goes with it.
+	ownerPrefix, podKey, conflictKey string
 	// qLease and qRecord quarantine the addresses; qLease 0 puts none.
 	qLease  clientv3.LeaseID
 	qRecord keyspace.QuarantineRecord
@@ -51,6 +52,9 @@ type release struct {
 func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	cmps = append(cmps, keyspace.Unchanged(r.ownerKey, r.ownerRev))
 	then = append(then, clientv3.OpDelete(r.ownerKey))
+	if r.conflictKey != "" {
+		then = append(then, clientv3.OpDelete(r.conflictKey))
+	}
 	for _, addr := range r.addrs {
 		key := keyspace.IPKey(r.pool, r.blocks, addr)
 		cmps = append(cmps, keyspace.OnLease(key, r.lease))
