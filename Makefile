@@ -9,7 +9,7 @@ TOOLS_MOD := integration/tools
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
-.PHONY: all build tools test test-unit demo bench soak fuzz soak-fuzz lint clean e2e
+.PHONY: all build tools test test-unit demo bench soak chaos fuzz soak-fuzz lint clean e2e
 
 # Fuzz targets as Name:package. `make fuzz` runs each for FUZZTIME (make test runs it);
 # `make soak-fuzz` runs each for SOAK_FUZZTIME. A failure leaves its input in the
@@ -66,6 +66,20 @@ test-unit:
 # Long randomized histories against real etcd (hours with a large LEASEHOLD_MODEL_STEPS).
 soak:
 	LEASEHOLD_MODEL_STEPS=$${LEASEHOLD_MODEL_STEPS:-20000} $(GO) test -count=1 -timeout 0 -run TestModelRandomHistories -v ./leases/
+
+# The fault-injection run (integration/chaos; root): 3 etcd members and LEASEHOLD_CHAOS_NODES
+# agents (default 5, at least 5), each in its own network namespace on one bridge, a simulated
+# runtime creating and deleting pods through the real plugin, and seeded faults (links cut
+# shorter than, between and beyond TTL and reuse delay, kill -9, SIGSTOP, node deaths, an etcd
+# member killed or its leader cut off, compactions, issue 27's races) for LEASEHOLD_CHAOS_DURATION
+# (default 10m here, 90s in make test); then a checker judges the recorded history: overlaps,
+# conflicts and their justification, leaks, lost keys, resurrections, keys missing, doctor.
+# A new seed each time unless LEASEHOLD_CHAOS_SEED replays one (make test runs seed 1 for 90s);
+# LEASEHOLD_CHAOS_SEEDS=N runs N seeds in a row; a failing run prints its seed, the command
+# replaying it and the directory with its logs and history.json. Results: docs/chaos.md.
+chaos: build tools
+	LEASEHOLD_BIN=$(BIN) LEASEHOLD_CHAOS_SEED=$${LEASEHOLD_CHAOS_SEED:-random} LEASEHOLD_CHAOS_DURATION=$${LEASEHOLD_CHAOS_DURATION:-10m} \
+		$(GO) test -count=1 -timeout 0 -run '^TestChaos$$' -v ./integration/
 
 demo: build tools
 	BIN=$(BIN) ./deploy/demo.sh

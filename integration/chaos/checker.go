@@ -1,0 +1,845 @@
+package chaos
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+	"time"
+)
+
+// The checker's allowances. Each is a bound the system must meet, not a guess at its timing.
+const (
+	// deadSlack is what etcd adds to a TTL before a lease's keys are gone: the leader checks
+	// for expired leases every 500 ms and revokes them in rate-limited batches.
+	deadSlack = 5 * time.Second
+	// healGrace is added to the TTL after a node heals: its agent re-claims or resumes its
+	// pods' keys within it.
+	healGrace = 5 * time.Second
+	// fullSlack is how many addresses short of the pool size still count as "no other room"
+	// (the agent's view of the pool lags etcd's by a watch event or a read).
+	fullSlack = 2
+	// mergeGap joins two away stretches of one node separated by less than this.
+	mergeGap = 500 * time.Millisecond
+)
+
+// Check judges a history: overlaps, conflicts and their justification, the final state,
+// resurrections and keys missing. It does no I/O.
+func Check(h *History) *Report {
+	c := newChecker(h)
+	r := &Report{Seed: h.Seed, Params: h.Params, Start: h.Start, FaultsEnd: h.FaultsEnd, End: h.End,
+		FaultsByKind: map[string]int{}, LogStats: h.LogStats}
+	c.counts(r)
+	r.Overlaps = c.overlaps()
+	r.Conflicts = c.conflicts()
+	r.Reuses = c.reuses()
+	for _, l := range h.Logs {
+		if l.Kind == "resolved" {
+			r.Resolved++
+		}
+	}
+	r.Resurrections = c.resurrections()
+	r.Missing = c.missing()
+	if h.Final != nil {
+		fr := c.final(h.Final)
+		r.Leaks, r.Pending, r.Lost, r.Standing = fr.Leaks, fr.Pending, fr.Lost, fr.Standing
+		r.FinalAllocs, r.FinalHeld, r.FinalConflicts = len(h.Final.Allocs), len(h.Final.Held), len(h.Final.Conflicts)
+		r.Doctor, r.DoctorOutput, r.HaveFinal = h.Final.DoctorExit, h.Final.DoctorOutput, true
+		r.AllReady, r.Settled, r.SettleTook, r.SettleNote = h.Final.AllReady, h.Final.Settled, h.Final.SettleTook, h.Final.SettleNote
+	}
+	for _, e := range h.Events {
+		r.Events = append(r.Events, e)
+	}
+	return r
+}
+
+// FinalState judges a snapshot against the runtime's view in h: settled when there is no
+// leak, no lost key, and no dead node's key still waiting to expire. The run polls it to know
+// when the state has settled.
+func FinalState(h *History, f *Final) (settled bool, summary string) {
+	fr := newChecker(h).final(f)
+	n := len(fr.Leaks) + len(fr.Pending) + len(fr.Lost)
+	return n == 0, fmt.Sprintf("%d leaks, %d dead pods' keys not yet expired, %d lost keys, %d lost to a standing conflict",
+		len(fr.Leaks), len(fr.Pending), len(fr.Lost), len(fr.Standing))
+}
+
+type checker struct {
+	h    *History
+	pods map[string]*Pod
+	// away holds each slot's merged away stretches, sorted.
+	away map[int][]Away
+	// conflictsOf indexes the conflicts by owner.
+	conflictsOf map[string][]LogEvent
+}
+
+func newChecker(h *History) *checker {
+	c := &checker{h: h, pods: map[string]*Pod{}, away: map[int][]Away{}, conflictsOf: map[string][]LogEvent{}}
+	for _, p := range h.Pods {
+		c.pods[p.UID] = p
+	}
+	bySlot := map[int][]Away{}
+	for _, a := range h.Away {
+		bySlot[a.Slot] = append(bySlot[a.Slot], a)
+	}
+	for slot, as := range bySlot {
+		slices.SortFunc(as, func(a, b Away) int { return a.Start.Compare(b.Start) })
+		var merged []Away
+		for _, a := range as {
+			if n := len(merged); n > 0 {
+				last := &merged[n-1]
+				if last.End.IsZero() || !a.Start.After(last.End.Add(mergeGap)) {
+					if last.End.IsZero() || a.End.IsZero() {
+						last.End = time.Time{}
+					} else if a.End.After(last.End) {
+						last.End = a.End
+					}
+					last.Cause += "+" + a.Cause
+					continue
+				}
+			}
+			merged = append(merged, a)
+		}
+		c.away[slot] = merged
+	}
+	for _, l := range h.Logs {
+		if l.Kind == "conflict" {
+			c.conflictsOf[l.Owner] = append(c.conflictsOf[l.Owner], l)
+		}
+	}
+	return c
+}
+
+// awayEnd is the end of an away stretch, the end of the history when it lasts.
+func (c *checker) awayEnd(a Away) time.Time {
+	if a.End.IsZero() {
+		return maxTime(c.h.End, c.h.FaultsEnd, time.Now())
+	}
+	return a.End
+}
+
+func maxTime(ts ...time.Time) time.Time {
+	var m time.Time
+	for _, t := range ts {
+		if t.After(m) {
+			m = t
+		}
+	}
+	return m
+}
+
+func (c *checker) counts(r *Report) {
+	for _, p := range c.h.Pods {
+		r.PodsCreated++
+		switch {
+		case p.Live():
+			r.PodsEverLive++
+		default:
+			r.PodsNeverLive++
+		}
+		if !p.DiedAt.IsZero() {
+			r.PodsDied++
+		}
+		if p.LiveAtEnd() {
+			r.LiveAtEnd++
+		}
+		if !p.DelSent.IsZero() && p.DelAnswered.IsZero() && p.DiedAt.IsZero() {
+			r.DelsUnanswered = append(r.DelsUnanswered, p.UID)
+		}
+		for _, a := range p.Attempts {
+			r.Attempts++
+			if !a.OK {
+				r.FailedAttempts++
+				r.FailuresByCode = addCode(r.FailuresByCode, a.Op, a.Code)
+			}
+		}
+	}
+	// The peak of live pods, each holding one address of the pool.
+	type edge struct {
+		t time.Time
+		d int
+	}
+	var edges []edge
+	for _, p := range c.h.Pods {
+		if p.Live() {
+			edges = append(edges, edge{p.AddAnswered, 1})
+			if e := p.LiveEnd(); !e.IsZero() {
+				edges = append(edges, edge{e, -1})
+			}
+		}
+	}
+	slices.SortStableFunc(edges, func(a, b edge) int { return a.t.Compare(b.t) })
+	n := 0
+	for _, e := range edges {
+		n += e.d
+		if n > r.PeakLive {
+			r.PeakLive, r.PeakAt = n, e.t
+		}
+	}
+	for _, f := range c.h.Faults {
+		r.Faults = append(r.Faults, f)
+		if f.Skipped {
+			r.FaultsSkipped++
+			continue
+		}
+		r.FaultsByKind[f.Kind]++
+	}
+}
+
+func addCode(m map[string]int, op string, code uint) map[string]int {
+	if m == nil {
+		m = map[string]int{}
+	}
+	m[fmt.Sprintf("%s code %d", op, code)]++
+	return m
+}
+
+// Overlap is two pods holding one address with overlapping live intervals.
+type Overlap struct {
+	IP   netip.Addr `json:"ip"`
+	A    string     `json:"a"`
+	B    string     `json:"b"`
+	From time.Time  `json:"from"`
+	To   time.Time  `json:"to"`
+	// Recorded says an agent logged the conflict between them.
+	Recorded bool `json:"recorded"`
+	// Hint judges an unrecorded overlap's reuse as a conflict would be judged.
+	Hint string `json:"hint,omitempty"`
+}
+
+func (c *checker) overlaps() []Overlap {
+	byAddr := map[netip.Addr][]*Pod{}
+	for _, p := range c.h.Pods {
+		if !p.Live() {
+			continue
+		}
+		for _, a := range p.Addrs {
+			byAddr[a] = append(byAddr[a], p)
+		}
+	}
+	far := maxTime(c.h.End, c.h.FaultsEnd).Add(time.Hour)
+	end := func(p *Pod) time.Time {
+		if e := p.HoldEnd(); !e.IsZero() {
+			return e
+		}
+		return far
+	}
+	var out []Overlap
+	for ip, ps := range byAddr {
+		for i := range ps {
+			for j := i + 1; j < len(ps); j++ {
+				a, b := ps[i], ps[j]
+				if !a.AddAnswered.Before(end(b)) || !b.AddAnswered.Before(end(a)) {
+					continue
+				}
+				from := maxTime(a.AddAnswered, b.AddAnswered)
+				to := end(a)
+				if end(b).Before(to) {
+					to = end(b)
+				}
+				if to.Equal(far) {
+					to = time.Time{}
+				}
+				o := Overlap{IP: ip, A: a.UID, B: b.UID, From: from, To: to,
+					Recorded: c.recorded(a.UID, b.UID, ip) || c.recorded(b.UID, a.UID, ip)}
+				first, second := a, b
+				if b.AddAnswered.Before(a.AddAnswered) {
+					first, second = b, a
+				}
+				if !o.Recorded {
+					// The agent that handed the address out logged that its holder had
+					// expired: the overlap is on record even if that holder came back
+					// after the address was free again, and found nothing to report.
+					if _, how := c.gotAddress(second, ip, from.Add(time.Second)); how == "reuse logged" {
+						o.Recorded = true
+						o.Hint = "recorded by the reuse of an expired holder's address"
+					}
+				}
+				if !o.Recorded {
+					ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second))
+					o.Hint = "reuse UNJUSTIFIED: " + why
+					if ok {
+						o.Hint = "reuse justified, but no conflict recorded: " + why
+					}
+					if l, found := c.earlierConflict(first.UID, ip, second.UID); found {
+						o.Hint = fmt.Sprintf("%s had lost %s to %s (conflict recorded at %s) and still ran when %s got it: "+
+							"the conflict was not resolved when that holder released it; %s", first.UID, ip, l.Taken[0].Holder, c.at(l.Time), second.UID, o.Hint)
+					}
+				}
+				out = append(out, o)
+			}
+		}
+	}
+	slices.SortFunc(out, func(x, y Overlap) int { return x.From.Compare(y.From) })
+	return out
+}
+
+// earlierConflict finds a conflict recorded for owner's address ip with a holder other than
+// not.
+func (c *checker) earlierConflict(owner string, ip netip.Addr, not string) (LogEvent, bool) {
+	for _, l := range c.conflictsOf[owner] {
+		for _, t := range l.Taken {
+			if t.IP == ip && t.Holder != not {
+				l.Taken = []Taken{t}
+				return l, true
+			}
+		}
+	}
+	return LogEvent{}, false
+}
+
+// recorded reports whether an agent logged owner's address ip as taken by holder.
+func (c *checker) recorded(owner, holder string, ip netip.Addr) bool {
+	for _, l := range c.conflictsOf[owner] {
+		for _, t := range l.Taken {
+			if t.IP == ip && t.Holder == holder {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// ConflictVerdict judges one address of one CONFLICT an agent logged.
+type ConflictVerdict struct {
+	Time      time.Time  `json:"time"`
+	Owner     string     `json:"owner"`
+	Slot      int        `json:"slot"`
+	IP        netip.Addr `json:"ip"`
+	Holder    string     `json:"holder"`
+	Justified bool       `json:"justified"`
+	Reason    string     `json:"reason"`
+	// Logged is how many times an agent logged this conflict (each re-claim logs it again).
+	Logged int `json:"logged"`
+}
+
+func (c *checker) conflicts() []ConflictVerdict {
+	var out []ConflictVerdict
+	seen := map[string]int{}
+	for _, l := range c.h.Logs {
+		if l.Kind != "conflict" {
+			continue
+		}
+		p := c.pods[l.Owner]
+		slot := -1
+		if p != nil {
+			slot = p.Slot
+		}
+		taken := l.Taken
+		if len(taken) == 0 {
+			taken = []Taken{{}}
+		}
+		for _, t := range taken {
+			key := l.Owner + "/" + t.IP.String() + "/" + t.Holder
+			if i, dup := seen[key]; dup {
+				out[i].Logged++
+				continue
+			}
+			seen[key] = len(out)
+			v := ConflictVerdict{Time: l.Time, Owner: l.Owner, Slot: slot, IP: t.IP, Holder: t.Holder, Logged: 1}
+			if p == nil {
+				v.Reason = "the conflicted owner is no pod of the runtime"
+			} else {
+				v.Justified, v.Reason = c.reuseJustified(p, t.Holder, t.IP, l.Time)
+			}
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// reuseJustified judges the taking of prev's address ip by holder, at the time holder got
+// it (gotAddress): justified when prev's node had by then been away without a break for
+// longer than TTL + reuse delay (its addresses are free to take), or when the pool had no
+// other room by the history's account (fullAt). The first is stricter than "a stretch
+// longer than TTL + reuse delay before the conflict": an address taken 10 s into a 20 s
+// cut-off is not justified by the 10 s that followed.
+func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before time.Time) (bool, string) {
+	need := c.h.Params.TTL + c.h.Params.ReuseDelay
+	hp := c.pods[holder]
+	if hp == nil {
+		return false, fmt.Sprintf("holder %q is no pod of the runtime", holder)
+	}
+	at, how := c.gotAddress(hp, ip, before)
+	if at.IsZero() {
+		return false, fmt.Sprintf("holder %s never sent an ADD", hp.UID)
+	}
+	awayFor, cause := c.awayFor(prev.Slot, at)
+	when := fmt.Sprintf("%s got %s at %s (%s)", hp.UID, ip, c.at(at), how)
+	if awayFor > need {
+		return true, fmt.Sprintf("%s, when node n%d had been away %s (%s), longer than TTL+reuse delay %s",
+			when, prev.Slot, awayFor.Round(100*time.Millisecond), cause, need)
+	}
+	away := fmt.Sprintf("node n%d not away then", prev.Slot)
+	if awayFor > 0 {
+		away = fmt.Sprintf("node n%d away only %s then (%s)", prev.Slot, awayFor.Round(100*time.Millisecond), cause)
+	}
+	full, occ := c.fullAt(at)
+	if s, ok := c.sampleNear(at); ok && !full {
+		occ += fmt.Sprintf(" (etcd at %s: %d allocations, %d held keys without one, %d quarantined)",
+			c.at(s.T0), len(s.Allocs), s.HeldOnly, s.Quarantined)
+	}
+	if full {
+		return true, fmt.Sprintf("%s, when the pool was full: %s; %s", when, occ, away)
+	}
+	return false, fmt.Sprintf("%s, when the pool had room: %s; %s, not longer than TTL+reuse delay %s", when, occ, away, need)
+}
+
+// awayFor is how long slot had been away without a break at t (0 when it was not away).
+func (c *checker) awayFor(slot int, t time.Time) (time.Duration, string) {
+	for _, a := range c.away[slot] {
+		if !a.Start.After(t) && !c.awayEnd(a).Before(t) {
+			return t.Sub(a.Start), a.Cause
+		}
+	}
+	return 0, ""
+}
+
+// gotAddress is when pod p was given ip, as known before the time before: the latest "conflict
+// resolved" line giving ip back to p before it if any (the address came back to p then);
+// else the agent's "reusing an address" line for ip during p's successful ADD; else when that
+// ADD answered (the last ADD, for a pod never live; its sending plus the call's bound when it
+// never answered).
+func (c *checker) gotAddress(p *Pod, ip netip.Addr, before time.Time) (time.Time, string) {
+	var back time.Time
+	for _, l := range c.h.Logs {
+		if l.Kind == "resolved" && l.Owner == p.UID && l.IP == ip && l.Time.Before(before) && l.Time.After(back) {
+			back = l.Time
+		}
+	}
+	if !back.IsZero() {
+		return back, "given back to it by a conflict resolution"
+	}
+	var sent, answered time.Time
+	for _, a := range p.Attempts {
+		if a.Op != "ADD" {
+			continue
+		}
+		sent, answered = a.Sent, a.Answered
+		if a.OK {
+			break
+		}
+	}
+	if sent.IsZero() {
+		return time.Time{}, ""
+	}
+	if answered.IsZero() {
+		answered = sent.Add(30 * time.Second)
+	}
+	for _, l := range c.h.Logs {
+		if l.Kind == "reuse" && l.IP == ip && !l.Time.Before(sent.Add(-time.Second)) && !l.Time.After(answered.Add(time.Second)) {
+			return l.Time, "reuse logged"
+		}
+	}
+	return answered, "its ADD's answer; no reuse logged"
+}
+
+// fullAt judges by the history alone whether the pool had no other room at t: the addresses
+// occupancy counts within fullSlack of its size.
+//
+// Or by etcd's account: the sample read last before t had no more free addresses (neither
+// allocated, held back nor quarantined) than the ADDs sent since could have taken. The
+// history cannot know when a quarantine key expires (its lease serves every release of a
+// window) or which in-flight ADD already committed; etcd's sample can.
+func (c *checker) fullAt(t time.Time) (bool, string) {
+	n, inflight := c.occupancy(t)
+	size := c.h.Params.PoolSize
+	why := fmt.Sprintf("%d of %d addresses held (%d of them by ADDs in flight or unanswered), %d free", n, size, inflight, size-n)
+	if n+fullSlack >= size {
+		return true, why
+	}
+	if s, ok := c.sampleNear(t); ok {
+		free := size - len(s.Allocs) - s.HeldOnly - s.Quarantined
+		adds := 0
+		for _, p := range c.h.Pods {
+			for _, a := range p.Attempts {
+				if a.Op == "ADD" && !a.Sent.After(t) && (a.Answered.IsZero() || !a.Answered.Before(s.T0)) {
+					adds++
+				}
+			}
+		}
+		if free <= adds+fullSlack {
+			return true, fmt.Sprintf("%s by the history; by etcd at %s, %d free (%d allocations, %d held back, %d quarantined) "+
+				"for %d ADDs in flight since", why, c.at(s.T0), free, len(s.Allocs), s.HeldOnly, s.Quarantined, adds)
+		}
+	}
+	return false, why
+}
+
+// occupancy counts the addresses taken at t by the history's account: those of live pods
+// (their node away or not), of pods released less than the quarantine before (releasedBy),
+// of pods on a node dead for less than TTL + reuse delay, and of pods with an ADD in flight
+// that may have committed: a successful ADD not answered yet, or an earlier attempt that
+// failed without saying nothing was applied (code 11, try again, or no CNI error at all: the
+// claim may have applied and its answer been lost). A pod that never got an address this way
+// counts as one address it may hold until its DEL. inflight is how many of the addresses
+// counted are such ADDs'.
+func (c *checker) occupancy(t time.Time) (held, inflight int) {
+	// A release's quarantine key lives on a lease shared by the releases of a window of
+	// max(q/10, 1 s), and etcd expires it within about a second more.
+	q, hold := c.h.Params.Quarantine+max(c.h.Params.Quarantine/10, time.Second)+time.Second, c.h.Params.TTL+c.h.Params.ReuseDelay
+	addrs := map[netip.Addr]bool{}
+	unknown := 0
+	for _, p := range c.h.Pods {
+		taken := p.liveAt(t) ||
+			!p.DelAnswered.IsZero() && !t.Before(p.DelAnswered) && t.Before(c.releasedBy(p).Add(q)) ||
+			!p.DiedAt.IsZero() && p.Live() && !t.Before(p.DiedAt) && t.Before(p.DiedAt.Add(hold))
+		if !taken {
+			// An ADD in flight, or one that may have committed without an answer.
+			var since time.Time
+			for _, a := range p.Attempts {
+				if a.Op == "ADD" && (a.OK || a.Code == 0 || a.Code == 11) {
+					since = a.Sent
+					break
+				}
+			}
+			end := p.AddAnswered
+			if !p.Live() {
+				end = maxTime(c.releasedBy(p), p.DiedAt)
+				if !end.IsZero() {
+					end = end.Add(q)
+				}
+			}
+			if !since.IsZero() && !t.Before(since) && (end.IsZero() || t.Before(end)) {
+				inflight++
+				if !p.Live() {
+					unknown++
+					continue
+				}
+				taken = true
+			}
+		}
+		if taken {
+			for _, a := range p.Addrs {
+				addrs[a] = true
+			}
+		}
+	}
+	return len(addrs) + unknown, inflight
+}
+
+// releasedBy is when a deleted pod's address was released at the latest: its DEL's answer,
+// unless its node was away then (an agent may answer a DEL it cannot reach etcd for and
+// release once it can): then the end of that stretch, or the expiry of the pod's lease plus
+// the reuse delay its held key stands for, whichever comes first.
+func (c *checker) releasedBy(p *Pod) time.Time {
+	for _, a := range c.away[p.Slot] {
+		if !a.Start.After(p.DelAnswered) && !c.awayEnd(a).Before(p.DelAnswered) {
+			end := c.awayEnd(a)
+			if limit := a.Start.Add(c.h.Params.TTL + c.h.Params.ReuseDelay); limit.Before(end) {
+				end = limit
+			}
+			if end.After(p.DelAnswered) {
+				return end
+			}
+		}
+	}
+	return p.DelAnswered
+}
+
+// ReuseVerdict judges one "reusing an address whose holder expired" line: was the pool
+// full by the history's account?
+type ReuseVerdict struct {
+	Time time.Time  `json:"time"`
+	Slot int        `json:"slot"`
+	IP   netip.Addr `json:"ip"`
+	Full bool       `json:"full"`
+	Why  string     `json:"why"`
+}
+
+func (c *checker) reuses() []ReuseVerdict {
+	var out []ReuseVerdict
+	for _, l := range c.h.Logs {
+		if l.Kind != "reuse" {
+			continue
+		}
+		full, why := c.fullAt(l.Time)
+		if s, ok := c.sampleNear(l.Time); ok {
+			why += fmt.Sprintf("; etcd at %s: %d allocations, %d held keys without one, %d quarantined",
+				c.at(s.T0), len(s.Allocs), s.HeldOnly, s.Quarantined)
+		}
+		out = append(out, ReuseVerdict{Time: l.Time, Slot: l.Slot, IP: l.IP, Full: full, Why: why})
+	}
+	return out
+}
+
+// sampleNear is the sample read last before t.
+func (c *checker) sampleNear(t time.Time) (Sample, bool) {
+	i, _ := slices.BinarySearchFunc(c.h.Samples, t, func(s Sample, t time.Time) int { return s.T0.Compare(t) })
+	if i == 0 {
+		return Sample{}, false
+	}
+	return c.h.Samples[i-1], true
+}
+
+// Resurrection is an allocation of a pod seen in etcd later than TTL after its DEL answered.
+type Resurrection struct {
+	Pod         string     `json:"pod"`
+	Slot        int        `json:"slot"`
+	IP          netip.Addr `json:"ip"`
+	DelAnswered time.Time  `json:"delAnswered"`
+	First, Last time.Time
+	Samples     int `json:"samples"`
+}
+
+func (c *checker) resurrections() []Resurrection {
+	slack := c.h.Params.TTL
+	found := map[string]*Resurrection{}
+	var order []string
+	for _, s := range c.h.Samples {
+		for _, a := range s.Allocs {
+			p := c.pods[a.Owner]
+			if p == nil || p.DelAnswered.IsZero() || !s.T0.After(p.DelAnswered.Add(slack)) {
+				continue
+			}
+			key := p.UID + "/" + a.IP.String()
+			r := found[key]
+			if r == nil {
+				r = &Resurrection{Pod: p.UID, Slot: p.Slot, IP: a.IP, DelAnswered: p.DelAnswered, First: s.T0}
+				found[key] = r
+				order = append(order, key)
+			}
+			r.Last = s.T0
+			r.Samples++
+		}
+	}
+	if f := c.h.Final; f != nil {
+		for _, a := range f.Allocs {
+			p := c.pods[a.Owner]
+			if p == nil || p.DelAnswered.IsZero() || !f.Time.After(p.DelAnswered.Add(slack)) {
+				continue
+			}
+			key := p.UID + "/" + a.IP.String()
+			if r := found[key]; r != nil {
+				r.Last = f.Time
+				r.Samples++
+			} else {
+				found[key] = &Resurrection{Pod: p.UID, Slot: p.Slot, IP: a.IP, DelAnswered: p.DelAnswered, First: f.Time, Last: f.Time, Samples: 1}
+				order = append(order, key)
+			}
+		}
+	}
+	out := make([]Resurrection, 0, len(order))
+	for _, k := range order {
+		out = append(out, *found[k])
+	}
+	return out
+}
+
+// Missing is a live pod on a node not away (nor healed within TTL + healGrace) whose
+// address etcd did not hold for it in some samples.
+type Missing struct {
+	Pod         string     `json:"pod"`
+	Slot        int        `json:"slot"`
+	IP          netip.Addr `json:"ip"`
+	First, Last time.Time
+	Samples     int `json:"samples"`
+	// HeldBy is who held the address in the first such sample ("" for nobody).
+	HeldBy string `json:"heldBy"`
+	// Near names the faults active shortly before First.
+	Near string `json:"near"`
+}
+
+func (c *checker) missing() []Missing {
+	grace := c.h.Params.TTL + healGrace
+	found := map[string]*Missing{}
+	var order []string
+	for _, s := range c.h.Samples {
+		holder := make(map[netip.Addr]string, len(s.Allocs))
+		for _, a := range s.Allocs {
+			holder[a.IP] = a.Owner
+		}
+		for _, p := range c.h.Pods {
+			if !p.Live() || !p.AddAnswered.Before(s.T0) ||
+				!p.DelSent.IsZero() && !p.DelSent.After(s.T1) ||
+				!p.DiedAt.IsZero() && !p.DiedAt.After(s.T1) {
+				continue
+			}
+			if c.awayNear(p.Slot, s.T0.Add(-grace), s.T1) || c.etcdFaultNear(s.T0.Add(-grace), s.T1) {
+				continue
+			}
+			for _, ip := range p.Addrs {
+				if holder[ip] == p.UID || c.conflictOn(p.UID, ip, s.T1.Add(grace)) {
+					continue
+				}
+				key := p.UID + "/" + ip.String()
+				m := found[key]
+				if m == nil {
+					m = &Missing{Pod: p.UID, Slot: p.Slot, IP: ip, First: s.T0, HeldBy: holder[ip], Near: c.faultsNear(s.T0)}
+					found[key] = m
+					order = append(order, key)
+				}
+				m.Last = s.T0
+				m.Samples++
+			}
+		}
+	}
+	out := make([]Missing, 0, len(order))
+	for _, k := range order {
+		out = append(out, *found[k])
+	}
+	return out
+}
+
+// awayNear reports whether slot was away at some time in [from, to].
+func (c *checker) awayNear(slot int, from, to time.Time) bool {
+	for _, a := range c.away[slot] {
+		if a.Start.Before(to) && c.awayEnd(a).After(from) {
+			return true
+		}
+	}
+	return false
+}
+
+// etcdFaultNear reports whether an etcd member was killed or the leader cut off at some time
+// in [from, to]. An agent whose connection went to that member is cut off as surely as if
+// its own link were down, for as long (longer than a 4 s TTL, for a 5 s cut); which agents
+// were is not known, so for the keys missing every node counts as away.
+func (c *checker) etcdFaultNear(from, to time.Time) bool {
+	for _, f := range c.h.Faults {
+		if f.Skipped || f.Start.IsZero() || f.Kind != EtcdKill && f.Kind != EtcdLeaderCut {
+			continue
+		}
+		end := f.End
+		if end.IsZero() {
+			end = maxTime(c.h.End, c.h.FaultsEnd, time.Now())
+		}
+		if f.Start.Before(to) && end.After(from) {
+			return true
+		}
+	}
+	return false
+}
+
+// conflictOn reports whether an agent logged owner's address ip as taken before t.
+func (c *checker) conflictOn(owner string, ip netip.Addr, before time.Time) bool {
+	for _, l := range c.conflictsOf[owner] {
+		if l.Time.After(before) {
+			continue
+		}
+		for _, t := range l.Taken {
+			if t.IP == ip {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// faultsNear names the faults active within TTL + healGrace before t.
+func (c *checker) faultsNear(t time.Time) string {
+	from := t.Add(-c.h.Params.TTL - healGrace)
+	s := ""
+	for _, f := range c.h.Faults {
+		if f.Skipped || f.Start.IsZero() || f.Start.After(t) {
+			continue
+		}
+		if end := f.End; !end.IsZero() && end.Before(from) {
+			continue
+		}
+		if s != "" {
+			s += ", "
+		}
+		s += fmt.Sprintf("#%d %s %s", f.ID, f.Kind, f.Target)
+	}
+	return s
+}
+
+// Leak is an allocation in the final state that no live pod should hold.
+type Leak struct {
+	IP     netip.Addr `json:"ip"`
+	Owner  string     `json:"owner"`
+	Reason string     `json:"reason"`
+}
+
+// Lost is a live pod whose address the final state does not hold for it.
+type Lost struct {
+	Pod    string     `json:"pod"`
+	Slot   int        `json:"slot"`
+	IP     netip.Addr `json:"ip"`
+	HeldBy string     `json:"heldBy"`
+}
+
+type finalResult struct {
+	Leaks, Pending []Leak
+	Lost, Standing []Lost
+}
+
+// final compares the allocations of f with the pods live at the end. Pending are the keys of
+// a dead node's pods still within TTL + reuse delay + deadSlack of its death (not leaks, but
+// not settled either); Standing the lost addresses a recorded conflict gave to a holder still
+// live.
+func (c *checker) final(f *Final) finalResult {
+	var fr finalResult
+	allow := c.h.Params.TTL + c.h.Params.ReuseDelay + deadSlack
+	byIP := map[netip.Addr]Alloc{}
+	for _, a := range f.Allocs {
+		byIP[a.IP] = a
+		p := c.pods[a.Owner]
+		reason := ""
+		switch {
+		case p == nil:
+			reason = "owner is no pod of the runtime"
+		case p.LiveAtEnd() && p.hasAddr(a.IP):
+			continue
+		case p.LiveAtEnd():
+			reason = fmt.Sprintf("a live pod's key for %s, not an address its ADD returned (%v)", a.IP, p.Addrs)
+		case !p.DiedAt.IsZero():
+			if f.Time.Sub(p.DiedAt) <= allow {
+				fr.Pending = append(fr.Pending, Leak{IP: a.IP, Owner: a.Owner,
+					Reason: fmt.Sprintf("node n%d died %s before the snapshot", p.Slot, f.Time.Sub(p.DiedAt).Round(100*time.Millisecond))})
+				continue
+			}
+			reason = fmt.Sprintf("its node n%d died %s before the snapshot (allowed %s)", p.Slot,
+				f.Time.Sub(p.DiedAt).Round(100*time.Millisecond), allow)
+		case !p.DelAnswered.IsZero() && !p.Live():
+			reason = "never live; its DEL answered at " + c.at(p.DelAnswered)
+		case !p.DelAnswered.IsZero():
+			reason = "its DEL answered at " + c.at(p.DelAnswered)
+		case !p.Live():
+			reason = "never live; its DEL never answered"
+		default:
+			reason = "its DEL never answered"
+		}
+		fr.Leaks = append(fr.Leaks, Leak{IP: a.IP, Owner: a.Owner, Reason: reason})
+	}
+	for _, p := range c.h.Pods {
+		if !p.LiveAtEnd() {
+			continue
+		}
+		for _, ip := range p.Addrs {
+			a, ok := byIP[ip]
+			if ok && a.Owner == p.UID {
+				continue
+			}
+			l := Lost{Pod: p.UID, Slot: p.Slot, IP: ip, HeldBy: a.Owner}
+			if ok && c.recorded(p.UID, a.Owner, ip) {
+				if hp := c.pods[a.Owner]; hp != nil && hp.LiveAtEnd() {
+					fr.Standing = append(fr.Standing, l)
+					continue
+				}
+			}
+			fr.Lost = append(fr.Lost, l)
+		}
+	}
+	return fr
+}
+
+// at formats t as an offset from the start of the run.
+func (c *checker) at(t time.Time) string { return offset(c.h.Start, t) }
+
+func offset(start, t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return fmt.Sprintf("+%.1fs", t.Sub(start).Seconds())
+}
+
+// sortedKeys returns m's keys in order.
+func sortedKeys[V any](m map[string]V) []string {
+	ks := make([]string, 0, len(m))
+	for k := range m {
+		ks = append(ks, k)
+	}
+	slices.SortFunc(ks, cmp.Compare[string])
+	return ks
+}

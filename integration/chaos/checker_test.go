@@ -1,0 +1,365 @@
+package chaos
+
+import (
+	"encoding/json"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The histories below are written by hand: a pool of 5 addresses (10.0.0.2-6), TTL 4 s,
+// reuse delay 12 s, quarantine 2 s; times are seconds from the start.
+
+var epoch = time.Date(2026, 1, 1, 12, 0, 0, 0, time.UTC)
+
+func sec(s float64) time.Time { return epoch.Add(time.Duration(s * float64(time.Second))) }
+
+func addr(s string) netip.Addr { return netip.MustParseAddr(s) }
+
+func history() *History {
+	return &History{Seed: 7, Start: sec(0), FaultsEnd: sec(100), End: sec(130),
+		Params: Params{Nodes: 2, TTL: 4 * time.Second, ReuseDelay: 12 * time.Second, Quarantine: 2 * time.Second,
+			Pool: "p", Subnet: "10.0.0.0/29", PoolSize: 5, Tight: true, Duration: 100 * time.Second}}
+}
+
+// pod adds a pod on slot holding ip, its ADD answered at add, its DEL answered at del (0:
+// live at the end).
+func (h *History) pod(uid string, slot int, ip string, add, del float64) *Pod {
+	p := &Pod{UID: uid, Container: "c-" + uid, Slot: slot, Node: "n", NodeUID: "u", Created: sec(add - 0.1)}
+	p.Addrs = []netip.Addr{addr(ip)}
+	p.AddAnswered = sec(add)
+	p.Attempts = []Attempt{{Op: "ADD", Sent: sec(add - 0.1), Answered: sec(add), OK: true}}
+	if del > 0 {
+		p.DelSent, p.DelAnswered = sec(del-0.1), sec(del)
+		p.Attempts = append(p.Attempts, Attempt{Op: "DEL", Sent: sec(del - 0.1), Answered: sec(del), OK: true})
+	}
+	h.Pods = append(h.Pods, p)
+	return p
+}
+
+// final sets the final snapshot to the allocations given as ip=owner.
+func (h *History) final(allocs ...string) {
+	h.Final = &Final{Time: sec(130), AllReady: true, Settled: true}
+	for _, a := range allocs {
+		ip, owner, _ := strings.Cut(a, "=")
+		h.Final.Allocs = append(h.Final.Allocs, Alloc{IP: addr(ip), Owner: owner})
+	}
+}
+
+// sample adds a sample at t holding the allocations given as ip=owner.
+func (h *History) sample(t float64, allocs ...string) {
+	s := Sample{T0: sec(t), T1: sec(t + 0.01)}
+	for _, a := range allocs {
+		ip, owner, _ := strings.Cut(a, "=")
+		s.Allocs = append(s.Allocs, Alloc{IP: addr(ip), Owner: owner})
+	}
+	h.Samples = append(h.Samples, s)
+}
+
+func (h *History) conflict(t float64, owner, ip, holder string) {
+	h.Logs = append(h.Logs, LogEvent{Time: sec(t), Kind: "conflict", Owner: owner, IfName: "eth0", Pool: "p",
+		Taken: []Taken{{IP: addr(ip), Holder: holder}}, Msg: "CONFLICT: addresses of a running pod were taken"})
+}
+
+func (h *History) away(slot int, from, to float64, cause string) {
+	h.Away = append(h.Away, Away{Slot: slot, Start: sec(from), End: sec(to), Cause: cause})
+}
+
+func failures(t *testing.T, h *History) []string {
+	t.Helper()
+	r := Check(h)
+	t.Logf("\n%s", r)
+	return r.Failures()
+}
+
+func wantPass(t *testing.T, h *History) *Report {
+	t.Helper()
+	if f := failures(t, h); len(f) > 0 {
+		t.Fatalf("want a pass, got failures %v", f)
+	}
+	return Check(h)
+}
+
+func wantFailure(t *testing.T, h *History, what string) {
+	t.Helper()
+	f := failures(t, h)
+	if !slices.ContainsFunc(f, func(s string) bool { return strings.HasSuffix(s, " "+what) }) {
+		t.Fatalf("want the failure %q, got %v", what, f)
+	}
+}
+
+// clean is a history without a problem: a is deleted and its address goes to b after the
+// quarantine; c lives throughout; d never got an address and was torn down.
+func clean() *History {
+	h := history()
+	h.pod("a", 0, "10.0.0.2", 1, 30)
+	h.pod("b", 1, "10.0.0.2", 40, 0)
+	h.pod("c", 0, "10.0.0.3", 5, 0)
+	d := &Pod{UID: "d", Container: "c-d", Slot: 1, Created: sec(10), DelSent: sec(31), DelAnswered: sec(31.1),
+		Attempts: []Attempt{{Op: "ADD", Sent: sec(10), Answered: sec(30), Code: 11, Msg: "try again"},
+			{Op: "DEL", Sent: sec(31), Answered: sec(31.1), OK: true}}}
+	h.Pods = append(h.Pods, d)
+	h.sample(10, "10.0.0.2=a", "10.0.0.3=c")
+	h.sample(35, "10.0.0.3=c")
+	h.sample(50, "10.0.0.2=b", "10.0.0.3=c")
+	h.final("10.0.0.2=b", "10.0.0.3=c")
+	return h
+}
+
+func TestCheckPassesACleanHistory(t *testing.T) {
+	r := wantPass(t, clean())
+	if r.PodsCreated != 4 || r.LiveAtEnd != 2 || r.PodsNeverLive != 1 {
+		t.Errorf("counts: created %d, live at end %d, never live %d", r.PodsCreated, r.LiveAtEnd, r.PodsNeverLive)
+	}
+}
+
+func TestCheckFindsAnOverlap(t *testing.T) {
+	h := clean()
+	h.Pods[0].DelAnswered, h.Pods[0].DelSent = sec(45), sec(44.9) // a still held 10.0.0.2 when b got it at 40
+	h.final("10.0.0.2=b", "10.0.0.3=c")
+	wantFailure(t, h, "unexplained overlaps")
+	if o := Check(h).Overlaps; len(o) != 1 || o[0].IP != addr("10.0.0.2") || !o[0].From.Equal(sec(40)) || !o[0].To.Equal(sec(44.9)) {
+		t.Errorf("overlap: %+v", o)
+	}
+}
+
+// TestCheckEndsAHoldAtTheFirstDelSent: a's first DEL was sent before b got a's address and
+// answered after (the agent released, then was killed before answering; the runtime sent the
+// DEL again): the release may have applied before b's ADD, so this is no overlap.
+func TestCheckEndsAHoldAtTheFirstDelSent(t *testing.T) {
+	h := clean()
+	h.Pods[0].DelSent, h.Pods[0].DelAnswered = sec(30), sec(45)
+	h.Pods[0].Attempts = append(h.Pods[0].Attempts[:1],
+		Attempt{Op: "DEL", Sent: sec(30), Answered: sec(31), Code: 11, Msg: "closed the connection without answering"},
+		Attempt{Op: "DEL", Sent: sec(44.9), Answered: sec(45), OK: true})
+	if o := Check(h).Overlaps; len(o) != 0 {
+		t.Errorf("a DEL sent before the address went to another pod: want no overlap, got %+v", o)
+	}
+}
+
+// standing is a's node cut off for 20 s (more than TTL + reuse delay): b took a's address
+// meanwhile and a's agent recorded the conflict when it came back.
+func standing(awayFor float64) *History {
+	h := history()
+	h.pod("a", 0, "10.0.0.2", 1, 0)
+	h.pod("b", 1, "10.0.0.2", 8+awayFor-1, 0)
+	h.away(0, 8, 8+awayFor, "link-long")
+	h.conflict(8+awayFor+1, "a", "10.0.0.2", "b")
+	h.final("10.0.0.2=b")
+	return h
+}
+
+func TestCheckAcceptsAConflictAfterALongAbsence(t *testing.T) {
+	r := wantPass(t, standing(20))
+	if len(r.Overlaps) != 1 || !r.Overlaps[0].Recorded {
+		t.Errorf("want one recorded overlap, got %+v", r.Overlaps)
+	}
+	if len(r.Conflicts) != 1 || !r.Conflicts[0].Justified {
+		t.Errorf("want one justified conflict, got %+v", r.Conflicts)
+	}
+	if len(r.Standing) != 1 || len(r.Lost) != 0 {
+		t.Errorf("want a's address lost to a standing conflict, got lost %v standing %v", r.Lost, r.Standing)
+	}
+}
+
+func TestCheckFindsAnUnjustifiedConflict(t *testing.T) {
+	// 8 s away: more than the TTL, less than TTL + reuse delay, and the pool had room.
+	wantFailure(t, standing(8), "unjustified conflicts")
+}
+
+func TestCheckAcceptsAConflictWhenThePoolWasFull(t *testing.T) {
+	h := standing(8)
+	// Three more pods hold the rest of the pool but one: with a's address, 4 of 5 are held
+	// when b gets a's (within fullSlack of the size).
+	h.pod("c", 1, "10.0.0.3", 2, 0)
+	h.pod("d", 1, "10.0.0.4", 2, 0)
+	h.pod("e", 1, "10.0.0.5", 2, 0)
+	h.Logs = append(h.Logs, LogEvent{Time: sec(15), Slot: 1, Kind: "reuse", Pool: "p", IP: addr("10.0.0.2")})
+	h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.4=d", "10.0.0.5=e")
+	r := wantPass(t, h)
+	if len(r.Reuses) != 1 || !r.Reuses[0].Full {
+		t.Errorf("want one reuse with the pool full, got %+v", r.Reuses)
+	}
+}
+
+func TestCheckFindsAConflictTheHistoryCannotExcuse(t *testing.T) {
+	h := standing(8)
+	// The agent says it reused an expired holder's address, but by the history 1 of 5 was held.
+	h.Logs = append(h.Logs, LogEvent{Time: sec(15), Slot: 1, Kind: "reuse", Pool: "p", IP: addr("10.0.0.2")})
+	wantFailure(t, h, "unjustified conflicts")
+	if r := Check(h); len(r.Reuses) != 1 || r.Reuses[0].Full {
+		t.Errorf("want one reuse with room, got %+v", r.Reuses)
+	}
+}
+
+func TestCheckFindsAnOverlapWithoutAConflictRecord(t *testing.T) {
+	h := standing(20)
+	h.Logs = nil // the agent took a's address back silently, or never noticed
+	wantFailure(t, h, "unexplained overlaps")
+}
+
+func TestCheckFindsLeaks(t *testing.T) {
+	for name, mutate := range map[string]func(h *History){
+		"deleted pod": func(h *History) { h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.4=a") },
+		"never live":  func(h *History) { h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.5=d") },
+		"unknown":     func(h *History) { h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.6=zz") },
+		"dead node's pod past its allowance": func(h *History) {
+			h.pod("x", 1, "10.0.0.6", 3, 0).DiedAt = sec(50)
+			h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.6=x")
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			h := clean()
+			mutate(h)
+			wantFailure(t, h, "leaks")
+		})
+	}
+}
+
+func TestCheckAllowsADeadNodesKeysUntilTheyExpire(t *testing.T) {
+	h := clean()
+	h.pod("x", 1, "10.0.0.6", 100, 0).DiedAt = sec(125) // 5 s before the snapshot
+	h.final("10.0.0.2=b", "10.0.0.3=c", "10.0.0.6=x")
+	r := wantPass(t, h)
+	if len(r.Pending) != 1 {
+		t.Errorf("want the dead pod's key pending, got %+v", r.Pending)
+	}
+	if settled, why := FinalState(h, h.Final); settled {
+		t.Errorf("FinalState: settled with a key waiting to expire (%s)", why)
+	}
+}
+
+func TestCheckFindsALostKey(t *testing.T) {
+	h := clean()
+	h.final("10.0.0.2=b") // c is live but etcd no longer holds 10.0.0.3 for it
+	wantFailure(t, h, "lost keys")
+	if settled, _ := FinalState(h, h.Final); settled {
+		t.Error("FinalState: settled with a lost key")
+	}
+	h.final("10.0.0.2=b", "10.0.0.3=c")
+	if settled, why := FinalState(h, h.Final); !settled {
+		t.Errorf("FinalState: not settled on the clean state: %s", why)
+	}
+}
+
+func TestCheckFindsAResurrection(t *testing.T) {
+	h := clean()
+	h.sample(32, "10.0.0.2=a", "10.0.0.3=c") // 2 s after a's DEL answered: within the slack
+	wantPass(t, h)
+	h.sample(36, "10.0.0.2=a", "10.0.0.3=c") // 6 s after: a re-claim undid the DEL
+	wantFailure(t, h, "resurrections")
+	if r := Check(h); len(r.Resurrections) != 1 || r.Resurrections[0].Pod != "a" || r.Resurrections[0].Samples != 1 {
+		t.Errorf("resurrections: %+v", r.Resurrections)
+	}
+}
+
+func TestCheckFindsAMissingKey(t *testing.T) {
+	h := clean()
+	h.sample(60, "10.0.0.2=b") // c runs on a node that was never away, without its key
+	wantFailure(t, h, "keys missing")
+
+	h = clean()
+	h.away(0, 55, 57, "link-short")
+	h.sample(60, "10.0.0.2=b") // within TTL + grace of the heal: the re-claim may still run
+	wantPass(t, h)
+	h.sample(80, "10.0.0.2=b") // long after
+	wantFailure(t, h, "keys missing")
+}
+
+func TestCheckExcusesAMissingKeyNearAnEtcdFault(t *testing.T) {
+	h := clean()
+	h.Faults = append(h.Faults, &Fault{ID: 1, Kind: EtcdLeaderCut, Target: "e1", Slot: -1, Member: 1, Start: sec(52), End: sec(56)})
+	h.sample(60, "10.0.0.2=b") // c lost its key while its agent's etcd member was cut off
+	wantPass(t, h)
+}
+
+func TestCheckNamesAnUnresolvedConflict(t *testing.T) {
+	// b took a's address, the conflict was recorded; b left and x got it while a still ran.
+	h := standing(20)
+	h.Pods[1].DelSent, h.Pods[1].DelAnswered = sec(39.9), sec(40)
+	h.pod("x", 1, "10.0.0.2", 45, 0)
+	h.final("10.0.0.2=x")
+	wantFailure(t, h, "unexplained overlaps")
+	r := Check(h)
+	if u := r.Unexplained(); len(u) != 1 || !strings.Contains(u[0].Hint, "not resolved") {
+		t.Errorf("want one unexplained overlap naming the unresolved conflict, got %+v", u)
+	}
+}
+
+func TestCheckJudgesAConflictByWhenTheHolderGotTheAddressBack(t *testing.T) {
+	// b held 10.0.0.2 first; a took it while b's node was away 20 s (justified), b's agent
+	// recorded the conflict and, once a's lease expired during a 5 s cut-off of a's node, got
+	// it back: a's agent then records a conflict that was not justified (5 s < TTL + delay).
+	h := history()
+	h.pod("b", 1, "10.0.0.2", 1, 0)
+	h.pod("a", 0, "10.0.0.2", 27, 0)
+	h.away(1, 6, 30, "link-long")
+	h.conflict(31, "b", "10.0.0.2", "a")
+	h.away(0, 40, 45, "link-mid")
+	h.Logs = append(h.Logs, LogEvent{Time: sec(44), Slot: 1, Kind: "resolved", Owner: "b", IP: addr("10.0.0.2")})
+	h.conflict(46, "a", "10.0.0.2", "b")
+	h.final("10.0.0.2=b")
+	r := Check(h)
+	t.Logf("\n%s", r)
+	if len(r.Conflicts) != 2 || !r.Conflicts[0].Justified || r.Conflicts[1].Justified ||
+		!strings.Contains(r.Conflicts[1].Reason, "conflict resolution") {
+		t.Errorf("want the first conflict justified, the second not, judged at the resolution: %+v", r.Conflicts)
+	}
+}
+
+func TestCheckFailsOnTheDoctorAndOnACrash(t *testing.T) {
+	h := clean()
+	h.Final.DoctorExit, h.Final.DoctorOutput = 3, "ERROR something"
+	wantFailure(t, h, "3")
+	h = clean()
+	h.Events = append(h.Events, Event{Time: sec(20), Kind: "agent-exit", Slot: 0, Detail: "exit status 2", Fails: true})
+	wantFailure(t, h, "failing events")
+}
+
+func TestCheckFailsOnAnUnansweredDel(t *testing.T) {
+	h := clean()
+	h.Pods[2].DelSent = sec(90) // c's DEL was sent and never answered
+	h.final("10.0.0.2=b", "10.0.0.3=c")
+	wantFailure(t, h, "DELs never answered")
+}
+
+func TestHistoryRoundTripsThroughJSON(t *testing.T) {
+	h := standing(8)
+	b, err := json.Marshal(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back History
+	if err := json.Unmarshal(b, &back); err != nil {
+		t.Fatal(err)
+	}
+	if a, z := Check(h).Failures(), Check(&back).Failures(); !slices.Equal(a, z) {
+		t.Errorf("failures before %v and after the round trip %v", a, z)
+	}
+}
+
+func TestAwayStretchesMerge(t *testing.T) {
+	// Two faults back to back on one node make one stretch: 18 s away when b took a's
+	// address, of which only 9.7 s in the second fault.
+	h := history()
+	h.pod("a", 0, "10.0.0.2", 1, 0)
+	h.pod("b", 1, "10.0.0.2", 20, 0)
+	h.away(0, 2, 10, "link-mid")
+	h.away(0, 10.3, 30, "sigstop")
+	h.conflict(31, "a", "10.0.0.2", "b")
+	h.final("10.0.0.2=b")
+	wantPass(t, h)
+}
+
+func TestCheckFindsAnAddressTakenTooEarlyInALongAbsence(t *testing.T) {
+	// a's node is away 20 s, longer than TTL + reuse delay, but b took a's address 10 s in.
+	h := history()
+	h.pod("a", 0, "10.0.0.2", 1, 0)
+	h.pod("b", 1, "10.0.0.2", 18, 0)
+	h.away(0, 8, 28, "link-long")
+	h.conflict(29, "a", "10.0.0.2", "b")
+	h.final("10.0.0.2=b")
+	wantFailure(t, h, "unjustified conflicts")
+}

@@ -1,0 +1,37 @@
+// Package chaos is leasehold's fault-injection run with a history checker.
+//
+// Run builds, as root, one Linux bridge (198.18.X.254/24, X picked per run) and a network
+// namespace per host with a veth on it: three etcd members (a real cluster, bin/etcd, its
+// data in /dev/shm by default) and N agents (bin/leaseholdd, each started with ip netns exec
+// in its own namespace, its unix socket on the shared filesystem). A simulated runtime in the
+// root namespace plays one kubelet per node: pods are created and deleted on a seeded
+// schedule under a shared load (calm, busy, surges that fill a tight pool), each operation
+// the real plugin binary (bin/leasehold) with the CNI environment and configuration on stdin;
+// an ADD that fails is retried for 20 s and torn down with a DEL, a DEL is retried every 2 s
+// until it answers. Meanwhile seeded faults hit one target at a time each (never two on one
+// node, one etcd fault at a time so that a quorum stays): a node's link down for less than
+// the TTL, between TTL and TTL + reuse delay, or longer; kill -9 and a restart at once or
+// after the TTL; SIGSTOP for twice the TTL; node death and a replacement with a new node UID;
+// an etcd member killed, the etcd leader cut off; compactions (and defrag); and issue 27's
+// races: kill -9 within 50 ms of a DEL's answer, DELs sent around a SIGCONT.
+//
+// Everything is recorded in a History: each pod's attempts and answers, the faults with
+// their real start and end, the stretches each node was away, a range read of the
+// allocations about every second, the final state read at one revision once the faults
+// stopped, part of the pods was deleted and the state settled, leaseholdctl doctor's result,
+// and the agents' CONFLICT, "conflict resolved" and "reusing an address" log lines. Check
+// judges it without I/O (checker_test.go feeds it histories written by hand):
+//
+//   - overlaps: two pods whose live intervals overlap hold one address only when an agent
+//     recorded the conflict;
+//   - each conflict is justified: when the other pod got the address, the conflicted pod's
+//     node had been away without a break for longer than TTL + reuse delay, or the pool had
+//     no other room by the history's own account;
+//   - the final allocations are exactly the live pods' addresses (leaks, lost keys), and the
+//     doctor is clean;
+//   - a DEL answered is final (no key of the pod seen later than TTL after the answer);
+//   - a running pod's key is there in every sample, its node neither away nor just healed.
+//
+// A run is reproducible by its seed as far as the schedule goes: the same seed draws the
+// same faults, parameters and pods; real processes' timing differs.
+package chaos

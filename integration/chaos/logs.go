@@ -1,0 +1,86 @@
+package chaos
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"net/netip"
+	"os"
+	"strings"
+	"time"
+)
+
+// ParseAgentLog reads one agent's JSON log lines (slog's JSON handler: time, level, msg,
+// then the attributes) and returns the lines the checker judges, and counts of the WARN and
+// ERROR lines by "LEVEL msg". Lines that are not JSON (a panic's trace) are counted as
+// "UNPARSED".
+func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]int, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer f.Close()
+	var events []LogEvent
+	stats := map[string]int{}
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 4*1024*1024)
+	for sc.Scan() {
+		line := sc.Bytes()
+		if len(line) == 0 {
+			continue
+		}
+		if line[0] == '{' && !bytes.Contains(line, []byte(`"level":"WARN"`)) && !bytes.Contains(line, []byte(`"level":"ERROR"`)) &&
+			!bytes.Contains(line, []byte("conflict resolved")) && !bytes.Contains(line, []byte("reusing an address")) {
+			continue // an INFO or DEBUG line the checker does not read: not decoded
+		}
+		var l struct {
+			Time   time.Time       `json:"time"`
+			Level  string          `json:"level"`
+			Msg    string          `json:"msg"`
+			Owner  string          `json:"owner"`
+			IfName string          `json:"ifname"`
+			Pool   string          `json:"pool"`
+			IP     string          `json:"ip"`
+			Taken  json.RawMessage `json:"taken"`
+		}
+		if json.Unmarshal(line, &l) != nil {
+			stats["UNPARSED "+firstWords(string(line), 8)]++
+			continue
+		}
+		if l.Level == "WARN" || l.Level == "ERROR" {
+			stats[l.Level+" "+l.Msg]++
+		}
+		ev := LogEvent{Time: l.Time, Slot: slot, Node: node, Owner: l.Owner, IfName: l.IfName, Pool: l.Pool, Msg: l.Msg}
+		switch {
+		case strings.HasPrefix(l.Msg, "CONFLICT"):
+			ev.Kind = "conflict"
+			var taken []struct {
+				IP     string `json:"ip"`
+				Holder string `json:"holder"`
+			}
+			_ = json.Unmarshal(l.Taken, &taken)
+			for _, t := range taken {
+				ip, _ := netip.ParseAddr(t.IP)
+				ev.Taken = append(ev.Taken, Taken{IP: ip, Holder: t.Holder})
+			}
+		case strings.HasPrefix(l.Msg, "conflict resolved"):
+			ev.Kind = "resolved"
+			ev.IP, _ = netip.ParseAddr(l.IP)
+		case strings.HasPrefix(l.Msg, "reusing an address whose holder expired"):
+			ev.Kind = "reuse"
+			ev.IP, _ = netip.ParseAddr(l.IP)
+		default:
+			continue
+		}
+		events = append(events, ev)
+	}
+	return events, stats, sc.Err()
+}
+
+func firstWords(s string, n int) string {
+	f := strings.Fields(s)
+	if len(f) > n {
+		f = f[:n]
+	}
+	return strings.Join(f, " ")
+}
