@@ -271,6 +271,9 @@ func (a *Agent) waitUnanswered(ctx context.Context, st *addState, owner string, 
 	if st.unanswered > maxUnanswered || ctx.Err() != nil {
 		return err
 	}
+	if a.silentFor() > probeAfter && a.reachable(ctx) != nil {
+		return err // not an election but a cut-off: say so now, not after the plugin's timeout
+	}
 	a.log.Warn("etcd did not answer; trying again", "owner", owner, "attempt", st.unanswered, "err", err)
 	select {
 	case <-ctx.Done():

@@ -240,10 +240,14 @@ func (a *Agent) sawHeader(h *pb.ResponseHeader, floor int64) {
 	a.wake()
 }
 
-// reachable tells whether etcd answers (probe): an ADD or DEL asks it first, so that a node
-// cut off from etcd answers them at once instead of after the plugin's timeout.
+// reachable tells whether etcd answers: an ADD or DEL asks it first when etcd was silent for
+// reachAfter, so that a node cut off from etcd answers them at once instead of after the
+// plugin's timeout. Renewals count as answers: a node with pods seldom asks.
 func (a *Agent) reachable(ctx context.Context) error {
-	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
+	if a.silentFor() <= reachAfter {
+		return nil
+	}
+	if err := a.ask(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
 		since := a.started.Add(time.Duration(a.lastAnswer.Load()))
 		return fmt.Errorf("%w: etcd does not answer (no answer since %s): %w", allocator.ErrUnavailable,
 			time.Now().Add(-time.Since(since)).UTC().Format(time.RFC3339), err)
@@ -254,9 +258,19 @@ func (a *Agent) reachable(ctx context.Context) error {
 // probe tells whether etcd answers: at no cost when it answered within probeAfter, else by a
 // count-only read of key bounded by probeTimeout. STATUS and /readyz ask it.
 func (a *Agent) probe(ctx context.Context, key string) error {
-	if time.Since(a.started)-time.Duration(a.lastAnswer.Load()) <= probeAfter {
+	if a.silentFor() <= probeAfter {
 		return nil
 	}
+	return a.ask(ctx, key)
+}
+
+// silentFor is how long ago etcd last answered the agent.
+func (a *Agent) silentFor() time.Duration {
+	return time.Since(a.started) - time.Duration(a.lastAnswer.Load())
+}
+
+// ask is probe's question: a count-only read of key, bounded by probeTimeout.
+func (a *Agent) ask(ctx context.Context, key string) error {
 	octx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
 	floor := a.revFloor()

@@ -102,6 +102,10 @@ const (
 	// probeTimeout bounds that question: a runtime's STATUS and a kubelet's probe must get an
 	// answer well within their own timeouts.
 	probeTimeout = 2 * time.Second
+	// reachAfter is how long etcd may have been silent before an ADD or DEL asks it first
+	// (Agent.reachable): they call etcd anyway, and must not wait a whole request's timeout
+	// to learn that the node is cut off.
+	reachAfter = 2 * time.Second
 	// viewListTimeout bounds the listing of one pool's view, one range read of every
 	// allocation of the pool: far larger than any other read the agent makes.
 	viewListTimeout = 30 * time.Second
