@@ -107,7 +107,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.keeper = keeper
 	a.pools = newPools(actx, cli, a.log)
 	a.pools.onMismatch = a.recordPoolConflict
-	a.blockLeases = newBlockLeases(keeper, cfg.LeaseTTL+cfg.ReuseDelay)
+	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
 		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, holdBack: cfg.ReuseDelay > 0, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
 	h := fnv.New64a()

@@ -58,6 +58,12 @@ func newBlockLeases(k *Keeper, ttl time.Duration) *blockLeases {
 	return &blockLeases{keeper: k, ttl: ttl, held: make(map[clientv3.LeaseID]bool)}
 }
 
+// blockLeaseTTL is the block lease's TTL: one and a half times the pod lease TTL plus the
+// reuse delay. Every lease is renewed at a third of its own TTL, so the block lease was last
+// renewed at most a third of its TTL before the pods' leases; expiring two thirds of its TTL
+// after that at the earliest, it outlives them by at least the delay.
+func blockLeaseTTL(cfg Config) time.Duration { return (cfg.LeaseTTL + cfg.ReuseDelay) * 3 / 2 }
+
 // get returns the lease new block claims and held keys go on, granting it if there is none
 // (the one granted at registration was lost: the node was cut off for longer than its TTL).
 func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {

@@ -68,7 +68,8 @@ type Config struct {
 	// ReuseDelay is how long an address whose pod lease expired without a release (its node
 	// cut off from etcd or dead) is held back from other pods while the pool has other room,
 	// and how long a dead node's blocks stay its own: the node's block lease, which carries its
-	// block claims and its pods' held keys, has a TTL of LeaseTTL plus ReuseDelay. Default
+	// block claims and its pods' held keys, outlives its pods' leases by ReuseDelay at least
+	// (blockLeaseTTL). Default
 	// DefaultReuseDelay; negative holds nothing back.
 	ReuseDelay time.Duration
 	// Version is the agent version written into the node record.
