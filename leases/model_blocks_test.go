@@ -39,6 +39,9 @@ var modelBlockMetrics = []string{
 	"leasehold_borrowed_addresses_total",
 	"leasehold_claim_handovers_total",
 	"leasehold_claim_handovers_refused_total",
+	"leasehold_expired_addresses_reused_total",
+	"leasehold_conflicts_total",
+	"leasehold_conflicts_resolved_total",
 }
 
 // modelPool is the model's pool: 29 IPv4 addresses in four /29 blocks for 24 owners x 2
@@ -122,8 +125,10 @@ func keptAlive(a *Agent) []clientv3.LeaseID {
 }
 
 // die kills one node: its agent stops, and every lease it renewed expires (revoked here, as
-// etcd does a TTL after the last renewal), taking its pods' addresses and its block claims;
-// its sticky claims' leases run out only after the hold (model_sticky_test.go), so they stay.
+// etcd does a TTL after the last renewal), taking its pods' addresses and its block claims,
+// and so do the block leases of its identity it no longer renewed (a crashed agent's that
+// came back with no pod): a death outlasts the reuse delay. Its sticky claims' leases run
+// out only after the hold (model_sticky_test.go), so they stay.
 // The model forgets the node's pods; the node comes back later with a new identity (revive).
 // It reports false when too few nodes are alive to lose one.
 func (m *model) die(ctx context.Context, i int) bool {
@@ -135,22 +140,27 @@ func (m *model) die(ctx context.Context, i int) bool {
 	n := m.nodes[ni]
 	claims := claimLeaseSet(n.agent)
 	leases := slices.DeleteFunc(keptAlive(n.agent), func(id clientv3.LeaseID) bool { return claims[id] })
+	m.noteHeldOf(ctx, n.name) // its block lease goes now, before the delay: others may hold them back still
 	m.harvest(n.agent)
 	n.agent.Close()
 	n.agent = nil
 	n.back = i + 3 + m.rng.IntN(15)
-	for _, id := range leases {
-		if _, err := m.cli.Revoke(ctx, id); err != nil && !keyspace.IsLeaseNotFound(err) {
-			m.t.Fatalf("step %d: revoke %s of dead node %s: %v", i, keyspace.LeaseHex(id), n.name, err)
-		}
+	for _, id := range append(leases, m.blockLeasesOf(ctx, n.name, n.uid)...) {
+		m.revoke(ctx, i, id)
 	}
 	m.mu.Lock()
 	var gone []string
-	for k := range m.held {
+	for k, held := range m.held {
 		if m.home[k.owner] == ni {
 			gone = append(gone, fmt.Sprint(k))
+			for _, a := range held {
+				if !slices.Contains(m.conflict[k], a) {
+					m.expired[a] = true
+				}
+			}
 			delete(m.held, k)
 			delete(m.ctr, k)
+			delete(m.conflict, k)
 		}
 	}
 	m.mu.Unlock()
@@ -215,15 +225,20 @@ func (m *model) drain(ctx context.Context, i int) {
 	wg.Wait()
 }
 
-// settle ends a history: every attachment the model holds is deleted, after which the pool
-// must hold no allocation, and every block must be given back once its quarantine and
-// BlockIdle are over. A block claim left then is a leaked block, unless its node restarted
-// and has not served the pool since: nothing renews such a claim, and it goes with its
-// lease (counted as "orphaned").
+// settle ends a history: every cut-off node comes back, every attachment the model holds is
+// deleted, after which the pool must hold no allocation and no held key, and every block must
+// be given back once its quarantine and BlockIdle are over. A block claim left then is a
+// leaked block, unless its node restarted and has not served the pool since (a crashed node
+// that came back with no pod knows its old block lease no more): nothing renews such a
+// claim, and it goes with its lease, after the reuse delay; the model revokes that lease
+// (counted as "orphaned").
 func (m *model) settle(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	m.revive(i)
+	m.returns(ctx, i, true)
+	m.resolve(i)
+	m.check()
 	m.mu.Lock()
 	var keys []attKey
 	busy := map[string]bool{}
@@ -249,11 +264,30 @@ func (m *model) settle(i int) {
 	for _, kv := range resp.Kvs {
 		m.t.Errorf("every attachment was deleted, and allocation %s is left", kv.Key)
 	}
+	// Nothing is held back for a pod that runs no more (a release deletes its held keys; the
+	// agent frees those of pods deleted while their lease was lost).
+	heldDeadline := time.Now().Add(modelViewSettle)
+	for {
+		held, err := m.cli.Get(ctx, keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix())
+		if err != nil {
+			m.t.Fatal(err)
+		}
+		if len(held.Kvs) == 0 {
+			break
+		}
+		if time.Now().After(heldDeadline) {
+			for _, kv := range held.Kvs {
+				m.t.Errorf("every attachment was deleted %s ago, and held key %s is left on lease %s: %s", modelViewSettle,
+					kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
+			}
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	// A quarantine key lives on a lease of up to the quarantine plus a window (the keeper's
 	// QuarantineLease), which etcd revokes within about a second of its TTL.
 	start := time.Now()
 	deadline := start.Add(modelQuarantine + 2*time.Second + modelBlockIdle + modelViewSettle)
-	orphanDeadline := start.Add(10*time.Second + 2*time.Second) // startAgent's LeaseTTL
 	for {
 		left, orphans := m.claimsLeft(ctx)
 		if len(left) == 0 && len(orphans) == 0 {
@@ -265,13 +299,18 @@ func (m *model) settle(i int) {
 				left, m.blocksDump())
 			return
 		}
-		if len(left) == 0 && time.Now().After(orphanDeadline) {
-			m.t.Errorf("block claims of restarted nodes outlive their lease TTL: %v\nblocks:%s", orphans, m.blocksDump())
-			return
-		}
-		if len(orphans) > 0 && m.count["orphaned"] == 0 {
-			m.count["orphaned"] = len(orphans)
-			m.log("%d SETTLE: claims no agent follows (restarted, pool not served since): %v", i, orphans)
+		for lease, claims := range orphans {
+			for _, n := range m.nodes {
+				if n.agent != nil && n.agent.keeper.Holds(lease) {
+					m.t.Errorf("block claims %v are on lease %s, which %s renews without following the pool: never given back",
+						claims, keyspace.LeaseHex(lease), n.name)
+					return
+				}
+			}
+			m.revoke(ctx, i, lease)
+			m.count["orphaned"] += len(claims)
+			m.log("%d SETTLE: claims no agent follows (restarted, pool not served since) go with their lease %s: %v",
+				i, keyspace.LeaseHex(lease), claims)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -279,9 +318,11 @@ func (m *model) settle(i int) {
 	m.check()
 }
 
-// claimsLeft lists the pool's block claims: those of agents that follow the pool (left), and
-// those of agents that do not, having restarted since they last served it (orphans).
-func (m *model) claimsLeft(ctx context.Context) (left, orphans []string) {
+// claimsLeft lists the pool's block claims: those of agents that follow the pool (left), and,
+// by lease, those of agents that do not, having restarted since they last served it
+// (orphans).
+func (m *model) claimsLeft(ctx context.Context) (left []string, orphans map[clientv3.LeaseID][]string) {
+	orphans = map[clientv3.LeaseID][]string{}
 	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
 	if err != nil {
 		m.t.Fatal(err)
@@ -296,7 +337,7 @@ func (m *model) claimsLeft(ctx context.Context) (left, orphans []string) {
 			}
 		}
 		if orphan {
-			orphans = append(orphans, claim)
+			orphans[keyspace.LeaseOf(kv)] = append(orphans[keyspace.LeaseOf(kv)], claim)
 		} else {
 			left = append(left, claim)
 		}
@@ -308,7 +349,7 @@ func (m *model) claimsLeft(ctx context.Context) (left, orphans []string) {
 // time has come: the same-name replacement of a machine.
 func (m *model) revive(i int) {
 	for ni, n := range m.nodes {
-		if n.agent != nil || i < n.back {
+		if n.agent != nil || n.away > 0 || i < n.back {
 			continue
 		}
 		n.gen++
@@ -387,8 +428,9 @@ func (m *model) checkClaims(ctx context.Context, kvs []*mvccpb.KeyValue) {
 			m.t.Errorf("block claim: %v", err)
 			continue
 		}
-		if !m.isLiveNode(rec.Node, rec.NodeUID) || rec.Cluster != m.cluster {
-			m.t.Errorf("block claim %s names %s/%s (uid %s), not a live node of the model", kv.Key, rec.Cluster, rec.Node, rec.NodeUID)
+		if !m.isLiveNode(rec.Node, rec.NodeUID) && !m.holdsBackFor(rec.Node, rec.NodeUID) || rec.Cluster != m.cluster {
+			m.t.Errorf("block claim %s names %s/%s (uid %s), not a live node of the model, nor a cut-off one within its reuse delay",
+				kv.Key, rec.Cluster, rec.Node, rec.NodeUID)
 		}
 		lease := keyspace.LeaseOf(kv)
 		if lease == 0 {
@@ -408,6 +450,17 @@ func (m *model) checkClaims(ctx context.Context, kvs []*mvccpb.KeyValue) {
 			m.t.Errorf("block claim %s is on lease %s, which is not alive", kv.Key, keyspace.LeaseHex(lease))
 		}
 	}
+}
+
+// holdsBackFor reports whether node identity (name, uid) is cut off and its block leases
+// still live: its blocks are its own.
+func (m *model) holdsBackFor(name, uid string) bool {
+	for _, n := range m.nodes {
+		if n.holdsBack && n.name == name && n.uid == uid {
+			return true
+		}
+	}
+	return false
 }
 
 func (m *model) isLiveNode(name, uid string) bool {

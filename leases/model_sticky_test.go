@@ -86,6 +86,9 @@ func (m *model) planSticky(used map[string]bool) []modelOp {
 	used[ord] = true
 	var del []modelOp
 	if cur, live := m.incarnation(ord); live {
+		if m.awayOwner(cur.owner) {
+			return nil // its node is cut off: nothing reaches the pod, and no replacement is made
+		}
 		used[cur.owner] = true
 		node := m.homeOf(cur.owner)
 		switch r := m.rng.IntN(10); {
@@ -188,16 +191,11 @@ func (m *model) stickyAdd(ctx context.Context, i int, node *modelNode, k attKey,
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for other, theirs := range m.held {
-		if afterDel && other == holder {
-			continue // released in etcd; the DEL's goroutine updates the model after
-		}
-		for _, a := range got {
-			if other != k && slices.Contains(theirs, a) {
-				m.t.Errorf("step %d: sticky ADD of %v returned %s, which %v holds", i, k, a, other)
-			}
-		}
+	var except attKey
+	if afterDel {
+		except = holder // released in etcd; the DEL's goroutine updates the model after
 	}
+	m.admitLocked(i, k, got, except)
 	for _, a := range got {
 		delete(m.freed, a) // a hand-over inside the quarantine is the point of a claim
 	}
@@ -317,7 +315,7 @@ func (m *model) checkSticky(claims, allocs, owners, quarantine []*mvccpb.KeyValu
 		case !ok && m.isLiveNode(h.Node, h.NodeUID):
 			m.t.Errorf("claim %s names holder %s on live node %s (uid %s), which has no owner index (the model: live incarnation %v %v)",
 				name, h.Owner, h.Node, h.NodeUID, live, cur)
-		case !ok && live:
+		case !ok && live && !m.awayLocked(cur):
 			m.t.Errorf("claim %s names holder %s of a dead node, and the model gives its addresses to %v", name, h.Owner, cur)
 		}
 	}

@@ -24,35 +24,55 @@ import (
 )
 
 // TestModelRandomHistories drives several agents and owners through random interleavings of
-// ADD, DEL, CHECK, GC, agent restarts, lease losses, node drains and node deaths against the
-// real etcd, records the history, and after every step checks the state against a simple
-// model. The pool has small blocks (model_blocks_test.go), so histories claim blocks, fill
-// them, borrow in other nodes' blocks when every block is claimed, and give empty blocks
-// back; a dead node's leases expire with its pods and block claims, and it comes back
-// replaced. A few owners are StatefulSet pods whose attachments name a sticky claim
+// ADD, DEL, CHECK, GC, agent restarts, lease losses, node drains, node deaths, cut-offs and
+// crashes against the real etcd, records the history, and after every step checks the state
+// against a simple model. The pool has small blocks (model_blocks_test.go), so histories
+// claim blocks, fill them, borrow in other nodes' blocks when every block is claimed, and
+// give empty blocks back; a dead node's leases expire with its pods and block claims, and it
+// comes back replaced. A few owners are StatefulSet pods whose attachments name a sticky claim
 // (model_sticky_test.go): each deletion, drain, GC or node death of one is followed by a new
 // incarnation (a new pod UID, on any node) that must get the claim's addresses, and an
-// incarnation created while another lives must be refused. A history ends by deleting every
-// attachment and letting the claims' holds run out (settle).
+// incarnation created while another lives must be refused. A node is sometimes cut off
+// (model_cutoff_test.go): its agent killed, its pod leases expired, its pods' addresses held
+// back for the reuse delay, sometimes longer; it comes back with the same identity and
+// re-claims its pods. An agent is sometimes killed right after a DEL's answer, and a DEL
+// sometimes races the re-claim of its pod's lost lease (model_del_test.go). A history ends by bringing every
+// cut-off node back, deleting every attachment and letting the claims' holds run out (settle).
 //
-//   - at most one owner per address: no two owner indexes name one address of a pool, and
-//     every allocation key is named by exactly one owner index on the same lease; no ADD
-//     returns an address the model gives to another attachment;
+//   - at most one owner per address: every allocation key is named by exactly one owner index
+//     on the same lease, and no two owner indexes name one address of a pool but a running
+//     pod's, which lists an address another owner took while the pod's node was away (a
+//     conflict); no ADD returns an address the model gives to another attachment;
 //   - ADD is idempotent: an ADD for an attachment the model holds returns its addresses;
 //   - release is owner-compared: a DEL, GC or stale DEL never removes another owner's keys;
 //   - quarantine is respected: a released address goes to no other owner before it ends;
 //   - keys are in their blocks: every allocation and quarantine key lies in the block its key
 //     names, which is the pool's block of the address;
-//   - block claims are sound: each is on a live lease and names a live node of the model;
-//     no two agents consider one block theirs, and each agent's blocks are its claims;
+//   - block claims are sound: each is on a live lease and names a live node of the model, or
+//     a cut-off one within its reuse delay; no two agents consider one block theirs, and each
+//     agent's blocks are its claims;
 //   - a dead node leaves nothing behind: every key naming it goes with its leases;
 //   - claims are sound: an ADD naming a claim is refused exactly while another live
 //     incarnation holds it, else gets the claim record's addresses; a claim holder's owner
-//     index lists and names the claim, unless its node is dead; a claim-marked quarantine key
-//     and an allocation of one address imply the claim's holder owns it; no ADD without the
-//     claim gets its addresses (details in model_sticky_test.go);
-//   - no leak: once every attachment is deleted, no allocation is left, and every block is
-//     given back when its quarantine and BlockIdle are over.
+//     index lists and names the claim, unless its node is dead or cut off; a claim-marked
+//     quarantine key and an allocation of one address imply the claim's holder owns it; no
+//     ADD without the claim gets its addresses (details in model_sticky_test.go);
+//   - the reuse order: an ADD returns an address held back for a cut-off node's pod only when
+//     the pool had fewer free addresses no expired holder had than the step ran ADDs;
+//   - held keys are sound: a running pod's addresses have held keys of its owner and node on
+//     a block lease its agent renews; a cut-off node's pods have no key but those, until its
+//     reuse delay runs out, then none;
+//   - coming back: a cut-off node re-claims every pod with every address nobody took; each one
+//     taken is a conflict (Conflicts(), the conflict record, CHECK code 104), and no other is;
+//     every owner index and conflict record stands for an attachment of the model; once the
+//     other owner lets a conflicted address go, the running pod holds it again within
+//     modelResolveWait;
+//   - a DEL answered is final: after the agent is killed right after its answer (the pod
+//     leases expiring or not meanwhile), or when it races a re-claim, the attachment has no
+//     key and its agent does not know it, then or a little later; its held keys are freed,
+//     and the node's other pods are kept (details in model_del_test.go);
+//   - no leak: once every attachment is deleted, no allocation and no held key is left, and
+//     every block is given back when its quarantine and BlockIdle are over.
 //
 // A simpler model than a linearizability checker (porcupine) suffices because every
 // invariant is a predicate over etcd's state at quiet points between steps, and every
@@ -76,6 +96,7 @@ func TestModelRandomHistories(t *testing.T) {
 	}()
 	for i := range steps {
 		m.step(i)
+		m.resolve(i)
 		m.check()
 		if t.Failed() {
 			return
@@ -96,6 +117,15 @@ func TestModelRandomHistories(t *testing.T) {
 		tot["leasehold_block_claims_total"], tot["leasehold_blocks_given_back_total"], tot["leasehold_borrowed_addresses_total"],
 		m.count["orphaned"], m.count["sticky add"], m.count["handover"], m.count["handover from a dead node"], m.count["sticky add racing a DEL"],
 		tot["leasehold_claim_handovers_total"], m.count["sticky refused"], tot["leasehold_claim_handovers_refused_total"])
+	t.Logf("seed %d: cut-offs: %d (%d shorter than the reuse delay, %d longer), %d held-back addresses reused for lack of room "+
+		"(agents counted %v), %d taken after the delay, %d conflicts seen on coming back (agents counted %v re-claiming), "+
+		"%d resolved (agents counted %v); %d crashes right after a DEL, %d DELs racing a re-claim", seed,
+		m.count["cut-off"], m.count["cut-off short"], m.count["cut-off long"], m.count["reuse"], tot["leasehold_expired_addresses_reused_total"],
+		m.count["taken after the delay"], m.count["conflict"], tot["leasehold_conflicts_total"], m.count["resolved"],
+		tot["leasehold_conflicts_resolved_total"], m.count["crash after DEL"], m.count["del during re-claim"])
+	if m.count["cut-off"] == 0 {
+		t.Errorf("seed %d: no node was cut off in %d steps: the history did not exercise the reuse delay", seed, steps)
+	}
 	if m.count["handover"] == 0 {
 		t.Errorf("seed %d: no sticky claim was handed over in %d steps: the history did not exercise claims", seed, steps)
 	}
@@ -105,9 +135,15 @@ const modelQuarantine = 2 * time.Second
 
 type modelNode struct {
 	name, uid, state string
-	agent            *Agent // nil while the node is dead
+	agent            *Agent // nil while the node is dead or cut off
 	gen              int    // replacements so far: the node UID's suffix
 	back             int    // the step a dead node comes back at, replaced
+	// A cut-off node (model_cutoff_test.go): the step it comes back at (0: connected), the
+	// step its reuse delay runs out at (0: it comes back first), whether its block leases
+	// still hold its pods' addresses back, and those leases.
+	away, expireAt int
+	holdsBack      bool
+	blockLeases    []clientv3.LeaseID
 }
 
 type attKey struct{ owner, ifName string }
@@ -117,6 +153,7 @@ type model struct {
 	rng     *rand.Rand
 	cluster string
 	pool    allocator.PoolSpec
+	spec    allocator.PoolSpec // the pool, canonical: its sizes
 	cli     *clientv3.Client
 	nodes   []*modelNode
 	home    map[string]int           // owner -> node index
@@ -133,13 +170,28 @@ type model struct {
 	errs     map[string]int     // why new ADDs were refused
 	stats    map[string]float64 // block counters of agents gone (model_blocks_test.go)
 	mu       sync.Mutex
+
+	// Cut-offs (model_cutoff_test.go): the addresses of each attachment that another owner
+	// holds (taken while its node was away), the addresses whose last holder expired without
+	// a release, and, for the running step, the never-held free addresses per range set
+	// before it (nil: none is held back) and its ADDs.
+	conflict  map[attKey][]netip.Addr
+	expired   map[netip.Addr]bool
+	neverHeld []int
+	stepAdds  int
 }
 
 func newModel(t *testing.T, seed uint64) *model {
 	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
 		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
-		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{}}
+		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
+		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}}
+	m.spec = modelPool()
+	m.spec.Name = m.pool.Name
+	if err := m.spec.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
 	for i := range 3 {
 		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
 		n.agent = m.start(n)
@@ -151,7 +203,7 @@ func newModel(t *testing.T, seed uint64) *model {
 func (m *model) start(n *modelNode) *Agent {
 	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
 		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
-		c.BlockIdle, c.ClaimHold = modelBlockIdle, modelClaimHold
+		c.BlockIdle, c.ClaimHold, c.ReuseDelay = modelBlockIdle, modelClaimHold, modelReuseDelay
 	})
 }
 
@@ -193,6 +245,7 @@ func (m *model) step(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	m.revive(i)
+	m.returns(ctx, i, false)
 	switch r := m.rng.IntN(100); {
 	case r < 4:
 		m.restart(i)
@@ -210,9 +263,22 @@ func (m *model) step(i int) {
 	case r < 17:
 		m.drain(ctx, i)
 		return
+	case r < 22:
+		if m.cutOff(ctx, i) {
+			return
+		}
+	case r < 25:
+		if m.crashAfterDel(ctx, i) {
+			return
+		}
+	case r < 28:
+		if m.delDuringReclaim(ctx, i) {
+			return
+		}
 	}
+	free := m.neverHeldFree(ctx)
 	// Plan the whole step first: its operations run at once on distinct owners (and
-	// distinct StatefulSet ordinals).
+	// distinct StatefulSet ordinals). The pods of a cut-off node are out of reach.
 	var plan []modelOp
 	used := map[string]bool{}
 	for range 1 + m.rng.IntN(3) {
@@ -221,12 +287,25 @@ func (m *model) step(i int) {
 			continue
 		}
 		k := attKey{owner: fmt.Sprintf("pod%02d", m.rng.IntN(24)), ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
-		if used[k.owner] {
+		if used[k.owner] || m.awayOwner(k.owner) {
 			continue
 		}
 		used[k.owner] = true
-		plan = append(plan, modelOp{node: m.homeOf(k.owner), k: k, op: m.rng.IntN(10), roll: m.rng.IntN(4)})
+		op := m.rng.IntN(10)
+		if free != nil && op >= 5 && op < 7 {
+			op = 0 // more ADDs while a cut-off node holds addresses back: the pool runs out
+		}
+		plan = append(plan, modelOp{node: m.homeOf(k.owner), k: k, op: op, roll: m.rng.IntN(4)})
 	}
+	adds := 0
+	for _, p := range plan {
+		if p.sticky != "" || p.op < 5 {
+			adds++
+		}
+	}
+	m.mu.Lock()
+	m.neverHeld, m.stepAdds = free, adds
+	m.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, p := range plan {
 		if p.sticky != "" {
@@ -269,13 +348,7 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			m.t.Errorf("step %d: ADD of %v is not idempotent: had %v, got %v", i, k, held, got)
 		}
 		m.mu.Lock()
-		for other, theirs := range m.held {
-			for _, a := range got {
-				if other != k && slices.Contains(theirs, a) {
-					m.t.Errorf("step %d: ADD of %v returned %s, which %v holds", i, k, a, other)
-				}
-			}
-		}
+		m.admitLocked(i, k, got, attKey{})
 		for _, a := range got {
 			if ord := m.claimOfAddrLocked(a); ord != "" && m.stsOf[k.owner] != ord {
 				m.t.Errorf("step %d: ADD of %v returned %s, an address of claim %s", i, k, a, modelClaim(ord))
@@ -316,7 +389,16 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 	default: // CHECK
 		_, err := node.agent.Check(ctx, m.req(k, container))
 		m.log("%d %s CHECK %v -> %v", i, node.name, k, err)
-		if have && err != nil {
+		m.mu.Lock()
+		taken := m.conflict[k]
+		settling := slices.ContainsFunc(taken, func(a netip.Addr) bool { h, ok := m.holderLocked(a); return !ok || busy[h.owner] })
+		m.mu.Unlock()
+		switch {
+		case !have || settling:
+			// An address the other owner lets go in this step may be back already.
+		case len(taken) > 0 && !errors.Is(err, allocator.ErrConflict):
+			m.t.Errorf("step %d: CHECK of %v, whose %v another owner holds: %v, want a conflict", i, k, taken, err)
+		case len(taken) == 0 && err != nil:
 			m.t.Errorf("step %d: CHECK of held %v: %v", i, k, err)
 		}
 	}
@@ -332,10 +414,13 @@ func (m *model) release(k attKey, held []netip.Addr) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, a := range held {
-		m.freed[a] = time.Now()
+		if !slices.Contains(m.conflict[k], a) { // another owner's
+			m.freed[a] = time.Now()
+		}
 	}
 	delete(m.held, k)
 	delete(m.ctr, k)
+	delete(m.conflict, k)
 }
 
 // refused notes why a new ADD was refused.
@@ -389,27 +474,15 @@ func (m *model) lose(ctx context.Context, i int) {
 		if !ok {
 			continue
 		}
-		if _, err := m.cli.Revoke(ctx, lease); err != nil {
-			m.t.Fatalf("step %d: revoke: %v", i, err)
-		}
+		m.revoke(ctx, i, lease)
+		m.nodes[ni].agent.keeper.lost(lease) // found at once, not at its next keep-alive
 		m.log("%d LOSE lease of %s on %s", i, owner, m.nodes[ni].name)
 		m.count["lose"]++
-		// The model's expectation stays: the agent re-claims (nobody else can take the
-		// addresses: the pool's other users are this model's agents, which see them in
-		// quarantine or allocated... unless a concurrent ADD wins first; wait for re-claim).
-		deadline := time.Now().Add(15 * time.Second)
-		for {
-			if _, ok := m.nodes[ni].agent.pods.lease(owner); ok {
-				if l, _ := m.nodes[ni].agent.pods.lease(owner); l != lease {
-					return
-				}
-			}
-			if time.Now().After(deadline) {
-				m.t.Errorf("step %d: lease of %s was never re-claimed", i, owner)
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
+		// The model's expectation stays: the agent re-claims (no ADD runs meanwhile, and
+		// other nodes hold the addresses back), unless a running pod waiting for one of them
+		// (a conflict) takes it back first.
+		m.awaitReclaims(i, ni)
+		return
 	}
 }
 
@@ -508,6 +581,15 @@ func (m *model) check() {
 	m.checkSticky(resp.Responses[4].GetResponseRange().Kvs, resp.Responses[0].GetResponseRange().Kvs,
 		resp.Responses[1].GetResponseRange().Kvs, resp.Responses[2].GetResponseRange().Kvs)
 	m.checkViews()
+	st := m.readState(ctx)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	// An address another owner took while its pod's node was away stays in that pod's owner
+	// index: checked with the conflicts (checkHolds).
+	lost := map[string][]netip.Addr{}
+	for k, taken := range m.conflict {
+		lost[m.ownerKey(k)] = taken
+	}
 	namedBy := map[netip.Addr]string{}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
 		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
@@ -516,6 +598,9 @@ func (m *model) check() {
 			continue
 		}
 		for _, ip := range rec.IPs {
+			if slices.Contains(lost[string(kv.Key)], ip) {
+				continue
+			}
 			if other, dup := namedBy[ip]; dup {
 				m.t.Errorf("%s is named by two owner indexes: %s and %s", ip, other, kv.Key)
 			}
@@ -529,16 +614,19 @@ func (m *model) check() {
 		if _, ok := namedBy[ip]; !ok {
 			m.t.Errorf("allocation %s is named by no owner index", ip)
 		}
+		delete(m.expired, ip) // allocated again: whoever held it back knows
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
 	for k, held := range m.held {
+		if m.awayLocked(k) {
+			continue // its keys expired: checkHolds
+		}
 		for _, ip := range held {
-			if namedBy[ip] != keyspace.OwnerKey(m.cluster, k.owner, k.ifName, m.pool.Name) {
+			if !slices.Contains(m.conflict[k], ip) && namedBy[ip] != m.ownerKey(k) {
 				m.t.Errorf("model: %v holds %s, etcd: %q", k, ip, namedBy[ip])
 			}
 		}
 	}
+	m.checkHolds(st)
 }
 
 func addrs(res allocator.Result) []netip.Addr {
