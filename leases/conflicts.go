@@ -61,7 +61,10 @@ func (a *Agent) watchConflicts() {
 }
 
 // followConflict tries to resolve ref, and while the address is held by another owner waits
-// for that owner's key to go, until the conflict is resolved or no longer the agent's.
+// for that owner's key to go, until the conflict is resolved or no longer the agent's. The
+// other owner lets the address go by its release, which deletes its allocation and held key:
+// an expiry of its lease leaves its held key, for its pod may still run on a node cut off, and
+// the address stays held back until that hold ends too.
 func (a *Agent) followConflict(ctx context.Context, ref conflictRef) {
 	defer a.wg.Done()
 	defer func() {
@@ -129,22 +132,33 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	ipKey := keyspace.IPKey(ref.pool, p.spec.Blocks, ref.addr)
+	heldKey := keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr)
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
 	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
-	cur, err := a.cli.Get(octx, conflictKey)
+	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("read "+conflictKey, err)
 	}
 	cmps := []clientv3.Cmp{keyspace.Absent(ipKey), keyspace.OnLease(ownerKey, lease)}
+	if held := cur.Responses[1].GetResponseRange().Kvs; len(held) > 0 {
+		if !a.blockLeases.mine(clientv3.LeaseID(held[0].Lease)) {
+			// Held back for the other owner, whose lease expired without a release.
+			return heldKey, cur.Header.Revision, false, nil
+		}
+		cmps = append(cmps, keyspace.Unchanged(heldKey, held[0].ModRevision))
+	} else {
+		cmps = append(cmps, keyspace.Absent(heldKey))
+	}
+	conflictKVs := cur.Responses[0].GetResponseRange().Kvs
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.owner, lease, at.Created)), clientv3.WithLease(lease))}
 	if heldLease != 0 {
 		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
 	}
-	if len(cur.Kvs) > 0 {
+	if len(conflictKVs) > 0 {
 		// The conflict record lists what is still taken: without this address, or gone.
-		cmps = append(cmps, keyspace.Unchanged(conflictKey, cur.Kvs[0].ModRevision))
-		rec, _ := keyspace.Decode[keyspace.ConflictRecord](conflictKey, cur.Kvs[0].Value)
+		cmps = append(cmps, keyspace.Unchanged(conflictKey, conflictKVs[0].ModRevision))
+		rec, _ := keyspace.Decode[keyspace.ConflictRecord](conflictKey, conflictKVs[0].Value)
 		rec.Taken = slices.DeleteFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr })
 		if len(rec.Taken) == 0 {
 			puts = append(puts, clientv3.OpDelete(conflictKey))
@@ -152,7 +166,8 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 			puts = append(puts, clientv3.OpPut(conflictKey, keyspace.Encode(rec), clientv3.WithLease(lease)))
 		}
 	}
-	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(clientv3.OpGet(ipKey, clientv3.WithKeysOnly()), clientv3.OpGet(ownerKey, clientv3.WithKeysOnly())).Commit()
+	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(clientv3.OpGet(ipKey, clientv3.WithKeysOnly()),
+		clientv3.OpGet(ownerKey, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("take "+ref.addr.String()+" back for its running pod", err)
 	}
@@ -162,7 +177,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 			return "", 0, true, nil // the attachment is not on this lease any more: the re-claim or DEL has it
 		}
 		if len(resp.Responses[0].GetResponseRange().Kvs) == 0 {
-			return "", 0, false, nil // the address is free: the conflict record moved, read it again
+			return "", 0, false, nil // the address is free: the conflict record or held key moved, read again
 		}
 		return ipKey, resp.Header.Revision, false, nil
 	}

@@ -35,8 +35,8 @@ import (
 //     each address another owner took is a conflict (Conflicts(), the conflict record, CHECK
 //     code 104), and no other is; every conflict record stands for a conflict of the model;
 //   - a conflict is resolved: once the owner that took the address lets it go (DEL, GC,
-//     drain, its node's death or cut-off), the running pod holds it again within
-//     modelResolveWait.
+//     drain, its node's death, or a cut-off once its reuse delay ran out), the running pod
+//     holds it again within modelResolveWait.
 
 const (
 	// modelReuseDelay is the model agents' Config.ReuseDelay: longer than any history, so that
@@ -148,10 +148,12 @@ func (m *model) awayOwner(owner string) bool {
 }
 
 // holderLocked returns the attachment that holds a in etcd as the model says: one listing
-// it, on a connected node, for which it is not a conflict. m.mu is held.
+// it, for which it is not a conflict, on a connected node or on a cut-off one whose block
+// leases still hold its pods' addresses back (an expiry is not a release: the agent of a
+// running pod in conflict waits for the hold to end). m.mu is held.
 func (m *model) holderLocked(a netip.Addr) (attKey, bool) {
 	for k, held := range m.held {
-		if slices.Contains(held, a) && !slices.Contains(m.conflict[k], a) && !m.awayLocked(k) {
+		if slices.Contains(held, a) && !slices.Contains(m.conflict[k], a) && (!m.awayLocked(k) || m.nodes[m.home[k.owner]].holdsBack) {
 			return k, true
 		}
 	}
@@ -570,8 +572,8 @@ func (m *model) resolve(i int) {
 			if len(m.conflict[b.k]) == 0 {
 				delete(m.conflict, b.k)
 			}
-			// The owner that took it may be a pod of a cut-off node: its lease expired, and
-			// the running pod that had it first has priority over the hold.
+			// The owner that took it may be a pod of a cut-off node whose hold ran out: the
+			// running pod that had it first has it again, and that pod, back, has a conflict.
 			for other, theirs := range m.held {
 				if other != b.k && slices.Contains(theirs, b.a) && !slices.Contains(m.conflict[other], b.a) {
 					m.conflict[other] = append(m.conflict[other], b.a)
@@ -628,7 +630,10 @@ func (m *model) checkHolds(st etcdState) {
 				switch {
 				case n.away == 0 && (!indexed || !slices.Contains(ix.rec.IPs, a)):
 					m.t.Errorf("%v: its owner index does not list %s, which another owner took: %+v", k, a, ix.rec)
-				case ok && (!allocated || al.rec.Owner != holder.owner):
+				case ok && m.awayLocked(holder) && (allocated || !holdKey || h.rec.Owner != holder.owner):
+					m.t.Errorf("%v lost %s to %v, whose node is cut off: etcd should hold it back for it (allocation %v %+v, held key %v %+v)",
+						k, a, holder, allocated, al.rec, holdKey, h.rec)
+				case ok && !m.awayLocked(holder) && (!allocated || al.rec.Owner != holder.owner):
 					m.t.Errorf("%v lost %s to %v, which etcd does not show allocated to it: %+v", k, a, holder, al.rec)
 				case !ok && n.away == 0:
 					m.t.Errorf("%v lost %s to an owner that let it go, and does not hold it again", k, a)

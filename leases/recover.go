@@ -404,6 +404,37 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	return nil
 }
 
+// heldByOthers reads the held keys of c's addresses and takes out of c those held back for
+// another node's pod (its lease expired without a release, while it may run): a re-claim no
+// more takes such an address than an ADD does; it is a conflict until that holder lets it go.
+func (a *Agent) heldByOthers(ctx context.Context, c *claim) ([]keyspace.TakenByOther, error) {
+	ops := make([]clientv3.Op, len(c.addrs))
+	for i, ip := range c.addrs {
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.pool, c.blocks, ip))
+	}
+	resp, err := a.cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return nil, a.unavailable("read the held keys of "+c.ownerKey, err)
+	}
+	var taken []keyspace.TakenByOther
+	var still []netip.Addr
+	for i, ip := range c.addrs {
+		kvs := resp.Responses[i].GetResponseRange().Kvs
+		if len(kvs) == 0 || a.blockLeases.mine(clientv3.LeaseID(kvs[0].Lease)) {
+			still = append(still, ip)
+			continue
+		}
+		rec, _ := keyspace.Decode[keyspace.HeldRecord](string(kvs[0].Key), kvs[0].Value)
+		if rec.Owner == c.alloc.Owner && rec.Cluster == c.alloc.Cluster && rec.Node == c.alloc.Node {
+			still = append(still, ip) // this pod's own, on a block lease of before a restart
+			continue
+		}
+		taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: rec.Owner, Cluster: rec.Cluster, Node: rec.Node})
+	}
+	c.addrs = still
+	return taken, nil
+}
+
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
 // ModRevision, so that its DEL needs no read first, and the addresses another owner took
 // meanwhile: they are left to that owner, recorded in the attachment's conflict record, and
@@ -424,7 +455,10 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
 		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
 		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
-	var taken []keyspace.TakenByOther
+	taken, err := a.heldByOthers(ctx, c)
+	if err != nil {
+		return 0, nil, err
+	}
 	for range 5 {
 		if len(taken) > 0 {
 			c.conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,

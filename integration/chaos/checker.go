@@ -384,11 +384,18 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 	return false, fmt.Sprintf("%s, when the pool had room: %s; %s, not longer than TTL+reuse delay %s", when, occ, away, need)
 }
 
-// awayFor is how long slot had been away without a break at t (0 when it was not away).
+// awayFor is how long slot had been away without a break at t (0 when it was not away), or,
+// when it came back less than TTL + 5 s before t (its re-claim may not have run yet: the
+// addresses whose hold ran out during the stretch are free in etcd until then), how long
+// that stretch lasted.
 func (c *checker) awayFor(slot int, t time.Time) (time.Duration, string) {
 	for _, a := range c.away[slot] {
-		if !a.Start.After(t) && !c.awayEnd(a).Before(t) {
+		end := c.awayEnd(a)
+		switch {
+		case !a.Start.After(t) && !end.Before(t):
 			return t.Sub(a.Start), a.Cause
+		case end.Before(t) && t.Sub(end) < c.h.Params.TTL+5*time.Second:
+			return end.Sub(a.Start), fmt.Sprintf("%s, back %s before, not yet re-claimed", a.Cause, t.Sub(end).Round(100*time.Millisecond))
 		}
 	}
 	return 0, ""
@@ -583,12 +590,22 @@ type Resurrection struct {
 
 func (c *checker) resurrections() []Resurrection {
 	slack := c.h.Params.TTL
+	// A DEL answered while its node was away is released when the node comes back, or the
+	// key expires with its lease (releasedBy), and etcd extends every lease when its leader
+	// changes: a key seen until then was never deleted, not brought back.
+	gone := func(p *Pod) time.Time {
+		t := c.releasedBy(p).Add(slack)
+		if !t.Equal(p.DelAnswered.Add(slack)) && c.etcdFaultNear(p.DelAnswered, t) {
+			t = t.Add(c.h.Params.TTL + 2*time.Second)
+		}
+		return t
+	}
 	found := map[string]*Resurrection{}
 	var order []string
 	for _, s := range c.h.Samples {
 		for _, a := range s.Allocs {
 			p := c.pods[a.Owner]
-			if p == nil || p.DelAnswered.IsZero() || !s.T0.After(p.DelAnswered.Add(slack)) {
+			if p == nil || p.DelAnswered.IsZero() || !s.T0.After(gone(p)) {
 				continue
 			}
 			key := p.UID + "/" + a.IP.String()
@@ -605,7 +622,7 @@ func (c *checker) resurrections() []Resurrection {
 	if f := c.h.Final; f != nil {
 		for _, a := range f.Allocs {
 			p := c.pods[a.Owner]
-			if p == nil || p.DelAnswered.IsZero() || !f.Time.After(p.DelAnswered.Add(slack)) {
+			if p == nil || p.DelAnswered.IsZero() || !f.Time.After(gone(p)) {
 				continue
 			}
 			key := p.UID + "/" + a.IP.String()
