@@ -153,7 +153,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			// Never an address of this node's own pods: one whose lease expired (a freeze, a
 			// crash, a cut-off) looks free until its re-claim writes it back.
 			return st.skip(x) || a.pods.ownsAddr(p.spec.Name, x)
-		})
+		}, st.sticky == nil)
 		if errors.Is(err, allocator.ErrUnavailable) {
 			// A block claim or a borrowing read etcd did not answer (a leader election):
 			// wait and try again, as for an unanswered claim.

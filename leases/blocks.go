@@ -183,17 +183,31 @@ func (o *blockOwner) sortClaims(ctx context.Context, log *slog.Logger, kvs []*mv
 // from another node's block (borrow.go). In the flat layout it is reserve.
 //
 // Addresses whose holder expired without a release are passed over by each of these, and
-// taken only when none of them finds another (reuseExpired).
+// taken only when none of them finds another (reuseExpired), and never for a new sticky
+// claim (reuse false): a claim would keep for a day an address whose running pod, on a node
+// cut off, takes it back when it returns.
 // It reports whether the address is one whose holder expired (then the claim overwrites its
 // held key); any other the claim compares without a held key, so that a stale view or
 // snapshot never hands out a held-back address as a free one.
-func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (_ netip.Addr, expired bool, _ error) {
+func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool, reuse bool) (_ netip.Addr, expired bool, _ error) {
 	addr, err := v.chooseFree(ctx, spec, set, skip)
-	if errors.Is(err, allocator.ErrPoolExhausted) {
-		addr, err = v.reuseExpired(ctx, spec, set, skip, err)
-		return addr, err == nil, err
+	if !errors.Is(err, allocator.ErrPoolExhausted) {
+		return addr, false, err
 	}
-	return addr, false, err
+	if !reuse {
+		if n, first := v.heldBackCount(); n > 0 {
+			ends := "each hold ends at the latest a reuse delay after its node stopped renewing"
+			if !first.IsZero() {
+				ends = "the first hold ends at " + first.UTC().Format(time.RFC3339)
+			}
+			err = fmt.Errorf("%w; %d addresses are held back for pods whose node stopped renewing, and a new "+
+				"sticky claim does not take one: it would keep for its hold an address a running pod wants back (%s)",
+				err, n, ends)
+		}
+		return netip.Addr{}, false, err
+	}
+	addr, err = v.reuseExpired(ctx, spec, set, skip, err)
+	return addr, err == nil, err
 }
 
 // chooseFree is choose without the addresses held back after an expiry.

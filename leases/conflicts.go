@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"slices"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -135,7 +136,9 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	heldKey := keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr)
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
 	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
-	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey, clientv3.WithKeysOnly())).Commit()
+	qKey := keyspace.QuarantineKey(ref.pool, p.spec.Blocks, ref.addr)
+	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey, clientv3.WithKeysOnly()),
+		clientv3.OpGet(qKey)).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("read "+conflictKey, err)
 	}
@@ -155,16 +158,28 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	if heldLease != 0 {
 		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
 	}
+	claimCluster := a.cfg.Cluster
 	if len(conflictKVs) > 0 {
 		// The conflict record lists what is still taken: without this address, or gone.
 		cmps = append(cmps, keyspace.Unchanged(conflictKey, conflictKVs[0].ModRevision))
 		rec, _ := keyspace.Decode[keyspace.ConflictRecord](conflictKey, conflictKVs[0].Value)
+		if i := slices.IndexFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr && t.Cluster != "" }); i >= 0 {
+			claimCluster = rec.Taken[i].Cluster
+		}
 		rec.Taken = slices.DeleteFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr })
 		if len(rec.Taken) == 0 {
 			puts = append(puts, clientv3.OpDelete(conflictKey))
 		} else {
 			puts = append(puts, clientv3.OpPut(conflictKey, keyspace.Encode(rec), clientv3.WithLease(lease)))
 		}
+	}
+	var gaveUp string
+	if q := cur.Responses[2].GetResponseRange().Kvs; len(q) > 0 {
+		c, p, claim, err := a.claimGivesUp(octx, claimCluster, ref, q[0])
+		if err != nil {
+			return "", 0, false, err
+		}
+		cmps, puts, gaveUp = append(cmps, c...), append(puts, p...), claim
 	}
 	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(clientv3.OpGet(ipKey, clientv3.WithKeysOnly()),
 		clientv3.OpGet(ownerKey, clientv3.WithKeysOnly())).Commit()
@@ -186,11 +201,54 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	if v := a.pools.viewOf(ref.pool); v != nil {
 		v.markAllocated(ref.addr, resp.Header.Revision)
 	}
+	if gaveUp != "" {
+		a.log.Warn("a released sticky claim gives up an address to the running pod that had it first: the claim's next pod "+
+			"is given a new one", "claim", gaveUp, "claim_cluster", claimCluster, "pool", ref.pool, "ip", ref.addr, "owner", ref.owner)
+	}
 	a.metrics.conflictsResolved.Inc()
 	a.log.Warn("conflict resolved: the other holder let the address go, and it is the running pod's again",
 		"owner", ref.owner, "ifname", ref.ifName, "pool", ref.pool, "ip", ref.addr, "lease", keyspace.LeaseHex(lease),
 		"conflicts_left", len(left))
 	return "", 0, true, nil
+}
+
+// claimGivesUp handles an address that rests in quarantine under a released sticky claim: its
+// holder took it while this pod's node was away past the reuse delay, then was deleted. The
+// running pod had it first and takes it back, and the claim gives it up, so that the claim's
+// next pod is given a new address for that range set instead of being refused for as long as
+// this pod runs. It returns what the resolution compares and writes for it, and the claim's
+// name; nothing for an ordinary release's quarantine key (a resolution does not compare it)
+// or a claim that names a holder.
+func (a *Agent) claimGivesUp(ctx context.Context, cluster string, ref conflictRef, q *mvccpb.KeyValue) ([]clientv3.Cmp, []clientv3.Op, string, error) {
+	qKey := string(q.Key)
+	rec, err := keyspace.Decode[keyspace.QuarantineRecord](qKey, q.Value)
+	if err != nil || rec.Claim == "" {
+		return nil, nil, "", nil
+	}
+	key := keyspace.ClaimKey(cluster, ref.pool, rec.Claim)
+	resp, err := a.cli.Get(ctx, key)
+	if err != nil {
+		return nil, nil, "", a.unavailable("read claim "+key, err)
+	}
+	cmps := []clientv3.Cmp{keyspace.Unchanged(qKey, q.ModRevision)}
+	ops := []clientv3.Op{clientv3.OpDelete(qKey)}
+	if len(resp.Kvs) == 0 {
+		return append(cmps, keyspace.Absent(key)), ops, rec.Claim, nil
+	}
+	kv := resp.Kvs[0]
+	claim, err := keyspace.Decode[keyspace.ClaimRecord](key, kv.Value)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	if claim.Holder != nil {
+		return nil, nil, "", nil
+	}
+	claim.IPs = slices.DeleteFunc(claim.IPs, func(x netip.Addr) bool { return x == ref.addr })
+	cmps = append(cmps, keyspace.Unchanged(key, kv.ModRevision))
+	if len(claim.IPs) == 0 {
+		return cmps, append(ops, clientv3.OpDelete(key)), rec.Claim, nil
+	}
+	return cmps, append(ops, clientv3.OpPut(key, keyspace.Encode(claim), clientv3.WithLease(clientv3.LeaseID(kv.Lease)))), rec.Claim, nil
 }
 
 // stopConflicts ends the conflict watches of owner's attachments that no longer list them

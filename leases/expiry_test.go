@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -83,7 +84,8 @@ func allocOwner(t *testing.T, cli *clientv3.Client, pool allocator.PoolSpec, ip 
 
 // TestExpiredAddressesAreHeldBackWhileThePoolHasRoom: a node is cut off (it stops renewing)
 // and its pods' leases expire. Another node fills the pool: it gets every address no expired
-// holder had first, then the expired ones (the longest expired first), then the pool is full.
+// holder had first, then the expired ones (the longest expired first; never for a new sticky
+// claim), then the pool is full.
 // When the cut-off node comes back, it re-claims what was not taken and records the rest as
 // conflicts; nothing was ever handed out twice.
 func TestExpiredAddressesAreHeldBackWhileThePoolHasRoom(t *testing.T) {
@@ -118,6 +120,13 @@ func TestExpiredAddressesAreHeldBackWhileThePoolHasRoom(t *testing.T) {
 	free := size - len(held)
 	var got []netip.Addr
 	for i := 0; ; i++ {
+		if len(got) == free {
+			// Only held-back addresses are left: a new sticky claim would keep one for its hold.
+			_, err := other.Add(ctx, stickyReq(pool, "sts-0-c", "sts-0", "ns.sts-0"))
+			if !errors.Is(err, allocator.ErrPoolExhausted) || !strings.Contains(err.Error(), "sticky claim does not take") {
+				t.Errorf("a new sticky claim with only held-back addresses free: %v, want the pool exhausted for it", err)
+			}
+		}
 		res, err := other.Add(ctx, addReq(pool, fmt.Sprintf("o-%d", i), "eth0", fmt.Sprintf("o-%d", i)))
 		if errors.Is(err, allocator.ErrPoolExhausted) {
 			break
@@ -653,5 +662,111 @@ func TestWhatGCReleasedStaysReleasedAfterACrash(t *testing.T) {
 		if err := a.Del(ctx, addReq(pool, kept, "eth0", kept)); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo: a node is away longer than the reuse
+// delay, so its block lease and held keys are gone; another pod asks for its running pod's
+// address, gets it, and is deleted before the node comes back. The re-claim finds the
+// address free, and yet two pods ran with it at once: the agent counts and logs the conflict
+// it reads in etcd's history.
+func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/24", 26)
+	dir := t.TempDir()
+	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
+	res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	crash(a)
+	expire(t, cli, a, "run")
+	// The reuse delay runs out: the block lease, which holds the held key, expires.
+	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
+	if err != nil || len(held.Kvs) != 1 {
+		t.Fatalf("held key of %s: %v %v", ip, held, err)
+	}
+	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil {
+		t.Fatal(err)
+	}
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, thief); err != nil {
+		t.Fatalf("another node asks for the address, free now: %v", err)
+	}
+	if err := b.Del(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the running pod's address is re-claimed", func() bool {
+		return allocOwner(t, cli, pool, ip) == "run"
+	})
+	etcdtest.Eventually(t, 5*time.Second, "the conflict had meanwhile is counted", func() bool {
+		return back.Conflicts() == 1
+	})
+	if got := back.Conflicts(); got != 1 {
+		t.Errorf("%d conflicts counted; want 1", got)
+	}
+}
+
+// TestAReleasedClaimGivesUpARunningPodsAddress: a node is away longer than the reuse delay; a
+// StatefulSet pod's new sticky claim takes its running pod's address (free by then) and so is
+// that pod's conflict. The StatefulSet pod is deleted: the claim would keep the address for a
+// day, and its next pod would be refused for as long as the running pod lives. Instead the
+// running pod, which had it first, takes it back, and the claim gives it up: its next pod gets
+// a new address.
+func TestAReleasedClaimGivesUpARunningPodsAddress(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 26)
+	dir := t.TempDir()
+	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
+	res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	crash(a)
+	expire(t, cli, a, "run")
+	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
+	if err != nil || len(held.Kvs) != 1 {
+		t.Fatalf("held key of %s: %v %v", ip, held, err)
+	}
+	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil { // the delay runs out
+		t.Fatal(err)
+	}
+	sts := stickyReq(pool, "web-2-a", "web-2-a", "ns.web-2")
+	sts.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, sts); err != nil {
+		t.Fatalf("a sticky claim asks for the address, free now: %v", err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
+		return back.Conflicts() == 1
+	})
+	if err := b.Del(ctx, sts); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, 15*time.Second, "the running pod holds its address again", func() bool {
+		return allocOwner(t, cli, pool, ip) == "run"
+	})
+	claimKey := keyspace.ClaimKey(cluster, pool.Name, "ns.web-2")
+	if rec, ok := readClaimRecord(t, cli, claimKey); ok {
+		t.Errorf("the claim kept %v after giving up its only address", rec.IPs)
+	}
+	if q, err := cli.Get(ctx, keyspace.QuarantineKey(pool.Name, pool.Blocks, ip)); err != nil || len(q.Kvs) != 0 {
+		t.Errorf("the running pod's address still rests under the claim: %v %v", q, err)
+	}
+	next, err := b.Add(ctx, stickyReq(pool, "web-2-b", "web-2-b", "ns.web-2"))
+	if err != nil {
+		t.Fatalf("the claim's next pod: %v", err)
+	}
+	if got := addrs(next); len(got) != 1 || got[0] == ip {
+		t.Errorf("the claim's next pod got %v; want one new address, not the running pod's %s", got, ip)
+	}
+	if rec, ok := readClaimRecord(t, cli, claimKey); !ok || !slices.Equal(rec.IPs, addrs(next)) {
+		t.Errorf("the claim holds %v (present %v); want the next pod's %v", rec.IPs, ok, addrs(next))
 	}
 }

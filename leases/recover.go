@@ -407,20 +407,25 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 // heldByOthers reads the held keys of c's addresses and takes out of c those held back for
 // another node's pod (its lease expired without a release, while it may run): a re-claim no
 // more takes such an address than an ADD does; it is a conflict until that holder lets it go.
-func (a *Agent) heldByOthers(ctx context.Context, c *claim) ([]keyspace.TakenByOther, error) {
+// It also returns the addresses with no held key at all: their hold ran out (the node was
+// away longer than the reuse delay), and another pod may have had them meanwhile.
+func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.TakenByOther, unheld []netip.Addr, _ error) {
 	ops := make([]clientv3.Op, len(c.addrs))
 	for i, ip := range c.addrs {
 		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.pool, c.blocks, ip))
 	}
 	resp, err := a.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
-		return nil, a.unavailable("read the held keys of "+c.ownerKey, err)
+		return nil, nil, a.unavailable("read the held keys of "+c.ownerKey, err)
 	}
-	var taken []keyspace.TakenByOther
 	var still []netip.Addr
 	for i, ip := range c.addrs {
 		kvs := resp.Responses[i].GetResponseRange().Kvs
-		if len(kvs) == 0 || a.blockLeases.mine(clientv3.LeaseID(kvs[0].Lease)) {
+		if len(kvs) == 0 {
+			still, unheld = append(still, ip), append(unheld, ip)
+			continue
+		}
+		if a.blockLeases.mine(clientv3.LeaseID(kvs[0].Lease)) {
 			still = append(still, ip)
 			continue
 		}
@@ -432,7 +437,67 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) ([]keyspace.TakenByO
 		taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: rec.Owner, Cluster: rec.Cluster, Node: rec.Node})
 	}
 	c.addrs = still
-	return taken, nil
+	return taken, unheld, nil
+}
+
+// usedMeanwhile looks, for the addresses just re-claimed whose hold had run out (unheld),
+// in etcd's history of their allocation keys between the attachment's last write and the
+// re-claim (at rev): another owner that held one meanwhile, and let it go before the
+// re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
+// the conflict it was. A history compacted away is said to be unknown.
+func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, c *claim, unheld []netip.Addr, rev int64) {
+	if at.OwnerRev <= 0 {
+		return
+	}
+	var taken []keyspace.TakenByOther
+	had := 0 // addresses, each counted once whatever the number of owners that had it
+	for _, ip := range unheld {
+		if !slices.Contains(c.addrs, ip) {
+			continue
+		}
+		before := len(taken)
+		key := keyspace.IPKey(c.pool, c.blocks, ip)
+		octx, cancel := a.opCtx(ctx)
+		wch := a.cli.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(at.OwnerRev+1), clientv3.WithFilterDelete())
+		done := false
+		for resp := range wch {
+			if resp.CompactRevision != 0 || resp.Err() != nil {
+				a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
+					"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool, "err", resp.Err())
+				break
+			}
+			for _, ev := range resp.Events {
+				if ev.Kv.ModRevision >= rev {
+					done = true
+					break
+				}
+				holder, err := keyspace.Decode[keyspace.Allocation](key, ev.Kv.Value)
+				switch {
+				case err != nil:
+				case holder.Owner == owner:
+					// This pod had it back since (a conflict resolved): who had it before was
+					// counted then.
+					taken = taken[:before]
+				default:
+					taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
+						Node: holder.Node, ContainerID: holder.ContainerID})
+				}
+			}
+			if done {
+				break
+			}
+		}
+		cancel()
+		if len(taken) > before {
+			had++
+		}
+	}
+	if had == 0 {
+		return
+	}
+	a.conflicts.Add(int64(had))
+	a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
+		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
@@ -455,7 +520,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
 		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
 		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
-	taken, err := a.heldByOthers(ctx, c)
+	taken, unheld, err := a.heldByOthers(ctx, c)
 	if err != nil {
 		return 0, nil, err
 	}
@@ -484,6 +549,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 					lost = append(lost, t.IP)
 				}
 			}
+			a.usedMeanwhile(ctx, ps.Owner, at, c, unheld, out.Revision)
 			return out.Revision, lost, nil
 		}
 		if kv := out.Existing; kv != nil {
