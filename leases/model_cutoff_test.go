@@ -179,7 +179,9 @@ func (m *model) attachmentsOn(ni int) []attKey {
 // an attachment whose DEL ran at once and let them go (a sticky hand-over).
 func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 	for _, a := range got {
-		if h, ok := m.holderLocked(a); ok && h == k || slices.Contains(m.conflict[k], a) {
+		// Its holder before this ADD: the loop below records it taken.
+		h, held := m.holderLocked(a)
+		if held && h == k || slices.Contains(m.conflict[k], a) {
 			continue // a repeated ADD: k holds it, or lists it still while another owner does
 		}
 		for other, theirs := range m.held {
@@ -191,6 +193,9 @@ func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 			case lost && n.away > 0:
 				// Taken while its node was away, and let go since: nothing holds it back.
 			case lost:
+				if held {
+					continue // the owner that took it holds it still: its case is its own
+				}
 				m.t.Errorf("step %d: ADD of %v returned %s, which the running pod %v is to get back (the owner that took it let it go)", i, k, a, other)
 			case n.away > 0 && n.holdsBack:
 				if set, _ := m.spec.SetOf(a); m.neverHeld == nil || m.neverHeld[set] >= m.stepAdds {
@@ -198,10 +203,12 @@ func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 						"no expired holder had (per range set) for the step's %d ADDs", i, k, a, other, n.name, m.neverHeld, m.stepAdds)
 				}
 				m.conflict[other] = append(m.conflict[other], a)
+				m.awayTaken[other] = append(m.awayTaken[other], a)
 				m.count["reuse"]++
 			case n.away > 0:
 				// The cut-off outlasted the reuse delay: the address is free.
 				m.conflict[other] = append(m.conflict[other], a)
+				m.awayTaken[other] = append(m.awayTaken[other], a)
 				m.count["taken after the delay"]++
 			default:
 				m.t.Errorf("step %d: ADD of %v returned %s, which %v holds", i, k, a, other)
@@ -389,10 +396,17 @@ func (m *model) returns(ctx context.Context, i int, all bool) {
 		n.away, n.expireAt, n.holdsBack, n.blockLeases = 0, 0, false, nil
 		m.count["back"]++
 		seen := m.awaitReclaims(i, ni)
-		m.log("%d %s BACK (uid %s, same state directory): %d conflicts", i, n.name, n.uid, seen)
-		m.count["conflict"] += seen
-		if got := n.agent.Conflicts(); got != int64(seen) {
-			m.t.Errorf("step %d: %s came back and counted %d conflicts; the model has %d (addresses other owners took meanwhile)", i, n.name, got, seen)
+		// The keys are written before the agent has looked back in etcd's history.
+		deadline := time.Now().Add(5 * time.Second)
+		for n.agent.Conflicts() < int64(seen.sure) && time.Now().Before(deadline) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		got := n.agent.Conflicts()
+		m.log("%d %s BACK (uid %s, same state directory): %d conflicts (the model: %d to %d)", i, n.name, n.uid, got, seen.sure, seen.maybe)
+		m.count["conflict"] += seen.sure
+		if got < int64(seen.sure) || got > int64(seen.maybe) {
+			m.t.Errorf("step %d: %s came back and counted %d conflicts; the model has %d to %d (addresses other owners had meanwhile)",
+				i, n.name, got, seen.sure, seen.maybe)
 		}
 	}
 }
@@ -403,13 +417,15 @@ func (m *model) returns(ctx context.Context, i int, all bool) {
 // attachment's conflicts, which the conflict record lists, and which the model takes for its
 // own. An address another running pod waits for (its conflict) may go either way: the
 // re-claim is first, or that pod, which takes it back as soon as the lease expired. It
-// returns how many addresses the node's pods have in conflict.
-func (m *model) awaitReclaims(i, ni int) int {
+// returns how many addresses of the node's pods another owner had while it was away, held
+// still or let go since: those the model is sure of, and at most.
+func (m *model) awaitReclaims(i, ni int) (seen conflictsSeen) {
 	n := m.nodes[ni]
 	m.mu.Lock()
 	var want reclaimWant
 	want.ips, want.ctr = map[attKey][]netip.Addr{}, map[attKey]string{}
 	want.taken, want.contested = map[attKey][]netip.Addr{}, map[attKey]map[netip.Addr]attKey{}
+	want.takerAway = map[netip.Addr]attKey{}
 	for k, held := range m.held {
 		if m.home[k.owner] != ni {
 			continue
@@ -418,6 +434,9 @@ func (m *model) awaitReclaims(i, ni int) int {
 		for _, a := range held {
 			if h, ok := m.holderLocked(a); ok && h != k {
 				want.taken[k] = append(want.taken[k], a)
+				if m.awayLocked(h) {
+					want.takerAway[a] = h
+				}
 			} else if w, ok := m.waiterLocked(a, k); ok {
 				if want.contested[k] == nil {
 					want.contested[k] = map[netip.Addr]attKey{}
@@ -436,11 +455,10 @@ func (m *model) awaitReclaims(i, ni int) int {
 		}
 		if time.Now().After(deadline) {
 			m.t.Errorf("step %d: %s does not hold its pods again after %s:\n  %s", i, n.name, modelReclaimWait, strings.Join(problems, "\n  "))
-			return 0
+			return seen
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	seen := 0
 	var notes []string
 	m.mu.Lock()
 	for k := range want.ips {
@@ -454,9 +472,22 @@ func (m *model) awaitReclaims(i, ni int) int {
 				notes = append(notes, fmt.Sprintf("%d %v holds %s again: it was first when %v's lease expired", i, w, a, k))
 			}
 		}
+		// The agent counts an address taken meanwhile and let go before the re-claim too:
+		// its pod and another ran with it at once. One another attachment listed meanwhile
+		// it may count or not: the model does not know whether that one held it.
+		sure := append(slices.Clone(m.awayTaken[k]), lost[k]...)
+		maybe := slices.AppendSeq(slices.Clone(sure), maps.Keys(m.contended[k]))
+		seen.sure, seen.maybe = seen.sure+countAddrs(sure), seen.maybe+countAddrs(maybe)
+		delete(m.awayTaken, k)
+		delete(m.contended, k)
+		for _, a := range m.conflict[k] {
+			if !slices.Contains(lost[k], a) { // the re-claim, or the resolution after it, took it back
+				m.gotBackLocked(k, a)
+				notes = append(notes, fmt.Sprintf("%d %v holds %s again: the owner that took it let it go", i, k, a))
+			}
+		}
 		if len(lost[k]) > 0 {
 			m.conflict[k] = lost[k]
-			seen += len(lost[k])
 		} else {
 			delete(m.conflict, k)
 		}
@@ -480,10 +511,45 @@ func (m *model) waiterLocked(a netip.Addr, k attKey) (attKey, bool) {
 
 // reclaimWant is what awaitReclaims expects of a node's pods: their addresses and
 // containers, the addresses other attachments hold, and those other running pods wait for.
+// conflictsSeen is how many addresses of a node's pods another owner had while it was away:
+// those the model is sure of, and at most.
+type conflictsSeen struct{ sure, maybe int }
+
+func countAddrs(as []netip.Addr) int {
+	as = slices.Clone(as)
+	slices.SortFunc(as, netip.Addr.Compare)
+	return len(slices.Compact(as))
+}
+
+// noteContended notes, at the end of a step, the addresses of each cut-off node's attachments
+// that another attachment lists: it may have held them meanwhile.
+func (m *model) noteContended() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for k, held := range m.held {
+		if !m.awayLocked(k) {
+			continue
+		}
+		for other, theirs := range m.held {
+			for _, a := range held {
+				if other != k && slices.Contains(theirs, a) {
+					if m.contended[k] == nil {
+						m.contended[k] = map[netip.Addr]bool{}
+					}
+					m.contended[k][a] = true
+				}
+			}
+		}
+	}
+}
+
 type reclaimWant struct {
 	ips, taken map[attKey][]netip.Addr
 	ctr        map[attKey]string
 	contested  map[attKey]map[netip.Addr]attKey
+	// The taken addresses whose taker's node is cut off: its allocation may have expired,
+	// and its held key keeps the address from the re-claim.
+	takerAway map[netip.Addr]attKey
 }
 
 // reclaimProblems says what of want etcd and the agent do not show yet, and which addresses
@@ -514,7 +580,11 @@ func (m *model) reclaimProblems(n *modelNode, want reclaimWant) (lost map[attKey
 			w, contested := want.contested[k][a]
 			switch {
 			case slices.Contains(want.taken[k], a):
-				if !ok || al.rec.Owner == k.owner {
+				if taker, away := want.takerAway[a]; away && !ok {
+					if h, held := st.held[a]; !held || h.rec.Owner != taker.owner {
+						out = append(out, fmt.Sprintf("%v: %s, which %v on a cut-off node took, is not held back for it (%+v)", k, a, taker, h.rec))
+					}
+				} else if !ok || al.rec.Owner == k.owner {
 					out = append(out, fmt.Sprintf("%v: %s, which another owner took, is not that owner's (%+v)", k, a, al.rec))
 				}
 				lost[k] = append(lost[k], a)
@@ -534,6 +604,35 @@ func (m *model) reclaimProblems(n *modelNode, want reclaimWant) (lost map[attKey
 	}
 	sort.Strings(out)
 	return lost, out
+}
+
+// gotBackLocked gives a back to k, which had it in conflict; m.mu is held. The owner that
+// took it may be a pod of a cut-off node whose hold ran out: the running pod that had it
+// first has it again, and that pod, back, has a conflict.
+func (m *model) gotBackLocked(k attKey, a netip.Addr) {
+	m.conflict[k] = slices.DeleteFunc(slices.Clone(m.conflict[k]), func(x netip.Addr) bool { return x == a })
+	if len(m.conflict[k]) == 0 {
+		delete(m.conflict, k)
+	}
+	for other, theirs := range m.held {
+		if other != k && slices.Contains(theirs, a) && !slices.Contains(m.conflict[other], a) {
+			m.conflict[other] = append(m.conflict[other], a)
+			if m.awayLocked(other) {
+				m.awayTaken[other] = append(m.awayTaken[other], a)
+			}
+		}
+	}
+	// A claim released since its holder took a from this pod gives a up (claimGivesUp).
+	if ord := m.claimOfAddrLocked(a); ord != "" && m.stsOf[k.owner] != ord {
+		if _, live := m.incarnationLocked(ord, ""); !live {
+			m.claimIPs[ord] = slices.DeleteFunc(slices.Clone(m.claimIPs[ord]), func(x netip.Addr) bool { return x == a })
+			if len(m.claimIPs[ord]) == 0 {
+				delete(m.claimIPs, ord)
+			}
+			m.count["claim gave up"]++
+		}
+	}
+	m.count["resolved"]++
 }
 
 // resolve waits, after a step, until each running pod whose conflicted address the owner
@@ -559,6 +658,7 @@ func (m *model) resolve(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), modelResolveWait+5*time.Second)
 	defer cancel()
 	deadline := time.Now().Add(modelResolveWait)
+	won := map[netip.Addr]bool{} // two running pods may wait for one address: one gets it
 	for len(due) > 0 {
 		st := m.readState(ctx)
 		due = slices.DeleteFunc(due, func(b back) bool {
@@ -567,23 +667,14 @@ func (m *model) resolve(i int) {
 			if !ok || !indexed || al.rec.Owner != b.k.owner || al.rec.IfName != b.k.ifName || al.lease != ix.lease {
 				return false
 			}
+			won[b.a] = true
 			m.mu.Lock()
-			m.conflict[b.k] = slices.DeleteFunc(slices.Clone(m.conflict[b.k]), func(x netip.Addr) bool { return x == b.a })
-			if len(m.conflict[b.k]) == 0 {
-				delete(m.conflict, b.k)
-			}
-			// The owner that took it may be a pod of a cut-off node whose hold ran out: the
-			// running pod that had it first has it again, and that pod, back, has a conflict.
-			for other, theirs := range m.held {
-				if other != b.k && slices.Contains(theirs, b.a) && !slices.Contains(m.conflict[other], b.a) {
-					m.conflict[other] = append(m.conflict[other], b.a)
-				}
-			}
-			m.count["resolved"]++
+			m.gotBackLocked(b.k, b.a)
 			m.mu.Unlock()
 			m.log("%d %v holds %s again: the owner that took it let it go", i, b.k, b.a)
 			return true
 		})
+		due = slices.DeleteFunc(due, func(b back) bool { return won[b.a] }) // the others wait on
 		if len(due) == 0 {
 			return
 		}

@@ -53,8 +53,8 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 	}
 	n.agent = m.start(n)
 	seen := m.awaitReclaims(i, ni)
-	if got, want := n.agent.Conflicts(), int64(seen); !expire && got != 0 || expire && got != want {
-		m.t.Errorf("step %d: %s restarted (pod leases expired: %v) and counted %d conflicts; the model has %d in conflict", i, n.name, expire, got, seen)
+	if got, want := n.agent.Conflicts(), int64(seen.sure); !expire && got != 0 || expire && got != want {
+		m.t.Errorf("step %d: %s restarted (pod leases expired: %v) and counted %d conflicts; the model has %d in conflict", i, n.name, expire, got, seen.sure)
 	}
 	m.checkGone(ctx, i, n, k, held, "its agent crashed right after the answer")
 	return true

@@ -23,6 +23,10 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
+// modelCISeed is the history CI runs: one with every kind of step, cut-offs longer and
+// shorter than the reuse delay among them.
+const modelCISeed = 1005
+
 // TestModelRandomHistories drives several agents and owners through random interleavings of
 // ADD, DEL, CHECK, GC, agent restarts, lease losses, node drains, node deaths, cut-offs and
 // crashes against the real etcd, records the history, and after every step checks the state
@@ -78,9 +82,14 @@ import (
 // invariant is a predicate over etcd's state at quiet points between steps, and every
 // operation of one owner is serialised by its agent; etcd's own linearizability is etcd's
 // to prove. The seed is printed on failure; LEASEHOLD_MODEL_SEED replays it and
-// LEASEHOLD_MODEL_STEPS runs longer (make soak).
+// LEASEHOLD_MODEL_STEPS runs longer (make soak). Each run draws a new seed, except in CI
+// (CI set): there the seed is modelCISeed, so that a change is judged by the same history
+// each time and a new seed's find is a bug filed, not a red build on someone else's change.
 func TestModelRandomHistories(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
+	if os.Getenv("CI") != "" {
+		seed = modelCISeed
+	}
 	if s := os.Getenv("LEASEHOLD_MODEL_SEED"); s != "" {
 		seed, _ = strconv.ParseUint(s, 10, 64)
 	}
@@ -97,6 +106,7 @@ func TestModelRandomHistories(t *testing.T) {
 	for i := range steps {
 		m.step(i)
 		m.resolve(i)
+		m.noteContended()
 		m.check()
 		if t.Failed() {
 			return
@@ -175,8 +185,13 @@ type model struct {
 	// holds (taken while its node was away), the addresses whose last holder expired without
 	// a release, and, for the running step, the never-held free addresses per range set
 	// before it (nil: none is held back) and its ADDs.
-	conflict  map[attKey][]netip.Addr
-	expired   map[netip.Addr]bool
+	conflict map[attKey][]netip.Addr
+	expired  map[netip.Addr]bool
+	// For each attachment of a cut-off node, the addresses another owner was given while it
+	// was away (taken), and those another attachment listed at the end of a step meanwhile
+	// (contended: it may have held them between two steps).
+	awayTaken map[attKey][]netip.Addr
+	contended map[attKey]map[netip.Addr]bool
 	neverHeld []int
 	stepAdds  int
 }
@@ -186,7 +201,8 @@ func newModel(t *testing.T, seed uint64) *model {
 		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
-		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}}
+		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
+		contended: map[attKey]map[netip.Addr]bool{}}
 	m.spec = modelPool()
 	m.spec.Name = m.pool.Name
 	if err := m.spec.Canonicalize(); err != nil {
@@ -350,7 +366,8 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 		m.mu.Lock()
 		m.admitLocked(i, k, got, attKey{})
 		for _, a := range got {
-			if ord := m.claimOfAddrLocked(a); ord != "" && m.stsOf[k.owner] != ord {
+			// A repeated ADD answers what the pod has, a conflicted address included.
+			if ord := m.claimOfAddrLocked(a); ord != "" && m.stsOf[k.owner] != ord && !slices.Contains(m.conflict[k], a) {
 				m.t.Errorf("step %d: ADD of %v returned %s, an address of claim %s", i, k, a, modelClaim(ord))
 			}
 			if at, ok := m.freed[a]; ok && !have && time.Since(at) < modelQuarantine {
