@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"net/netip"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -46,6 +47,10 @@ type Agent struct {
 	cmu      sync.Mutex
 	cwatch   map[conflictRef]context.CancelFunc
 	importMu sync.Mutex // one Import at a time (import.go)
+	// importConflicts lists the addresses imports left to another owner, by attachment, until
+	// its container's DEL (importreport.go).
+	icmu            sync.Mutex
+	importConflicts map[importConflictRef][]netip.Addr
 
 	// etcd's history as this agent has seen it (sawHeader).
 	epochMu      sync.Mutex
@@ -81,18 +86,19 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	actx, cancel := context.WithCancel(context.Background())
 	a := &Agent{
-		unlock:  unlock,
-		cfg:     cfg,
-		cli:     cli,
-		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
-		ctx:     actx,
-		cancel:  cancel,
-		journal: journal{dir: cfg.StateDir},
-		jw:      newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
-		lost:    make(chan struct{}, 1),
-		cwatch:  make(map[conflictRef]context.CancelFunc),
-		started: time.Now(),
-		stopped: make(chan struct{}),
+		unlock:          unlock,
+		cfg:             cfg,
+		cli:             cli,
+		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
+		ctx:             actx,
+		cancel:          cancel,
+		journal:         journal{dir: cfg.StateDir},
+		jw:              newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
+		lost:            make(chan struct{}, 1),
+		cwatch:          make(map[conflictRef]context.CancelFunc),
+		importConflicts: map[importConflictRef][]netip.Addr{},
+		started:         time.Now(),
+		stopped:         make(chan struct{}),
 	}
 	a.pods = newPods(cfg.NodeUID, a.jw)
 	a.metrics = newMetrics(a)

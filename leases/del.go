@@ -40,6 +40,9 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	unlock := a.locks.lock(owner)
 	defer unlock()
+	if err := a.importConflictDeleted(req); err != nil {
+		return err
+	}
 	if err := a.reachable(ctx); err != nil {
 		return a.deferRelease(ctx, req, owner, err)
 	}

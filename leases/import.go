@@ -118,8 +118,11 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 				rep.OutsidePool = append(rep.OutsidePool, e)
 			case a.pods.holdsAddr(owner, at.IfName, imp.Pool, ip):
 				rep.Already = append(rep.Already, e)
-			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}]:
+			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}].imported:
 				e.Detail = "imported before and released since (DEL or GC)"
+				rep.Released = append(rep.Released, e)
+			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}].deleted:
+				e.Detail = "left to another owner by an earlier import, and its container was deleted since"
 				rep.Released = append(rep.Released, e)
 			default:
 				claim = append(claim, ip)

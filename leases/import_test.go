@@ -26,7 +26,8 @@ func addrsOf(es []ImportedAddr) []netip.Addr {
 // another node's pod is reported and left, one outside the pool is reported; a DEL and a
 // CHECK naming the pod UID reach the imported attachment by container ID, GC collects one
 // the runtime no longer lists, and imports run again (also after a restart) claim nothing
-// new: what is held is "already", what was released stays released.
+// new: what is held is "already", what was released stays released, and so does the address
+// of a conflict whose container was deleted, once its other holder is gone.
 func TestImportClaimsReleasesByContainerAndIsIdempotent(t *testing.T) {
 	cluster, state := etcdtest.Uniq("c"), t.TempDir()
 	withState := func(c *Config) { c.StateDir, c.GCGrace = state, -1 }
@@ -122,9 +123,31 @@ func TestImportClaimsReleasesByContainerAndIsIdempotent(t *testing.T) {
 	again(a)
 	before := etcdtest.Dump(t, etcdtest.Client(t), keyspace.Prefix)
 	a.Close()
-	again(startAgent(t, cluster, "n1", "uid1", withState))
+	b := startAgent(t, cluster, "n1", "uid1", withState)
+	again(b)
 	if after := etcdtest.Dump(t, etcdtest.Client(t), keyspace.Prefix); etcdtest.Count(after, "/ctr-") != etcdtest.Count(before, "/ctr-") {
 		t.Errorf("an import after a restart changed the imported keys:\nbefore %v\nafter  %v", before, after)
+	}
+
+	// ctr-c, whose first address the import left to another owner, is deleted; then that
+	// owner too. A restart with the same import imports nothing new: not the address of the
+	// deleted container.
+	if err := b.Del(ctx, withUID("ctr-c")); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Del(ctx, addReq(pool, "other-ctr", "eth0", "other-uid")); err != nil {
+		t.Fatal(err)
+	}
+	b.Close()
+	rep, err = startAgent(t, cluster, "n1", "uid1", withState).Import(ctx, imp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want("imported after the conflict's container was deleted", rep.Imported)
+	want("released since, the conflict's included", rep.Released, ip("10.5.0.200"), ip("fd05::200"), ip("10.5.0.201"),
+		ip("fd05::202"), taken)
+	if n := etcdtest.Count(etcdtest.Dump(t, etcdtest.Client(t), keyspace.Prefix), "/ctr-c/"); n != 0 {
+		t.Errorf("the deleted container ctr-c has %d keys after a restart's import", n)
 	}
 }
 

@@ -4,20 +4,24 @@ import (
 	"bufio"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
+
+	"github.com/leasehold/leasehold/allocator"
 )
 
 // ledgerFile, in the state directory, lists every address an import claimed or found
-// claimed: one JSON line each. An import skips the addresses it lists that the agent no
-// longer holds: host-local's files outlive the switch (host-local is no longer called to
-// remove them), so without it an agent restarted with the same import flags would claim
-// again the address of a pod deleted since.
+// claimed, or left to another owner (an IMPORT CONFLICT), and the DELs of those conflicts'
+// containers: one JSON line each. An import skips the addresses it lists that the agent no
+// longer holds, and a conflict whose container was deleted: host-local's files outlive the
+// switch (host-local is no longer called to remove them), so without it an agent restarted
+// with the same import flags would claim again the address of a pod deleted since.
 const ledgerFile = "imported"
 
-// ledgerEntry is one line of the ledger.
+// ledgerEntry names one address of one imported attachment.
 type ledgerEntry struct {
 	Pool        string     `json:"pool"`
 	ContainerID string     `json:"containerID"`
@@ -25,10 +29,24 @@ type ledgerEntry struct {
 	IP          netip.Addr `json:"ip"`
 }
 
+// ledgerLine is one line of the ledger: an address imported, or left to another owner
+// (Conflict), or the DEL of that conflict's container (Deleted).
+type ledgerLine struct {
+	ledgerEntry
+	Conflict bool `json:"conflict,omitempty"`
+	Deleted  bool `json:"deleted,omitempty"`
+}
+
+// ledgerMark is what the ledger says of one entry.
+type ledgerMark struct{ imported, conflict, deleted bool }
+
+// importConflictRef names the attachment of an import conflict, as a DEL names it.
+type importConflictRef struct{ pool, containerID, ifName string }
+
 // loadLedger reads the ledger; without a state directory it is empty. An unreadable line is
 // skipped (its address may be imported again, which GC or the container's DEL undoes).
-func (a *Agent) loadLedger() (map[ledgerEntry]bool, error) {
-	out := map[ledgerEntry]bool{}
+func (a *Agent) loadLedger() (map[ledgerEntry]ledgerMark, error) {
+	out := map[ledgerEntry]ledgerMark{}
 	if a.cfg.StateDir == "" {
 		return out, nil
 	}
@@ -42,16 +60,26 @@ func (a *Agent) loadLedger() (map[ledgerEntry]bool, error) {
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		var e ledgerEntry
-		if json.Unmarshal(sc.Bytes(), &e) == nil {
-			out[e] = true
+		var l ledgerLine
+		if json.Unmarshal(sc.Bytes(), &l) != nil {
+			continue
 		}
+		m := out[l.ledgerEntry]
+		switch {
+		case l.Deleted:
+			m.deleted = true
+		case l.Conflict:
+			m.conflict = true
+		default:
+			m.imported = true
+		}
+		out[l.ledgerEntry] = m
 	}
 	return out, sc.Err()
 }
 
 // appendLedger adds entries to the ledger and syncs it.
-func (a *Agent) appendLedger(entries []ledgerEntry) error {
+func (a *Agent) appendLedger(entries []ledgerLine) error {
 	if a.cfg.StateDir == "" || len(entries) == 0 {
 		return nil
 	}
@@ -70,7 +98,7 @@ func (a *Agent) appendLedger(entries []ledgerEntry) error {
 
 // reportImport logs what an import did, counts it in leasehold_import_addresses_total and
 // adds what the agent now holds to the ledger.
-func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]bool) {
+func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]ledgerMark) {
 	for _, e := range rep.Conflicts {
 		a.log.Error("IMPORT CONFLICT: an address another IPAM plugin gave a running container is held by another owner in etcd; "+
 			"it is not taken, and two containers may use it", "source", imp.Source, "pool", imp.Pool, "ip", e.IP,
@@ -80,14 +108,24 @@ func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntr
 		a.log.Warn("import: the address is not one the pool hands out; not imported", "source", imp.Source, "pool", imp.Pool,
 			"ip", e.IP, "container", e.ContainerID, "ifname", e.IfName, "detail", e.Detail)
 	}
-	var add []ledgerEntry
+	var add []ledgerLine
 	for _, list := range [][]ImportedAddr{rep.Imported, rep.Already} {
 		for _, e := range list {
-			if le := (ledgerEntry{imp.Pool, e.ContainerID, e.IfName, e.IP}); !ledger[le] {
-				add = append(add, le)
+			if le := (ledgerEntry{imp.Pool, e.ContainerID, e.IfName, e.IP}); !ledger[le].imported {
+				add = append(add, ledgerLine{ledgerEntry: le})
 			}
 		}
 	}
+	a.icmu.Lock()
+	for _, e := range rep.Conflicts {
+		le := ledgerEntry{imp.Pool, e.ContainerID, e.IfName, e.IP}
+		if !ledger[le].conflict {
+			add = append(add, ledgerLine{ledgerEntry: le, Conflict: true})
+		}
+		ref := importConflictRef{imp.Pool, e.ContainerID, e.IfName}
+		a.importConflicts[ref] = append(a.importConflicts[ref], e.IP)
+	}
+	a.icmu.Unlock()
 	if err := a.appendLedger(add); err != nil {
 		a.log.Warn("could not write the import ledger; an import run again may claim addresses released since", "err", err)
 	}
@@ -98,4 +136,28 @@ func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntr
 	a.log.Info("import done", "source", imp.Source, "network", imp.Network, "pool", imp.Pool, "imported", len(rep.Imported),
 		"already_imported", len(rep.Already), "released_since_imported", len(rep.Released), "conflicts", len(rep.Conflicts),
 		"outside_pool", len(rep.OutsidePool))
+}
+
+// importConflictDeleted records, before a DEL answers, that the container of an import
+// conflict was deleted: the address it was using is not imported again by a later import
+// with the same flags, once its other holder is gone. Only a DEL of such a container writes.
+func (a *Agent) importConflictDeleted(req allocator.Request) error {
+	ref := importConflictRef{req.Pool.Name, req.ContainerID, req.IfName}
+	a.icmu.Lock()
+	defer a.icmu.Unlock()
+	ips, ok := a.importConflicts[ref]
+	if !ok {
+		return nil
+	}
+	lines := make([]ledgerLine, len(ips))
+	for i, ip := range ips {
+		lines[i] = ledgerLine{ledgerEntry: ledgerEntry{ref.pool, ref.containerID, ref.ifName, ip}, Deleted: true}
+	}
+	if err := a.appendLedger(lines); err != nil {
+		return fmt.Errorf("%w: the import ledger in %s cannot record the DEL of container %s, whose address an import left to "+
+			"another owner, and a restart could import it again: %w; free the state directory's disk, then retry",
+			allocator.ErrUnavailable, a.cfg.StateDir, req.ContainerID, err)
+	}
+	delete(a.importConflicts, ref)
+	return nil
 }

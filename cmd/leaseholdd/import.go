@@ -103,12 +103,12 @@ func (o *importOptions) check() error {
 // serving without the import could hand a running container's address to another.
 func (o *importOptions) run(ctx context.Context, agent *leases.Agent, node string, log *slog.Logger) error {
 	for _, s := range o.hostLocal.list {
-		recs, skipped, err := adopt.HostLocal(s.path)
+		recs, skipped, err := adopt.HostLocal(s.path, s.network)
 		if err != nil {
 			return fmt.Errorf("--import-host-local %s: %w", s, err)
 		}
 		for _, f := range skipped {
-			log.Warn("import: a file in host-local's directory that is no address; skipped", "file", f)
+			log.Warn("import: an entry of host-local's directory that is no address file; skipped", "path", f)
 		}
 		if err := o.importOne(ctx, agent, s, "host-local "+s.path, recs); err != nil {
 			return err
@@ -121,9 +121,14 @@ func (o *importOptions) run(ctx context.Context, agent *leases.Agent, node strin
 	if err != nil {
 		return fmt.Errorf("--import-pods: %w", err)
 	}
-	pods, err := adopt.Pods(data, o.pods, node)
+	pods, nodes, err := adopt.Pods(data, o.pods, node)
 	if err != nil {
 		return fmt.Errorf("--import-pods: %w", err)
+	}
+	if len(pods) == 0 {
+		log.Warn("import: no pod of --import-pods runs on this node: nothing of whereabouts will be imported; if kubelet "+
+			"registered the node under another name (its FQDN), give that name as --node", "file", o.pods, "node", node,
+			"nodes_in_file", nodes)
 	}
 	for _, s := range o.whereabouts.list {
 		data, err := os.ReadFile(s.path)

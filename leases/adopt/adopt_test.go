@@ -15,6 +15,9 @@ import (
 
 func write(t *testing.T, dir, name, content string) {
 	t.Helper()
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
 	if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -41,11 +44,11 @@ func TestHostLocalReadsTheDirectoryAsHostLocalWritesIt(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, "10.1.0.200"), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	recs, skipped, err := HostLocal(dir)
+	recs, skipped, err := HostLocal(dir, "net1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := []string{filepath.Join(dir, "notes.txt")}; !reflect.DeepEqual(skipped, want) {
+	if want := []string{filepath.Join(dir, "10.1.0.200"), filepath.Join(dir, "notes.txt")}; !reflect.DeepEqual(skipped, want) {
 		t.Errorf("skipped %v, want %v", skipped, want)
 	}
 	got := map[netip.Addr]string{}
@@ -85,7 +88,8 @@ func TestHostLocalReadsTheDirectoryAsHostLocalWritesIt(t *testing.T) {
 }
 
 // TestHostLocalRefusesWhatItCannotRead: an address file that names no usable container is an
-// error naming the file, never skipped (it may be a running container's address).
+// error naming the file, never skipped (it may be a running container's address); so is
+// host-local's dataDir given for the network's directory, from which nothing would be read.
 func TestHostLocalRefusesWhatItCannotRead(t *testing.T) {
 	for name, content := range map[string]string{
 		"empty":              "",
@@ -96,15 +100,23 @@ func TestHostLocalRefusesWhatItCannotRead(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
 			write(t, dir, "10.1.0.5", content)
-			_, _, err := HostLocal(dir)
+			_, _, err := HostLocal(dir, "net1")
 			if err == nil || !strings.Contains(err.Error(), filepath.Join(dir, "10.1.0.5")) {
 				t.Errorf("want an error naming the file, got %v", err)
 			}
 		})
 	}
-	_, _, err := HostLocal(filepath.Join(t.TempDir(), "missing"))
+	_, _, err := HostLocal(filepath.Join(t.TempDir(), "missing"), "net1")
 	if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), "dataDir") {
 		t.Errorf("a missing directory: want ErrNotExist and where host-local keeps its files, got %v", err)
+	}
+	// host-local's dataDir given for the network's directory: it would import nothing.
+	data := t.TempDir()
+	write(t, filepath.Join(data, "other"), "10.1.0.5", cid+"\r\neth0")
+	write(t, filepath.Join(data, "net1"), "10.1.0.5", cid+"\r\neth0")
+	_, _, err = HostLocal(data, "net1")
+	if err == nil || !strings.Contains(err.Error(), "give the network's own directory, "+filepath.Join(data, "net1")) {
+		t.Errorf("dataDir given for the network's directory: want an error naming %s, got %v", filepath.Join(data, "net1"), err)
 	}
 }
 
@@ -147,7 +159,7 @@ func TestWhereaboutsReadsOffsetsIntoTheRange(t *testing.T) {
 		t.Errorf("records %v, want %v", got, want)
 	}
 
-	pods, err := Pods([]byte(`{"kind": "List", "items": [
+	pods, nodes, err := Pods([]byte(`{"kind": "List", "items": [
 		{"kind": "Pod", "metadata": {"namespace": "ns", "name": "p1", "uid": "uid-1"}, "spec": {"nodeName": "node-a"}},
 		{"kind": "Pod", "metadata": {"namespace": "ns", "name": "p2", "uid": "uid-2"}, "spec": {"nodeName": "node-b"}},
 		{"kind": "Pod", "metadata": {"namespace": "other", "name": "p2", "uid": "uid-9"}, "spec": {"nodeName": "node-a"}}]}`), "pods.json", "node-a")
@@ -156,6 +168,9 @@ func TestWhereaboutsReadsOffsetsIntoTheRange(t *testing.T) {
 	}
 	if len(pods) != 2 || pods["ns/p2"] != (allocator.PodRef{}) {
 		t.Errorf("node-a's pods: %v; want ns/p1 and other/p2 only", pods)
+	}
+	if !reflect.DeepEqual(nodes, []string{"node-a", "node-b"}) {
+		t.Errorf("the pods' nodes: %v; want node-a and node-b", nodes)
 	}
 	here, elsewhere := OnNode(recs, pods)
 	if len(here) != 2 || len(elsewhere) != 3 {
@@ -202,7 +217,7 @@ func TestWhereaboutsRefusesWhatItCannotRead(t *testing.T) {
 		"no name": `{"kind": "List", "items": [{"metadata": {"uid": "u"}}]}`,
 		"ippools": ipPools,
 	} {
-		if _, err := Pods([]byte(in), "p.json", ""); err == nil {
+		if _, _, err := Pods([]byte(in), "p.json", ""); err == nil {
 			t.Errorf("pods %s: want an error", name)
 		}
 	}

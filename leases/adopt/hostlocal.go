@@ -24,12 +24,16 @@ const maxHostLocalFile = 4096
 // (IPv6 too; on Windows with ":" written "_"), holding the container ID, "\r\n" and the
 // interface name; older versions wrote the container ID alone. Its lock file
 // ("lock") and its "last_reserved_ip.<range set>" files are not allocations and are
-// skipped, as is anything else whose name is not an address (returned in skipped).
+// skipped, as is anything else whose name is not an address, directories included
+// (returned in skipped).
 //
 // An address file whose content is not a container ID (and an interface name) that could
 // be an etcd key part is an error naming the file: it may hold a running container's
-// address, and leasehold must not hand that out for want of reading it.
-func HostLocal(dir string) (recs []Record, skipped []string, err error) {
+// address, and leasehold must not hand that out for want of reading it. So is a directory
+// named after network: dir is then host-local's dataDir, which holds one directory per
+// network, and importing nothing from it would leave the running containers' addresses to
+// be handed out again.
+func HostLocal(dir, network string) (recs []Record, skipped []string, err error) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read host-local's data directory: %w (host-local keeps one directory per network, "+
@@ -37,11 +41,15 @@ func HostLocal(dir string) (recs []Record, skipped []string, err error) {
 	}
 	for _, e := range entries {
 		name := e.Name()
-		if e.IsDir() || name == "lock" || strings.HasPrefix(name, "last_reserved_ip.") {
+		if e.IsDir() && name == network {
+			return nil, nil, fmt.Errorf("%s holds a directory named after network %s, as host-local's dataDir does (one "+
+				"directory per network): give the network's own directory, %s", dir, network, filepath.Join(dir, name))
+		}
+		if name == "lock" || strings.HasPrefix(name, "last_reserved_ip.") {
 			continue
 		}
 		addr, err := netip.ParseAddr(strings.ReplaceAll(name, "_", ":"))
-		if err != nil || addr.Zone() != "" {
+		if err != nil || addr.Zone() != "" || e.IsDir() {
 			skipped = append(skipped, filepath.Join(dir, name))
 			continue
 		}

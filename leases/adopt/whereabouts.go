@@ -146,31 +146,37 @@ func addOffset(prefix netip.Prefix, off string) (netip.Addr, error) {
 
 // Pods reads pods as `kubectl get pods -A -o json` prints them (a List, or one Pod) and
 // returns those whose spec.nodeName is node (all of them when node is ""), by
-// "namespace/name", with their UIDs.
-func Pods(data []byte, where, node string) (map[string]allocator.PodRef, error) {
+// "namespace/name", with their UIDs, and every node name the pods have (sorted): a node
+// registered under another name (its FQDN) matches no pod, and the caller says so.
+func Pods(data []byte, where, node string) (map[string]allocator.PodRef, []string, error) {
 	items, err := objects(data, "Pod")
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", where, err)
+		return nil, nil, fmt.Errorf("%s: %w", where, err)
 	}
 	pods := make(map[string]allocator.PodRef, len(items))
+	var nodes []string
 	for i, item := range items {
 		var o k8sObject
 		if err := json.Unmarshal(item, &o); err != nil {
-			return nil, fmt.Errorf("%s: item %d: %w", where, i, err)
+			return nil, nil, fmt.Errorf("%s: item %d: %w", where, i, err)
 		}
 		m := o.Metadata
 		if m.Namespace == "" || m.Name == "" {
-			return nil, fmt.Errorf("%s: item %d has no metadata.namespace and metadata.name", where, i)
+			return nil, nil, fmt.Errorf("%s: item %d has no metadata.namespace and metadata.name", where, i)
 		}
 		if err := allocator.ValidateName("pod UID", m.UID); err != nil {
-			return nil, fmt.Errorf("%s: pod %s/%s: metadata.uid: %w", where, m.Namespace, m.Name, err)
+			return nil, nil, fmt.Errorf("%s: pod %s/%s: metadata.uid: %w", where, m.Namespace, m.Name, err)
+		}
+		if n := o.Spec.NodeName; n != "" && !slices.Contains(nodes, n) {
+			nodes = append(nodes, n)
 		}
 		if node != "" && o.Spec.NodeName != node {
 			continue
 		}
 		pods[m.Namespace+"/"+m.Name] = allocator.PodRef{UID: m.UID, Namespace: m.Namespace, Name: m.Name}
 	}
-	return pods, nil
+	slices.Sort(nodes)
+	return pods, nodes, nil
 }
 
 // OnNode keeps the records of pods: it gives each record whose podref names one of them that
