@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -415,4 +416,118 @@ func TestManyAgentsFillAPoolToItsLastAddress(t *testing.T) {
 		retries += metricValue(t, a, "leasehold_cas_retries_total")
 	}
 	t.Logf("%d ADDs, %.0f CAS retries", placed, retries)
+}
+
+// TestExactFitWithManyAgents is issue 24's "IPs equal to pods": ten nodes create at once as
+// many pods as the pool has addresses (1,000, rangeStart to rangeEnd), retrying as a kubelet
+// does. Every pod is placed, with no duplicate; then one more ADD, on the idle full pool, is
+// told the pool is exhausted, at once (never "retry" after futile transactions). Then every
+// pod is re-created with a new UID, as a cluster recovering does: all placed once the
+// quarantine of the old ones' addresses ends.
+func TestExactFitWithManyAgents(t *testing.T) {
+	if testing.Short() {
+		t.Skip("1,000 pods twice")
+	}
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	const n = 1000
+	pool := allocator.PoolSpec{Name: etcdtest.Uniq("fit"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.91.0.0/22"),
+		RangeStart: netip.MustParseAddr("10.91.0.10"), RangeEnd: netip.MustParseAddr("10.91.3.241")}}}}
+	quarantine := 3 * time.Second
+	var agents []*Agent
+	for i := range 10 {
+		agents = append(agents, startAgent(t, cluster, fmt.Sprint("n", i), fmt.Sprint("u", i),
+			func(c *Config) { c.Quarantine = quarantine }))
+	}
+	// Pre-define the pool, so that every node agrees on it from the first ADD.
+	if _, err := agents[0].Add(ctx, addReq(pool, "seed", "eth0", "seed")); err != nil {
+		t.Fatal(err)
+	}
+	if err := agents[0].Del(ctx, addReq(pool, "seed", "eth0", "seed")); err != nil {
+		t.Fatal(err)
+	}
+	on := map[string]*Agent{} // each pod's node: only its agent releases it
+	fill := func(gen string) (map[netip.Addr]string, time.Duration) {
+		t.Helper()
+		start := time.Now()
+		var mu sync.Mutex
+		got := map[netip.Addr]string{}
+		var wg sync.WaitGroup
+		work := make(chan int)
+		for w := range 100 {
+			a := agents[w%len(agents)]
+			wg.Go(func() {
+				for i := range work {
+					uid := fmt.Sprintf("%s-%d", gen, i)
+					req := addReq(pool, uid, "eth0", uid)
+					deadline := time.Now().Add(20 * time.Second)
+					for {
+						res, err := a.Add(ctx, req)
+						if err == nil {
+							mu.Lock()
+							for _, ip := range addrs(res) {
+								if prev, dup := got[ip]; dup {
+									t.Errorf("%s handed to %s and %s", ip, prev, uid)
+								}
+								got[ip] = uid
+							}
+							on[uid] = a
+							mu.Unlock()
+							break
+						}
+						if time.Now().After(deadline) {
+							t.Errorf("pod %s not placed within 20 s: %v", uid, err)
+							break
+						}
+						time.Sleep(200 * time.Millisecond) // a kubelet's retry, shortened
+					}
+				}
+			})
+		}
+		for i := range n {
+			work <- i
+		}
+		close(work)
+		wg.Wait()
+		return got, time.Since(start)
+	}
+	got, took := fill("a")
+	if len(got) != n {
+		t.Fatalf("%d of %d pods placed", len(got), n)
+	}
+	t.Logf("%d pods placed on 10 nodes in %s", n, took.Round(time.Millisecond))
+
+	casRetries := func() (sum float64) {
+		for _, a := range agents {
+			sum += metricValue(t, a, "leasehold_cas_retries_total")
+		}
+		return sum
+	}
+	for i, a := range agents {
+		before := casRetries()
+		_, err := a.Add(ctx, addReq(pool, fmt.Sprint("extra-", i), "eth0", fmt.Sprint("extra-", i)))
+		if !errors.Is(err, allocator.ErrPoolExhausted) || !strings.Contains(err.Error(), pool.Name) {
+			t.Errorf("ADD %d on a full pool, from n%d: %v; want the pool %s exhausted", n+1, i, err, pool.Name)
+		}
+		if r := casRetries() - before; r > 1 {
+			t.Errorf("ADD %d on a full pool from n%d took %.0f futile transactions before saying so", n+1, i, r)
+		}
+	}
+
+	var wg sync.WaitGroup
+	for w := range 50 {
+		wg.Go(func() {
+			for i := w; i < n; i += 50 {
+				uid := fmt.Sprintf("a-%d", i)
+				if err := on[uid].Del(ctx, addReq(pool, uid, "eth0", uid)); err != nil {
+					t.Errorf("DEL %s: %v", uid, err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	again, took := fill("b")
+	if len(again) != n {
+		t.Fatalf("re-created with new UIDs: %d of %d pods placed", len(again), n)
+	}
+	t.Logf("%d pods re-created with new UIDs in %s (quarantine %s)", n, took.Round(time.Millisecond), quarantine)
 }
