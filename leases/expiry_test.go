@@ -665,14 +665,13 @@ func TestWhatGCReleasedStaysReleasedAfterACrash(t *testing.T) {
 	}
 }
 
-// TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo: a node is away longer than the reuse
-// delay, so its block lease and held keys are gone; another pod asks for its running pod's
-// address, gets it, and is deleted before the node comes back. The re-claim finds the
-// address free, and yet two pods ran with it at once: the agent counts and logs the conflict
-// it reads in etcd's history.
-func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
-	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/24", 26)
+// awayPastTheDelay runs pod "run" on node "away", which then stops renewing for longer than
+// TTL plus the reuse delay: the pod's lease expires, then the block lease holding its held
+// key. It returns the node's state directory (to bring it back), another node "b", and the
+// running pod's address, free in etcd now.
+func awayPastTheDelay(t *testing.T, cluster string, pool allocator.PoolSpec) (string, *Agent, netip.Addr) {
+	t.Helper()
+	cli, ctx := etcdtest.Client(t), ctxT(t)
 	dir := t.TempDir()
 	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
 	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
@@ -683,7 +682,6 @@ func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
 	ip := addrs(res)[0]
 	crash(a)
 	expire(t, cli, a, "run")
-	// The reuse delay runs out: the block lease, which holds the held key, expires.
 	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
 	if err != nil || len(held.Kvs) != 1 {
 		t.Fatalf("held key of %s: %v %v", ip, held, err)
@@ -691,6 +689,18 @@ func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
 	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil {
 		t.Fatal(err)
 	}
+	return dir, b, ip
+}
+
+// TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo: a node is away longer than the reuse
+// delay, so its block lease and held keys are gone; another pod asks for its running pod's
+// address, gets it, and is deleted before the node comes back. The re-claim finds the
+// address free, and yet two pods ran with it at once: the agent counts and logs the conflict
+// it reads in etcd's history.
+func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/24", 26)
+	dir, b, ip := awayPastTheDelay(t, cluster, pool)
 	thief := addReq(pool, "thief", "eth0", "thief")
 	thief.RequestedIPs = []netip.Addr{ip}
 	if _, err := b.Add(ctx, thief); err != nil {
@@ -720,23 +730,7 @@ func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
 func TestAReleasedClaimGivesUpARunningPodsAddress(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 26)
-	dir := t.TempDir()
-	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
-	res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ip := addrs(res)[0]
-	crash(a)
-	expire(t, cli, a, "run")
-	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
-	if err != nil || len(held.Kvs) != 1 {
-		t.Fatalf("held key of %s: %v %v", ip, held, err)
-	}
-	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil { // the delay runs out
-		t.Fatal(err)
-	}
+	dir, b, ip := awayPastTheDelay(t, cluster, pool)
 	sts := stickyReq(pool, "web-2-a", "web-2-a", "ns.web-2")
 	sts.RequestedIPs = []netip.Addr{ip}
 	if _, err := b.Add(ctx, sts); err != nil {
