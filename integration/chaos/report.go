@@ -159,7 +159,9 @@ func (r *Report) String() string {
 
 	un := r.Unexplained()
 	w("(a) overlaps: %d unexplained, %d with a recorded conflict", len(un), len(r.Overlaps)-len(un))
-	for i, o := range r.Overlaps {
+	overlaps := slices.Clone(r.Overlaps) // the unexplained first, as the conflicts below
+	slices.SortStableFunc(overlaps, func(a, b Overlap) int { return cmpBool(a.Recorded, b.Recorded) })
+	for i, o := range overlaps {
 		if i == maxListed {
 			w("    ... %d more", len(r.Overlaps)-i)
 			break
@@ -176,7 +178,10 @@ func (r *Report) String() string {
 	uj := r.Unjustified()
 	w("(b) conflicts (distinct owner, address and holder): %d recorded, %d justified, %d UNJUSTIFIED; %d resolved later", len(r.Conflicts),
 		len(r.Conflicts)-len(uj), len(uj), r.Resolved)
-	for i, v := range r.Conflicts {
+	// The unjustified first: a long run's list is cut at maxListed.
+	conflicts := slices.Clone(r.Conflicts)
+	slices.SortStableFunc(conflicts, func(a, b ConflictVerdict) int { return cmpBool(a.Justified, b.Justified) })
+	for i, v := range conflicts {
 		if i == maxListed {
 			w("    ... %d more", len(r.Conflicts)-i)
 			break
@@ -315,4 +320,15 @@ func firstN(s []string, n int) []string {
 		return s[:n]
 	}
 	return s
+}
+
+// cmpBool orders false before true.
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case !a:
+		return -1
+	}
+	return 1
 }
