@@ -103,6 +103,16 @@ func keyShape(key string) error {
 			blocks = allocator.Blocks{IPv4: allocator.DefaultBlocks.IPv4, IPv6: block.Bits()}
 		}
 		return errors.Join(names(pool), addr(ip), same(build(pool, blocks, ip)))
+	case "wanted":
+		pool, block, ip, cluster, owner, err := keyspace.ParseWantedKey(key)
+		if err != nil || len(parts) != 6 {
+			return fmt.Errorf("want wanted/<pool>/<block>/<ip>/<cluster>/<owner>: %v", err)
+		}
+		blocks := allocator.Blocks{IPv4: block.Bits(), IPv6: allocator.DefaultBlocks.IPv6}
+		if ip.Is6() {
+			blocks = allocator.Blocks{IPv4: allocator.DefaultBlocks.IPv4, IPv6: block.Bits()}
+		}
+		return errors.Join(names(pool, cluster, owner), addr(ip), same(keyspace.WantedKey(pool, blocks, ip, cluster, owner)))
 	case "owners":
 		c, o, i, p, err := keyspace.ParseOwnerKey(key)
 		if err != nil {

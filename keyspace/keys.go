@@ -25,6 +25,7 @@ const (
 	poolConflicts = Prefix + "poolconflicts/"
 	blocksDir     = Prefix + "blocks/"
 	heldDir       = Prefix + "held/"
+	wantedDir     = Prefix + "wanted/"
 )
 
 // PoolConflictKey is /leasehold/v1/poolconflicts/<pool>/<cluster>/<node>: a node of cluster
@@ -124,6 +125,43 @@ func IPKeyOfHeld(heldKey string) string { return ipsDir + strings.TrimPrefix(hel
 // ParseHeldKey splits a held key into its pool, block and address.
 func ParseHeldKey(key string) (pool string, block netip.Prefix, ip netip.Addr, err error) {
 	return parsePoolAddr(heldDir, key)
+}
+
+// WantedKey is /leasehold/v1/wanted/<pool>/<block>/<ip>/<cluster>/<owner> (flat: without
+// <block>): a running pod of cluster wants ip back, which another owner took while its lease
+// was lost (a conflict). Written with the conflict record, on its node's block lease (like a
+// held key, it outlives the pod lease by the reuse delay); deleted when the pod gets the
+// address back or is deleted. An ADD compares none is under WantedPrefix: when the other
+// owner lets the address go, it stays the running pod's to take back, not the next ADD's.
+func WantedKey(pool string, b allocator.Blocks, ip netip.Addr, cluster, owner string) string {
+	return WantedPrefix(pool, b, ip) + cluster + "/" + owner
+}
+
+// WantedPrefix is the prefix of ip's wanted keys; with an invalid ip, of every one of pool's;
+// with pool "" of every pool's.
+func WantedPrefix(pool string, b allocator.Blocks, ip netip.Addr) string {
+	switch {
+	case pool == "":
+		return wantedDir
+	case !ip.IsValid():
+		return wantedDir + pool + "/"
+	}
+	return wantedDir + pool + "/" + addrPart(b, ip) + "/"
+}
+
+// ParseWantedKey splits a wanted key into its pool, block, address, cluster and owner.
+func ParseWantedKey(key string) (pool string, block netip.Prefix, ip netip.Addr, cluster, owner string, err error) {
+	rest, ok := strings.CutPrefix(key, wantedDir)
+	if !ok {
+		return "", netip.Prefix{}, netip.Addr{}, "", "", fmt.Errorf("key %q is not under %s", key, wantedDir)
+	}
+	parts := strings.Split(rest, "/")
+	if len(parts) < 4 {
+		return "", netip.Prefix{}, netip.Addr{}, "", "", fmt.Errorf("key %q: want %s<pool>/[<block>/]<ip>/<cluster>/<owner>", key, wantedDir)
+	}
+	cluster, owner = parts[len(parts)-2], parts[len(parts)-1]
+	pool, block, ip, err = parsePoolAddr(wantedDir, wantedDir+strings.Join(parts[:len(parts)-2], "/"))
+	return pool, block, ip, cluster, owner, err
 }
 
 // OwnerKey is /leasehold/v1/owners/<cluster>/<owner>/<ifname>/<pool>: the owner index
@@ -239,14 +277,14 @@ func ValidateNames(pairs ...string) error {
 }
 
 // RolePrefixes are the key prefixes one cluster's agents read and write: the shared ones
-// (pool definitions, allocations, quarantine, held keys, block claims, host addresses, pool
-// conflicts: one address
+// (pool definitions, allocations, quarantine, held and wanted keys, block claims, host
+// addresses, pool conflicts: one address
 // has one owner across clusters, so every cluster must see them) and the cluster's own
 // owners, nodes and conflicts. An etcd role per cluster granting readwrite on exactly
 // these keeps a cluster's credentials away from other clusters' owners (deploy/etcd).
 func RolePrefixes(cluster string) []string {
 	return []string{
-		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir, heldDir,
+		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir, heldDir, wantedDir,
 		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster), ClaimsPrefix(cluster),
 	}
 }

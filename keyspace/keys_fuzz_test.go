@@ -128,6 +128,14 @@ func FuzzKeys(f *testing.F) {
 			if p, got, a, err := ParseQuarantineKey(QuarantineKey(pool, layout, a0)); err != nil || p != pool || got != want || a != a0 {
 				t.Errorf("ParseQuarantineKey(QuarantineKey(%q, %v, %s)) = %q, %s, %s, %v; want block %s", pool, layout, a0, p, got, a, err, want)
 			}
+			wk := WantedKey(pool, layout, a0, cluster, owner)
+			if p, got, a, c, o, err := ParseWantedKey(wk); err != nil || p != pool || got != want || a != a0 || c != cluster || o != owner {
+				t.Errorf("ParseWantedKey(%q) = %q, %s, %s, %q, %q, %v; want block %s", wk, p, got, a, c, o, err, want)
+			}
+			if !strings.HasPrefix(wk, WantedPrefix(pool, layout, a0)) || strings.HasPrefix(WantedKey(pool2, layout, ip2, cluster, owner),
+				WantedPrefix(pool, layout, a0)) != (pool2 == pool && ip2 == a0) {
+				t.Errorf("wanted key %q and prefix %q of %s", wk, WantedPrefix(pool, layout, a0), a0)
+			}
 			// A key of one family never parses as another's.
 			if _, _, _, err := ParseIPKey(QuarantineKey(pool, layout, a0)); err == nil {
 				t.Errorf("ParseIPKey accepted quarantine key %q", QuarantineKey(pool, layout, a0))

@@ -418,6 +418,15 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 				a.wake() // this node's own held key no pod of it lists: settleHeld frees it
 			}
 		}
+		if f.Wanted != nil && f.Holder == nil {
+			// A running pod wants it back: in use, as far as this view goes, until an event
+			// or a listing says otherwise.
+			p.view.markAllocated(f.Addr, f.Wanted.CreateRevision)
+			if wanted {
+				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is wanted back by the running pod %s, whose "+
+					"address another owner took while its lease was lost", allocator.ErrAddressInUse, f.Addr, p.spec.Name, f.Wanted.Key)
+			}
+		}
 		if f.Quarantine != nil {
 			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(f.Quarantine.Key), f.Quarantine.Value)
 			p.view.markQuarantined(f.Addr, rec.Until)

@@ -187,7 +187,7 @@ func counterValue(c prometheus.Counter) float64 {
 func TestLostAnswerOfABatchIsRetriedIntoTheSameAddresses(t *testing.T) {
 	cli := etcdtest.Client(t)
 	var armed atomic.Bool
-	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 12} // more than one dual-stack claim has (11)
+	cli.KV = lostResponseKV{KV: cli.KV, armed: &armed, minCmps: 14} // more than one dual-stack claim has (13)
 	a, err := Start(ctxT(t), cli, Config{Cluster: etcdtest.Uniq("c"), Node: "n1", NodeUID: "uid1", Quarantine: -1, SpareLeases: 32})
 	if err != nil {
 		t.Fatal(err)

@@ -19,11 +19,13 @@ import (
 //	      [ADD] pool definition unchanged since the agent read it,
 //	      [ADD, import; new pod] pod record absent | [known pod] pod record on this lease,
 //	      per address: allocation absent, [ADD] quarantine key absent, [ADD] no host address key,
-//	      [ADD, chosen as free] held key absent)
+//	      [ADD] no wanted key, [ADD, chosen as free] held key absent)
 //	Then( [new pod] put pod record, put every allocation and its held key, put owner index,
-//	      [re-claim] put conflict record )
+//	      [re-claim] put conflict record and a wanted key per address taken, delete the
+//	      wanted keys of the addresses claimed )
 //	Else( get owner index, [ADD, import] pod record, [ADD] pool definition,
-//	      per address: allocation, [ADD] quarantine key, [ADD] first host address key, [ADD] held key )
+//	      per address: allocation, [ADD] quarantine key, [ADD] first host address key, [ADD] held key,
+//	      [ADD] first wanted key )
 //
 // An ADD claims addresses the view chose; a re-claim restores a running pod's own addresses
 // after its lease was lost, so it does not compare the pool definition (the addresses were
@@ -62,9 +64,13 @@ type claim struct {
 	podKey string
 	newPod bool
 	pod    keyspace.PodRecord
-	// Re-claim only: addresses of the attachment another owner took, recorded on the lease.
+	// Re-claim only: addresses of the attachment another owner took, recorded on the lease,
+	// each with a wanted key of wantCluster/wantOwner on heldLease; the wanted keys of the
+	// addresses claimed are deleted (keyspace.WantedKey).
 	conflictKey string
 	conflict    *keyspace.ConflictRecord
+	wantCluster string
+	wantOwner   string
 	// ADD naming a sticky claim (sticky.go): the claim record, compared absent (claimRev 0)
 	// or unchanged since read, is put with this attachment as holder on claimLease; the
 	// addresses resting in quarantine under the claim are compared unchanged and deleted
@@ -85,10 +91,10 @@ const (
 )
 
 // readsPerAddr is the else branch's reads per address: the allocation, then for an ADD its
-// quarantine key, its first host address key and its held key.
+// quarantine key, its first host address key, its held key and its first wanted key.
 func (c *claim) readsPerAddr() int {
 	if c.add {
-		return 4
+		return 5
 	}
 	return 1
 }
@@ -154,9 +160,22 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 			if c.notHeld[addr] {
 				cmps = append(cmps, keyspace.Absent(heldKey))
 			}
+			// No running pod wants it back (a conflict): it is that pod's to take.
+			wanted := keyspace.WantedPrefix(c.pool, c.blocks, addr)
+			cmps = append(cmps, keyspace.NoneUnder(wanted))
 			gets = append(gets, clientv3.OpGet(qKey),
 				clientv3.OpGet(hosts, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)),
-				clientv3.OpGet(heldKey, clientv3.WithKeysOnly()))
+				clientv3.OpGet(heldKey, clientv3.WithKeysOnly()),
+				clientv3.OpGet(wanted, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1)))
+		}
+		if c.wantOwner != "" {
+			puts = append(puts, clientv3.OpDelete(keyspace.WantedKey(c.pool, c.blocks, addr, c.wantCluster, c.wantOwner)))
+		}
+	}
+	if c.conflict != nil && c.wantOwner != "" && c.heldLease != 0 {
+		for _, t := range c.conflict.Taken {
+			puts = append(puts, clientv3.OpPut(keyspace.WantedKey(c.pool, c.blocks, t.IP, c.wantCluster, c.wantOwner), held,
+				clientv3.WithLease(c.heldLease)))
 		}
 	}
 	puts = append(puts, clientv3.OpPut(c.ownerKey, keyspace.Encode(c.index), on))
@@ -233,11 +252,14 @@ type addrFound struct {
 	// Held is the held key of an address the ADD chose as free: its holder expired without
 	// a release, and it is held back (reuse.go).
 	Held *mvccpb.KeyValue
+	// Wanted is a wanted key of the address: a running pod's, which another owner took
+	// while its lease was lost (ADD).
+	Wanted *mvccpb.KeyValue
 }
 
 // taken tells whether anything stood at the address.
 func (f addrFound) taken() bool {
-	return f.Holder != nil || f.Quarantine != nil || f.Host != nil || f.Held != nil
+	return f.Holder != nil || f.Quarantine != nil || f.Host != nil || f.Held != nil || f.Wanted != nil
 }
 
 // outcome decodes resp, the response to c's transaction.
@@ -274,6 +296,7 @@ func (c *claim) outcome(resp *clientv3.TxnResponse) claimOutcome {
 			if c.notHeld[addr] {
 				f.Held = kv(c.addrRead(i, 3))
 			}
+			f.Wanted = kv(c.addrRead(i, 4))
 			if rev, ok := c.resting[addr]; ok && f.Quarantine != nil && f.Quarantine.ModRevision == rev {
 				f.Quarantine = nil // resting under the claim: this ADD's to take
 			}

@@ -49,8 +49,9 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 		found            map[string]*mvccpb.KeyValue
 		want             func(t *testing.T, o claimOutcome)
 	}{{
-		// New pod: owner index, pool, pod record, then per address allocation, quarantine, hosts.
-		name: "ADD of a new pod whose v6 address rests in quarantine", c: add(true), cmps: 9, puts: 4, gets: 11,
+		// New pod: owner index, pool, pod record, then per address allocation, quarantine,
+		// hosts, wanted keys.
+		name: "ADD of a new pod whose v6 address rests in quarantine", c: add(true), cmps: 11, puts: 4, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.QuarantineKey("p", allocator.DefaultBlocks, v6): {}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Applied || o.Existing != nil || o.PoolChanged || o.Pod != podAsExpected {
@@ -61,7 +62,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 			}
 		},
 	}, {
-		name: "ADD whose pool definition changed and whose v4 address a node publishes", c: add(true), cmps: 9, puts: 4, gets: 11,
+		name: "ADD whose pool definition changed and whose v4 address a node publishes", c: add(true), cmps: 11, puts: 4, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): {ModRevision: 41}, keyspace.HostIPPrefix(v4): {}},
 		want: func(t *testing.T, o claimOutcome) {
 			if !o.PoolChanged || o.Addrs[0].Host == nil || o.Addrs[1].taken() {
@@ -69,7 +70,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 			}
 		},
 	}, {
-		name: "ADD of a new pod that has a record from before the agent's memory", c: add(true), cmps: 9, puts: 4, gets: 11,
+		name: "ADD of a new pod that has a record from before the agent's memory", c: add(true), cmps: 11, puts: 4, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.PodKey("c", "n", "o"): {Lease: int64(other)}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Pod != podExists || o.PodKV == nil {
@@ -78,7 +79,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 		},
 	}, {
 		// Known pod: its record is compared on the lease, not created.
-		name: "ADD of a known pod whose record is gone", c: add(false), cmps: 9, puts: 3, gets: 11,
+		name: "ADD of a known pod whose record is gone", c: add(false), cmps: 11, puts: 3, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Pod != podGone {
@@ -86,7 +87,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 			}
 		},
 	}, {
-		name: "ADD of a known pod whose record is on another lease, v6 held by another owner", c: add(false), cmps: 9, puts: 3, gets: 11,
+		name: "ADD of a known pod whose record is on another lease, v6 held by another owner", c: add(false), cmps: 11, puts: 3, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.PodKey("c", "n", "o"): {Lease: int64(other)},
 			keyspace.IPKey("p", allocator.DefaultBlocks, v6): {CreateRevision: 12}},
 		want: func(t *testing.T, o claimOutcome) {
@@ -95,12 +96,20 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 			}
 		},
 	}, {
-		name: "ADD of a known pod on its lease, repeated: the owner index exists", c: add(false), cmps: 9, puts: 3, gets: 11,
+		name: "ADD of a known pod on its lease, repeated: the owner index exists", c: add(false), cmps: 11, puts: 3, gets: 13,
 		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.PodKey("c", "n", "o"): {Lease: int64(lease)},
 			keyspace.OwnerKey("c", "o", "eth0", "p"): {ModRevision: 30}},
 		want: func(t *testing.T, o claimOutcome) {
 			if o.Existing == nil || o.Existing.ModRevision != 30 || o.Pod != podAsExpected || o.PoolChanged {
 				t.Errorf("want the existing owner index only, got %+v", o)
+			}
+		},
+	}, {
+		name: "ADD whose v4 address a running pod wants back", c: add(true), cmps: 11, puts: 4, gets: 13,
+		found: map[string]*mvccpb.KeyValue{keyspace.PoolKey("p"): pool, keyspace.WantedPrefix("p", allocator.DefaultBlocks, v4): {}},
+		want: func(t *testing.T, o claimOutcome) {
+			if o.Addrs[0].Wanted == nil || !o.Addrs[0].taken() || o.Addrs[0].Holder != nil || o.Addrs[1].taken() {
+				t.Errorf("want v4 wanted back and v6 free, got %+v", o.Addrs)
 			}
 		},
 	}, {

@@ -154,7 +154,8 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	}
 	conflictKVs := cur.Responses[0].GetResponseRange().Kvs
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.owner, lease, at.Created)), clientv3.WithLease(lease))}
+	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.owner, lease, at.Created)), clientv3.WithLease(lease)),
+		clientv3.OpDelete(keyspace.WantedKey(ref.pool, p.spec.Blocks, ref.addr, a.cfg.Cluster, ref.owner))}
 	if heldLease != 0 {
 		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
 	}

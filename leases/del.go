@@ -219,6 +219,9 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
 	if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
 		r.conflictKey = keyspace.ConflictKey(a.cfg.Cluster, owner, ifName, pool)
+		for _, ip := range rec.IPs {
+			r.wanted = append(r.wanted, keyspace.WantedKey(pool, blocks, ip, a.cfg.Cluster, owner))
+		}
 	}
 	quarantine := a.cfg.Quarantine >= 0
 	outOfSpace := false // etcd's NOSPACE alarm: no puts, so no claim kept either

@@ -764,3 +764,56 @@ func TestAReleasedClaimGivesUpARunningPodsAddress(t *testing.T) {
 		t.Errorf("the claim holds %v (present %v); want the next pod's %v", rec.IPs, ok, addrs(next))
 	}
 }
+
+// TestAConflictedAddressIsHeldForItsRunningPod: a node away past the reuse delay comes back to
+// find its running pod's address taken: a conflict, and a wanted key. The node is cut off
+// again (its agent stops), and the other holder lets the address go meanwhile: no other ADD
+// gets it, asked for or not, although the pool has room; when the node is back, its pod
+// takes it back and the wanted key goes.
+func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/24", 26)
+	dir, b, ip := awayPastTheDelay(t, cluster, pool)
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, thief); err != nil {
+		t.Fatalf("another node asks for the address, free now: %v", err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
+		return back.Conflicts() == 1
+	})
+	wantedKey := keyspace.WantedKey(pool.Name, pool.Blocks, ip, cluster, "run")
+	if resp, err := cli.Get(ctx, wantedKey); err != nil || len(resp.Kvs) != 1 || !back.blockLeases.mine(keyspace.LeaseOf(resp.Kvs[0])) {
+		t.Fatalf("wanted key %s: %v %v; want it on the node's block lease", wantedKey, resp, err)
+	}
+	if err := back.jw.sync(ctx); err != nil { // the journal has the conflict, as it has within milliseconds
+		t.Fatal(err)
+	}
+	crash(back) // cut off again, within the TTL
+	if err := b.Del(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	third := startAgent(t, cluster, "third", "uid-third")
+	asked := addReq(pool, "asks", "eth0", "asks")
+	asked.RequestedIPs = []netip.Addr{ip}
+	if _, err := third.Add(ctx, asked); !errors.Is(err, allocator.ErrAddressInUse) || !strings.Contains(err.Error(), "wanted back") {
+		t.Errorf("an ADD asking for the conflicted address while its pod's node is away: %v; want it in use, wanted back", err)
+	}
+	for i := range 70 { // more than a block: the search walks past the address
+		res, err := third.Add(ctx, addReq(pool, fmt.Sprint("new-", i), "eth0", fmt.Sprint("new-", i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.Contains(addrs(res), ip) {
+			t.Fatalf("ADD %d got %s, which the running pod wants back, while the pool has room", i, ip)
+		}
+	}
+	startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the running pod holds its address again", func() bool {
+		return allocOwner(t, cli, pool, ip) == "run"
+	})
+	if resp, err := cli.Get(ctx, wantedKey); err != nil || len(resp.Kvs) != 0 {
+		t.Errorf("wanted key after the pod got its address back: %v %v", resp, err)
+	}
+}

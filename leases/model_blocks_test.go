@@ -264,20 +264,25 @@ func (m *model) settle(i int) {
 	for _, kv := range resp.Kvs {
 		m.t.Errorf("every attachment was deleted, and allocation %s is left", kv.Key)
 	}
-	// Nothing is held back for a pod that runs no more (a release deletes its held keys; the
-	// agent frees those of pods deleted while their lease was lost).
+	// Nothing is held back for a pod that runs no more (a release deletes its held and wanted
+	// keys; the agent frees those of pods deleted while their lease was lost).
 	heldDeadline := time.Now().Add(modelViewSettle)
 	for {
 		held, err := m.cli.Get(ctx, keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix())
 		if err != nil {
 			m.t.Fatal(err)
 		}
+		wanted, err := m.cli.Get(ctx, keyspace.WantedPrefix(m.pool.Name, m.pool.Blocks, netip.Addr{}), clientv3.WithPrefix())
+		if err != nil {
+			m.t.Fatal(err)
+		}
+		held.Kvs = append(held.Kvs, wanted.Kvs...)
 		if len(held.Kvs) == 0 {
 			break
 		}
 		if time.Now().After(heldDeadline) {
 			for _, kv := range held.Kvs {
-				m.t.Errorf("every attachment was deleted %s ago, and held key %s is left on lease %s: %s", modelViewSettle,
+				m.t.Errorf("every attachment was deleted %s ago, and held or wanted key %s is left on lease %s: %s", modelViewSettle,
 					kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
 			}
 			return

@@ -428,6 +428,20 @@ func (t *pods) setConflicts(owner, ifName, pool string, taken []netip.Addr) {
 	t.jw.save(snap)
 }
 
+// wanted names, as keyspace.WantedKey in the flat layout, every conflicted address of the
+// pods (their wanted keys are theirs to keep).
+func (t *pods) wanted(cluster string) map[string]bool {
+	out := map[string]bool{}
+	for owner, ats := range t.conflicted() {
+		for _, at := range ats {
+			for _, addr := range at.Conflicts {
+				out[keyspace.WantedKey(at.Pool, allocator.Blocks{}, addr, cluster, owner)] = true
+			}
+		}
+	}
+	return out
+}
+
 // conflicted lists, per owner, the attachments with addresses another owner holds.
 func (t *pods) conflicted() map[string][]attachment {
 	t.mu.Lock()

@@ -278,7 +278,9 @@ func (a *Agent) releasePending(ctx context.Context, owner string) error {
 // settleHeld frees the held keys on this node's block leases that no pod of it lists (their
 // pods were deleted while their leases were lost, or were not re-claimed because their
 // sandbox was gone): only the addresses of pods that may still run are held back. Each is
-// deleted only if no allocation stands at its address, so an ADD in flight keeps its own.
+// deleted only if no allocation stands at its address, so an ADD in flight keeps its own. So
+// go the wanted keys no conflict of its pods names any more (its DEL lost with a crash, or an
+// admin's release).
 func (a *Agent) settleHeld(ctx context.Context) error {
 	if a.cfg.ReuseDelay <= 0 {
 		return nil
@@ -294,8 +296,17 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 		}
 		var ops []clientv3.Op
 		var freed []string
+		wants := a.pods.wanted(a.cfg.Cluster)
 		for _, k := range ttl.Keys {
 			key := string(k)
+			if pool, _, ip, cluster, owner, err := keyspace.ParseWantedKey(key); err == nil {
+				// A wanted key no conflict of this node's pods names any more.
+				if !wants[keyspace.WantedKey(pool, allocator.Blocks{}, ip, cluster, owner)] {
+					ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.OnLease(key, id)}, []clientv3.Op{clientv3.OpDelete(key)}, nil))
+					freed = append(freed, key)
+				}
+				continue
+			}
 			pool, _, ip, err := keyspace.ParseHeldKey(key)
 			if err != nil || a.pods.ownsAddr(pool, ip) {
 				continue
@@ -519,7 +530,8 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 		ownerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
 		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
-		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool)}
+		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
+		wantCluster: a.cfg.Cluster, wantOwner: ps.Owner}
 	taken, unheld, err := a.heldByOthers(ctx, c)
 	if err != nil {
 		return 0, nil, err

@@ -32,8 +32,10 @@ type release struct {
 	lease    clientv3.LeaseID
 	addrs    []netip.Addr
 	// ownerPrefix holds the owner's owner indexes; podKey is its pod record on this node;
-	// conflictKey is the attachment's conflict record, if a re-claim left one: it goes with it.
+	// conflictKey is the attachment's conflict record, if a re-claim left one: it goes with it,
+	// and so do wanted, the wanted keys of each of its addresses (keyspace.WantedKey).
 	ownerPrefix, podKey, conflictKey string
+	wanted                           []string
 	// qLease and qRecord quarantine the addresses; qLease 0 puts none.
 	qLease  clientv3.LeaseID
 	qRecord keyspace.QuarantineRecord
@@ -54,6 +56,9 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	then = append(then, clientv3.OpDelete(r.ownerKey))
 	if r.conflictKey != "" {
 		then = append(then, clientv3.OpDelete(r.conflictKey))
+	}
+	for _, k := range r.wanted {
+		then = append(then, clientv3.OpDelete(k))
 	}
 	for _, addr := range r.addrs {
 		key := keyspace.IPKey(r.pool, r.blocks, addr)
