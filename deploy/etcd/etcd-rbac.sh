@@ -15,12 +15,13 @@
 #   readwrite  /leasehold/v1/poolconflicts/          pool definitions nodes disagree with (shared)
 #   readwrite  /leasehold/v1/blocks/                 which node claimed which block  (shared)
 #   readwrite  /leasehold/v1/held/                   addresses held back after expiry (shared)
+#   readwrite  /leasehold/v1/wanted/                 conflicted addresses a running pod wants back (shared)
 #   readwrite  /leasehold/v1/owners/<CLUSTER>/       this cluster's owner indexes
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
 #   readwrite  /leasehold/v1/claims/<CLUSTER>/       this cluster's sticky claims
 #
-# Why the first seven are shared: pools are shared across clusters by design. An address is
+# Why the first eight are shared: pools are shared across clusters by design. An address is
 # taken by creating ips/<pool>/<block>/<ip> only if it, its quarantine/ key and every
 # hostips/<ip>/ key are absent, in one transaction; every agent of every cluster using the
 # pool must read and write those keys, or two clusters could hand out one address. A pool's
@@ -29,7 +30,8 @@
 # every agent using the pool watches, whatever its cluster. A block of a pool is claimed by
 # one node of one cluster under blocks/<pool>/<block>; every cluster's agents read the claims
 # to find a free block. A pod's held/<pool>/<block>/<ip> key outlives its allocation when its
-# node is cut off, and every cluster's agents read it to leave that address to its node.
+# node is cut off, and every cluster's agents read it to leave that address to its node; so
+# with wanted/<pool>/<block>/<ip>/..., which leaves a conflicted address to its running pod.
 # Releasing an address deletes its ips/ key and writes its quarantine/ key, and etcd only
 # revokes a lease (which deletes its keys) for a user that may write every key on it.
 # The per-cluster prefixes carry a trailing slash, so cluster "a" is not granted "a-b".
@@ -102,7 +104,7 @@ for c in "${clusters[@]}"; do
   name="leasehold-$c"
   exists role "$name" || ctl role add "$name"
   # Keep in step with leases.RolePrefixes (integration/deploy_test.go compares them).
-  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
+  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ wanted/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
   if ! exists user "$name"; then

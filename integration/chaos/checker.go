@@ -416,10 +416,16 @@ func (c *checker) gotAddress(p *Pod, ip netip.Addr, before time.Time) (time.Time
 	if !back.IsZero() {
 		return back, "given back to it by a conflict resolution"
 	}
-	var sent, answered time.Time
+	// The claim may be an earlier attempt's: one whose answer the runtime did not get (a
+	// timeout, code 11 while the claim applied) is repeated, and the repeat answers the
+	// addresses it claimed. So the reuse is looked for on the pod's node from its first ADD.
+	var first, sent, answered time.Time
 	for _, a := range p.Attempts {
 		if a.Op != "ADD" {
 			continue
+		}
+		if first.IsZero() {
+			first = a.Sent
 		}
 		sent, answered = a.Sent, a.Answered
 		if a.OK {
@@ -433,7 +439,7 @@ func (c *checker) gotAddress(p *Pod, ip netip.Addr, before time.Time) (time.Time
 		answered = sent.Add(30 * time.Second)
 	}
 	for _, l := range c.h.Logs {
-		if l.Kind == "reuse" && l.IP == ip && !l.Time.Before(sent.Add(-time.Second)) && !l.Time.After(answered.Add(time.Second)) {
+		if l.Kind == "reuse" && l.IP == ip && l.Slot == p.Slot && !l.Time.Before(first.Add(-time.Second)) && !l.Time.After(answered.Add(time.Second)) {
 			return l.Time, "reuse logged"
 		}
 	}
