@@ -163,8 +163,10 @@ func (a *Agent) forgetLost(ctx context.Context, owner string, req allocator.Requ
 }
 
 // reportTakenAtDel logs, as a conflict, the addresses of a deleted attachment that another
-// owner holds: its lease was lost, and another pod got them while this one still ran (the
-// window ARCHITECTURE.md names). The DEL ends the overlap; the record says it happened.
+// owner held since the attachment was last written (etcd's history; what holds them now when
+// that history is gone): its lease was lost, and another pod got them while this one still
+// ran (the window ARCHITECTURE.md names). The DEL ends the overlap; the record says it
+// happened.
 func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachment) {
 	if len(at.IPs) == 0 {
 		return
@@ -173,21 +175,24 @@ func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachmen
 	if err != nil {
 		return
 	}
-	ops := make([]clientv3.Op, len(at.IPs))
-	for i, ip := range at.IPs {
-		ops[i] = clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip))
-	}
-	octx, cancel := a.opCtx(ctx)
-	defer cancel()
-	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
-	if err != nil {
-		return
-	}
 	var taken []keyspace.TakenByOther
-	for i, r := range resp.Responses {
-		for _, kv := range r.GetResponseRange().Kvs {
-			if holder, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err == nil && holder.Owner != owner {
-				taken = append(taken, keyspace.TakenByOther{IP: at.IPs[i], Holder: holder.Owner, Cluster: holder.Cluster,
+	for _, ip := range at.IPs {
+		key := keyspace.IPKey(at.Pool, blocks, ip)
+		if at.OwnerRev > 0 {
+			if others, known := a.othersSince(ctx, owner, key, ip, at.OwnerRev, 0); known {
+				taken = append(taken, others...)
+				continue
+			}
+		}
+		octx, cancel := a.opCtx(ctx)
+		resp, err := a.cli.Get(octx, key)
+		cancel()
+		if err != nil {
+			continue
+		}
+		for _, kv := range resp.Kvs {
+			if holder, err := keyspace.Decode[keyspace.Allocation](key, kv.Value); err == nil && holder.Owner != owner {
+				taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
 					Node: holder.Node, ContainerID: holder.ContainerID})
 			}
 		}

@@ -817,3 +817,51 @@ func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
 		t.Errorf("wanted key after the pod got its address back: %v %v", resp, err)
 	}
 }
+
+// TestADelAnsweredWhileAwayReportsWhoHadTheAddress: a pod's DEL is answered while its node is
+// cut off (journaled, released once etcd answers); the node stays away past the reuse delay,
+// so the pod's keys expire and another pod gets its address, and lets it go again, before the
+// node is back. Nothing is left to release then, and yet two pods ran with one address: the
+// agent reads it in etcd's history and logs the conflict.
+func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.76.0.0/24", 26)
+	dir := t.TempDir()
+	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
+	req := addReq(pool, "run", "eth0", "run")
+	res, err := a.Add(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	// The DEL as a cut-off agent answers it (deferRelease), then the agent is gone.
+	a.pods.markReleased("run", req.IfName, pool.Name, req.ContainerID)
+	if err := a.jw.sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	crash(a)
+	expire(t, cli, a, "run")
+	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
+	if err != nil || len(held.Kvs) != 1 {
+		t.Fatalf("held key of %s: %v %v", ip, held, err)
+	}
+	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil { // the delay runs out
+		t.Fatal(err)
+	}
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, thief); err != nil {
+		t.Fatalf("another node asks for the address, free now: %v", err)
+	}
+	if err := b.Del(ctx, thief); err != nil {
+		t.Fatal(err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the overlap found at the DEL is counted", func() bool {
+		return back.Conflicts() == 1
+	})
+	if n := allocOwner(t, cli, pool, ip); n != "" {
+		t.Errorf("%s is allocated to %q; the deleted pod's DEL must leave it free", ip, n)
+	}
+}

@@ -264,8 +264,12 @@ func (a *Agent) releasePending(ctx context.Context, owner string) error {
 			errs = append(errs, err)
 			continue
 		}
-		// Released, or nothing of it was left in etcd: either way it is done.
-		a.pods.forgetAttachment(owner, at.IfName, at.Pool, at.ContainerID)
+		// Released, or nothing of it was left in etcd: either way it is done. Nothing left (and
+		// not taken by forgetLost, which reports as below): its keys expired while etcd was
+		// away, and another pod may have had its addresses meanwhile.
+		if a.pods.forgetAttachment(owner, at.IfName, at.Pool, at.ContainerID) && left < 0 {
+			a.reportTakenAtDel(ctx, owner, at)
+		}
 		a.log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
 			"ifname", at.IfName, "pool", at.Pool)
 		if err := a.dropPodIfEmpty(ctx, owner, left); err != nil {
@@ -369,6 +373,9 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		// Every attachment's DEL was answered meanwhile: nothing to re-claim, and nothing in
 		// etcd to release (the lease is gone). Its held keys are freed by settleHeld.
 		a.log.Info("every attachment of a lost pod was deleted meanwhile; nothing to re-claim", "owner", owner)
+		for _, at := range snap.Attachments {
+			a.reportTakenAtDel(octx, owner, at) // another pod may have had its addresses meanwhile
+		}
 		a.pods.drop(owner)
 		return nil
 	}
@@ -455,7 +462,7 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.Ta
 // in etcd's history of their allocation keys between the attachment's last write and the
 // re-claim (at rev): another owner that held one meanwhile, and let it go before the
 // re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
-// the conflict it was. A history compacted away is said to be unknown.
+// the conflict it was.
 func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, c *claim, unheld []netip.Addr, rev int64) {
 	if at.OwnerRev <= 0 {
 		return
@@ -466,41 +473,13 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 		if !slices.Contains(c.addrs, ip) {
 			continue
 		}
-		before := len(taken)
-		key := keyspace.IPKey(c.pool, c.blocks, ip)
-		octx, cancel := a.opCtx(ctx)
-		wch := a.cli.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(at.OwnerRev+1), clientv3.WithFilterDelete())
-		done := false
-		for resp := range wch {
-			if resp.CompactRevision != 0 || resp.Err() != nil {
-				a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
-					"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool, "err", resp.Err())
-				break
-			}
-			for _, ev := range resp.Events {
-				if ev.Kv.ModRevision >= rev {
-					done = true
-					break
-				}
-				holder, err := keyspace.Decode[keyspace.Allocation](key, ev.Kv.Value)
-				switch {
-				case err != nil:
-				case holder.Owner == owner:
-					// This pod had it back since (a conflict resolved): who had it before was
-					// counted then.
-					taken = taken[:before]
-				default:
-					taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
-						Node: holder.Node, ContainerID: holder.ContainerID})
-				}
-			}
-			if done {
-				break
-			}
+		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.pool, c.blocks, ip), ip, at.OwnerRev, rev)
+		if !known {
+			a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
+				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool)
 		}
-		cancel()
-		if len(taken) > before {
-			had++
+		if len(others) > 0 {
+			taken, had = append(taken, others...), had+1
 		}
 	}
 	if had == 0 {
@@ -509,6 +488,58 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 	a.conflicts.Add(int64(had))
 	a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
 		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
+}
+
+// historyIdle is how long othersSince waits, once a watch of a key's history is created,
+// for an event after the last: etcd sends a watch's past events at once (its sync loop runs
+// every 100 ms), so a quiet second means the history is all there. A miss costs a conflict
+// not logged, never an address.
+const historyIdle = time.Second
+
+// othersSince reads etcd's history of the allocation key of ip from revision from+1 up to to
+// (exclusive; 0: up to now): the owners other than owner that held the address, since owner
+// last did (an owner writing it again resets the list: who had it before was dealt with
+// then). known is false when the history was compacted away or could not be read.
+func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64) (taken []keyspace.TakenByOther, known bool) {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	wch := a.cli.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
+		clientv3.WithCreatedNotify())
+	idle := time.NewTimer(historyIdle)
+	defer idle.Stop()
+	created := false
+	for {
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case resp, ok = <-wch:
+		case <-idle.C:
+			if created && to == 0 {
+				return taken, true
+			}
+			idle.Reset(historyIdle)
+			continue
+		}
+		if !ok || resp.CompactRevision != 0 || resp.Err() != nil {
+			return nil, false
+		}
+		created = created || resp.Created
+		idle.Reset(historyIdle)
+		for _, ev := range resp.Events {
+			if to > 0 && ev.Kv.ModRevision >= to {
+				return taken, true
+			}
+			holder, err := keyspace.Decode[keyspace.Allocation](key, ev.Kv.Value)
+			switch {
+			case err != nil:
+			case holder.Owner == owner:
+				taken = taken[:0]
+			default:
+				taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
+					Node: holder.Node, ContainerID: holder.ContainerID})
+			}
+		}
+	}
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
