@@ -163,12 +163,28 @@ func (a *Agent) forgetLost(ctx context.Context, owner string, req allocator.Requ
 }
 
 // reportTakenAtDel logs, as a conflict, the addresses of a deleted attachment that another
-// owner held since the attachment was last written (etcd's history; what holds them now when
-// that history is gone): its lease was lost, and another pod got them while this one still
+// owner held since the attachment was last written (etcd's history): its lease was lost, and another pod got them while this one still
 // ran (the window ARCHITECTURE.md names). The DEL ends the overlap; the record says it
-// happened.
-func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachment) {
-	if len(at.IPs) == 0 {
+// happened. It runs in the background: reading a history takes a second, which neither the
+// DEL nor the recovery of the node's other pods waits for.
+// Only owners that got an address before the DEL count (their allocation's creation time
+// against the DEL's answer: a DEL answered while etcd was away has no revision to read up to).
+func (a *Agent) reportTakenAtDel(_ context.Context, owner string, at attachment) {
+	if len(at.IPs) == 0 || a.ctx.Err() != nil {
+		return
+	}
+	if at.ReleasedAt.IsZero() {
+		at.ReleasedAt = time.Now()
+	}
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		a.takenAtDel(a.ctx, owner, at)
+	}()
+}
+
+func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment) {
+	if at.OwnerRev <= 0 {
 		return
 	}
 	blocks, err := a.pools.blocksOf(ctx, at.Pool)
@@ -177,25 +193,12 @@ func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachmen
 	}
 	var taken []keyspace.TakenByOther
 	for _, ip := range at.IPs {
-		key := keyspace.IPKey(at.Pool, blocks, ip)
-		if at.OwnerRev > 0 {
-			if others, known := a.othersSince(ctx, owner, key, ip, at.OwnerRev, 0); known {
-				taken = append(taken, others...)
-				continue
-			}
+		others, known := a.othersSince(ctx, owner, keyspace.IPKey(at.Pool, blocks, ip), ip, at.OwnerRev, 0, at.ReleasedAt)
+		if !known {
+			a.log.Warn("a pod whose lease was lost is deleted, and etcd's history no longer tells whether another pod had "+
+				"its address meanwhile", "owner", owner, "ip", ip, "pool", at.Pool)
 		}
-		octx, cancel := a.opCtx(ctx)
-		resp, err := a.cli.Get(octx, key)
-		cancel()
-		if err != nil {
-			continue
-		}
-		for _, kv := range resp.Kvs {
-			if holder, err := keyspace.Decode[keyspace.Allocation](key, kv.Value); err == nil && holder.Owner != owner {
-				taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
-					Node: holder.Node, ContainerID: holder.ContainerID})
-			}
-		}
+		taken = append(taken, others...)
 	}
 	if len(taken) == 0 {
 		return

@@ -835,8 +835,15 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
-	// The DEL as a cut-off agent answers it (deferRelease), then the agent is gone.
+	// The DEL as a cut-off agent answers it (deferRelease), then the agent is gone. It is
+	// answered after the other pod below got the address (a cut-off agent cannot know that):
+	// the answer's time says so.
 	a.pods.markReleased("run", req.IfName, pool.Name, req.ContainerID)
+	a.pods.mu.Lock()
+	a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
+	snap := a.pods.m["run"].clone()
+	a.pods.mu.Unlock()
+	a.jw.save(snap)
 	if err := a.jw.sync(ctx); err != nil {
 		t.Fatal(err)
 	}

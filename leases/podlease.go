@@ -73,6 +73,8 @@ type attachment struct {
 	// reached. The DEL is final: the attachment is never re-claimed, and the agent releases
 	// its keys once etcd answers (Agent.releasePending).
 	Released bool `json:"released,omitempty"`
+	// ReleasedAt is when that DEL was answered.
+	ReleasedAt time.Time `json:"releasedAt,omitzero"`
 	// Conflicts are addresses of the attachment that another owner took while the pod's lease
 	// was lost (a re-claim found them held). The agent watches them and takes each back for
 	// the running pod as soon as its holder lets it go (conflicts.go).

@@ -300,9 +300,10 @@ func (t *pods) markReleased(owner, ifName, pool, container string) {
 	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ifName && at.Pool == pool })
 	switch {
 	case i < 0:
-		ps.Attachments = append(ps.Attachments, attachment{IfName: ifName, Pool: pool, ContainerID: container, Released: true})
+		ps.Attachments = append(ps.Attachments, attachment{IfName: ifName, Pool: pool, ContainerID: container, Released: true,
+			ReleasedAt: time.Now()})
 	case ps.Attachments[i].ContainerID == container:
-		ps.Attachments[i].Released = true
+		ps.Attachments[i].Released, ps.Attachments[i].ReleasedAt = true, time.Now()
 	default:
 		// Another sandbox of the pod holds the attachment now: this DEL is not its.
 		t.mu.Unlock()

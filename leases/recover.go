@@ -473,7 +473,7 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 		if !slices.Contains(c.addrs, ip) {
 			continue
 		}
-		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.pool, c.blocks, ip), ip, at.OwnerRev, rev)
+		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.pool, c.blocks, ip), ip, at.OwnerRev, rev, time.Time{})
 		if !known {
 			a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
 				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool)
@@ -497,10 +497,10 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 const historyIdle = time.Second
 
 // othersSince reads etcd's history of the allocation key of ip from revision from+1 up to to
-// (exclusive; 0: up to now): the owners other than owner that held the address, since owner
+// (exclusive; 0: up to now), or up to its last event before a quiet historyIdle: the owners other than owner that held the address, since owner
 // last did (an owner writing it again resets the list: who had it before was dealt with
 // then). known is false when the history was compacted away or could not be read.
-func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64) (taken []keyspace.TakenByOther, known bool) {
+func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) (taken []keyspace.TakenByOther, known bool) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	wch := a.cli.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
@@ -514,7 +514,7 @@ func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Add
 		select {
 		case resp, ok = <-wch:
 		case <-idle.C:
-			if created && to == 0 {
+			if created {
 				return taken, true
 			}
 			idle.Reset(historyIdle)
@@ -534,6 +534,7 @@ func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Add
 			case err != nil:
 			case holder.Owner == owner:
 				taken = taken[:0]
+			case !before.IsZero() && !holder.Created.Before(before):
 			default:
 				taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
 					Node: holder.Node, ContainerID: holder.ContainerID})
