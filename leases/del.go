@@ -167,33 +167,39 @@ func (a *Agent) forgetLost(ctx context.Context, owner string, req allocator.Requ
 // ran (the window ARCHITECTURE.md names). The DEL ends the overlap; the record says it
 // happened. It runs in the background: reading a history takes a second, which neither the
 // DEL nor the recovery of the node's other pods waits for.
-// Only owners that got an address before the DEL count (their allocation's creation time
-// against the DEL's answer: a DEL answered while etcd was away has no revision to read up to).
-func (a *Agent) reportTakenAtDel(_ context.Context, owner string, at attachment) {
-	if len(at.IPs) == 0 || a.ctx.Err() != nil {
+// Only owners that had an address before the DEL count: the history is read up to the
+// revision of this call (after it, a conflict resolution or this node's next pods may take
+// the address), and of those, for a DEL answered while etcd was away, only allocations
+// created before its answer.
+func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachment) {
+	if len(at.IPs) == 0 || at.OwnerRev <= 0 || a.ctx.Err() != nil {
 		return
 	}
 	if at.ReleasedAt.IsZero() {
 		at.ReleasedAt = time.Now()
 	}
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, keyspace.PoolKey(at.Pool), clientv3.WithKeysOnly())
+	cancel()
+	if err != nil {
+		return
+	}
+	upTo := resp.Header.Revision + 1
 	a.wg.Add(1)
 	go func() {
 		defer a.wg.Done()
-		a.takenAtDel(a.ctx, owner, at)
+		a.takenAtDel(a.ctx, owner, at, upTo)
 	}()
 }
 
-func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment) {
-	if at.OwnerRev <= 0 {
-		return
-	}
+func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment, upTo int64) {
 	blocks, err := a.pools.blocksOf(ctx, at.Pool)
 	if err != nil {
 		return
 	}
 	var taken []keyspace.TakenByOther
 	for _, ip := range at.IPs {
-		others, known := a.othersSince(ctx, owner, keyspace.IPKey(at.Pool, blocks, ip), ip, at.OwnerRev, 0, at.ReleasedAt)
+		others, known := a.othersSince(ctx, owner, keyspace.IPKey(at.Pool, blocks, ip), ip, at.OwnerRev, upTo, at.ReleasedAt)
 		if !known {
 			a.log.Warn("a pod whose lease was lost is deleted, and etcd's history no longer tells whether another pod had "+
 				"its address meanwhile", "owner", owner, "ip", ip, "pool", at.Pool)
