@@ -692,6 +692,22 @@ func awayPastTheDelay(t *testing.T, cluster string, pool allocator.PoolSpec) (st
 	return dir, b, ip
 }
 
+// takenThenBack has b's pod req ask for ip, the running pod's address, free after
+// awayPastTheDelay; then node "away" comes back (its state in dir), finds it taken and records
+// the conflict. It returns the agent back.
+func takenThenBack(t *testing.T, b *Agent, req allocator.Request, ip netip.Addr, cluster, dir string) *Agent {
+	t.Helper()
+	req.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctxT(t), req); err != nil {
+		t.Fatalf("another pod asks for the address, free now: %v", err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
+		return back.Conflicts() == 1
+	})
+	return back
+}
+
 // TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo: a node is away longer than the reuse
 // delay, so its block lease and held keys are gone; another pod asks for its running pod's
 // address, gets it, and is deleted before the node comes back. The re-claim finds the
@@ -732,14 +748,7 @@ func TestAReleasedClaimGivesUpARunningPodsAddress(t *testing.T) {
 	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool)
 	sts := stickyReq(pool, "web-2-a", "web-2-a", "ns.web-2")
-	sts.RequestedIPs = []netip.Addr{ip}
-	if _, err := b.Add(ctx, sts); err != nil {
-		t.Fatalf("a sticky claim asks for the address, free now: %v", err)
-	}
-	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
-		return back.Conflicts() == 1
-	})
+	takenThenBack(t, b, sts, ip, cluster, dir)
 	if err := b.Del(ctx, sts); err != nil {
 		t.Fatal(err)
 	}
@@ -775,14 +784,7 @@ func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
 	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool)
 	thief := addReq(pool, "thief", "eth0", "thief")
-	thief.RequestedIPs = []netip.Addr{ip}
-	if _, err := b.Add(ctx, thief); err != nil {
-		t.Fatalf("another node asks for the address, free now: %v", err)
-	}
-	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
-		return back.Conflicts() == 1
-	})
+	back := takenThenBack(t, b, thief, ip, cluster, dir)
 	wantedKey := keyspace.WantedKey(pool.Name, pool.Blocks, ip, cluster, "run")
 	if resp, err := cli.Get(ctx, wantedKey); err != nil || len(resp.Kvs) != 1 || !back.blockLeases.mine(keyspace.LeaseOf(resp.Kvs[0])) {
 		t.Fatalf("wanted key %s: %v %v; want it on the node's block lease", wantedKey, resp, err)
