@@ -668,8 +668,9 @@ func TestWhatGCReleasedStaysReleasedAfterACrash(t *testing.T) {
 // awayPastTheDelay runs pod "run" on node "away", which then stops renewing for longer than
 // TTL plus the reuse delay: the pod's lease expires, then the block lease holding its held
 // key. It returns the node's state directory (to bring it back), another node "b", and the
-// running pod's address, free in etcd now.
-func awayPastTheDelay(t *testing.T, cluster string, pool allocator.PoolSpec) (string, *Agent, netip.Addr) {
+// running pod's address, free in etcd now. Each of before runs on the agent just before it
+// stops.
+func awayPastTheDelay(t *testing.T, cluster string, pool allocator.PoolSpec, before ...func(*Agent)) (string, *Agent, netip.Addr) {
 	t.Helper()
 	cli, ctx := etcdtest.Client(t), ctxT(t)
 	dir := t.TempDir()
@@ -680,6 +681,9 @@ func awayPastTheDelay(t *testing.T, cluster string, pool allocator.PoolSpec) (st
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
+	for _, f := range before {
+		f(a)
+	}
 	crash(a)
 	expire(t, cli, a, "run")
 	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
@@ -708,23 +712,29 @@ func takenThenBack(t *testing.T, b *Agent, req allocator.Request, ip netip.Addr,
 	return back
 }
 
+// hadAndLetGo has b's pod "thief" ask for ip, then deletes it.
+func hadAndLetGo(t *testing.T, b *Agent, pool allocator.PoolSpec, ip netip.Addr) {
+	t.Helper()
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctxT(t), thief); err != nil {
+		t.Fatalf("another node asks for the address, free now: %v", err)
+	}
+	if err := b.Del(ctxT(t), thief); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo: a node is away longer than the reuse
 // delay, so its block lease and held keys are gone; another pod asks for its running pod's
 // address, gets it, and is deleted before the node comes back. The re-claim finds the
 // address free, and yet two pods ran with it at once: the agent counts and logs the conflict
 // it reads in etcd's history.
 func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	cluster, cli := etcdtest.Uniq("c"), etcdtest.Client(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool)
-	thief := addReq(pool, "thief", "eth0", "thief")
-	thief.RequestedIPs = []netip.Addr{ip}
-	if _, err := b.Add(ctx, thief); err != nil {
-		t.Fatalf("another node asks for the address, free now: %v", err)
-	}
-	if err := b.Del(ctx, thief); err != nil {
-		t.Fatal(err)
-	}
+	hadAndLetGo(t, b, pool, ip)
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
 	etcdtest.Eventually(t, 15*time.Second, "the running pod's address is re-claimed", func() bool {
 		return allocOwner(t, cli, pool, ip) == "run"
@@ -826,46 +836,23 @@ func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
 // node is back. Nothing is left to release then, and yet two pods ran with one address: the
 // agent reads it in etcd's history and logs the conflict.
 func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	cluster, cli := etcdtest.Uniq("c"), etcdtest.Client(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.76.0.0/24", 26)
-	dir := t.TempDir()
-	a := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	b := startAgent(t, cluster, "b", "uid-b", withHold(t.TempDir()))
-	req := addReq(pool, "run", "eth0", "run")
-	res, err := a.Add(ctx, req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ip := addrs(res)[0]
 	// The DEL as a cut-off agent answers it (deferRelease), then the agent is gone. It is
 	// answered after the other pod below got the address (a cut-off agent cannot know that):
 	// the answer's time says so.
-	a.pods.markReleased("run", req.IfName, pool.Name, req.ContainerID)
-	a.pods.mu.Lock()
-	a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
-	snap := a.pods.m["run"].clone()
-	a.pods.mu.Unlock()
-	a.jw.save(snap)
-	if err := a.jw.sync(ctx); err != nil {
-		t.Fatal(err)
-	}
-	crash(a)
-	expire(t, cli, a, "run")
-	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
-	if err != nil || len(held.Kvs) != 1 {
-		t.Fatalf("held key of %s: %v %v", ip, held, err)
-	}
-	if _, err := cli.Revoke(ctx, keyspace.LeaseOf(held.Kvs[0])); err != nil { // the delay runs out
-		t.Fatal(err)
-	}
-	thief := addReq(pool, "thief", "eth0", "thief")
-	thief.RequestedIPs = []netip.Addr{ip}
-	if _, err := b.Add(ctx, thief); err != nil {
-		t.Fatalf("another node asks for the address, free now: %v", err)
-	}
-	if err := b.Del(ctx, thief); err != nil {
-		t.Fatal(err)
-	}
+	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
+		a.pods.markReleased("run", "eth0", pool.Name, "run")
+		a.pods.mu.Lock()
+		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
+		snap := a.pods.m["run"].clone()
+		a.pods.mu.Unlock()
+		a.jw.save(snap)
+		if err := a.jw.sync(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+	})
+	hadAndLetGo(t, b, pool, ip)
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
 	etcdtest.Eventually(t, 15*time.Second, "the overlap found at the DEL is counted", func() bool {
 		return back.Conflicts() == 1
