@@ -9,7 +9,7 @@ TOOLS_MOD := integration/tools
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
 GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 
-.PHONY: all build tools test test-unit demo bench soak chaos fuzz soak-fuzz lint clean e2e
+.PHONY: all build tools deps test test-unit demo bench soak chaos fuzz soak-fuzz lint clean e2e
 
 # Fuzz targets as Name:package. `make fuzz` runs each for FUZZTIME (make test runs it);
 # `make soak-fuzz` runs each for SOAK_FUZZTIME. A failure leaves its input in the
@@ -48,10 +48,16 @@ $(BIN)/cni/bridge: $(TOOLS_MOD)/go.mod
 		github.com/containernetworking/plugins/plugins/main/loopback \
 		github.com/containernetworking/plugins/plugins/ipam/host-local
 
+# The programs the tests drive that Go does not build (ip, iptables, openssl, containerd,
+# runc, a static busybox): installed with apt-get when missing (root), or named with the
+# command that installs them. make test needs root and stops, saying so, without it.
+deps:
+	./scripts/deps.sh
+
 # Unit tests and integration tests against real etcd (embedded and a separate process),
 # the real plugin binary and the real agent.
-test: build tools
-	LEASEHOLD_BIN=$(BIN) $(GO) test -race -count=1 -timeout 15m ./...
+test: deps build tools
+	LEASEHOLD_BIN=$(BIN) LEASEHOLD_TEST_ALL=1 $(GO) test -race -count=1 -timeout 15m ./...
 	$(MAKE) fuzz
 
 fuzz:

@@ -50,7 +50,7 @@ func TestChaos(t *testing.T) {
 	}
 	requireNetns(t)
 	if err := chaos.NetnsAvailable(t.Context()); err != nil {
-		t.Skipf("network namespaces are not available: %v", err)
+		cannotRun(t, "network namespaces are not available: %v", err)
 	}
 	bin := binDir(t)
 	seed := int64(1)
