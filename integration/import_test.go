@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
@@ -118,12 +119,8 @@ func TestSwitchFromHostLocalWithRunningContainers(t *testing.T) {
 	importFlag := []string{"--import-host-local", network + "=" + dir}
 
 	// No pool in etcd yet: the agent will not serve, and says what to do.
-	sock := filepath.Join(t.TempDir(), "s.sock")
-	cmd := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdd"), append([]string{"--etcd-endpoints", f.Endpoint,
-		"--socket", sock, "--state-dir", t.TempDir(), "--cluster", f.Cluster, "--node", uniq("node-"), "--node-uid", uniq("uid-"),
-		"--metrics-addr", "", "--publish-host-addresses=false", "--liveness-interval", "0s"}, importFlag...)...)
-	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "leaseholdctl pool create "+network) {
-		t.Fatalf("import into a pool etcd does not define: want the agent to stop naming leaseholdctl pool create, got %v:\n%s", err, out)
+	if out := refusedStart(t, f, importFlag...); !strings.Contains(out, "leaseholdctl pool create "+network) {
+		t.Fatalf("import into a pool etcd does not define: want the agent to stop naming leaseholdctl pool create, got:\n%s", out)
 	}
 
 	// Another node's pod holds the fourth container's IPv4 address (and defines the pool).
@@ -230,6 +227,76 @@ func TestSwitchFromHostLocalWithRunningContainers(t *testing.T) {
 	}
 	if h := heldAt(t, f, network)[taken]; h.Owner != "other-uid" {
 		t.Errorf("%s: %+v; the other node's pod must keep it", taken, h.Allocation)
+	}
+}
+
+// refusedStart runs leaseholdd with flags, as launch does, and returns what it printed; the
+// test fails unless it stops (exits non-zero) before serving.
+func refusedStart(t *testing.T, f *fixture, flags ...string) string {
+	t.Helper()
+	cmd := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdd"), append([]string{"--etcd-endpoints", f.Endpoint,
+		"--socket", filepath.Join(t.TempDir(), "s.sock"), "--state-dir", t.TempDir(), "--cluster", f.Cluster,
+		"--node", uniq("node-"), "--node-uid", uniq("uid-"), "--metrics-addr", "", "--publish-host-addresses=false",
+		"--liveness-interval", "0s"}, flags...)...)
+	out, err := cmd.CombinedOutput()
+	if err == nil || f.Ctx.Err() != nil {
+		t.Fatalf("leaseholdd %v: want it to stop before serving, got %v (test context: %v):\n%s", flags, err, f.Ctx.Err(), out)
+	}
+	return string(out)
+}
+
+// TestHostLocalImportChecksTheCNICache switches a node whose host-local configuration sets a
+// dataDir, giving the default directory by mistake: an empty directory of that name exists,
+// so nothing tells it from a network without containers but the CNI library's result cache,
+// which records the running containers (written here by the real libcni, as a runtime does).
+// The agent must refuse to start, naming the directory to give; given it, it imports every
+// container; with the cache check turned off it would have imported nothing.
+func TestHostLocalImportChecksTheCNICache(t *testing.T) {
+	f := newFixture(t, withNetns(), withoutAgent(), withTimeout(time.Minute))
+	network, dataDir, cache, wrong := f.Pool, t.TempDir(), t.TempDir(), t.TempDir()
+	ranges := []any{[]any{map[string]any{"subnet": "10.74.0.0/28"}}}
+	conf, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": network, "type": "host-local",
+		"ipam": map[string]any{"type": "host-local", "dataDir": dataDir, "ranges": ranges}})
+	netConf, err := libcni.ConfFromBytes(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runtime := libcni.NewCNIConfigWithCacheDir([]string{filepath.Join(binDir(t), "cni")}, cache, nil)
+	var ctrs []string
+	for range 2 {
+		ctr := f.sandbox("lh-cache-")
+		ctrs = append(ctrs, ctr)
+		if _, err := runtime.AddNetwork(f.Ctx, netConf, &libcni.RuntimeConf{ContainerID: ctr, NetNS: ccNetnsPath(ctr), IfName: "eth0"}); err != nil {
+			t.Fatalf("libcni ADD %s through host-local: %v", ctr, err)
+		}
+	}
+	// A first ADD elsewhere defines the pool; its DEL gives the address back (no quarantine).
+	define := netconf(network, f.startAgent().Socket, map[string]any{"ranges": ranges})
+	if _, err := f.add(define, "define-pool", "eth0", ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.del(define, "define-pool", "eth0", ""); err != nil {
+		t.Fatal(err)
+	}
+
+	out := refusedStart(t, f, "--import-host-local", network+"="+wrong, "--import-cni-cache", cache)
+	for _, want := range []string{wrong + " holds no address file", "2 attachments of network " + network, ctrs[0], "dataDir/" + network} {
+		if !strings.Contains(out, want) {
+			t.Errorf("an empty directory while the cache has the network's containers: the error lacks %q:\n%s", want, out)
+		}
+	}
+
+	a := f.startAgent("--import-host-local", network+"="+filepath.Join(dataDir, network), "--import-cni-cache", cache)
+	wantImportCounts(t, a, map[string]float64{"imported": 2, "conflicts": 0})
+	held := heldAt(t, f, network)
+	for _, ctr := range ctrs {
+		found := false
+		for _, h := range held {
+			found = found || h.Owner == ctr
+		}
+		if !found {
+			t.Errorf("container %s's address was not imported: %v", ctr, held)
+		}
 	}
 }
 

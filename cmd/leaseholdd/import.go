@@ -74,6 +74,9 @@ func (f *importSources) Set(v string) error {
 type importOptions struct {
 	hostLocal, whereabouts importSources
 	pods, ifName           string
+	// cniCache is the CNI library's cache directory, read to tell a host-local directory
+	// given by mistake from a network without containers.
+	cniCache string
 }
 
 func (o *importOptions) register(fs *flag.FlagSet) {
@@ -84,6 +87,9 @@ func (o *importOptions) register(fs *flag.FlagSet) {
 		"(kubectl get ippools.whereabouts.cni.cncf.io -A -o json) held by the pods of --import-pods; repeatable")
 	fs.StringVar(&o.pods, "import-pods", "", "pods as kubectl get pods -A -o json prints them; those whose spec.nodeName is --node are this node's "+
 		"(required by --import-whereabouts: an IPPool records no node)")
+	fs.StringVar(&o.cniCache, "import-cni-cache", adopt.CNICacheDir, "the CNI library's cache directory (its results/ records every ADD "+
+		"a runtime made and has not deleted): an --import-host-local DIR without an address file of a network the cache has "+
+		"containers of stops the agent; \"\" skips that check")
 	fs.StringVar(&o.ifName, "import-ifname", adopt.DefaultIfName, "interface of imported addresses whose record names none "+
 		"(files of older host-local versions, whereabouts allocations before it recorded ifname)")
 }
@@ -109,6 +115,9 @@ func (o *importOptions) run(ctx context.Context, agent *leases.Agent, node strin
 		}
 		for _, f := range skipped {
 			log.Warn("import: an entry of host-local's directory that is no address file; skipped", "path", f)
+		}
+		if err := o.checkCache(s, recs, log); err != nil {
+			return fmt.Errorf("--import-host-local %s: %w", s, err)
 		}
 		if err := o.importOne(ctx, agent, s, "host-local "+s.path, recs); err != nil {
 			return err
@@ -152,6 +161,59 @@ func (o *importOptions) run(ctx context.Context, agent *leases.Agent, node strin
 		}
 	}
 	return nil
+}
+
+// checkCache compares what host-local's directory holds for a network with the attachments
+// the CNI library's cache records for it. A directory without a single address file while
+// the cache has containers of the network is not the one host-local writes to (its dataDir
+// is set elsewhere, or a path was mistyped): importing nothing would let new pods be given
+// the running containers' addresses, so it is an error naming the directory to give. A
+// cached attachment missing from a directory that does hold addresses is only logged: a
+// container whose ADD failed after host-local's part, or a cache file left by a crash.
+func (o *importOptions) checkCache(s importSource, recs []adopt.Record, log *slog.Logger) error {
+	if o.cniCache == "" {
+		return nil
+	}
+	cached, found, err := adopt.Cached(o.cniCache, s.network)
+	if err != nil {
+		return fmt.Errorf("%w; give --import-cni-cache \"\" to import without this check", err)
+	}
+	if !found {
+		log.Info("import: no CNI result cache to check host-local's directory against", "cache", o.cniCache, "network", s.network,
+			"addresses", len(recs))
+		return nil
+	}
+	have := map[string]bool{}
+	for _, r := range recs {
+		have[r.ContainerID] = true
+	}
+	var missing []string
+	for _, a := range cached {
+		if !have[a.ContainerID] {
+			missing = append(missing, a.Where...)
+		}
+	}
+	switch {
+	case len(missing) == 0:
+		return nil
+	case len(recs) == 0:
+		return fmt.Errorf("%s holds no address file, but the CNI result cache has %d attachments of network %s on this node (%s): "+
+			"host-local writes this network's addresses elsewhere. Give the directory of its configuration: its dataDir/%s, "+
+			"by default %s. If those containers are gone, delete their cache files first",
+			s.path, len(missing), s.network, strings.Join(firstN(missing, 3), ", "), s.network, filepath.Join(adopt.HostLocalDir, s.network))
+	default:
+		log.Warn("import: the CNI result cache has attachments of the network that host-local's directory has no address for; "+
+			"their containers' addresses, if any, are not imported", "dir", s.path, "cache_files", firstN(missing, 10), "count", len(missing))
+		return nil
+	}
+}
+
+// firstN is at most n of list, with "..." standing for the rest.
+func firstN(list []string, n int) []string {
+	if len(list) <= n {
+		return list
+	}
+	return append(list[:n:n], "...")
 }
 
 func (o *importOptions) importOne(ctx context.Context, agent *leases.Agent, s importSource, source string, recs []adopt.Record) error {
