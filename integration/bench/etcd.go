@@ -25,13 +25,13 @@ type etcdProc struct {
 	stop func()
 }
 
-// startEtcd starts a fresh etcd member named name and waits (at most 30 s) until it answers.
+// startEtcd starts a fresh etcd member named name, with etcd's flags added, and waits (at most 30 s) until it answers.
 // A port found free can be taken before etcd binds it (the figures' own clients open
 // connections from ephemeral loopback ports meanwhile), so a member that exits because
 // its address is in use is started again on other ports, at most three times in all.
-func startEtcd(ctx context.Context, env *env, name string) (*etcdProc, error) {
+func startEtcd(ctx context.Context, env *env, name string, flags ...string) (*etcdProc, error) {
 	for attempt := 1; ; attempt++ {
-		e, err := startEtcdOnce(ctx, env, name)
+		e, err := startEtcdOnce(ctx, env, name, flags)
 		if err == nil || attempt == 3 || !errors.Is(err, errAddrInUse) {
 			return e, err
 		}
@@ -55,7 +55,7 @@ func startEtcdClient(ctx context.Context, env *env, name string) (e *etcdProc, c
 // errAddrInUse is wrapped by startEtcdOnce when etcd exited because a port was taken.
 var errAddrInUse = errors.New("address already in use")
 
-func startEtcdOnce(ctx context.Context, env *env, name string) (*etcdProc, error) {
+func startEtcdOnce(ctx context.Context, env *env, name string, flags []string) (*etcdProc, error) {
 	curl, err := freeLoopbackURL()
 	if err != nil {
 		return nil, err
@@ -69,11 +69,11 @@ func startEtcdOnce(ctx context.Context, env *env, name string) (*etcdProc, error
 		return nil, err
 	}
 	e := &etcdProc{URL: curl, logs: newTailBuffer(64 << 10), done: make(chan struct{})}
-	e.cmd = exec.Command(filepath.Join(env.bin, "etcd"),
+	e.cmd = exec.Command(filepath.Join(env.bin, "etcd"), append([]string{
 		"--name", name, "--data-dir", filepath.Join(dir, "data"),
 		"--listen-client-urls", curl, "--advertise-client-urls", curl,
 		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-		"--initial-cluster", name+"="+purl, "--log-level", "error")
+		"--initial-cluster", name + "=" + purl, "--log-level", "error"}, flags...)...)
 	e.cmd.Stdout, e.cmd.Stderr = e.logs, e.logs
 	e.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := e.cmd.Start(); err != nil {

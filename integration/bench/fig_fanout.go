@@ -63,9 +63,8 @@ func fanout(ctx context.Context, env *env, res *results, kind string, levels []i
 		}
 	}()
 	type point struct {
-		w                         int
-		p50                       time.Duration
-		etcdCPU, events, idleRate float64
+		w int
+		addCost
 	}
 	var points []point
 	for _, w := range levels {
@@ -98,54 +97,15 @@ func fanout(ctx context.Context, env *env, res *results, kind string, levels []i
 			return firstErr
 		}
 		time.Sleep(time.Second) // spares granted, views synced
-		// etcd's CPU time is counted in 10 ms ticks: the idle window and the ADDs must both be
-		// long enough for the subtraction to mean something.
-		c0, t0 := e.cpu().etcd, time.Now()
-		time.Sleep(5 * time.Second)
-		idle := float64(e.cpu().etcd-c0) / float64(time.Since(t0)) // etcd CPU seconds per second with nothing allocated
-		m0, err := scrape(ctx, e.URL+"/metrics")
+		c, err := measureAddCost(ctx, env, res, e, sockets[0], leaseholdConf(pool, sockets[0], subnet), cfg.fanoutAdds,
+			fmt.Sprintf("Fan-out with %d %s", w, kind))
 		if err != nil {
 			return err
 		}
-		cl := &agentapi.Client{Socket: sockets[0], Timeout: 60 * time.Second}
-		conf := leaseholdConf(pool, sockets[0], subnet)
-		var lat durations
-		failed := 0
-		var firstFail error
-		c0, t0 = e.cpu().etcd, time.Now()
-		for range cfg.fanoutAdds {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			t := time.Now()
-			inv, _ := podAdd(conf, env.netns)
-			if _, err := invoke(ctx, cl, inv); err != nil {
-				// A simulation: a failed ADD is reported, not fatal.
-				failed++
-				if firstFail == nil {
-					firstFail = err
-				}
-				continue
-			}
-			lat = append(lat, time.Since(t))
-		}
-		if failed > 0 {
-			res.note("Fan-out with %d %s: %d of %d ADDs failed, the first with: %v.", w, kind, failed, cfg.fanoutAdds, firstFail)
-			progress("fan-out: %d %s: %d ADDs failed: %v", w, kind, failed, firstFail)
-		}
-		elapsed := time.Since(t0)
-		busy := float64(e.cpu().etcd-c0) - idle*float64(elapsed)
-		time.Sleep(200 * time.Millisecond)
-		m1, err := scrape(ctx, e.URL+"/metrics")
-		if err != nil {
-			return err
-		}
-		events := sum(m1, "etcd_debugging_mvcc_events_total", nil) - sum(m0, "etcd_debugging_mvcc_events_total", nil)
-		p := point{w: w, p50: lat.pct(50), etcdCPU: busy / float64(cfg.fanoutAdds) / float64(time.Microsecond),
-			events: events / float64(cfg.fanoutAdds), idleRate: idle}
-		points = append(points, p)
+		p := point{w: w, addCost: c}
 		progress("fan-out: %d %s watching: ADD p50 %.2f ms, etcd CPU %.0f µs and %.1f watch events sent per ADD (idle etcd %.1f%% CPU)",
-			w, kind, ms(p.p50), p.etcdCPU, p.events, 100*idle)
+			w, kind, ms(p.p50), p.etcdCPU, p.events, 100*p.idleRate)
+		points = append(points, p)
 	}
 	base := points[0]
 	for _, p := range points {
@@ -180,4 +140,61 @@ func agentsN(n int) string {
 		return "1 agent"
 	}
 	return fmt.Sprintf("%d agents", n)
+}
+
+// addCost is what n sequential ADDs through one agent's socket cost etcd.
+type addCost struct {
+	p50 time.Duration
+	// etcdCPU is etcd's CPU time per ADD in µs, less its idle rate; events the watch events
+	// etcd sent per ADD; idleRate etcd's CPU seconds per second before the ADDs.
+	etcdCPU, events, idleRate float64
+}
+
+// measureAddCost measures etcd's idle CPU rate over 5 s, then n sequential ADDs of new pods
+// through socket with conf: their p50, etcd's CPU per ADD above the idle rate and the watch
+// events etcd sent per ADD (etcd_debugging_mvcc_events_total). A failed ADD is noted (as
+// what), not fatal: the figures are simulations. etcd's CPU time is counted in 10 ms ticks,
+// so the idle window and the ADDs must both be long enough for the subtraction to mean
+// something.
+func measureAddCost(ctx context.Context, env *env, res *results, e *etcdProc, socket string, conf []byte, n int, what string) (addCost, error) {
+	c0, t0 := e.cpu().etcd, time.Now()
+	time.Sleep(5 * time.Second)
+	idle := float64(e.cpu().etcd-c0) / float64(time.Since(t0)) // etcd CPU seconds per second with nothing allocated
+	m0, err := scrape(ctx, e.URL+"/metrics")
+	if err != nil {
+		return addCost{}, err
+	}
+	cl := &agentapi.Client{Socket: socket, Timeout: 60 * time.Second}
+	var lat durations
+	failed := 0
+	var firstFail error
+	c0, t0 = e.cpu().etcd, time.Now()
+	for range n {
+		if err := ctx.Err(); err != nil {
+			return addCost{}, err
+		}
+		t := time.Now()
+		inv, _ := podAdd(conf, env.netns)
+		if _, err := invoke(ctx, cl, inv); err != nil {
+			failed++
+			if firstFail == nil {
+				firstFail = err
+			}
+			continue
+		}
+		lat = append(lat, time.Since(t))
+	}
+	if failed > 0 {
+		res.note("%s: %d of %d ADDs failed, the first with: %v.", what, failed, n, firstFail)
+		progress("%s: %d ADDs failed: %v", what, failed, firstFail)
+	}
+	elapsed := time.Since(t0)
+	busy := float64(e.cpu().etcd-c0) - idle*float64(elapsed)
+	time.Sleep(200 * time.Millisecond)
+	m1, err := scrape(ctx, e.URL+"/metrics")
+	if err != nil {
+		return addCost{}, err
+	}
+	events := sum(m1, "etcd_debugging_mvcc_events_total", nil) - sum(m0, "etcd_debugging_mvcc_events_total", nil)
+	return addCost{p50: lat.pct(50), etcdCPU: busy / float64(n) / float64(time.Microsecond), events: events / float64(n), idleRate: idle}, nil
 }

@@ -57,6 +57,11 @@ type config struct {
 	fanoutProcs  []int
 	fanoutAdds   int
 	churnPods    int
+	scaleNodes   int
+	scaleHosts   int
+	scalePods    int
+	scaleV4      netip.Prefix
+	scaleV6      netip.Prefix
 }
 
 func parseFlags(args []string) (*config, error) {
@@ -64,7 +69,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback (add includes exhaustion and rss); empty runs all")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback,scale (add includes exhaustion and rss); empty runs all but scale")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
@@ -89,6 +94,11 @@ func parseFlags(args []string) (*config, error) {
 	fanProcs := fs.String("fanout-procs", "1,50", "leaseholdd processes watching the pool in the fan-out figure (ascending)")
 	fs.IntVar(&c.fanoutAdds, "fanout-adds", 1000, "sequential ADDs measured at each fan-out size")
 	fs.IntVar(&c.churnPods, "churn-pods", 200, "pods ADDed and DELeted one after the other in the churn figure (and as many through host-local)")
+	fs.IntVar(&c.scaleNodes, "scale-nodes", 5000, "agents of the scale figure (-only scale; not run by default)")
+	fs.IntVar(&c.scaleHosts, "scale-hosts", 5, "processes the scale figure's agents run in")
+	fs.IntVar(&c.scalePods, "scale-pods", 110, "pods per node in the scale figure (dual-stack: two addresses each)")
+	scaleV4 := fs.String("scale-subnet-v4", "10.64.0.0/12", "IPv4 range of the scale figure's pool (room for -scale-nodes x -scale-pods pods)")
+	scaleV6 := fs.String("scale-subnet-v6", "fd64::/104", "IPv6 range of the scale figure's pool")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -113,6 +123,12 @@ func parseFlags(args []string) (*config, error) {
 	}
 	if c.burstSubnet, err = netip.ParsePrefix(*burst); err != nil {
 		return nil, fmt.Errorf("-burst-subnet: %w", err)
+	}
+	if c.scaleV4, err = netip.ParsePrefix(*scaleV4); err != nil || !c.scaleV4.Addr().Is4() {
+		return nil, fmt.Errorf("-scale-subnet-v4: want an IPv4 prefix (%v)", err)
+	}
+	if c.scaleV6, err = netip.ParsePrefix(*scaleV6); err != nil || !c.scaleV6.Addr().Is6() {
+		return nil, fmt.Errorf("-scale-subnet-v6: want an IPv6 prefix (%v)", err)
 	}
 	if c.sweepSubnet, err = netip.ParsePrefix(*sweep); err != nil {
 		return nil, fmt.Errorf("-sweep-subnet: %w", err)
@@ -154,7 +170,7 @@ func (e *env) tempDir(name string) (string, error) { return os.MkdirTemp(e.root,
 
 func (e *env) wants(fig string) bool {
 	if e.cfg.only == "" {
-		return true
+		return fig != "scale" // thousands of agents for tens of minutes: only when asked for
 	}
 	return slices.Contains(strings.Split(e.cfg.only, ","), fig)
 }
@@ -164,6 +180,9 @@ func main() {
 }
 
 func run(args []string) int {
+	if len(args) == 2 && args[0] == agentHostFlag {
+		return runAgentHost(args[1]) // a share of the scale figure's agents, for a parent bench
+	}
 	cfg, err := parseFlags(args)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0
@@ -252,6 +271,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"expiry", figExpiry},
 		{"keepalive", figKeepalive},
 		{"holdback", figHoldback},
+		{"scale", figScale},
 	}
 	var loads []string
 	for _, f := range figures {
