@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -104,8 +105,7 @@ func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 			fresh = true
 		}
 		v.mu.Lock()
-		// Borrowers start at random places: they compete for the same few free addresses.
-		addr, err := spec.Next(set, spec.Ranges[set].Spread(rand.Float64()), borrowTaken{v, s, true}, v.busy(skip))
+		addr, err := pickSpread(spec, set, borrowTaken{v, s, true}, v.busy(skip))
 		if err == nil {
 			v.pending[addr] = struct{}{}
 		}
@@ -118,6 +118,33 @@ func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 			return netip.Addr{}, err
 		}
 	}
+}
+
+// borrowSpread is how many free addresses a borrower chooses among.
+const borrowSpread = 16
+
+// pickSpread picks a free address of set for a borrower: one of the first borrowSpread free
+// addresses after a random place, at random. Borrowers of every node compete for the same
+// few free addresses near exhaustion, and those lie together (in the blocks that filled
+// last): a walk from a random place mostly crosses a long taken stretch and ends on the
+// same first free address for every borrower, whose claims then lose to each other. Taking
+// one of several at random makes two borrowers' choices collide borrowSpread times less
+// often, for a walk over borrowSpread free addresses instead of one (a whole lap when fewer
+// are free).
+func pickSpread(spec *allocator.PoolSpec, set int, taken allocator.Taken, busy func(netip.Addr) bool) (netip.Addr, error) {
+	from := spec.Ranges[set].Spread(rand.Float64())
+	var found []netip.Addr
+	for len(found) < borrowSpread {
+		a, err := spec.Next(set, from, taken, func(a netip.Addr) bool { return busy(a) || slices.Contains(found, a) })
+		if err != nil {
+			if len(found) == 0 {
+				return netip.Addr{}, err
+			}
+			break
+		}
+		found, from = append(found, a), a.Next()
+	}
+	return found[rand.IntN(len(found))], nil
 }
 
 // readPool reads every allocation key (keys only) and quarantine key of the pool, and keeps

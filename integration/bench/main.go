@@ -69,7 +69,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback,scale (add includes exhaustion and rss); empty runs all but scale")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback,exactfit,scale (add includes exhaustion and rss); empty runs all but scale")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
@@ -265,6 +265,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"tput", figThroughput},
 		{"parts", figEtcdParts},
 		{"burst", figBurst},
+		{"exactfit", figExactFit},
 		{"restart", figRestart},
 		{"fanout", figFanout},
 		{"churn", figChurn},
