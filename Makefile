@@ -95,7 +95,8 @@ bench: build tools
 	$(GO) test -run '^$$' -bench . -benchmem ./allocator/ ./leases/
 	cd integration/bench && $(GO) run . -bin $(BIN) -out ../../bench/results
 
-# deploy/kubernetes as shipped on a single-node Kubernetes made on this machine (root; Debian's
+# leasehold installed with its Helm chart (the objects of deploy/kubernetes), rendered by
+# bin/helm, on a single-node Kubernetes made on this machine (root; Debian's
 # containerd, runc and busybox-static; not part of `make test` or CI): docs/e2e.md. Kubernetes
 # (e2e/tools/go.mod) is built once into E2E_CACHE, niced (about 15 minutes). E2E_FLAGS: -keep, -v.
 E2E_CACHE ?= $(HOME)/.cache/leasehold-e2e
