@@ -194,6 +194,9 @@ func helmCheckMonitoring(d *deployment, groups []deployRuleGroup) []string {
 			agent = &ds.Spec.Template.Spec.Containers[i]
 		}
 	}
+	if agent == nil {
+		return append(probs, "DaemonSet: no container runs leaseholdd")
+	}
 	if svc.Spec.ClusterIP != corev1.ClusterIPNone {
 		add("Service %s: clusterIP %q, want None (headless: one endpoint per node's agent)", svc.Name, svc.Spec.ClusterIP)
 	}
