@@ -4,6 +4,7 @@ BIN       := $(CURDIR)/bin
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS   := -s -w -X main.version=$(VERSION)
 TOOLS_MOD := integration/tools
+HELM_MOD  := integration/helmtool
 
 # The binaries are static (no cgo) so they run on any host; the race detector in `make test`
 # needs cgo, so CGO_ENABLED is set per build command, not exported.
@@ -31,8 +32,10 @@ build:
 	cp $(BIN)/leasehold $(BIN)/cni/leasehold
 
 # Programs the tests drive, built from the versions pinned in integration/tools/go.mod:
-# etcd + etcdctl (v3.6.5), cnitool (cni v1.3.1), reference plugins (plugins v1.9.1).
-tools: $(BIN)/etcd $(BIN)/etcdctl $(BIN)/cnitool $(BIN)/cni/bridge
+# etcd + etcdctl (v3.6.5), cnitool (cni v1.3.1), reference plugins (plugins v1.9.1); and
+# Helm (v3.22.0, integration/helmtool/go.mod, a module of its own so that its dependencies do
+# not raise etcd's), which renders deploy/helm/leasehold in the tests and in `make e2e`.
+tools: $(BIN)/etcd $(BIN)/etcdctl $(BIN)/cnitool $(BIN)/cni/bridge $(BIN)/helm
 
 $(BIN)/etcd: $(TOOLS_MOD)/go.mod $(TOOLS_MOD)/etcd/main.go
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcd ./etcd
@@ -40,6 +43,8 @@ $(BIN)/etcdctl: $(TOOLS_MOD)/go.mod
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcdctl go.etcd.io/etcd/etcdctl/v3
 $(BIN)/cnitool: $(TOOLS_MOD)/go.mod
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/cnitool github.com/containernetworking/cni/cnitool
+$(BIN)/helm: $(HELM_MOD)/go.mod
+	cd $(HELM_MOD) && $(GOBUILD) -ldflags '-s -w' -o $(BIN)/helm helm.sh/helm/v3/cmd/helm
 $(BIN)/cni/bridge: $(TOOLS_MOD)/go.mod
 	@mkdir -p $(BIN)/cni
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/cni/ \
@@ -96,7 +101,8 @@ bench: build tools
 	$(GO) test -run '^$$' -bench . -benchmem ./allocator/ ./leases/
 	cd integration/bench && $(GO) run . -bin $(BIN) -out ../../bench/results
 
-# deploy/kubernetes as shipped on a single-node Kubernetes made on this machine (root; Debian's
+# leasehold installed with its Helm chart (the objects of deploy/kubernetes), rendered by
+# bin/helm, on a single-node Kubernetes made on this machine (root; Debian's
 # containerd, runc and busybox-static; not part of `make test` or CI): docs/e2e.md. Kubernetes
 # (e2e/tools/go.mod) is built once into E2E_CACHE, niced (about 15 minutes). E2E_FLAGS: -keep, -v.
 E2E_CACHE ?= $(HOME)/.cache/leasehold-e2e

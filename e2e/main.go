@@ -1,10 +1,12 @@
-// Command e2e runs deploy/kubernetes as shipped on a single-node Kubernetes made on this
-// machine, and checks leasehold's allocations against the pods Kubernetes runs (`make e2e`,
-// docs/e2e.md). It needs root, Debian's containerd, runc and busybox-static, openssl, and the
-// binaries of `make build tools`; it builds Kubernetes (e2e/tools/go.mod) into -cache once.
+// Command e2e installs leasehold with its Helm chart (deploy/helm/leasehold, which renders the
+// objects of deploy/kubernetes) on a single-node Kubernetes made on this machine, and checks
+// leasehold's allocations against the pods Kubernetes runs (`make e2e`, docs/e2e.md). It
+// needs root, Debian's containerd, runc and busybox-static, openssl, and the binaries of
+// `make build tools` (Helm among them); it builds Kubernetes (e2e/tools/go.mod) into -cache
+// once.
 //
 // Everything it starts lives under one temporary directory and is stopped and removed at the
-// end, on failure too (-keep keeps the directory and its logs). Host paths the shipped
+// end, on failure too (-keep keeps the directory and its logs). Host paths the
 // DaemonSet uses (/opt/cni/bin, /run/leasehold, /var/lib/leasehold) are removed if the run
 // created them.
 package main
@@ -116,7 +118,7 @@ func main() {
 			e.step("containerd (private) with the pause and leasehold images", func() error { return e.startContainerd(ctx) }) &&
 			e.step("kube-apiserver, kube-controller-manager, kube-scheduler", func() error { return e.controlPlane(ctx) }) &&
 			e.step("kubelet; node Ready", func() error { return e.startKubelet(ctx) }) &&
-			e.step("apply deploy/kubernetes (image and etcd overridden); DaemonSet ready", func() error { return e.deploy(ctx) }) &&
+			e.step("install the chart deploy/helm/leasehold (image, cluster, etcd); DaemonSet ready", func() error { return e.deploy(ctx) }) &&
 			e.scenario(ctx)
 	}()
 	if ctx.Err() != nil {
@@ -180,7 +182,7 @@ func (e *env) preflight() error {
 		}
 		e.tools[n] = p
 	}
-	for _, b := range []string{"leasehold", "leaseholdd", "leaseholdctl", "etcd", "etcdctl", "cni/bridge", "cni/loopback"} {
+	for _, b := range []string{"leasehold", "leaseholdd", "leaseholdctl", "etcd", "etcdctl", "helm", "cni/bridge", "cni/loopback"} {
 		if _, err := os.Stat(filepath.Join(e.bin, b)); err != nil {
 			missing = append(missing, "bin/"+b+" (make build tools)")
 		}

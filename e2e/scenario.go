@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -17,65 +16,43 @@ import (
 const (
 	testDeploy = "e2e-pods"
 	testNS     = "default"
-	shippedImg = "registry.example.com/leasehold/leasehold:0.1.0"
 )
 
-// deploy applies deploy/kubernetes/[0-9]*.yaml as shipped, but for the overrides deploy/README.md
-// tells an operator to make: the image name (both image: fields of the DaemonSet), and the
-// ConfigMap's CLUSTER and ETCD_ENDPOINTS. The Secret is made with kubectl create secret as
-// the README shows.
+// deploy installs leasehold with the chart deploy/helm/leasehold as its README shows: the
+// namespace, labelled for the privileged Pod Security Standard; the Secret, made with kubectl
+// create secret; then the chart with only the three values it requires (the image loaded
+// into containerd, the cluster ID, this run's etcd), rendered by bin/helm (Helm, built by
+// make tools from integration/helmtool) and applied with kubectl.
 func (e *env) deploy(ctx context.Context) error {
-	files, err := filepath.Glob(filepath.Join(e.repo, "deploy", "kubernetes", "[0-9]*.yaml"))
-	if err != nil || len(files) == 0 {
-		return fmt.Errorf("no manifests in deploy/kubernetes: %v", err)
-	}
-	sort.Strings(files)
-	overrides := map[string][][3]string{ // file -> (regexp, replacement, description)
-		"02-configmap.yaml": {
-			{`(?m)^(\s*CLUSTER:\s*)"[^"]*"`, `${1}"` + cluster + `"`, "CLUSTER"},
-			{`(?m)^(\s*ETCD_ENDPOINTS:\s*)"[^"]*"`, fmt.Sprintf(`${1}"https://127.0.0.1:%d"`, e.ports["lh-etcd"]), "ETCD_ENDPOINTS"},
-		},
-		"03-daemonset.yaml": {{regexp.QuoteMeta("image: " + shippedImg), "image: " + imageRef, "image"}},
-	}
-	dir := filepath.Join(e.tmp, "manifests")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if _, err := e.kubectl(ctx, "create", "namespace", "leasehold"); err != nil {
 		return err
 	}
-	for _, f := range files {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return err
-		}
-		text := string(b)
-		for _, o := range overrides[filepath.Base(f)] {
-			re := regexp.MustCompile(o[0])
-			n := len(re.FindAllStringIndex(text, -1))
-			want := 1
-			if o[2] == "image" {
-				want = 2
-			}
-			if n != want {
-				return fmt.Errorf("%s: the %s override matches %d times, want %d: the manifest changed", filepath.Base(f), o[2], n, want)
-			}
-			text = re.ReplaceAllString(text, o[1])
-		}
-		out := filepath.Join(dir, filepath.Base(f))
-		if err := os.WriteFile(out, []byte(text), 0o600); err != nil {
-			return err
-		}
-		if _, err := e.kubectl(ctx, "apply", "-f", out); err != nil {
-			return err
-		}
-		if filepath.Base(f) == "00-namespace.yaml" {
-			// The Secret, as deploy/README.md makes it (step 2).
-			c := func(s string) string { return filepath.Join(e.lhPKI, s) }
-			if _, err := e.kubectl(ctx, "-n", "leasehold", "create", "secret", "generic", "leasehold-etcd",
-				"--from-file=ca.crt="+c("ca.crt"),
-				"--from-file=tls.crt="+c("clients/leasehold-"+cluster+".crt"),
-				"--from-file=tls.key="+c("clients/leasehold-"+cluster+".key")); err != nil {
-				return err
-			}
-		}
+	if _, err := e.kubectl(ctx, "label", "namespace", "leasehold", "pod-security.kubernetes.io/enforce=privileged",
+		"pod-security.kubernetes.io/audit=privileged", "pod-security.kubernetes.io/warn=privileged"); err != nil {
+		return err
+	}
+	c := func(s string) string { return filepath.Join(e.lhPKI, s) }
+	if _, err := e.kubectl(ctx, "-n", "leasehold", "create", "secret", "generic", "leasehold-etcd",
+		"--from-file=ca.crt="+c("ca.crt"),
+		"--from-file=tls.crt="+c("clients/leasehold-"+cluster+".crt"),
+		"--from-file=tls.key="+c("clients/leasehold-"+cluster+".key")); err != nil {
+		return err
+	}
+	i := strings.LastIndex(imageRef, ":")
+	helmHome := filepath.Join(e.tmp, "helm")
+	out, err := e.run(ctx, []string{"HELM_CACHE_HOME=" + helmHome + "/cache", "HELM_CONFIG_HOME=" + helmHome + "/config", "HELM_DATA_HOME=" + helmHome + "/data"},
+		filepath.Join(e.bin, "helm"), "template", "leasehold", filepath.Join(e.repo, "deploy", "helm", "leasehold"), "--namespace", "leasehold",
+		"--set", "image.repository="+imageRef[:i], "--set", "image.tag="+imageRef[i+1:], "--set", "cluster="+cluster,
+		"--set", fmt.Sprintf("etcd.endpoints={https://127.0.0.1:%d}", e.ports["lh-etcd"]))
+	if err != nil {
+		return err
+	}
+	manifest := filepath.Join(e.tmp, "leasehold-chart.yaml")
+	if err := os.WriteFile(manifest, []byte(out), 0o600); err != nil {
+		return err
+	}
+	if _, err := e.kubectl(ctx, "apply", "-f", manifest); err != nil {
+		return err
 	}
 	if _, err := e.kubectl(ctx, "-n", "leasehold", "rollout", "status", "ds/leaseholdd", "--timeout=180s"); err != nil {
 		return err

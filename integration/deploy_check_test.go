@@ -337,14 +337,40 @@ func deployCheck(t *testing.T, d *deployment, flags map[string]deployFlagKind, d
 		if hp, ok := deployHostPathOf(spec, install, path.Clean(ienv.vals["DEST_DIR"])); !ok || hp != "/opt/cni/bin" {
 			add("init container %s: DEST_DIR %s is not the host's /opt/cni/bin (a hostPath mount), it is %q", install.Name, ienv.vals["DEST_DIR"], hp)
 		}
-		probs = append(probs, deployCheckInstall(t, install)...)
+		// CNI configuration files (the chart's cni.files): CONF_FILES from the ConfigMap
+		// mounted at CONF_SRC, into the host's CNI configuration directory at CONF_DIR.
+		var confFiles map[string]string
+		if confDir, ok := ienv.vals["CONF_DIR"]; ok {
+			if hp, ok := deployHostPathOf(spec, install, path.Clean(confDir)); !ok || hp != "/etc/cni/net.d" {
+				add("init container %s: CONF_DIR %s is not the host's /etc/cni/net.d (a hostPath mount), it is %q", install.Name, confDir, hp)
+			}
+			confFiles = map[string]string{}
+			_, vol, _ := deployMountFor(spec, install, path.Clean(ienv.vals["CONF_SRC"]))
+			var cm *corev1.ConfigMap
+			if vol != nil && vol.ConfigMap != nil {
+				cm = d.configMap(ns, vol.ConfigMap.Name)
+			}
+			if cm == nil {
+				add("init container %s: CONF_SRC %s is not a volume of a ConfigMap among the manifests", install.Name, ienv.vals["CONF_SRC"])
+			}
+			for _, name := range strings.Fields(ienv.vals["CONF_FILES"]) {
+				if cm != nil {
+					if data, ok := cm.Data[name]; !ok {
+						add("init container %s: CONF_FILES names %s, which ConfigMap %s does not hold", install.Name, name, cm.Name)
+					} else {
+						confFiles[name] = data
+					}
+				}
+			}
+		}
+		probs = append(probs, deployCheckInstall(t, install, ienv, confFiles)...)
 	}
 	probs = append(probs, deployCheckDockerfile(dockerfile, goVersion, []string{agent.Command[0], pluginSrc, "/usr/local/bin/leaseholdctl"})...)
 	return hostSocket, probs
 }
 
 // deployCheckNAD: the example's CNI configuration is one leasehold's own parser accepts,
-// dual-stack, and talks to the DaemonSet's socket.
+// macvlan, dual-stack, and talks to the DaemonSet's socket.
 func deployCheckNAD(nad deployNAD, hostSocket string) []string {
 	var probs []string
 	add := func(format string, args ...any) {
@@ -353,38 +379,85 @@ func deployCheckNAD(nad deployNAD, hostSocket string) []string {
 	if nad.Metadata.Name == "" {
 		add("no metadata.name")
 	}
-	cfg, err := cniplugin.ParseConfig([]byte(nad.Spec.Config), "", "ctr", "eth0", "/var/run/netns/x")
-	if err != nil {
-		add("spec.config is refused by cniplugin.ParseConfig: %v", err)
-		return probs
-	}
+	cfgs, p := deployCheckCNIConfig("NetworkAttachmentDefinition "+nad.Metadata.Name+": spec.config", nad.Spec.Config, hostSocket)
+	probs = append(probs, p...)
 	var top struct {
 		Type string `json:"type"`
-		IPAM struct {
-			Type string `json:"type"`
-		} `json:"ipam"`
 	}
-	if err := json.Unmarshal([]byte(nad.Spec.Config), &top); err != nil {
-		add("spec.config: %v", err)
-	}
-	if top.Type != "macvlan" {
+	if err := json.Unmarshal([]byte(nad.Spec.Config), &top); err == nil && top.Type != "macvlan" {
 		add("spec.config type is %q, want macvlan", top.Type)
 	}
-	if top.IPAM.Type != "leasehold" {
-		add("spec.config ipam.type is %q, want leasehold", top.IPAM.Type)
-	}
-	var v4, v6 bool
-	for _, set := range cfg.IPAM.Ranges {
-		if len(set) > 0 {
-			v4 = v4 || set[0].Subnet.Addr().Is4()
-			v6 = v6 || set[0].Subnet.Addr().Is6()
+	for _, cfg := range cfgs {
+		var v4, v6 bool
+		for _, set := range cfg.IPAM.Ranges {
+			if len(set) > 0 {
+				v4 = v4 || set[0].Subnet.Addr().Is4()
+				v6 = v6 || set[0].Subnet.Addr().Is6()
+			}
+		}
+		if !v4 || !v6 {
+			add("spec.config is not dual-stack (IPv4 range set: %v, IPv6 range set: %v)", v4, v6)
 		}
 	}
-	if !v4 || !v6 {
-		add("spec.config is not dual-stack (IPv4 range set: %v, IPv6 range set: %v)", v4, v6)
-	}
-	if cfg.IPAM.Socket != hostSocket {
-		add("spec.config ipam.socket is %q, but the DaemonSet's agent serves %q", cfg.IPAM.Socket, hostSocket)
-	}
 	return probs
+}
+
+// deployCheckCNIConfig: a CNI configuration, of one plugin or a list of them ("plugins"), in
+// which at least one plugin has ipam type leasehold, each such plugin's configuration (with
+// the list's name and cniVersion, as the runtime passes it) passes leasehold's own parser,
+// and its socket is the one the DaemonSet's agent serves. It returns the parsed
+// configurations.
+func deployCheckCNIConfig(where, config, hostSocket string) ([]*cniplugin.Config, []string) {
+	var probs []string
+	add := func(format string, args ...any) { probs = append(probs, where+" "+fmt.Sprintf(format, args...)) }
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal([]byte(config), &top); err != nil {
+		add("is not a JSON object: %v", err)
+		return nil, probs
+	}
+	plugins := []json.RawMessage{json.RawMessage(config)}
+	if list, ok := top["plugins"]; ok {
+		plugins = nil
+		if err := json.Unmarshal(list, &plugins); err != nil {
+			add("plugins is not a list: %v", err)
+			return nil, probs
+		}
+	}
+	var cfgs []*cniplugin.Config
+	var ipamTypes []string
+	for i, raw := range plugins {
+		var plugin map[string]json.RawMessage
+		var ipam struct {
+			Type string `json:"type"`
+		}
+		if err := json.Unmarshal(raw, &plugin); err != nil {
+			add("plugin %d: %v", i, err)
+			continue
+		}
+		if err := json.Unmarshal(plugin["ipam"], &ipam); plugin["ipam"] == nil || err != nil {
+			continue
+		}
+		if ipamTypes = append(ipamTypes, ipam.Type); ipam.Type != "leasehold" {
+			continue
+		}
+		for _, k := range []string{"name", "cniVersion"} {
+			if v, ok := top[k]; ok {
+				plugin[k] = v
+			}
+		}
+		conf, _ := json.Marshal(plugin)
+		cfg, err := cniplugin.ParseConfig(conf, "", "ctr", "eth0", "/var/run/netns/x")
+		if err != nil {
+			add("is refused by cniplugin.ParseConfig: %v", err)
+			continue
+		}
+		if cfg.IPAM.Socket != hostSocket {
+			add("ipam.socket is %q, but the DaemonSet's agent serves %q", cfg.IPAM.Socket, hostSocket)
+		}
+		cfgs = append(cfgs, cfg)
+	}
+	if !slices.Contains(ipamTypes, "leasehold") {
+		add("has no plugin whose ipam.type is leasehold (found %q), want leasehold", ipamTypes)
+	}
+	return cfgs, probs
 }

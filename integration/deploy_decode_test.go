@@ -36,18 +36,78 @@ type deployNAD struct {
 	} `json:"spec"`
 }
 
-// deployment is every object under deploy/kubernetes, by kind.
+// deployServiceMonitor is the Prometheus Operator's ServiceMonitor (monitoring.coreos.com/v1,
+// a CRD): the fields the chart sets, decoded strictly.
+type deployServiceMonitor struct {
+	metav1.TypeMeta `json:",inline"`
+	Metadata        metav1.ObjectMeta `json:"metadata"`
+	Spec            struct {
+		Selector          metav1.LabelSelector `json:"selector"`
+		NamespaceSelector struct {
+			MatchNames []string `json:"matchNames"`
+		} `json:"namespaceSelector"`
+		Endpoints []struct {
+			Port          string `json:"port"`
+			Path          string `json:"path"`
+			Interval      string `json:"interval"`
+			ScrapeTimeout string `json:"scrapeTimeout"`
+			Relabelings   []struct {
+				SourceLabels []string `json:"sourceLabels"`
+				TargetLabel  string   `json:"targetLabel"`
+			} `json:"relabelings"`
+		} `json:"endpoints"`
+	} `json:"spec"`
+}
+
+// deployRuleGroup is one group of a Prometheus rule file, which is also what a PrometheusRule's
+// spec.groups holds: every field either accepts, so that a field of the rule file the chart
+// would drop, or a misspelt one, fails decoding.
+type deployRuleGroup struct {
+	Name                    string            `json:"name"`
+	Interval                string            `json:"interval,omitempty"`
+	QueryOffset             string            `json:"query_offset,omitempty"`
+	Limit                   int               `json:"limit,omitempty"`
+	Labels                  map[string]string `json:"labels,omitempty"`
+	PartialResponseStrategy string            `json:"partial_response_strategy,omitempty"`
+	Rules                   []struct {
+		Record        string            `json:"record,omitempty"`
+		Alert         string            `json:"alert,omitempty"`
+		Expr          string            `json:"expr"`
+		For           string            `json:"for,omitempty"`
+		KeepFiringFor string            `json:"keep_firing_for,omitempty"`
+		Labels        map[string]string `json:"labels,omitempty"`
+		Annotations   map[string]string `json:"annotations,omitempty"`
+	} `json:"rules"`
+}
+
+// deployPrometheusRule is the Prometheus Operator's PrometheusRule (monitoring.coreos.com/v1).
+type deployPrometheusRule struct {
+	metav1.TypeMeta `json:",inline"`
+	Metadata        metav1.ObjectMeta `json:"metadata"`
+	Spec            struct {
+		Groups []deployRuleGroup `json:"groups"`
+	} `json:"spec"`
+}
+
+// deployment is every object under deploy/kubernetes, or of a rendering of the Helm chart,
+// by kind.
 type deployment struct {
 	Namespaces      []corev1.Namespace
 	ServiceAccounts []corev1.ServiceAccount
 	ConfigMaps      []corev1.ConfigMap
 	Secrets         []corev1.Secret
+	Services        []corev1.Service
 	DaemonSets      []appsv1.DaemonSet
 	NADs            []deployNAD
+	ServiceMonitors []deployServiceMonitor
+	PrometheusRules []deployPrometheusRule
 }
 
 func (d *deployment) clone() *deployment {
-	c := &deployment{NADs: slices.Clone(d.NADs)}
+	c := &deployment{NADs: slices.Clone(d.NADs), ServiceMonitors: slices.Clone(d.ServiceMonitors), PrometheusRules: slices.Clone(d.PrometheusRules)}
+	for _, o := range d.Services {
+		c.Services = append(c.Services, *o.DeepCopy())
+	}
 	for _, o := range d.Namespaces {
 		c.Namespaces = append(c.Namespaces, *o.DeepCopy())
 	}
@@ -134,6 +194,12 @@ func deployAddDoc(d *deployment, doc []byte) error {
 			return err
 		}
 		d.Secrets = append(d.Secrets, o)
+	case "v1 Service":
+		var o corev1.Service
+		if err := deployDecodeStrict(doc, &o); err != nil {
+			return err
+		}
+		d.Services = append(d.Services, o)
 	case "apps/v1 DaemonSet":
 		var o appsv1.DaemonSet
 		if err := deployDecodeStrict(doc, &o); err != nil {
@@ -146,8 +212,20 @@ func deployAddDoc(d *deployment, doc []byte) error {
 			return err
 		}
 		d.NADs = append(d.NADs, o)
+	case "monitoring.coreos.com/v1 ServiceMonitor":
+		var o deployServiceMonitor
+		if err := deployDecodeStrict(doc, &o); err != nil {
+			return err
+		}
+		d.ServiceMonitors = append(d.ServiceMonitors, o)
+	case "monitoring.coreos.com/v1 PrometheusRule":
+		var o deployPrometheusRule
+		if err := deployDecodeStrict(doc, &o); err != nil {
+			return err
+		}
+		d.PrometheusRules = append(d.PrometheusRules, o)
 	default:
-		return fmt.Errorf("apiVersion %q kind %q: not a kind deploy/kubernetes is expected to hold (typo?)", tm.APIVersion, tm.Kind)
+		return fmt.Errorf("apiVersion %q kind %q: not a kind deploy/kubernetes or the chart is expected to hold (typo?)", tm.APIVersion, tm.Kind)
 	}
 	return nil
 }

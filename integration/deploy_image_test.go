@@ -2,6 +2,7 @@ package integration
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path"
@@ -92,10 +93,13 @@ func deployCheckDockerfile(text, goVersion string, needPaths []string) []string 
 }
 
 // deployCheckInstall runs the init container's command the way the container would, with
-// its SRC and DEST_DIR pointed into a temporary directory, over an existing plugin: the new
-// plugin must end up in place, executable, as a new file (a rename: an in-place copy keeps
-// the inode, and the runtime could execute a half-written binary), with nothing left over.
-func deployCheckInstall(t *testing.T, c *corev1.Container) []string {
+// its environment (plain values) and SRC and DEST_DIR pointed into a temporary directory,
+// over an existing plugin: the new plugin must end up in place, executable, as a new file (a
+// rename: an in-place copy keeps the inode, and the runtime could execute a half-written
+// binary), with nothing left over. With confFiles (file name -> content, as the ConfigMap at
+// CONF_SRC holds them), CONF_SRC and CONF_DIR are pointed there too, over an old version of
+// the first file, and each file must be installed the same way with exactly that content.
+func deployCheckInstall(t *testing.T, c *corev1.Container, env deployEnv, confFiles map[string]string) []string {
 	t.Helper()
 	var probs []string
 	if len(c.Command) < 3 || path.Base(c.Command[0]) != "sh" || c.Command[1] != "-c" {
@@ -103,23 +107,46 @@ func deployCheckInstall(t *testing.T, c *corev1.Container) []string {
 	}
 	dir := t.TempDir()
 	src, dest := filepath.Join(dir, "src-leasehold"), filepath.Join(dir, "dest")
+	confSrc, confDir := filepath.Join(dir, "conf-src"), filepath.Join(dir, "conf")
 	if err := os.WriteFile(src, []byte("new plugin"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Mkdir(dest, 0o755); err != nil {
-		t.Fatal(err)
+	for _, d := range []string{dest, confSrc, confDir} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
 	}
 	old := filepath.Join(dest, "leasehold")
 	if err := os.WriteFile(old, []byte("old plugin, a bit longer"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	oldInfo, err := os.Stat(old)
-	if err != nil {
-		t.Fatal(err)
+	names := slices.Sorted(maps.Keys(confFiles))
+	for _, name := range names {
+		if err := os.WriteFile(filepath.Join(confSrc, name), []byte(confFiles[name]), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The old files, whose inodes must not be reused.
+	olds := map[string]uint64{old: deployInode(t, old)}
+	if len(names) > 0 {
+		p := filepath.Join(confDir, names[0])
+		if err := os.WriteFile(p, []byte(`{"old": "configuration, a bit longer than the new one could be"}`), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		olds[p] = deployInode(t, p)
 	}
 	cmd := exec.Command(c.Command[0], c.Command[1:]...)
 	cmd.Args = append(cmd.Args, c.Args...)
-	cmd.Env = append(os.Environ(), "SRC="+src, "DEST_DIR="+dest)
+	cmd.Env = os.Environ()
+	for name, v := range env.vals {
+		if env.source[name] == "value" {
+			cmd.Env = append(cmd.Env, name+"="+v)
+		}
+	}
+	cmd.Env = append(cmd.Env, "SRC="+src, "DEST_DIR="+dest)
+	if confFiles != nil {
+		cmd.Env = append(cmd.Env, "CONF_SRC="+confSrc, "CONF_DIR="+confDir)
+	}
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return append(probs, fmt.Sprintf("init container %s: the install script failed: %v\n%s", c.Name, err, out))
 	}
@@ -133,17 +160,45 @@ func deployCheckInstall(t *testing.T, c *corev1.Container) []string {
 	if newInfo.Mode().Perm()&0o111 != 0o111 {
 		probs = append(probs, fmt.Sprintf("init container %s: the installed plugin has mode %v, not executable by all", c.Name, newInfo.Mode()))
 	}
-	if newInfo.Sys().(*syscall.Stat_t).Ino == oldInfo.Sys().(*syscall.Stat_t).Ino {
-		probs = append(probs, fmt.Sprintf("init container %s: the plugin was overwritten in place (same inode): copy to a temporary name in the same directory and rename it", c.Name))
-	}
-	if entries, _ := os.ReadDir(dest); len(entries) != 1 {
-		var names []string
-		for _, e := range entries {
-			names = append(names, e.Name())
+	for _, name := range names {
+		p := filepath.Join(confDir, name)
+		info, err := os.Stat(p)
+		if err != nil {
+			probs = append(probs, fmt.Sprintf("init container %s: no CNI configuration file CONF_DIR/%s after the install: %v", c.Name, name, err))
+			continue
 		}
-		probs = append(probs, fmt.Sprintf("init container %s: DEST_DIR holds %v after the install, want only leasehold", c.Name, names))
+		if b, _ := os.ReadFile(p); string(b) != confFiles[name] {
+			probs = append(probs, fmt.Sprintf("init container %s: CONF_DIR/%s holds %q, want %q", c.Name, name, b, confFiles[name]))
+		}
+		if info.Mode().Perm()&0o444 != 0o444 {
+			probs = append(probs, fmt.Sprintf("init container %s: CONF_DIR/%s has mode %v, not readable by all", c.Name, name, info.Mode()))
+		}
+	}
+	for p, ino := range olds {
+		if _, err := os.Stat(p); err == nil && deployInode(t, p) == ino {
+			probs = append(probs, fmt.Sprintf("init container %s: %s was overwritten in place (same inode): copy to a temporary name in the same directory and rename it", c.Name, filepath.Base(p)))
+		}
+	}
+	for d, want := range map[string][]string{dest: {"leasehold"}, confDir: names} {
+		var got []string
+		entries, _ := os.ReadDir(d)
+		for _, e := range entries {
+			got = append(got, e.Name())
+		}
+		if !slices.Equal(got, want) {
+			probs = append(probs, fmt.Sprintf("init container %s: %s holds %v after the install, want only %s", c.Name, map[string]string{dest: "DEST_DIR", confDir: "CONF_DIR"}[d], got, strings.Join(want, " ")))
+		}
 	}
 	return probs
+}
+
+func deployInode(t *testing.T, p string) uint64 {
+	t.Helper()
+	info, err := os.Stat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.Sys().(*syscall.Stat_t).Ino
 }
 
 func deployGoVersion(t *testing.T) string {
