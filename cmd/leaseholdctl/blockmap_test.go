@@ -66,7 +66,12 @@ func TestPoolShowBlocks(t *testing.T) {
 	// the pods' leases and the block lease stay, so its block is expired.
 	c.Close()
 	revoke("node-c's node lease", leaseOfKey(keyspace.NodeKey(cluster, "node-c")))
-	revoke("c2's pod lease", allocationOf(t, pool, blocks, c2).LeaseID)
+	allocs, err := admin.ListAllocations(ctx, cli, pool)
+	if i := slices.IndexFunc(allocs, func(a admin.AllocationEntry) bool { return a.IP == c2 }); err != nil || i < 0 {
+		t.Fatalf("c2's allocation %s: %v", c2, err)
+	} else {
+		revoke("c2's pod lease", allocs[i].Lease)
+	}
 	d := agent(t, endpoint, cluster, "node-d", long)
 	d1 := first(attach(t, d, pool, "d1"))
 	d.Close()
@@ -204,20 +209,6 @@ func TestPoolShowBlocksRefusals(t *testing.T) {
 			}
 		})
 	}
-}
-
-// allocationOf reads the allocation record of ip.
-func allocationOf(t *testing.T, pool string, b allocator.Blocks, ip netip.Addr) keyspace.Allocation {
-	t.Helper()
-	resp, err := etcdtest.ClientAt(t, endpoint).Get(etcdtest.Ctx(t), keyspace.IPKey(pool, b, ip))
-	if err != nil || len(resp.Kvs) != 1 {
-		t.Fatalf("allocation of %s: %v, %v", ip, resp, err)
-	}
-	a, err := keyspace.Decode[keyspace.Allocation](string(resp.Kvs[0].Key), resp.Kvs[0].Value)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
 }
 
 // capacity16 is what a /28 block of 10.98.0.0/24 hands out: the first loses the network
