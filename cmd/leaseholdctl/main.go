@@ -48,6 +48,12 @@ pools:
                                   what is held back for nodes cut off or gone (expired addresses and blocks per
                                   node, lease, when reusable); layout and each block claim (block, cluster/node,
                                   agent, since, lease)
+  pool show NAME --blocks         a map of the pool's blocks, one screen for a /16 of /26 blocks: per block a
+                                  cell of two characters, the key of the node claiming it (upper case:
+                                  expired, its agent gone) and how full it is (. none, 1-9 tenths, # full);
+                                  per range set the blocks claimed, expired and free and the addresses
+                                  allocated and borrowed; a legend naming each key. -o json: every block
+                                  with its claim and counts, and the legend. A flat pool has no blocks (exit 1)
   pool create NAME --range SPEC [--range SPEC]... [--exclude CIDR]... [--set N] [--block-v4 N] [--block-v6 N]
                                   define a pool if absent, divided into blocks nodes claim (default /26 and
                                   /122: 64 addresses); an identical definition is a no-op (exit 0), a
@@ -139,7 +145,7 @@ type globals struct {
 	set                                          int
 	blockV4, blockV6                             int
 	subnet                                       string
-	force                                        bool
+	force, blocks                                bool
 	quarantine                                   time.Duration
 }
 
@@ -164,7 +170,7 @@ type command struct {
 
 var commands = []command{
 	{words: []string{"pool", "list"}, run: poolList},
-	{words: []string{"pool", "show"}, args: []string{"NAME"}, flags: []string{"cluster"}, run: poolShow},
+	{words: []string{"pool", "show"}, args: []string{"NAME"}, flags: []string{"cluster", "blocks"}, run: poolShow},
 	{words: []string{"pool", "create"}, args: []string{"NAME"}, flags: []string{"range", "exclude", "set", "block-v4", "block-v6"}, run: poolCreate},
 	{words: []string{"pool", "migrate"}, args: []string{"NAME"}, flags: []string{"block-v4", "block-v6", "force"}, run: poolMigrate,
 		timeout: 10 * time.Minute},
@@ -214,6 +220,7 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.IntVar(&g.blockV4, "block-v4", 0, "pool create/migrate: IPv4 block prefix length, /16 to /30 (default /26)")
 	fs.IntVar(&g.blockV6, "block-v6", 0, "pool create/migrate: IPv6 block prefix length, /112 to /126 (default /122)")
 	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check")
+	fs.BoolVar(&g.blocks, "blocks", false, "pool show: draw the pool's blocks as a map, one cell per block")
 	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release, claim release: how long released addresses rest (0s: none)")
 	return fs
 }

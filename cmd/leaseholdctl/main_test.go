@@ -61,11 +61,14 @@ func jsonOf(t *testing.T, r result, v any) {
 	}
 }
 
-// agent starts a real agent on its own client.
-func agent(t *testing.T, ep, cluster, node string) *leases.Agent {
+// agent starts a real agent on its own client; tweaks change its configuration first.
+func agent(t *testing.T, ep, cluster, node string, tweaks ...func(*leases.Config)) *leases.Agent {
 	t.Helper()
 	cfg := leases.Config{Cluster: cluster, Node: node, NodeUID: "uid-" + node, LeaseTTL: 20 * time.Second, Quarantine: -1, SpareLeases: 1,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}
+	for _, tweak := range tweaks {
+		tweak(&cfg)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	a, err := leases.Start(ctx, etcdtest.ClientAt(t, ep), cfg)

@@ -61,6 +61,11 @@ func TestPoolLayoutAndMigrate(t *testing.T) {
 	if r := ctlAt(ep, "pool", "list"); !strings.Contains(r.stdout, "flat (run leaseholdctl pool migrate)") {
 		t.Errorf("pool list of a flat pool:\n%s", r.stdout)
 	}
+	// A flat pool has no blocks to draw: refused, saying what shows it and what moves it.
+	if r := ctlAt(ep, "pool", "show", "net", "--blocks"); r.code != exitError || !strings.Contains(r.stderr, "flat layout") ||
+		!strings.Contains(r.stderr, "leaseholdctl pool show net gives") || !strings.Contains(r.stderr, "leaseholdctl pool migrate net moves") {
+		t.Errorf("pool show --blocks of a flat pool: %+v", r)
+	}
 	// The doctor recommends the migration, without failing.
 	if r := ctlAt(ep, "doctor"); r.code != exitOK || !strings.Contains(r.stdout, "[pool-flat] (info)") || !strings.Contains(r.stdout, "fix: leaseholdctl pool migrate net") {
 		t.Errorf("doctor on a flat pool: %+v", r)
@@ -118,6 +123,10 @@ func TestPoolLayoutAndMigrate(t *testing.T) {
 	jsonOf(t, ctlAt(ep, "pool", "show", "net", "-o", "json"), &show)
 	if show.Layout != "blocks" || show.ClaimedBlocks != 1 || len(show.Claims) != 1 || show.Claims[0].Node != "n1" || show.Claims[0].Block.Bits() != 28 {
 		t.Errorf("pool show -o json: %+v", show)
+	}
+	// The map: the moved allocation in its block, which n1 claims without an agent (expired).
+	if r := ctlAt(ep, "pool", "show", "net", "--blocks"); !strings.Contains(r.stdout, "\n10.91.0.0 A1"+strings.Repeat(" .", 15)+"\nblocks: 1 claimed (1 expired), 15 free\n") {
+		t.Errorf("pool show --blocks after the migration:\n%s", r.stdout)
 	}
 
 	// alloc show: the real key, and an etcdctl line that reads it.

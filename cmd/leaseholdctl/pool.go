@@ -435,6 +435,9 @@ func poolList(ctx context.Context, e *env) error {
 }
 
 func poolShow(ctx context.Context, e *env) error {
+	if e.blocks {
+		return poolBlocks(ctx, e)
+	}
 	name, err := poolArg(e.args[0])
 	if err != nil {
 		return err
