@@ -94,9 +94,11 @@ func checksCatchWrongCommands(t *testing.T, s *docState) {
 		"etcdctl lease timetolive <lease-id> --keys           # an unknown placeholder\n" +
 		"leaseholdctl pool show net2                          # a pool the demo does not have (exit 4)\n" +
 		"etcdctl get --prefix /leasehold/v1/pools/ | jqq .    # a tool that does not exist\n" +
+		"etcdctl get /leasehold/v1/ips/net1/" + docAddr + " \\\n" +
+		"  --print-value-only                                 # the same flat key, on two lines\n" +
 		"```\n"
 	blocks, errs := extractDocCommands("sample.md", sample)
-	if len(errs) > 0 || len(blocks) != 1 || len(blocks[0].Commands) != 9 {
+	if len(errs) > 0 || len(blocks) != 1 || len(blocks[0].Commands) != 10 {
 		t.Fatalf("sample: %v, %+v", errs, blocks)
 	}
 	for i, c := range blocks[0].Commands {
@@ -431,6 +433,7 @@ func printed(out []byte, max int) string {
 // keys it reads and a key of it, when the state has one: a key or prefix that names nothing.
 func (s *docState) emptyGet(t *testing.T, code string, out []byte) (family, example string) {
 	t.Helper()
+	code = strings.ReplaceAll(code, "\\\n", " ") // a continued line is one command
 	words := strings.Fields(code)
 	if len(bytes.TrimSpace(out)) > 0 || strings.ContainsAny(code, "|;&$`\n") || len(words) < 2 || words[0] != "etcdctl" || words[1] != "get" {
 		return "", ""
