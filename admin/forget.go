@@ -91,8 +91,9 @@ func (e *NodeInUseError) Error() string {
 			lease = fmt.Sprintf("on node lease %s, which etcd is just expiring", keyspace.LeaseHex(r.Lease))
 		}
 		return fmt.Sprintf("%v: node %s/%s has an agent: its node record %s exists (%s), %s. While it exists the agent renews its "+
-			"block lease, and its blocks and held addresses are its own. If the node is really gone, stop its agent (a stopped "+
-			"agent revokes its node lease) or wait for the lease to expire (%ds), then run node forget again",
+			"block lease, and its blocks and held addresses are its own. If the node is really gone, stop its agent and wait "+
+			"for the lease to expire (%ds; an agent stopped with pods leaves it for its restart, one with none revokes it), then "+
+			"run node forget again",
 			ErrNodeAlive, e.Cluster, e.Node, keyspace.NodeKey(e.Cluster, e.Node), who, lease, max(e.TTL, 0))
 	}
 	return fmt.Sprintf("%v: node %s/%s has no agent, but %d pod record(s) under %s on live leases (up to %ds left): its agent stopped "+

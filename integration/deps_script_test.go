@@ -48,7 +48,7 @@ func TestDepsScriptStops(t *testing.T) {
 	if code != 1 {
 		t.Fatalf("root, nothing installed, no apt-get: exit %d, want 1\n%s", code, out)
 	}
-	for _, pkg := range []string{"iproute2", "iptables", "openssl", "containerd", "runc", "busybox-static"} {
+	for _, pkg := range []string{"iproute2", "iptables", "openssl", "containerd", "runc", "busybox-static", "jq"} {
 		if !strings.Contains(out, pkg) {
 			t.Errorf("root, no apt-get: the message does not name package %s:\n%s", pkg, out)
 		}

@@ -12,8 +12,8 @@ import (
 // admins' scripts read it with plain etcdctl.
 const Prefix = "/leasehold/v1/"
 
-// Key families under Prefix. ARCHITECTURE.md documents each with the etcdctl command
-// an admin types.
+// Key families under Prefix. ARCHITECTURE.md documents each, and docs/operations.md the
+// etcdctl commands an admin types to read them.
 const (
 	poolsDir      = Prefix + "pools/"
 	ipsDir        = Prefix + "ips/"

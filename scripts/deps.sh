@@ -16,6 +16,7 @@ needs=(
   "ctr:containerd"
   "runc:runc"
   "busybox:busybox-static"             # the CRI test's sandbox image, made from local files
+  "jq:jq"                              # docs/operations.md's etcdctl recipes, run by TestDocCommands
 )
 
 missing=()
