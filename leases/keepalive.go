@@ -126,17 +126,49 @@ func (k *Keeper) register(ctx context.Context, id clientv3.LeaseID) {
 }
 
 // drain consumes keep-alive responses; the channel closes when the lease is gone or
-// the keep-alive was cancelled.
+// the keep-alive was cancelled, and also when an answer is late: the client gives up on a
+// lease whose first renewal is not answered within its dial timeout plus a second, and on
+// one not answered within the TTL since the last answer. The second is the lease's end
+// (etcd expires it then too) and is reported lost at once. The first happens to a live
+// lease when etcd is slow (thousands of nodes starting at once), and taking it for lost
+// would make the agent re-claim its pods under new leases, adding to etcd's load: so an early
+// close asks etcd how long the lease has left, and renews it again if it is alive.
 func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clientv3.LeaseKeepAliveResponse) {
-	for range ch {
-		if k.onHeard != nil {
-			k.onHeard()
+	for {
+		var heard time.Time
+		var ttl time.Duration
+		for resp := range ch {
+			heard, ttl = time.Now(), time.Duration(resp.TTL)*time.Second
+			if k.onHeard != nil {
+				k.onHeard()
+			}
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		early := heard.IsZero() || time.Since(heard) < ttl
+		if !early || !k.alive(ctx, id) {
+			k.lost(id)
+			return
+		}
+		k.log.Info("a lease's renewal was answered late; etcd still has it, so it is renewed again", "lease", keyspace.LeaseHex(id))
+		var err error
+		if ch, err = k.cli.KeepAlive(ctx, id); err != nil {
+			if ctx.Err() == nil {
+				k.lost(id)
+			}
+			return
 		}
 	}
-	if ctx.Err() != nil {
-		return
-	}
-	k.lost(id)
+}
+
+// alive asks etcd whether it still has lease id, within the keeper's operation timeout; no
+// answer counts as no.
+func (k *Keeper) alive(ctx context.Context, id clientv3.LeaseID) bool {
+	c, cancel := context.WithTimeout(ctx, k.timeout)
+	defer cancel()
+	resp, err := k.cli.TimeToLive(c, id)
+	return err == nil && resp.TTL > 0
 }
 
 // lost forgets a held lease whose renewals stopped without Forget or Revoke, and reports it.
