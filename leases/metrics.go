@@ -128,6 +128,14 @@ func newMetrics(a *Agent) *metrics {
 			Help: "Addresses of this node's running pods held by another owner now (conflicts not yet resolved).",
 		}),
 	}
+	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
+	// nothing, and an alert on increase() sees the first one.
+	for _, r := range []string{"imported", "already", "released", "conflict", "outside_pool"} {
+		m.imports.WithLabelValues(r)
+	}
+	for _, r := range []string{"committed", "split", "lost"} {
+		m.claimBatches.WithLabelValues(r)
+	}
 	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
 		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
