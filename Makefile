@@ -54,7 +54,7 @@ $(BIN)/cni/bridge: $(TOOLS_MOD)/go.mod
 # PromQL expression names, for the test comparing the dashboard and rules with /metrics. Their
 # module is apart so that Prometheus's dependencies never move the etcd and gRPC versions
 # above. remove_all_sd leaves out service discovery (cloud SDKs, Kubernetes), which rules never
-# use: it halves promtool's build (about 4 minutes from a cold build cache on 2 cores).
+# use: promtool then builds in under 4 minutes from a cold build cache on 2 cores (6 without).
 $(BIN)/promtool: $(PROMTOOL_MOD)/go.mod
 	cd $(PROMTOOL_MOD) && $(GOBUILD) -tags remove_all_sd -o $(BIN)/promtool github.com/prometheus/prometheus/cmd/promtool
 $(BIN)/promqlnames: $(PROMTOOL_MOD)/go.mod $(PROMTOOL_MOD)/promqlnames/main.go
