@@ -131,8 +131,16 @@ func TestSwitchFromHostLocalWithRunningContainers(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	a := f.startAgent(importFlag...)
+	metricsAddr := strings.TrimPrefix(freeURL(t), "http://")
+	a := f.startAgent(append(importFlag, "--metrics-addr", metricsAddr)...)
 	wantImportCounts(t, a, map[string]float64{"imported": 7, "already_imported": 0, "conflicts": 1})
+	// What the LeaseholdImportConflicts alert reads (deploy/monitoring).
+	_, text := httpGet(t, "http://"+metricsAddr+"/metrics")
+	for result, want := range map[string]float64{"imported": 7, "conflict": 1} {
+		if got := metricValue(t, text, "leasehold_import_addresses_total", `result="`+result+`"`); got != want {
+			t.Errorf("leasehold_import_addresses_total{result=%q} = %v, want %v", result, got, want)
+		}
+	}
 	if !strings.Contains(a.logs.String(), `"msg":"IMPORT CONFLICT`) || !strings.Contains(a.logs.String(), `"ip":"`+taken.String()+`"`) {
 		t.Errorf("the agent does not report %s as held by another owner:\n%s", taken, a.logs.String())
 	}
@@ -182,6 +190,10 @@ func TestSwitchFromHostLocalWithRunningContainers(t *testing.T) {
 	}
 	if given != 9 {
 		t.Errorf("%d new pods got addresses before the pool was exhausted; want 9 (13 IPv4 addresses, 4 held before)", given)
+	}
+	_, text = httpGet(t, "http://"+metricsAddr+"/metrics")
+	if got := metricValue(t, text, "leasehold_pool_exhausted_total", `pool="`+network+`"`); got != 1 {
+		t.Errorf("ADDs refused for pool %s being exhausted: %v, want 1", network, got)
 	}
 	after := heldAt(t, f, network)
 	for ip, ctr := range imported {

@@ -41,8 +41,9 @@ func metricValue(t *testing.T, text, name, labels string) float64 {
 	return 0
 }
 
-// TestMetricsAndHealth: leaseholdd serves Prometheus metrics that count what happened, and
-// /readyz follows etcd's reachability while /healthz stays up.
+// TestMetricsAndHealth: leaseholdd serves Prometheus metrics that count what happened (an ADD
+// refused by an exhausted pool among them), and /readyz and leasehold_ready follow etcd's
+// reachability while /healthz stays up.
 func TestMetricsAndHealth(t *testing.T) {
 	addr := strings.TrimPrefix(freeURL(t), "http://")
 	f := newFixture(t, withAgentFlags("--metrics-addr", addr))
@@ -72,17 +73,45 @@ func TestMetricsAndHealth(t *testing.T) {
 	if got := metricValue(t, text, "leasehold_etcd_request_duration_seconds_count", `kind="claim"`); got < 3 {
 		t.Errorf("claim round trips counted: %v, want at least 3", got)
 	}
+	if got := metricValue(t, text, "leasehold_pool_exhausted_total", `pool="`+name+`"`); got != 0 {
+		t.Errorf("ADDs refused for an exhausted pool before any was: %v, want 0", got)
+	}
+
+	// A pool with one address: the second ADD is refused, and counted for that pool only.
+	tiny := name + "-tiny"
+	tinyConf := v4conf(tiny, f.Agent.Socket, "10.39.1.0/30")
+	if _, err := f.add(tinyConf, "t0", "eth0", ""); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.add(tinyConf, "t1", "eth0", ""); err == nil {
+		t.Fatal("ADD into a full pool of one address succeeded")
+	}
+	_, text = httpGet(t, "http://"+addr+"/metrics")
+	if got := metricValue(t, text, "leasehold_pool_exhausted_total", `pool="`+tiny+`"`); got != 1 {
+		t.Errorf("ADDs refused for pool %s being exhausted: %v, want 1", tiny, got)
+	}
+	if got := metricValue(t, text, "leasehold_pool_exhausted_total", `pool="`+name+`"`); got != 0 {
+		t.Errorf("ADDs refused for pool %s, which has room: %v, want 0", name, got)
+	}
+
 	if code, _ := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
 		t.Errorf("/healthz = %d", code)
 	}
 	if code, body := httpGet(t, "http://"+addr+"/readyz"); code != 200 {
 		t.Errorf("/readyz with etcd up = %d %s", code, body)
 	}
+	if got := metricValue(t, text, "leasehold_ready", ""); got != 1 {
+		t.Errorf("leasehold_ready with etcd up = %v, want 1", got)
+	}
 	f.Etcd.kill()
 	eventually(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
 		code, _ := httpGet(t, "http://"+addr+"/readyz")
 		return code == http.StatusServiceUnavailable
 	})
+	_, text = httpGet(t, "http://"+addr+"/metrics")
+	if got := metricValue(t, text, "leasehold_ready", ""); got != 0 {
+		t.Errorf("leasehold_ready with etcd gone = %v, want 0", got)
+	}
 	if code, _ := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
 		t.Errorf("/healthz must stay up while etcd is away, got %d", code)
 	}

@@ -49,6 +49,10 @@ func TestEtcdOutOfSpace(t *testing.T) {
 	if code := cniCode(err); code != 11 || !strings.Contains(err.Error(), "out of space") {
 		t.Errorf("ADD under NOSPACE: code %d, %v; want code 11 naming etcd being out of space", code, err)
 	}
+	_, text := httpGet(t, "http://"+addr+"/metrics")
+	if got := metricValue(t, text, "leasehold_etcd_nospace_refusals_total", ""); got != 1 {
+		t.Errorf("NOSPACE refusals counted after the refused ADD: %v, want 1", got)
+	}
 
 	if err := f.del(conf, "ns-a", "eth0", "K8S_POD_UID=uid-a"); err != nil {
 		t.Fatalf("DEL under NOSPACE: %v", err)
@@ -59,9 +63,12 @@ func TestEtcdOutOfSpace(t *testing.T) {
 	if exists(t, f.Cli, keyspace.QuarantineKey(f.Pool, allocator.DefaultBlocks, a)) {
 		t.Errorf("%s was quarantined although etcd takes no put", a)
 	}
-	_, text := httpGet(t, "http://"+addr+"/metrics")
+	_, text = httpGet(t, "http://"+addr+"/metrics")
 	if got := metricValue(t, text, "leasehold_releases_without_quarantine_total", ""); got != 1 {
 		t.Errorf("releases without quarantine counted: %v, want 1", got)
+	}
+	if got := metricValue(t, text, "leasehold_etcd_nospace_refusals_total", ""); got != 2 {
+		t.Errorf("NOSPACE refusals counted after the DEL released without quarantine: %v, want 2", got)
 	}
 
 	// The operator frees space: delete the filler, compact, defragment, disarm.

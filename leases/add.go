@@ -56,6 +56,13 @@ func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
 // unreachable, or the owner's keys are held by another node identity until they expire).
 func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
 	defer a.metrics.observe("add", time.Now(), &err)
+	defer func() {
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			if v := a.pools.viewOf(req.Pool.Name); v != nil {
+				v.exhausted.Add(1)
+			}
+		}
+	}()
 	owner, err := a.validate(&req)
 	if err != nil {
 		return allocator.Result{}, err

@@ -331,6 +331,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 // pod deletions an operator makes to free space.
 func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
 	a.metrics.unquarantined.Inc()
+	a.metrics.noSpace.Inc()
 	a.log.Warn("etcd is out of space (NOSPACE alarm): releasing without quarantine; the addresses may be handed out again at once",
 		"owner", owner, "pool", r.pool, "ips", r.addrs, "err", err)
 }

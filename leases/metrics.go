@@ -26,8 +26,9 @@ type metrics struct {
 
 	claimBatches  *prometheus.CounterVec
 	claimsBatched prometheus.Counter
-	// unquarantined counts releases made without quarantine because etcd was out of space.
-	unquarantined prometheus.Counter
+	// unquarantined counts releases made without quarantine because etcd was out of space;
+	// noSpace every refusal by etcd's NOSPACE alarm that an ADD or DEL met.
+	unquarantined, noSpace prometheus.Counter
 	// Blocks: claims made, empty blocks given back, addresses borrowed from others' blocks.
 	blockClaims, blocksGivenBack, borrowed prometheus.Counter
 	// Sticky claims: taken over by a new holder, and ADDs refused because a live pod held them.
@@ -78,6 +79,10 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_releases_without_quarantine_total",
 			Help: "Attachments released without quarantining their addresses because etcd was out of space (NOSPACE alarm).",
 		}),
+		noSpace: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_etcd_nospace_refusals_total",
+			Help: "Requests etcd refused because its NOSPACE alarm is raised (its database reached its quota), as CNI operations met them: an ADD refused, a DEL released without quarantine.",
+		}),
 		blockClaims: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_block_claims_total",
 			Help: "Blocks this node claimed (its blocks had no free address left).",
@@ -123,7 +128,15 @@ func newMetrics(a *Agent) *metrics {
 			Help: "Addresses of this node's running pods held by another owner now (conflicts not yet resolved).",
 		}),
 	}
-	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined,
+	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
+	// nothing, and an alert on increase() sees the first one.
+	for _, r := range []string{"imported", "already", "released", "conflict", "outside_pool"} {
+		m.imports.WithLabelValues(r)
+	}
+	for _, r := range []string{"committed", "split", "lost"} {
+		m.claimBatches.WithLabelValues(r)
+	}
+	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
 		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",
@@ -164,6 +177,15 @@ func newMetrics(a *Agent) *metrics {
 			}
 			return 1
 		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_ready",
+			Help: "1 while the agent is ready (what /readyz answers: etcd answers and the journal is written), else 0.",
+		}, func() float64 {
+			if a.Ready(a.ctx) != nil {
+				return 0
+			}
+			return 1
+		}),
 		&poolCollector{a: a},
 	)
 	return m
@@ -174,6 +196,9 @@ func (m *metrics) observe(op string, start time.Time, err *error) {
 	result := "ok"
 	if *err != nil {
 		result = "error"
+		if noSpace(*err) {
+			m.noSpace.Inc()
+		}
 	}
 	m.ops.WithLabelValues(op, result).Observe(time.Since(start).Seconds())
 }
@@ -184,7 +209,8 @@ func (m *metrics) rtt(kind string, start time.Time) {
 }
 
 // poolCollector reports, at scrape time, each served pool's size, allocated, quarantined
-// and free addresses per range set, from the agent's view (no etcd call).
+// and free addresses per range set, from the agent's view (no etcd call), and the ADDs
+// refused because it was exhausted.
 type poolCollector struct{ a *Agent }
 
 var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
@@ -192,6 +218,9 @@ var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
 	[]string{"pool", "set", "state"}, nil)
 
 var (
+	exhaustedDesc = prometheus.NewDesc("leasehold_pool_exhausted_total",
+		"ADDs this agent refused because the pool had no free address in a range set (only resting or held-back addresses, or none at all).",
+		[]string{"pool"}, nil)
 	heldBackDesc = prometheus.NewDesc("leasehold_held_back_addresses",
 		"Addresses this agent passes over because their holder expired without a release (its node cut off from etcd or dead): in its own blocks, and in the pool as its last borrowing read saw it. They go to other pods only when the pool has no other room, or when the hold ends.",
 		[]string{"pool"}, nil)
@@ -202,6 +231,7 @@ var (
 
 func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- poolDesc
+	ch <- exhaustedDesc
 	ch <- heldBackDesc
 	ch <- heldBackEndDesc
 }
@@ -214,6 +244,8 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.a.pools.mu.Unlock()
 	for _, p := range served {
+		// From the pool's first use, at 0: an alert on its increase sees the first refusal.
+		ch <- prometheus.MustNewConstMetric(exhaustedDesc, prometheus.CounterValue, float64(p.view.exhausted.Load()), p.spec.Name)
 		if p.rev <= 0 {
 			continue
 		}

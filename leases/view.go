@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -34,6 +35,9 @@ type view struct {
 	own    *blockOwner // claims, keeps and gives back this node's blocks; nil in the flat layout
 	// claimMu makes block claims one at a time (choose).
 	claimMu sync.Mutex
+	// exhausted counts the ADDs refused because the pool had no free address
+	// (leasehold_pool_exhausted_total).
+	exhausted atomic.Int64
 
 	mu          sync.Mutex
 	allocated   map[netip.Addr]int64 // address -> revision that created it
