@@ -20,7 +20,9 @@ import (
 // forgets the revoked lease.
 func TestRefusedClaimIsNotAnUnansweredOne(t *testing.T) {
 	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.SpareLeases = 4 })
-	waitSpares(t, a.keeper, 4)
+	// 4, or 3 when the node's registration took one after the first refill: the keeper tops
+	// its spares up only once half are gone.
+	waitSpares(t, a.keeper, 3)
 	ctx, cli := ctxT(t), etcdtest.Client(t)
 	revoked := spares(a.keeper)
 	for _, id := range revoked {
