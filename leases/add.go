@@ -30,14 +30,20 @@ type addState struct {
 	lost map[netip.Addr]bool
 	// unanswered counts claims whose answer did not come (see tryAdd).
 	unanswered int
-	// relisted: the pool's view was found stale and listed again once in this ADD; reread: a
-	// borrowed address was found taken, and the borrowing snapshot is read again once.
-	relisted, reread bool
+	// relisted: the pool's view was found stale and listed again once in this ADD.
+	relisted bool
+	// borrowLost counts the borrowed addresses this ADD found taken: the borrowing snapshot
+	// is read again at the first and then at every rereadEvery-th.
+	borrowLost int
 	// sticky is the claim the ADD names, as read (sticky.go); origRequested the addresses
 	// the runtime asked for, before the claim's replaced them.
 	sticky        *stickyAdd
 	origRequested []netip.Addr
 }
+
+// rereadEvery is how many borrowed addresses an ADD finds taken before it reads the pool
+// again (the first loss reads it at once): at most four reads in an ADD's 16 attempts.
+const rereadEvery = 4
 
 // maxUnanswered bounds the claims an ADD sends again after losing their answers; the waits
 // between them (50 ms doubling) span an etcd leader election.
@@ -401,12 +407,15 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 			}
 		}
 		if f.Holder != nil {
-			if p.view.markAllocated(f.Addr, f.Holder.CreateRevision) && !st.reread {
+			if p.view.markAllocated(f.Addr, f.Holder.CreateRevision) {
 				// Borrowed from a snapshot that others' ADDs have made stale: near
 				// exhaustion each of its addresses may be taken, so read the pool again
-				// once rather than try them one by one.
-				st.reread = true
-				p.view.staleSnapshot()
+				// rather than try them one by one; again after rereadEvery more losses,
+				// when every node's borrowers compete for the last addresses.
+				if st.borrowLost%rereadEvery == 0 {
+					p.view.staleSnapshot()
+				}
+				st.borrowLost++
 			}
 			if !wanted {
 				p.view.scatter(&p.spec, i)
