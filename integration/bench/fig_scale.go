@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,23 +19,32 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
 )
 
-// figScale measures a cluster of -scale-nodes real agents, not an extrapolation: the agents
-// run in -scale-hosts processes (one process cannot hold the file descriptors of 5,000: each
-// agent has an etcd connection, a socket, a journal and a lock), every one with its own etcd
-// client, node identity and keep-alive stream, all serving one dual-stack pool. It measures,
-// in this order:
-//   - the agents' start: the STATUS each answers (pool definition, block claims listed,
-//     watches opened), as its processes report them;
-//   - one ADD at that size: etcd CPU and watch events per ADD (as the fan-out figure);
-//   - the fill: -scale-pods pods on every node, through each agent's socket (real pod
-//     leases: a pod is one lease);
-//   - the keep-alives of every pod lease with nothing else happening: etcd's CPU over a
-//     window after a full renewal period;
-//   - etcd's database (size, in use, keys) and memory with every pod allocated;
-//   - a new node's start in the full cluster (every other node's blocks claimed): agent
-//     start, STATUS and first ADD.
+// figScale measures a cluster of -scale-nodes nodes, not an extrapolation, in three phases
+// against one etcd.
+//
+// Real agents: -scale-nodes agents in -scale-hosts processes (one process cannot hold the
+// file descriptors of 5,000: each agent has an etcd connection, a socket, a journal and a
+// lock), every one with its own etcd client, node identity and keep-alive stream, all
+// serving one dual-stack pool. Measured: their start (the STATUS each answers: pool
+// definition, block claims listed, watches opened); one ADD at that size (etcd CPU and watch
+// events per ADD, as the fan-out figure); and -scale-agent-pods pods ADDed on every agent
+// at once through the sockets (the fill rate this machine sustains). The agents then stop.
+//
+// The cluster's steady state: for each node a client of its own (one keep-alive stream, as
+// an agent has) holds -scale-pods pod leases, and each pod has the keys an ADD writes
+// (a dual-stack allocation, owner index and pod record) on its lease, written in batches.
+// Measured: etcd's CPU for the keep-alives alone, the renewals it receives, its database
+// (size, in use, keys) and memory.
+//
+// A new node in that cluster: an agent's start, its first STATUS and first ADD (claiming a
+// block among every node's).
 func figScale(ctx context.Context, env *env, res *results) error {
 	cfg := env.cfg
 	if cfg.scaleHosts < 1 || cfg.scaleNodes < cfg.scaleHosts {
@@ -49,10 +59,49 @@ func figScale(ctx context.Context, env *env, res *results) error {
 	}
 	defer e.stop()
 	const pool = "scale"
-	spec := hostSpec{Etcd: e.URL, Pool: pool, V4: cfg.scaleV4.String(), V6: cfg.scaleV6.String(), Pods: cfg.scalePods,
-		Root: env.root, Netns: env.netns}
+	n := fmt.Sprintf("%d nodes", cfg.scaleNodes)
+	if err := scaleAgents(ctx, env, res, e, pool, n); err != nil {
+		return err
+	}
+	if err := scaleSteadyState(ctx, env, res, e, pool, n); err != nil {
+		return err
+	}
 
-	// The agents' start, every host process starting its share 8 at a time.
+	// A new node joins the cluster.
+	t0 := time.Now()
+	late, err := startInproc(ctx, env, e, "scale-late", "", nil)
+	if err != nil {
+		return err
+	}
+	defer late.close()
+	lateStart := time.Since(t0)
+	lateConf := scaleConf(pool, late.Socket, cfg.scaleV4, cfg.scaleV6)
+	t0 = time.Now()
+	if err := late.status(ctx, lateConf); err != nil {
+		return err
+	}
+	lateStatus := time.Since(t0)
+	t0 = time.Now()
+	inv, _ := podAdd(lateConf, env.netns)
+	if _, err := invoke(ctx, late.client(), inv); err != nil {
+		return fmt.Errorf("the new node's first ADD: %w", err)
+	}
+	lateAdd := time.Since(t0)
+	progress("scale: a new node: start %s, STATUS %s, first ADD %s", lateStart.Round(time.Millisecond), lateStatus.Round(time.Millisecond),
+		lateAdd.Round(time.Millisecond))
+	res.add(row{Figure: "scale, " + n + ": a new agent's start (leases.Start)", Leasehold: ms(lateStart), Unit: "ms"})
+	res.add(row{Figure: "scale, " + n + ": a new agent's first STATUS", Leasehold: ms(lateStatus), Unit: "ms"})
+	res.add(row{Figure: "scale, " + n + ": a new agent's first ADD", Leasehold: ms(lateAdd), Unit: "ms"})
+	res.note("Scale, a new node: an agent started last, in the steady state above (every node's block claims still there): " +
+		"leases.Start, its STATUS for the pool and its first ADD (a block claim among every node's).")
+	return nil
+}
+
+// scaleAgents is the scale figure's first phase: real agents.
+func scaleAgents(ctx context.Context, env *env, res *results, e *etcdProc, pool, n string) error {
+	cfg := env.cfg
+	spec := hostSpec{Etcd: e.URL, Pool: pool, V4: cfg.scaleV4.String(), V6: cfg.scaleV6.String(), Pods: cfg.scaleAgentPods,
+		Root: env.root, Netns: env.netns}
 	t0 := time.Now()
 	var hosts []*agentHost
 	defer func() {
@@ -85,7 +134,6 @@ func figScale(ctx context.Context, env *env, res *results) error {
 	progress("scale: %d agents in %d processes serve the pool after %s (STATUS p50 %s, p99 %s, the worst process's)",
 		cfg.scaleNodes, len(hosts), started.Round(time.Second), statusP50, statusP99)
 
-	// One ADD at this size, through an agent of this process.
 	probe, err := startInproc(ctx, env, e, "scale-probe", "", nil)
 	if err != nil {
 		return err
@@ -95,14 +143,12 @@ func figScale(ctx context.Context, env *env, res *results) error {
 	if err := probe.status(ctx, probeConf); err != nil {
 		return err
 	}
-	cost, err := measureAddCost(ctx, env, res, e, probe.Socket, probeConf, cfg.fanoutAdds, fmt.Sprintf("Scale, %d agents", cfg.scaleNodes))
+	cost, err := measureAddCost(ctx, env, res, e, probe.Socket, probeConf, cfg.fanoutAdds, "Scale, "+n)
 	if err != nil {
 		return err
 	}
-	progress("scale: ADD with %d agents: p50 %.2f ms, etcd CPU %.0f µs, %.1f watch events per ADD", cfg.scaleNodes, ms(cost.p50),
-		cost.etcdCPU, cost.events)
+	progress("scale: ADD with %s: p50 %.2f ms, etcd CPU %.0f µs, %.1f watch events per ADD", n, ms(cost.p50), cost.etcdCPU, cost.events)
 
-	// The fill: every host ADDs its nodes' pods at once.
 	t0 = time.Now()
 	for _, h := range hosts {
 		if err := h.send("pods"); err != nil {
@@ -124,88 +170,193 @@ func figScale(ctx context.Context, env *env, res *results) error {
 		}
 	}
 	fill := time.Since(t0)
-	progress("scale: %d pods placed (%d failed) in %s", placed, failed, fill.Round(time.Second))
+	progress("scale: %d pods placed by the agents (%d failed) in %s", placed, failed, fill.Round(time.Second))
 	if failed > 0 {
-		res.note("Scale: %d of %d pod ADDs of the fill failed, the first with: %s.", failed, placed+failed, firstFail)
+		res.note("Scale: %d of %d pod ADDs of the agents' fill failed, the first with: %s.", failed, placed+failed, firstFail)
 	}
+	res.add(row{Figure: "scale, " + n + ": agents started, every one serving the pool (wall time)", Leasehold: float64(started.Milliseconds()), Unit: "ms"})
+	res.add(row{Figure: "scale, " + n + ": an agent's STATUS at start (pool read, block claims listed) p99", Leasehold: ms(statusP99), Unit: "ms"})
+	res.add(row{Figure: "scale, " + n + ": etcd CPU per dual-stack ADD", Leasehold: cost.etcdCPU, Unit: "µs"})
+	r := row{Figure: "scale, " + n + ": watch events sent per dual-stack ADD", Leasehold: cost.events, Target: "<= 2"}
+	r.judge(cost.events <= 2)
+	res.add(r)
+	res.add(row{Figure: fmt.Sprintf("scale, %s: ADDs of %d new pods on every agent at once, rate", n, cfg.scaleAgentPods),
+		Leasehold: float64(placed) / fill.Seconds(), Unit: "/s"})
+	r = row{Figure: fmt.Sprintf("scale, %s: failed ADDs of %d new pods on every agent at once", n, cfg.scaleAgentPods), Leasehold: float64(failed), Target: "0"}
+	r.judge(failed == 0)
+	res.add(r)
+	res.note("Scale (%s), real agents: leases.Agent with leaseholdd's defaults, each its own etcd client, node identity, socket "+
+		"and journal, in %d processes, all serving one dual-stack pool (%s and %s, /26 and /122 blocks); etcd with an 8 GiB "+
+		"quota. Start: each process starts its agents 8 at a time and each answers a STATUS (p50 %s, p99 %s, the worst "+
+		"process's). ADD: %d sequential ADDs through one more agent, etcd CPU less its idle rate, watch events = delta of "+
+		"etcd_debugging_mvcc_events_total (one per family: each address is in a block of its own family). Then each process ADDs %d "+
+		"pods on each of its agents through their sockets, 64 agents at a time per process: %d placed in %s.",
+		n, len(hosts), cfg.scaleV4, cfg.scaleV6, statusP50, statusP99, cfg.fanoutAdds, cfg.scaleAgentPods, placed, fill.Round(time.Second))
+	return nil
+}
 
-	// Keep-alives alone: one renewal period (a third of the 90 s TTL) after the last grant,
-	// then a window of two periods.
-	time.Sleep(30 * time.Second)
+// scaleSteadyState is the scale figure's second phase: every node's pods on their leases.
+func scaleSteadyState(ctx context.Context, env *env, res *results, e *etcdProc, pool, n string) error {
+	cfg := env.cfg
+	const ttl = 90 // s, leaseholdd's default --lease-ttl
+	clients := make([]*clientv3.Client, cfg.scaleNodes)
+	defer func() {
+		for _, c := range clients {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	v4, v6 := cfg.scaleV4.Addr(), cfg.scaleV6.Addr()
+	var next atomic.Int64
+	addrs := func() (netip.Addr, netip.Addr) {
+		i := next.Add(1)
+		return nthAddr(v4, i), nthAddr(v6, i)
+	}
+	t0 := time.Now()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var firstErr error
+	sem := make(chan struct{}, 64)
+	for i := range clients {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			err := scaleNode(ctx, e, &clients[i], fmt.Sprintf("scale-%05d", i), pool, cfg.scalePods, ttl, addrs)
+			if err != nil {
+				mu.Lock()
+				firstErr = firstOf(firstErr, err)
+				mu.Unlock()
+			}
+		})
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	wg.Wait()
+	if firstErr != nil {
+		return firstErr
+	}
+	pods := cfg.scaleNodes * cfg.scalePods
+	progress("scale: %d pods (%d leases with their keys) held after %s", pods, pods, time.Since(t0).Round(time.Second))
+
+	// Keep-alives alone: one renewal period (a third of the TTL) after the last grant, then a
+	// window of two periods.
+	time.Sleep(ttl * time.Second / 3)
 	c0, w0 := e.cpu().etcd, time.Now()
 	m0, err := scrape(ctx, e.URL+"/metrics")
 	if err != nil {
 		return err
 	}
-	time.Sleep(60 * time.Second)
+	time.Sleep(2 * ttl * time.Second / 3)
 	m1, err := scrape(ctx, e.URL+"/metrics")
 	if err != nil {
 		return err
 	}
 	window := time.Since(w0)
 	keepaliveCPU := float64(e.cpu().etcd-c0) / float64(window)
-	renewals := (sum(m1, "grpc_server_msg_received_total", map[string]string{"grpc_method": "LeaseKeepAlive"}) -
-		sum(m0, "grpc_server_msg_received_total", map[string]string{"grpc_method": "LeaseKeepAlive"})) / window.Seconds()
+	renew := map[string]string{"grpc_method": "LeaseKeepAlive"}
+	renewals := (sum(m1, "grpc_server_msg_received_total", renew) - sum(m0, "grpc_server_msg_received_total", renew)) / window.Seconds()
 	dbSize := sum(m1, "etcd_mvcc_db_total_size_in_bytes", nil)
 	dbInUse := sum(m1, "etcd_mvcc_db_total_size_in_use_in_bytes", nil)
 	keys := sum(m1, "etcd_debugging_mvcc_keys_total", nil)
 	rssKB, _ := procStatusKB(e.cmd.Process.Pid, "VmRSS")
 	progress("scale: keep-alives alone: etcd %.1f%% of a core, %.0f renewals/s; database %.0f MB (%.0f MB in use), %.0f keys, etcd RSS %d MB",
 		100*keepaliveCPU, renewals, dbSize/1e6, dbInUse/1e6, keys, rssKB/1024)
-
-	// A new node joins the full cluster.
-	t0 = time.Now()
-	late, err := startInproc(ctx, env, e, "scale-late", "", nil)
-	if err != nil {
-		return err
-	}
-	defer late.close()
-	lateStart := time.Since(t0)
-	lateConf := scaleConf(pool, late.Socket, cfg.scaleV4, cfg.scaleV6)
-	t0 = time.Now()
-	if err := late.status(ctx, lateConf); err != nil {
-		return err
-	}
-	lateStatus := time.Since(t0)
-	t0 = time.Now()
-	inv, _ := podAdd(lateConf, env.netns)
-	if _, err := invoke(ctx, late.client(), inv); err != nil {
-		return fmt.Errorf("the new node's first ADD: %w", err)
-	}
-	lateAdd := time.Since(t0)
-
-	n := fmt.Sprintf("%d nodes", cfg.scaleNodes)
-	pods := cfg.scaleNodes * cfg.scalePods
+	p := fmt.Sprintf("scale, %s x %d pods", n, cfg.scalePods)
 	for _, r := range []row{
-		{Figure: "scale, " + n + ": agents started, every one serving the pool (wall time)", Leasehold: float64(started.Milliseconds()), Unit: "ms"},
-		{Figure: "scale, " + n + ": an agent's STATUS at start (pool read, block claims listed) p99", Leasehold: ms(statusP99), Unit: "ms"},
-		{Figure: "scale, " + n + ": etcd CPU per ADD", Leasehold: cost.etcdCPU, Unit: "µs"},
-		{Figure: "scale, " + n + ": watch events sent per ADD", Leasehold: cost.events, Target: "<= 2", pass: passIf(cost.events <= 2)},
-		{Figure: fmt.Sprintf("scale, %s: %d dual-stack pods placed (fill wall time)", n, pods), Leasehold: float64(fill.Milliseconds()), Unit: "ms"},
-		{Figure: fmt.Sprintf("scale, %s: failed ADDs of the fill", n), Leasehold: float64(failed), Target: "0", pass: passIf(failed == 0)},
-		{Figure: fmt.Sprintf("scale, %s x %d pods: etcd CPU for keep-alives alone", n, cfg.scalePods), Leasehold: 100 * keepaliveCPU, Unit: "% of a core"},
-		{Figure: fmt.Sprintf("scale, %s x %d pods: lease renewals received", n, cfg.scalePods), Leasehold: renewals, Unit: "/s"},
-		{Figure: fmt.Sprintf("scale, %d pods: etcd database size", pods), Leasehold: dbSize / 1e6, Unit: "MB"},
-		{Figure: fmt.Sprintf("scale, %d pods: etcd database in use", pods), Leasehold: dbInUse / 1e6, Unit: "MB"},
-		{Figure: fmt.Sprintf("scale, %d pods: etcd keys", pods), Leasehold: keys},
-		{Figure: fmt.Sprintf("scale, %d pods: etcd RSS", pods), Leasehold: float64(rssKB) / 1024, Unit: "MB"},
-		{Figure: "scale, " + n + " full: a new agent's start (leases.Start)", Leasehold: ms(lateStart), Unit: "ms"},
-		{Figure: "scale, " + n + " full: a new agent's first STATUS", Leasehold: ms(lateStatus), Unit: "ms"},
-		{Figure: "scale, " + n + " full: a new agent's first ADD", Leasehold: ms(lateAdd), Unit: "ms"},
+		{Figure: p + ": etcd CPU for keep-alives alone", Leasehold: 100 * keepaliveCPU, Unit: "% of a core"},
+		{Figure: p + ": lease renewals received", Leasehold: renewals, Unit: "/s"},
+		{Figure: p + ": etcd database size", Leasehold: dbSize / 1e6, Unit: "MB"},
+		{Figure: p + ": etcd database in use", Leasehold: dbInUse / 1e6, Unit: "MB"},
+		{Figure: p + ": etcd keys", Leasehold: keys},
+		{Figure: p + ": etcd RSS", Leasehold: float64(rssKB) / 1024, Unit: "MB"},
 	} {
 		res.add(r)
 	}
-	res.note("Scale (%s): %d agents (leases.Agent with leaseholdd's defaults, each its own etcd client, node identity, socket "+
-		"and journal) in %d processes of %d, all serving one dual-stack pool (%s and %s, /26 and /122 blocks); etcd with an 8 GiB "+
-		"quota. Start: each process starts its agents 8 at a time and each answers a STATUS; the STATUS p50/p99 are the worst "+
-		"process's. ADD: %d sequential ADDs through one more agent, etcd CPU less its idle rate, watch events = delta of "+
-		"etcd_debugging_mvcc_events_total. Fill: each process ADDs %d pods on each of its agents through their sockets, 64 "+
-		"agents at a time per process. Keep-alives: 30 s after the fill, etcd's CPU over 60 s; renewals = LeaseKeepAlive "+
-		"messages etcd received per second. Database: etcd_mvcc_db_total_size(_in_use)_in_bytes, etcd_debugging_mvcc_keys_total, "+
-		"VmRSS. A new node: an agent started after the fill, its STATUS and first ADD (claiming a block among every node's). "+
-		"Borrowing when every block is claimed is the RSS figure's case (a /16), not measured here.",
-		n, cfg.scaleNodes, len(hosts), per, cfg.scaleV4, cfg.scaleV6, cfg.fanoutAdds, cfg.scalePods)
+	res.note("Scale (%s), steady state: for each node a clientv3 client of its own (one keep-alive stream, as an agent has) "+
+		"granted %d leases of %d s and kept them alive; each lease carries one dual-stack pod's keys as an ADD writes them "+
+		"(an IPv4 and an IPv6 allocation in their blocks, the owner index, the pod record; %d pods), written 32 pods to a "+
+		"transaction; 64 nodes at a time, %s in all. Keep-alives: %d s after the last grant, etcd's CPU over %d s; renewals = "+
+		"LeaseKeepAlive messages etcd received per second. Database: etcd_mvcc_db_total_size(_in_use)_in_bytes, "+
+		"etcd_debugging_mvcc_keys_total, VmRSS, with the agents' own keys of the first phase still there.",
+		n, cfg.scalePods, ttl, pods, time.Since(t0).Round(time.Second), ttl/3, 2*ttl/3)
 	return nil
+}
+
+// scaleNode makes one node's pods in the steady state: a client, pods leases kept alive, and
+// each pod's keys on its lease.
+func scaleNode(ctx context.Context, e *etcdProc, cli **clientv3.Client, node, pool string, pods int, ttl int64,
+	addrs func() (netip.Addr, netip.Addr)) error {
+	c, err := e.client()
+	if err != nil {
+		return err
+	}
+	*cli = c
+	cluster, nodeUID := "default", "uid-"+node
+	blocks := allocator.DefaultBlocks
+	var ops []clientv3.Op
+	flush := func() error {
+		if len(ops) == 0 {
+			return nil
+		}
+		tctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		defer cancel()
+		_, err := c.Txn(tctx).Then(ops...).Commit()
+		ops = ops[:0]
+		return err
+	}
+	now := time.Now().UTC()
+	for i := range pods {
+		gctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		g, err := c.Grant(gctx, ttl)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("grant: %w", err)
+		}
+		// The client renews each lease on its one stream; the answers are not read here
+		// (the client drops what its channel cannot take).
+		if _, err := c.KeepAlive(ctx, g.ID); err != nil {
+			return err
+		}
+		a4, a6 := addrs()
+		owner, container := ids.podUID(), ids.containerID()
+		pod := allocator.PodRef{UID: owner, Namespace: "bench", Name: "pod-" + container[:10]}
+		lease, with := keyspace.LeaseHex(g.ID), clientv3.WithLease(g.ID)
+		for _, a := range []netip.Addr{a4, a6} {
+			ops = append(ops, clientv3.OpPut(keyspace.IPKey(pool, blocks, a), string(mustJSON(keyspace.Allocation{
+				Owner: owner, Cluster: cluster, Node: node, NodeUID: nodeUID, Pod: pod, ContainerID: container,
+				IfName: "eth0", Network: pool, LeaseID: lease, Created: now})), with))
+		}
+		ops = append(ops,
+			clientv3.OpPut(keyspace.OwnerKey(cluster, owner, "eth0", pool), string(mustJSON(keyspace.OwnerRecord{
+				IPs: []netip.Addr{a4, a6}, ContainerID: container, Network: pool, Node: node, NodeUID: nodeUID,
+				LeaseID: lease, Created: now})), with),
+			clientv3.OpPut(keyspace.PodKey(cluster, node, owner), string(mustJSON(keyspace.PodRecord{
+				Owner: owner, Pod: pod, NodeUID: nodeUID, LeaseID: lease, Netns: "/var/run/netns/cni-" + container[:36],
+				ContainerID: container, Created: now})), with))
+		if (i+1)%32 == 0 {
+			if err := flush(); err != nil {
+				return fmt.Errorf("write pods of %s: %w", node, err)
+			}
+		}
+	}
+	if err := flush(); err != nil {
+		return fmt.Errorf("write pods of %s: %w", node, err)
+	}
+	return nil
+}
+
+// nthAddr is the address i after base, within 64 bits.
+func nthAddr(base netip.Addr, i int64) netip.Addr {
+	b := base.As16()
+	lo := binary.BigEndian.Uint64(b[8:]) + uint64(i)
+	binary.BigEndian.PutUint64(b[8:], lo)
+	a := netip.AddrFrom16(b)
+	if base.Is4() {
+		return a.Unmap()
+	}
+	return a
 }
 
 func passIf(ok bool) string {

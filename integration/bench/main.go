@@ -36,32 +36,33 @@ type config struct {
 	// single measured windows (the restart figure's recovery).
 	phaseProfile string
 
-	samples      int           // sequential ADD samples per occupancy level and plugin
-	hlBudget     time.Duration // time cap on host-local's samples at one level
-	lhLevels     []int
-	hlLevels     []int
-	versionN     int
-	leaseGroup   int
-	exhaustOcc   float64
-	exhaustN     int
-	tputConc     int
-	tputDur      time.Duration
-	tputRounds   int
-	burstAgents  int
-	burstAdds    int
-	burstSubnet  netip.Prefix
-	restartPods  int
-	restartTTL   time.Duration
-	sweepSubnet  netip.Prefix
-	fanoutLevels []int
-	fanoutProcs  []int
-	fanoutAdds   int
-	churnPods    int
-	scaleNodes   int
-	scaleHosts   int
-	scalePods    int
-	scaleV4      netip.Prefix
-	scaleV6      netip.Prefix
+	samples        int           // sequential ADD samples per occupancy level and plugin
+	hlBudget       time.Duration // time cap on host-local's samples at one level
+	lhLevels       []int
+	hlLevels       []int
+	versionN       int
+	leaseGroup     int
+	exhaustOcc     float64
+	exhaustN       int
+	tputConc       int
+	tputDur        time.Duration
+	tputRounds     int
+	burstAgents    int
+	burstAdds      int
+	burstSubnet    netip.Prefix
+	restartPods    int
+	restartTTL     time.Duration
+	sweepSubnet    netip.Prefix
+	fanoutLevels   []int
+	fanoutProcs    []int
+	fanoutAdds     int
+	churnPods      int
+	scaleNodes     int
+	scaleHosts     int
+	scalePods      int
+	scaleAgentPods int
+	scaleV4        netip.Prefix
+	scaleV6        netip.Prefix
 }
 
 func parseFlags(args []string) (*config, error) {
@@ -96,7 +97,8 @@ func parseFlags(args []string) (*config, error) {
 	fs.IntVar(&c.churnPods, "churn-pods", 200, "pods ADDed and DELeted one after the other in the churn figure (and as many through host-local)")
 	fs.IntVar(&c.scaleNodes, "scale-nodes", 5000, "agents of the scale figure (-only scale; not run by default)")
 	fs.IntVar(&c.scaleHosts, "scale-hosts", 5, "processes the scale figure's agents run in")
-	fs.IntVar(&c.scalePods, "scale-pods", 110, "pods per node in the scale figure (dual-stack: two addresses each)")
+	fs.IntVar(&c.scalePods, "scale-pods", 110, "pods per node in the scale figure's steady state (dual-stack: two addresses each)")
+	fs.IntVar(&c.scaleAgentPods, "scale-agent-pods", 2, "pods each real agent of the scale figure ADDs, all agents at once")
 	scaleV4 := fs.String("scale-subnet-v4", "10.64.0.0/12", "IPv4 range of the scale figure's pool (room for -scale-nodes x -scale-pods pods)")
 	scaleV6 := fs.String("scale-subnet-v6", "fd64::/104", "IPv6 range of the scale figure's pool")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
