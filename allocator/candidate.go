@@ -69,11 +69,33 @@ func (p *PoolSpec) Next(set int, from netip.Addr, taken Taken, skip func(netip.A
 	return netip.Addr{}, sc.exhausted(set)
 }
 
+// NextNear returns the first free address of range set set from from on, looking at no more
+// than n addresses and not past the end of from's range: for a caller that has a candidate
+// and wants others close to it, at a bounded cost. It also returns how many addresses it
+// looked at; ok is false when none of them was free (or from is in no range of the set).
+func (p *PoolSpec) NextNear(set int, from netip.Addr, n int, taken Taken, skip func(netip.Addr) bool) (_ netip.Addr, looked int, ok bool) {
+	if set < 0 || set >= len(p.Ranges) || n <= 0 {
+		return netip.Addr{}, 0, false
+	}
+	rs := p.Ranges[set]
+	from = normAddr(from)
+	i := rs.index(from)
+	if i < 0 {
+		return netip.Addr{}, 0, false
+	}
+	sc := scan{p: p, taken: taken, skip: skip, limit: n}
+	a, ok := sc.walk(from, rs[i].RangeEnd)
+	return a, sc.looked, ok
+}
+
 // scan is one lap of Next over a range set: its inputs and what it met on the way.
 type scan struct {
 	p     *PoolSpec
 	taken Taken
 	skip  func(netip.Addr) bool
+	// limit, when positive, is how many addresses the walk may look at (NextNear); looked
+	// counts them.
+	limit, looked int
 
 	allocated   int
 	skipped     int
@@ -84,6 +106,12 @@ type scan struct {
 // walk returns the first free address in [lo, hi], jumping over excluded prefixes.
 func (sc *scan) walk(lo, hi netip.Addr) (netip.Addr, bool) {
 	for c := lo; c.IsValid() && c.Compare(hi) <= 0; {
+		if sc.limit > 0 {
+			if sc.looked == sc.limit {
+				return netip.Addr{}, false
+			}
+			sc.looked++
+		}
 		if x, ok := sc.p.ExcludedBy(c); ok {
 			c = lastAddr(x).Next() // zero at the end of the address space: the loop ends
 			continue

@@ -155,3 +155,48 @@ func TestNextRoundRobin(t *testing.T) {
 		t.Errorf("handed out %d addresses, SetSize says %d", n, want)
 	}
 }
+
+// TestNextNear: the first free address from a place, looking at no more addresses than
+// asked and not past the end of the range; it says how many it looked at.
+func TestNextNear(t *testing.T) {
+	p := allocator.PoolSpec{Name: "near", Ranges: []allocator.RangeSet{{
+		{Subnet: netip.MustParsePrefix("10.1.0.0/24"), RangeStart: netip.MustParseAddr("10.1.0.10"), RangeEnd: netip.MustParseAddr("10.1.0.99")},
+		{Subnet: netip.MustParsePrefix("10.2.0.0/24")},
+	}}, Exclude: []netip.Prefix{netip.MustParsePrefix("10.1.0.20/30")}}
+	if err := p.Canonicalize(); err != nil {
+		t.Fatal(err)
+	}
+	taken := exampleTaken{}
+	for a := netip.MustParseAddr("10.1.0.10"); a.Compare(netip.MustParseAddr("10.1.0.50")) < 0; a = a.Next() {
+		taken[a] = true
+	}
+	for _, tc := range []struct {
+		from   string
+		n      int
+		want   string // "" none
+		looked int
+	}{
+		{"10.1.0.10", 100, "10.1.0.50", 38}, // 10-19 and 24-49 taken, 20-23 excluded (one jump)
+		{"10.1.0.10", 37, "", 37},           // one short of it
+		{"10.1.0.60", 1, "10.1.0.60", 1},
+		{"10.1.0.99", 5, "10.1.0.99", 1},
+		{"10.1.0.100", 5, "", 0}, // in no range of the set
+		{"10.1.0.45", 0, "", 0},
+	} {
+		a, looked, ok := p.NextNear(0, netip.MustParseAddr(tc.from), tc.n, taken, nil)
+		got := ""
+		if ok {
+			got = a.String()
+		}
+		if got != tc.want || looked != tc.looked {
+			t.Errorf("NextNear(%s, %d) = %q after %d, want %q after %d", tc.from, tc.n, got, looked, tc.want, tc.looked)
+		}
+	}
+	// It stops at the end of from's range, not going on into the next one.
+	for a := netip.MustParseAddr("10.1.0.50"); a.Compare(netip.MustParseAddr("10.1.0.99")) <= 0; a = a.Next() {
+		taken[a] = true
+	}
+	if a, looked, ok := p.NextNear(0, netip.MustParseAddr("10.1.0.90"), 1000, taken, nil); ok || looked != 10 {
+		t.Errorf("NextNear past its range's end: %s after %d (ok %v), want none after 10", a, looked, ok)
+	}
+}

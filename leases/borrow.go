@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
-	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -120,29 +119,32 @@ func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 	}
 }
 
-// borrowSpread is how many free addresses a borrower chooses among.
-const borrowSpread = 16
+// borrowSpread is how many free addresses a borrower chooses among, found within
+// borrowWindow addresses of the first.
+const (
+	borrowSpread = 16
+	borrowWindow = 1024
+)
 
-// pickSpread picks a free address of set for a borrower: one of the first borrowSpread free
-// addresses after a random place, at random. Borrowers of every node compete for the same
-// few free addresses near exhaustion, and those lie together (in the blocks that filled
-// last): a walk from a random place mostly crosses a long taken stretch and ends on the
-// same first free address for every borrower, whose claims then lose to each other. Taking
-// one of several at random makes two borrowers' choices collide borrowSpread times less
-// often, for a walk over borrowSpread free addresses instead of one (a whole lap when fewer
-// are free).
+// pickSpread picks a free address of set for a borrower: the first free address after a
+// random place, or one of up to borrowSpread free addresses in the borrowWindow addresses
+// from it, at random. Borrowers of every node compete for the same few free addresses near
+// exhaustion, and those often lie together (in the blocks that filled last): a walk from a
+// random place then crosses a taken stretch and ends on the same first free address for
+// every borrower, whose claims lose to each other. Free addresses spread thin over the pool
+// need no more than the random place; the window bounds what looking further costs.
 func pickSpread(spec *allocator.PoolSpec, set int, taken allocator.Taken, busy func(netip.Addr) bool) (netip.Addr, error) {
-	from := spec.Ranges[set].Spread(rand.Float64())
-	var found []netip.Addr
-	for len(found) < borrowSpread {
-		a, err := spec.Next(set, from, taken, func(a netip.Addr) bool { return busy(a) || slices.Contains(found, a) })
-		if err != nil {
-			if len(found) == 0 {
-				return netip.Addr{}, err
-			}
+	first, err := spec.Next(set, spec.Ranges[set].Spread(rand.Float64()), taken, busy)
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	found := []netip.Addr{first}
+	for c, left := first.Next(), borrowWindow; len(found) < borrowSpread && left > 0; {
+		a, looked, ok := spec.NextNear(set, c, left, taken, busy)
+		if !ok {
 			break
 		}
-		found, from = append(found, a), a.Next()
+		found, c, left = append(found, a), a.Next(), left-looked
 	}
 	return found[rand.IntN(len(found))], nil
 }
