@@ -69,15 +69,18 @@ type deployRuleGroup struct {
 	Limit                   int               `json:"limit,omitempty"`
 	Labels                  map[string]string `json:"labels,omitempty"`
 	PartialResponseStrategy string            `json:"partial_response_strategy,omitempty"`
-	Rules                   []struct {
-		Record        string            `json:"record,omitempty"`
-		Alert         string            `json:"alert,omitempty"`
-		Expr          string            `json:"expr"`
-		For           string            `json:"for,omitempty"`
-		KeepFiringFor string            `json:"keep_firing_for,omitempty"`
-		Labels        map[string]string `json:"labels,omitempty"`
-		Annotations   map[string]string `json:"annotations,omitempty"`
-	} `json:"rules"`
+	Rules                   []deployRule      `json:"rules"`
+}
+
+// deployRule is one recording or alerting rule of a deployRuleGroup.
+type deployRule struct {
+	Record        string            `json:"record,omitempty"`
+	Alert         string            `json:"alert,omitempty"`
+	Expr          string            `json:"expr"`
+	For           string            `json:"for,omitempty"`
+	KeepFiringFor string            `json:"keep_firing_for,omitempty"`
+	Labels        map[string]string `json:"labels,omitempty"`
+	Annotations   map[string]string `json:"annotations,omitempty"`
 }
 
 // deployPrometheusRule is the Prometheus Operator's PrometheusRule (monitoring.coreos.com/v1).

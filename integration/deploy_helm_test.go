@@ -55,7 +55,7 @@ func helmTemplate(t *testing.T, values ...string) (string, error) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	helm := helmBin(t)
+	helm := toolBin(t, "helm")
 	args := []string{"template", "leasehold", helmChartDir, "--namespace", "leasehold"}
 	for i, v := range values {
 		f := filepath.Join(dir, "values-"+string(rune('a'+i))+".yaml")
@@ -71,16 +71,6 @@ func helmTemplate(t *testing.T, values ...string) (string, error) {
 		return "", errors.New(strings.TrimSpace(stderr.String()))
 	}
 	return stdout.String(), nil
-}
-
-// helmBin is bin/helm, the Helm that integration/helmtool/go.mod pins.
-func helmBin(t *testing.T) string {
-	t.Helper()
-	helm := filepath.Join(binDir(t), "helm")
-	if _, err := os.Stat(helm); err != nil {
-		t.Fatalf("%s missing: run `make tools` (it builds Helm from integration/helmtool): %v", helm, err)
-	}
-	return helm
 }
 
 // helmCommand runs Helm with its cache, configuration and data directories under dir, out
@@ -664,7 +654,7 @@ func TestHelmChartLint(t *testing.T) {
 	if err := os.WriteFile(values, []byte(helmRequired+"monitoring: {enabled: true}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := helmCommand(helmBin(t), dir, "lint", "--strict", helmChartDir, "--values", values).CombinedOutput(); err != nil {
+	if out, err := helmCommand(toolBin(t, "helm"), dir, "lint", "--strict", helmChartDir, "--values", values).CombinedOutput(); err != nil {
 		t.Errorf("helm lint --strict: %v\n%s", err, out)
 	}
 }

@@ -41,6 +41,17 @@ func binDir(t testing.TB) string {
 	return dir
 }
 
+// toolBin is bin/<name>, one of the programs `make tools` builds from a tools module (Helm,
+// promtool, promqlnames). Missing, it fails the test as a missing leasehold binary does.
+func toolBin(t testing.TB, name string) string {
+	t.Helper()
+	p := filepath.Join(binDir(t), name)
+	if _, err := os.Stat(p); err != nil {
+		t.Fatalf("%s missing: run `make tools` (or `make test`) first: %v", p, err)
+	}
+	return p
+}
+
 // etcdProc is etcd running as its own process.
 type etcdProc struct {
 	URL     string

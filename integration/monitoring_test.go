@@ -31,7 +31,7 @@ const (
 // TestMonitoringRulesPassPromtool: `promtool check rules` accepts the rule file and its unit
 // tests (`promtool test rules`) pass.
 func TestMonitoringRulesPassPromtool(t *testing.T) {
-	promtool := monitoringTool(t, "promtool")
+	promtool := toolBin(t, "promtool")
 	for _, args := range [][]string{{"check", "rules", rulesFile}, {"test", "rules", rulesTestFile}} {
 		cmd := exec.CommandContext(t.Context(), promtool, args...)
 		cmd.Dir = monitoringDir
@@ -112,7 +112,7 @@ func TestMonitoringAlertsAreDocumentedAndTested(t *testing.T) {
 // _bucket, _sum and _count series; the rules may also read the scrape's own `up`). promtool
 // also lints the scrape (`promtool check metrics`: names, units, help texts).
 func TestMonitoringQueriesNameExportedMetrics(t *testing.T) {
-	promtool, names := monitoringTool(t, "promtool"), monitoringTool(t, "promqlnames")
+	promtool, names := toolBin(t, "promtool"), toolBin(t, "promqlnames")
 	addr := strings.TrimPrefix(freeURL(t), "http://")
 	f := newFixture(t, withAgentFlags("--metrics-addr", addr))
 	conf := netconf(f.Pool, f.Agent.Socket, dualStackIPAM("10.43.0.0/28", "fd43::/64"))
@@ -230,20 +230,6 @@ func TestMonitoringDashboardShape(t *testing.T) {
 	}
 }
 
-// monitoringTool is bin/<name>, built by `make tools`. Without it the test is skipped, except
-// in CI, which builds it.
-func monitoringTool(t *testing.T, name string) string {
-	t.Helper()
-	p := filepath.Join(binDir(t), name)
-	if _, err := os.Stat(p); err != nil {
-		if os.Getenv("CI") != "" {
-			t.Fatalf("%s missing, and CI builds it: run `make tools`: %v", p, err)
-		}
-		t.Skipf("%s missing: run `make tools`", p)
-	}
-	return p
-}
-
 func readMonitoring(t *testing.T, name string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(monitoringDir, name))
@@ -253,21 +239,9 @@ func readMonitoring(t *testing.T, name string) []byte {
 	return b
 }
 
-// promRules is the part of a Prometheus rule file the tests read.
+// promRules is a Prometheus rule file, decoded as strictly as the chart's PrometheusRule.
 type promRules struct {
-	Groups []struct {
-		Name  string     `json:"name"`
-		Rules []promRule `json:"rules"`
-	} `json:"groups"`
-}
-
-type promRule struct {
-	Alert       string            `json:"alert"`
-	Record      string            `json:"record"`
-	Expr        string            `json:"expr"`
-	For         string            `json:"for"`
-	Labels      map[string]string `json:"labels"`
-	Annotations map[string]string `json:"annotations"`
+	Groups []deployRuleGroup `json:"groups"`
 }
 
 func loadRules(t *testing.T) promRules {
@@ -280,8 +254,8 @@ func loadRules(t *testing.T) promRules {
 }
 
 // alerts lists the alerting rules of every group.
-func (r promRules) alerts() []promRule {
-	var out []promRule
+func (r promRules) alerts() []deployRule {
+	var out []deployRule
 	for _, g := range r.Groups {
 		for _, rule := range g.Rules {
 			if rule.Alert != "" {
