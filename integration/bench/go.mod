@@ -5,6 +5,7 @@ go 1.26.8
 require (
 	github.com/leasehold/leasehold v0.0.0
 	github.com/prometheus/client_golang v1.20.5
+	go.etcd.io/etcd/api/v3 v3.6.5
 	go.etcd.io/etcd/client/v3 v3.6.5
 	go.uber.org/zap v1.27.0
 	gonum.org/v1/plot v0.17.0
@@ -31,7 +32,6 @@ require (
 	github.com/prometheus/procfs v0.15.1 // indirect
 	github.com/vishvananda/netlink v1.3.1 // indirect
 	github.com/vishvananda/netns v0.0.5 // indirect
-	go.etcd.io/etcd/api/v3 v3.6.5 // indirect
 	go.etcd.io/etcd/client/pkg/v3 v3.6.5 // indirect
 	go.opentelemetry.io/otel v1.34.0 // indirect
 	go.opentelemetry.io/otel/trace v1.34.0 // indirect

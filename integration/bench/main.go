@@ -31,7 +31,7 @@ type config struct {
 	out, bin string
 	only     string
 
-	cpuProfile, mutexProfile, blockProfile string
+	cpuProfile, memProfile, mutexProfile, blockProfile string
 	// phaseProfile, when set, is a directory for CPU profiles and execution traces of
 	// single measured windows (the restart figure's recovery).
 	phaseProfile string
@@ -61,6 +61,7 @@ type config struct {
 	scaleHosts     int
 	scalePods      int
 	scaleAgentPods int
+	scaleFillRate  int
 	scaleV4        netip.Prefix
 	scaleV6        netip.Prefix
 }
@@ -72,6 +73,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
 	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback,exactfit,scale (add includes exhaustion and rss); empty runs all but scale")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
+	fs.StringVar(&c.memProfile, "memprofile", "", "write an allocation profile of the bench process (every allocation sampled: slower) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
 	fs.StringVar(&c.blockProfile, "blockprofile", "", "write a blocking profile to `file`")
 	fs.StringVar(&c.phaseProfile, "phase-profile", "", "write a CPU profile and an execution trace of the restart figure's recovery window into `dir`")
@@ -99,6 +101,7 @@ func parseFlags(args []string) (*config, error) {
 	fs.IntVar(&c.scaleHosts, "scale-hosts", 5, "processes the scale figure's agents run in")
 	fs.IntVar(&c.scalePods, "scale-pods", 110, "pods per node in the scale figure's steady state (dual-stack: two addresses each)")
 	fs.IntVar(&c.scaleAgentPods, "scale-agent-pods", 2, "pods each real agent of the scale figure ADDs, all agents at once")
+	fs.IntVar(&c.scaleFillRate, "scale-fill-rate", 1000, "pods a second the scale figure's steady state is filled with at most (a lease grant and the pod's keys each)")
 	scaleV4 := fs.String("scale-subnet-v4", "10.64.0.0/12", "IPv4 range of the scale figure's pool (room for -scale-nodes x -scale-pods pods)")
 	scaleV6 := fs.String("scale-subnet-v6", "fd64::/104", "IPv6 range of the scale figure's pool")
 	sweep := fs.String("sweep-subnet", "10.20.0.0/16", "pool of the occupancy sweep, the near-exhaustion and the RSS figures")
@@ -136,7 +139,7 @@ func parseFlags(args []string) (*config, error) {
 		return nil, fmt.Errorf("-sweep-subnet: %w", err)
 	}
 	if c.samples < 1 || c.versionN < 1 || c.exhaustN < 1 || c.tputConc < 1 || c.tputRounds < 1 || c.burstAgents < 1 ||
-		c.burstAdds < 1 || c.restartPods < 1 || c.fanoutAdds < 1 || c.churnPods < 1 || c.exhaustOcc <= 0 || c.exhaustOcc >= 1 {
+		c.burstAdds < 1 || c.restartPods < 1 || c.fanoutAdds < 1 || c.churnPods < 1 || c.scaleFillRate < 1 || c.exhaustOcc <= 0 || c.exhaustOcc >= 1 {
 		return nil, errors.New("sizes must be positive and -exhaust-occupancy in (0, 1)")
 	}
 	return c, nil
@@ -248,7 +251,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 	ev := &env{cfg: cfg, bin: bin, root: root, netns: netns,
 		agentLog: slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	res := &results{start: time.Now(), config: "go run . " + argv, version: describe(filepath.Dir(bin))}
-	stopProfiles, err := startProfiles(cfg.cpuProfile, cfg.mutexProfile, cfg.blockProfile)
+	stopProfiles, err := startProfiles(cfg.cpuProfile, cfg.memProfile, cfg.mutexProfile, cfg.blockProfile)
 	if err != nil {
 		return err
 	}
