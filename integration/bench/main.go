@@ -188,6 +188,9 @@ func run(args []string) int {
 	if len(args) == 2 && args[0] == agentHostFlag {
 		return runAgentHost(args[1]) // a share of the scale figure's agents, for a parent bench
 	}
+	if len(args) == 2 && args[0] == hopServerFlag {
+		return runHopServer(args[1]) // the plugin ADD's socket floor, for a parent bench
+	}
 	cfg, err := parseFlags(args)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0

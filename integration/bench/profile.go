@@ -9,10 +9,10 @@ import (
 	"runtime/trace"
 )
 
-// startProfiles starts the profiles asked for with -cpuprofile, -mutexprofile and
-// -blockprofile; they cover the in-process agents of the figures that run. The returned
+// startProfiles starts the profiles asked for with -cpuprofile, -memprofile, -mutexprofile
+// and -blockprofile; they cover the in-process agents of the figures that run. The returned
 // function writes them.
-func startProfiles(cpu, mutex, block string) (func() error, error) {
+func startProfiles(cpu, mem, mutex, block string) (func() error, error) {
 	var stops []func() error
 	if cpu != "" {
 		f, err := os.Create(cpu)
@@ -37,6 +37,12 @@ func startProfiles(cpu, mutex, block string) (func() error, error) {
 			}
 			return f.Close()
 		}
+	}
+	if mem != "" {
+		// Every allocation sampled, not one per 512 KiB: the profile is read as allocations
+		// per operation.
+		runtime.MemProfileRate = 1
+		stops = append(stops, write("allocs", mem))
 	}
 	if mutex != "" {
 		runtime.SetMutexProfileFraction(1)
