@@ -95,6 +95,139 @@ func figScale(ctx context.Context, env *env, res *results) error {
 	res.add(row{Figure: "scale, " + n + ": a new agent's first ADD", Leasehold: ms(lateAdd), Unit: "ms"})
 	res.note("Scale, a new node: an agent started last, in the steady state above (every node's block claims still there): " +
 		"leases.Start, its STATUS for the pool and its first ADD (a block claim among every node's).")
+	return scaleBorrow(ctx, env, res, e, pool, n)
+}
+
+// scaleBorrow: a new node's first ADD when every IPv4 block of the pool is claimed, so that
+// it must borrow: it reads the whole pool (every allocation key, both families) into its
+// borrowing snapshot. The blocks no node claimed yet are claimed for the steady state's nodes,
+// in turn, on one lease of the bench's.
+func scaleBorrow(ctx context.Context, env *env, res *results, e *etcdProc, pool, n string) error {
+	cfg := env.cfg
+	cli, err := e.client()
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	claimed, err := cli.Get(ctx, keyspace.BlocksPrefix(pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return err
+	}
+	have := map[string]bool{}
+	for _, kv := range claimed.Kvs {
+		have[string(kv.Key)] = true
+	}
+	g, err := cli.Grant(ctx, 3600)
+	if err != nil {
+		return err
+	}
+	bits := allocator.DefaultBlocks.IPv4
+	var ops []clientv3.Op
+	flush := func() error {
+		if len(ops) == 0 {
+			return nil
+		}
+		_, err := cli.Txn(ctx).Then(ops...).Commit()
+		ops = ops[:0]
+		return err
+	}
+	added := 0
+	now := time.Now().UTC()
+	for b := netip.PrefixFrom(cfg.scaleV4.Addr(), bits); cfg.scaleV4.Contains(b.Addr()); {
+		if key := keyspace.BlockKey(pool, b); !have[key] {
+			node := fmt.Sprintf("steady-%05d", added%cfg.scaleNodes)
+			ops = append(ops, clientv3.OpPut(key, string(mustJSON(keyspace.BlockRecord{Cluster: "default", Node: node,
+				NodeUID: "uid-" + node, LeaseID: keyspace.LeaseHex(g.ID), Since: now})), clientv3.WithLease(g.ID)))
+			added++
+			if len(ops) == 128 {
+				if err := flush(); err != nil {
+					return fmt.Errorf("claim the free blocks: %w", err)
+				}
+			}
+		}
+		next := nthAddr(b.Addr(), 1<<(32-bits))
+		if !next.IsValid() || next.Less(b.Addr()) {
+			break
+		}
+		b = netip.PrefixFrom(next, bits)
+	}
+	if err := flush(); err != nil {
+		return fmt.Errorf("claim the free blocks: %w", err)
+	}
+	keys, err := cli.Get(ctx, keyspace.IPsPrefix(pool), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return err
+	}
+	t0 := time.Now()
+	all, err := cli.Get(ctx, keyspace.IPsPrefix(pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return err
+	}
+	readAlone := time.Since(t0)
+	progress("scale: the borrowing read alone (keys only): %d keys in %s", len(all.Kvs), readAlone.Round(time.Millisecond))
+	all = nil
+	progress("scale: every IPv4 block claimed (%d claims written here, %d of both families there before); the pool holds %d allocation keys", added, len(have), keys.Count)
+
+	borrower, err := startInproc(ctx, env, e, "scale-borrower", "", nil)
+	if err != nil {
+		return err
+	}
+	defer borrower.close()
+	conf := scaleConf(pool, borrower.Socket, cfg.scaleV4, cfg.scaleV6)
+	// Its STATUS finds no block to claim, so it reads the pool to say whether a borrow would
+	// find room; the ADDs that follow reuse that snapshot while it is fresh.
+	t0 = time.Now()
+	if err := borrower.status(ctx, conf); err != nil {
+		return err
+	}
+	status := time.Since(t0)
+	var took [2]time.Duration
+	var got []netip.Addr
+	for i := range took {
+		inv, _ := podAdd(conf, env.netns)
+		t0 := time.Now()
+		addrs, err := invoke(ctx, borrower.client(), inv)
+		took[i] = time.Since(t0)
+		if err != nil {
+			return fmt.Errorf("the borrowing node's ADD %d: %w", i+1, err)
+		}
+		got = append(got, addrs...)
+	}
+	m, err := gather(borrower.agent.Metrics())
+	if err != nil {
+		return err
+	}
+	borrowed, blockClaims := sum(m, "leasehold_borrowed_addresses_total", nil), sum(m, "leasehold_block_claims_total", nil)
+	// The IPv4 address must lie in another node's block: borrowed, not claimed.
+	var v4 netip.Addr
+	for _, a := range got {
+		if a.Is4() {
+			v4 = a
+			break
+		}
+	}
+	owner, err := cli.Get(ctx, keyspace.BlockKey(pool, allocator.DefaultBlocks.Of(v4)))
+	if err != nil {
+		return err
+	}
+	if len(owner.Kvs) == 0 || strings.Contains(string(owner.Kvs[0].Value), `"scale-borrower"`) {
+		return fmt.Errorf("the borrowing node's first IPv4 address %s is in a block it claimed, not borrowed", v4)
+	}
+	progress("scale: a new node that must borrow: STATUS %s (reading %d allocation keys), first ADD %s, second ADD %s; %.0f addresses borrowed, %.0f blocks claimed",
+		status.Round(time.Millisecond), keys.Count, took[0].Round(time.Millisecond), took[1].Round(time.Millisecond), borrowed, blockClaims)
+	if borrowed < 2 {
+		return fmt.Errorf("the new node borrowed %.0f addresses in two ADDs; want 2", borrowed)
+	}
+	p := "scale, " + n + ", every IPv4 block claimed: "
+	res.add(row{Figure: p + "the pool read for borrowing alone (keys only)", Leasehold: ms(readAlone), Unit: "ms"})
+	res.add(row{Figure: p + "a new agent's STATUS (reads the pool for borrowing)", Leasehold: ms(status), Unit: "ms"})
+	res.add(row{Figure: p + "its first ADD (a borrowed IPv4 address, the snapshot reused)", Leasehold: ms(took[0]), Unit: "ms"})
+	res.add(row{Figure: p + "its second ADD", Leasehold: ms(took[1]), Unit: "ms"})
+	res.note("Scale, a node that must borrow: every IPv4 block of the pool claimed (%d claims written for the steady state's "+
+		"nodes, on one lease); the read a borrow makes (every allocation key of both families, keys only: %d) took %s alone. "+
+		"Then an agent started: its STATUS found no block to claim and read the pool (%s); its two ADDs borrowed an IPv4 "+
+		"address each (in another node's block) from that snapshot and claimed an IPv6 block: %s and %s.",
+		added, keys.Count, readAlone.Round(time.Millisecond), status.Round(time.Millisecond), took[0].Round(time.Millisecond), took[1].Round(time.Millisecond))
 	return nil
 }
 
