@@ -94,7 +94,10 @@ func figThroughput(ctx context.Context, env *env, res *results) error {
 	// The socket floor: the lease-per-key work behind the protocol a plugin speaks to its
 	// agent (agentapi.Serve and agentapi.Client, the same invocation and an answer of the
 	// same bytes), without the agent's own work: what any agent holding a lease per pod
-	// pays, because a plugin process cannot hold a lease past its own exit.
+	// pays, because a plugin process cannot hold a lease past its own exit. It is served in
+	// the bench process, as the agent of this figure is, so that the CPU split counts the
+	// server alike for both (the plugin ADD's floor serves it from a process of its own,
+	// startHopServer, because there the idle process's wake-up is the point).
 	floorCl, stopFloor, err := serveSocketFloor(ctx, env, leasedOp, first.Stdout)
 	if err != nil {
 		return err
