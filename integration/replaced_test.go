@@ -46,7 +46,7 @@ func TestEtcdDataReplaced(t *testing.T) {
 	eventually(t, 30*time.Second, "the server registers its node again in the new etcd", func() bool {
 		return exists(t, f.Cli, "/leasehold/v1/nodes/"+server.Cluster+"/"+server.Node)
 	})
-	if !strings.Contains(server.logs.String(), "etcd's data was replaced") {
-		t.Errorf("the server did not say that etcd's data was replaced:\n%s", server.logs.String())
+	if !strings.Contains(server.logs.String(), "etcd went back in time") {
+		t.Errorf("the server did not say that etcd went back in time:\n%s", server.logs.String())
 	}
 }

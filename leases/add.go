@@ -77,6 +77,9 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	if err := a.reachable(ctx); err != nil {
 		return allocator.Result{}, err // a node cut off from etcd says so at once
 	}
+	if err := a.hold.wait(ctx, a.cfg.OpTimeout); err != nil {
+		return allocator.Result{}, err // etcd went back in time: this node's pods first
+	}
 	unlock := a.locks.lock(owner)
 	defer unlock()
 	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
@@ -225,7 +228,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			return allocator.Result{}, false, err
 		}
 	}
-	start, floor := time.Now(), a.revFloor()
+	start := time.Now()
 	var resp *clientv3.TxnResponse
 	if c.claimKey != "" {
 		// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
@@ -253,8 +256,6 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// its addresses are returned) or claims afresh on the same lease.
 		return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, a.unavailable("claim addresses", err))
 	}
-	a.etcdAnswered()
-	a.sawHeader(resp.Header, floor)
 	out := c.outcome(resp)
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)
@@ -465,17 +466,15 @@ func ownerKeyOf(a *Agent, st *addState, p *pool) string {
 // watches did not report (etcd's data replaced), and must be listed again before the ADD may
 // say that no address is free.
 func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvccpb.KeyValue, changed, stale bool, err error) {
-	floor := a.revFloor()
 	allocated, quarantined, ipPrefixes, qPrefixes := p.view.counts()
 	ops := []clientv3.Op{clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly())}
 	for _, prefix := range append(ipPrefixes, qPrefixes...) {
 		ops = append(ops, clientv3.OpGet(prefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	}
-	resps, hdrs, err := readChunked(ctx, a.cli, ops)
+	resps, _, err := readChunked(ctx, a.cli, ops)
 	if err != nil {
 		return nil, false, false, a.unavailable("read "+ownerKey, err)
 	}
-	a.sawHeader(hdrs[0], floor)
 	if kvs := resps[0].GetResponseRange().Kvs; len(kvs) > 0 {
 		kv = kvs[0]
 	}

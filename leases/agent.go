@@ -11,7 +11,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -52,15 +51,17 @@ type Agent struct {
 	icmu            sync.Mutex
 	importConflicts map[importConflictRef][]netip.Addr
 
-	// etcd's history as this agent has seen it (sawHeader).
-	epochMu      sync.Mutex
-	epochCluster uint64
-	epochRev     int64
+	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
+	// it repairs what etcd going back in time took; auditDue asks the recovery loop to check
+	// every key the agent keeps, suspect says that etcd may have gone back (audit.go).
+	gate     *etcdGate
+	hold     *restoreHold
+	auditDue atomic.Bool
+	suspect  atomic.Bool
 
-	metrics    *metrics
-	started    time.Time    // monotonic origin of lastAnswer
-	lastAnswer atomic.Int64 // monotonic nanoseconds after started of the last etcd call that succeeded
-	conflicts  atomic.Int64 // addresses found taken by another owner on re-claim
+	metrics   *metrics
+	started   time.Time    // when the agent started (del.go)
+	conflicts atomic.Int64 // addresses found taken by another owner on re-claim
 
 	stopped   chan struct{} // closed when the agent stops itself (fail)
 	stopOnce  sync.Once
@@ -85,10 +86,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		}
 	}
 	actx, cancel := context.WithCancel(context.Background())
+	gate := newEtcdGate(actx, cli, keyspace.NodeKey(cfg.Cluster, cfg.Node))
 	a := &Agent{
 		unlock:          unlock,
 		cfg:             cfg,
-		cli:             cli,
+		cli:             gate.client,
+		gate:            gate,
+		hold:            newRestoreHold(cfg.LeaseTTL),
 		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:             actx,
 		cancel:          cancel,
@@ -100,18 +104,19 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		started:         time.Now(),
 		stopped:         make(chan struct{}),
 	}
+	gate.wentBack, gate.mayHaveGoneBack = a.etcdWentBack, a.etcdMayHaveGoneBack
 	a.pods = newPods(cfg.NodeUID, a.jw)
 	a.metrics = newMetrics(a)
-	a.claims = &claimBatcher{cli: cli, timeout: cfg.OpTimeout, m: a.metrics}
-	keeper, err := NewKeeper(cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
-		Log: a.log, OnLost: a.leaseLost, OnHeard: a.etcdAnswered})
+	a.claims = &claimBatcher{cli: a.cli, timeout: cfg.OpTimeout, m: a.metrics}
+	keeper, err := NewKeeper(a.cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
+		Log: a.log, OnLost: a.leaseLost, OnHeard: gate.heard})
 	if err != nil {
 		cancel()
 		unlock()
 		return nil, err
 	}
 	a.keeper = keeper
-	a.pools = newPools(actx, cli, a.log)
+	a.pools = newPools(actx, a.cli, a.log, a.hold)
 	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
@@ -203,49 +208,6 @@ func (a *Agent) opCtx(ctx context.Context) (context.Context, context.CancelFunc)
 	return context.WithTimeout(ctx, a.cfg.OpTimeout)
 }
 
-// etcdAnswered records that etcd just answered a request, for probe.
-func (a *Agent) etcdAnswered() { a.lastAnswer.Store(int64(time.Since(a.started))) }
-
-// revFloor is the highest revision the agent has seen etcd answer with: a linearizable
-// request sent after this call must be answered at this revision or a later one.
-func (a *Agent) revFloor() int64 {
-	a.epochMu.Lock()
-	defer a.epochMu.Unlock()
-	return a.epochRev
-}
-
-// sawHeader notes the header of a linearizable answer to a request sent when revFloor was
-// floor. Another cluster ID, or a revision below floor, means etcd's data was replaced (an
-// etcd restored from an old snapshot, or an empty one at the same endpoints): what the agent
-// knows from it is void, and its watches, resumed at revisions the new etcd has not reached,
-// report nothing. Then every view is listed again and the node registers again; the pod
-// leases the new etcd lacks are found lost by their keep-alives and re-claimed.
-func (a *Agent) sawHeader(h *pb.ResponseHeader, floor int64) {
-	if h == nil {
-		return
-	}
-	a.epochMu.Lock()
-	prevCluster, prevRev := a.epochCluster, a.epochRev
-	replaced := prevCluster != 0 && (h.ClusterId != prevCluster || h.Revision < floor)
-	if replaced || h.Revision > a.epochRev {
-		a.epochRev = h.Revision
-	}
-	a.epochCluster = h.ClusterId
-	a.epochMu.Unlock()
-	if !replaced {
-		return
-	}
-	a.log.Error("etcd's data was replaced (restored from a snapshot, or a new etcd at the same endpoints); "+
-		"listing every pool again and registering the node again",
-		"cluster_id", fmt.Sprintf("%x", h.ClusterId), "previous_cluster_id", fmt.Sprintf("%x", prevCluster),
-		"revision", h.Revision, "previous_revision", prevRev)
-	a.pools.restartAll()
-	if node := a.nodeLease(); node != 0 {
-		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
-	}
-	a.wake()
-}
-
 // reachable tells whether etcd answers: an ADD or DEL asks it first when etcd was silent for
 // reachAfter, so that a node cut off from etcd answers them at once instead of after the
 // plugin's timeout. Renewals count as answers: a node with pods seldom asks.
@@ -254,9 +216,8 @@ func (a *Agent) reachable(ctx context.Context) error {
 		return nil
 	}
 	if err := a.ask(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
-		since := a.started.Add(time.Duration(a.lastAnswer.Load()))
 		return fmt.Errorf("%w: etcd does not answer (no answer since %s): %w", allocator.ErrUnavailable,
-			time.Now().Add(-time.Since(since)).UTC().Format(time.RFC3339), err)
+			a.gate.lastAnswer().UTC().Format(time.RFC3339), err)
 	}
 	return nil
 }
@@ -271,22 +232,14 @@ func (a *Agent) probe(ctx context.Context, key string) error {
 }
 
 // silentFor is how long ago etcd last answered the agent.
-func (a *Agent) silentFor() time.Duration {
-	return time.Since(a.started) - time.Duration(a.lastAnswer.Load())
-}
+func (a *Agent) silentFor() time.Duration { return a.gate.silentFor() }
 
 // ask is probe's question: a count-only read of key, bounded by probeTimeout.
 func (a *Agent) ask(ctx context.Context, key string) error {
 	octx, cancel := context.WithTimeout(ctx, probeTimeout)
 	defer cancel()
-	floor := a.revFloor()
-	resp, err := a.cli.Get(octx, key, clientv3.WithCountOnly())
-	if err != nil {
-		return err
-	}
-	a.etcdAnswered()
-	a.sawHeader(resp.Header, floor)
-	return nil
+	_, err := a.cli.Get(octx, key, clientv3.WithCountOnly())
+	return err
 }
 
 // wall is the time written into records; see Config.WallClock.

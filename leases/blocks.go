@@ -213,6 +213,13 @@ func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 // chooseFree is choose without the addresses held back after an expiry.
 func (v *view) chooseFree(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	addr, err := v.reserve(spec, set, skip)
+	if errors.Is(err, errNoBlock) || errors.Is(err, allocator.ErrPoolExhausted) && v.keeping() {
+		// Right after etcd went back in time, another node's pod may hold any unclaimed block
+		// or borrowed address (restoreHold).
+		if herr := v.hold.settling(); herr != nil {
+			return netip.Addr{}, herr
+		}
+	}
 	if !errors.Is(err, errNoBlock) {
 		return addr, err
 	}
@@ -245,6 +252,13 @@ func (v *view) chooseFree(ctx context.Context, spec *allocator.PoolSpec, set int
 		}
 	}
 	return v.borrow(ctx, spec, set, skip)
+}
+
+// keeping tells whether the view passes over addresses it kept after etcd went back in time.
+func (v *view) keeping() bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return len(v.kept) > 0 && time.Now().Before(v.keepUntil)
 }
 
 // claimBlock claims a block of set with no claim, nearest after the blocks this node holds

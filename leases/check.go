@@ -83,7 +83,6 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	if err != nil {
 		return allocator.Result{}, a.unavailable("read the pod lease", err)
 	}
-	a.etcdAnswered()
 	if ttl.TTL <= 0 {
 		return allocator.Result{}, fmt.Errorf("%w: pod lease %s of owner %s has expired", allocator.ErrNotAllocated, keyspace.LeaseHex(lease), owner)
 	}

@@ -72,6 +72,11 @@ type Config struct {
 	// (blockLeaseTTL). Default
 	// DefaultReuseDelay; negative holds nothing back.
 	ReuseDelay time.Duration
+	// AuditInterval is how often the agent checks every key it keeps in etcd (its node record,
+	// block claims, and its running pods' pod records, owner indexes and allocations) against
+	// what it wrote, and re-claims a pod whose key was deleted or changed (audit.go); default
+	// half of LeaseTTL, at most LeaseTTL.
+	AuditInterval time.Duration
 	// Version is the agent version written into the node record.
 	Version string
 	Logger  *slog.Logger
@@ -144,6 +149,13 @@ func (c *Config) validate() error {
 	}
 	if c.LeaseTTL < minLeaseTTL {
 		return fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, c.LeaseTTL, minLeaseTTL)
+	}
+	if c.AuditInterval == 0 {
+		c.AuditInterval = c.LeaseTTL / 2
+	}
+	if c.AuditInterval < 0 || c.AuditInterval > c.LeaseTTL {
+		return fmt.Errorf("%w: audit interval %s must be positive and at most the lease TTL %s: a key of a running pod "+
+			"deleted by hand or lost with a restore must be put back within a TTL", allocator.ErrInvalidConfig, c.AuditInterval, c.LeaseTTL)
 	}
 	if c.ClaimHold == 0 {
 		c.ClaimHold = DefaultClaimHold

@@ -187,7 +187,6 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	if err != nil {
 		return "", 0, false, a.unavailable("take "+ref.addr.String()+" back for its running pod", err)
 	}
-	a.etcdAnswered()
 	if !resp.Succeeded {
 		if kvs := resp.Responses[1].GetResponseRange().Kvs; len(kvs) == 0 || !keyspace.HeldOn(kvs[0], lease) {
 			return "", 0, true, nil // the attachment is not on this lease any more: the re-claim or DEL has it

@@ -109,7 +109,6 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 	if err != nil {
 		return -1, a.unavailable("read owner index "+ownerKey, err)
 	}
-	a.etcdAnswered()
 	if len(resp.Kvs) == 0 {
 		if lease, held := a.pods.lease(owner); held && a.pods.lists(owner, req.IfName, req.Pool.Name, req.ContainerID) {
 			// The agent holds the attachment, etcd has no key of it: its lease expired before
@@ -292,7 +291,6 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		if err != nil {
 			return -1, a.unavailable("release "+r.ownerKey, err)
 		}
-		a.etcdAnswered()
 		out := r.outcome(resp)
 		switch {
 		case out.Applied:

@@ -154,7 +154,6 @@ func (a *Agent) register(ctx context.Context) error {
 		}
 	}
 	a.nodeLeaseID.Store(int64(id))
-	a.etcdAnswered()
 	a.log.Info("node registered", "uid", a.cfg.NodeUID, "host", a.cfg.Host, "lease", keyspace.LeaseHex(id))
 	return nil
 }

@@ -205,7 +205,6 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			}
 			continue
 		}
-		a.etcdAnswered()
 		if out.Applied {
 			for _, ip := range addrs {
 				p.view.markAllocated(ip, out.Revision)

@@ -140,7 +140,7 @@ func (k *Keeper) drain(ctx context.Context, id clientv3.LeaseID, ch <-chan *clie
 		for resp := range ch {
 			heard, ttl = time.Now(), time.Duration(resp.TTL)*time.Second
 			if k.onHeard != nil {
-				k.onHeard()
+				k.onHeard(resp.ResponseHeader)
 			}
 		}
 		if ctx.Err() != nil {

@@ -29,7 +29,7 @@ type Keeper struct {
 	timeout time.Duration
 	log     *slog.Logger
 	onLost  func(clientv3.LeaseID)
-	onHeard func()
+	onHeard func(*pb.ResponseHeader)
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -67,9 +67,10 @@ type KeeperConfig struct {
 	// OnLost, if not nil, is called (from the keeper's own goroutine) when a held lease stops
 	// being renewed without Forget or Revoke.
 	OnLost func(clientv3.LeaseID)
-	// OnHeard, if not nil, is called for each renewal etcd answers: the agent knows from it,
-	// at no cost, that etcd answers (Agent.reachable).
-	OnHeard func()
+	// OnHeard, if not nil, is called with the header of each renewal etcd answers: the agent
+	// knows from it, at no cost, that etcd answers (Agent.reachable), and whether etcd went
+	// back in time (etcdGate).
+	OnHeard func(*pb.ResponseHeader)
 }
 
 // NewKeeper starts a keeper granting leases as cfg says and keeping its spare leases ready.
@@ -205,6 +206,9 @@ func (k *Keeper) RenewNow(ctx context.Context, ids []clientv3.LeaseID) (gone []c
 		if err != nil {
 			return gone, fmt.Errorf("renew %d leases: %w", len(ids), err)
 		}
+		if k.onHeard != nil {
+			k.onHeard(resp.Header)
+		}
 		if resp.TTL <= 0 {
 			gone = append(gone, clientv3.LeaseID(resp.ID))
 		}
@@ -290,6 +294,22 @@ func (k *Keeper) spareAgain(id clientv3.LeaseID) bool {
 func (k *Keeper) roomLocked(id clientv3.LeaseID) bool {
 	_, held := k.held[id]
 	return held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id)
+}
+
+// DropSpares revokes every spare lease, in the background, and grants new ones: after etcd
+// went back in time a spare may carry keys the backup had on it (a pod lease recycled since),
+// which a pod taking it would keep alive.
+func (k *Keeper) DropSpares() {
+	k.mu.Lock()
+	spare := k.spare
+	k.spare = nil
+	k.mu.Unlock()
+	go func() {
+		for _, id := range spare {
+			k.revokeQuietly(id)
+		}
+	}()
+	k.kick()
 }
 
 // QuarantineLease returns a lease for quarantine keys that lives at least d from now and at

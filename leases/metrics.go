@@ -40,6 +40,9 @@ type metrics struct {
 	// resolved, and open.
 	expiredReused, releasesDeferred, reclaimsCancelled, conflictsResolved prometheus.Counter
 	conflictsOpen                                                         prometheus.Gauge
+	// A live lease is not proof (audit.go): keys of running pods found missing or changed,
+	// and the times etcd was found to have gone back in time.
+	podKeysLost, wentBack prometheus.Counter
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -127,6 +130,14 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_conflicts_open",
 			Help: "Addresses of this node's running pods held by another owner now (conflicts not yet resolved).",
 		}),
+		podKeysLost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_pod_keys_lost_total",
+			Help: "Keys of running pods (pod records, owner indexes, allocations) the agent's check found missing, on another lease or overwritten in etcd; each such pod is re-claimed (leasehold_reclaims_total).",
+		}),
+		wentBack: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_etcd_went_back_total",
+			Help: "Times the agent found etcd gone back in time (restored from a backup, or replaced): an answer of another cluster or below a revision already seen, or a node record, block claim or pod keys lost after a compacted watch.",
+		}),
 	}
 	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
 	// nothing, and an alert on increase() sees the first one.
@@ -136,7 +147,7 @@ func newMetrics(a *Agent) *metrics {
 	for _, r := range []string{"committed", "split", "lost"} {
 		m.claimBatches.WithLabelValues(r)
 	}
-	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
+	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.podKeysLost, m.wentBack, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
 		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",

@@ -94,6 +94,15 @@ type podState struct {
 
 	lease   podLease
 	lastAdd time.Time // an ADD touched the pod; sandbox liveness leaves it alone for a grace
+	// checked is what the audit last found right of the pod's keys (audit.go).
+	checked checkedKeys
+}
+
+// checkedKeys are the ModRevisions of a pod's keys when the audit last read them on lease
+// and found them as the agent wrote them. Replaced whole, never changed in place.
+type checkedKeys struct {
+	lease clientv3.LeaseID
+	revs  map[string]int64
 }
 
 // hold is podLease.hold, keeping the journaled LeaseID in step.

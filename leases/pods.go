@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -537,4 +538,79 @@ func (t *pods) claimLeases() []clientv3.LeaseID {
 		}
 	}
 	return out
+}
+
+// auditable lists what the audit expects of each running pod (audit.go): its pod record, and
+// for each attachment its owner index and the allocations of its addresses no other owner
+// holds, with the ModRevision each had when last checked. A pod whose lease is not held is
+// being re-claimed, and one with a DEL waiting for etcd is going: neither is checked. An
+// attachment of a pool missing from layouts (being migrated) has its allocations left out.
+func (t *pods) auditable(cluster, node string, layouts map[string]allocator.Blocks) []auditPod {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]auditPod, 0, len(t.m))
+	for _, ps := range t.m {
+		if p, ok := ps.auditPod(cluster, node, layouts); ok {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// auditOne is auditable for one pod.
+func (t *pods) auditOne(owner, cluster, node string, layouts map[string]allocator.Blocks) (auditPod, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ps, ok := t.m[owner]
+	if !ok {
+		return auditPod{}, false
+	}
+	return ps.auditPod(cluster, node, layouts)
+}
+
+func (ps *podState) auditPod(cluster, node string, layouts map[string]allocator.Blocks) (auditPod, bool) {
+	lease, held := ps.lease.held()
+	if !held || len(ps.Attachments) == 0 || slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.Released }) {
+		return auditPod{}, false
+	}
+	p := auditPod{owner: ps.Owner, lease: lease}
+	revOf := func(key string) int64 {
+		if ps.checked.lease != lease {
+			return 0
+		}
+		return ps.checked.revs[key]
+	}
+	add := func(key string, kind auditKind, container string) {
+		p.keys = append(p.keys, auditKey{key: key, kind: kind, container: container, rev: revOf(key)})
+	}
+	add(keyspace.PodKey(cluster, node, ps.Owner), auditPodRecord, "")
+	for _, at := range ps.Attachments {
+		add(keyspace.OwnerKey(cluster, ps.Owner, at.IfName, at.Pool), auditOwnerIndex, at.ContainerID)
+		blocks, ok := layouts[at.Pool]
+		if !ok {
+			continue
+		}
+		for _, ip := range at.IPs {
+			if !slices.Contains(at.Conflicts, ip) {
+				add(keyspace.IPKey(at.Pool, blocks, ip), auditAllocation, at.ContainerID)
+			}
+		}
+	}
+	return p, true
+}
+
+// verified records the ModRevisions of p's keys as read (kvs, in p.keys' order) and found
+// right, if the pod still holds the lease they were read on.
+func (t *pods) verified(p auditPod, kvs []*mvccpb.KeyValue) {
+	revs := make(map[string]int64, len(p.keys))
+	for i, k := range p.keys {
+		if kvs[i] != nil {
+			revs[k.key] = kvs[i].ModRevision
+		}
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ps, ok := t.m[p.owner]; ok && ps.lease.id == p.lease {
+		ps.checked = checkedKeys{lease: p.lease, revs: revs}
+	}
 }

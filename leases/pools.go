@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -37,14 +38,16 @@ type pools struct {
 	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
 	// own claims this node's blocks in pools of the block layout.
 	own *blockOwner
+	// hold says when etcd went back in time, for the views' settle time (audit.go).
+	hold *restoreHold
 
 	mu    sync.Mutex
 	m     map[string]*pool
 	stops map[string]context.CancelFunc // ends a view's run
 }
 
-func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger) *pools {
-	return &pools{cli: cli, log: log, ctx: ctx, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
+func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger, hold *restoreHold) *pools {
+	return &pools{cli: cli, log: log, ctx: ctx, hold: hold, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
 }
 
 // ensure returns the stored definition of spec.Name, creating it from spec if no definition
@@ -79,7 +82,7 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 		}
 		vctx, stop := context.WithCancel(ps.ctx)
 		p = &pool{spec: stored, rev: rev, migrating: migrating,
-			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own)}
+			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own, ps.hold)}
 		ps.stops[spec.Name] = stop
 		go p.view.run(vctx)
 	}
@@ -138,13 +141,14 @@ func (ps *pools) viewOf(name string) *view {
 	return nil
 }
 
-// restartAll makes every view list its pool again, and the next ensure of each pool re-read
-// its definition.
-func (ps *pools) restartAll() {
+// restartAll makes every view list its pool again, keeping until keep the addresses it knew
+// allocated as taken (view.restartKeeping), and the next ensure of each pool re-read its
+// definition.
+func (ps *pools) restartAll(keep time.Time) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	for name, p := range ps.m {
-		p.view.restart()
+		p.view.restartKeeping(keep)
 		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"slices"
 	"time"
@@ -117,7 +118,8 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.pods.restore(ps, false, true)
 		lost++
 	}
-	a.wake() // re-claims, releases recorded while etcd was away, held keys no pod holds any more
+	a.auditDue.Store(true) // the pod records were read, their other keys not yet
+	a.wake()               // re-claims, releases recorded while etcd was away, held keys no pod holds any more
 	a.log.Info("recovered this node's pods", "resumed", resumed, "released", released, "to_reclaim", lost,
 		"other_identities_left_to_expire", foreign)
 	return nil
@@ -197,20 +199,28 @@ func (a *Agent) wake() {
 }
 
 // reclaimLoop is the agent's recovery: whenever woken (a lease lost, a DEL recorded while
-// etcd was away or of a pod being re-claimed, a start) it re-claims lost leases, finishes
-// recorded releases and frees the held keys no pod of this node holds any more, retrying with
-// backoff until etcd answers.
+// etcd was away or of a pod being re-claimed, a start, etcd gone back in time) it checks the
+// keys it keeps if that is due, re-claims lost leases, finishes recorded releases and frees
+// the held keys no pod of this node holds any more, retrying with backoff until etcd answers.
+// Every Config.AuditInterval it checks the keys it keeps (audit.go), and does the rest only
+// if that found something.
 func (a *Agent) reclaimLoop() {
 	defer a.wg.Done()
+	audits := time.NewTimer(a.auditEvery())
+	defer audits.Stop()
 	for {
+		full := true
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-a.lost:
+		case <-audits.C:
+			a.auditDue.Store(true)
+			full = false
 		}
 		backoff := reclaimRetryFirst
 		for a.ctx.Err() == nil {
-			err := a.reclaimAll(a.ctx)
+			err := a.reclaimAll(a.ctx, full)
 			if err == nil {
 				break
 			}
@@ -218,6 +228,7 @@ func (a *Agent) reclaimLoop() {
 				a.fail(err) // another host took this node identity while etcd could not hear us
 				return
 			}
+			full = true
 			a.log.Warn("recovery incomplete; retrying", "err", err, "retry_in", backoff)
 			select {
 			case <-a.ctx.Done():
@@ -226,10 +237,34 @@ func (a *Agent) reclaimLoop() {
 			}
 			backoff = min(2*backoff, reclaimRetryMax)
 		}
+		if !audits.Stop() {
+			select {
+			case <-audits.C:
+			default:
+			}
+		}
+		audits.Reset(a.auditEvery())
 	}
 }
 
-func (a *Agent) reclaimAll(ctx context.Context) error {
+// auditEvery is the time to the next audit: Config.AuditInterval, less up to a tenth at
+// random, so that agents started together do not check at once.
+func (a *Agent) auditEvery() time.Duration {
+	d := a.cfg.AuditInterval
+	return d - time.Duration(rand.Int64N(int64(d/10)+1))
+}
+
+// reclaimAll is one pass of the recovery loop. A pass only for the periodic audit (full
+// false) stops after it unless it found lost keys.
+func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
+	gen := a.hold.pending()
+	lost, err := a.auditIfDue(ctx)
+	if err != nil {
+		return err
+	}
+	if !full && lost == 0 && a.hold.pending() == gen {
+		return nil
+	}
 	node := a.nodeLease()
 	nodeLost := node != 0 && !a.keeper.Holds(node)
 	owners := a.pods.lost()
@@ -248,7 +283,13 @@ func (a *Agent) reclaimAll(ctx context.Context) error {
 	a.watchConflicts()
 	// The held keys of pods still being re-claimed stay: the pods list their addresses.
 	errs = append(errs, a.settleHeld(ctx))
-	return errors.Join(errs...)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	if len(a.pods.lost()) == 0 {
+		a.hold.done(gen) // every running pod holds its keys again: ADDs go on
+	}
+	return nil
 }
 
 // releasePending releases owner's attachments whose DEL was answered while etcd could not be
@@ -503,7 +544,8 @@ const historyIdle = time.Second
 func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) (taken []keyspace.TakenByOther, known bool) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	wch := a.cli.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
+	// Past the gate: a history compacted away is an answer here, not a sign of a restore.
+	wch := a.gate.raw.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
 		clientv3.WithCreatedNotify())
 	idle := time.NewTimer(historyIdle)
 	defer idle.Stop()

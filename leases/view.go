@@ -80,6 +80,14 @@ type view struct {
 	stopFollow context.CancelFunc
 	relisted   chan struct{}
 	restarting bool
+
+	// After etcd went back in time (audit.go): hold refuses new blocks and borrowing for the
+	// settle time, and kept are the addresses the view knew allocated before it listed the
+	// pool again and the listing lacks, passed over until keepUntil: another node's pod may
+	// run with one, its key gone with the backup, until its agent re-claims it.
+	hold      *restoreHold
+	kept      map[netip.Addr]struct{}
+	keepUntil time.Time
 }
 
 // span is one key range the view follows.
@@ -105,8 +113,13 @@ type generation struct {
 	closed bool
 }
 
-func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner) *view {
+func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner, hold *restoreHold) *view {
+	if hold == nil {
+		hold = newRestoreHold(0)
+	}
 	v := &view{
+		hold:        hold,
+		kept:        make(map[netip.Addr]struct{}),
 		pool:        pool,
 		blocks:      blocks,
 		cli:         cli,
@@ -200,8 +213,22 @@ func (v *view) busy(skip func(netip.Addr) bool) func(netip.Addr) bool {
 		if _, ok := v.pending[a]; ok {
 			return true
 		}
-		return skip != nil && skip(a) || v.heldBackLocked(a)
+		return skip != nil && skip(a) || v.heldBackLocked(a) || v.keptLocked(a)
 	}
+}
+
+// keptLocked tells whether a is one of the addresses kept after etcd went back in time; the
+// caller holds the lock.
+func (v *view) keptLocked(a netip.Addr) bool {
+	if len(v.kept) == 0 {
+		return false
+	}
+	if !time.Now().Before(v.keepUntil) {
+		clear(v.kept)
+		return false
+	}
+	_, ok := v.kept[a]
+	return ok
 }
 
 // roomAt notes that a may have come free; the caller holds the lock.
@@ -440,6 +467,39 @@ func (v *view) counts() (allocated, quarantined int, ipPrefixes, qPrefixes []str
 		qPrefixes = append(qPrefixes, keyspace.BlockQuarantinePrefix(v.pool, b))
 	}
 	return len(v.allocated), len(v.quarantined), ipPrefixes, qPrefixes
+}
+
+// restartKeeping is restart after etcd went back in time: until keep, the new listing does
+// not free the addresses the view knew allocated (view.kept).
+func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
+	v.mu.Lock()
+	if keep.After(v.keepUntil) {
+		v.keepUntil = keep
+	}
+	v.mu.Unlock()
+	return v.restart()
+}
+
+// claimsHeld is the blocks this node holds in the pool, with the lease each claim is on, but
+// those being given back.
+func (v *view) claimsHeld() map[netip.Prefix]clientv3.LeaseID {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	out := make(map[netip.Prefix]clientv3.LeaseID)
+	for b, s := range v.spans {
+		if b.IsValid() && !s.leaving && s.lease != 0 {
+			out[b] = s.lease
+		}
+	}
+	return out
+}
+
+// holdsClaim tells whether claimsHeld would still list block on lease.
+func (v *view) holdsClaim(block netip.Prefix, lease clientv3.LeaseID) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, ok := v.spans[block]
+	return ok && !s.leaving && s.lease == lease
 }
 
 // restart makes run drop its watches and list the pool again, for a view that may be stale

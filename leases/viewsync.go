@@ -272,6 +272,13 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		}
 	}
 	v.mu.Lock()
+	if time.Now().Before(v.keepUntil) {
+		for a := range v.allocated {
+			if _, ok := allocated[a]; !ok {
+				v.kept[a] = struct{}{}
+			}
+		}
+	}
 	for b, old := range v.spans {
 		if s, ok := spans[b]; ok {
 			s.emptySince = old.emptySince

@@ -1,0 +1,495 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// A live lease is not proof that the keys on it exist: an etcd restored from a backup has
+// the leases the backup had, without what was written on them since, and an admin may delete
+// or overwrite a key with etcdctl. So the agent checks what it wrote (audit) every
+// Config.AuditInterval, and at once when etcd may have gone back in time (gate.go): the node
+// record, the block claims its views hold, and for each running pod its pod record, owner
+// indexes and allocations. A key missing, on another lease or with a value this agent did not
+// write is a lost key: the pod's lease is revoked and the pod re-claimed, exactly as after a
+// lost lease (recover.go), a conflict recorded for an address another owner holds meanwhile.
+//
+// The audit costs one compare per key: the ModRevision each key had when the agent last read
+// it. Any write to the key changes it, and so does a delete (to 0), a put without the lease,
+// or a restore of a backup older than the key; a key the agent has not read yet, or whose
+// compare failed, is read and judged by its value and lease.
+
+// auditKind is what a key of a running pod is.
+type auditKind uint8
+
+const (
+	auditPodRecord auditKind = iota
+	auditOwnerIndex
+	auditAllocation
+)
+
+// auditKey is one key of a running pod, as the audit expects it.
+type auditKey struct {
+	key       string
+	kind      auditKind
+	container string // an owner index's container
+	rev       int64  // ModRevision when last read and found right; 0: not yet
+}
+
+// auditPod is what the audit expects of one running pod: its keys on its lease.
+type auditPod struct {
+	owner string
+	lease clientv3.LeaseID
+	keys  []auditKey
+}
+
+// verified tells whether every key has a ModRevision to compare.
+func (p auditPod) verified() bool {
+	return !slices.ContainsFunc(p.keys, func(k auditKey) bool { return k.rev == 0 })
+}
+
+// audit checks every key the agent keeps against etcd, as the top of this file says, and
+// reports how many pods it found with lost keys (each revoked and marked lost, for the
+// re-claim that follows). A node record or block claim that is not the one the agent holds
+// means etcd went back in time, and is reported as such.
+func (a *Agent) audit(ctx context.Context) (lost int, err error) {
+	layouts, err := a.auditLayouts(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if err := a.auditOwn(ctx); err != nil {
+		return 0, err
+	}
+	pods := a.pods.auditable(a.cfg.Cluster, a.cfg.Node, layouts)
+	var unverified []auditPod
+	var verified []auditPod
+	for _, p := range pods {
+		if p.verified() {
+			verified = append(verified, p)
+		} else {
+			unverified = append(unverified, p)
+		}
+	}
+	// The compares, pods whole in each transaction.
+	for len(verified) > 0 {
+		n, keys := 0, 0
+		for n < len(verified) && (n == 0 || keys+len(verified[n].keys) <= maxTxnOps) {
+			keys += len(verified[n].keys)
+			n++
+		}
+		chunk := verified[:n]
+		verified = verified[n:]
+		cmps := make([]clientv3.Cmp, 0, keys)
+		for _, p := range chunk {
+			for _, k := range p.keys {
+				cmps = append(cmps, keyspace.Unchanged(k.key, k.rev))
+			}
+		}
+		octx, cancel := a.opCtx(ctx)
+		resp, err := a.cli.Txn(octx).If(cmps...).Commit()
+		cancel()
+		if err != nil {
+			return lost, a.unavailable("check the keys of this node's pods", err)
+		}
+		if !resp.Succeeded {
+			unverified = append(unverified, chunk...)
+		}
+	}
+	// The reads, for pods not verified yet and those whose compare failed.
+	for len(unverified) > 0 {
+		n, keys := 0, 0
+		for n < len(unverified) && (n == 0 || keys+len(unverified[n].keys) <= maxTxnOps) {
+			keys += len(unverified[n].keys)
+			n++
+		}
+		chunk := unverified[:n]
+		unverified = unverified[n:]
+		kvs, err := a.readKeys(ctx, chunk)
+		if err != nil {
+			return lost, err
+		}
+		for i, p := range chunk {
+			if problems, _ := a.judge(p, kvs[i]); len(problems) == 0 {
+				a.pods.verified(p, kvs[i])
+				continue
+			}
+			gone, err := a.recheckPod(ctx, p.owner, layouts)
+			if err != nil {
+				return lost, err
+			}
+			if gone {
+				lost++
+			}
+		}
+	}
+	if lost > 0 {
+		a.wake()
+	}
+	return lost, nil
+}
+
+// auditLayouts is the layout of each pool this node's pods have attachments in, read from
+// the definitions the agent serves (a pool it does not serve yet is served now). A pool being
+// migrated is left out: its keys move under the migration's freeze.
+func (a *Agent) auditLayouts(ctx context.Context) (map[string]allocator.Blocks, error) {
+	out := make(map[string]allocator.Blocks)
+	for _, name := range a.pods.pools() {
+		p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: name})
+		if errors.Is(err, allocator.ErrUnavailable) {
+			return nil, err
+		}
+		if err != nil {
+			// No readable definition: the pod records and owner indexes are still checked.
+			a.log.Warn("the keys of this pool's pods are checked without their allocations", "pool", name, "err", err)
+			continue
+		}
+		if p.migrating == nil {
+			out[name] = p.spec.Blocks
+		}
+	}
+	return out, nil
+}
+
+// readKeys reads the keys of pods in one transaction: per pod, one answer per key (nil: no
+// such key).
+func (a *Agent) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.KeyValue, error) {
+	var ops []clientv3.Op
+	for _, p := range pods {
+		for _, k := range p.keys {
+			ops = append(ops, clientv3.OpGet(k.key))
+		}
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return nil, a.unavailable("read the keys of this node's pods", err)
+	}
+	out := make([][]*mvccpb.KeyValue, len(pods))
+	i := 0
+	for j, p := range pods {
+		out[j] = make([]*mvccpb.KeyValue, len(p.keys))
+		for k := range p.keys {
+			if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
+				out[j][k] = kvs[0]
+			}
+			i++
+		}
+	}
+	return out, nil
+}
+
+// judge says what is wrong with the keys read for p (kvs, in p.keys' order): one line per
+// key; and which keys hold a value this agent wrote for p but sit on another lease or none
+// (an admin's copy): they must go before the re-claim, which creates each key only if absent.
+func (a *Agent) judge(p auditPod, kvs []*mvccpb.KeyValue) (problems []string, copies []*mvccpb.KeyValue) {
+	for i, k := range p.keys {
+		kv := kvs[i]
+		if kv == nil {
+			problems = append(problems, k.key+": missing")
+			continue
+		}
+		ours := a.writtenFor(p.owner, k, kv)
+		on := keyspace.LeaseOf(kv)
+		switch {
+		case on != p.lease && ours:
+			problems = append(problems, fmt.Sprintf("%s: on lease %s, not the pod's %s", k.key, keyspace.LeaseHex(on), keyspace.LeaseHex(p.lease)))
+			copies = append(copies, kv)
+		case on != p.lease:
+			problems = append(problems, fmt.Sprintf("%s: overwritten with another owner's value on lease %s", k.key, keyspace.LeaseHex(on)))
+		case !ours:
+			problems = append(problems, k.key+": overwritten with a value this agent did not write")
+		}
+	}
+	return problems, copies
+}
+
+// writtenFor tells whether kv's value is one this agent writes for owner at key k.
+func (a *Agent) writtenFor(owner string, k auditKey, kv *mvccpb.KeyValue) bool {
+	switch k.kind {
+	case auditPodRecord:
+		rec, err := keyspace.Decode[keyspace.PodRecord](k.key, kv.Value)
+		return err == nil && rec.Owner == owner && rec.NodeUID == a.cfg.NodeUID
+	case auditOwnerIndex:
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](k.key, kv.Value)
+		return err == nil && rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == k.container
+	default:
+		rec, err := keyspace.Decode[keyspace.Allocation](k.key, kv.Value)
+		return err == nil && rec.Owner == owner && rec.Cluster == a.cfg.Cluster && rec.NodeUID == a.cfg.NodeUID
+	}
+}
+
+// recheckPod judges owner's keys again under its lock, from what the agent knows of it now
+// (a DEL or ADD may have changed it since the audit's read), and, if they are still wrong,
+// gives its lease up for the re-claim. It reports whether it did.
+func (a *Agent) recheckPod(ctx context.Context, owner string, layouts map[string]allocator.Blocks) (bool, error) {
+	unlock := a.locks.lock(owner)
+	defer unlock()
+	p, ok := a.pods.auditOne(owner, a.cfg.Cluster, a.cfg.Node, layouts)
+	if !ok {
+		return false, nil
+	}
+	kvs, err := a.readKeys(ctx, []auditPod{p})
+	if err != nil {
+		return false, err
+	}
+	problems, copies := a.judge(p, kvs[0])
+	if len(problems) == 0 {
+		a.pods.verified(p, kvs[0])
+		return false, nil
+	}
+	return true, a.keysLost(ctx, p, problems, copies)
+}
+
+// keysLost gives up the lease of a running pod whose keys are not as the agent wrote them,
+// so that the re-claim restores them on a new lease as after a lost lease. Its copies on
+// other leases go first, each only if unchanged since read; the revoke deletes the rest. Until
+// the re-claim, the pod's addresses are held back by their held keys, as after any lost
+// lease. The caller holds the owner lock.
+func (a *Agent) keysLost(ctx context.Context, p auditPod, problems []string, copies []*mvccpb.KeyValue) error {
+	a.metrics.podKeysLost.Add(float64(len(problems)))
+	a.log.Error("keys of a running pod were deleted or changed in etcd; re-claiming its addresses",
+		"owner", p.owner, "lease", keyspace.LeaseHex(p.lease), "keys", problems)
+	if len(copies) > 0 {
+		ops := make([]clientv3.Op, 0, len(copies))
+		for _, kv := range copies {
+			ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)},
+				[]clientv3.Op{clientv3.OpDelete(string(kv.Key))}, nil))
+		}
+		octx, cancel := a.opCtx(ctx)
+		_, err := a.cli.Txn(octx).Then(ops...).Commit()
+		cancel()
+		if err != nil {
+			return a.unavailable("delete the copies of a pod's keys on other leases", err)
+		}
+	}
+	if err := a.keeper.Revoke(p.lease); err != nil {
+		return a.unavailable("revoke the lease of a pod whose keys were lost", err)
+	}
+	a.pods.lose(p.lease)
+	return nil
+}
+
+// auditOwn checks the node record and the block claims of the views: each on the lease the
+// agent holds it on. One that is not means etcd went back in time (or an admin deleted it):
+// the node registers again, every view lists its pool again, and the pods are checked.
+func (a *Agent) auditOwn(ctx context.Context) error {
+	type own struct {
+		key   string
+		lease clientv3.LeaseID
+		what  string
+		still func() bool // whether the agent still holds it as read
+	}
+	var owns []own
+	if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
+		owns = append(owns, own{keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), node, "the node record",
+			func() bool { return a.nodeLease() == node && a.keeper.Holds(node) }})
+	}
+	a.pools.forEachView(func(v *view) {
+		for b, lease := range v.claimsHeld() {
+			owns = append(owns, own{keyspace.BlockKey(v.pool, b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.pool),
+				func() bool { return v.holdsClaim(b, lease) }})
+		}
+	})
+	for len(owns) > 0 {
+		n := min(len(owns), maxTxnOps)
+		chunk := owns[:n]
+		owns = owns[n:]
+		cmps := make([]clientv3.Cmp, 0, n)
+		gets := make([]clientv3.Op, 0, n)
+		for _, o := range chunk {
+			cmps = append(cmps, keyspace.OnLease(o.key, o.lease))
+			gets = append(gets, clientv3.OpGet(o.key, clientv3.WithKeysOnly()))
+		}
+		octx, cancel := a.opCtx(ctx)
+		resp, err := a.cli.Txn(octx).If(cmps...).Else(gets...).Commit()
+		cancel()
+		if err != nil {
+			return a.unavailable("check the node record and the block claims", err)
+		}
+		if resp.Succeeded {
+			continue
+		}
+		for i, o := range chunk {
+			kvs := resp.Responses[i].GetResponseRange().Kvs
+			if len(kvs) > 0 && keyspace.LeaseOf(kvs[0]) == o.lease || !o.still() {
+				continue
+			}
+			found := "missing"
+			if len(kvs) > 0 {
+				found = "on lease " + keyspace.LeaseHex(keyspace.LeaseOf(kvs[0]))
+			}
+			a.etcdWentBack(fmt.Sprintf("%s (%s) is %s, not on lease %s as this agent wrote it", o.what, o.key, found, keyspace.LeaseHex(o.lease)))
+			return nil
+		}
+	}
+	return nil
+}
+
+// restoreHold is what the agent does while it repairs what etcd going back in time took:
+// ADDs wait until every running pod of the node holds its addresses again (a repeated ADD
+// must find its pod's keys, not claim new ones), and for one lease TTL after it noticed
+// (settle) the node claims no new block, borrows nothing, and leaves free the addresses its
+// views knew allocated before they listed their pools again: other nodes' pods may hold them
+// without a key until their agents re-claim them, which each does within that time (its
+// keep-alives or watches notice, and its audit runs every half TTL).
+type restoreHold struct {
+	settle time.Duration
+
+	mu        sync.Mutex
+	gen       uint64 // times noticed
+	recovered uint64 // the last notice whose repair is done
+	noticed   time.Time
+	why       string
+	until     time.Time     // end of the settle time
+	open      chan struct{} // closed while ADDs may go on
+}
+
+func newRestoreHold(settle time.Duration) *restoreHold {
+	h := &restoreHold{settle: settle, open: make(chan struct{})}
+	close(h.open)
+	return h
+}
+
+// notice closes the hold for a new repair and returns the end of its settle time.
+func (h *restoreHold) notice(why string) time.Time {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.gen++
+	h.noticed, h.why, h.until = time.Now(), why, time.Now().Add(h.settle)
+	select {
+	case <-h.open:
+		h.open = make(chan struct{})
+	default:
+	}
+	return h.until
+}
+
+// pending is the notice a repair starting now answers.
+func (h *restoreHold) pending() uint64 {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.gen
+}
+
+// done records that the repair started at notice gen is complete: ADDs go on unless a later
+// notice came meanwhile.
+func (h *restoreHold) done(gen uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if gen != h.gen || gen == h.recovered {
+		return
+	}
+	h.recovered = gen
+	close(h.open)
+}
+
+// wait returns once ADDs may go on, or after d (or when ctx ends) with an error wrapping
+// allocator.ErrUnavailable that says why they may not. ADDs go on at the end of the settle
+// time whatever the repair's state: a pod whose re-claim keeps failing (its owner index taken
+// over by another node identity) is reported by the recovery loop, and its addresses are
+// never offered by this node's ADDs (pods.ownsAddr).
+func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
+	h.mu.Lock()
+	open, why, noticed, until := h.open, h.why, h.noticed, h.until
+	h.mu.Unlock()
+	select {
+	case <-open:
+		return nil
+	default:
+	}
+	left := time.Until(until)
+	if left <= 0 {
+		return nil
+	}
+	t := time.NewTimer(min(d, left))
+	defer t.Stop()
+	select {
+	case <-open:
+		return nil
+	case <-ctx.Done():
+	case <-t.C:
+		if !time.Now().Before(until) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: etcd went back in time at %s (%s): this node answers ADDs again once its running pods "+
+		"hold their addresses again", allocator.ErrUnavailable, noticed.UTC().Format(time.RFC3339), why)
+}
+
+// settling returns, during the settle time, an error wrapping allocator.ErrUnavailable that
+// says why a new block or a borrowed address is refused; nil after it.
+func (h *restoreHold) settling() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.until.IsZero() || !time.Now().Before(h.until) {
+		return nil
+	}
+	return fmt.Errorf("%w: etcd went back in time at %s (%s): until %s this node claims no new block and borrows no "+
+		"address, so that every node first re-claims what its pods held", allocator.ErrUnavailable,
+		h.noticed.UTC().Format(time.RFC3339), h.why, h.until.UTC().Format(time.RFC3339))
+}
+
+// etcdWentBack is the gate's proof, or an audit's finding, that etcd went back in time. The
+// pods are checked, the views listed again (keeping what they knew allocated for the settle
+// time), the node registered again and the spare leases revoked with whatever a backup put
+// back on them; ADDs wait for the repair (restoreHold).
+func (a *Agent) etcdWentBack(why string) {
+	until := a.hold.notice(why)
+	a.metrics.wentBack.Inc()
+	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
+		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
+		"why", why, "no_new_blocks_until", until.UTC().Format(time.RFC3339))
+	a.pools.restartAll(until)
+	if node := a.nodeLease(); node != 0 {
+		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
+	}
+	a.keeper.DropSpares()
+	a.auditDue.Store(true)
+	a.wake()
+}
+
+// etcdMayHaveGoneBack is the gate's suspicion that etcd went back in time without a sign in
+// its revisions (a compacted watch): the pods are checked at once, and keys found lost then
+// count as the proof.
+func (a *Agent) etcdMayHaveGoneBack(why string) {
+	if !a.suspect.Swap(true) {
+		a.log.Info("etcd may have gone back in time; checking every key of this node's pods", "why", why)
+	}
+	a.auditDue.Store(true)
+	a.wake()
+}
+
+// errAuditFailed marks an audit that could not finish: it runs again on the next retry.
+var errAuditFailed = errors.New("the check of this node's keys did not finish")
+
+// auditIfDue runs the audit when one is due, and turns a suspicion into proof when it finds
+// lost keys.
+func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
+	if !a.auditDue.Swap(false) {
+		return 0, nil
+	}
+	suspected := a.suspect.Swap(false)
+	lost, err = a.audit(ctx)
+	if err != nil {
+		a.auditDue.Store(true)
+		if suspected {
+			a.suspect.Store(true)
+		}
+		return lost, fmt.Errorf("%w: %w", errAuditFailed, err)
+	}
+	if suspected && lost > 0 {
+		a.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
+	}
+	return lost, nil
+}

@@ -1,0 +1,182 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// Issue 32: a live lease is not proof. The agent checks what it wrote and puts back what an
+// admin deleted or overwrote, as after a lost lease. With real processes, etcdctl and a
+// restored backup: integration/restore_test.go.
+
+// auditFast is an audit interval the tests wait for: a lost key is put back within it.
+func auditFast(c *Config) {
+	c.AuditInterval = 300 * time.Millisecond
+	c.LivenessInterval, c.GCGrace = -1, -1
+}
+
+// podKeys are the keys of a pod with one attachment on eth0 in pool.
+type podKeys struct {
+	pod, owner, alloc string
+}
+
+func keysOf(cluster, node, owner string, pool allocator.PoolSpec, ip netip.Addr) podKeys {
+	return podKeys{pod: keyspace.PodKey(cluster, node, owner), owner: keyspace.OwnerKey(cluster, owner, "eth0", pool.Name),
+		alloc: keyspace.IPKey(pool.Name, pool.Blocks, ip)}
+}
+
+// heldFor waits until every key of k exists on the lease the agent holds for owner, with the
+// values of owner's attachment of ip, and returns that lease; a bound far above the audit
+// interval, so that only a missing repair fails it.
+func heldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner string, k podKeys, ip netip.Addr) clientv3.LeaseID {
+	t.Helper()
+	var lease clientv3.LeaseID
+	var last string
+	etcdtest.Eventually(t, 60*time.Second, "the pod's keys back on its lease", func() bool {
+		var ok bool
+		if lease, ok = a.pods.lease(owner); !ok {
+			last = "the agent holds no lease for the pod"
+			return false
+		}
+		for _, key := range []string{k.pod, k.owner, k.alloc} {
+			resp, err := cli.Get(context.Background(), key)
+			if err != nil || len(resp.Kvs) == 0 {
+				last = key + " missing"
+				return false
+			}
+			kv := resp.Kvs[0]
+			if keyspace.LeaseOf(kv) != lease {
+				last = fmt.Sprintf("%s on lease %s, not %s", key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), keyspace.LeaseHex(lease))
+				return false
+			}
+			if key == k.alloc {
+				if rec, err := keyspace.Decode[keyspace.Allocation](key, kv.Value); err != nil || rec.Owner != owner {
+					last = fmt.Sprintf("%s held by %q", key, rec.Owner)
+					return false
+				}
+			}
+			if key == k.owner {
+				if rec, err := keyspace.Decode[keyspace.OwnerRecord](key, kv.Value); err != nil || len(rec.IPs) != 1 || rec.IPs[0] != ip {
+					last = fmt.Sprintf("%s lists %v, want [%s]", key, rec.IPs, ip)
+					return false
+				}
+			}
+		}
+		return true
+	})
+	if t.Failed() {
+		t.Logf("last seen: %s", last)
+	}
+	return lease
+}
+
+// TestAKeyOfARunningPodDeletedByHandIsPutBack: each kind of key of a running pod (allocation,
+// owner index, pod record), deleted as an admin would with etcdctl del, is put back on the
+// pod's lease with the pod's own address; a key overwritten with the pod's own value without
+// its lease too. No ADD of the node is ever given the address meanwhile.
+func TestAKeyOfARunningPodDeletedByHandIsPutBack(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.71.0.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	lease := heldFor(t, cli, a, "u1", k, ip)
+	lostBefore := counterValue(a.metrics.podKeysLost)
+
+	for _, c := range []struct {
+		name string
+		key  string
+		// change is what the admin does to the key.
+		change func(kv *clientv3.GetResponse) error
+	}{
+		// The address's key: without it another pod could be given the address.
+		{"allocation deleted", k.alloc, func(*clientv3.GetResponse) error { _, err := cli.Delete(ctx, k.alloc); return err }},
+		// The owner index: DEL, CHECK and a repeated ADD read it.
+		{"owner index deleted", k.owner, func(*clientv3.GetResponse) error { _, err := cli.Delete(ctx, k.owner); return err }},
+		// The pod record: a restart resumes the pod from it.
+		{"pod record deleted", k.pod, func(*clientv3.GetResponse) error { _, err := cli.Delete(ctx, k.pod); return err }},
+		// The pod's own value without its lease: it would never expire, and a re-claim that
+		// creates keys only if absent would find the address taken by the pod itself.
+		{"allocation rewritten without its lease", k.alloc, func(r *clientv3.GetResponse) error {
+			_, err := cli.Put(ctx, k.alloc, string(r.Kvs[0].Value))
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			before, err := cli.Get(ctx, c.key)
+			if err != nil || len(before.Kvs) == 0 {
+				t.Fatalf("%s before the change: %v %v", c.key, before, err)
+			}
+			if err := c.change(before); err != nil {
+				t.Fatal(err)
+			}
+			// Meanwhile no ADD of the node gets the address.
+			for i := range 5 {
+				other := fmt.Sprintf("x-%s-%d", strings.ReplaceAll(c.name, " ", "-"), i)
+				if res, err := a.Add(ctx, addReq(pool, other, "eth0", other)); err == nil && addrs(res)[0] == ip {
+					t.Fatalf("ADD %s was given %s, the running pod's address", other, ip)
+				}
+			}
+			next := heldFor(t, cli, a, "u1", k, ip)
+			if next == lease {
+				t.Errorf("the pod is still on lease %s: its keys were not re-claimed", keyspace.LeaseHex(lease))
+			}
+			lease = next
+			if after := counterValue(a.metrics.podKeysLost); after <= lostBefore {
+				t.Errorf("leasehold_pod_keys_lost_total stayed %v", after)
+			} else {
+				lostBefore = after
+			}
+			// The old lease went with the repair: nothing of the pod is left on it.
+			if ttl, err := cli.TimeToLive(ctx, clientv3.LeaseID(before.Kvs[0].Lease)); err == nil && ttl.TTL > 0 && before.Kvs[0].Lease != int64(lease) {
+				t.Errorf("lease %x the key was on is still alive", before.Kvs[0].Lease)
+			}
+		})
+	}
+}
+
+// TestAnAddressOverwrittenByAnotherOwnerIsAConflict: an admin puts another owner's allocation
+// over a running pod's. The agent does not take it back: the re-claim records a conflict for
+// the pod, and once the other holder goes, the address is the running pod's again.
+func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.72.0.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	heldFor(t, cli, a, "u1", k, ip)
+	foreign := keyspace.Allocation{Owner: "intruder", Cluster: cluster, Node: "elsewhere", NodeUID: "uid-x", ContainerID: "cx", IfName: "eth0"}
+	if _, err := cli.Put(ctx, k.alloc, keyspace.Encode(foreign)); err != nil {
+		t.Fatal(err)
+	}
+	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
+	etcdtest.Eventually(t, 60*time.Second, "a conflict recorded for the running pod", func() bool {
+		resp, err := cli.Get(ctx, conflict)
+		return err == nil && len(resp.Kvs) > 0
+	})
+	if owner := allocOwner(t, cli, pool, ip); owner != "intruder" {
+		t.Fatalf("the address is held by %q, want the other owner left alone", owner)
+	}
+	if _, err := cli.Delete(ctx, k.alloc); err != nil {
+		t.Fatal(err)
+	}
+	heldFor(t, cli, a, "u1", k, ip)
+}

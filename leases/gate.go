@@ -1,0 +1,336 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// etcdGate sees every answer etcd gives the agent: the KV, lease and watch calls of the
+// client it hands out (client), and the keep-alive answers the keeper reads (heard). From
+// the answers it keeps when etcd answered last (reachability) and etcd's history as the agent
+// has seen it: the cluster ID and the highest revision.
+//
+// An answer from another cluster, or at a revision below one the agent already saw, means
+// etcd went back in time: it was restored from a backup, or replaced by an empty etcd at the
+// same endpoints. Keys the agent wrote may be gone while their leases live on, so a renewed
+// lease proves nothing then. A linearizable request (every KV request the agent sends) is
+// answered at the revision the gate had seen when it was sent, or a later one: such an answer
+// below it is proof, reported to wentBack. Any other answer (a keep-alive, a lease or a watch
+// answer, from a member that may lag behind another, or filled in before an answer the agent
+// read first) is measured against the revision the agent had seen suspectAfter earlier; one
+// below it is a suspicion, which the gate settles with a linearizable read of its own. A compacted watch is a suspicion of another
+// kind: etcd restored with its revision bumped and marked compacted, as etcd's documentation
+// recommends under Kubernetes, shows nothing else, so mayHaveGoneBack has the agent check its
+// keys.
+//
+// Both signals are wired at start and called on a goroutine of their own: the answer that
+// raised one may have come to a caller holding a lock the signal's handler takes.
+type etcdGate struct {
+	raw     *clientv3.Client
+	client  *clientv3.Client // raw, with its KV, Lease and Watcher seen through the gate
+	ctx     context.Context  // the agent's: confirmation reads end with it
+	probe   string           // the key a confirmation reads (count only)
+	started time.Time
+	last    atomic.Int64 // monotonic nanoseconds after started of the last answer
+
+	wentBack        func(why string)
+	mayHaveGoneBack func(why string)
+
+	mu      sync.Mutex
+	cluster uint64
+	rev     int64
+	// old is the highest revision seen at least suspectAfter ago (at most twice that), what
+	// an answer that is not linearizable is measured against; recent becomes old at rotated.
+	old, recent int64
+	rotated     time.Time
+	// epoch counts the times etcd went back: an answer to a request sent in an earlier epoch
+	// is measured against a floor of a history that is gone, and proves nothing.
+	epoch      uint64
+	confirming bool
+	confirmed  time.Time // when the last confirmation read was sent
+}
+
+// suspectAfter is how far behind the agent's own history an answer that is not linearizable
+// may be without suspicion: a member lags by milliseconds, a keep-alive's header is filled in
+// before it travels, and a watch's before its events wait in the client. A backup restored
+// from the last few seconds of history is missed here; a linearizable answer proves it, and
+// the check of the agent's keys finds what it lost (audit.go).
+const suspectAfter = 5 * time.Second
+
+// confirmEvery bounds how often a suspicion sends a confirmation read: a member that lags
+// answers keep-alives below the floor for as long as it lags.
+const confirmEvery = time.Second
+
+func newEtcdGate(ctx context.Context, cli *clientv3.Client, probe string) *etcdGate {
+	g := &etcdGate{raw: cli, ctx: ctx, probe: probe, started: time.Now(),
+		wentBack: func(string) {}, mayHaveGoneBack: func(string) {}}
+	c := *cli // the copy shares the connection; its Close is never called
+	c.KV = gatedKV{cli.KV, g}
+	c.Lease = gatedLease{cli.Lease, g}
+	c.Watcher = gatedWatcher{cli.Watcher, g}
+	g.client = &c
+	return g
+}
+
+// floor is what a request is measured against: the highest revision seen when it was sent,
+// in the epoch it was sent in.
+type floor struct {
+	rev   int64
+	epoch uint64
+}
+
+func (g *etcdGate) floor() floor {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return floor{g.rev, g.epoch}
+}
+
+// answered records that etcd just answered.
+func (g *etcdGate) answered() { g.last.Store(int64(time.Since(g.started))) }
+
+// silentFor is how long ago etcd last answered.
+func (g *etcdGate) silentFor() time.Duration {
+	return time.Since(g.started) - time.Duration(g.last.Load())
+}
+
+// lastAnswer is when etcd last answered.
+func (g *etcdGate) lastAnswer() time.Time {
+	return time.Now().Add(-g.silentFor())
+}
+
+// seen notes the header of an answer to a request sent at floor f. proof says that the
+// request was linearizable, so that an answer below f is proof that etcd went back.
+func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
+	g.answered()
+	if h == nil || h.ClusterId == 0 {
+		return // a header the client made up (a watch's end), not etcd's
+	}
+	g.mu.Lock()
+	if f.epoch != g.epoch {
+		g.mu.Unlock()
+		return
+	}
+	if now := time.Now(); now.Sub(g.rotated) >= suspectAfter {
+		g.old, g.recent, g.rotated = g.recent, g.rev, now
+	}
+	below := f.rev
+	if !proof {
+		below = g.old
+	}
+	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
+	if !back {
+		g.rev = max(g.rev, h.Revision)
+		g.cluster = h.ClusterId
+		g.mu.Unlock()
+		return
+	}
+	if !proof {
+		g.mu.Unlock()
+		g.confirm()
+		return
+	}
+	why := fmt.Sprintf("etcd answered at revision %d of cluster %x after revision %d of cluster %x", h.Revision, h.ClusterId, f.rev, g.cluster)
+	if h.ClusterId != g.cluster {
+		why = fmt.Sprintf("etcd answered as cluster %x, not %x (revision %d after %d)", h.ClusterId, g.cluster, h.Revision, f.rev)
+	}
+	g.cluster, g.rev, g.old, g.recent = h.ClusterId, h.Revision, 0, 0
+	g.epoch++
+	g.mu.Unlock()
+	go g.wentBack(why)
+}
+
+// heard notes the header of an answer that is not linearizable: a keep-alive's.
+func (g *etcdGate) heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), false) }
+
+// confirm sends a linearizable read through the gate, at most once per confirmEvery: its
+// answer is measured like any other, so it proves that etcd went back, or that a member lags.
+func (g *etcdGate) confirm() {
+	g.mu.Lock()
+	if g.confirming || time.Since(g.confirmed) < confirmEvery || g.ctx.Err() != nil {
+		g.mu.Unlock()
+		return
+	}
+	g.confirming, g.confirmed = true, time.Now()
+	g.mu.Unlock()
+	go func() {
+		defer func() {
+			g.mu.Lock()
+			g.confirming = false
+			g.mu.Unlock()
+		}()
+		ctx, cancel := context.WithTimeout(g.ctx, probeTimeout)
+		defer cancel()
+		_, _ = g.client.Get(ctx, g.probe, clientv3.WithCountOnly())
+	}()
+}
+
+// watched notes a watch answer: a compaction, or its header.
+func (g *etcdGate) watched(resp *clientv3.WatchResponse) {
+	if resp.CompactRevision != 0 {
+		g.answered()
+		go g.mayHaveGoneBack(fmt.Sprintf("a watch was compacted at revision %d", resp.CompactRevision))
+		return
+	}
+	if resp.Err() == nil {
+		g.heard(&resp.Header)
+	}
+}
+
+// gatedKV is the client's KV with every answer seen by the gate. Every request but a
+// serializable read is linearizable.
+type gatedKV struct {
+	clientv3.KV
+	g *etcdGate
+}
+
+func (k gatedKV) Put(ctx context.Context, key, val string, opts ...clientv3.OpOption) (*clientv3.PutResponse, error) {
+	f := k.g.floor()
+	resp, err := k.KV.Put(ctx, key, val, opts...)
+	if err == nil {
+		k.g.seen(resp.Header, f, true)
+	}
+	return resp, err
+}
+
+func (k gatedKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	f := k.g.floor()
+	resp, err := k.KV.Get(ctx, key, opts...)
+	if err == nil {
+		k.g.seen(resp.Header, f, !clientv3.OpGet(key, opts...).IsSerializable())
+	}
+	return resp, err
+}
+
+func (k gatedKV) Delete(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.DeleteResponse, error) {
+	f := k.g.floor()
+	resp, err := k.KV.Delete(ctx, key, opts...)
+	if err == nil {
+		k.g.seen(resp.Header, f, true)
+	}
+	return resp, err
+}
+
+func (k gatedKV) Do(ctx context.Context, op clientv3.Op) (clientv3.OpResponse, error) {
+	f := k.g.floor()
+	resp, err := k.KV.Do(ctx, op)
+	if err == nil {
+		var h *pb.ResponseHeader
+		switch {
+		case resp.Get() != nil:
+			h = resp.Get().Header
+		case resp.Put() != nil:
+			h = resp.Put().Header
+		case resp.Del() != nil:
+			h = resp.Del().Header
+		case resp.Txn() != nil:
+			h = resp.Txn().Header
+		}
+		k.g.seen(h, f, !op.IsSerializable())
+	}
+	return resp, err
+}
+
+func (k gatedKV) Txn(ctx context.Context) clientv3.Txn { return &gatedTxn{Txn: k.KV.Txn(ctx), g: k.g} }
+
+// gatedTxn is a transaction whose answer the gate sees. Its floor is taken at Commit, when
+// the request is sent.
+type gatedTxn struct {
+	clientv3.Txn
+	g *etcdGate
+}
+
+func (t *gatedTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
+	t.Txn = t.Txn.If(cs...)
+	return t
+}
+
+func (t *gatedTxn) Then(ops ...clientv3.Op) clientv3.Txn {
+	t.Txn = t.Txn.Then(ops...)
+	return t
+}
+
+func (t *gatedTxn) Else(ops ...clientv3.Op) clientv3.Txn {
+	t.Txn = t.Txn.Else(ops...)
+	return t
+}
+
+func (t *gatedTxn) Commit() (*clientv3.TxnResponse, error) {
+	f := t.g.floor()
+	resp, err := t.Txn.Commit()
+	if err == nil {
+		t.g.seen(resp.Header, f, true)
+	}
+	return resp, err
+}
+
+// gatedLease is the client's Lease with every answer seen by the gate, as a suspicion: a
+// lease request is served by the leader, whose header may come from a member behind another
+// that answered before. KeepAlive's answers reach the gate through the keeper (heard).
+type gatedLease struct {
+	clientv3.Lease
+	g *etcdGate
+}
+
+func (l gatedLease) Grant(ctx context.Context, ttl int64) (*clientv3.LeaseGrantResponse, error) {
+	resp, err := l.Lease.Grant(ctx, ttl)
+	if err == nil {
+		l.g.heard(resp.ResponseHeader)
+	}
+	return resp, err
+}
+
+func (l gatedLease) Revoke(ctx context.Context, id clientv3.LeaseID) (*clientv3.LeaseRevokeResponse, error) {
+	resp, err := l.Lease.Revoke(ctx, id)
+	if err == nil {
+		l.g.heard(resp.Header)
+	}
+	return resp, err
+}
+
+func (l gatedLease) TimeToLive(ctx context.Context, id clientv3.LeaseID, opts ...clientv3.LeaseOption) (*clientv3.LeaseTimeToLiveResponse, error) {
+	resp, err := l.Lease.TimeToLive(ctx, id, opts...)
+	if err == nil {
+		l.g.heard(resp.ResponseHeader)
+	}
+	return resp, err
+}
+
+func (l gatedLease) KeepAliveOnce(ctx context.Context, id clientv3.LeaseID) (*clientv3.LeaseKeepAliveResponse, error) {
+	resp, err := l.Lease.KeepAliveOnce(ctx, id)
+	if err == nil {
+		l.g.heard(resp.ResponseHeader)
+	}
+	return resp, err
+}
+
+// gatedWatcher is the client's Watcher with every answer seen by the gate, on the way to the
+// caller.
+type gatedWatcher struct {
+	clientv3.Watcher
+	g *etcdGate
+}
+
+func (w gatedWatcher) Watch(ctx context.Context, key string, opts ...clientv3.OpOption) clientv3.WatchChan {
+	in := w.Watcher.Watch(ctx, key, opts...)
+	out := make(chan clientv3.WatchResponse)
+	go func() {
+		defer close(out)
+		for resp := range in {
+			w.g.watched(&resp)
+			select {
+			case out <- resp:
+			case <-ctx.Done():
+				for range in { // the client closes in once it has seen ctx end
+				}
+				return
+			}
+		}
+	}()
+	return out
+}
