@@ -8,12 +8,16 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
 // The doctor's checks of held keys (issue 23; held.go). A held key is readable, on a lease (its
 // node's block lease), and names the holder of its address's allocation when there is one.
-// Without an allocation the address is expired: information, not a problem.
+// Without an allocation the address is expired, information and not a problem, unless its pod
+// still runs: an owner index naming the address (owner-index-without-allocation), or the pod's
+// record or another of its owner indexes on a live lease (running-pod-address-missing), say
+// that etcd lost a running pod's key. Such an address is reported once, as that error.
 
 // heldKeys checks each held key, and lists the expired addresses grouped by node and lease.
 func (c *checker) heldKeys() {
@@ -25,6 +29,7 @@ func (c *checker) heldKeys() {
 		ips                 []string
 	}
 	groups := map[string]*group{}
+	running := map[string]*runningGroup{}
 	for i := range c.st.Held {
 		h := &c.st.Held[i]
 		v := h.Value
@@ -40,7 +45,20 @@ func (c *checker) heldKeys() {
 		switch {
 		case a != nil && a.Unreadable == "" && (a.Cluster != v.Cluster || a.Node != v.Node || a.Owner != v.Owner):
 			c.heldOtherHolder(h, a, nodes)
-		case a == nil && h.Lease != 0 && c.st.Covers(spell(keyspace.IPsPrefix(h.Pool), h.Block, h.IP)):
+		case a != nil || !c.st.Covers(spell(keyspace.IPsPrefix(h.Pool), h.Block, h.IP)):
+		case c.ownerMissing[ownerAddr{poolAddr{h.Pool, h.IP}, v.Cluster, v.Owner}]:
+			// owner-index-without-allocation reported the address: its pod runs.
+		case c.podRuns(v) != nil:
+			k := keyspace.PodKey(v.Cluster, v.Node, v.Owner) + "\x00" + h.Pool
+			g := running[k]
+			if g == nil {
+				g = &runningGroup{podKeys: *c.podRuns(v), pool: h.Pool, held: v}
+				running[k] = g
+			}
+			g.keys = append(g.keys, h.Key)
+			g.ips = append(g.ips, h.IP.String())
+			g.ipKeys = append(g.ipKeys, spell(keyspace.IPsPrefix(h.Pool), h.Block, h.IP))
+		case h.Lease != 0:
 			k := fmt.Sprintf("%s\x00%s\x00%s\x00%x", h.Pool, v.Cluster, v.Node, int64(h.Lease))
 			g := groups[k]
 			if g == nil {
@@ -50,6 +68,9 @@ func (c *checker) heldKeys() {
 			g.keys = append(g.keys, h.Key)
 			g.ips = append(g.ips, h.IP.String())
 		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(running)) {
+		c.runningPodAddrMissing(running[k])
 	}
 	for _, k := range slices.Sorted(maps.Keys(groups)) {
 		g := groups[k]
@@ -78,6 +99,68 @@ func (c *checker) heldKeys() {
 		}
 		c.note(SeverityInfo, KindAddressExpired, g.cluster, msg, fix, g.keys...)
 	}
+}
+
+// podKeys is a key of a running pod on a live lease: its pod record, else one of its owner
+// indexes.
+type podKeys struct {
+	key   string
+	lease clientv3.LeaseID
+	pod   allocator.PodRef
+}
+
+// podRuns returns the pod record of v's owner on v's node when it is on a lease, else an owner
+// index of that owner on that node on a lease, else nil. A key on a lease is on a live one (etcd
+// deletes the keys of a lease that ends), which an agent renews: the pod runs.
+func (c *checker) podRuns(v keyspace.HeldRecord) *podKeys {
+	if keyspace.ValidateNames("cluster", v.Cluster, "node", v.Node, "owner", v.Owner) != nil {
+		return nil
+	}
+	pk := keyspace.PodKey(v.Cluster, v.Node, v.Owner)
+	if p := c.pods[pk]; p != nil && p.Lease != 0 {
+		return &podKeys{key: pk, lease: p.Lease, pod: p.Value.Pod}
+	}
+	if c.leasedOwners == nil {
+		c.leasedOwners = map[string]*OwnerEntry{}
+		for i := range c.st.Owners {
+			o := &c.st.Owners[i]
+			k := keyspace.PodKey(o.Cluster, o.Value.Node, o.Owner)
+			if o.Unreadable == "" && o.Lease != 0 && c.leasedOwners[k] == nil {
+				c.leasedOwners[k] = o
+			}
+		}
+	}
+	if o := c.leasedOwners[pk]; o != nil {
+		return &podKeys{key: o.Key, lease: o.Lease, pod: c.podRef(o)}
+	}
+	return nil
+}
+
+// runningGroup is the held keys without allocation or owner index of one running pod in one pool.
+type runningGroup struct {
+	podKeys
+	pool              string
+	held              keyspace.HeldRecord
+	keys, ips, ipKeys []string
+}
+
+// runningPodAddrMissing reports a running pod's addresses of which only the held keys are left:
+// their allocations and owner index are gone (deleted by hand?). The owner index, which names the
+// interface, cannot be rebuilt from etcd; the agent's journal has it. Revoking the pod's lease
+// makes the agent re-claim the pod's addresses from it, as after a lost lease: what it does itself
+// on finding the keys gone.
+func (c *checker) runningPodAddrMissing(g *runningGroup) {
+	v := g.held
+	lease := keyspace.LeaseHex(g.lease)
+	msg := fmt.Sprintf("pod %s (owner %s) on node %s/%s still runs, %s on lease %s, which its agent renews, and uses %s of pool %s, "+
+		"but no allocation (%s) and no owner index names them any more (deleted by hand?): only the held keys keep them from other "+
+		"pods, and only while the pool has other room. ",
+		podName(g.pod), v.Owner, v.Cluster, v.Node, g.key, lease, strings.Join(g.ips, ", "), g.pool, strings.Join(g.ipKeys, ", "))
+	msg += agentPutsBack(v.Node) + fmt.Sprintf(". The owner index, which names the interface, cannot be rebuilt from etcd (the "+
+		"agent's journal has it): to have the keys back at once, revoke the pod's lease %s; the agent finds it lost at its next "+
+		"renewal (within a third of the lease TTL) and re-claims every address of the pod on a new lease, as it does itself "+
+		"(an agent that does not run would let the lease run out anyway)", lease)
+	c.add(KindPodAddrMissing, v.Cluster, msg, "etcdctl lease revoke "+lease, append(slices.Clone(g.keys), g.key)...)
 }
 
 // nodeBlockLease is the block lease a live agent of cluster/node with node UID uid (any, when
