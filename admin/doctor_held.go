@@ -79,27 +79,34 @@ func (c *checker) heldKeys() {
 		if len(g.ips) > 5 {
 			ips += fmt.Sprintf(" and %d more", len(g.ips)-5)
 		}
-		msg := fmt.Sprintf("%d address(es) of pool %s (%s) are expired: their pods' leases ran out without a release, and the held "+
-			"keys of node %s/%s keep them back from other pods while the pool has other room, until block lease %s expires, the reuse "+
-			"delay (leaseholdd --reuse-delay, default 15m) after the pods' leases (leaseholdctl alloc show %s says when). ",
-			len(g.keys), g.pool, ips, dash(g.cluster), dash(g.node), lease, g.ips[0])
+		msg := fmt.Sprintf("%d address(es) of pool %s (%s) are expired: no allocation holds them and no key of their pods is left "+
+			"(their leases ran out without a release, the node cut off from etcd or dead, or all their keys were deleted by hand), but "+
+			"the held keys of node %s/%s on block lease %s keep them from other pods while the pool has other room. ",
+			len(g.keys), g.pool, ips, dash(g.cluster), dash(g.node), lease)
+		until := fmt.Sprintf("block lease %s expires, the reuse delay (leaseholdd --reuse-delay, default 15m) after the pods' leases "+
+			"(leaseholdctl alloc show %s says when)", lease, g.ips[0])
 		fix := ""
 		switch agentOf(c.st, nodes, g.cluster, g.node, "") {
 		case AgentLive:
-			msg += fmt.Sprintf("Node %s has an agent again (%s): for its pods still running it re-claims their addresses, the others it "+
-				"frees; a replacement machine under the same name frees nothing, and they are reusable when the lease expires. Nothing to do",
-				g.node, keyspace.NodeKey(g.cluster, g.node))
+			msg += fmt.Sprintf("Node %s has an agent again (%s). It re-claims the addresses of its pods still running as soon as it finds "+
+				"their leases lost, or within half a lease TTL (leaseholdd --lease-ttl, default 90s: 45s) for a pod whose keys were "+
+				"deleted while its lease lived, and frees the held keys of its pods that are gone (it logs %q). Nothing to do. It "+
+				"leaves the held keys of an earlier machine under the same name (another node UID): they are reusable when %s",
+				g.node, keyspace.NodeKey(g.cluster, g.node), heldFreedLog, until)
 		case AgentGone:
-			msg += fmt.Sprintf("Node %s has no agent (no %s): it is cut off from etcd or dead; if it comes back in time, its pods keep "+
-				"their addresses. Nothing to do; once sure the node is gone for good, free them and its blocks at once",
-				g.node, keyspace.NodeKey(g.cluster, g.node))
+			msg += fmt.Sprintf("They are held back until %s. Node %s has no agent (no %s): it is cut off from etcd or dead. If it comes "+
+				"back before then, its agent re-claims the addresses of its pods still running and frees the others. Nothing to do; "+
+				"once sure the node is gone for good, free them and its blocks at once", until, g.node, keyspace.NodeKey(g.cluster, g.node))
 			fix = forgetFix(g.cluster, g.node)
 		default:
-			msg += "Nothing to do"
+			msg += fmt.Sprintf("They are held back until %s, unless an agent of the node frees them first. Nothing to do", until)
 		}
 		c.note(SeverityInfo, KindAddressExpired, g.cluster, msg, fix, g.keys...)
 	}
 }
+
+// heldFreedLog is what an agent logs when it frees the held keys of its pods that are gone.
+const heldFreedLog = "held keys of addresses no pod of this node holds any more freed"
 
 // podKeys is a key of a running pod on a live lease: its pod record, else one of its owner
 // indexes.

@@ -84,6 +84,25 @@ func TestDoctorRunningPodKeysMissing(t *testing.T) {
 			key:        func(w *blockWorld) string { return keyspace.OwnerKey(wCluster, "u-web", "net1", wPool) },
 			fix:        func(w *blockWorld) string { return "etcdctl lease revoke %POD%" },
 			notExpired: func(w *blockWorld) []string { return []string{w.held4, w.held6} }},
+		// Truly expired: the pod's lease ran out, so no key of the pod is left but the held keys.
+		// The agent is back: information, and the text says what it does and when.
+		{name: "expired addresses, agent back", kind: KindAddressExpired, severity: SeverityInfo,
+			seed: func(t *testing.T, w *blockWorld) { w.expire(t) },
+			key:  func(w *blockWorld) string { return w.held4 },
+			fix:  func(*blockWorld) string { return "" },
+			says: []string{"are expired", "has an agent again", "re-claims the addresses of its pods still running", "half a lease TTL",
+				"frees the held keys of its pods that are gone", heldFreedLog, "Nothing to do", "another node UID"},
+			notSays: []string{"the others it frees"}},
+		// The same with the agent gone: held back until the block lease expires; forget frees them.
+		{name: "expired addresses, agent gone", kind: KindAddressExpired, severity: SeverityInfo,
+			seed: func(t *testing.T, w *blockWorld) {
+				w.expire(t)
+				w.del(t, keyspace.NodeKey(wCluster, wNode))
+			},
+			key: func(w *blockWorld) string { return w.held6 },
+			fix: func(*blockWorld) string { return "leaseholdctl node forget n1 --cluster c1" },
+			says: []string{"no agent", "cut off from etcd or dead", "held back until block lease", "re-claims the addresses of its pods still running",
+				"Nothing to do"}},
 		// A held key of another owner of the node, gone, beside a running pod: the running pod is no
 		// evidence for another owner's address.
 		{name: "expired address of another pod of a node whose pods run", kind: KindAddressExpired, severity: SeverityInfo,
