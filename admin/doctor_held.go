@@ -127,6 +127,14 @@ func (c *checker) podRuns(v keyspace.HeldRecord) *podKeys {
 	if p := c.pods[pk]; p != nil && p.Lease != 0 {
 		return &podKeys{key: pk, lease: p.Lease, pod: p.Value.Pod}
 	}
+	if o := c.leasedOwner(pk); o != nil {
+		return &podKeys{key: o.Key, lease: o.Lease, pod: c.podRef(o)}
+	}
+	return nil
+}
+
+// leasedOwner is a readable owner index on a lease of the pod whose pod record key is pk, or nil.
+func (c *checker) leasedOwner(pk string) *OwnerEntry {
 	if c.leasedOwners == nil {
 		c.leasedOwners = map[string]*OwnerEntry{}
 		for i := range c.st.Owners {
@@ -137,10 +145,7 @@ func (c *checker) podRuns(v keyspace.HeldRecord) *podKeys {
 			}
 		}
 	}
-	if o := c.leasedOwners[pk]; o != nil {
-		return &podKeys{key: o.Key, lease: o.Lease, pod: c.podRef(o)}
-	}
-	return nil
+	return c.leasedOwners[pk]
 }
 
 // runningGroup is the held keys without allocation or owner index of one running pod in one pool.
@@ -167,6 +172,10 @@ func (c *checker) runningPodAddrMissing(g *runningGroup) {
 		"agent's journal has it): to have the keys back at once, revoke the pod's lease %s; the agent finds it lost at its next "+
 		"renewal (within a third of the lease TTL) and re-claims every address of the pod on a new lease, as it does itself "+
 		"(an agent that does not run would let the lease run out anyway)", lease)
+	if o := c.leasedOwner(keyspace.PodKey(v.Cluster, v.Node, v.Owner)); o != nil {
+		msg += fmt.Sprintf(". Until then the addresses of its other attachments (%s) are held back only, which in a pool with no "+
+			"other free address can give one to another pod: there, wait for the agent", o.Key)
+	}
 	c.add(KindPodAddrMissing, v.Cluster, msg, "etcdctl lease revoke "+lease, append(slices.Clone(g.keys), g.key)...)
 }
 

@@ -68,7 +68,7 @@ func TestDoctorRunningPodKeysMissing(t *testing.T) {
 			fix:  func(w *blockWorld) string { return "etcdctl lease revoke %POD%" },
 			says: []string{"10.77.0.10, fd77::10", "pod ns/web", "node c1/n1", "%PODKEY%", "half a lease TTL", podKeysLostLog, podKeysLostMetric,
 				"re-claims every address of the pod"},
-			notSays:    []string{"Nothing to do", "expired"},
+			notSays:    []string{"Nothing to do", "expired", "other attachments"},
 			notExpired: func(w *blockWorld) []string { return []string{w.held4, w.held6} }},
 		// The pod record gone as well, but an owner index of the pod on the node (another interface)
 		// is on a live lease: the pod still runs.
@@ -83,6 +83,7 @@ func TestDoctorRunningPodKeysMissing(t *testing.T) {
 			},
 			key:        func(w *blockWorld) string { return keyspace.OwnerKey(wCluster, "u-web", "net1", wPool) },
 			fix:        func(w *blockWorld) string { return "etcdctl lease revoke %POD%" },
+			says:       []string{"other attachments", "wait for the agent"},
 			notExpired: func(w *blockWorld) []string { return []string{w.held4, w.held6} }},
 		// Truly expired: the pod's lease ran out, so no key of the pod is left but the held keys.
 		// The agent is back: information, and the text says what it does and when.
