@@ -45,7 +45,28 @@ const (
 	// are bad-key, unreadable and no-lease findings; an expired block is block-claim-stale.
 	KindAddressExpired  = "address-expired"         // info: held keys without allocation: addresses of a node cut off or gone, held back until their lease expires
 	KindHeldOtherHolder = "held-names-other-holder" // a held key naming another node or owner than the allocation of its address
+
+	// Keys of running pods deleted by hand (issue 32). An owner index on a live lease naming an
+	// address without allocation is owner-index-without-allocation.
+	KindPodAddrMissing = "running-pod-address-missing" // a held key without allocation or owner index, of a pod whose pod record or owner index is on a live lease
 )
+
+// What doctor tells of a running pod's key that etcd no longer holds (issue 32): the agent of
+// its node checks its pods' keys every half lease TTL and puts them back, logging and counting
+// it so (leases). Doctor names the log line and the metric to look at when that does not happen.
+const (
+	podKeysLostLog    = "keys of a running pod were deleted or changed in etcd; re-claiming its addresses"
+	podKeysLostMetric = "leasehold_pod_keys_lost_total"
+)
+
+// agentPutsBack says that the agent of node puts a running pod's keys back by itself, how
+// soon, and what to look at when this finding stays.
+func agentPutsBack(node string) string {
+	return fmt.Sprintf("The agent of node %s puts the pod's keys back by itself within half a lease TTL (leaseholdd --lease-ttl, "+
+		"default 90s: 45s): it revokes the pod's lease and re-claims the pod's addresses on a new one, logging %q and counting %s. "+
+		"If this is still reported after that, that agent is not running, cannot reach etcd, or is a version that does not check "+
+		"its pods' keys: look for that log line and metric on node %s", dash(node), podKeysLostLog, podKeysLostMetric, dash(node))
+}
 
 // Severities of findings. Doctor fails (leaseholdctl: exit 3) on errors and warnings; info
 // findings describe a state that is normal for a while or a step still to take.

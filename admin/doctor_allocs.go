@@ -21,7 +21,21 @@ type checker struct {
 	pods      map[string]*PodEntry
 	conflicts map[string]*ConflictEntry
 	podSeen   map[string]bool
-	out       []Finding
+	// ownerMissing are the addresses owner-index-without-allocation reported, with the owner
+	// whose index names them: their held keys are not expired.
+	ownerMissing map[ownerAddr]bool
+	// leasedOwners are the readable owner indexes on a lease by the pod record key of their
+	// owner and node (the first of each), built when first needed (podRuns).
+	leasedOwners map[string]*OwnerEntry
+	// heldAt are the readable held keys by address, built when first needed (heldFor).
+	heldAt map[poolAddr][]*HeldEntry
+	out    []Finding
+}
+
+// ownerAddr is one address of one pool as named by one owner.
+type ownerAddr struct {
+	poolAddr
+	cluster, owner string
 }
 
 // poolAddr is one address of one pool, whatever the layout of its key.
@@ -37,7 +51,8 @@ type poolAddr struct {
 // read both (State.Covers), so a narrow ReadKeys reports nothing absent that it did not read.
 func Check(st *State) []Finding {
 	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{}, byAddr: map[poolAddr]*AllocationEntry{},
-		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{}}
+		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{},
+		ownerMissing: map[ownerAddr]bool{}}
 	for _, p := range st.Pools {
 		c.pools[p.Name] = p
 	}

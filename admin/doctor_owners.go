@@ -26,17 +26,73 @@ func (c *checker) owner(o *OwnerEntry) {
 		a := c.allocAt(o.Pool, ip)
 		switch {
 		case a == nil && o.Lease != 0:
-			rec := keyspace.Allocation{Owner: o.Owner, Cluster: o.Cluster, Node: o.Value.Node, NodeUID: o.Value.NodeUID, Pod: c.podRef(o),
-				ContainerID: o.Value.ContainerID, IfName: o.IfName, Network: o.Value.Network, LeaseID: keyspace.LeaseHex(o.Lease), Created: o.Value.Created}
-			c.add(KindOwnerNoAlloc, o.Cluster, fmt.Sprintf("owner index names %s but no key %s holds it: the pod (owner %s, container %s, node %s) "+
-				"still has the address, and the next ADD may give it to another pod. Restore the allocation on the pod's lease %s "+
-				"(the transaction changes nothing if the address was taken meanwhile)", ip, key, o.Owner, short(o.Value.ContainerID), o.Value.Node,
-				keyspace.LeaseHex(o.Lease)), putFix(key, []byte(keyspace.Encode(rec)), o.Lease, absentGuard(key), modGuard(o.Key, o.ModRevision)), o.Key, key)
+			c.ownerNoAlloc(o, ip, key)
 		case a != nil && !sameAttachment(a, o):
 			c.otherHolder(o, ip, a)
 		}
 	}
 	c.podOf(o)
+}
+
+// ownerNoAlloc reports an owner index on a live lease naming ip, whose allocation key is
+// gone: the pod runs (its agent renews the lease) and uses the address, which etcd no longer
+// holds for it. Its agent puts the key back by itself; the fix restores it at once. The held key
+// of the address, if any, is not reported as expired besides (heldKeys).
+func (c *checker) ownerNoAlloc(o *OwnerEntry, ip netip.Addr, key string) {
+	c.ownerMissing[ownerAddr{poolAddr{o.Pool, ip}, o.Cluster, o.Owner}] = true
+	lease := keyspace.LeaseHex(o.Lease)
+	cf := c.conflicts[keyspace.ConflictKey(o.Cluster, o.Owner, o.IfName, o.Pool)]
+	conflict := cf != nil && slices.ContainsFunc(cf.Value.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ip })
+	msg := fmt.Sprintf("owner index names %s but no key %s holds it", ip, key)
+	if !conflict {
+		msg += " (deleted by hand?)"
+	}
+	msg += fmt.Sprintf(": pod %s (owner %s, container %s) on node %s/%s still runs, its owner index on lease %s, which its agent "+
+		"renews, and uses the address", podName(c.podRef(o)), o.Owner, short(o.Value.ContainerID), o.Cluster, dash(o.Value.Node), lease)
+	switch h := c.heldFor(o.Pool, ip, o.Cluster, o.Owner); {
+	case h == nil && c.st.Covers(keyspace.HeldKey(o.Pool, c.blocksOf(o.Pool), ip)):
+		msg += "; no held key keeps it back either: the next ADD may give it to another pod"
+	case h == nil:
+		msg += "; the next ADD may give it to another pod"
+	case h.Value.Owner == o.Owner && h.Value.Cluster == o.Cluster:
+		msg += fmt.Sprintf("; only its held key %s keeps it from other pods, and only while the pool has other room", h.Key)
+	default:
+		msg += fmt.Sprintf("; held key %s holds it back for owner %s of node %s/%s", h.Key, dash(h.Value.Owner), dash(h.Value.Cluster), dash(h.Value.Node))
+	}
+	if conflict {
+		msg += fmt.Sprintf(". It is recorded as a conflict at %s: another owner took the address while the pod's lease was lost, "+
+			"and the pod's agent puts the allocation back once no other allocation, nor another node's held key, holds it", cf.Key)
+	} else {
+		msg += ". " + agentPutsBack(o.Value.Node)
+	}
+	msg += fmt.Sprintf(". To put it back at once, restore the allocation on the pod's lease %s (the transaction changes nothing if "+
+		"the address was taken or the owner index changed meanwhile)", lease)
+	rec := keyspace.Allocation{Owner: o.Owner, Cluster: o.Cluster, Node: o.Value.Node, NodeUID: o.Value.NodeUID, Pod: c.podRef(o),
+		ContainerID: o.Value.ContainerID, IfName: o.IfName, Network: o.Value.Network, LeaseID: lease, Created: o.Value.Created}
+	c.add(KindOwnerNoAlloc, o.Cluster, msg, putFix(key, []byte(keyspace.Encode(rec)), o.Lease, absentGuard(key), modGuard(o.Key, o.ModRevision)), o.Key, key)
+}
+
+// heldFor is the readable held key of ip in pool (in either layout) the state read, the one
+// naming cluster/owner first, or nil.
+func (c *checker) heldFor(pool string, ip netip.Addr, cluster, owner string) *HeldEntry {
+	if c.heldAt == nil {
+		c.heldAt = map[poolAddr][]*HeldEntry{}
+		for i := range c.st.Held {
+			if h := &c.st.Held[i]; h.Unreadable == "" {
+				c.heldAt[poolAddr{h.Pool, h.IP}] = append(c.heldAt[poolAddr{h.Pool, h.IP}], h)
+			}
+		}
+	}
+	hs := c.heldAt[poolAddr{pool, ip}]
+	for _, h := range hs {
+		if h.Value.Cluster == cluster && h.Value.Owner == owner {
+			return h
+		}
+	}
+	if len(hs) > 0 {
+		return hs[0]
+	}
+	return nil
 }
 
 // ownerNoLease reports an owner index without lease, putting it back on its addresses' lease

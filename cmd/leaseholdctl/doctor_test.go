@@ -188,6 +188,12 @@ func TestDoctor(t *testing.T) {
 			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.ip6) },
 			key:  func(w *doctorWorld) string { return w.ip6 },
 			fix:  func(w *doctorWorld) string { return `create("` + w.ip6 + `") = "0"` }},
+		// Allocations and owner index deleted, the pod record left: only the held keys name the
+		// running pod's addresses. Revoking its lease makes the agent re-claim them.
+		{name: "running pod without allocation or owner index", kind: admin.KindPodAddrMissing,
+			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.ip4); w.del(t, w.ip6); w.del(t, w.owner) },
+			key:  func(w *doctorWorld) string { return w.pod },
+			fix:  func(w *doctorWorld) string { return "etcdctl lease revoke " + keyspace.LeaseHex(w.lease) }},
 		// The reverse: allocations no owner index names; no DEL would release them.
 		{name: "allocation without owner index", kind: admin.KindOrphan,
 			seed: func(t *testing.T, w *doctorWorld) { w.del(t, w.owner) },
