@@ -132,6 +132,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 			}
 		}
 	}
+	a.metrics.audits.Inc()
 	if lost > 0 {
 		a.wake()
 	}

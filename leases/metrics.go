@@ -42,7 +42,7 @@ type metrics struct {
 	conflictsOpen                                                         prometheus.Gauge
 	// A live lease is not proof (audit.go): keys of running pods found missing or changed,
 	// and the times etcd was found to have gone back in time.
-	podKeysLost, wentBack prometheus.Counter
+	podKeysLost, wentBack, audits prometheus.Counter
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -134,6 +134,10 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_pod_keys_lost_total",
 			Help: "Keys of running pods (pod records, owner indexes, allocations) the agent's check found missing, on another lease or overwritten in etcd; each such pod is re-claimed (leasehold_reclaims_total).",
 		}),
+		audits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_key_audits_total",
+			Help: "Checks of every key the agent keeps in etcd (node record, block claims, running pods' keys) that ran to the end: one every half lease TTL, and one each time etcd may have gone back in time.",
+		}),
 		wentBack: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_etcd_went_back_total",
 			Help: "Times the agent found etcd gone back in time (restored from a backup, or replaced): an answer of another cluster or below a revision already seen, or a node record, block claim or pod keys lost after a compacted watch.",
@@ -147,7 +151,7 @@ func newMetrics(a *Agent) *metrics {
 	for _, r := range []string{"committed", "split", "lost"} {
 		m.claimBatches.WithLabelValues(r)
 	}
-	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.podKeysLost, m.wentBack, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
+	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.podKeysLost, m.wentBack, m.audits, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
 		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",
