@@ -56,6 +56,7 @@ type Agent struct {
 	// every key the agent keeps, suspect says that etcd may have gone back (audit.go).
 	gate     *etcdGate
 	hold     *restoreHold
+	keys     *ownKeys
 	auditDue atomic.Bool
 	suspect  atomic.Bool
 
@@ -116,7 +117,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = keeper
-	a.pools = newPools(actx, a.cli, a.log, a.hold)
+	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.ownsAddr, func() {
+		a.auditDue.Store(true)
+		a.wake()
+	})
+	a.pools = newPools(actx, a.cli, a.log, viewHooks{hold: a.hold, keys: a.keys})
 	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
@@ -138,9 +143,10 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.resumeBlocks(ctx)
 	a.resumeClaims(ctx)
-	a.wg.Add(2)
+	a.wg.Add(3)
 	go a.reclaimLoop()
 	go a.livenessLoop()
+	go a.goneLoop()
 	if cfg.PublishHostAddrs {
 		a.wg.Add(1)
 		go a.publishHosts(actx)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"sync"
 	"time"
@@ -323,8 +324,8 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		}
 		for i, o := range chunk {
 			kvs := resp.Responses[i].GetResponseRange().Kvs
-			if len(kvs) > 0 && keyspace.LeaseOf(kvs[0]) == o.lease || !o.still() {
-				continue
+			if len(kvs) > 0 && keyspace.LeaseOf(kvs[0]) == o.lease || !o.still() || !a.leaseAlive(ctx, o.lease) {
+				continue // as the agent holds it, gone with its lease (the keeper reports that), or unknown
 			}
 			found := "missing"
 			if len(kvs) > 0 {
@@ -335,6 +336,15 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// leaseAlive tells whether etcd answers that it still has lease id; without an answer the
+// next audit looks again.
+func (a *Agent) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	ttl, err := a.cli.TimeToLive(octx, id)
+	return err == nil && ttl.TTL > 0
 }
 
 // restoreHold is what the agent does while it repairs what etcd going back in time took:
@@ -493,4 +503,88 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 		a.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
 	}
 	return lost, nil
+}
+
+// ownKeys hears from the views of changes to this node's pods' allocations in its own blocks
+// that the agent did not make: a delete no release explains (after the view's own check of
+// releases it knows of), or a put without a lease or with another node identity's value.
+// The audit would find them within its interval; a view sees them at once, and in a full
+// pool another node may take an address whose key is missing (the reuse order) within that
+// interval. Its methods run under the view's lock: they never block, and a queue that is full
+// makes a whole audit due instead.
+type ownKeys struct {
+	cluster, nodeUID string
+	owns             func(pool string, a netip.Addr) bool
+	overflow         func()
+	gone             chan goneAddr
+}
+
+// goneAddr is an allocation of one of this node's pods changed by someone else, seen at at.
+type goneAddr struct {
+	pool string
+	addr netip.Addr
+	at   time.Time
+}
+
+func newOwnKeys(cluster, nodeUID string, owns func(string, netip.Addr) bool, overflow func()) *ownKeys {
+	return &ownKeys{cluster: cluster, nodeUID: nodeUID, owns: owns, overflow: overflow, gone: make(chan goneAddr, 256)}
+}
+
+// deleted notes that a's allocation in pool was deleted, by no release the view knows of.
+func (k *ownKeys) deleted(pool string, a netip.Addr) {
+	if k != nil && k.owns(pool, a) {
+		k.queue(pool, a)
+	}
+}
+
+// put notes that a's allocation in pool was written as kv.
+func (k *ownKeys) put(pool string, a netip.Addr, kv *mvccpb.KeyValue) {
+	if k == nil || !k.owns(pool, a) {
+		return
+	}
+	rec, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value)
+	if kv.Lease == 0 || err != nil || rec.Cluster != k.cluster || rec.NodeUID != k.nodeUID {
+		k.queue(pool, a)
+	}
+}
+
+func (k *ownKeys) queue(pool string, a netip.Addr) {
+	select {
+	case k.gone <- goneAddr{pool: pool, addr: a, at: time.Now()}:
+	default:
+		k.overflow()
+	}
+}
+
+// goneLoop checks the pod that lists each address the views reported (ownKeys), once a
+// release in flight had the time to change what the agent knows (suspectGrace): the check of
+// one pod under its lock (recheckPod), re-claimed at once if its keys are lost.
+func (a *Agent) goneLoop() {
+	defer a.wg.Done()
+	for {
+		var g goneAddr
+		select {
+		case <-a.ctx.Done():
+			return
+		case g = <-a.keys.gone:
+		}
+		if !sleepCtx(a.ctx, time.Until(g.at.Add(suspectGrace))) {
+			return
+		}
+		owner, ok := a.pods.ownerOf(g.pool, g.addr)
+		if !ok {
+			continue // released meanwhile
+		}
+		layouts, err := a.auditLayouts(a.ctx)
+		if err == nil {
+			var lost bool
+			if lost, err = a.recheckPod(a.ctx, owner, layouts); lost {
+				a.wake()
+			}
+		}
+		if err != nil {
+			a.log.Warn("checking a pod whose address changed in etcd failed; the next audit checks it", "owner", owner, "err", err)
+			a.auditDue.Store(true)
+		}
+	}
 }

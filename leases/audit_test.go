@@ -180,3 +180,33 @@ func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
 	}
 	heldFor(t, cli, a, "u1", k, ip)
 }
+
+// TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce: an allocation of a running pod
+// deleted in its node's own block is put back without waiting for the audit: the node's view
+// sees the delete, which no release explains (ownKeys). In a full pool, another node could
+// otherwise take the address while its key is missing.
+func TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.73.0.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) {
+		c.LeaseTTL, c.AuditInterval = time.Minute, time.Minute
+	})
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	etcdtest.Eventually(t, 60*time.Second, "the audit at start done", func() bool { return counterValue(a.metrics.audits) >= 1 })
+	audits := counterValue(a.metrics.audits)
+	lease := heldFor(t, cli, a, "u1", k, ip)
+	if _, err := cli.Delete(ctx, k.alloc); err != nil {
+		t.Fatal(err)
+	}
+	if next := heldFor(t, cli, a, "u1", k, ip); next == lease {
+		t.Errorf("the pod is still on lease %s: its keys were not re-claimed", keyspace.LeaseHex(lease))
+	}
+	if n := counterValue(a.metrics.audits); n != audits {
+		t.Errorf("%v audits ran meanwhile: the put-back waited for one, not for the view", n-audits)
+	}
+}

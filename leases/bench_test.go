@@ -43,7 +43,7 @@ func benchPool(b *testing.B) (allocator.PoolSpec, []netip.Addr) {
 }
 
 func benchView() *view {
-	return newView("bench", allocator.Blocks{}, nil, slog.New(slog.DiscardHandler), 1, nil, nil)
+	return newView("bench", allocator.Blocks{}, nil, slog.New(slog.DiscardHandler), 1, nil, viewHooks{})
 }
 
 // putEvents is a watch response creating an allocation key for each address, as etcd

@@ -63,6 +63,23 @@ func (t *pods) ownsAddr(pool string, addr netip.Addr) bool {
 	return t.addrs[poolAddr{pool, addr}] > 0
 }
 
+// ownerOf is the owner of the pod whose attachment in pool lists addr, if any.
+func (t *pods) ownerOf(pool string, addr netip.Addr) (string, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.addrs[poolAddr{pool, addr}] == 0 {
+		return "", false
+	}
+	for owner, ps := range t.m {
+		for _, at := range ps.Attachments {
+			if at.Pool == pool && slices.Contains(at.IPs, addr) {
+				return owner, true
+			}
+		}
+	}
+	return "", false
+}
+
 // lease returns owner's lease while it is held.
 func (t *pods) lease(owner string) (clientv3.LeaseID, bool) {
 	t.mu.Lock()

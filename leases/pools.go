@@ -38,16 +38,16 @@ type pools struct {
 	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
 	// own claims this node's blocks in pools of the block layout.
 	own *blockOwner
-	// hold says when etcd went back in time, for the views' settle time (audit.go).
-	hold *restoreHold
+	// hooks are handed to every view (viewHooks).
+	hooks viewHooks
 
 	mu    sync.Mutex
 	m     map[string]*pool
 	stops map[string]context.CancelFunc // ends a view's run
 }
 
-func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger, hold *restoreHold) *pools {
-	return &pools{cli: cli, log: log, ctx: ctx, hold: hold, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
+func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger, hooks viewHooks) *pools {
+	return &pools{cli: cli, log: log, ctx: ctx, hooks: hooks, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
 }
 
 // ensure returns the stored definition of spec.Name, creating it from spec if no definition
@@ -82,7 +82,7 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 		}
 		vctx, stop := context.WithCancel(ps.ctx)
 		p = &pool{spec: stored, rev: rev, migrating: migrating,
-			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own, ps.hold)}
+			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own, ps.hooks)}
 		ps.stops[spec.Name] = stop
 		go p.view.run(vctx)
 	}

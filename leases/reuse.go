@@ -66,6 +66,7 @@ func (v *view) allocDeleted(a netip.Addr, rev int64) {
 		delete(v.relRev, a) // a release
 		return
 	}
+	v.keys.deleted(v.pool, a)
 	if !v.holding() {
 		return
 	}

@@ -88,6 +88,15 @@ type view struct {
 	hold      *restoreHold
 	kept      map[netip.Addr]struct{}
 	keepUntil time.Time
+	// keys hears of changes to the allocations of this node's pods it did not make (audit.go).
+	keys *ownKeys
+}
+
+// viewHooks are what the agent hands each view at start: its restore hold and its ear for
+// this node's pods' keys (audit.go). Either may be nil (tests, benchmarks).
+type viewHooks struct {
+	hold *restoreHold
+	keys *ownKeys
 }
 
 // span is one key range the view follows.
@@ -113,12 +122,13 @@ type generation struct {
 	closed bool
 }
 
-func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner, hold *restoreHold) *view {
-	if hold == nil {
-		hold = newRestoreHold(0)
+func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner, hooks viewHooks) *view {
+	if hooks.hold == nil {
+		hooks.hold = newRestoreHold(0)
 	}
 	v := &view{
-		hold:        hold,
+		hold:        hooks.hold,
+		keys:        hooks.keys,
 		kept:        make(map[netip.Addr]struct{}),
 		pool:        pool,
 		blocks:      blocks,

@@ -341,6 +341,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 					v.allocated[ip] = ev.Kv.CreateRevision
 				}
 				v.allocPut(ip)
+				v.keys.put(v.pool, ip, ev.Kv)
 			case clientv3.EventTypeDelete:
 				// A delete older than a creation this agent already saw is stale.
 				if v.allocated[ip] <= ev.Kv.ModRevision {
