@@ -71,6 +71,12 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	if err := a.auditOwn(ctx); err != nil {
 		return 0, err
 	}
+	octx, cancel := a.opCtx(ctx)
+	err = a.keeper.CheckRecycled(octx)
+	cancel()
+	if err != nil {
+		return 0, a.unavailable("check the recycled spare leases", err)
+	}
 	pods := a.pods.auditable(a.cfg.Cluster, a.cfg.Node, layouts)
 	var unverified []auditPod
 	var verified []auditPod

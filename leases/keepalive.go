@@ -176,6 +176,7 @@ func (k *Keeper) lost(id clientv3.LeaseID) {
 	k.mu.Lock()
 	_, ours := k.held[id]
 	delete(k.held, id)
+	delete(k.recycled, id)
 	for i, s := range k.spare {
 		if s == id {
 			k.spare = append(k.spare[:i], k.spare[i+1:]...)

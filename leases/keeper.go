@@ -38,7 +38,10 @@ type Keeper struct {
 
 	mu    sync.Mutex
 	spare []clientv3.LeaseID
-	held  map[clientv3.LeaseID]context.CancelFunc
+	// recycled are the spares that carried a pod's keys before (Recycle): a backup restored
+	// since may have put those keys back (CheckRecycled).
+	recycled map[clientv3.LeaseID]bool
+	held     map[clientv3.LeaseID]context.CancelFunc
 	// fresh are leases this keeper granted whose renewals have not started: a lease is
 	// granted with its whole TTL, so the client's keep-alive, which renews at once on
 	// registration, is registered only when its first renewal is due (see keepAliveLater).
@@ -87,17 +90,18 @@ func NewKeeper(cli *clientv3.Client, cfg KeeperConfig) (*Keeper, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	k := &Keeper{
-		cli:     cli,
-		ttl:     int64(math.Ceil(cfg.TTL.Seconds())),
-		spareN:  max(cfg.Spares, 0),
-		timeout: cfg.OpTimeout,
-		log:     cfg.Log,
-		onLost:  cfg.OnLost,
-		onHeard: cfg.OnHeard,
-		ctx:     ctx,
-		cancel:  cancel,
-		refill:  make(chan struct{}, 1),
-		held:    make(map[clientv3.LeaseID]context.CancelFunc),
+		cli:      cli,
+		ttl:      int64(math.Ceil(cfg.TTL.Seconds())),
+		spareN:   max(cfg.Spares, 0),
+		timeout:  cfg.OpTimeout,
+		log:      cfg.Log,
+		onLost:   cfg.OnLost,
+		onHeard:  cfg.OnHeard,
+		ctx:      ctx,
+		cancel:   cancel,
+		refill:   make(chan struct{}, 1),
+		held:     make(map[clientv3.LeaseID]context.CancelFunc),
+		recycled: make(map[clientv3.LeaseID]bool),
 
 		freshKick: make(chan struct{}, 1),
 	}
@@ -117,6 +121,7 @@ func (k *Keeper) Take(ctx context.Context) (clientv3.LeaseID, error) {
 	if n := len(k.spare); n > 0 {
 		id := k.spare[n-1]
 		k.spare = k.spare[:n-1]
+		delete(k.recycled, id)
 		k.mu.Unlock()
 		return id, nil
 	}
@@ -239,6 +244,7 @@ func (k *Keeper) Forget(id clientv3.LeaseID) {
 		cancel()
 		delete(k.held, id)
 	}
+	delete(k.recycled, id)
 }
 
 // Revoke stops renewing id and revokes it, deleting every key written with it. The revoke
@@ -262,6 +268,9 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 func (k *Keeper) Recycle(ctx context.Context, id clientv3.LeaseID) (bool, error) {
 	if k.room(id) { // else no need to ask etcd
 		if resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err == nil && len(resp.Keys) == 0 && 2*resp.TTL > k.ttl && k.spareAgain(id) {
+			k.mu.Lock()
+			k.recycled[id] = true
+			k.mu.Unlock()
 			return true, nil
 		}
 	}
@@ -296,6 +305,41 @@ func (k *Keeper) roomLocked(id clientv3.LeaseID) bool {
 	return held && len(k.spare) < k.spareN && !slices.Contains(k.spare, id)
 }
 
+// CheckRecycled asks etcd for the keys on each spare that carried a pod's keys before, and
+// revokes one that has any: an etcd restored from a backup taken while its pod lived has them
+// again, and a new pod on it would keep them alive. Spares granted fresh have no past.
+func (k *Keeper) CheckRecycled(ctx context.Context) error {
+	k.mu.Lock()
+	ids := make([]clientv3.LeaseID, 0, len(k.recycled))
+	for id := range k.recycled {
+		ids = append(ids, id)
+	}
+	k.mu.Unlock()
+	for _, id := range ids {
+		resp, err := k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys())
+		if err != nil {
+			return fmt.Errorf("list the keys of spare lease %s: %w", keyspace.LeaseHex(id), err)
+		}
+		if len(resp.Keys) == 0 {
+			continue
+		}
+		k.mu.Lock()
+		i := slices.Index(k.spare, id)
+		if i >= 0 {
+			k.spare = slices.Delete(k.spare, i, i+1)
+		}
+		delete(k.recycled, id)
+		k.mu.Unlock()
+		if i >= 0 {
+			k.log.Warn("a spare lease carries keys of a pod deleted before (etcd restored from a backup); revoking it",
+				"lease", keyspace.LeaseHex(id), "keys", len(resp.Keys))
+			k.revokeQuietly(id)
+			k.kick()
+		}
+	}
+	return nil
+}
+
 // DropSpares revokes every spare lease, in the background, and grants new ones: after etcd
 // went back in time a spare may carry keys the backup had on it (a pod lease recycled since),
 // which a pod taking it would keep alive.
@@ -303,6 +347,7 @@ func (k *Keeper) DropSpares() {
 	k.mu.Lock()
 	spare := k.spare
 	k.spare = nil
+	clear(k.recycled)
 	k.mu.Unlock()
 	go func() {
 		for _, id := range spare {

@@ -233,3 +233,49 @@ func newKeeper(t *testing.T, cli *clientv3.Client, cfg KeeperConfig) *Keeper {
 	}
 	return k
 }
+
+// TestARecycledSpareWithKeysAgainIsRevoked: a pod lease recycled as a spare (no key left on
+// it) gets a key back, as an etcd restored from a backup of its pod's time gives it. The
+// check of recycled spares revokes it, key and all, instead of handing it to a new pod; a
+// spare granted fresh is not asked about.
+func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
+	cli, ctx := etcdtest.Client(t), ctxT(t)
+	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 2})
+	defer k.Close()
+	etcdtest.Eventually(t, 30*time.Second, "two spares granted", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return len(k.spare) == 2
+	})
+	id, err := k.Take(ctx) // a spare; the refill waits for the low water
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := k.Recycle(ctx, id); err != nil || !ok {
+		t.Fatalf("recycle a keyless young lease: %v %v, want it a spare", ok, err)
+	}
+	key := etcdtest.Uniq("/restored/pod-record-")
+	if _, err := cli.Put(ctx, key, "back from a backup", clientv3.WithLease(id)); err != nil {
+		t.Fatal(err)
+	}
+	if err := k.CheckRecycled(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k.mu.Lock()
+	still := slices.Contains(k.spare, id)
+	k.mu.Unlock()
+	if still {
+		t.Fatalf("lease %x is still a spare with a key on it", id)
+	}
+	etcdtest.Eventually(t, 30*time.Second, "the key goes with the revoked lease", func() bool {
+		resp, err := cli.Get(ctx, key)
+		return err == nil && len(resp.Kvs) == 0
+	})
+	// The other spares were granted fresh: never asked about, still there.
+	k.mu.Lock()
+	n := len(k.recycled)
+	k.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d recycled spares left to check, want 0", n)
+	}
+}
