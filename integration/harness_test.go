@@ -105,17 +105,50 @@ func replaceEtcdProcess(t testing.TB, p *etcdProc, flags ...string) *etcdProc {
 	return np
 }
 
+// etcdMember and etcdClusterToken are the member name and cluster token of every etcd
+// launchEtcd runs: with the peer URL they make the cluster and member IDs, so a restore that
+// gives the same three keeps them (restoreEtcdProcess).
+const etcdMember, etcdClusterToken = "it", "etcd-cluster"
+
+// restoreEtcdProcess kills p and starts, at p's URLs, an etcd whose data directory
+// `etcdutl snapshot restore` made from snapshot (a file `etcdctl snapshot save` wrote) with
+// p's member name, peer URL and cluster token, so its cluster and member IDs are p's: etcd
+// lost its data and was restored from a backup, as the agents see it. restoreFlags go to
+// etcdutl (--bump-revision N --mark-compacted); flags to etcd.
+func restoreEtcdProcess(t testing.TB, p *etcdProc, snapshot string, restoreFlags []string, flags ...string) *etcdProc {
+	t.Helper()
+	p.kill()
+	dir := filepath.Join(t.TempDir(), "restored")
+	args := append([]string{"snapshot", "restore", snapshot, "--data-dir", dir,
+		"--name", etcdMember, "--initial-cluster", etcdMember + "=" + p.peerURL,
+		"--initial-advertise-peer-urls", p.peerURL, "--initial-cluster-token", etcdClusterToken}, restoreFlags...)
+	if out, err := exec.Command(toolBin(t, "etcdutl"), args...).CombinedOutput(); err != nil {
+		t.Fatalf("etcdutl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	np, logs := launchEtcdIn(t, dir, p.URL, p.peerURL, flags...)
+	if np == nil {
+		t.Fatalf("the restored etcd did not start:\n%s", logs)
+	}
+	return np
+}
+
 // launchEtcd runs etcd at the URLs given, with a new data directory, and returns it once it
 // answers, or nil and its output when it exited first.
 func launchEtcd(t testing.TB, curl, purl string, flags ...string) (*etcdProc, string) {
 	t.Helper()
+	return launchEtcdIn(t, t.TempDir(), curl, purl, flags...)
+}
+
+// launchEtcdIn is launchEtcd with the data directory given (one etcdutl restored, say).
+func launchEtcdIn(t testing.TB, dataDir, curl, purl string, flags ...string) (*etcdProc, string) {
+	t.Helper()
 	ctx := context.Background()
 	out := &syncbuf.Buffer{}
 	cmd := exec.Command(filepath.Join(binDir(t), "etcd"),
-		"--name", "it", "--data-dir", t.TempDir(),
+		"--name", etcdMember, "--data-dir", dataDir,
 		"--listen-client-urls", curl, "--advertise-client-urls", curl,
 		"--listen-peer-urls", purl, "--initial-advertise-peer-urls", purl,
-		"--initial-cluster", "it="+purl, "--log-level", "error")
+		"--initial-cluster", etcdMember+"="+purl, "--initial-cluster-token", etcdClusterToken, "--log-level", "error")
 	cmd.Args = append(cmd.Args, flags...)
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
@@ -158,6 +191,18 @@ func launchEtcd(t testing.TB, curl, purl string, flags ...string) (*etcdProc, st
 func (p *etcdProc) kill() {
 	_ = p.cmd.Process.Kill()
 	<-p.done
+}
+
+// etcdctl runs bin/etcdctl against endpoints (comma-separated) with args, as an admin does,
+// and returns its output; a failure fails the test.
+func etcdctl(t testing.TB, endpoints string, args ...string) string {
+	t.Helper()
+	args = append([]string{"--endpoints", endpoints}, args...)
+	out, err := exec.Command(filepath.Join(binDir(t), "etcdctl"), args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("etcdctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
 }
 
 // agentProc is leaseholdd running as its own process (fixture.startAgent starts one).
