@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"net/netip"
 	"slices"
@@ -347,10 +348,15 @@ func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 		}
 		return x.a.Compare(y.a)
 	})
+	look := make([]netip.Addr, 0, min(len(cands), maxRunningLookups))
+	for _, c := range cands[:min(len(cands), maxRunningLookups)] {
+		look = append(look, c.a)
+	}
+	running := v.holdersRunning(ctx, look)
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	for _, c := range cands {
-		if !usable(c.a) {
+	for i, c := range cands {
+		if !usable(c.a) || i >= maxRunningLookups || running[c.a] {
 			continue
 		}
 		v.pending[c.a] = struct{}{}
@@ -359,7 +365,68 @@ func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 			"ip", c.a, "held_until", c.until, "held_on_lease", keyspace.LeaseHex(c.lease))
 		return c.a, nil
 	}
+	if len(running) > 0 {
+		exhausted = fmt.Errorf("%w; %d addresses without an allocation are held for pods whose record still stands: "+
+			"their keys were deleted or changed, and their nodes put them back (leaseholdctl doctor names them)", exhausted, len(running))
+	}
 	return netip.Addr{}, exhausted
+}
+
+// maxRunningLookups bounds the held-back addresses one reuse looks up (holdersRunning): the
+// first to end, one read each. One further back is not taken unlooked: the ADD is refused.
+const maxRunningLookups = 32
+
+// holdersRunning reads, for each candidate address, its held key and the pod record of the
+// holder the key names, and returns the addresses whose holder's pod record stands: that pod's
+// lease did not run out, so its node still has it; only its allocation is gone (deleted by
+// hand, or overwritten), and the node's audit puts it back. A lease that runs out takes the
+// pod record with the allocation: that is the expired holder the reuse order is for. A failed
+// read leaves the answer to the claim, which compares the allocation absent.
+func (v *view) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip.Addr]bool {
+	out := map[netip.Addr]bool{}
+	if len(addrs) == 0 {
+		return out
+	}
+	octx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	ops := make([]clientv3.Op, len(addrs))
+	for i, a := range addrs {
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(v.pool, v.blocks, a))
+	}
+	resp, err := v.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return out
+	}
+	var pods []clientv3.Op
+	var of []netip.Addr
+	for i, a := range addrs {
+		kvs := resp.Responses[i].GetResponseRange().Kvs
+		if len(kvs) == 0 {
+			continue
+		}
+		rec, err := keyspace.Decode[keyspace.HeldRecord](string(kvs[0].Key), kvs[0].Value)
+		if err != nil || keyspace.ValidateNames("cluster", rec.Cluster, "node", rec.Node, "owner", rec.Owner) != nil {
+			continue
+		}
+		pods = append(pods, clientv3.OpGet(keyspace.PodKey(rec.Cluster, rec.Node, rec.Owner), clientv3.WithCountOnly()))
+		of = append(of, a)
+	}
+	if len(pods) == 0 {
+		return out
+	}
+	if resp, err = v.cli.Txn(octx).Then(pods...).Commit(); err != nil {
+		return out
+	}
+	for i, a := range of {
+		if resp.Responses[i].GetResponseRange().Count > 0 {
+			out[a] = true
+		}
+	}
+	if len(out) > 0 {
+		v.log.Info("held-back addresses whose pod record stands are not reused: their nodes put their allocations back",
+			"ips", slices.Collect(maps.Keys(out)))
+	}
+	return out
 }
 
 // heldBackCount is how many addresses the view holds back, and when the first hold it knows
