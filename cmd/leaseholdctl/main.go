@@ -74,8 +74,10 @@ allocations:
   alloc show IP [--pool P]        who holds IP (in every pool holding it): its key (in either layout) and the
                                   etcdctl get of it, its block and the node claiming it, owner, pod, node,
                                   container, interface, network, lease ID and TTL left, created, held key.
-                                  An expired address (no allocation, a held key: its node cut off or gone):
-                                  the node and owner it is held back for, until when, what to do (exit 4)
+                                  An address without allocation but with a held key (exit 4): expired (no key
+                                  of its pod left: its node cut off or gone), the node and owner it is held
+                                  back for, until when, what to do; or KEYS LOST, its pod still running (etcd
+                                  lost its keys: an error), with what doctor finds of it and its fix
   alloc release IP --pool P [--force] [--quarantine 30s]
                                   release IP with its attachment's owner index and other addresses on the
                                   same lease, and their held keys, owner-compared; a lease an agent still
