@@ -16,7 +16,7 @@ import (
 	"github.com/leasehold/leasehold/leases"
 )
 
-// Issue 32: alloc show tells a running pod's address whose keys etcd lost (an
+// Issue 32: alloc show and pool show tell a running pod's address whose keys etcd lost (an
 // admin's etcdctl del) from an expired one, as doctor does, with doctor's fix; and what they
 // say the agent does, it does. A real agent of node c1/n1 with a journal adds pod "web" on an
 // etcd of its own, then stops: its pod lease lives on for the TTL, so nothing puts the keys
@@ -91,7 +91,7 @@ func (w *lostWorld) doctorFix(t *testing.T, kind, key string) string {
 	return ""
 }
 
-func TestAllocShowOfARunningPodsLostKeys(t *testing.T) {
+func TestAllocShowAndPoolShowOfARunningPodsLostKeys(t *testing.T) {
 	tests := []struct {
 		name     string
 		deleted  func(w *lostWorld) []string
@@ -151,11 +151,33 @@ func TestAllocShowOfARunningPodsLostKeys(t *testing.T) {
 				t.Errorf("alloc show -o json: %+v", d)
 			}
 
+			// pool show: apart from what is expired, with what the agent does and where the fix is.
+			r = ctlAt(w.ep, "pool", "show", "net")
+			for _, s := range []string{"keys lost: 1 address(es) held back whose pods still run: not expired, an error", w.ip, "c1/n1", "u-web", tt.kind,
+				w.heldKey, "The agent of node n1 puts the pod's keys back by itself within half a lease TTL", "leaseholdctl doctor gives the fix",
+				"no expired addresses or blocks"} {
+				if !strings.Contains(r.stdout, s) {
+					t.Errorf("pool show does not say %q:\n%s", s, r.stdout)
+				}
+			}
+			if strings.Contains(r.stdout, "re-claims or frees them") || strings.Contains(r.stdout, "expired: 1 address") {
+				t.Errorf("pool show calls a running pod's address expired:\n%s", r.stdout)
+			}
+			var pj poolJSON
+			jsonOf(t, ctlAt(w.ep, "pool", "show", "net", "-o", "json"), &pj)
+			if pj.Expired != 1 || len(pj.HeldBack) != 0 || len(pj.KeysLost) != 1 || pj.KeysLost[0].IP.String() != w.ip || pj.KeysLost[0].Kind != tt.kind ||
+				pj.KeysLost[0].Fix != fix || pj.KeysLost[0].Node != "n1" || pj.KeysLost[0].Owner != "u-web" || pj.KeysLost[0].HeldKey != w.heldKey {
+				t.Errorf("pool show -o json: expired %d, heldBack %+v, keysLost %+v", pj.Expired, pj.HeldBack, pj.KeysLost)
+			}
+
 			// What they say the agent does: started again, it puts the keys back within half a TTL.
 			w.start(t)
 			etcdtest.Eventually(t, 15*time.Second, "the agent puts the pod's keys back", func() bool {
 				return ctlAt(w.ep, "alloc", "show", w.ip).code == exitOK
 			})
+			if r := ctlAt(w.ep, "pool", "show", "net"); strings.Contains(r.stdout, "keys lost") || !strings.Contains(r.stdout, "no expired addresses or blocks") {
+				t.Errorf("pool show once the agent put the keys back:\n%s", r.stdout)
+			}
 			if r := ctlAt(w.ep, "doctor"); r.code != exitOK {
 				t.Errorf("doctor once the agent put the keys back: %+v", r)
 			}
@@ -170,12 +192,12 @@ func TestAllocShowOfARunningPodsLostKeys(t *testing.T) {
 	}
 }
 
-// TestAllocShowOfExpiredAddressesSaysWhatTheAgentDoes: the pods' leases ran out while
+// TestAllocShowAndPoolShowOfExpiredAddressesSayWhatTheAgentDoes: the pods' leases ran out while
 // their agent was stopped, so no key of them is left but their held keys: expired, with the
-// node's agent still registered. What alloc show says it does, it does when it
+// node's agent still registered. What alloc show and pool show say it does, it does when it
 // starts again: it re-claims the address of the pod still running (web) and frees the held key
 // of the pod whose sandbox is gone (db).
-func TestAllocShowOfExpiredAddressesSaysWhatTheAgentDoes(t *testing.T) {
+func TestAllocShowAndPoolShowOfExpiredAddressesSayWhatTheAgentDoes(t *testing.T) {
 	w := newLostWorld(t)
 	netns := filepath.Join(t.TempDir(), "netns-db")
 	if err := os.WriteFile(netns, nil, 0o600); err != nil {
@@ -220,6 +242,19 @@ func TestAllocShowOfExpiredAddressesSaysWhatTheAgentDoes(t *testing.T) {
 	if len(d) != 1 || !d[0].Expired || d[0].KeysLost || d[0].Finding == nil || d[0].Finding.Kind != admin.KindAddressExpired {
 		t.Errorf("alloc show -o json of an expired address: %+v", d)
 	}
+	r = ctlAt(w.ep, "pool", "show", "net")
+	for _, s := range []string{"expired: 2 address(es) held back, 0 block(s)", "AGENT back", admin.AgentBack()} {
+		if !strings.Contains(r.stdout, s) {
+			t.Errorf("pool show does not say %q:\n%s", s, r.stdout)
+		}
+	}
+	if row := strings.Fields(lineStarting(r.stdout, "c1/n1 ")); len(row) < 3 || row[1] != "back" || row[2] != "2" {
+		t.Errorf("pool show's held-back row of c1/n1: %q", row)
+	}
+	if strings.Contains(r.stdout, "re-claims or frees them") || strings.Contains(r.stdout, "keys lost") {
+		t.Errorf("pool show of expired addresses:\n%s", r.stdout)
+	}
+
 	// The db pod is gone, web still runs: the agent starts again.
 	if err := os.Remove(netns); err != nil {
 		t.Fatal(err)
@@ -231,4 +266,17 @@ func TestAllocShowOfExpiredAddressesSaysWhatTheAgentDoes(t *testing.T) {
 	if r := ctlAt(w.ep, "alloc", "show", dbIP); r.code != exitNotFound || strings.Contains(r.stdout+r.stderr, "expired") {
 		t.Errorf("alloc show of the gone pod's address: %+v", r)
 	}
+	if r := ctlAt(w.ep, "pool", "show", "net"); !strings.Contains(r.stdout, "no expired addresses or blocks") {
+		t.Errorf("pool show once the agent is back:\n%s", r.stdout)
+	}
+}
+
+// lineStarting is the first line of out that starts with prefix, or "".
+func lineStarting(out, prefix string) string {
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, prefix) {
+			return l
+		}
+	}
+	return ""
 }

@@ -46,8 +46,9 @@ pools:
                                   many of those are expired (their node's agent is gone)
   pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster;
                                   what is held back for nodes cut off or gone (expired addresses and blocks per
-                                  node, lease, when reusable); layout and each block claim (block, cluster/node,
-                                  agent, since, lease)
+                                  node, lease, when reusable) and, apart, the addresses of pods still running
+                                  whose keys etcd lost (doctor's kind); layout and each block claim (block,
+                                  cluster/node, agent, since, lease)
   pool show NAME --blocks         a map of the pool's blocks, one screen for a /16 of /26 blocks: per block a
                                   cell of two characters, the key of the node claiming it (upper case:
                                   expired, its agent gone) and how full it is (. none, 1-9 tenths, # full);
