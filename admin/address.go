@@ -21,7 +21,10 @@ const readBatch = 100
 // it reads the definitions of those pools (and of pool), the claims of the blocks the keys
 // name, and the node records of the nodes the held keys and those claims name. It lists the
 // keys first (keys only), then reads the ones of ip by name; the state covers ip's allocation
-// key beside each held key, so State.Expired tells an expired address.
+// key beside each held key, so State.Expired tells an address without allocation. For each
+// such held key it also reads what tells whether its pod still runs (issue 32): the pod's
+// record on the held key's node, its owner indexes and its conflict records, so HeldFindings
+// tells a running pod's address whose keys etcd lost from an expired one, as doctor does.
 func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip netip.Addr) (*State, error) {
 	if pool != "" {
 		if err := allocator.ValidateName("pool", pool); err != nil {
@@ -84,7 +87,57 @@ func FindAddress(ctx context.Context, cli *clientv3.Client, pool string, ip neti
 	if err := st.readByName(ctx, cli, ip, nodes); err != nil {
 		return nil, err
 	}
+	if err := st.readPods(ctx, cli, ip); err != nil {
+		return nil, err
+	}
 	return st, nil
+}
+
+// readPods reads, for each readable held key of st without allocation, the keys of its pod
+// that doctor looks at to tell whether the pod still runs: its pod record on the held key's
+// node (by name), and its owner indexes and conflict records (by prefix). The listing above
+// found every key of ip under each pool read, so st covers ip's allocation key in the pool's
+// own layout too: an owner index naming ip without allocation is then a true absence.
+func (st *State) readPods(ctx context.Context, cli *clientv3.Client, ip netip.Addr) error {
+	var pods, prefixes []string
+	for _, h := range st.Expired() {
+		v := h.Value
+		if h.Unreadable != "" || keyspace.ValidateNames("cluster", v.Cluster, "node", v.Node, "owner", v.Owner) != nil {
+			continue
+		}
+		if p, ok := st.Pool(h.Pool); ok && p.Usable() {
+			st.prefixes = append(st.prefixes, keyspace.IPKey(h.Pool, p.Value.Blocks, ip))
+		}
+		pods = append(pods, keyspace.PodKey(v.Cluster, v.Node, v.Owner))
+		prefixes = append(prefixes, keyspace.OwnerPrefix(v.Cluster, v.Owner), keyspace.ConflictsPrefix(v.Cluster)+v.Owner+"/")
+	}
+	if len(pods) == 0 {
+		return nil
+	}
+	slices.Sort(pods)
+	pods = slices.Compact(pods)
+	slices.Sort(prefixes)
+	prefixes = slices.Compact(prefixes)
+	st.prefixes = append(st.prefixes, pods...)
+	if err := st.readByName(ctx, cli, ip, pods); err != nil {
+		return err
+	}
+	ops := make([]clientv3.Op, len(prefixes))
+	for i, p := range prefixes {
+		ops[i] = clientv3.OpGet(p, clientv3.WithPrefix())
+	}
+	resp, err := cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return fmt.Errorf("read the owner indexes of the pods holding %s: %w", ip, err)
+	}
+	st.Revision = resp.Header.Revision
+	st.prefixes = append(st.prefixes, prefixes...)
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			st.add(kv)
+		}
+	}
+	return nil
 }
 
 // readByName reads keys by name (not as prefixes) in batches and files them into st.

@@ -59,9 +59,10 @@ const (
 	podKeysLostMetric = "leasehold_pod_keys_lost_total"
 )
 
-// agentPutsBack says that the agent of node puts a running pod's keys back by itself, how
-// soon, and what to look at when this finding stays.
-func agentPutsBack(node string) string {
+// AgentPutsBack says that the agent of node puts a running pod's keys back by itself, how
+// soon, and what to look at when this finding stays: doctor's findings of a running pod's
+// missing keys say it, and leaseholdctl pool show of the addresses of such pods.
+func AgentPutsBack(node string) string {
 	return fmt.Sprintf("The agent of node %s puts the pod's keys back by itself within half a lease TTL (leaseholdd --lease-ttl, "+
 		"default 90s: 45s): it revokes the pod's lease and re-claims the pod's addresses on a new one, logging %q and counting %s. "+
 		"If this is still reported after that, that agent is not running, cannot reach etcd, or is a version that does not check "+

@@ -22,8 +22,13 @@ type checker struct {
 	conflicts map[string]*ConflictEntry
 	podSeen   map[string]bool
 	// ownerMissing are the addresses owner-index-without-allocation reported, with the owner
-	// whose index names them: their held keys are not expired.
-	ownerMissing map[ownerAddr]bool
+	// whose index names them, and the index in out of that finding: their held keys are not
+	// expired.
+	ownerMissing map[ownerAddr]int
+	// heldTold is, by held key without allocation, the index in out of the finding that tells
+	// of its address (heldKeys); byHeld the same findings once all are in (HeldFindings).
+	heldTold map[string]int
+	byHeld   map[string]Finding
 	// leasedOwners are the readable owner indexes on a lease by the pod record key of their
 	// owner and node (the first of each), built when first needed (podRuns).
 	leasedOwners map[string]*OwnerEntry
@@ -49,10 +54,24 @@ type poolAddr struct {
 // key. Errors and warnings are problems (Finding.Problem); info findings describe a state that
 // passes by itself or a step to take. A check relating two key families runs only where st
 // read both (State.Covers), so a narrow ReadKeys reports nothing absent that it did not read.
-func Check(st *State) []Finding {
+func Check(st *State) []Finding { return check(st).out }
+
+// HeldFindings runs Check over st and returns, by held key, the finding that tells of the
+// address of each held key without allocation (State.Expired): owner-index-without-allocation
+// or running-pod-address-missing, errors, when its pod still runs, so etcd lost the pod's keys
+// (Finding.KeysLost); address-expired, information, when no key of the pod is left. Held keys
+// without lease or unreadable are left out (Check reports them as such). leaseholdctl alloc
+// show and pool show tell an address the way doctor does with it.
+func HeldFindings(st *State) map[string]Finding { return check(st).byHeld }
+
+// KeysLost reports whether f tells of addresses a running pod uses that etcd no longer holds
+// for it: the pod's agent puts them back (AgentPutsBack), they are not expired.
+func (f Finding) KeysLost() bool { return f.Kind == KindOwnerNoAlloc || f.Kind == KindPodAddrMissing }
+
+func check(st *State) *checker {
 	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{}, byAddr: map[poolAddr]*AllocationEntry{},
 		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{},
-		ownerMissing: map[ownerAddr]bool{}}
+		ownerMissing: map[ownerAddr]int{}, heldTold: map[string]int{}, byHeld: map[string]Finding{}}
 	for _, p := range st.Pools {
 		c.pools[p.Name] = p
 	}
@@ -87,8 +106,11 @@ func Check(st *State) []Finding {
 	c.unclaimedBlocks()
 	c.heldKeys()
 	c.claims()
+	for k, i := range c.heldTold {
+		c.byHeld[k] = c.out[i]
+	}
 	sortFindings(c.out)
-	return c.out
+	return c
 }
 
 // add reports an error: a broken invariant.

@@ -46,7 +46,7 @@ func (c *checker) heldKeys() {
 		case a != nil && a.Unreadable == "" && (a.Cluster != v.Cluster || a.Node != v.Node || a.Owner != v.Owner):
 			c.heldOtherHolder(h, a, nodes)
 		case a != nil || !c.st.Covers(spell(keyspace.IPsPrefix(h.Pool), h.Block, h.IP)):
-		case c.ownerMissing[ownerAddr{poolAddr{h.Pool, h.IP}, v.Cluster, v.Owner}]:
+		case c.ownerTold(h.Key, ownerAddr{poolAddr{h.Pool, h.IP}, v.Cluster, v.Owner}):
 			// owner-index-without-allocation reported the address: its pod runs.
 		case c.podRuns(v) != nil:
 			k := keyspace.PodKey(v.Cluster, v.Node, v.Owner) + "\x00" + h.Pool
@@ -88,11 +88,8 @@ func (c *checker) heldKeys() {
 		fix := ""
 		switch agentOf(c.st, nodes, g.cluster, g.node, "") {
 		case AgentLive:
-			msg += fmt.Sprintf("Node %s has an agent again (%s). It re-claims the addresses of its pods still running as soon as it finds "+
-				"their leases lost, or within half a lease TTL (leaseholdd --lease-ttl, default 90s: 45s) for a pod whose keys were "+
-				"deleted while its lease lived, and frees the held keys of its pods that are gone (it logs %q). Nothing to do. It "+
-				"leaves the held keys of an earlier machine under the same name (another node UID): they are reusable when %s",
-				g.node, keyspace.NodeKey(g.cluster, g.node), heldFreedLog, until)
+			msg += fmt.Sprintf("Node %s has an agent again (%s). It %s. Nothing to do. It leaves the held keys of an earlier machine "+
+				"under the same name (another node UID): they are reusable when %s", g.node, keyspace.NodeKey(g.cluster, g.node), AgentBack(), until)
 		case AgentGone:
 			msg += fmt.Sprintf("They are held back until %s. Node %s has no agent (no %s): it is cut off from etcd or dead. If it comes "+
 				"back before then, its agent re-claims the addresses of its pods still running and frees the others. Nothing to do; "+
@@ -101,12 +98,39 @@ func (c *checker) heldKeys() {
 		default:
 			msg += fmt.Sprintf("They are held back until %s, unless an agent of the node frees them first. Nothing to do", until)
 		}
+		c.tell(g.keys)
 		c.note(SeverityInfo, KindAddressExpired, g.cluster, msg, fix, g.keys...)
+	}
+}
+
+// ownerTold records that the owner-index-without-allocation finding of the address a tells
+// of held key k, and reports whether there is one.
+func (c *checker) ownerTold(k string, a ownerAddr) bool {
+	i, ok := c.ownerMissing[a]
+	if ok {
+		c.heldTold[k] = i
+	}
+	return ok
+}
+
+// tell records that the finding added next tells of held keys keys (HeldFindings).
+func (c *checker) tell(keys []string) {
+	for _, k := range keys {
+		c.heldTold[k] = len(c.out)
 	}
 }
 
 // heldFreedLog is what an agent logs when it frees the held keys of its pods that are gone.
 const heldFreedLog = "held keys of addresses no pod of this node holds any more freed"
+
+// AgentBack says what the agent of a node does, once it runs and reaches etcd, with the
+// addresses held back for the node whose pods have no key left (expired): doctor's
+// address-expired says it, and leaseholdctl alloc show and pool show. It follows "it".
+func AgentBack() string {
+	return fmt.Sprintf("re-claims the addresses of its pods still running as soon as it finds their leases lost, or within half a "+
+		"lease TTL (leaseholdd --lease-ttl, default 90s: 45s) for a pod whose keys were deleted while its lease lived, and frees "+
+		"the held keys of its pods that are gone (it logs %q)", heldFreedLog)
+}
 
 // podKeys is a key of a running pod on a live lease: its pod record, else one of its owner
 // indexes.
@@ -168,7 +192,7 @@ func (c *checker) runningPodAddrMissing(g *runningGroup) {
 		"but no allocation (%s) and no owner index names them any more (deleted by hand?): only the held keys keep them from other "+
 		"pods, and only while the pool has other room. ",
 		podName(g.pod), v.Owner, v.Cluster, v.Node, g.key, lease, strings.Join(g.ips, ", "), g.pool, strings.Join(g.ipKeys, ", "))
-	msg += agentPutsBack(v.Node) + fmt.Sprintf(". The owner index, which names the interface, cannot be rebuilt from etcd (the "+
+	msg += AgentPutsBack(v.Node) + fmt.Sprintf(". The owner index, which names the interface, cannot be rebuilt from etcd (the "+
 		"agent's journal has it): to have the keys back at once, revoke the pod's lease %s; the agent finds it lost at its next "+
 		"renewal (within a third of the lease TTL) and re-claims every address of the pod on a new lease, as it does itself "+
 		"(an agent that does not run would let the lease run out anyway)", lease)
@@ -176,6 +200,7 @@ func (c *checker) runningPodAddrMissing(g *runningGroup) {
 		msg += fmt.Sprintf(". Until then the addresses of its other attachments (%s) are held back only, which in a pool with no "+
 			"other free address can give one to another pod: there, wait for the agent", o.Key)
 	}
+	c.tell(g.keys)
 	c.add(KindPodAddrMissing, v.Cluster, msg, "etcdctl lease revoke "+lease, append(slices.Clone(g.keys), g.key)...)
 }
 

@@ -25,7 +25,7 @@ func (c *checker) owner(o *OwnerEntry) {
 		key := c.ipKey(o.Pool, ip)
 		a := c.allocAt(o.Pool, ip)
 		switch {
-		case a == nil && o.Lease != 0:
+		case a == nil && o.Lease != 0 && c.st.Covers(key):
 			c.ownerNoAlloc(o, ip, key)
 		case a != nil && !sameAttachment(a, o):
 			c.otherHolder(o, ip, a)
@@ -39,7 +39,7 @@ func (c *checker) owner(o *OwnerEntry) {
 // holds for it. Its agent puts the key back by itself; the fix restores it at once. The held key
 // of the address, if any, is not reported as expired besides (heldKeys).
 func (c *checker) ownerNoAlloc(o *OwnerEntry, ip netip.Addr, key string) {
-	c.ownerMissing[ownerAddr{poolAddr{o.Pool, ip}, o.Cluster, o.Owner}] = true
+	c.ownerMissing[ownerAddr{poolAddr{o.Pool, ip}, o.Cluster, o.Owner}] = len(c.out) // the finding added below
 	lease := keyspace.LeaseHex(o.Lease)
 	cf := c.conflicts[keyspace.ConflictKey(o.Cluster, o.Owner, o.IfName, o.Pool)]
 	conflict := cf != nil && slices.ContainsFunc(cf.Value.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ip })
@@ -63,7 +63,7 @@ func (c *checker) ownerNoAlloc(o *OwnerEntry, ip netip.Addr, key string) {
 		msg += fmt.Sprintf(". It is recorded as a conflict at %s: another owner took the address while the pod's lease was lost, "+
 			"and the pod's agent puts the allocation back once no other allocation, nor another node's held key, holds it", cf.Key)
 	} else {
-		msg += ". " + agentPutsBack(o.Value.Node)
+		msg += ". " + AgentPutsBack(o.Value.Node)
 	}
 	msg += fmt.Sprintf(". To put it back at once, restore the allocation on the pod's lease %s (the transaction changes nothing if "+
 		"the address was taken or the owner index changed meanwhile)", lease)

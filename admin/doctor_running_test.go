@@ -233,3 +233,79 @@ func runFix(t *testing.T, cli *clientv3.Client, fix string) {
 		t.Fatalf("fix %q: %v", fix, err)
 	}
 }
+
+// TestHeldFindingsTellAnAddressAsDoctorDoes: leaseholdctl alloc show and pool show tell an
+// address without allocation by HeldFindings, over alloc show's narrow read (FindAddress) or
+// the whole state: each gives, for 10.77.0.10's held key, the finding Check reports of it,
+// with its kind, severity and fix, so they say what doctor says.
+func TestHeldFindingsTellAnAddressAsDoctorDoes(t *testing.T) {
+	cli := privateEtcd(t)
+	ip4 := netip.MustParseAddr("10.77.0.10")
+	tests := []struct {
+		name string
+		seed func(t *testing.T, w *blockWorld)
+		kind string
+		// sameMessage: the narrow read names what the whole state does (one address of the pod).
+		sameMessage bool
+	}{
+		{"allocation of a running pod deleted", func(t *testing.T, w *blockWorld) { w.del(t, w.ip4) }, KindOwnerNoAlloc, true},
+		{"allocations and owner index of a running pod deleted", func(t *testing.T, w *blockWorld) {
+			w.del(t, w.ip4)
+			w.del(t, w.ip6)
+			w.del(t, w.owner)
+		}, KindPodAddrMissing, false},
+		{"pod record gone too, another interface's owner index on the pod's lease", func(t *testing.T, w *blockWorld) {
+			w.del(t, w.ip4)
+			w.del(t, w.ip6)
+			w.del(t, w.owner)
+			w.del(t, w.podKey)
+			put(t, w.cli, keyspace.OwnerKey(wCluster, "u-web", "net1", wPool), keyspace.Encode(keyspace.OwnerRecord{ContainerID: "ctr",
+				Network: wPool, Node: wNode, NodeUID: wUID, LeaseID: keyspace.LeaseHex(w.pod)}), w.pod)
+		}, KindPodAddrMissing, false},
+		{"expired: no key of the pod left", func(t *testing.T, w *blockWorld) { w.expire(t) }, KindAddressExpired, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := newBlockWorld(t, cli)
+			if told := HeldFindings(readState(t, cli)); len(told) != 0 {
+				t.Fatalf("held findings of a healthy state: %+v", told)
+			}
+			tt.seed(t, w)
+			all := readState(t, cli)
+			fs := Check(all)
+			told, ok := HeldFindings(all)[w.held4]
+			if !ok || told.Kind != tt.kind || findingOf(fs, told.Kind, told.Keys[0]) == nil {
+				t.Fatalf("whole state: held finding %+v (ok %v), want the %s Check reports: %+v", told, ok, tt.kind, fs)
+			}
+			if f := findingOf(fs, told.Kind, told.Keys[0]); f.Message != told.Message || f.Fix != told.Fix {
+				t.Errorf("held finding %+v is not Check's %+v", told, *f)
+			}
+			if told.KeysLost() != (tt.kind != KindAddressExpired) {
+				t.Errorf("KeysLost %v for %s", told.KeysLost(), tt.kind)
+			}
+			st, err := FindAddress(etcdtest.Ctx(t), cli, "", ip4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			narrow, ok := HeldFindings(st)[w.held4]
+			if !ok || narrow.Kind != told.Kind || narrow.Severity != told.Severity || narrow.Fix != told.Fix ||
+				(tt.sameMessage && narrow.Message != told.Message) {
+				t.Errorf("alloc show's read: %+v (ok %v)\nwant as doctor: %+v", narrow, ok, told)
+			}
+		})
+	}
+}
+
+// TestCheckOfANarrowReadReportsNoFalseAbsence: an owner index read without the allocation keys
+// of its addresses is no evidence that they are gone (State.Covers).
+func TestCheckOfANarrowReadReportsNoFalseAbsence(t *testing.T) {
+	cli := privateEtcd(t)
+	newBlockWorld(t, cli)
+	st, err := ReadKeys(etcdtest.Ctx(t), cli, keyspace.OwnersPrefix(wCluster), keyspace.NodesPrefix(wCluster))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fs := Check(st); len(fs) != 0 {
+		t.Errorf("findings of a healthy state read in part: %+v", fs)
+	}
+}

@@ -18,7 +18,10 @@ import (
 //   - held key without allocation: an expired address. Its pod's lease ran out without a
 //     release (its node is cut off from etcd or dead). Agents hand it to another pod only when
 //     the pool has no other room, until the held key's lease expires: then it is reusable. The
-//     node, back in time, re-claims it for its pod or frees it;
+//     node's agent, back in time, re-claims it if its pod still runs, or frees it (AgentBack).
+//     Unless its pod still runs now (its pod record or an owner index on a live lease): then
+//     etcd lost the pod's keys (deleted by hand, or with a restore of etcd), an error the
+//     agent repairs by itself (AgentPutsBack); HeldFindings tells the two apart, as doctor;
 //   - a block claim of a node whose agent is gone lives as long, on the same lease: an expired
 //     block, reusable when its lease expires.
 //

@@ -105,7 +105,8 @@ type PoolChange struct {
 	// Revision is the etcd revision of the write.
 	Revision int64
 	// Appeared lists allocations found in a removed range after the write: a re-claim of a
-	// pod that lost its lease does not compare the pool definition (see RemoveRange).
+	// pod that lost its lease, or whose keys its agent found lost, does not compare the pool
+	// definition (see RemoveRange).
 	Appeared []AllocationEntry
 }
 
@@ -193,7 +194,8 @@ func (e *RangeInUseError) Unwrap() error { return ErrRangeInUse }
 // after R (a compare over the key range), so an ADD racing the check either commits first and
 // fails the write (which retries and sees it), or commits later against the changed
 // definition's ModRevision, fails, and re-reads the definition. One path does not compare
-// the definition: an agent re-claiming a pod's own addresses after its lease was lost. So the
+// the definition: an agent re-claiming a pod's own addresses after its lease was lost (or after
+// it revoked that lease on finding the pod's keys lost in etcd). So the
 // allocations are listed again after the write; any found in the range are returned in
 // Appeared (doctor reports them as out of range).
 //

@@ -106,7 +106,8 @@ type BlockEntry struct {
 // zero): the node and owner whose allocation of the address it stands for, on that node's
 // block lease (Record.Lease). Beside the allocation it is normal; without one the address is
 // expired (State.Expired): its pod's lease ran out without a release, and the address is held
-// back for its node until the block lease expires.
+// back for its node until the block lease expires. Unless its pod still runs: then etcd lost
+// the pod's keys, and HeldFindings says so, as doctor does.
 type HeldEntry struct {
 	Record[keyspace.HeldRecord]
 	Pool  string

@@ -53,10 +53,20 @@ type allocDetail struct {
 	// WrongLayout says why the key is not where its pool's layout puts the address.
 	WrongLayout string `json:"wrongLayout,omitempty"`
 	// Expired is set on an entry of an address without allocation but with a held key (issue
-	// 23): its pod's lease ran out without a release, and it is held back for the node Held
-	// names until Held's lease expires. Such an entry has no allocation fields (key and lease
-	// are "") and TTL -1.
+	// 23) whose pod has no key left: its lease ran out without a release (or all its keys were
+	// deleted by hand), and it is held back for the node Held names until Held's lease
+	// expires, unless an agent of that node re-claims or frees it first. Such an entry has no
+	// allocation fields (key and lease are "") and TTL -1.
 	Expired bool `json:"expired,omitempty"`
+	// KeysLost is set instead of Expired on such an entry when the pod still runs (an owner
+	// index of it names the address, or its pod record or another owner index is on a live
+	// lease): etcd lost the pod's keys (deleted by hand, or with a restore of etcd). It is not
+	// expired but an error, which the node's agent repairs by itself (issue 32).
+	KeysLost bool `json:"keysLost,omitempty"`
+	// Finding is what leaseholdctl doctor finds of such an address (admin.HeldFindings): with
+	// KeysLost, owner-index-without-allocation or running-pod-address-missing and its fix;
+	// with Expired, address-expired.
+	Finding *admin.Finding `json:"finding,omitempty"`
 	// Held is the address's held key in the pool, if any.
 	Held *heldDetail `json:"held,omitempty"`
 }
@@ -115,11 +125,19 @@ func allocShow(ctx context.Context, e *env) error {
 		out = append(out, d)
 		allocated++
 	}
+	var told map[string]admin.Finding // what doctor finds of the addresses without allocation
+	if len(st.Expired()) > 0 {
+		told = admin.HeldFindings(st)
+	}
 	for _, h := range st.Expired() {
 		if slices.ContainsFunc(out, func(d allocDetail) bool { return d.Pool == h.Pool }) {
 			continue // one entry per pool: the allocation in the other layout is the holder
 		}
 		d := allocDetail{AllocationEntry: admin.AllocationEntry{Pool: h.Pool, IP: h.IP, Block: h.Block}, LeaseTTL: admin.LeaseTTL{TTL: -1}, Expired: true}
+		if f, ok := told[h.Key]; ok {
+			d.Finding = &f
+			d.Expired, d.KeysLost = !f.KeysLost(), f.KeysLost()
+		}
 		if c, ok := st.Claim(h.Pool, h.Block); ok && c.Unreadable == "" {
 			d.BlockClaim = &c.Value
 		}
@@ -135,8 +153,8 @@ func allocShow(ctx context.Context, e *env) error {
 			q.Value.Until.Format(time.RFC3339), q.Value.ReleasedBy, q.Key))
 	}
 	if allocated == 0 && len(out) > 0 {
-		// Expired only: what holds it back goes to stdout, and the exit status still says that
-		// nothing holds an allocation of it.
+		// Held back only: what holds it back goes to stdout, and the exit status still says
+		// that nothing holds an allocation of it.
 		if e.output == "json" {
 			if err := writeJSON(e.stdout, out); err != nil {
 				return err
@@ -150,11 +168,19 @@ func allocShow(ctx context.Context, e *env) error {
 				showExpired(e, d, now)
 			}
 		}
-		var pools []string
+		var expired, lost []string
 		for _, d := range out {
-			pools = append(pools, d.Pool)
+			if d.KeysLost {
+				lost = append(lost, d.Pool)
+			} else {
+				expired = append(expired, d.Pool)
+			}
 		}
-		return fmt.Errorf("%w: %s has no allocation; it is expired, held back in pool %s (above)", admin.ErrNotFound, ip, strings.Join(pools, ", "))
+		if len(lost) > 0 {
+			return fmt.Errorf("%w: %s has no allocation in pool %s, but its pod still runs: etcd lost its keys, an error (above; "+
+				"leaseholdctl doctor reports it)", admin.ErrNotFound, ip, strings.Join(lost, ", "))
+		}
+		return fmt.Errorf("%w: %s has no allocation; it is expired, held back in pool %s (above)", admin.ErrNotFound, ip, strings.Join(expired, ", "))
 	}
 	if len(out) == 0 {
 		where := "any pool"
@@ -236,13 +262,21 @@ func leaseTTLText(t admin.LeaseTTL) string {
 	return fmt.Sprintf("TTL %ds left of %ds", t.TTL, t.GrantedTTL)
 }
 
-// showExpired prints an address without allocation whose held key holds it back.
+// showExpired prints an address without allocation whose held key holds it back: expired, or,
+// when its pod still runs (KeysLost), a running pod's address whose keys etcd lost, with what
+// doctor finds of it and its fix.
 func showExpired(e *env, d allocDetail, now time.Time) {
 	h := d.Held
 	t := newTable(e.stdout)
 	t.row("pool:", d.Pool)
 	t.row("ip:", d.IP.String())
-	t.row("state:", "EXPIRED: no allocation, but a held key: its pod's lease ran out without a release (its node cut off from etcd, or dead)")
+	if d.KeysLost {
+		t.row("state:", fmt.Sprintf("KEYS LOST: no allocation, but its pod still runs and uses the address: etcd lost the pod's keys "+
+			"(deleted by hand, or with a restore of etcd). It is not expired: an error (leaseholdctl doctor: %s)", d.Finding.Kind))
+	} else {
+		t.row("state:", "EXPIRED: no allocation and no key of its pod left, but a held key: its pod's lease ran out without a release "+
+			"(its node cut off from etcd, or dead), or all its keys were deleted by hand")
+	}
 	t.row("held key:", h.Key+" (etcdctl get "+h.Key+" --print-value-only)")
 	switch {
 	case !d.Block.IsValid():
@@ -257,9 +291,16 @@ func showExpired(e *env, d allocDetail, now time.Time) {
 	} else {
 		agent := "node " + dash(h.Node) + " has no agent (no " + keyspace.NodeKey(h.Cluster, h.Node) + "): cut off from etcd, or dead"
 		if h.Agent == admin.AgentLive {
-			agent = "node " + dash(h.Node) + " has an agent again (" + keyspace.NodeKey(h.Cluster, h.Node) + ")"
+			agent = "node " + dash(h.Node) + " has an agent (" + keyspace.NodeKey(h.Cluster, h.Node) + ")"
 		}
 		t.row("held for:", fmt.Sprintf("node %s/%s, owner %s; %s", dash(h.Cluster), dash(h.Node), dash(h.Owner), agent))
+	}
+	if d.KeysLost {
+		// Doctor's own words: what the agent does, how soon, what if it does not, and the fix.
+		t.row("doctor:", d.Finding.Message)
+		t.row("fix:", d.Finding.Fix)
+		_ = t.flush()
+		return
 	}
 	switch {
 	case h.Lease == "0":
@@ -275,11 +316,12 @@ func showExpired(e *env, d allocDetail, now time.Time) {
 	case h.Unreadable != "":
 		t.row("to do:", "leaseholdctl doctor")
 	case h.Agent == admin.AgentLive:
-		t.row("to do:", "nothing: the node's agent re-claims the address for its pod if that still runs, or frees it (a replacement machine "+
-			"under the same name does not: then it is reusable at the time above)")
+		t.row("to do:", fmt.Sprintf("nothing: the agent of node %s %s. It leaves held keys on the block lease of an earlier machine "+
+			"under the same name (another node UID): those are reusable at the time above", dash(h.Node), admin.AgentBack()))
 	default:
-		t.row("to do:", fmt.Sprintf("wait: node %s, back before then, gets it back for its pod. Once the node is gone for good, free its "+
-			"addresses and blocks at once: leaseholdctl node forget %s --cluster %s", dash(h.Node), h.Node, h.Cluster))
+		t.row("to do:", fmt.Sprintf("wait: node %s, back before then, re-claims the address if its pod still runs there, or frees it. "+
+			"Once the node is gone for good, free its addresses and blocks at once: leaseholdctl node forget %s --cluster %s",
+			dash(h.Node), h.Node, h.Cluster))
 	}
 	_ = t.flush()
 }

@@ -46,8 +46,9 @@ pools:
                                   many of those are expired (their node's agent is gone)
   pool show NAME                  per range: subnet, start-end, gateway, counts; excludes; holders per cluster;
                                   what is held back for nodes cut off or gone (expired addresses and blocks per
-                                  node, lease, when reusable); layout and each block claim (block, cluster/node,
-                                  agent, since, lease)
+                                  node, lease, when reusable) and, apart, the addresses of pods still running
+                                  whose keys etcd lost (doctor's kind); layout and each block claim (block,
+                                  cluster/node, agent, since, lease)
   pool show NAME --blocks         a map of the pool's blocks, one screen for a /16 of /26 blocks: per block a
                                   cell of two characters, the key of the node claiming it (upper case:
                                   expired, its agent gone) and how full it is (. none, 1-9 tenths, # full);
@@ -74,8 +75,10 @@ allocations:
   alloc show IP [--pool P]        who holds IP (in every pool holding it): its key (in either layout) and the
                                   etcdctl get of it, its block and the node claiming it, owner, pod, node,
                                   container, interface, network, lease ID and TTL left, created, held key.
-                                  An expired address (no allocation, a held key: its node cut off or gone):
-                                  the node and owner it is held back for, until when, what to do (exit 4)
+                                  An address without allocation but with a held key (exit 4): expired (no key
+                                  of its pod left: its node cut off or gone), the node and owner it is held
+                                  back for, until when, what to do; or KEYS LOST, its pod still running (etcd
+                                  lost its keys: an error), with what doctor finds of it and its fix
   alloc release IP --pool P [--force] [--quarantine 30s]
                                   release IP with its attachment's owner index and other addresses on the
                                   same lease, and their held keys, owner-compared; a lease an agent still

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/big"
 	"net/netip"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -21,7 +22,9 @@ import (
 // allocated, else as quarantined, else as used by a host, else as expired (a held key without
 // allocation: held back for its node, issue 23); only addresses the pool can hand out are
 // counted, so free = size - allocated - quarantined - hosts - expired. An expired address still
-// goes to an ADD that finds nothing free.
+// goes to an ADD that finds nothing free. The count of expired addresses includes those of
+// pods still running whose keys etcd lost (issue 32), held back all the same: pool show tells
+// them apart (poolJSON.KeysLost).
 type counts struct {
 	size                                   *big.Int
 	allocated, quarantined, hosts, expired int
@@ -57,6 +60,9 @@ type poolUsage struct {
 	expired       []admin.HeldEntry
 	expiredBlocks []admin.BlockEntry
 	agents        map[string]string // agent state (admin.Agent*) by block claim key
+	// told is what doctor finds of the addresses of expired (admin.HeldFindings), by held key:
+	// pool show only, to tell a running pod's address whose keys etcd lost from an expired one.
+	told map[string]admin.Finding
 }
 
 // expiry is what st holds back for nodes cut off or gone, by pool: computed once for every pool.
@@ -165,7 +171,8 @@ type countsJSON struct {
 	Quarantined int    `json:"quarantined"`
 	Hosts       int    `json:"hosts"`
 	// Expired counts addresses held back for a node cut off or gone (issue 23): not free, but
-	// handed out when nothing else is.
+	// handed out when nothing else is. It includes the addresses of pods still running whose
+	// keys etcd lost (pool show's keysLost), held back the same way.
 	Expired int    `json:"expired"`
 	Free    string `json:"free"`
 }
@@ -207,15 +214,22 @@ type poolJSON struct {
 	// ClaimedBlocks counts the pool's block claims; Claims lists them (pool show only).
 	ClaimedBlocks int         `json:"claimedBlocks"`
 	Claims        []claimJSON `json:"claims,omitempty"`
-	// Expired counts the pool's expired addresses: held keys without allocation, held back for
-	// their node until their lease expires (issue 23). ExpiredBlocks counts its block claims of
-	// nodes whose agent is gone or was replaced, their node's until their lease expires.
+	// Expired counts the pool's held keys without allocation, held back for their node until
+	// their lease expires (issue 23): expired addresses, and those of pods still running whose
+	// keys etcd lost (KeysLost). ExpiredBlocks counts its block claims of nodes whose agent is
+	// gone or was replaced, their node's until their lease expires.
 	Expired       int `json:"expired"`
 	ExpiredBlocks int `json:"expiredBlocks"`
-	// HeldBack (pool show only) lists them per node and lease, with when each becomes reusable;
-	// FirstReusable is the earliest (null when nothing is held back).
+	// HeldBack (pool show only) lists the expired addresses and blocks per node and lease, with
+	// when each becomes reusable; FirstReusable is the earliest (null when nothing is held
+	// back).
 	HeldBack      []heldBackJSON `json:"heldBack,omitzero"`
 	FirstReusable *time.Time     `json:"firstReusable,omitempty"`
+	// KeysLost (pool show only) lists the addresses among Expired that are not expired: their
+	// pod still runs, but etcd lost its keys (issue 32; leaseholdctl doctor reports each).
+	// keysLost counts them in every cluster, as Expired does.
+	KeysLost []keysLostJSON `json:"keysLost,omitzero"`
+	keysLost int
 	// Problem is set for a definition that is unreadable, invalid or missing.
 	Problem string `json:"problem,omitempty"`
 }
@@ -240,8 +254,10 @@ type claimJSON struct {
 type heldBackJSON struct {
 	Cluster string `json:"cluster"`
 	Node    string `json:"node"`
-	// Agent is "gone", "replaced" or "live" (an agent of the node is back: it re-claims or
-	// frees the addresses).
+	// Agent is "gone", "replaced" or "live": an agent of the node is back, and re-claims the
+	// addresses of its pods still running and frees those of its pods that are gone
+	// (admin.AgentBack), unless they are on the block lease of an earlier machine under the
+	// node's name.
 	Agent     string `json:"agent"`
 	Addresses int    `json:"addresses"`
 	Blocks    int    `json:"blocks"`
@@ -250,6 +266,18 @@ type heldBackJSON struct {
 	// LeaseTTL is the lease's TTL left: the seconds until they are reusable (-1: expired now).
 	admin.LeaseTTL
 	ReusableAt *time.Time `json:"reusableAt"`
+}
+
+// keysLostJSON is an address held back only by its held key whose pod still runs (pool show):
+// etcd lost the pod's keys. Kind and Fix are leaseholdctl doctor's finding of it.
+type keysLostJSON struct {
+	IP      netip.Addr `json:"ip"`
+	HeldKey string     `json:"heldKey"`
+	Cluster string     `json:"cluster"`
+	Node    string     `json:"node"`
+	Owner   string     `json:"owner"`
+	Kind    string     `json:"kind"`
+	Fix     string     `json:"fix"`
 }
 
 func toJSON(c counts) countsJSON {
@@ -274,7 +302,7 @@ func (u *poolUsage) json(cluster string, claims bool) poolJSON {
 		}
 	}
 	if claims {
-		p.HeldBack = u.heldBack(cluster)
+		p.HeldBack, p.KeysLost, p.keysLost = u.heldBack(cluster)
 	}
 	if p.Exclude == nil {
 		p.Exclude = []netip.Prefix{}
@@ -297,8 +325,9 @@ func (u *poolUsage) json(cluster string, claims bool) poolJSON {
 }
 
 // heldBack groups the pool's expired addresses and blocks by node and lease (of cluster only,
-// unless it is ""), without TTLs: poolShow asks etcd for them.
-func (u *poolUsage) heldBack(cluster string) []heldBackJSON {
+// unless it is ""), without TTLs: poolShow asks etcd for them. The addresses of pods still
+// running (u.told) it lists apart, and counts in every cluster.
+func (u *poolUsage) heldBack(cluster string) (_ []heldBackJSON, lost []keysLostJSON, lostAll int) {
 	byKey := map[string]*heldBackJSON{}
 	get := func(c, n string, lease clientv3.LeaseID, agent string) *heldBackJSON {
 		k := c + "/" + n + "/" + keyspace.LeaseHex(lease)
@@ -310,7 +339,15 @@ func (u *poolUsage) heldBack(cluster string) []heldBackJSON {
 		return h
 	}
 	for _, h := range u.expired {
-		if h.Unreadable == "" && (cluster == "" || h.Value.Cluster == cluster) {
+		f, ok := u.told[h.Key]
+		switch {
+		case ok && f.KeysLost():
+			lostAll++
+			if cluster == "" || h.Value.Cluster == cluster {
+				lost = append(lost, keysLostJSON{IP: h.IP, HeldKey: h.Key, Cluster: h.Value.Cluster, Node: h.Value.Node, Owner: h.Value.Owner,
+					Kind: f.Kind, Fix: f.Fix})
+			}
+		case h.Unreadable == "" && (cluster == "" || h.Value.Cluster == cluster):
 			get(h.Value.Cluster, h.Value.Node, h.Lease, "").Addresses++
 		}
 	}
@@ -327,7 +364,7 @@ func (u *poolUsage) heldBack(cluster string) []heldBackJSON {
 	for _, k := range sortedKeys(byKey) {
 		out = append(out, *byKey[k])
 	}
-	return out
+	return out, lost, lostAll
 }
 
 // reusableTimes asks etcd for the TTL left of each held-back lease of p: when its addresses
@@ -455,7 +492,11 @@ func poolShow(ctx context.Context, e *env) error {
 	case p.Invalid != "":
 		return fmt.Errorf("pool definition %s is invalid: %s", p.Key, p.Invalid)
 	}
-	pj := usageOf(st, p, expiryOf(st)).json(e.cluster, true)
+	u := usageOf(st, p, expiryOf(st))
+	if len(u.expired) > 0 {
+		u.told = admin.HeldFindings(st)
+	}
+	pj := u.json(e.cluster, true)
 	if err := reusableTimes(ctx, e, st, &pj); err != nil {
 		return err
 	}
@@ -520,10 +561,17 @@ func poolShow(ctx context.Context, e *env) error {
 }
 
 // showHeldBack prints what the pool holds back for nodes cut off or gone (issue 23): its
-// expired addresses and blocks, per node and lease, and when they become reusable.
+// expired addresses and blocks, per node and lease, and when they become reusable; and apart,
+// the addresses held back whose pods still run, whose keys etcd lost (issue 32).
 func showHeldBack(e *env, pj poolJSON) error {
 	fmt.Fprintln(e.stdout)
-	if pj.Expired+pj.ExpiredBlocks == 0 {
+	if len(pj.KeysLost) > 0 {
+		if err := showKeysLost(e, pj.KeysLost); err != nil {
+			return err
+		}
+	}
+	expired := pj.Expired - pj.keysLost
+	if expired+pj.ExpiredBlocks == 0 {
 		fmt.Fprintln(e.stdout, "no expired addresses or blocks")
 		return nil
 	}
@@ -533,13 +581,13 @@ func showHeldBack(e *env, pj poolJSON) error {
 		first = timeText(*pj.FirstReusable, now)
 	}
 	fmt.Fprintf(e.stdout, "expired: %d address(es) held back, %d block(s) of nodes whose agent is gone; first reusable %s\n",
-		pj.Expired, pj.ExpiredBlocks, first)
+		expired, pj.ExpiredBlocks, first)
 	if len(pj.HeldBack) > 0 {
 		t := newTable(e.stdout, "CLUSTER/NODE", "AGENT", "EXPIRED ADDRESSES", "EXPIRED BLOCKS", "LEASE", "REUSABLE")
 		for _, h := range pj.HeldBack {
 			agent := h.Agent
 			if agent == admin.AgentLive {
-				agent = "back (re-claims or frees them)"
+				agent = "back"
 			}
 			reusable := "now (lease expired)"
 			switch {
@@ -554,8 +602,33 @@ func showHeldBack(e *env, pj poolJSON) error {
 			return err
 		}
 	}
-	fmt.Fprintln(e.stdout, "(another pod gets an expired address only when the pool has no other free address; a node back before "+
-		"REUSABLE gets its\naddresses and blocks back. leaseholdctl alloc show IP tells one address; leaseholdctl node forget NODE frees "+
-		"a node's at once\nonce it is gone for good)")
+	fmt.Fprintln(e.stdout, "(another pod gets an expired address only when the pool has no other free address. The agent of a node that "+
+		"is back (AGENT back), or comes back before REUSABLE, "+admin.AgentBack()+", and keeps its blocks. Held keys on the block "+
+		"lease of an earlier machine under the same name (another node UID) wait for REUSABLE. leaseholdctl alloc show IP tells "+
+		"one address; leaseholdctl node forget NODE frees a node's at once once it is gone for good)")
+	return nil
+}
+
+// showKeysLost prints the addresses held back only by their held keys whose pods still run: not
+// expired, an error, which each node's agent repairs by itself (doctor's words).
+func showKeysLost(e *env, lost []keysLostJSON) error {
+	fmt.Fprintf(e.stdout, "keys lost: %d address(es) held back whose pods still run: not expired, an error (counted in EXPIRED "+
+		"above, as only their held keys keep them from other pods, and only while the pool has other room). etcd lost their "+
+		"pods' keys: deleted by hand, or with a restore of etcd\n", len(lost))
+	t := newTable(e.stdout, "IP", "CLUSTER/NODE", "OWNER", "DOCTOR", "HELD KEY")
+	var nodes []string
+	for _, l := range lost {
+		t.row(l.IP.String(), dash(l.Cluster)+"/"+dash(l.Node), dash(l.Owner), l.Kind, l.HeldKey)
+		if !slices.Contains(nodes, l.Node) {
+			nodes = append(nodes, l.Node)
+		}
+	}
+	if err := t.flush(); err != nil {
+		return err
+	}
+	for _, n := range nodes {
+		fmt.Fprintf(e.stdout, "(%s. leaseholdctl doctor gives the fix of each; leaseholdctl alloc show IP tells one)\n", admin.AgentPutsBack(n))
+	}
+	fmt.Fprintln(e.stdout)
 	return nil
 }

@@ -155,7 +155,7 @@ func poolRemoveRange(ctx context.Context, e *env) error {
 	}
 	if len(ch.Appeared) > 0 {
 		fmt.Fprintf(e.stderr, "WARNING: %d allocation(s) appeared in the removed range after the check (an agent re-claiming a pod's "+
-			"addresses after a lost lease does not compare the pool definition); they are now outside the pool:\n", len(ch.Appeared))
+			"addresses after a lost lease, or after finding its keys lost, does not compare the pool definition); they are now outside the pool:\n", len(ch.Appeared))
 		for _, a := range ch.Appeared {
 			fmt.Fprintf(e.stderr, "  %s owner %s pod %s cluster %s node %s\n", a.IP, a.Owner, podText(a.Pod), a.Cluster, a.Node)
 		}
