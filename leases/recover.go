@@ -209,14 +209,14 @@ func (a *Agent) reclaimLoop() {
 	audits := time.NewTimer(a.auditEvery())
 	defer audits.Stop()
 	for {
-		full := true
+		full, fired := true, false
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-a.lost:
 		case <-audits.C:
 			a.auditDue.Store(true)
-			full = false
+			full, fired = false, true
 		}
 		backoff := reclaimRetryFirst
 		for a.ctx.Err() == nil {
@@ -228,7 +228,7 @@ func (a *Agent) reclaimLoop() {
 				a.fail(err) // another host took this node identity while etcd could not hear us
 				return
 			}
-			full = true
+			full = true // whatever the pass found, do it all again
 			a.log.Warn("recovery incomplete; retrying", "err", err, "retry_in", backoff)
 			select {
 			case <-a.ctx.Done():
@@ -237,13 +237,9 @@ func (a *Agent) reclaimLoop() {
 			}
 			backoff = min(2*backoff, reclaimRetryMax)
 		}
-		if !audits.Stop() {
-			select {
-			case <-audits.C:
-			default:
-			}
+		if fired {
+			audits.Reset(a.auditEvery()) // from the end of this audit, however long it took
 		}
-		audits.Reset(a.auditEvery())
 	}
 }
 
