@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -45,6 +46,12 @@ type auditKey struct {
 	kind      auditKind
 	container string // an owner index's container
 	rev       int64  // ModRevision when last read and found right; 0: not yet
+	// An allocation's pool and address; watched when a view of this node follows its block:
+	// the view reports a change to it at once (ownKeys), so the audit's compares leave it out
+	// unless the view listed its pool again since the last audit (a watch broke meanwhile).
+	pool    string
+	addr    netip.Addr
+	watched bool
 }
 
 // auditPod is what the audit expects of one running pod: its keys on its lease.
@@ -77,7 +84,14 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	if err != nil {
 		return 0, a.unavailable("check the recycled spare leases", err)
 	}
+	all := a.keys.relisted.Swap(false)
+	defer func() {
+		if err != nil && all {
+			a.keys.relisted.Store(true)
+		}
+	}()
 	pods := a.pods.auditable(a.cfg.Cluster, a.cfg.Node, layouts)
+	a.markWatched(pods)
 	var unverified []auditPod
 	var verified []auditPod
 	for _, p := range pods {
@@ -88,10 +102,19 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		}
 	}
 	// The compares, pods whole in each transaction.
+	compared := func(p auditPod) int {
+		n := 0
+		for _, k := range p.keys {
+			if all || !k.watched {
+				n++
+			}
+		}
+		return n
+	}
 	for len(verified) > 0 {
 		n, keys := 0, 0
-		for n < len(verified) && (n == 0 || keys+len(verified[n].keys) <= maxTxnOps) {
-			keys += len(verified[n].keys)
+		for n < len(verified) && (n == 0 || keys+compared(verified[n]) <= maxTxnOps) {
+			keys += compared(verified[n])
 			n++
 		}
 		chunk := verified[:n]
@@ -99,7 +122,9 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		cmps := make([]clientv3.Cmp, 0, keys)
 		for _, p := range chunk {
 			for _, k := range p.keys {
-				cmps = append(cmps, keyspace.Unchanged(k.key, k.rev))
+				if all || !k.watched {
+					cmps = append(cmps, keyspace.Unchanged(k.key, k.rev))
+				}
 			}
 		}
 		octx, cancel := a.opCtx(ctx)
@@ -144,6 +169,25 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		a.wake()
 	}
 	return lost, nil
+}
+
+// markWatched marks the allocations in blocks a view of this node follows (auditKey.watched).
+func (a *Agent) markWatched(pods []auditPod) {
+	views := map[string]*view{}
+	for _, p := range pods {
+		for i := range p.keys {
+			k := &p.keys[i]
+			if k.kind != auditAllocation {
+				continue
+			}
+			v, ok := views[k.pool]
+			if !ok {
+				v = a.pools.viewOf(k.pool)
+				views[k.pool] = v
+			}
+			k.watched = v != nil && v.followsAddr(k.addr)
+		}
+	}
 }
 
 // auditLayouts is the layout of each pool this node's pods have attachments in, read from
@@ -523,6 +567,9 @@ type ownKeys struct {
 	owns             func(pool string, a netip.Addr) bool
 	overflow         func()
 	gone             chan goneAddr
+	// relisted is set when a view listed its pool (its watches start anew): what happened
+	// before may not have been reported, so the next audit compares every allocation too.
+	relisted atomic.Bool
 }
 
 // goneAddr is an allocation of one of this node's pods changed by someone else, seen at at.
@@ -540,6 +587,13 @@ func newOwnKeys(cluster, nodeUID string, owns func(string, netip.Addr) bool, ove
 func (k *ownKeys) deleted(pool string, a netip.Addr) {
 	if k != nil && k.owns(pool, a) {
 		k.queue(pool, a)
+	}
+}
+
+// listed notes that a view listed its pool.
+func (k *ownKeys) listed() {
+	if k != nil {
+		k.relisted.Store(true)
 	}
 }
 

@@ -609,7 +609,9 @@ func (ps *podState) auditPod(cluster, node string, layouts map[string]allocator.
 		}
 		for _, ip := range at.IPs {
 			if !slices.Contains(at.Conflicts, ip) {
-				add(keyspace.IPKey(at.Pool, blocks, ip), auditAllocation, at.ContainerID)
+				key := keyspace.IPKey(at.Pool, blocks, ip)
+				p.keys = append(p.keys, auditKey{key: key, kind: auditAllocation, container: at.ContainerID, rev: revOf(key),
+					pool: at.Pool, addr: ip})
 			}
 		}
 	}

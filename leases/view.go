@@ -173,6 +173,13 @@ func (u unlocked) Quarantined(a netip.Addr) (time.Time, bool) {
 	return t, ok
 }
 
+// followsAddr is follows for a caller without the lock.
+func (v *view) followsAddr(a netip.Addr) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.follows(a)
+}
+
 // follows reports whether a lies in a span the view follows; the caller holds the lock.
 func (v *view) follows(a netip.Addr) bool {
 	_, ok := v.spans[v.blocks.Of(a)]

@@ -307,6 +307,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		v.relisted = nil
 	}
 	v.mu.Unlock()
+	v.keys.listed()
 	select {
 	case <-v.synced:
 	default:
