@@ -33,16 +33,19 @@ build:
 	cp $(BIN)/leasehold $(BIN)/cni/leasehold
 
 # Programs the tests drive, built from the versions pinned in integration/tools/go.mod:
-# etcd + etcdctl (v3.6.5), cnitool (cni v1.3.1), reference plugins (plugins v1.9.1); Helm
-# (v3.22.0, integration/helmtool/go.mod, a module of its own so that its dependencies do not
-# raise etcd's), which renders deploy/helm/leasehold in the tests and in `make e2e`; and from
-# integration/tools/promtool/go.mod: promtool (prometheus v0.316.0) and promqlnames.
-tools: $(BIN)/etcd $(BIN)/etcdctl $(BIN)/cnitool $(BIN)/cni/bridge $(BIN)/helm $(BIN)/promtool $(BIN)/promqlnames
+# etcd, etcdctl and etcdutl (v3.6.5; etcdutl restores a snapshot), cnitool (cni v1.3.1),
+# reference plugins (plugins v1.9.1); Helm (v3.22.0, integration/helmtool/go.mod, a module of
+# its own so that its dependencies do not raise etcd's), which renders deploy/helm/leasehold in
+# the tests and in `make e2e`; and from integration/tools/promtool/go.mod: promtool (prometheus
+# v0.316.0) and promqlnames.
+tools: $(BIN)/etcd $(BIN)/etcdctl $(BIN)/etcdutl $(BIN)/cnitool $(BIN)/cni/bridge $(BIN)/helm $(BIN)/promtool $(BIN)/promqlnames
 
 $(BIN)/etcd: $(TOOLS_MOD)/go.mod $(TOOLS_MOD)/etcd/main.go
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcd ./etcd
 $(BIN)/etcdctl: $(TOOLS_MOD)/go.mod
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcdctl go.etcd.io/etcd/etcdctl/v3
+$(BIN)/etcdutl: $(TOOLS_MOD)/go.mod
+	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/etcdutl go.etcd.io/etcd/etcdutl/v3
 $(BIN)/cnitool: $(TOOLS_MOD)/go.mod
 	cd $(TOOLS_MOD) && $(GOBUILD) -o $(BIN)/cnitool github.com/containernetworking/cni/cnitool
 $(BIN)/helm: $(HELM_MOD)/go.mod
