@@ -365,6 +365,11 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 	}
 	awayFor, cause := c.awayFor(prev.Slot, at)
 	when := fmt.Sprintf("%s got %s at %s (%s)", hp.UID, ip, c.at(at), how)
+	if !prev.DelSent.IsZero() && prev.DelSent.Before(at) {
+		// Its release may have applied before the agent, killed, could journal it: the
+		// restarted agent re-claims a pod being deleted, and finds the address taken.
+		return true, fmt.Sprintf("%s, after %s's DEL was sent at %s (its release may have applied)", when, prev.UID, c.at(prev.DelSent))
+	}
 	if awayFor > need {
 		return true, fmt.Sprintf("%s, when node n%d had been away %s (%s), longer than TTL+reuse delay %s",
 			when, prev.Slot, awayFor.Round(100*time.Millisecond), cause, need)

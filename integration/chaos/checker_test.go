@@ -363,3 +363,18 @@ func TestCheckFindsAnAddressTakenTooEarlyInALongAbsence(t *testing.T) {
 	h.final("10.0.0.2=b")
 	wantFailure(t, h, "unjustified conflicts")
 }
+
+// TestCheckAcceptsAConflictOfAPodBeingDeleted: a's DEL was sent, its agent released the
+// address and was killed before it could journal the DEL; b got the address; the restarted
+// agent re-claims a and finds it taken. No overlap, and the conflict is no address handed out
+// wrongly.
+func TestCheckAcceptsAConflictOfAPodBeingDeleted(t *testing.T) {
+	h := history()
+	h.pod("a", 0, "10.0.0.2", 1, 30)
+	h.Pods[0].DelSent = sec(20)
+	h.pod("b", 1, "10.0.0.2", 24, 0)
+	h.away(0, 20.1, 26, "kill-pause")
+	h.conflict(27, "a", "10.0.0.2", "b")
+	h.final("10.0.0.2=b")
+	wantPass(t, h)
+}
