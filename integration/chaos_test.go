@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -34,12 +35,18 @@ import (
 //	LEASEHOLD_CHAOS_KEEP      keep the run directory of a passing run too
 //	LEASEHOLD_CHAOS_DIR       where run directories go (default: the temporary directory)
 //	LEASEHOLD_CHAOS_ETCD_DISK put etcd's data on disk, not in /dev/shm (fsync stalls become faults too)
-//	LEASEHOLD_CHAOS_HISTORY   judge the history.json of an earlier run again; nothing is run
+//	LEASEHOLD_CHAOS_HISTORY   judge the history.json of an earlier run again (with the agent
+//	                          logs beside it, if kept); nothing is run
 func TestChaos(t *testing.T) {
 	if path := os.Getenv("LEASEHOLD_CHAOS_HISTORY"); path != "" {
 		h, err := chaos.LoadHistory(path)
 		if err != nil {
 			t.Fatal(err)
+		}
+		// The agents' logs next to it, if kept, are read again: a newer checker may read
+		// lines the run's did not.
+		if err := chaos.ReloadLogs(h, filepath.Dir(path)); err != nil {
+			t.Logf("judged with the log lines history.json holds: %v", err)
 		}
 		r := chaos.Check(h)
 		t.Logf("%s judged again:\n%s", path, r)

@@ -200,8 +200,10 @@ type Overlap struct {
 	B    string     `json:"b"`
 	From time.Time  `json:"from"`
 	To   time.Time  `json:"to"`
-	// Recorded says an agent logged the conflict between them.
+	// Recorded says an agent logged the conflict between them; Unknown that it logged it
+	// could not tell (unknownLogged).
 	Recorded bool `json:"recorded"`
+	Unknown  bool `json:"unknown,omitempty"`
 	// Hint judges an unrecorded overlap's reuse as a conflict would be judged.
 	Hint string `json:"hint,omitempty"`
 }
@@ -255,6 +257,17 @@ func (c *checker) overlaps() []Overlap {
 					}
 				}
 				if !o.Recorded {
+					// The agent of the pod that lost the address could not read who had it:
+					// etcd's history was compacted, and that holder had let it go by then.
+					if ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second)); ok {
+						if l, found := c.unknownLogged(first.UID, ip, from, end(second)); found {
+							o.Recorded, o.Unknown = true, true
+							o.Hint = fmt.Sprintf("recorded as unknowable: %s's agent logged at %s that etcd's history no longer tells "+
+								"who had %s meanwhile; %s let it go at %s; %s", first.UID, c.at(l.Time), ip, second.UID, c.at(end(second)), why)
+						}
+					}
+				}
+				if !o.Recorded {
 					ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second))
 					o.Hint = "reuse UNJUSTIFIED: " + why
 					if ok {
@@ -271,6 +284,18 @@ func (c *checker) overlaps() []Overlap {
 	}
 	slices.SortFunc(out, func(x, y Overlap) int { return x.From.Compare(y.From) })
 	return out
+}
+
+// unknownLogged finds the line in which owner's agent said that etcd's history (compacted)
+// no longer tells whether another pod had ip meanwhile, logged after from and once the other
+// holder had let it go (by gone): then neither the history nor the key itself could name it.
+func (c *checker) unknownLogged(owner string, ip netip.Addr, from, gone time.Time) (LogEvent, bool) {
+	for _, l := range c.h.Logs {
+		if l.Kind == "unknown" && l.Owner == owner && l.IP == ip && l.Time.After(from) && !l.Time.Before(gone) {
+			return l, true
+		}
+	}
+	return LogEvent{}, false
 }
 
 // earlierConflict finds a conflict recorded for owner's address ip with a holder other than

@@ -212,8 +212,9 @@ type LogEvent struct {
 	Time time.Time `json:"time"`
 	Slot int       `json:"slot"`
 	Node string    `json:"node"`
-	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved...") or reuse
-	// ("reusing an address whose holder expired...").
+	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved..."), reuse
+	// ("reusing an address whose holder expired...") or unknown ("... etcd's history no
+	// longer tells whether another pod had its address meanwhile").
 	Kind   string     `json:"kind"`
 	Owner  string     `json:"owner,omitempty"`
 	IfName string     `json:"ifname,omitempty"`

@@ -158,7 +158,14 @@ func (r *Report) String() string {
 	}
 
 	un := r.Unexplained()
-	w("(a) overlaps: %d unexplained, %d with a recorded conflict", len(un), len(r.Overlaps)-len(un))
+	unknown := 0
+	for _, o := range r.Overlaps {
+		if o.Unknown {
+			unknown++
+		}
+	}
+	w("(a) overlaps: %d unexplained, %d with a recorded conflict (%d of them recorded as unknowable: etcd's history compacted)",
+		len(un), len(r.Overlaps)-len(un), unknown)
 	overlaps := slices.Clone(r.Overlaps) // the unexplained first, as the conflicts below
 	slices.SortStableFunc(overlaps, func(a, b Overlap) int { return cmpBool(a.Recorded, b.Recorded) })
 	for i, o := range overlaps {
@@ -167,7 +174,10 @@ func (r *Report) String() string {
 			break
 		}
 		tag := "UNEXPLAINED"
-		if o.Recorded {
+		switch {
+		case o.Unknown:
+			tag = "unknowable"
+		case o.Recorded:
 			tag = "recorded"
 		}
 		w("    %s %s held by %s and %s from %s to %s", tag, o.IP, o.A, o.B, at(o.From), at(o.To))
