@@ -75,6 +75,10 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 		case strings.Contains(l.Msg, "etcd's history no longer tells"):
 			ev.Kind = "unknown"
 			ev.IP, _ = netip.ParseAddr(l.IP)
+		case strings.HasPrefix(l.Msg, "etcd went back in time"):
+			ev.Kind = "wentback"
+		case strings.HasPrefix(l.Msg, "keys of a running pod were deleted or changed"):
+			ev.Kind = "keyslost"
 		default:
 			continue
 		}
