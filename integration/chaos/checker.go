@@ -403,8 +403,8 @@ func (c *checker) conflicts() []ConflictVerdict {
 			case p == nil:
 				v.Reason = "the conflicted owner is no pod of the runtime"
 			default:
-				if ok, why := c.restoredHolder(p, t.Holder, l.Time); ok {
-					v.Justified, v.Reason = true, why
+				if ok, justified, why := c.restoredHolder(p, t.Holder, t.IP, l.Time); ok {
+					v.Justified, v.Reason = justified, why
 				} else {
 					v.Justified, v.Reason = c.reuseJustified(p, t.Holder, t.IP, l.Time)
 				}

@@ -20,7 +20,9 @@ import (
 //     ADD was sent before the backup was saved, its keys not due to be gone before the backup
 //     began); seen after the window, it is one;
 //   - a conflict an agent records because the address is held by such a restored key of a
-//     pod no longer running is justified by the restore (restoredHolder).
+//     pod no longer running is justified by the restore; one with a running pod that had the
+//     address before the backup, which the conflicted pod took after it, is as justified as
+//     that taking was (restoredHolder).
 //
 // Nothing else is relaxed: two running pods on one address are an overlap whatever the
 // reason, a conflict with a running pod is judged as any other (a node's addresses handed to
@@ -85,13 +87,21 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 	return gone.After(w.backupFrom)
 }
 
-// restoredHolder judges a conflict of p with holder recorded at t: justified when t lies in
-// a restore's window for p's node, holder no longer held its addresses when etcd came back
-// (deleted, or its DEL sent), and the backup may hold holder's keys: etcd handed them back.
-func (c *checker) restoredHolder(p *Pod, holder string, t time.Time) (bool, string) {
+// restoredHolder judges a conflict of p, which lost ip to holder, recorded at t in a
+// restore's window for p's node. The restore gave the address back to holder's key when:
+//   - holder no longer held its addresses when etcd came back (deleted, or its DEL sent), and
+//     the backup may hold its keys: justified, etcd handed a deleted pod's key back;
+//   - or holder still ran, had the address before the backup was saved, and p sent its ADD
+//     after the backup began (the backup cannot hold p's key): p had taken the address from
+//     holder, and the restore undid that. The conflict is then as justified as that taking
+//     was (reuseJustified, holder as the pod that lost it): both pods have run with the
+//     address since p got it.
+//
+// ok is false when neither applies: the conflict is judged as any other.
+func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Time) (ok, justified bool, why string) {
 	hp := c.pods[holder]
 	if hp == nil {
-		return false, ""
+		return false, false, ""
 	}
 	for _, w := range c.restores {
 		if t.Before(w.lost) || t.After(c.restoreUntil(w, p.Slot)) {
@@ -101,13 +111,27 @@ func (c *checker) restoredHolder(p *Pod, holder string, t time.Time) (bool, stri
 		if !hp.Live() && end.IsZero() {
 			end = hp.DelSent
 		}
-		if end.IsZero() || end.After(w.back) || !c.mayBeInBackup(hp, w) {
+		if !end.IsZero() && !end.After(w.back) {
+			if !c.mayBeInBackup(hp, w) {
+				continue
+			}
+			return true, true, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) brought back the key of %s, which had let the address go at %s",
+				w.f.ID, c.at(w.backupFrom), c.at(w.back), hp.UID, c.at(end))
+		}
+		hpGot, _ := c.gotAddress(hp, ip, w.backupTo)
+		first := p.Created
+		if len(p.Attempts) > 0 {
+			first = p.Attempts[0].Sent
+		}
+		if hpGot.IsZero() || !hpGot.Before(w.backupTo) || !first.After(w.backupFrom) {
 			continue
 		}
-		return true, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) brought back the key of %s, which had let the address go at %s",
-			w.f.ID, c.at(w.backupFrom), c.at(w.back), hp.UID, c.at(end))
+		pGot, _ := c.gotAddress(p, ip, t)
+		j, why := c.reuseJustified(hp, p.UID, ip, pGot.Add(time.Second))
+		return true, j, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) gave %s back to %s, which had it before the backup; "+
+			"%s had taken it: %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), ip, hp.UID, p.UID, why)
 	}
-	return false, ""
+	return false, false, ""
 }
 
 // keyDeadline is when the key a key-edit fault changed must be back: keyGrace after the edit,
@@ -148,8 +172,10 @@ type RestoreVerdict struct {
 	// Running counts the pods live when etcd came back and still running at the end of their
 	// window (restoreUntil); Missing those of them etcd did not hold the address for in the
 	// first sample after the return; Conflicted those with a conflict recorded (judged among
-	// the conflicts); Unjudged those without a sample in their window.
-	Running, Missing, Conflicted, Unjudged int
+	// the conflicts); Excused those without their address in the window's last sample while
+	// their node was away or an etcd member down (a fault after the restore's: keys missing
+	// judges them); Unjudged those without a sample in their window.
+	Running, Missing, Conflicted, Excused, Unjudged int
 	// Slowest is the longest from etcd's return until a pod's address was held for it in
 	// every later sample of its window, and that pod.
 	Slowest    time.Duration
@@ -212,18 +238,26 @@ func (c *checker) restoreVerdicts() []RestoreVerdict {
 			if _, ok := holds(in[0]); !ok {
 				v.Missing++
 			}
-			if ip, ok := holds(in[len(in)-1]); !ok {
+			last := in[len(in)-1]
+			if ip, ok := holds(last); !ok {
 				if c.conflictOn(p.UID, ip, until) {
 					v.Conflicted++
 					continue
 				}
+				// A fault after the restore's own (its node away, an etcd member down near the
+				// end of the window) excuses the last sample as it excuses any (missing).
+				if grace := c.h.Params.TTL + healGrace; c.awayNear(p.Slot, last.T0.Add(-grace), last.T1) ||
+					c.etcdFaultNear(last.T0.Add(-grace), last.T1) {
+					v.Excused++
+					continue
+				}
 				held := ""
-				for _, a := range in[len(in)-1].Allocs {
+				for _, a := range last.Allocs {
 					if a.IP == ip {
 						held = a.Owner
 					}
 				}
-				v.NotBack = append(v.NotBack, Missing{Pod: p.UID, Slot: p.Slot, IP: ip, First: in[0].T0, Last: in[len(in)-1].T0,
+				v.NotBack = append(v.NotBack, Missing{Pod: p.UID, Slot: p.Slot, IP: ip, First: in[0].T0, Last: last.T0,
 					Samples: len(in), HeldBy: held, Near: fmt.Sprintf("restore #%d, window until %s", w.f.ID, c.at(until))})
 				continue
 			}
@@ -275,7 +309,7 @@ type KeyVerdict struct {
 	Deadline time.Time `json:"deadline"`
 	// Noticed is when the pod's agent logged its keys lost after the edit (zero: not logged).
 	Noticed time.Time `json:"noticed,omitzero"`
-	// Judged is false when the pod stopped running before the deadline.
+	// Judged is false when the pod stopped running before the deadline, the key not back.
 	Judged, OK bool
 	Why        string `json:"why"`
 }
@@ -300,12 +334,14 @@ func (c *checker) keyVerdicts() []KeyVerdict {
 				break
 			}
 		}
-		if end := p.HoldEnd(); !end.IsZero() && end.Before(v.Deadline) {
-			v.Why = fmt.Sprintf("not judged: the pod stopped running at %s", c.at(end))
+		end := p.HoldEnd()
+		if end.IsZero() || !end.Before(v.Deadline) || !f.Back.IsZero() && !f.Back.After(v.Deadline) {
+			v.Judged = true
+		} else {
+			v.Why = fmt.Sprintf("not judged: the pod stopped running at %s, before the key was seen back", c.at(end))
 			out = append(out, v)
 			continue
 		}
-		v.Judged = true
 		switch {
 		case f.Back.IsZero():
 			v.Why = "not back on a lease with the pod's value by the end of the watch"

@@ -57,6 +57,22 @@ func TestCheckFindsARestoredKeyThatStays(t *testing.T) {
 	wantFailure(t, h, "resurrections")
 }
 
+func TestCheckExcusesAPodNotBackWhileALaterFaultHitsItsNode(t *testing.T) {
+	h := restored()
+	// An etcd member down during the repair stretches the window to 59 s; "new"'s node is
+	// cut off from 55 s, after the window would have ended without it: its key, put back at
+	// 44 s, is gone again at the window's end.
+	h.Faults = append(h.Faults, &Fault{ID: 2, Kind: EtcdKill, Target: "e0", Slot: -1, Start: sec(43), End: sec(46)})
+	h.away(0, 55, 62, "link-mid")
+	h.Samples = h.Samples[:5]
+	h.sample(58, "10.0.0.2=old")
+	h.sample(80, "10.0.0.2=old", "10.0.0.3=new")
+	r := wantPass(t, h)
+	if v := r.Restores[0]; v.Excused != 1 || len(v.NotBack) != 0 {
+		t.Errorf("verdict: %+v", v)
+	}
+}
+
 func TestCheckHoldsKeysOfPodsDeletedBeforeTheBackupToTheTTL(t *testing.T) {
 	h := restored()
 	h.Pods[2].DelSent, h.Pods[2].DelAnswered = sec(12.9), sec(13) // gone by 17 s: not in the backup
@@ -125,6 +141,37 @@ func TestCheckJudgesAKeyEdit(t *testing.T) {
 	h.Pods[2].DelSent, h.Pods[2].DelAnswered = sec(55), sec(55.1) // deleted before the deadline
 	h.final("10.0.0.2=b")
 	if r := wantPass(t, h); r.KeyEdits[0].Judged {
-		t.Errorf("judged a pod deleted before the deadline: %+v", r.KeyEdits[0])
+		t.Errorf("judged a pod deleted before the deadline, its key not back: %+v", r.KeyEdits[0])
 	}
+	h = keyEdited(52)
+	h.Pods[2].DelSent, h.Pods[2].DelAnswered = sec(55), sec(55.1)
+	h.final("10.0.0.2=b")
+	if r := wantPass(t, h); !r.KeyEdits[0].Judged || !r.KeyEdits[0].OK {
+		t.Errorf("a key back before the pod's DEL: %+v", r.KeyEdits[0])
+	}
+}
+
+// TestCheckJudgesAConflictARestoreTurnedAround: "a" runs from 5 s; its node is away from 22 s
+// to 45 s, and "b" takes its address at 39 s, after TTL + reuse delay (justified). The restore
+// (backup at 20 s) erases b's keys and gives the address back to a's: b's agent records that b
+// lost it to a, as justified as b's taking was. Had b taken it at 30 s, that taking, and so
+// this conflict, would not be.
+func TestCheckJudgesAConflictARestoreTurnedAround(t *testing.T) {
+	build := func(took float64) *History {
+		h := history()
+		h.Faults = append(h.Faults, &Fault{ID: 1, Kind: EtcdRestore, Target: "all", Slot: -1, Way: RestoreBump,
+			Start: sec(20), BackupDone: sec(20.1), Lost: sec(40), End: sec(41)})
+		h.pod("a", 0, "10.0.0.2", 5, 0)
+		h.pod("b", 1, "10.0.0.2", took, 0)
+		h.away(0, 22, 45, "link-long")
+		h.conflict(46, "b", "10.0.0.2", "a")
+		h.final("10.0.0.2=a")
+		return h
+	}
+	r := Check(build(39))
+	t.Logf("\n%s", r)
+	if len(r.Conflicts) != 1 || !r.Conflicts[0].Justified || !strings.Contains(r.Conflicts[0].Reason, "gave 10.0.0.2 back to a") {
+		t.Errorf("conflicts: %+v", r.Conflicts)
+	}
+	wantFailure(t, build(30), "unjustified conflicts")
 }
