@@ -305,7 +305,7 @@ func (r *Report) String() string {
 		}
 		w("    #%d %s, %s: backup %s at revision %d, etcd lost %s, back %s at revision %d", v.Fault, v.Way, token,
 			at(v.Backup), v.BackupRev, at(v.Lost), at(v.Back), v.RestoredRev)
-		w("      %d running pods judged: %d without their address at the return, the slowest back %s after it (%s); %d with a conflict recorded; "+
+		w("      %d running pods judged: %d without their address at the return, the slowest back %s after it, or its node's (%s); %d with a conflict recorded; "+
 			"%d without it at the window's end, a later fault near; %d unjudged (no sample)",
 			v.Running, v.Missing, v.Slowest.Round(100*time.Millisecond), orNone(v.SlowestPod), v.Conflicted, v.Excused, v.Unjudged)
 		w("      deleted pods' keys seen after the return: %d, the last %s after it", v.Restored, v.Gone.Round(100*time.Millisecond))

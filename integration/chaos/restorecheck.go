@@ -19,8 +19,8 @@ import (
 //   - a deleted pod's key seen again is no resurrection if the backup may hold it (the pod's
 //     ADD was sent before the backup was saved, its keys not due to be gone before the backup
 //     began); seen after the window, it is one;
-//   - a conflict an agent records because the address is held by such a restored key of a
-//     pod no longer running is justified by the restore; one with a running pod that had the
+//   - a conflict an agent records because the address is held by a restored key (allocation
+//     or held key) of a pod no longer running is justified by the restore; one with a running pod that had the
 //     address before the backup, which the conflicted pod took after it, is as justified as
 //     that taking was (restoredHolder).
 //
@@ -90,7 +90,8 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 // restoredHolder judges a conflict of p, which lost ip to holder, recorded at t in a
 // restore's window for p's node. The restore gave the address back to holder's key when:
 //   - holder no longer held its addresses when etcd came back (deleted, or its DEL sent), and
-//     the backup may hold its keys: justified, etcd handed a deleted pod's key back;
+//     its ADD was sent before the backup was saved: justified, etcd handed a deleted pod's
+//     allocation or held key back (no running pod has the address);
 //   - or holder still ran, had the address before the backup was saved, and p sent its ADD
 //     after the backup began (the backup cannot hold p's key): p had taken the address from
 //     holder, and the restore undid that. The conflict is then as justified as that taking
@@ -112,11 +113,14 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 			end = hp.DelSent
 		}
 		if !end.IsZero() && !end.After(w.back) {
-			if !c.mayBeInBackup(hp, w) {
+			// Its allocation, or its held key: that one outlives the pod until its node's
+			// release or its block lease's end (TTL + reuse delay, more when an etcd election
+			// renews every lease), which the history cannot bound.
+			if !hp.Created.Before(w.backupTo) {
 				continue
 			}
-			return true, true, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) brought back the key of %s, which had let the address go at %s",
-				w.f.ID, c.at(w.backupFrom), c.at(w.back), hp.UID, c.at(end))
+			return true, true, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) brought back a key of %s (its allocation or held key), "+
+				"which had let the address go at %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), hp.UID, c.at(end))
 		}
 		hpGot, _ := c.gotAddress(hp, ip, w.backupTo)
 		first := p.Created
@@ -176,8 +180,9 @@ type RestoreVerdict struct {
 	// their node was away or an etcd member down (a fault after the restore's: keys missing
 	// judges them); Unjudged those without a sample in their window.
 	Running, Missing, Conflicted, Excused, Unjudged int
-	// Slowest is the longest from etcd's return until a pod's address was held for it in
-	// every later sample of its window, and that pod.
+	// Slowest is the longest from etcd's return (or the pod's node's, or an etcd fault's end,
+	// restoreUntil) until a pod's address was held for it in every later sample of its
+	// window, and that pod.
 	Slowest    time.Duration
 	SlowestPod string
 	// NotBack are the running pods whose address etcd did not hold for them in the last
@@ -269,7 +274,8 @@ func (c *checker) restoreVerdicts() []RestoreVerdict {
 				from--
 			}
 			if from > 0 {
-				if d := in[from].T1.Sub(w.back); d > v.Slowest {
+				// From when its agent could repair: etcd's return, or its node's.
+				if d := max(in[from].T1.Sub(until.Add(-restoreGrace(c.h.Params.TTL))), 0); d > v.Slowest {
 					v.Slowest, v.SlowestPod = d, p.UID
 				}
 			}

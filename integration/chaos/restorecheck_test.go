@@ -98,8 +98,15 @@ func TestCheckAcceptsAConflictWithARestoredKey(t *testing.T) {
 	if len(r.Conflicts) != 1 || !r.Conflicts[0].Justified || !strings.Contains(r.Conflicts[0].Reason, "restore #1") {
 		t.Errorf("conflicts: %+v", r.Conflicts)
 	}
+	// A held key outlives its pod: one deleted before the backup may still be in it.
+	h.Pods[2].DelSent, h.Pods[2].DelAnswered = sec(14.9), sec(15)
+	h.Pods[2].Attempts[1].Sent, h.Pods[2].Attempts[1].Answered = sec(14.9), sec(15)
+	h.Samples = slices.DeleteFunc(h.Samples, func(s Sample) bool {
+		return slices.ContainsFunc(s.Allocs, func(a Alloc) bool { return a.Owner == "gone" })
+	})
+	wantPass(t, h)
 	// A holder created after the backup is not in it: the restore does not explain it.
-	h.Pods[2].Created = sec(25)
+	h.Pods[2].Created, h.Pods[2].Attempts[0].Sent = sec(25), sec(25)
 	wantFailure(t, h, "unjustified conflicts")
 }
 
