@@ -137,17 +137,24 @@ func snapshotRevision(ctx context.Context, etcdutl, file string) (int64, error) 
 func (in *injector) keyEdit(ctx context.Context, p faultPlan, f *Fault, n *node, rng *rand.Rand) {
 	e := in.e
 	k := e.rt.kubelets[n.slot]
-	pcs := k.pickLive(rng, 1)
-	if len(pcs) == 0 {
-		in.skip(f, "no live pod on the node")
-		return
+	// The first of a few running pods whose key is in place (one being re-claimed, or in a
+	// conflict, has none to change).
+	var pod *Pod
+	var key string
+	var kv *keyValue
+	var why []string
+	for _, pc := range k.pickLive(rng, 5) {
+		gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		found, v, err := in.podKey(gctx, pc.rec, p.Key)
+		cancel()
+		if err == nil && v != nil && v.Lease != 0 {
+			pod, key, kv = pc.rec, found, v
+			break
+		}
+		why = append(why, fmt.Sprintf("%s: %v", pc.rec.UID, err))
 	}
-	pod := pcs[0].rec
-	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	key, kv, err := in.podKey(gctx, pod, p.Key)
-	cancel()
-	if err != nil || kv == nil || kv.Lease == 0 {
-		in.skip(f, fmt.Sprintf("%s's %s was not in place to change: %v", pod.UID, p.Key, err))
+	if pod == nil {
+		in.skip(f, fmt.Sprintf("no running pod's %s in place to change (%s)", p.Key, strings.Join(why, "; ")))
 		return
 	}
 	op := "del"
