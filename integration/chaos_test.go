@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -17,10 +18,12 @@ import (
 // creating and deleting pods through the real plugin binary, and seeded faults: links cut
 // for less than the TTL, between TTL and TTL + reuse delay, and longer; kill -9 with a quick
 // or late restart; SIGSTOP; node deaths and replacements; an etcd member killed, the etcd
-// leader cut off; compactions; and issue 27's races (a DEL answered then kill -9 within
-// 50 ms; DELs around a SIGCONT). The checker then judges the recorded history: overlaps,
-// conflicts and whether each is justified, the final state against the live pods,
-// resurrections of deleted pods' keys and live pods' keys missing.
+// leader cut off; compactions; issue 27's races (a DEL answered then kill -9 within 50 ms;
+// DELs around a SIGCONT); issue 32's: the etcd cluster restored from a backup (plain, or
+// with its revision bumped and marked compacted), a running pod's key deleted or overwritten
+// with etcdctl. The checker then judges the recorded history: overlaps, conflicts and
+// whether each is justified, the final state against the live pods, resurrections of
+// deleted pods' keys, live pods' keys missing, and the repair after a restore or an edit.
 //
 // Under make test it is the short version (90 s of faults, 5 nodes, about 2 minutes) of seed
 // 1, so that the run is the same schedule every time; make chaos runs the long one with a new
@@ -34,12 +37,18 @@ import (
 //	LEASEHOLD_CHAOS_KEEP      keep the run directory of a passing run too
 //	LEASEHOLD_CHAOS_DIR       where run directories go (default: the temporary directory)
 //	LEASEHOLD_CHAOS_ETCD_DISK put etcd's data on disk, not in /dev/shm (fsync stalls become faults too)
-//	LEASEHOLD_CHAOS_HISTORY   judge the history.json of an earlier run again; nothing is run
+//	LEASEHOLD_CHAOS_HISTORY   judge the history.json of an earlier run again (with the agent
+//	                          logs beside it, if kept); nothing is run
 func TestChaos(t *testing.T) {
 	if path := os.Getenv("LEASEHOLD_CHAOS_HISTORY"); path != "" {
 		h, err := chaos.LoadHistory(path)
 		if err != nil {
 			t.Fatal(err)
+		}
+		// The agents' logs next to it, if kept, are read again: a newer checker may read
+		// lines the run's did not.
+		if err := chaos.ReloadLogs(h, filepath.Dir(path)); err != nil {
+			t.Logf("judged with the log lines history.json holds: %v", err)
 		}
 		r := chaos.Check(h)
 		t.Logf("%s judged again:\n%s", path, r)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"slices"
 	"time"
 
@@ -198,10 +199,14 @@ func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment, upT
 	}
 	var taken []keyspace.TakenByOther
 	for _, ip := range at.IPs {
-		others, known := a.othersSince(ctx, owner, keyspace.IPKey(at.Pool, blocks, ip), ip, at.OwnerRev, upTo, at.ReleasedAt)
+		key := keyspace.IPKey(at.Pool, blocks, ip)
+		others, known := a.othersSince(ctx, owner, key, ip, at.OwnerRev, upTo, at.ReleasedAt)
 		if !known {
+			// A compaction (or a restore marked compacted) took the history, not the key: one
+			// that holds the address now and got it before the release had it while this pod ran.
+			others = a.holderBefore(ctx, owner, key, ip, at.ReleasedAt)
 			a.log.Warn("a pod whose lease was lost is deleted, and etcd's history no longer tells whether another pod had "+
-				"its address meanwhile", "owner", owner, "ip", ip, "pool", at.Pool)
+				"its address meanwhile", "owner", owner, "ip", ip, "pool", at.Pool, "holder_now", len(others) > 0)
 		}
 		taken = append(taken, others...)
 	}
@@ -211,6 +216,23 @@ func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment, upT
 	a.conflicts.Add(int64(len(taken)))
 	a.log.Error("CONFLICT: addresses of a pod were taken by another owner while its lease was lost; found at its DEL",
 		"owner", owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken)
+}
+
+// holderBefore reads the allocation key of ip as it is now: another owner holding it that
+// got it before the time before (its allocation's Created) held it at that time. A failed
+// read reports nobody: a miss costs a conflict not logged, never an address.
+func (a *Agent) holderBefore(ctx context.Context, owner, key string, ip netip.Addr, before time.Time) []keyspace.TakenByOther {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, key)
+	if err != nil || len(resp.Kvs) == 0 {
+		return nil
+	}
+	holder, err := keyspace.Decode[keyspace.Allocation](key, resp.Kvs[0].Value)
+	if err != nil || holder.Owner == owner || !holder.Created.Before(before) {
+		return nil
+	}
+	return []keyspace.TakenByOther{{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster, Node: holder.Node, ContainerID: holder.ContainerID}}
 }
 
 // errStale is releaseRecord's answer when the owner index it was given from the agent's

@@ -861,3 +861,42 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 		t.Errorf("%s is allocated to %q; the deleted pod's DEL must leave it free", ip, n)
 	}
 }
+
+// TestADelAfterACompactionReportsWhoHoldsTheAddress: as above, but the other pod still holds
+// the address when the node is back and the DEL is processed, and etcd's history was
+// compacted meanwhile (a compaction, or a restore marked compacted): the history no longer
+// names that pod, the key does, and the agent logs the conflict.
+func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 26)
+	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
+		a.pods.markReleased("run", "eth0", pool.Name, "run")
+		a.pods.mu.Lock()
+		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
+		snap := a.pods.m["run"].clone()
+		a.pods.mu.Unlock()
+		a.jw.save(snap)
+		if err := a.jw.sync(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+	})
+	thief := addReq(pool, "thief", "eth0", "thief")
+	thief.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctx, thief); err != nil {
+		t.Fatalf("another node asks for the address, free now: %v", err)
+	}
+	now, err := cli.Get(ctx, "/", clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Compact(ctx, now.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	etcdtest.Eventually(t, 15*time.Second, "the overlap found at the DEL is counted", func() bool {
+		return back.Conflicts() == 1
+	})
+	if n := allocOwner(t, cli, pool, ip); n != "thief" {
+		t.Errorf("%s is allocated to %q; the deleted pod's DEL must leave it to the other pod", ip, n)
+	}
+}

@@ -23,6 +23,21 @@ const (
 	mergeGap = 500 * time.Millisecond
 )
 
+// restoreGrace bounds the repair after etcd came back from a restore (or the node did, if it
+// was away then): every running pod holds its own address again and every key of a deleted
+// pod the backup brought back is gone. The agent notices at its first linearizable answer
+// (a revision below one it saw, or another cluster ID), or, after a restore with its revision
+// bumped, at its watches' compaction and the check of its keys that follows, which runs
+// every half TTL anyway; it re-claims its pods at once. A restored key of a deleted pod
+// sits on a lease etcd's new leader renews for one TTL; unless an agent renews it, it goes
+// within the TTL and etcd's expiry check (deadSlack), and the agent revokes its spare leases
+// when it notices. Twice the TTL plus healGrace covers both with room for a loaded machine.
+func restoreGrace(ttl time.Duration) time.Duration { return 2*ttl + healGrace }
+
+// keyGrace bounds the repair of a key an admin deleted or overwrote: the agent compares its
+// keys every half TTL and re-claims the pod at once; twice the TTL plus healGrace, as above.
+func keyGrace(ttl time.Duration) time.Duration { return 2*ttl + healGrace }
+
 // Check judges a history: overlaps, conflicts and their justification, the final state,
 // resurrections and keys missing. It does no I/O.
 func Check(h *History) *Report {
@@ -40,6 +55,8 @@ func Check(h *History) *Report {
 	}
 	r.Resurrections = c.resurrections()
 	r.Missing = c.missing()
+	r.Restores = c.restoreVerdicts()
+	r.KeyEdits = c.keyVerdicts()
 	if h.Final != nil {
 		fr := c.final(h.Final)
 		r.Leaks, r.Pending, r.Lost, r.Standing = fr.Leaks, fr.Pending, fr.Lost, fr.Standing
@@ -70,6 +87,16 @@ type checker struct {
 	away map[int][]Away
 	// conflictsOf indexes the conflicts by owner.
 	conflictsOf map[string][]LogEvent
+	// restores are the etcd-restore faults carried out, in time order.
+	restores []restoreWindow
+}
+
+// restoreWindow is one restore: the backup holds etcd's state at some time between
+// backupFrom and backupTo; etcd's data was lost at lost and served again at back.
+type restoreWindow struct {
+	f                    *Fault
+	backupFrom, backupTo time.Time
+	lost, back           time.Time
 }
 
 func newChecker(h *History) *checker {
@@ -106,6 +133,17 @@ func newChecker(h *History) *checker {
 			c.conflictsOf[l.Owner] = append(c.conflictsOf[l.Owner], l)
 		}
 	}
+	for _, f := range h.Faults {
+		if f.Kind != EtcdRestore || f.Skipped || f.Lost.IsZero() {
+			continue
+		}
+		w := restoreWindow{f: f, backupFrom: f.Start, backupTo: f.BackupDone, lost: f.Lost, back: f.End}
+		if w.back.IsZero() {
+			w.back = maxTime(h.End, h.FaultsEnd, time.Now())
+		}
+		c.restores = append(c.restores, w)
+	}
+	slices.SortFunc(c.restores, func(a, b restoreWindow) int { return a.lost.Compare(b.lost) })
 	return c
 }
 
@@ -200,8 +238,10 @@ type Overlap struct {
 	B    string     `json:"b"`
 	From time.Time  `json:"from"`
 	To   time.Time  `json:"to"`
-	// Recorded says an agent logged the conflict between them.
+	// Recorded says an agent logged the conflict between them; Unknown that it logged it
+	// could not tell (unknownLogged).
 	Recorded bool `json:"recorded"`
+	Unknown  bool `json:"unknown,omitempty"`
 	// Hint judges an unrecorded overlap's reuse as a conflict would be judged.
 	Hint string `json:"hint,omitempty"`
 }
@@ -255,6 +295,17 @@ func (c *checker) overlaps() []Overlap {
 					}
 				}
 				if !o.Recorded {
+					// The agent of the pod that lost the address could not read who had it:
+					// etcd's history was compacted, and that holder had let it go by then.
+					if ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second)); ok {
+						if l, found := c.unknownLogged(first.UID, ip, from, end(second)); found {
+							o.Recorded, o.Unknown = true, true
+							o.Hint = fmt.Sprintf("recorded as unknowable: %s's agent logged at %s that etcd's history no longer tells "+
+								"who had %s meanwhile; %s let it go at %s; %s", first.UID, c.at(l.Time), ip, second.UID, c.at(end(second)), why)
+						}
+					}
+				}
+				if !o.Recorded {
 					ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second))
 					o.Hint = "reuse UNJUSTIFIED: " + why
 					if ok {
@@ -271,6 +322,18 @@ func (c *checker) overlaps() []Overlap {
 	}
 	slices.SortFunc(out, func(x, y Overlap) int { return x.From.Compare(y.From) })
 	return out
+}
+
+// unknownLogged finds the line in which owner's agent said that etcd's history (compacted)
+// no longer tells whether another pod had ip meanwhile, logged after from and once the other
+// holder had let it go (by gone): then neither the history nor the key itself could name it.
+func (c *checker) unknownLogged(owner string, ip netip.Addr, from, gone time.Time) (LogEvent, bool) {
+	for _, l := range c.h.Logs {
+		if l.Kind == "unknown" && l.Owner == owner && l.IP == ip && l.Time.After(from) && !l.Time.Before(gone) {
+			return l, true
+		}
+	}
+	return LogEvent{}, false
 }
 
 // earlierConflict finds a conflict recorded for owner's address ip with a holder other than
@@ -336,10 +399,15 @@ func (c *checker) conflicts() []ConflictVerdict {
 			}
 			seen[key] = len(out)
 			v := ConflictVerdict{Time: l.Time, Owner: l.Owner, Slot: slot, IP: t.IP, Holder: t.Holder, Logged: 1}
-			if p == nil {
+			switch {
+			case p == nil:
 				v.Reason = "the conflicted owner is no pod of the runtime"
-			} else {
-				v.Justified, v.Reason = c.reuseJustified(p, t.Holder, t.IP, l.Time)
+			default:
+				if ok, justified, why := c.restoredHolder(p, t.Holder, t.IP, l.Time); ok {
+					v.Justified, v.Reason = justified, why
+				} else {
+					v.Justified, v.Reason = c.reuseJustified(p, t.Holder, t.IP, l.Time)
+				}
 			}
 			out = append(out, v)
 		}
@@ -365,6 +433,11 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 	}
 	awayFor, cause := c.awayFor(prev.Slot, at)
 	when := fmt.Sprintf("%s got %s at %s (%s)", hp.UID, ip, c.at(at), how)
+	if !prev.DelSent.IsZero() && prev.DelSent.Before(at) {
+		// Its release may have applied before the agent, killed, could journal it: the
+		// restarted agent re-claims a pod being deleted, and finds the address taken.
+		return true, fmt.Sprintf("%s, after %s's DEL was sent at %s (its release may have applied)", when, prev.UID, c.at(prev.DelSent))
+	}
 	if awayFor > need {
 		return true, fmt.Sprintf("%s, when node n%d had been away %s (%s), longer than TTL+reuse delay %s",
 			when, prev.Slot, awayFor.Round(100*time.Millisecond), cause, need)
@@ -595,14 +668,14 @@ type Resurrection struct {
 }
 
 func (c *checker) resurrections() []Resurrection {
-	slack := c.h.Params.TTL
-	// A DEL answered while its node was away is released when the node comes back, or the
-	// key expires with its lease (releasedBy), and etcd extends every lease when its leader
-	// changes: a key seen until then was never deleted, not brought back.
+	// A key is due to be gone TTL after the pod's release (deletedBy). A restore brings back
+	// the keys its backup may hold: those go by the end of its window (restoreUntil).
 	gone := func(p *Pod) time.Time {
-		t := c.releasedBy(p).Add(slack)
-		if !t.Equal(p.DelAnswered.Add(slack)) && c.etcdFaultNear(p.DelAnswered, t) {
-			t = t.Add(c.h.Params.TTL + 2*time.Second)
+		t := c.deletedBy(p)
+		for _, w := range c.restores {
+			if c.mayBeInBackup(p, w) {
+				t = maxTime(t, c.restoreUntil(w, p.Slot))
+			}
 		}
 		return t
 	}
@@ -648,6 +721,19 @@ func (c *checker) resurrections() []Resurrection {
 	return out
 }
 
+// deletedBy is when a pod's keys must be gone after its DEL answered: TTL after its release.
+// A DEL answered while its node was away is released when the node comes back, or the key
+// expires with its lease (releasedBy), and etcd extends every lease when its leader changes:
+// a key seen until then was never deleted, not brought back.
+func (c *checker) deletedBy(p *Pod) time.Time {
+	slack := c.h.Params.TTL
+	t := c.releasedBy(p).Add(slack)
+	if !t.Equal(p.DelAnswered.Add(slack)) && c.etcdFaultNear(p.DelAnswered, t) {
+		t = t.Add(c.h.Params.TTL + 2*time.Second)
+	}
+	return t
+}
+
 // Missing is a live pod on a node not away (nor healed within TTL + healGrace) whose
 // address etcd did not hold for it in some samples.
 type Missing struct {
@@ -677,7 +763,8 @@ func (c *checker) missing() []Missing {
 				!p.DiedAt.IsZero() && !p.DiedAt.After(s.T1) {
 				continue
 			}
-			if c.awayNear(p.Slot, s.T0.Add(-grace), s.T1) || c.etcdFaultNear(s.T0.Add(-grace), s.T1) {
+			if c.awayNear(p.Slot, s.T0.Add(-grace), s.T1) || c.etcdFaultNear(s.T0.Add(-grace), s.T1) ||
+				c.inRestore(p.Slot, s.T0, s.T1) || c.keyEdited(p.UID, s.T0, s.T1) {
 				continue
 			}
 			for _, ip := range p.Addrs {

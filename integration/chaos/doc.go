@@ -12,8 +12,12 @@
 // node, one etcd fault at a time so that a quorum stays): a node's link down for less than
 // the TTL, between TTL and TTL + reuse delay, or longer; kill -9 and a restart at once or
 // after the TTL; SIGSTOP for twice the TTL; node death and a replacement with a new node UID;
-// an etcd member killed, the etcd leader cut off; compactions (and defrag); and issue 27's
-// races: kill -9 within 50 ms of a DEL's answer, DELs sent around a SIGCONT.
+// an etcd member killed, the etcd leader cut off; compactions (and defrag); issue 27's
+// races: kill -9 within 50 ms of a DEL's answer, DELs sent around a SIGCONT; and issue 32's:
+// a backup (etcdctl snapshot save) and, a few TTLs later, every member restored from it
+// (etcdutl snapshot restore, plain or --bump-revision --mark-compacted, into fresh data
+// directories at the same URLs), and an admin's etcdctl del of a running pod's allocation,
+// owner index or pod record, or a put of its own value over it without its lease.
 //
 // Everything is recorded in a History: each pod's attempts and answers, the faults with
 // their real start and end, the stretches each node was away, a range read of the
@@ -30,7 +34,11 @@
 //   - the final allocations are exactly the live pods' addresses (leaks, lost keys), and the
 //     doctor is clean;
 //   - a DEL answered is final (no key of the pod seen later than TTL after the answer);
-//   - a running pod's key is there in every sample, its node neither away nor just healed.
+//   - a running pod's key is there in every sample, its node neither away nor just healed;
+//   - after a restore, every running pod holds its address again and every key of a deleted
+//     pod the backup brought back is gone, within restoreGrace of etcd's return (or the
+//     node's); an edited key is back on a lease within keyGrace (restorecheck.go says what is
+//     relaxed meanwhile, and why).
 //
 // A run is reproducible by its seed as far as the schedule goes: the same seed draws the
 // same faults, parameters and pods; real processes' timing differs.

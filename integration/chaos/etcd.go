@@ -21,8 +21,11 @@ type member struct {
 	name    string
 	host    *host
 	client  string
+	peer    string
 	args    []string
 	logPath string
+	// data is the member's data directory (a restore gives it a fresh one).
+	data string
 
 	mu  sync.Mutex
 	p   *proc
@@ -33,6 +36,9 @@ type member struct {
 type etcdCluster struct {
 	e       *env
 	members []*member
+	// initial is the --initial-cluster every member was started (or restored) with; token
+	// the --initial-cluster-token.
+	initial, token string
 }
 
 func (e *env) startEtcd(ctx context.Context) error {
@@ -43,9 +49,9 @@ func (e *env) startEtcd(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		m := &member{i: i, name: fmt.Sprintf("m%d", i), host: h, client: "http://" + h.IP + ":2379",
+		m := &member{i: i, name: fmt.Sprintf("m%d", i), host: h, client: "http://" + h.IP + ":2379", peer: "http://" + h.IP + ":2380",
 			logPath: filepath.Join(e.dir, "etcd", fmt.Sprintf("m%d.log", i))}
-		peers = append(peers, fmt.Sprintf("%s=http://%s:2380", m.name, h.IP))
+		peers = append(peers, m.name+"="+m.peer)
 		c.members = append(c.members, m)
 	}
 	if err := os.MkdirAll(filepath.Join(e.dir, "etcd"), 0o755); err != nil {
@@ -63,12 +69,10 @@ func (e *env) startEtcd(ctx context.Context) error {
 		}
 	}
 	e.etcdData = data
+	c.initial, c.token = strings.Join(peers, ","), fmt.Sprintf("lhchaos-%d", e.topo.X)
 	for _, m := range c.members {
-		m.args = []string{"--name", m.name, "--data-dir", filepath.Join(data, m.name+".data"),
-			"--listen-client-urls", m.client, "--advertise-client-urls", m.client,
-			"--listen-peer-urls", "http://" + m.host.IP + ":2380", "--initial-advertise-peer-urls", "http://" + m.host.IP + ":2380",
-			"--initial-cluster", strings.Join(peers, ","), "--initial-cluster-token", fmt.Sprintf("lhchaos-%d", e.topo.X),
-			"--initial-cluster-state", "new", "--log-level", "warn"}
+		m.data = filepath.Join(data, m.name+".data")
+		m.args = c.memberArgs(m)
 		if err := c.start(m); err != nil {
 			return err
 		}
@@ -84,6 +88,16 @@ func (e *env) startEtcd(ctx context.Context) error {
 		return fmt.Errorf("the etcd cluster did not answer within 60s (logs in %s)", filepath.Join(e.dir, "etcd"))
 	}
 	return nil
+}
+
+// memberArgs are m's etcd flags: its data directory, URLs and the cluster's bootstrap
+// configuration (read only when the data directory is new).
+func (c *etcdCluster) memberArgs(m *member) []string {
+	return []string{"--name", m.name, "--data-dir", m.data,
+		"--listen-client-urls", m.client, "--advertise-client-urls", m.client,
+		"--listen-peer-urls", m.peer, "--initial-advertise-peer-urls", m.peer,
+		"--initial-cluster", c.initial, "--initial-cluster-token", c.token,
+		"--initial-cluster-state", "new", "--log-level", "warn"}
 }
 
 func (c *etcdCluster) endpoints() []string {

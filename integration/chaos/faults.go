@@ -24,6 +24,26 @@ const (
 	EtcdKill      = "etcd-kill"       // an etcd member killed, restarted after a while
 	EtcdLeaderCut = "etcd-leader-cut" // the etcd leader's link down for a few seconds
 	Compact       = "compact"         // etcdctl compact to the current revision, maybe defrag
+	// EtcdRestore is a backup (etcdctl snapshot save) and, a few TTLs of pods created and
+	// deleted later, the whole cluster restored from it (etcdutl snapshot restore, plain or
+	// with --bump-revision --mark-compacted) into fresh data directories at the same URLs.
+	EtcdRestore = "etcd-restore"
+	// KeyEdit is an admin's etcdctl del of one key of a running pod (its allocation, owner
+	// index or pod record), or an etcdctl put of its own value over it without its lease.
+	KeyEdit = "key-edit"
+)
+
+// How a restore is done: etcd's two documented ways.
+const (
+	RestorePlain = "plain" // the revision goes back to the backup's
+	RestoreBump  = "bump"  // --bump-revision 1000000000 --mark-compacted: forward, watches compacted
+)
+
+// What a key-edit fault changes.
+const (
+	KeyAllocation = "allocation"
+	KeyOwnerIndex = "owner-index"
+	KeyPodRecord  = "pod-record"
 )
 
 type targetKind int
@@ -32,6 +52,8 @@ const (
 	onNode targetKind = iota
 	onEtcd
 	onCluster
+	// onEtcdAll needs the etcd target and the cluster's both (no member fault, no compaction).
+	onEtcdAll
 )
 
 // faultKind is a kind with its weight in the random draw.
@@ -46,6 +68,7 @@ var faultKinds = []faultKind{
 	{KillRestart, onNode, 2}, {KillPause, onNode, 2}, {SigStop, onNode, 2}, {SigStopDel, onNode, 2},
 	{DelKill, onNode, 3}, {NodeDeath, onNode, 1},
 	{EtcdKill, onEtcd, 2}, {EtcdLeaderCut, onEtcd, 2}, {Compact, onCluster, 2},
+	{EtcdRestore, onEtcdAll, 1}, {KeyEdit, onNode, 2},
 }
 
 // faultPlan is one fault of the schedule, every parameter drawn from the seed.
@@ -54,8 +77,9 @@ type faultPlan struct {
 	Kind   string
 	At     time.Duration
 	Slot   int // node faults
-	Member int // etcd-kill
-	// Dur is how long the fault lasts (link down, stopped, paused, member down).
+	Member int // etcd-kill; etcd-restore: the member the backup is taken from
+	// Dur is how long the fault lasts (link down, stopped, paused, member down; from a
+	// restore's backup to the loss of etcd's data).
 	Dur time.Duration
 	// Jitter is del-kill's delay between the DEL's answer and the kill.
 	Jitter time.Duration
@@ -64,6 +88,14 @@ type faultPlan struct {
 	// Hold keeps del-kill's netns path until after the restart; SameName gives a dead
 	// node's replacement the same name; Defrag follows a compaction with a defrag.
 	Hold, SameName, Defrag bool
+	// Way is a restore's (RestorePlain, RestoreBump); NewToken restores with another
+	// --initial-cluster-token, so that the cluster ID changes too (by default it stays).
+	Way      string
+	NewToken bool
+	// Key is what a key-edit changes (KeyAllocation, ...); Put writes the pod's own value over
+	// it without its lease instead of deleting it.
+	Key string
+	Put bool
 	// Pick seeds the choice of pods a fault deletes.
 	Pick uint64
 	busy time.Duration
@@ -77,6 +109,8 @@ func (f faultPlan) target() string {
 		return fmt.Sprintf("e%d", f.Member)
 	case f.Kind == EtcdLeaderCut:
 		return "leader"
+	case f.Kind == EtcdRestore:
+		return "all"
 	}
 	return "etcd"
 }
@@ -117,6 +151,14 @@ func (f *faultPlan) draw(rng *rand.Rand, cfg Config) {
 		f.Dur = uniform(rng, 2*time.Second, 5*time.Second)
 	case Compact:
 		f.Defrag = rng.IntN(2) == 0
+	case EtcdRestore:
+		f.Member = rng.IntN(3)
+		f.Dur = uniform(rng, 2*ttl, 4*ttl)
+		f.Way = []string{RestorePlain, RestoreBump}[rng.IntN(2)]
+		f.NewToken = rng.IntN(4) == 0
+	case KeyEdit:
+		f.Key = []string{KeyAllocation, KeyOwnerIndex, KeyPodRecord}[rng.IntN(3)]
+		f.Put = rng.IntN(3) == 0
 	}
 	f.Pick = rng.Uint64()
 	// How long the target stays busy: the fault, a restart, and a margin.
@@ -127,7 +169,23 @@ func (f *faultPlan) draw(rng *rand.Rand, cfg Config) {
 	if f.Kind == Compact {
 		f.busy = 3 * time.Second
 	}
+	if f.Kind == EtcdRestore {
+		// From the backup to the restored members serving: no other etcd fault may restart a
+		// member meanwhile. One in the agents' repair after it is judged with it (restoreUntil).
+		f.busy = f.Dur + restoreTakes + 2*time.Second
+	}
+	if f.Kind == KeyEdit {
+		f.busy = keyWatch(ttl) + 3*time.Second
+	}
 }
+
+// restoreTakes bounds a restore from the loss of etcd's data to its three members serving
+// again (kill, etcdutl, start, an election); the fault ends when they do.
+const restoreTakes = 10 * time.Second
+
+// keyWatch is how long a key-edit fault looks for the key to be put back: past the bound
+// the checker allows (keyGrace), so that a late repair is measured, not only failed.
+func keyWatch(ttl time.Duration) time.Duration { return keyGrace(ttl) + 5*time.Second }
 
 // longest is the upper bound of a kind's length (draw's ranges).
 func longest(kind string, cfg Config) time.Duration {
@@ -148,14 +206,19 @@ func longest(kind string, cfg Config) time.Duration {
 		return 10 * time.Second
 	case EtcdLeaderCut:
 		return 5 * time.Second
+	case EtcdRestore:
+		return 4*cfg.TTL + restoreTakes
+	case KeyEdit:
+		return keyWatch(cfg.TTL)
 	}
 	return time.Second
 }
 
 // planFaults draws the schedule: a fault every 2-6 s from warmup until the end of the fault
 // phase, each on a target no other fault holds (one node fault per node, one etcd fault at a
-// time so that a quorum stays). Kinds not drawn yet go first, the long ones as soon as they
-// might no longer fit, so that a short run sees every kind; then kinds are drawn by weight.
+// time so that a quorum stays). Kinds not drawn yet go first (those on etcd before the others,
+// whenever etcd is free), the long ones as soon as they might no longer fit, so that a short
+// run sees every kind; then kinds are drawn by weight.
 // Only a fault that ends within the phase is planned.
 func planFaults(cfg Config) []faultPlan {
 	rng := newRand(cfg.Seed, 0xfa17)
@@ -174,7 +237,7 @@ func planFaults(cfg Config) []faultPlan {
 			return plans
 		}
 		// Candidates: kinds with a free target whose longest form still ends in the phase.
-		var cands, fresh, urgent []faultKind
+		var cands, fresh, freshEtcd, urgent []faultKind
 		for _, k := range faultKinds {
 			if t+longest(k.name, cfg)+2*time.Second > cfg.Duration {
 				continue
@@ -189,6 +252,8 @@ func planFaults(cfg Config) []faultPlan {
 				free = etcdBusy <= t
 			case onCluster:
 				free = clusterBusy <= t
+			case onEtcdAll:
+				free = etcdBusy <= t && clusterBusy <= t
 			}
 			if !free {
 				continue
@@ -196,6 +261,9 @@ func planFaults(cfg Config) []faultPlan {
 			cands = append(cands, k)
 			if uncovered[k.name] {
 				fresh = append(fresh, k)
+				if k.target == onEtcd || k.target == onEtcdAll {
+					freshEtcd = append(freshEtcd, k)
+				}
 				if t+2*gapMax+longest(k.name, cfg)+2*time.Second > cfg.Duration {
 					urgent = append(urgent, k)
 				}
@@ -205,6 +273,10 @@ func planFaults(cfg Config) []faultPlan {
 		switch {
 		case len(urgent) > 0:
 			k = urgent[rng.IntN(len(urgent))]
+		case len(freshEtcd) > 0:
+			// The etcd kinds share one target, the restore holds it for half a minute: they go
+			// first, one after the other, or a short run has no room for them all.
+			k = freshEtcd[rng.IntN(len(freshEtcd))]
 		case len(fresh) > 0:
 			k = fresh[rng.IntN(len(fresh))]
 		case len(cands) > 0:
@@ -242,6 +314,8 @@ func planFaults(cfg Config) []faultPlan {
 			etcdBusy = t + f.busy
 		case onCluster:
 			clusterBusy = t + f.busy
+		case onEtcdAll:
+			etcdBusy, clusterBusy = t+f.busy, t+f.busy
 		}
 		plans = append(plans, f)
 	}
@@ -252,12 +326,17 @@ type injector struct {
 	e        *env
 	nodeBusy []atomic.Bool
 	etcdBusy atomic.Bool
-	wg       sync.WaitGroup
+	// restoring is set from a restore's loss of etcd's data until its members serve again:
+	// a compaction then has nothing to compact.
+	restoring atomic.Bool
+	wg        sync.WaitGroup
+	start     time.Time // of the run, for the notes
 }
 
 // run applies each planned fault at its time; ctx ending stops the faults in progress
 // (each reverts at once). It returns when every fault has reverted.
 func (in *injector) run(ctx context.Context, start time.Time, plans []faultPlan) {
+	in.start = start
 	for _, p := range plans {
 		f := &Fault{ID: p.ID, Kind: p.Kind, Target: p.target(), Slot: p.Slot, Member: p.Member, Planned: p.At}
 		in.e.rec.addFault(f)
@@ -379,6 +458,10 @@ func (in *injector) apply(ctx context.Context, p faultPlan, f *Fault) {
 		}
 	case Compact:
 		in.compact(ctx, p, f, rng)
+	case EtcdRestore:
+		in.restore(ctx, p, f)
+	case KeyEdit:
+		in.keyEdit(ctx, p, f, n, rng)
 	}
 }
 
@@ -568,6 +651,10 @@ func (in *injector) replace(f *Fault, n *node, sameName bool, away int) (name, u
 
 func (in *injector) compact(ctx context.Context, p faultPlan, f *Fault, rng *rand.Rand) {
 	e := in.e
+	if in.restoring.Load() {
+		in.skip(f, "etcd was being restored")
+		return
+	}
 	in.started(f, time.Now())
 	defer func() { in.ended(f, time.Now()) }()
 	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)

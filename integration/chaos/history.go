@@ -144,6 +144,25 @@ type Fault struct {
 	End     time.Time     `json:"end,omitzero"`
 	Skipped bool          `json:"skipped,omitempty"`
 	Note    string        `json:"note,omitempty"`
+
+	// An etcd-restore's: its way (RestorePlain, RestoreBump) and whether the cluster token,
+	// and so the cluster ID, changed; the backup, sent at Start and saved at BackupDone, at
+	// BackupRev; Lost, when every member was killed (etcd's data lost); the revision the
+	// restored cluster answered at first; End, when its three members served again.
+	Way         string    `json:"way,omitempty"`
+	NewToken    bool      `json:"newToken,omitempty"`
+	BackupDone  time.Time `json:"backupDone,omitzero"`
+	BackupRev   int64     `json:"backupRev,omitempty"`
+	Lost        time.Time `json:"lost,omitzero"`
+	RestoredRev int64     `json:"restoredRev,omitempty"`
+	// A key-edit's: which key of which pod (Key: KeyAllocation, ...; Path: the etcd key), Op
+	// "del" or "put"; Start is when etcdctl changed it, Back when the run saw it again on a
+	// lease with the pod's value (zero: not within keyWatch).
+	Key  string    `json:"key,omitempty"`
+	Op   string    `json:"op,omitempty"`
+	Path string    `json:"path,omitempty"`
+	Pod  string    `json:"pod,omitempty"`
+	Back time.Time `json:"back,omitzero"`
 }
 
 // Away is a stretch during which a node slot's agent was cut off or not running. End is
@@ -212,8 +231,10 @@ type LogEvent struct {
 	Time time.Time `json:"time"`
 	Slot int       `json:"slot"`
 	Node string    `json:"node"`
-	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved...") or reuse
-	// ("reusing an address whose holder expired...").
+	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved..."), reuse
+	// ("reusing an address whose holder expired..."), wentback ("etcd went back in time..."),
+	// keyslost ("keys of a running pod were deleted or changed...") or unknown ("... etcd's
+	// history no longer tells whether another pod had its address meanwhile").
 	Kind   string     `json:"kind"`
 	Owner  string     `json:"owner,omitempty"`
 	IfName string     `json:"ifname,omitempty"`

@@ -4,8 +4,11 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 )
@@ -69,6 +72,13 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 		case strings.HasPrefix(l.Msg, "reusing an address whose holder expired"):
 			ev.Kind = "reuse"
 			ev.IP, _ = netip.ParseAddr(l.IP)
+		case strings.Contains(l.Msg, "etcd's history no longer tells"):
+			ev.Kind = "unknown"
+			ev.IP, _ = netip.ParseAddr(l.IP)
+		case strings.HasPrefix(l.Msg, "etcd went back in time"):
+			ev.Kind = "wentback"
+		case strings.HasPrefix(l.Msg, "keys of a running pod were deleted or changed"):
+			ev.Kind = "keyslost"
 		default:
 			continue
 		}
@@ -83,4 +93,31 @@ func firstWords(s string, n int) string {
 		f = f[:n]
 	}
 	return strings.Join(f, " ")
+}
+
+// ReloadLogs reads the agent logs of a run directory (agents/n<slot>-g<gen>-i<inc>.log) into
+// h again, in place of those recorded: a checker that reads more lines than the one that
+// wrote history.json judges a stored run by them.
+func ReloadLogs(h *History, dir string) error {
+	files, err := filepath.Glob(filepath.Join(dir, "agents", "n*-g*-i*.log"))
+	if err != nil || len(files) == 0 {
+		return fmt.Errorf("no agent logs in %s: %v", dir, err)
+	}
+	h.Logs, h.LogStats = nil, map[string]int{}
+	for _, f := range files {
+		var slot, gen, inc int
+		if _, err := fmt.Sscanf(filepath.Base(f), "n%d-g%d-i%d.log", &slot, &gen, &inc); err != nil {
+			continue
+		}
+		evs, st, err := ParseAgentLog(f, slot, "")
+		if err != nil {
+			return err
+		}
+		h.Logs = append(h.Logs, evs...)
+		for k, v := range st {
+			h.LogStats[k] += v
+		}
+	}
+	slices.SortStableFunc(h.Logs, func(a, b LogEvent) int { return a.Time.Compare(b.Time) })
+	return nil
 }

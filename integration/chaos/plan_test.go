@@ -12,8 +12,8 @@ func testConfig(seed int64, d time.Duration) Config {
 }
 
 // TestPlanFaultsIsSeeded: one seed draws one schedule; the short run's schedule holds every
-// kind, never two faults on one node at once and never two etcd faults at once, and every
-// fault ends within the fault phase.
+// kind, never two faults on one node at once, never two etcd faults at once and no
+// compaction during a restore, and every fault ends within the fault phase.
 func TestPlanFaultsIsSeeded(t *testing.T) {
 	for seed := int64(1); seed <= 50; seed++ {
 		cfg := testConfig(seed, 90*time.Second)
@@ -23,7 +23,7 @@ func TestPlanFaultsIsSeeded(t *testing.T) {
 		}
 		kinds := map[string]int{}
 		nodeFree := map[int]time.Duration{}
-		var etcdFree time.Duration
+		var etcdFree, restoreFree, compactFree time.Duration
 		for _, f := range a {
 			kinds[f.Kind]++
 			if f.At+f.Dur > cfg.Duration {
@@ -40,11 +40,32 @@ func TestPlanFaultsIsSeeded(t *testing.T) {
 					t.Errorf("seed %d: fault %d on etcd while another holds it", seed, f.ID)
 				}
 				etcdFree = f.At + f.busy
+			case f.Kind == Compact:
+				if f.At < restoreFree {
+					t.Errorf("seed %d: compaction %d during a restore", seed, f.ID)
+				}
+				compactFree = f.At + f.busy
+			case f.Kind == EtcdRestore:
+				if f.At < etcdFree || f.At < compactFree {
+					t.Errorf("seed %d: restore %d while another fault holds etcd", seed, f.ID)
+				}
+				etcdFree, restoreFree = f.At+f.busy, f.At+f.busy
 			}
 		}
 		if len(kinds) != len(faultKinds) {
 			t.Errorf("seed %d: %d faults cover %d of %d kinds: %v", seed, len(a), len(kinds), len(faultKinds), kinds)
 		}
+	}
+	// Seed 1's short run (make test) restores etcd.
+	restores := 0
+	for _, f := range planFaults(testConfig(1, 90*time.Second)) {
+		if f.Kind == EtcdRestore {
+			restores++
+			t.Logf("seed 1 restores etcd at +%s (%s, new token %v), %s after the backup", f.At, f.Way, f.NewToken, f.Dur)
+		}
+	}
+	if restores == 0 {
+		t.Error("seed 1's 90 s run does not restore etcd")
 	}
 	if reflect.DeepEqual(planFaults(testConfig(1, 90*time.Second)), planFaults(testConfig(2, 90*time.Second))) {
 		t.Error("seeds 1 and 2 draw the same schedule")

@@ -32,6 +32,8 @@ type Report struct {
 	Reuses        []ReuseVerdict
 	Resurrections []Resurrection
 	Missing       []Missing
+	Restores      []RestoreVerdict
+	KeyEdits      []KeyVerdict
 
 	HaveFinal                              bool
 	Leaks, Pending                         []Leak
@@ -86,6 +88,17 @@ func (r *Report) Failures() []string {
 	add(withRoom, "reuses of held-back addresses while the pool had room")
 	add(len(r.Resurrections), "resurrections")
 	add(len(r.Missing), "keys missing")
+	notBack, notPut := 0, 0
+	for _, v := range r.Restores {
+		notBack += len(v.NotBack)
+	}
+	for _, v := range r.KeyEdits {
+		if v.Judged && !v.OK {
+			notPut++
+		}
+	}
+	add(notBack, "running pods without their address after a restore")
+	add(notPut, "edited keys not put back")
 	add(len(r.Leaks), "leaks")
 	add(len(r.Lost), "lost keys")
 	add(len(r.DelsUnanswered), "DELs never answered")
@@ -158,7 +171,14 @@ func (r *Report) String() string {
 	}
 
 	un := r.Unexplained()
-	w("(a) overlaps: %d unexplained, %d with a recorded conflict", len(un), len(r.Overlaps)-len(un))
+	unknown := 0
+	for _, o := range r.Overlaps {
+		if o.Unknown {
+			unknown++
+		}
+	}
+	w("(a) overlaps: %d unexplained, %d with a recorded conflict (%d of them recorded as unknowable: etcd's history compacted)",
+		len(un), len(r.Overlaps)-len(un), unknown)
 	overlaps := slices.Clone(r.Overlaps) // the unexplained first, as the conflicts below
 	slices.SortStableFunc(overlaps, func(a, b Overlap) int { return cmpBool(a.Recorded, b.Recorded) })
 	for i, o := range overlaps {
@@ -167,7 +187,10 @@ func (r *Report) String() string {
 			break
 		}
 		tag := "UNEXPLAINED"
-		if o.Recorded {
+		switch {
+		case o.Unknown:
+			tag = "unknowable"
+		case o.Recorded:
 			tag = "recorded"
 		}
 		w("    %s %s held by %s and %s from %s to %s", tag, o.IP, o.A, o.B, at(o.From), at(o.To))
@@ -273,6 +296,52 @@ func (r *Report) String() string {
 		w("    %s of %s (n%d): missing %s..%s in %d samples, held by %s at first; near %s", m.IP, m.Pod, m.Slot,
 			at(m.First), at(m.Last), m.Samples, held, near)
 	}
+	w("(f) restores (every running pod holds its address again, every restored key of a deleted pod gone, within %s of etcd's return or its node's): %d",
+		restoreGrace(p.TTL), len(r.Restores))
+	for _, v := range r.Restores {
+		token := "same token (cluster ID kept)"
+		if v.NewToken {
+			token = "new token (new cluster ID)"
+		}
+		w("    #%d %s, %s: backup %s at revision %d, etcd lost %s, back %s at revision %d", v.Fault, v.Way, token,
+			at(v.Backup), v.BackupRev, at(v.Lost), at(v.Back), v.RestoredRev)
+		w("      %d running pods judged: %d without their address at the return, the slowest back %s after it, or its node's (%s); %d with a conflict recorded; "+
+			"%d without it at the window's end, a later fault near; %d unjudged (no sample)",
+			v.Running, v.Missing, v.Slowest.Round(100*time.Millisecond), orNone(v.SlowestPod), v.Conflicted, v.Excused, v.Unjudged)
+		w("      deleted pods' keys seen after the return: %d, the last %s after it", v.Restored, v.Gone.Round(100*time.Millisecond))
+		var noticed []string
+		for slot := range p.Nodes {
+			if d, ok := v.Noticed[slot]; ok {
+				noticed = append(noticed, fmt.Sprintf("n%d %+.1fs", slot, d.Seconds()))
+			} else {
+				noticed = append(noticed, fmt.Sprintf("n%d never", slot))
+			}
+		}
+		w("      agents that logged etcd going back (from the return): %s", strings.Join(noticed, ", "))
+		for i, m := range v.NotBack {
+			if i == maxListed {
+				w("      ... %d more", len(v.NotBack)-i)
+				break
+			}
+			w("      NOT BACK %s of %s (n%d): not its own in the last sample of its window (%s), held by %s; in %d samples from %s",
+				m.IP, m.Pod, m.Slot, at(m.Last), orNone(m.HeldBy), m.Samples, at(m.First))
+		}
+	}
+	w("(g) key edits (put back on a lease with the pod's value within %s): %d", keyGrace(p.TTL), len(r.KeyEdits))
+	for _, v := range r.KeyEdits {
+		tag := "ok"
+		switch {
+		case !v.Judged:
+			tag = "unjudged"
+		case !v.OK:
+			tag = "NOT PUT BACK"
+		}
+		noticed := "the agent logged nothing"
+		if !v.Noticed.IsZero() {
+			noticed = fmt.Sprintf("the agent noticed %s after", v.Noticed.Sub(v.At).Round(100*time.Millisecond))
+		}
+		w("    %s #%d %s: etcdctl %s of %s's %s %s: %s; %s", tag, v.Fault, at(v.At), v.Op, v.Pod, v.Key, v.Path, v.Why, noticed)
+	}
 	if len(r.DelsUnanswered) > 0 {
 		w("DELs never answered: %d %v", len(r.DelsUnanswered), firstN(r.DelsUnanswered, 10))
 	}
@@ -294,6 +363,13 @@ func (r *Report) String() string {
 		w("RESULT: PASS")
 	}
 	return b.String()
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "nobody"
+	}
+	return s
 }
 
 func countsLine(m map[string]int) string {

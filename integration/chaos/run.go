@@ -29,7 +29,7 @@ const (
 
 // Config is one chaos run.
 type Config struct {
-	// Bin holds leasehold, leaseholdd, leaseholdctl, etcd and etcdctl.
+	// Bin holds leasehold, leaseholdd, leaseholdctl, etcd, etcdctl and (for Run) etcdutl.
 	Bin  string
 	Seed int64
 	// Nodes is how many agents run (at least 5).
@@ -124,6 +124,10 @@ func (c *Config) defaults() error {
 func Run(ctx context.Context, cfg Config) (out *Outcome, err error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
+	}
+	// The restore fault's (the testbed restores nothing).
+	if _, err := os.Stat(filepath.Join(cfg.Bin, "etcdutl")); err != nil {
+		return nil, fmt.Errorf("binary etcdutl missing in %s (make tools): %w", cfg.Bin, err)
 	}
 	if err := NetnsAvailable(ctx); err != nil {
 		return nil, err
