@@ -144,6 +144,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	req, owner := st.req, st.owner
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
+	epoch := a.gate.epochNow() // what the view and the snapshots know is of this history
 
 	lease, known := a.pods.lease(owner)
 	if !known {
@@ -257,6 +258,10 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, a.unavailable("claim addresses", err))
 	}
 	out := c.outcome(resp)
+	if out.Applied && st.sticky == nil && a.gate.epochNow() != epoch {
+		p.view.settle(reserved, 0)
+		return allocator.Result{}, false, a.undoClaim(ctx, st, known, lease, p.spec.Name)
+	}
 	if out.Applied {
 		p.view.settle(addrs, out.Revision)
 		at := attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
@@ -276,6 +281,31 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	}
 	p.view.settle(reserved, 0)
 	return a.learn(ctx, p, st, requested, lease, out)
+}
+
+// undoClaim gives back what a claim took when etcd went back in time between the choice of
+// its addresses and its answer: they were chosen from what the agent knew of the history the
+// restore undid, where a block or an address another node's pod holds (its key gone with the
+// backup) looked free. A new pod's lease is revoked with every key on it; an attachment of a
+// known pod is released. The ADD fails with code 11, and is tried again once the agent has
+// repaired (restoreHold).
+func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease clientv3.LeaseID, pool string) error {
+	var err error
+	if known {
+		req := st.req
+		req.Pool = allocator.PoolSpec{Name: pool}
+		_, err = a.releaseAttachment(ctx, req, st.owner)
+	} else {
+		err = a.keeper.Revoke(lease)
+		st.fresh = 0
+	}
+	a.log.Warn("etcd went back in time while an ADD chose its addresses; what it claimed is given back",
+		"owner", st.owner, "container", st.req.ContainerID, "pool", pool, "err", err)
+	if err != nil {
+		return a.unavailable("give back a claim made across etcd going back in time", err)
+	}
+	return fmt.Errorf("%w: etcd went back in time while this ADD chose its addresses; retry once this node has "+
+		"re-claimed its pods", allocator.ErrUnavailable)
 }
 
 // waitUnanswered waits before the next attempt of an ADD whose etcd request went unanswered

@@ -93,7 +93,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		cfg:             cfg,
 		cli:             gate.client,
 		gate:            gate,
-		hold:            newRestoreHold(cfg.LeaseTTL),
+		hold:            newRestoreHold(cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
 		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:             actx,
 		cancel:          cancel,

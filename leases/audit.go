@@ -397,27 +397,31 @@ func (a *Agent) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
 	return err == nil && ttl.TTL > 0
 }
 
-// restoreHold is what the agent does while it repairs what etcd going back in time took:
+// restoreHold is what the agent does while it repairs what etcd going back in time took.
 // ADDs wait until every running pod of the node holds its addresses again (a repeated ADD
-// must find its pod's keys, not claim new ones), and for one lease TTL after it noticed
-// (settle) the node claims no new block, borrows nothing, and leaves free the addresses its
-// views knew allocated before they listed their pools again: other nodes' pods may hold them
-// without a key until their agents re-claim them, which each does within that time (its
-// keep-alives or watches notice, and its audit runs every half TTL).
+// must find its pod's keys, not claim new ones), for a lease TTL at most (repairTime). And
+// for the settle time after it noticed, the lease TTL plus the reuse delay, the node claims no
+// new block, borrows nothing, and leaves free the addresses its views knew allocated before
+// they listed their pools again: another node's pod created after the backup holds its
+// address with no key left, and no held key either. Its agent re-claims it within the TTL (it
+// notices by its keep-alives or watches, or at its audit every half TTL); a node cut off
+// across the restore comes back within the TTL and the reuse delay, or its pods are expired
+// anyway, as after any cut-off.
 type restoreHold struct {
-	settle time.Duration
+	repairTime, settle time.Duration
 
 	mu        sync.Mutex
 	gen       uint64 // times noticed
 	recovered uint64 // the last notice whose repair is done
 	noticed   time.Time
 	why       string
+	repairBy  time.Time     // when ADDs go on whatever the repair's state
 	until     time.Time     // end of the settle time
 	open      chan struct{} // closed while ADDs may go on
 }
 
-func newRestoreHold(settle time.Duration) *restoreHold {
-	h := &restoreHold{settle: settle, open: make(chan struct{})}
+func newRestoreHold(repairTime, settle time.Duration) *restoreHold {
+	h := &restoreHold{repairTime: repairTime, settle: settle, open: make(chan struct{})}
 	close(h.open)
 	return h
 }
@@ -427,7 +431,8 @@ func (h *restoreHold) notice(why string) time.Time {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.gen++
-	h.noticed, h.why, h.until = time.Now(), why, time.Now().Add(h.settle)
+	now := time.Now()
+	h.noticed, h.why, h.repairBy, h.until = now, why, now.Add(h.repairTime), now.Add(h.settle)
 	select {
 	case <-h.open:
 		h.open = make(chan struct{})
@@ -456,13 +461,13 @@ func (h *restoreHold) done(gen uint64) {
 }
 
 // wait returns once ADDs may go on, or after d (or when ctx ends) with an error wrapping
-// allocator.ErrUnavailable that says why they may not. ADDs go on at the end of the settle
-// time whatever the repair's state: a pod whose re-claim keeps failing (its owner index taken
-// over by another node identity) is reported by the recovery loop, and its addresses are
-// never offered by this node's ADDs (pods.ownsAddr).
+// allocator.ErrUnavailable that says why they may not. ADDs go on a lease TTL after the
+// notice whatever the repair's state: a pod whose re-claim keeps failing (its owner index
+// taken over by another node identity) is reported by the recovery loop, and its addresses
+// are never offered by this node's ADDs (pods.ownsAddr).
 func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
 	h.mu.Lock()
-	open, why, noticed, until := h.open, h.why, h.noticed, h.until
+	open, why, noticed, until := h.open, h.why, h.noticed, h.repairBy
 	h.mu.Unlock()
 	select {
 	case <-open:

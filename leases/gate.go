@@ -24,10 +24,12 @@ import (
 // below it is proof, reported to wentBack. Any other answer (a keep-alive, a lease or a watch
 // answer, from a member that may lag behind another, or filled in before an answer the agent
 // read first) is measured against the revision the agent had seen suspectAfter earlier; one
-// below it is a suspicion, which the gate settles with a linearizable read of its own. A compacted watch is a suspicion of another
-// kind: etcd restored with its revision bumped and marked compacted, as etcd's documentation
-// recommends under Kubernetes, shows nothing else, so mayHaveGoneBack has the agent check its
-// keys.
+// below it is a suspicion, which the gate settles with a linearizable read of its own.
+//
+// etcd restored with its revision bumped and marked compacted, as etcd's documentation
+// recommends under Kubernetes, goes forward: any answer whose revision grew far faster than
+// etcd can write is proof of it (maxRevRate). A compacted watch is a suspicion of that kind,
+// for a bump too small to tell: mayHaveGoneBack has the agent check its keys.
 //
 // Both signals are wired at start and called on a goroutine of their own: the answer that
 // raised one may have come to a caller holding a lock the signal's handler takes.
@@ -45,6 +47,7 @@ type etcdGate struct {
 	mu      sync.Mutex
 	cluster uint64
 	rev     int64
+	revAt   time.Time // when rev was last raised
 	// old is the highest revision seen at least suspectAfter ago (at most twice that), what
 	// an answer that is not linearizable is measured against; recent becomes old at rotated.
 	old, recent int64
@@ -62,6 +65,15 @@ type etcdGate struct {
 // from the last few seconds of history is missed here; a linearizable answer proves it, and
 // the check of the agent's keys finds what it lost (audit.go).
 const suspectAfter = 5 * time.Second
+
+// A revision that grows faster than maxRevRate a second, plus revSlack, since the agent last
+// saw it grow, is no history etcd wrote: a restore with --bump-revision (etcd's documentation
+// gives 1,000,000,000 under Kubernetes), which shows no other sign but compacted watches.
+// etcd writes one revision per transaction, and tens of thousands a second at most.
+const (
+	maxRevRate = 200_000
+	revSlack   = 1_000_000
+)
 
 // confirmEvery bounds how often a suspicion sends a confirmation read: a member that lags
 // answers keep-alives below the floor for as long as it lags.
@@ -89,6 +101,14 @@ func (g *etcdGate) floor() floor {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return floor{g.rev, g.epoch}
+}
+
+// epochNow counts the times etcd was found gone back in time: a decision taken from what the
+// agent knew in an earlier epoch may be wrong in etcd's new history.
+func (g *etcdGate) epochNow() uint64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.epoch
 }
 
 // answered records that etcd just answered.
@@ -124,22 +144,30 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 		below = g.old
 	}
 	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
-	if !back {
-		g.rev = max(g.rev, h.Revision)
+	since := time.Since(g.revAt)
+	jump := g.cluster != 0 && g.rev > 0 && h.Revision-g.rev > revSlack+int64(since.Seconds()*maxRevRate)
+	if !back && !jump {
+		if h.Revision > g.rev {
+			g.rev, g.revAt = h.Revision, time.Now()
+		}
 		g.cluster = h.ClusterId
 		g.mu.Unlock()
 		return
 	}
-	if !proof {
+	if !proof && !jump {
 		g.mu.Unlock()
 		g.confirm()
 		return
 	}
 	why := fmt.Sprintf("etcd answered at revision %d of cluster %x after revision %d of cluster %x", h.Revision, h.ClusterId, f.rev, g.cluster)
-	if h.ClusterId != g.cluster {
+	switch {
+	case h.ClusterId != g.cluster:
 		why = fmt.Sprintf("etcd answered as cluster %x, not %x (revision %d after %d)", h.ClusterId, g.cluster, h.Revision, f.rev)
+	case jump:
+		why = fmt.Sprintf("etcd's revision jumped from %d to %d in %s, faster than any etcd writes: restored with its revision bumped",
+			g.rev, h.Revision, since.Round(time.Second))
 	}
-	g.cluster, g.rev, g.old, g.recent = h.ClusterId, h.Revision, 0, 0
+	g.cluster, g.rev, g.revAt, g.old, g.recent = h.ClusterId, h.Revision, time.Now(), 0, 0
 	g.epoch++
 	g.mu.Unlock()
 	go g.wentBack(why)

@@ -43,8 +43,16 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.log.Error("journal", "err", err)
 	}
 	fromJournal := make(map[string]podState, len(journaled))
+	var written int64 // the last revision the journal saw etcd write for this node
 	for _, ps := range journaled {
 		fromJournal[ps.Owner] = ps
+		for _, at := range ps.Attachments {
+			written = max(written, at.OwnerRev)
+		}
+	}
+	if written > resp.Header.Revision {
+		// Restored from a backup while this agent was away: its gate has seen nothing yet.
+		a.etcdWentBack(fmt.Sprintf("this node's journal names revision %d, and etcd is at %d", written, resp.Header.Revision))
 	}
 	var resumed, released, foreign int
 	var resumedIDs []clientv3.LeaseID

@@ -1,0 +1,88 @@
+package leases
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+)
+
+// TestGateTellsEtcdGoingBack: what the gate makes of the headers of etcd's answers. A
+// linearizable answer below the revision seen when it was sent, or of another cluster, and
+// any answer whose revision jumped further than etcd can write, are proof; a keep-alive behind
+// the agent's history by less than suspectAfter is nothing; an answer to a request sent before
+// etcd was found gone back proves nothing more.
+func TestGateTellsEtcdGoingBack(t *testing.T) {
+	const cluster = 0xc1
+	type answer struct {
+		h      *pb.ResponseHeader
+		proof  bool          // linearizable
+		after  time.Duration // since the gate last saw the revision grow
+		stale  bool          // sent before the first proof
+		wantGB bool          // proof that etcd went back
+	}
+	hdr := func(c uint64, rev int64) *pb.ResponseHeader { return &pb.ResponseHeader{ClusterId: c, Revision: rev} }
+	for _, c := range []struct {
+		name    string
+		answers []answer
+	}{
+		// The history as etcd writes it: nothing to say.
+		{"revisions that grow", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 150), proof: true}, {h: hdr(cluster, 151)}}},
+		// A plain restore: the revision of the backup.
+		{"a linearizable answer below the floor", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 60), proof: true, wantGB: true}}},
+		// A new etcd at the same endpoints.
+		{"another cluster", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(0xc2, 500), proof: true, wantGB: true}}},
+		// A keep-alive filled in before an answer the agent read first, or from a member that
+		// lags: behind, but within suspectAfter of the agent's history.
+		{"a keep-alive a little behind", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 120), proof: true}, {h: hdr(cluster, 110)}}},
+		// A restore with --bump-revision 1000000000 after a minute of etcd down.
+		{"a bumped revision", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 1_000_000_100), after: time.Minute, wantGB: true}}},
+		// A node cut off for an hour from a busy etcd sees the revision far ahead, as fast as
+		// etcd can write at most: not a restore.
+		{"an hour of writes", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 100+3600*maxRevRate), after: time.Hour}}},
+		// Once etcd is found gone back, an answer to a request sent before proves nothing more.
+		{"an answer of the old epoch", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 60), proof: true, wantGB: true},
+			{h: hdr(cluster, 50), proof: true, stale: true}}},
+		// A header the client made up (a watch's end) is not etcd's.
+		{"no cluster ID", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(0, 0), proof: true}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel() // no confirmation read: this gate has no client
+			went := make(chan string, 4)
+			g := &etcdGate{ctx: ctx, started: time.Now(), wentBack: func(why string) { went <- why }, mayHaveGoneBack: func(string) {}}
+			first := g.floor()
+			for i, an := range c.answers {
+				f := g.floor()
+				if an.stale {
+					f = first
+				}
+				if an.after > 0 {
+					g.mu.Lock()
+					g.revAt = time.Now().Add(-an.after)
+					g.mu.Unlock()
+				}
+				before := g.epochNow()
+				g.seen(an.h, f, an.proof)
+				// The epoch moves with the proof, before the signal's goroutine runs.
+				if gb := g.epochNow() != before; gb != an.wantGB {
+					t.Errorf("answer %d (%v): etcd gone back %v, want %v", i, an.h, gb, an.wantGB)
+				}
+			}
+			for _, an := range c.answers {
+				if !an.wantGB {
+					continue
+				}
+				select {
+				case why := <-went:
+					if why == "" {
+						t.Errorf("etcd gone back without a reason")
+					}
+				case <-time.After(30 * time.Second):
+					t.Errorf("the proof was never signalled")
+				}
+			}
+		})
+	}
+}
