@@ -150,12 +150,16 @@ func (m *model) awayOwner(owner string) bool {
 // holderLocked returns the attachment that holds a in etcd as the model says: one listing
 // it, for which it is not a conflict, on a connected node or on a cut-off one whose block
 // leases still hold its pods' addresses back (an expiry is not a release: the agent of a
-// running pod in conflict waits for the hold to end). m.mu is held.
+// running pod in conflict waits for the hold to end); else the owner an admin put over a
+// running pod's allocation, while it holds it. m.mu is held.
 func (m *model) holderLocked(a netip.Addr) (attKey, bool) {
 	for k, held := range m.held {
 		if slices.Contains(held, a) && !slices.Contains(m.conflict[k], a) && (!m.awayLocked(k) || m.nodes[m.home[k.owner]].holdsBack) {
 			return k, true
 		}
+	}
+	if in, ok := m.intruders[a]; ok { // an owner outside the model (model_audit_test.go)
+		return attKey{owner: in.owner, ifName: modelIntruderIf}, true
 	}
 	return attKey{}, false
 }

@@ -40,7 +40,8 @@ const modelCISeed = 1005
 // (model_cutoff_test.go): its agent killed, its pod leases expired, its pods' addresses held
 // back for the reuse delay, sometimes longer; it comes back with the same identity and
 // re-claims its pods. An agent is sometimes killed right after a DEL's answer, and a DEL
-// sometimes races the re-claim of its pod's lost lease (model_del_test.go). A history ends by bringing every
+// sometimes races the re-claim of its pod's lost lease (model_del_test.go). An admin sometimes
+// deletes or overwrites a key of a running pod with etcdctl (model_audit_test.go). A history ends by bringing every
 // cut-off node back, deleting every attachment and letting the claims' holds run out (settle).
 //
 //   - at most one owner per address: every allocation key is named by exactly one owner index
@@ -75,6 +76,10 @@ const modelCISeed = 1005
 //     leases expiring or not meanwhile), or when it races a re-claim, the attachment has no
 //     key and its agent does not know it, then or a little later; its held keys are freed,
 //     and the node's other pods are kept (details in model_del_test.go);
+//   - a live lease is not proof: a key of a running pod deleted or overwritten by hand is put
+//     back on a new lease of the pod (an address another owner took is a conflict, resolved
+//     once that owner lets it go), and no ADD gets the pod's addresses meanwhile (details in
+//     model_audit_test.go);
 //   - no leak: once every attachment is deleted, no allocation and no held key is left, and
 //     every block is given back when its quarantine and BlockIdle are over.
 //
@@ -133,6 +138,13 @@ func TestModelRandomHistories(t *testing.T) {
 		m.count["cut-off"], m.count["cut-off short"], m.count["cut-off long"], m.count["reuse"], tot["leasehold_expired_addresses_reused_total"],
 		m.count["taken after the delay"], m.count["conflict"], tot["leasehold_conflicts_total"], m.count["resolved"],
 		tot["leasehold_conflicts_resolved_total"], m.count["crash after DEL"], m.count["del during re-claim"])
+	t.Logf("seed %d: keys of running pods changed by hand: %d (%d deleted, %d overwritten with the pod's value without its lease, "+
+		"%d with another owner's; agents counted %v keys lost); agents re-claimed pods %v times", seed,
+		m.count["tamper"], m.count["tamper: "+tamperDeleted], m.count["tamper: "+tamperOwnValue], m.count["tamper: "+tamperOtherOwner],
+		tot["leasehold_pod_keys_lost_total"], tot["leasehold_reclaims_total"])
+	if m.count["tamper"] == 0 {
+		t.Errorf("seed %d: no key of a running pod was deleted or overwritten in %d steps: the history did not exercise the audit", seed, steps)
+	}
 	if m.count["cut-off"] == 0 {
 		t.Errorf("seed %d: no node was cut off in %d steps: the history did not exercise the reuse delay", seed, steps)
 	}
@@ -194,15 +206,23 @@ type model struct {
 	contended map[attKey]map[netip.Addr]bool
 	neverHeld []int
 	stepAdds  int
+
+	// Issue 32 (model_audit_test.go): the model's etcd member, and the allocations another
+	// owner put over a running pod's (by address).
+	etcd      *etcdtest.Member
+	intruders map[netip.Addr]modelIntruder
 }
 
 func newModel(t *testing.T, seed uint64) *model {
 	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
-		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
+		pool: modelPool(), home: map[string]int{}, held: map[attKey][]netip.Addr{},
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
 		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
-		contended: map[attKey]map[netip.Addr]bool{}}
+		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}}
+	// etcd of the model's own.
+	m.etcd = etcdtest.StartMember(t)
+	m.cli = etcdtest.ClientAt(t, m.etcd.ClientURL)
 	m.spec = modelPool()
 	m.spec.Name = m.pool.Name
 	if err := m.spec.Canonicalize(); err != nil {
@@ -217,9 +237,10 @@ func newModel(t *testing.T, seed uint64) *model {
 }
 
 func (m *model) start(n *modelNode) *Agent {
-	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
+	return startAgentAt(m.t, m.etcd.ClientURL, m.cluster, n.name, n.uid, func(c *Config) {
 		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
 		c.BlockIdle, c.ClaimHold, c.ReuseDelay = modelBlockIdle, modelClaimHold, modelReuseDelay
+		c.AuditInterval = modelAuditInterval
 	})
 }
 
@@ -262,6 +283,7 @@ func (m *model) step(i int) {
 	defer cancel()
 	m.revive(i)
 	m.returns(ctx, i, false)
+	m.evict(ctx, i, false)
 	switch r := m.rng.IntN(100); {
 	case r < 4:
 		m.restart(i)
@@ -289,6 +311,10 @@ func (m *model) step(i int) {
 		}
 	case r < 28:
 		if m.delDuringReclaim(ctx, i) {
+			return
+		}
+	case r < 34:
+		if m.tamper(ctx, i) {
 			return
 		}
 	}
@@ -349,11 +375,11 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 		m.log("%d %s ADD %v %s -> %v %v", i, node.name, k, container, addrs(res), err)
 		m.inc("add")
 		if err != nil {
-			if have {
+			switch {
+			case have:
 				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
-			}
-			if !errors.Is(err, allocator.ErrPoolExhausted) {
-				// The model injects no etcd fault: a pool with room must serve.
+			case !errors.Is(err, allocator.ErrPoolExhausted):
+				// The model injects no other etcd fault: a pool with room must serve.
 				m.t.Errorf("step %d: ADD of %v refused, not for exhaustion: %v", i, k, err)
 			}
 			m.refused(err)
@@ -628,7 +654,7 @@ func (m *model) check() {
 		}
 	}
 	for ip := range allocLease {
-		if _, ok := namedBy[ip]; !ok {
+		if _, ok := namedBy[ip]; !ok && !m.intrudedLocked(ip) {
 			m.t.Errorf("allocation %s is named by no owner index", ip)
 		}
 		delete(m.expired, ip) // allocated again: whoever held it back knows
