@@ -362,11 +362,15 @@ func (m *model) cutOff(ctx context.Context, i int) bool {
 	return true
 }
 
-// revoke revokes lease as etcd does a TTL after its last renewal.
+// revoke revokes lease as etcd does a TTL after its last renewal. The model remembers it: a
+// restored backup may bring it back (model_restore_test.go).
 func (m *model) revoke(ctx context.Context, i int, lease clientv3.LeaseID) {
 	if _, err := m.cli.Revoke(ctx, lease); err != nil && !keyspace.IsLeaseNotFound(err) {
 		m.t.Fatalf("step %d: revoke %s: %v", i, keyspace.LeaseHex(lease), err)
 	}
+	m.mu.Lock()
+	m.revoked[lease] = true
+	m.mu.Unlock()
 }
 
 func leaseNames(ids []clientv3.LeaseID) []string {
