@@ -482,9 +482,16 @@ func (m *model) awaitReclaims(i, ni int) (seen conflictsSeen) {
 		}
 		// The agent counts an address taken meanwhile and let go before the re-claim too:
 		// its pod and another ran with it at once. One another attachment listed meanwhile
-		// it may count or not: the model does not know whether that one held it.
+		// it may count or not: the model does not know whether that one held it. Nor does it
+		// know about a conflict from before, whose owner let the address go meanwhile: the
+		// agent counts it when the hold ran out and etcd's history shows that owner.
 		sure := append(slices.Clone(m.awayTaken[k]), lost[k]...)
 		maybe := slices.AppendSeq(slices.Clone(sure), maps.Keys(m.contended[k]))
+		for _, a := range m.conflict[k] {
+			if !slices.Contains(lost[k], a) {
+				maybe = append(maybe, a)
+			}
+		}
 		seen.sure, seen.maybe = seen.sure+countAddrs(sure), seen.maybe+countAddrs(maybe)
 		delete(m.awayTaken, k)
 		delete(m.contended, k)
