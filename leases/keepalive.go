@@ -172,9 +172,15 @@ func (k *Keeper) alive(ctx context.Context, id clientv3.LeaseID) bool {
 }
 
 // lost forgets a held lease whose renewals stopped without Forget or Revoke, and reports it.
+// Its keep-alive ends with it, as Forget's does: a lease forgotten while its renewals are
+// still registered, or not yet (a fresh one), would be renewed with nobody holding it if etcd
+// had it again (a backup restored).
 func (k *Keeper) lost(id clientv3.LeaseID) {
 	k.mu.Lock()
-	_, ours := k.held[id]
+	cancel, ours := k.held[id]
+	if ours {
+		cancel()
+	}
 	delete(k.held, id)
 	delete(k.recycled, id)
 	for i, s := range k.spare {

@@ -42,6 +42,9 @@ var modelBlockMetrics = []string{
 	"leasehold_expired_addresses_reused_total",
 	"leasehold_conflicts_total",
 	"leasehold_conflicts_resolved_total",
+	"leasehold_pod_keys_lost_total",
+	"leasehold_etcd_went_back_total",
+	"leasehold_reclaims_total",
 }
 
 // modelPool is the model's pool: 29 IPv4 addresses in four /29 blocks for 24 owners x 2
@@ -237,6 +240,7 @@ func (m *model) settle(i int) {
 	defer cancel()
 	m.revive(i)
 	m.returns(ctx, i, true)
+	m.evict(ctx, i, true)
 	m.resolve(i)
 	m.check()
 	m.mu.Lock()

@@ -150,12 +150,16 @@ func (m *model) awayOwner(owner string) bool {
 // holderLocked returns the attachment that holds a in etcd as the model says: one listing
 // it, for which it is not a conflict, on a connected node or on a cut-off one whose block
 // leases still hold its pods' addresses back (an expiry is not a release: the agent of a
-// running pod in conflict waits for the hold to end). m.mu is held.
+// running pod in conflict waits for the hold to end); else the owner an admin put over a
+// running pod's allocation, while it holds it. m.mu is held.
 func (m *model) holderLocked(a netip.Addr) (attKey, bool) {
 	for k, held := range m.held {
 		if slices.Contains(held, a) && !slices.Contains(m.conflict[k], a) && (!m.awayLocked(k) || m.nodes[m.home[k.owner]].holdsBack) {
 			return k, true
 		}
+	}
+	if in, ok := m.intruders[a]; ok { // an owner outside the model (model_audit_test.go)
+		return attKey{owner: in.owner, ifName: modelIntruderIf}, true
 	}
 	return attKey{}, false
 }
@@ -358,11 +362,15 @@ func (m *model) cutOff(ctx context.Context, i int) bool {
 	return true
 }
 
-// revoke revokes lease as etcd does a TTL after its last renewal.
+// revoke revokes lease as etcd does a TTL after its last renewal. The model remembers it: a
+// restored backup may bring it back (model_restore_test.go).
 func (m *model) revoke(ctx context.Context, i int, lease clientv3.LeaseID) {
 	if _, err := m.cli.Revoke(ctx, lease); err != nil && !keyspace.IsLeaseNotFound(err) {
 		m.t.Fatalf("step %d: revoke %s: %v", i, keyspace.LeaseHex(lease), err)
 	}
+	m.mu.Lock()
+	m.revoked[lease] = true
+	m.mu.Unlock()
 }
 
 func leaseNames(ids []clientv3.LeaseID) []string {
@@ -474,9 +482,16 @@ func (m *model) awaitReclaims(i, ni int) (seen conflictsSeen) {
 		}
 		// The agent counts an address taken meanwhile and let go before the re-claim too:
 		// its pod and another ran with it at once. One another attachment listed meanwhile
-		// it may count or not: the model does not know whether that one held it.
+		// it may count or not: the model does not know whether that one held it. Nor does it
+		// know about a conflict from before, whose owner let the address go meanwhile: the
+		// agent counts it when the hold ran out and etcd's history shows that owner.
 		sure := append(slices.Clone(m.awayTaken[k]), lost[k]...)
 		maybe := slices.AppendSeq(slices.Clone(sure), maps.Keys(m.contended[k]))
+		for _, a := range m.conflict[k] {
+			if !slices.Contains(lost[k], a) {
+				maybe = append(maybe, a)
+			}
+		}
 		seen.sure, seen.maybe = seen.sure+countAddrs(sure), seen.maybe+countAddrs(maybe)
 		delete(m.awayTaken, k)
 		delete(m.contended, k)

@@ -40,7 +40,10 @@ const modelCISeed = 1005
 // (model_cutoff_test.go): its agent killed, its pod leases expired, its pods' addresses held
 // back for the reuse delay, sometimes longer; it comes back with the same identity and
 // re-claims its pods. An agent is sometimes killed right after a DEL's answer, and a DEL
-// sometimes races the re-claim of its pod's lost lease (model_del_test.go). A history ends by bringing every
+// sometimes races the re-claim of its pod's lost lease (model_del_test.go). An admin sometimes
+// deletes or overwrites a key of a running pod with etcdctl (model_audit_test.go), and etcd
+// sometimes goes back to a backup of an earlier step, restored the two ways etcd documents,
+// while the agents run (model_restore_test.go). A history ends by bringing every
 // cut-off node back, deleting every attachment and letting the claims' holds run out (settle).
 //
 //   - at most one owner per address: every allocation key is named by exactly one owner index
@@ -75,6 +78,13 @@ const modelCISeed = 1005
 //     leases expiring or not meanwhile), or when it races a re-claim, the attachment has no
 //     key and its agent does not know it, then or a little later; its held keys are freed,
 //     and the node's other pods are kept (details in model_del_test.go);
+//   - a live lease is not proof: a key of a running pod deleted or overwritten by hand is put
+//     back on a new lease of the pod (an address another owner took is a conflict, resolved
+//     once that owner lets it go), and no ADD gets the pod's addresses meanwhile; after etcd
+//     went back to a backup, every agent holds every pod of its node again, answers ADDs
+//     again, and what the backup brought back of deleted pods goes with its leases; no ADD,
+//     then or later, gets an address of another running attachment (details in
+//     model_audit_test.go and model_restore_test.go);
 //   - no leak: once every attachment is deleted, no allocation and no held key is left, and
 //     every block is given back when its quarantine and BlockIdle are over.
 //
@@ -133,6 +143,19 @@ func TestModelRandomHistories(t *testing.T) {
 		m.count["cut-off"], m.count["cut-off short"], m.count["cut-off long"], m.count["reuse"], tot["leasehold_expired_addresses_reused_total"],
 		m.count["taken after the delay"], m.count["conflict"], tot["leasehold_conflicts_total"], m.count["resolved"],
 		tot["leasehold_conflicts_resolved_total"], m.count["crash after DEL"], m.count["del during re-claim"])
+	t.Logf("seed %d: keys of running pods changed by hand: %d (%d deleted, %d overwritten with the pod's value without its lease, "+
+		"%d with another owner's; agents counted %v keys lost); %d backups, %d restores (%d plain, %d bumped; agents noticed "+
+		"%v times), %d conflicts after a restore; agents re-claimed pods %v times", seed,
+		m.count["tamper"], m.count["tamper: "+tamperDeleted], m.count["tamper: "+tamperOwnValue], m.count["tamper: "+tamperOtherOwner],
+		tot["leasehold_pod_keys_lost_total"], m.count["backup"], m.count["restore"], m.count["restore plain"], m.count["restore bumped"],
+		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], tot["leasehold_reclaims_total"])
+	if m.count["tamper"] == 0 {
+		t.Errorf("seed %d: no key of a running pod was deleted or overwritten in %d steps: the history did not exercise the audit", seed, steps)
+	}
+	if m.count["restore plain"] == 0 || m.count["restore bumped"] == 0 {
+		t.Errorf("seed %d: etcd went back to a backup %d times plainly and %d times with its revision bumped in %d steps: "+
+			"the history did not exercise both restores", seed, m.count["restore plain"], m.count["restore bumped"], steps)
+	}
 	if m.count["cut-off"] == 0 {
 		t.Errorf("seed %d: no node was cut off in %d steps: the history did not exercise the reuse delay", seed, steps)
 	}
@@ -194,15 +217,30 @@ type model struct {
 	contended map[attKey]map[netip.Addr]bool
 	neverHeld []int
 	stepAdds  int
+
+	// Issue 32 (model_audit_test.go, model_restore_test.go): the model's etcd member, the
+	// allocations another owner put over a running pod's (by address), the leases the model
+	// let expire, the backups taken so far, and whether a step's ADDs run while the agents
+	// repair what a restore took (they may be refused then).
+	etcd      *etcdtest.Member
+	intruders map[netip.Addr]modelIntruder
+	revoked   map[clientv3.LeaseID]bool
+	backupDir string
+	backups   []modelBackup
+	repairing bool
 }
 
 func newModel(t *testing.T, seed uint64) *model {
 	m := &model{t: t, rng: rand.New(rand.NewPCG(seed, seed^0x5eed)), cluster: etcdtest.Uniq("model"),
-		pool: modelPool(), cli: etcdtest.Client(t), home: map[string]int{}, held: map[attKey][]netip.Addr{},
+		pool: modelPool(), home: map[string]int{}, held: map[attKey][]netip.Addr{},
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
 		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
-		contended: map[attKey]map[netip.Addr]bool{}}
+		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}, revoked: map[clientv3.LeaseID]bool{}}
+	// etcd of the model's own, which it backs up and restores (model_restore_test.go).
+	m.etcd = etcdtest.StartMember(t)
+	m.cli = etcdtest.ClientAt(t, m.etcd.ClientURL)
+	m.backupDir = t.TempDir()
 	m.spec = modelPool()
 	m.spec.Name = m.pool.Name
 	if err := m.spec.Canonicalize(); err != nil {
@@ -217,9 +255,10 @@ func newModel(t *testing.T, seed uint64) *model {
 }
 
 func (m *model) start(n *modelNode) *Agent {
-	return startAgent(m.t, m.cluster, n.name, n.uid, func(c *Config) {
+	return startAgentAt(m.t, m.etcd.ClientURL, m.cluster, n.name, n.uid, func(c *Config) {
 		c.StateDir, c.Quarantine, c.GCGrace, c.LivenessInterval = n.state, modelQuarantine, -1, -1
 		c.BlockIdle, c.ClaimHold, c.ReuseDelay = modelBlockIdle, modelClaimHold, modelReuseDelay
+		c.AuditInterval = modelAuditInterval
 	})
 }
 
@@ -262,6 +301,7 @@ func (m *model) step(i int) {
 	defer cancel()
 	m.revive(i)
 	m.returns(ctx, i, false)
+	m.evict(ctx, i, false)
 	switch r := m.rng.IntN(100); {
 	case r < 4:
 		m.restart(i)
@@ -291,6 +331,16 @@ func (m *model) step(i int) {
 		if m.delDuringReclaim(ctx, i) {
 			return
 		}
+	case r < 34:
+		if m.tamper(ctx, i) {
+			return
+		}
+	case r < 37:
+		if m.restore(ctx, i) {
+			return
+		}
+	case r < 41:
+		m.backup(ctx, i) // then the step's operations
 	}
 	free := m.neverHeldFree(ctx)
 	// Plan the whole step first: its operations run at once on distinct owners (and
@@ -345,15 +395,19 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 		if !have {
 			container = fmt.Sprintf("%s-%s-%d", k.owner, k.ifName, i)
 		}
+		start := time.Now()
 		res, err := node.agent.Add(ctx, m.req(k, container))
 		m.log("%d %s ADD %v %s -> %v %v", i, node.name, k, container, addrs(res), err)
 		m.inc("add")
 		if err != nil {
-			if have {
+			switch {
+			case m.refusedForRepair(node.agent, err, start):
+				// etcd went back in time: the node answers once its pods hold their
+				// addresses again, and claims no block meanwhile (model_restore_test.go).
+			case have:
 				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
-			}
-			if !errors.Is(err, allocator.ErrPoolExhausted) {
-				// The model injects no etcd fault: a pool with room must serve.
+			case !errors.Is(err, allocator.ErrPoolExhausted):
+				// The model injects no other etcd fault: a pool with room must serve.
 				m.t.Errorf("step %d: ADD of %v refused, not for exhaustion: %v", i, k, err)
 			}
 			m.refused(err)
@@ -628,7 +682,7 @@ func (m *model) check() {
 		}
 	}
 	for ip := range allocLease {
-		if _, ok := namedBy[ip]; !ok {
+		if _, ok := namedBy[ip]; !ok && !m.intrudedLocked(ip) {
 			m.t.Errorf("allocation %s is named by no owner index", ip)
 		}
 		delete(m.expired, ip) // allocated again: whoever held it back knows
