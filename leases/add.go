@@ -147,6 +147,9 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	epoch := a.gate.epochNow() // what the view and the snapshots know is of this history
 
 	lease, known := a.pods.lease(owner)
+	if at, _, ok := a.pods.attachment(owner, req.IfName, p.spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
+		return a.repeated(ctx, p, st, lease)
+	}
 	if !known {
 		if st.fresh == 0 {
 			id, err := a.keeper.Take(octx)
@@ -171,6 +174,10 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			// crash, a cut-off) looks free until its re-claim writes it back.
 			return st.skip(x) || a.pods.ownsAddr(p.spec.Name, x)
 		}, st.sticky == nil)
+		if errors.Is(err, errSettling) {
+			p.view.settle(reserved, 0)
+			return allocator.Result{}, false, err // no retry: the settle time lasts minutes
+		}
 		if errors.Is(err, allocator.ErrUnavailable) {
 			// A block claim or a borrowing read etcd did not answer (a leader election):
 			// wait and try again, as for an unanswered claim.
@@ -416,13 +423,16 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 		}
 		return allocator.Result{}, false, nil
 	case podGone, podMoved:
-		// The pod lease this agent remembered no longer carries the pod record: its keys
-		// are gone (expired or revoked); the ADD starts over as for a new pod.
-		a.pods.drop(st.owner)
-		if out.Pod == podGone && a.keeper.Holds(lease) && st.fresh == 0 {
-			st.fresh = lease
+		// The lease this agent holds for the pod no longer carries its pod record: deleted or
+		// changed by hand, or lost with a restored backup. The pod's other attachments run:
+		// they are re-claimed, as the audit would, before this ADD adds to them.
+		p := auditPod{owner: st.owner, lease: lease}
+		if err := a.keysLost(ctx, p, []string{keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner) + ": missing or on another lease"}, nil); err != nil {
+			return allocator.Result{}, false, err
 		}
-		return allocator.Result{}, false, nil
+		a.wake()
+		return allocator.Result{}, false, fmt.Errorf("%w: the pod record of %s was gone from etcd; its addresses are being "+
+			"re-claimed: retry", allocator.ErrUnavailable, st.owner)
 	}
 	for i, f := range out.Addrs {
 		if !f.taken() {
@@ -519,6 +529,29 @@ func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvcc
 	return kv, changed, stale, nil
 }
 
+// repeated answers an ADD of an attachment this agent holds on lease: with the addresses its
+// owner index names. Without an owner index etcd lost it (deleted by hand, or a restored
+// backup): the pod is re-claimed as the audit would have it, and the ADD answered code 11; a
+// claim would give the attachment new addresses while its sandbox uses the old ones.
+func (a *Agent) repeated(ctx context.Context, p *pool, st *addState, lease clientv3.LeaseID) (allocator.Result, bool, error) {
+	key := ownerKeyOf(a, st, p)
+	octx, cancel := a.opCtx(ctx)
+	resp, err := a.cli.Get(octx, key)
+	cancel()
+	if err != nil {
+		return allocator.Result{}, false, a.unavailable("read owner index "+key, err)
+	}
+	if len(resp.Kvs) > 0 {
+		return a.existing(ctx, p, st, resp.Kvs[0])
+	}
+	if err := a.keysLost(ctx, auditPod{owner: st.owner, lease: lease}, []string{key + ": missing"}, nil); err != nil {
+		return allocator.Result{}, false, err
+	}
+	a.wake()
+	return allocator.Result{}, false, fmt.Errorf("%w: the owner index %s was gone from etcd; the pod's addresses are being "+
+		"re-claimed: retry", allocator.ErrUnavailable, key)
+}
+
 // existing answers an ADD for an attachment that already has addresses. The same container
 // gets them again. A new container of the same pod (a sandbox re-created without a DEL)
 // takes the attachment over, keeping the addresses; the old container's late DEL then
@@ -595,6 +628,25 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
+	if a.hold.pending() > 0 {
+		// Since its start the agent knows every pod of its node: a record it does not know,
+		// once etcd went back in time, is one the backup brought back of a pod deleted since.
+		// Its keys go (what a restore brings back that is gone stays gone); a lease the agent
+		// holds for another pod keeps its own keys, and only the record goes.
+		var err error
+		if a.keeper.Holds(lease) {
+			_, err = a.cli.Txn(octx).If(keyspace.Unchanged(string(podKV.Key), podKV.ModRevision)).
+				Then(clientv3.OpDelete(string(podKV.Key))).Commit()
+		} else {
+			err = a.keeper.Revoke(lease)
+		}
+		if err != nil {
+			return a.unavailable("remove the record of a pod deleted before etcd went back in time", err)
+		}
+		a.log.Warn("a record of a pod deleted before etcd went back in time was brought back; removed",
+			"owner", owner, "lease", keyspace.LeaseHex(lease))
+		return nil
+	}
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}

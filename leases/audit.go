@@ -493,6 +493,49 @@ func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
 		"hold their addresses again", allocator.ErrUnavailable, noticed.UTC().Format(time.RFC3339), why)
 }
 
+// repairing tells whether a notice's repair is not done yet.
+func (h *restoreHold) repairing() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.gen != h.recovered
+}
+
+// reclaimBlocks claims again, while the agent repairs what etcd going back in time took, the
+// blocks its running pods' addresses are in that no node claims: a claim made after the
+// backup is gone with it, and another node that claimed the block would follow this node's
+// pods' keys (invariant 11) and take their addresses for free once their holds end. A block
+// another node claims (a borrowed address) stays that node's.
+func (a *Agent) reclaimBlocks(ctx context.Context) error {
+	for pool, addrs := range a.pods.addrsByPool() {
+		v := a.pools.viewOf(pool)
+		if v == nil || v.own == nil {
+			continue // the flat layout: no blocks
+		}
+		tried := map[netip.Prefix]bool{}
+		for _, addr := range addrs {
+			b := v.blocks.Of(addr)
+			if tried[b] || !b.IsValid() || v.followsAddr(addr) {
+				continue
+			}
+			tried[b] = true
+			v.claimMu.Lock()
+			claimed, err := v.claimAt(ctx, b)
+			v.claimMu.Unlock()
+			if err != nil {
+				return err
+			}
+			if claimed {
+				a.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
+					"pool", pool, "block", b)
+			}
+		}
+	}
+	return nil
+}
+
+// errSettling marks an ADD refused for the settle time after etcd went back in time.
+var errSettling = errors.New("settling after a restore")
+
 // settling returns, during the settle time, an error wrapping allocator.ErrUnavailable that
 // says why a new block or a borrowed address is refused; nil after it.
 func (h *restoreHold) settling() error {
@@ -501,8 +544,8 @@ func (h *restoreHold) settling() error {
 	if h.until.IsZero() || !time.Now().Before(h.until) {
 		return nil
 	}
-	return fmt.Errorf("%w: etcd went back in time at %s (%s): until %s this node claims no new block and borrows no "+
-		"address, so that every node first re-claims what its pods held", allocator.ErrUnavailable,
+	return fmt.Errorf("%w: %w: etcd went back in time at %s (%s): until %s this node claims no new block and borrows no "+
+		"address, so that every node first re-claims what its pods held", allocator.ErrUnavailable, errSettling,
 		h.noticed.UTC().Format(time.RFC3339), h.why, h.until.UTC().Format(time.RFC3339))
 }
 
@@ -523,6 +566,9 @@ func (a *Agent) etcdWentBack(why string) {
 	a.keeper.DropSpares()
 	a.auditDue.Store(true)
 	a.wake()
+	// The backup's leases of pods deleted since live out their TTL, and their allocations
+	// keep the held keys of their addresses from being freed (settleHeld) until then.
+	time.AfterFunc(a.cfg.LeaseTTL*3/2, a.wake)
 }
 
 // etcdMayHaveGoneBack is the gate's suspicion that etcd went back in time without a sign in

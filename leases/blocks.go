@@ -295,6 +295,15 @@ func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int
 			return false, nil
 		}
 	}
+	if _, err := v.claimAt(ctx, block); err != nil {
+		return false, err
+	}
+	return true, nil // claimed, or another node was first: the caller tries the next block
+}
+
+// claimAt claims block, if no node has, and starts following it; it reports false when
+// another node claimed it first (the claims are then read again from the failed transaction).
+func (v *view) claimAt(ctx context.Context, block netip.Prefix) (_ bool, err error) {
 	o := v.own
 	octx, cancel := context.WithTimeout(ctx, o.opTimeout)
 	defer cancel()
@@ -328,7 +337,7 @@ func (v *view) claimBlock(ctx context.Context, spec *allocator.PoolSpec, set int
 			}
 		}
 		v.mu.Unlock()
-		return true, nil // another node was first; the caller tries the next block
+		return false, nil
 	}
 	o.metrics.blockClaims.Inc()
 	v.log.Info("block claimed", "block", block, "lease", keyspace.LeaseHex(lease))

@@ -63,6 +63,17 @@ func (t *pods) ownsAddr(pool string, addr netip.Addr) bool {
 	return t.addrs[poolAddr{pool, addr}] > 0
 }
 
+// addrsByPool lists, per pool, the addresses of this node's pods (ownsAddr).
+func (t *pods) addrsByPool() map[string][]netip.Addr {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[string][]netip.Addr{}
+	for pa := range t.addrs {
+		out[pa.pool] = append(out[pa.pool], pa.addr)
+	}
+	return out
+}
+
 // ownerOf is the owner of the pod whose attachment in pool lists addr, if any.
 func (t *pods) ownerOf(pool string, addr netip.Addr) (string, bool) {
 	t.mu.Lock()

@@ -285,6 +285,9 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 		errs = append(errs, a.releasePending(ctx, owner))
 	}
 	a.watchConflicts()
+	if a.hold.repairing() {
+		errs = append(errs, a.reclaimBlocks(ctx))
+	}
 	// The held keys of pods still being re-claimed stay: the pods list their addresses.
 	errs = append(errs, a.settleHeld(ctx))
 	if err := errors.Join(errs...); err != nil {
