@@ -31,8 +31,10 @@ import (
 // etcd can write is proof of it (maxRevRate). A compacted watch is a suspicion of that kind,
 // for a bump too small to tell: mayHaveGoneBack has the agent check its keys.
 //
-// Both signals are wired at start and called on a goroutine of their own: the answer that
-// raised one may have come to a caller holding a lock the signal's handler takes.
+// Both signals are wired at start and called on the goroutine that got the answer, before
+// the request returns: a decision that reads what the agent knows after such an answer must
+// find the agent already repairing (restoreHold). So they must not block, nor take a lock that
+// a caller of etcd may hold: they set state and wake the recovery loop.
 type etcdGate struct {
 	raw     *clientv3.Client
 	client  *clientv3.Client // raw, with its KV, Lease and Watcher seen through the gate
@@ -170,7 +172,7 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	g.cluster, g.rev, g.revAt, g.old, g.recent = h.ClusterId, h.Revision, time.Now(), 0, 0
 	g.epoch++
 	g.mu.Unlock()
-	go g.wentBack(why)
+	g.wentBack(why)
 }
 
 // heard notes the header of an answer that is not linearizable: a keep-alive's.
@@ -201,8 +203,8 @@ func (g *etcdGate) confirm() {
 // watched notes a watch answer: a compaction, or its header.
 func (g *etcdGate) watched(resp *clientv3.WatchResponse) {
 	if resp.CompactRevision != 0 {
-		g.answered()
-		go g.mayHaveGoneBack(fmt.Sprintf("a watch was compacted at revision %d", resp.CompactRevision))
+		g.heard(&resp.Header) // a bumped revision proves more than the compaction suggests
+		g.mayHaveGoneBack(fmt.Sprintf("a watch was compacted at revision %d", resp.CompactRevision))
 		return
 	}
 	if resp.Err() == nil {

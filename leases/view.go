@@ -88,6 +88,11 @@ type view struct {
 	hold      *restoreHold
 	kept      map[netip.Addr]struct{}
 	keepUntil time.Time
+	// dropped are the addresses the last listing found free that the view knew allocated, at
+	// droppedAt: a watch broken by a restore's compaction lists the pool again before the
+	// agent has proof that etcd went back, and restartKeeping keeps them too.
+	dropped   []netip.Addr
+	droppedAt time.Time
 	// keys hears of changes to the allocations of this node's pods it did not make (audit.go).
 	keys *ownKeys
 }
@@ -493,9 +498,19 @@ func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
 	if keep.After(v.keepUntil) {
 		v.keepUntil = keep
 	}
+	if time.Since(v.droppedAt) < droppedRecall {
+		for _, a := range v.dropped {
+			v.kept[a] = struct{}{}
+		}
+	}
 	v.mu.Unlock()
 	return v.restart()
 }
+
+// droppedRecall is how long before the proof that etcd went back a listing's dropped
+// addresses are kept: the proof comes with the first answers after etcd's return, the
+// listing of a compacted watch a little before.
+const droppedRecall = time.Minute
 
 // claimsHeld is the blocks this node holds in the pool, with the lease each claim is on, but
 // those being given back.

@@ -272,11 +272,15 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		}
 	}
 	v.mu.Lock()
+	v.dropped, v.droppedAt = v.dropped[:0], time.Now()
+	for a := range v.allocated {
+		if _, ok := allocated[a]; !ok {
+			v.dropped = append(v.dropped, a)
+		}
+	}
 	if time.Now().Before(v.keepUntil) {
-		for a := range v.allocated {
-			if _, ok := allocated[a]; !ok {
-				v.kept[a] = struct{}{}
-			}
+		for _, a := range v.dropped {
+			v.kept[a] = struct{}{}
 		}
 	}
 	for b, old := range v.spans {
