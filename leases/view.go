@@ -93,6 +93,9 @@ type view struct {
 	// agent has proof that etcd went back, and restartKeeping keeps them too.
 	dropped   []netip.Addr
 	droppedAt time.Time
+	// gained are the blocks the last listing found this node's that it did not hold before
+	// (at droppedAt), marked restored if the proof comes (restartKeeping).
+	gained []netip.Prefix
 	// keys hears of changes to the allocations of this node's pods it did not make (audit.go).
 	keys *ownKeys
 }
@@ -111,6 +114,11 @@ type span struct {
 	rev   int64            // the revision it was listed at; its watches start after it
 	stop  context.CancelFunc
 	// emptySince is when the view last found the block empty (zero: it holds something);
+	// restored is set on a block the view did not hold before etcd went back in time and a
+	// listing since shows as this node's: a claim the backup brought back, of a block given
+	// back since, which another node's pod may use with its key gone too. No ADD chooses
+	// from it until the settle time ends (keepUntil).
+	restored bool
 	// leaving is set while the block is being given back, so no ADD chooses from it.
 	emptySince time.Time
 	leaving    bool
@@ -212,7 +220,7 @@ func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) 
 	for k := range order {
 		b := order[(first+k)%len(order)]
 		s := v.spans[b]
-		if s.leaving || s.full[set] {
+		if s.leaving || s.full[set] || s.restored && time.Now().Before(v.keepUntil) {
 			continue
 		}
 		if addr, err := spec.NextIn(set, b, from, unlocked{v}, busy); err == nil {
@@ -501,6 +509,11 @@ func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
 	if time.Since(v.droppedAt) < droppedRecall {
 		for _, a := range v.dropped {
 			v.kept[a] = struct{}{}
+		}
+		for _, b := range v.gained {
+			if sp := v.spans[b]; sp != nil {
+				sp.restored = true
+			}
 		}
 	}
 	v.mu.Unlock()

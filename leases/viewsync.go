@@ -272,15 +272,24 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		}
 	}
 	v.mu.Lock()
-	v.dropped, v.droppedAt = v.dropped[:0], time.Now()
+	v.dropped, v.gained, v.droppedAt = v.dropped[:0], v.gained[:0], time.Now()
 	for a := range v.allocated {
 		if _, ok := allocated[a]; !ok {
 			v.dropped = append(v.dropped, a)
 		}
 	}
+	for b, s := range spans {
+		if old, ok := v.spans[b]; b.IsValid() && (!ok || old.restored) {
+			v.gained = append(v.gained, b)
+			s.restored = ok && old.restored
+		}
+	}
 	if time.Now().Before(v.keepUntil) {
 		for _, a := range v.dropped {
 			v.kept[a] = struct{}{}
+		}
+		for _, b := range v.gained {
+			spans[b].restored = true
 		}
 	}
 	for b, old := range v.spans {
