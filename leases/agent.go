@@ -121,7 +121,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		a.auditDue.Store(true)
 		a.wake()
 	})
-	a.pools = newPools(actx, a.cli, a.log, viewHooks{hold: a.hold, keys: a.keys})
+	hooks := viewHooks{hold: a.hold, keys: a.keys}
+	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
+		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
+	} else if ok {
+		a.hold.resumeSettle(st.Noticed, st.Until, st.Why)
+		hooks.settled = &st
+		a.log.Warn("resuming the settle time after etcd went back in time: no new block, no borrowing, and the "+
+			"addresses kept before the restart stay kept", "until", st.Until.UTC().Format(time.RFC3339), "why", st.Why)
+	}
+	a.pools = newPools(actx, a.cli, a.log, hooks)
 	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,

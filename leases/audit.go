@@ -493,6 +493,22 @@ func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
 		"hold their addresses again", allocator.ErrUnavailable, noticed.UTC().Format(time.RFC3339), why)
 }
 
+// settleTimes are the last notice's time, the end of its settle time (zero: none) and its
+// reason.
+func (h *restoreHold) settleTimes() (noticed, until time.Time, why string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.noticed, h.until, h.why
+}
+
+// resumeSettle goes on with the settle time of a notice an earlier process of the agent made
+// (settleFile): no repair is due for it (the agent's start is one), only the settle time.
+func (h *restoreHold) resumeSettle(noticed, until time.Time, why string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.noticed, h.until, h.why = noticed, until, why
+}
+
 // repairing tells whether a notice's repair is not done yet.
 func (h *restoreHold) repairing() bool {
 	h.mu.Lock()
@@ -559,7 +575,7 @@ func (a *Agent) etcdWentBack(why string) {
 	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
 		"why", why, "no_new_blocks_until", until.UTC().Format(time.RFC3339))
-	a.pools.restartAll(until)
+	go a.saveSettle(a.pools.restartAll(until))
 	if node := a.nodeLease(); node != 0 {
 		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
 	}

@@ -143,14 +143,15 @@ func (ps *pools) viewOf(name string) *view {
 
 // restartAll makes every view list its pool again, keeping until keep the addresses it knew
 // allocated as taken (view.restartKeeping), and the next ensure of each pool re-read its
-// definition.
-func (ps *pools) restartAll(keep time.Time) {
+// definition. It returns a channel per view, closed once it has listed.
+func (ps *pools) restartAll(keep time.Time) (relisted []<-chan struct{}) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	for name, p := range ps.m {
-		p.view.restartKeeping(keep)
+		relisted = append(relisted, p.view.restartKeeping(keep))
 		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
 	}
+	return relisted
 }
 
 // invalidate makes the next ensure re-read the stored definition.

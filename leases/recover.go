@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -24,6 +26,12 @@ func (a *Agent) recover(ctx context.Context) error {
 	type journalRead struct {
 		loaded
 		errs []error
+	}
+	var journaledAt time.Time // when the journal was last written, by an earlier process
+	if a.cfg.StateDir != "" {
+		if fi, err := os.Stat(filepath.Join(a.cfg.StateDir, journalFile)); err == nil {
+			journaledAt = fi.ModTime()
+		}
 	}
 	fromDisk := make(chan journalRead, 1) // read the journal while etcd lists the pod records
 	go func() {
@@ -50,9 +58,13 @@ func (a *Agent) recover(ctx context.Context) error {
 			written = max(written, at.OwnerRev)
 		}
 	}
-	if written > resp.Header.Revision {
-		// Restored from a backup while this agent was away: its gate has seen nothing yet.
+	// Restored from a backup while this agent was away: its gate has seen nothing yet.
+	switch since := time.Since(journaledAt); {
+	case written > resp.Header.Revision:
 		a.etcdWentBack(fmt.Sprintf("this node's journal names revision %d, and etcd is at %d", written, resp.Header.Revision))
+	case written > 0 && !journaledAt.IsZero() && resp.Header.Revision-written > revSlack+int64(max(since, 0).Seconds()*maxRevRate):
+		a.etcdWentBack(fmt.Sprintf("etcd is at revision %d, %d after this node's journal written %s ago: faster than etcd writes",
+			resp.Header.Revision, resp.Header.Revision-written, since.Round(time.Second)))
 	}
 	var resumed, released, foreign int
 	var resumedIDs []clientv3.LeaseID

@@ -93,6 +93,10 @@ type view struct {
 	// agent has proof that etcd went back, and restartKeeping keeps them too.
 	dropped   []netip.Addr
 	droppedAt time.Time
+	// restoredAt are the blocks an earlier process of the agent had marked restored, for the
+	// settle time it saved (settleFile): its listings mark them again.
+	restoredAt map[netip.Prefix]bool
+	listedOnce bool
 	// gained are the blocks the last listing found this node's that it did not hold before
 	// (at droppedAt), marked restored if the proof comes (restartKeeping).
 	gained []netip.Prefix
@@ -100,11 +104,13 @@ type view struct {
 	keys *ownKeys
 }
 
-// viewHooks are what the agent hands each view at start: its restore hold and its ear for
-// this node's pods' keys (audit.go). Either may be nil (tests, benchmarks).
+// viewHooks are what the agent hands each view at start: its restore hold, its ear for this
+// node's pods' keys (audit.go), and what an earlier process of the agent kept for the settle
+// time (settleFile). Any may be nil (tests, benchmarks).
 type viewHooks struct {
-	hold *restoreHold
-	keys *ownKeys
+	hold    *restoreHold
+	keys    *ownKeys
+	settled *settleState
 }
 
 // span is one key range the view follows.
@@ -142,6 +148,7 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 	v := &view{
 		hold:        hooks.hold,
 		keys:        hooks.keys,
+		restoredAt:  make(map[netip.Prefix]bool),
 		kept:        make(map[netip.Addr]struct{}),
 		pool:        pool,
 		blocks:      blocks,
@@ -161,6 +168,15 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 		suspect:     make(map[netip.Addr]suspectDel),
 		relRev:      make(map[netip.Addr]int64),
 		heldKick:    make(chan struct{}, 1),
+	}
+	if st := hooks.settled; st != nil && time.Now().Before(st.Until) {
+		v.keepUntil = st.Until
+		for _, a := range st.Kept[pool] {
+			v.kept[a] = struct{}{}
+		}
+		for _, b := range st.Restored[pool] {
+			v.restoredAt[b] = true
+		}
 	}
 	if blocks.Flat() {
 		v.spans[netip.Prefix{}] = &span{}
@@ -524,6 +540,25 @@ func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
 // addresses are kept: the proof comes with the first answers after etcd's return, the
 // listing of a compacted watch a little before.
 const droppedRecall = time.Minute
+
+// settleKnowledge is what the view passes over for the settle time: the addresses it keeps,
+// and the blocks a restore gave back to this node.
+func (v *view) settleKnowledge() (kept []netip.Addr, restored []netip.Prefix) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if !time.Now().Before(v.keepUntil) {
+		return nil, nil
+	}
+	for a := range v.kept {
+		kept = append(kept, a)
+	}
+	for b, s := range v.spans {
+		if s.restored {
+			restored = append(restored, b)
+		}
+	}
+	return kept, restored
+}
 
 // claimsHeld is the blocks this node holds in the pool, with the lease each claim is on, but
 // those being given back.

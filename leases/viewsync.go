@@ -279,9 +279,10 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		}
 	}
 	for b, s := range spans {
-		if old, ok := v.spans[b]; b.IsValid() && (!ok || old.restored) {
+		old, ok := v.spans[b]
+		s.restored = ok && old.restored || v.restoredAt[b]
+		if b.IsValid() && !ok && v.listedOnce { // a first listing gains every block: it knew none before
 			v.gained = append(v.gained, b)
-			s.restored = ok && old.restored
 		}
 	}
 	if time.Now().Before(v.keepUntil) {
@@ -292,6 +293,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			spans[b].restored = true
 		}
 	}
+	v.listedOnce = true
 	for b, old := range v.spans {
 		if s, ok := spans[b]; ok {
 			s.emptySince = old.emptySince

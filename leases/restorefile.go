@@ -1,0 +1,99 @@
+package leases
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// settleFile keeps, in the state directory, what the agent does for the settle time after
+// etcd went back in time (restoreHold), so that an agent restarted within it goes on doing it:
+// its views' knowledge of the history the restore undid (which addresses they knew allocated,
+// which blocks the backup gave back to this node) is in memory only, and a restarted agent
+// would otherwise hand those addresses out. Times are the machine's clock: no monotonic clock
+// spans a restart.
+const settleFile = "settle"
+
+// settleState is the file's content.
+type settleState struct {
+	Noticed  time.Time                 `json:"noticed"`
+	Until    time.Time                 `json:"until"`
+	Why      string                    `json:"why"`
+	Kept     map[string][]netip.Addr   `json:"kept,omitempty"`     // pool -> addresses kept
+	Restored map[string][]netip.Prefix `json:"restored,omitempty"` // pool -> blocks restored
+}
+
+// saveSettle writes s into dir atomically (aside, then renamed); with no directory it does
+// nothing.
+func saveSettle(dir string, s settleState) error {
+	if dir == "" {
+		return nil
+	}
+	b, err := json.Marshal(s)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, settleFile+".tmp")
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return fmt.Errorf("write %s: %w", tmp, err)
+	}
+	return os.Rename(tmp, filepath.Join(dir, settleFile))
+}
+
+// loadSettle reads the settle state of dir; ok is false when there is none, or it has ended.
+func loadSettle(dir string, now time.Time) (s settleState, ok bool, err error) {
+	if dir == "" {
+		return s, false, nil
+	}
+	b, err := os.ReadFile(filepath.Join(dir, settleFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return s, false, nil
+	}
+	if err != nil {
+		return s, false, err
+	}
+	if err := json.Unmarshal(b, &s); err != nil {
+		return s, false, fmt.Errorf("%s: %w", filepath.Join(dir, settleFile), err)
+	}
+	return s, now.Before(s.Until), nil
+}
+
+// saveSettle writes what the agent's views keep for the settle time, once they have listed
+// their pools again after etcd went back (or a bound later), so that a restart within the
+// settle time keeps it too.
+func (a *Agent) saveSettle(relisted []<-chan struct{}) {
+	bound := time.NewTimer(a.cfg.OpTimeout)
+	defer bound.Stop()
+	for _, ch := range relisted {
+		select {
+		case <-ch:
+		case <-bound.C:
+		case <-a.ctx.Done():
+			return
+		}
+	}
+	noticed, until, why := a.hold.settleTimes()
+	if until.IsZero() {
+		return
+	}
+	s := settleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
+		Kept: map[string][]netip.Addr{}, Restored: map[string][]netip.Prefix{}}
+	a.pools.forEachView(func(v *view) {
+		kept, restored := v.settleKnowledge()
+		if len(kept) > 0 {
+			s.Kept[v.pool] = kept
+		}
+		if len(restored) > 0 {
+			s.Restored[v.pool] = restored
+		}
+	})
+	if err := saveSettle(a.cfg.StateDir, s); err != nil {
+		a.log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
+			"err", err)
+	}
+}
