@@ -202,7 +202,7 @@ func (a *Agent) resumeClaims(ctx context.Context) {
 		err := a.keeper.Adopt(octx, id)
 		cancel()
 		if err != nil {
-			a.log.Warn("a claim lease could not be resumed; the claim goes with it, the pod keeps its addresses",
+			a.log.Warn("a claim lease could not be resumed; the audit puts the claim back on a new one",
 				"lease", keyspace.LeaseHex(id), "err", err)
 		}
 	}
