@@ -182,7 +182,7 @@ func (a *Agent) releaseSticky(ctx context.Context, pool, owner string, at attach
 	if hold <= 0 {
 		hold = a.cfg.ClaimHold
 	}
-	ttl := hold + max(a.cfg.Quarantine, 0)
+	ttl := a.claimReleaseTTL(at)
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Grant(octx, int64((ttl+time.Second-1)/time.Second))
@@ -192,6 +192,16 @@ func (a *Agent) releaseSticky(ctx context.Context, pool, owner string, at attach
 	now := a.wall()
 	rec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: now, Released: now}
 	return keyspace.ClaimKey(a.cfg.Cluster, pool, at.Claim), rec, resp.ID, nil
+}
+
+// claimReleaseTTL is the TTL of the lease at's claim goes onto when released: its hold plus
+// quarantine.
+func (a *Agent) claimReleaseTTL(at attachment) time.Duration {
+	hold := at.ClaimHold
+	if hold <= 0 {
+		hold = a.cfg.ClaimHold
+	}
+	return hold + max(a.cfg.Quarantine, 0)
 }
 
 // resumeClaims renews again, after a restart, the claim leases of the attachments this node

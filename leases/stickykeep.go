@@ -53,6 +53,48 @@ type stickyKept struct {
 	// swept is the last notice of etcd going back in time (restoreHold's) after which the
 	// claims naming attachments of this node deleted since were released.
 	swept atomic.Uint64
+	// releases are the claims this agent released, by claim key, until their hold ends: a
+	// restore of a backup from before the release takes them (releaseStaleClaims).
+	releases map[string]releasedClaim
+}
+
+// releasedClaim is a claim as this agent released it: the record and the quarantine record
+// of its addresses, on a lease nobody renews that ends at ends.
+type releasedClaim struct {
+	pool, name string
+	rec        keyspace.ClaimRecord
+	q          keyspace.QuarantineRecord
+	ends       time.Time
+}
+
+// released records that the claim at key went, without a holder, onto a lease of ttl (its
+// hold plus quarantine).
+func (s *stickyKept) released(key, pool, name string, rec keyspace.ClaimRecord, q keyspace.QuarantineRecord, ttl time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.releases == nil {
+		s.releases = map[string]releasedClaim{}
+	}
+	now := time.Now()
+	for k, r := range s.releases {
+		if now.After(r.ends) {
+			delete(s.releases, k)
+		}
+	}
+	s.releases[key] = releasedClaim{pool: pool, name: name, rec: rec, q: q, ends: now.Add(ttl)}
+}
+
+// releasedNow lists the claims this agent released whose hold has not ended, by key.
+func (s *stickyKept) releasedNow() map[string]releasedClaim {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := map[string]releasedClaim{}
+	for k, r := range s.releases {
+		if time.Until(r.ends) > minLeaseTTL {
+			out[k] = r
+		}
+	}
+	return out
 }
 
 // stickyRevs are the ModRevisions of an attachment's claim keys when last found right.
@@ -275,6 +317,9 @@ func (a *Agent) auditClaims(ctx context.Context, layouts map[string]allocator.Bl
 		if err := a.releaseStaleClaims(ctx); err != nil {
 			return err
 		}
+		if err := a.restoreReleasedClaims(ctx); err != nil {
+			return err
+		}
 		a.stickyKept.swept.Store(gen)
 	}
 	return nil
@@ -441,6 +486,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv
 	// Who holds the addresses: a claim naming another holder is taken over only from one
 	// that holds none of them.
 	var others []string
+	othersAt := map[netip.Addr]bool{}
 	ownsAll := true
 	for i, ip := range addrs {
 		kv := firstKV(aresp, 2*i)
@@ -456,6 +502,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv
 		al, err := keyspace.Decode[keyspace.Allocation](ipKey, kv.Value)
 		if err != nil || al.Owner != owner || al.Cluster != a.cfg.Cluster {
 			others = append(others, fmt.Sprintf("%s held by %s (node %s, container %s)", ip, al.Owner, al.Node, al.ContainerID))
+			othersAt[ip] = true
 		}
 	}
 	holder := "none"
@@ -537,7 +584,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv
 			}
 			continue
 		}
-		if slices.Contains(at.Conflicts, ip) {
+		if slices.Contains(at.Conflicts, ip) || othersAt[ip] {
 			continue // another owner holds it
 		}
 		switch {
@@ -736,9 +783,97 @@ func (a *Agent) releaseStaleClaim(ctx context.Context, pool, name string, kv *mv
 	if err != nil {
 		return a.unavailable("release the claim "+key, err)
 	}
-	if tresp.Succeeded {
+	if tresp.Succeeded && len(crec.IPs) > 0 {
+		a.stickyKept.released(key, pool, name, crec, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until, Claim: name},
+			a.claimReleaseTTL(at))
 		a.log.Warn("a sticky claim etcd's restored backup brought back named an attachment of this node deleted since; released "+
 			"as its DEL did", "claim", name, "pool", pool, "holder", owner, "ips", crec.IPs, "until", until)
 	}
 	return nil // changed meanwhile: not this stale record any more
+}
+
+// restoreReleasedClaims puts back, after etcd went back in time, the claims this agent
+// released whose hold has not ended and that etcd no longer has (the backup is older than
+// the claim, or than its release): as released, each address that no allocation or other
+// quarantine key stands at resting under it, on a lease of the hold left. A claim etcd has,
+// in any state, is left as it is: its holder's agent keeps it, or the release of the stale
+// record (releaseStaleClaims) did. Known limit: an agent restarted since the release has
+// forgotten it.
+func (a *Agent) restoreReleasedClaims(ctx context.Context) error {
+	var errs []error
+	for key, r := range a.stickyKept.releasedNow() {
+		errs = append(errs, a.restoreReleasedClaim(ctx, key, r))
+	}
+	return errors.Join(errs...)
+}
+
+// restoreReleasedClaim is restoreReleasedClaims for the claim at key, released as r.
+func (a *Agent) restoreReleasedClaim(ctx context.Context, key string, r releasedClaim) error {
+	blocks, err := a.pools.blocksOf(ctx, r.pool)
+	if err != nil {
+		return err
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	ops := []clientv3.Op{clientv3.OpGet(key, clientv3.WithKeysOnly())}
+	for _, ip := range r.rec.IPs {
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(r.pool, blocks, ip), clientv3.WithKeysOnly()),
+			clientv3.OpGet(keyspace.QuarantineKey(r.pool, blocks, ip)))
+	}
+	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	if err != nil {
+		return a.unavailable("read the released claim "+key, err)
+	}
+	if firstKV(resp, 0) != nil {
+		return nil
+	}
+	rec := r.rec
+	rec.IPs = nil
+	cmps := []clientv3.Cmp{keyspace.Absent(key)}
+	var qKeys []string
+	for i, ip := range r.rec.IPs {
+		ipKey, qKey := keyspace.IPKey(r.pool, blocks, ip), keyspace.QuarantineKey(r.pool, blocks, ip)
+		if firstKV(resp, 1+2*i) != nil {
+			continue // allocated: given up, as a released claim gives up an address a running pod had first
+		}
+		rev := int64(0)
+		if q := firstKV(resp, 2+2*i); q != nil {
+			if qrec, err := keyspace.Decode[keyspace.QuarantineRecord](qKey, q.Value); err != nil || qrec.Claim != r.name {
+				continue // resting for something else
+			}
+			rev = q.ModRevision
+		}
+		cmps = append(cmps, keyspace.Absent(ipKey), keyspace.Unchanged(qKey, rev))
+		qKeys = append(qKeys, qKey)
+		rec.IPs = append(rec.IPs, ip)
+	}
+	if len(rec.IPs) == 0 {
+		return nil
+	}
+	left := time.Until(r.ends)
+	g, err := a.cli.Grant(octx, int64((left+time.Second-1)/time.Second))
+	if err != nil {
+		return a.unavailable("grant the lease of a released claim", err)
+	}
+	on := clientv3.WithLease(g.ID)
+	puts := []clientv3.Op{clientv3.OpPut(key, keyspace.Encode(rec), on)}
+	q := keyspace.Encode(r.q)
+	for _, k := range qKeys {
+		puts = append(puts, clientv3.OpPut(k, q, on))
+	}
+	tresp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
+	if err != nil || !tresp.Succeeded {
+		if rerr := a.keeper.Revoke(g.ID); rerr != nil {
+			a.log.Warn("revoking an unused claim lease failed; it expires by itself", "lease", keyspace.LeaseHex(g.ID), "err", rerr)
+		}
+	}
+	if err != nil {
+		return a.unavailable("put back the released claim "+key, err)
+	}
+	if tresp.Succeeded {
+		a.metrics.podKeysLost.Add(float64(1 + len(qKeys)))
+		a.log.Warn("a sticky claim this node released was gone after etcd went back in time; put back as released until its hold ends",
+			"claim", r.name, "pool", r.pool, "ips", rec.IPs, "lease", keyspace.LeaseHex(g.ID), "ttl", left.Round(time.Second))
+	}
+	return nil
 }

@@ -271,3 +271,59 @@ func TestAClaimOfADeletedPodBroughtBackByARestoreIsReleased(t *testing.T) {
 		t.Fatalf("the next pod naming %s: %v %v, want %v", gone, resultAddrs(next), err, ips)
 	}
 }
+
+// TestAReleasedClaimARestoreTookIsPutBack: a claim the node released, which a restore of a
+// backup older than the claim took from etcd, is put back as released for the rest of its
+// hold: the next pod naming it gets its addresses.
+func TestAReleasedClaimARestoreTookIsPutBack(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	const claim = "default.web-3"
+	res, err := a.Add(ctx, stickyReq(pool, "c3", "u3", claim))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ips := resultAddrs(res)
+	if err := a.Del(ctx, stickyReq(pool, "c3", "u3", claim)); err != nil {
+		t.Fatal(err)
+	}
+	key := keyspace.ClaimKey(cluster, pool.Name, claim)
+	resp, err := cli.Get(ctx, key)
+	if err != nil || len(resp.Kvs) == 0 {
+		t.Fatalf("claim %s after the DEL: %v %v", key, resp, err)
+	}
+	released := clientv3.LeaseID(resp.Kvs[0].Lease)
+	// What a restore of a backup older than the claim does: the claim, its quarantine keys
+	// and its lease are gone.
+	if _, err := cli.Revoke(ctx, released); err != nil {
+		t.Fatal(err)
+	}
+	a.etcdWentBack("a test's restore")
+	etcdtest.Eventually(t, 30*time.Second, "the released claim put back", func() bool {
+		rec, ok := readClaimRecord(t, cli, key)
+		return ok && rec.Holder == nil && !rec.Released.IsZero() && slices.Equal(rec.IPs, ips)
+	})
+	resp, err = cli.Get(ctx, key)
+	if err != nil || len(resp.Kvs) == 0 {
+		t.Fatal(resp, err)
+	}
+	ttl, err := cli.TimeToLive(ctx, clientv3.LeaseID(resp.Kvs[0].Lease))
+	if err != nil || ttl.TTL <= 0 || time.Duration(ttl.TTL)*time.Second > a.cfg.ClaimHold {
+		t.Errorf("the claim put back is on a lease of TTL %v (%v), want the hold left, at most %s", ttl, err, a.cfg.ClaimHold)
+	}
+	for _, ip := range ips {
+		q := keyspace.QuarantineKey(pool.Name, pool.Blocks, ip)
+		qr, err := cli.Get(ctx, q)
+		if err != nil || len(qr.Kvs) == 0 || qr.Kvs[0].Lease != resp.Kvs[0].Lease {
+			t.Fatalf("%s: %v %v, want on the claim's lease %x", q, qr, err, resp.Kvs[0].Lease)
+		}
+		if rec, _ := keyspace.Decode[keyspace.QuarantineRecord](q, qr.Kvs[0].Value); rec.Claim != claim || rec.ReleasedBy != "u3" {
+			t.Errorf("%s: %+v, want resting under %s, released by u3", q, rec, claim)
+		}
+	}
+	next, err := a.Add(ctx, stickyReq(pool, "c4", "u4", claim))
+	if err != nil || !slices.Equal(resultAddrs(next), ips) {
+		t.Fatalf("the next pod naming %s: %v %v, want %v", claim, resultAddrs(next), err, ips)
+	}
+}
