@@ -201,7 +201,9 @@ type ClaimRelease struct {
 //
 // A claim whose holder is set is released all the same: the pod keeps its addresses, which
 // are on its own pod lease; only the promise to the next attachment goes (HolderKeeps says
-// so). An unreadable record is deleted alone: its addresses are unknown, and quarantine keys
+// so). The claim goes from the holder's owner index too, compared unchanged: its agent puts
+// back a claim record of a running pod that is gone from etcd, unless the index no longer
+// names it. An unreadable record is deleted alone: its addresses are unknown, and quarantine keys
 // resting under it expire with their lease.
 //
 // Errors wrap ErrNotFound (no such claim), ErrConcurrentChange, allocator.ErrInvalidName, or
@@ -245,6 +247,17 @@ func releaseClaimOnce(ctx context.Context, cli *clientv3.Client, cluster, pool, 
 	}
 	cmps := []clientv3.Cmp{keyspace.Unchanged(c.Key, c.ModRevision)}
 	ops := []clientv3.Op{clientv3.OpDelete(c.Key)}
+	if h := c.Value.Holder; c.Unreadable == "" && h != nil {
+		// The holder's owner index names the claim too: without it there, its agent knows the
+		// claim released, and does not put it back as one deleted by mistake.
+		cmp, op, err := dropClaimFromIndex(ctx, cli, cluster, pool, name, h)
+		if err != nil {
+			return ClaimRelease{}, false, err
+		}
+		if op != nil {
+			cmps, ops = append(cmps, cmp), append(ops, *op)
+		}
+	}
 	var resting []*QuarantineEntry
 	for _, a := range out.Addresses {
 		if a.restsUnder(name) {
@@ -280,6 +293,30 @@ func releaseClaimOnce(ctx context.Context, cli *clientv3.Client, cluster, pool, 
 		return ClaimRelease{}, false, fmt.Errorf("release claim %s: %w", c.Key, err)
 	}
 	return out, tresp.Succeeded, nil // not succeeded: a key changed since it was read; read again
+}
+
+// dropClaimFromIndex returns the compare and the put that take claim name out of its holder
+// h's owner index, if that index names it; nothing otherwise.
+func dropClaimFromIndex(ctx context.Context, cli *clientv3.Client, cluster, pool, name string, h *keyspace.ClaimHolder) (clientv3.Cmp, *clientv3.Op, error) {
+	if keyspace.ValidateNames("owner", h.Owner, "interface name", h.IfName) != nil {
+		return clientv3.Cmp{}, nil, nil
+	}
+	key := keyspace.OwnerKey(cluster, h.Owner, h.IfName, pool)
+	resp, err := cli.Get(ctx, key)
+	if err != nil {
+		return clientv3.Cmp{}, nil, fmt.Errorf("read %s: %w", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return clientv3.Cmp{}, nil, nil
+	}
+	kv := resp.Kvs[0]
+	rec, err := keyspace.Decode[keyspace.OwnerRecord](key, kv.Value)
+	if err != nil || rec.Claim != name || rec.NodeUID != h.NodeUID || rec.ContainerID != h.ContainerID {
+		return clientv3.Cmp{}, nil, nil
+	}
+	rec.Claim, rec.ClaimLease, rec.ClaimHoldSeconds = "", "", 0
+	op := clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(clientv3.LeaseID(kv.Lease)))
+	return keyspace.Unchanged(key, kv.ModRevision), &op, nil
 }
 
 // ipsText lists addresses for messages.

@@ -112,6 +112,9 @@ func TestAdminClaims(t *testing.T) {
 	db := putClaim(cluster, "db-0", claimOf("u-db", "10.71.0.6"))
 	alloc := keyspace.IPKey(pool, allocator.DefaultBlocks, ip("10.71.0.6"))
 	put(t, cli, alloc, keyspace.Encode(keyspace.Allocation{Owner: "u-db", Cluster: cluster, Node: "n1", IfName: "eth0"}), podL)
+	dbIndex := keyspace.OwnerKey(cluster, "u-db", "eth0", pool)
+	put(t, cli, dbIndex, keyspace.Encode(keyspace.OwnerRecord{IPs: []netip.Addr{ip("10.71.0.6")}, ContainerID: "ctr-u-db", Node: "n1",
+		NodeUID: "uid-n1", LeaseID: "abc", Claim: "db-0", ClaimLease: keyspace.LeaseHex(claimL), ClaimHoldSeconds: 600}), podL)
 	// mixed: one address in ordinary quarantine (not under the claim), one free.
 	putClaim(cluster, "mixed", claimOf("", "10.71.0.7", "10.71.0.8"))
 	put(t, cli, qkey(pool, "10.71.0.7"), resting(""), restL)
@@ -211,6 +214,17 @@ func TestAdminClaims(t *testing.T) {
 			if !strings.Contains(res.HolderKeeps, s) {
 				t.Errorf("HolderKeeps %q does not say %q", res.HolderKeeps, s)
 			}
+		}
+		// The holder's owner index no longer names the claim, so that its agent does not put
+		// the claim back; the rest of it stays, on the pod's lease.
+		resp, err := cli.Get(ctx, dbIndex)
+		if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].Lease != int64(podL) {
+			t.Fatalf("owner index of the holder: %v %v", resp, err)
+		}
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](dbIndex, resp.Kvs[0].Value)
+		if err != nil || rec.Claim != "" || rec.ClaimLease != "" || rec.ClaimHoldSeconds != 0 || rec.ContainerID != "ctr-u-db" ||
+			!slices.Equal(rec.IPs, []netip.Addr{ip("10.71.0.6")}) {
+			t.Errorf("owner index of the holder after the release: %+v, %v: want it without the claim, otherwise as it was", rec, err)
 		}
 	})
 	t.Run("an address not resting under the claim is left alone", func(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,6 +60,8 @@ type Agent struct {
 	keys     *ownKeys
 	auditDue atomic.Bool
 	suspect  atomic.Bool
+	// stickyKept is what the agent knows of the sticky claims it keeps (stickykeep.go).
+	stickyKept stickyKept
 
 	metrics   *metrics
 	started   time.Time    // when the agent started (del.go)
@@ -289,6 +292,14 @@ func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.metrics.leaseLost.Inc()
 	if a.blockLeaseLost(id) {
+		return
+	}
+	if slices.Contains(a.pods.claimLeases(), id) {
+		// A sticky claim's: the audit puts the claim back, on the lease if etcd still has it.
+		a.log.Error("the claim lease of a running pod's sticky claim stopped being renewed; checking the claim",
+			"lease", keyspace.LeaseHex(id))
+		a.auditDue.Store(true)
+		a.wake()
 		return
 	}
 	node := a.nodeLease() == id

@@ -164,6 +164,9 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 			}
 		}
 	}
+	if err := a.auditClaims(ctx, layouts); err != nil {
+		return lost, err
+	}
 	a.metrics.audits.Inc()
 	if lost > 0 {
 		a.wake()

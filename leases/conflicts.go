@@ -175,7 +175,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		}
 	}
 	var gaveUp string
-	if q := cur.Responses[2].GetResponseRange().Kvs; len(q) > 0 {
+	if q := cur.Responses[2].GetResponseRange().Kvs; len(q) > 0 && !restsUnder(q[0], at.Claim, claimCluster == a.cfg.Cluster) {
 		c, p, claim, err := a.claimGivesUp(octx, claimCluster, ref, q[0])
 		if err != nil {
 			return "", 0, false, err
@@ -209,7 +209,24 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	a.log.Warn("conflict resolved: the other holder let the address go, and it is the running pod's again",
 		"owner", ref.owner, "ifname", ref.ifName, "pool", ref.pool, "ip", ref.addr, "lease", keyspace.LeaseHex(lease),
 		"conflicts_left", len(left))
+	if at.Claim != "" {
+		// The pod's sticky claim, left to the other holder while it held the address.
+		if err := a.keepClaimLocked(ctx, stickyRef{ref.owner, ref.ifName, ref.pool}); err != nil {
+			a.log.Warn("checking the sticky claim of a pod whose conflict was resolved failed; the next audit checks it",
+				"owner", ref.owner, "claim", at.Claim, "err", err)
+		}
+	}
 	return "", 0, true, nil
+}
+
+// restsUnder tells whether q, a quarantine key, rests under claim of this cluster (same):
+// the running pod's own claim, which gives nothing up to it.
+func restsUnder(q *mvccpb.KeyValue, claim string, same bool) bool {
+	if claim == "" || !same {
+		return false
+	}
+	rec, err := keyspace.Decode[keyspace.QuarantineRecord](string(q.Key), q.Value)
+	return err == nil && rec.Claim == claim
 }
 
 // claimGivesUp handles an address that rests in quarantine under a released sticky claim: its

@@ -322,6 +322,10 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 			if v := a.pools.viewOf(pool); v != nil {
 				v.released(r.addrs, out.Revision, until)
 			}
+			if out.ClaimKept {
+				a.stickyKept.released(r.claimKey, pool, rec.Claim, r.claimRec, r.claimQ,
+					a.claimReleaseTTL(attachment{ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}))
+			}
 			if claimLease != 0 {
 				// The claim moved onto the release's lease: its old one carries nothing now.
 				if err := a.keeper.Revoke(claimLease); err != nil {

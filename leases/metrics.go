@@ -132,7 +132,7 @@ func newMetrics(a *Agent) *metrics {
 		}),
 		podKeysLost: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_pod_keys_lost_total",
-			Help: "Keys of running pods (pod records, owner indexes, allocations) the agent's check found missing, on another lease or overwritten in etcd; each such pod is re-claimed (leasehold_reclaims_total).",
+			Help: "Keys of running pods (pod records, owner indexes, allocations, sticky claims) the agent's check found missing, on another lease or overwritten in etcd; each such pod is re-claimed (leasehold_reclaims_total), a sticky claim's keys put back on its claim lease.",
 		}),
 		audits: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_key_audits_total",

@@ -33,8 +33,11 @@ import (
 //     an ADD may be refused while its node repairs, naming etcd going back in time, and a
 //     repeated ADD returns the pod's addresses;
 //   - the repair ends: every agent holds every pod of its node again, on a lease it renews,
-//     with its pod record, owner index and allocations, and answers ADDs again (no lost pod,
-//     hold open); an address that another attachment of the model listed before the restore
+//     with its pod record, owner index and allocations, and its sticky claim (record and
+//     quarantine keys on the claim lease the owner index names), and answers ADDs again (no
+//     lost pod, hold open); a claim the backup brought back naming a holder of a live node
+//     deleted since is released, and one it took that the model's ordinal has is back; an
+//     address that another attachment of the model listed before the restore
 //     holds now is a conflict (the conflict record), resolved as any other;
 //   - what the restore brought back of pods deleted since goes, with their leases, which
 //     nobody renews: no allocation, owner index, pod record or conflict record is left that
@@ -254,6 +257,11 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 			podRecs[string(kv.Key)] = keyspace.LeaseOf(kv)
 		}
 	}
+	sticky, err := m.cli.Txn(ctx).Then(clientv3.OpGet(keyspace.ClaimsPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix())).Commit()
+	if err != nil {
+		m.t.Fatal(err)
+	}
 	for _, n := range m.nodes {
 		if n.agent == nil {
 			continue
@@ -314,6 +322,8 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 			out = append(out, fmt.Sprintf("%v: the conflict record names %v taken, etcd shows %v", k, takenIPs(rec.rec), sortedAddrs(taken[k])))
 		}
 	}
+	out = append(out, m.claimRepairProblemsLocked(sticky.Responses[0].GetResponseRange().Kvs,
+		sticky.Responses[1].GetResponseRange().Kvs, st.owners)...)
 	// What the restore brought back of attachments the model does not have.
 	for a, al := range st.allocs {
 		if !owns[a] && !m.intrudedLocked(a) && !slices.Contains(m.held[attKey{owner: al.rec.Owner, ifName: al.rec.IfName}], a) {

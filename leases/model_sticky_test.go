@@ -419,3 +419,64 @@ func (m *model) endClaims(ctx context.Context, i int) {
 	m.mu.Unlock()
 	m.log("%d SETTLE: the holds of %d claims run out: %v", i, len(ended), ended)
 }
+
+// claimRepairProblemsLocked says what of the claims the agents have not repaired yet after a
+// restore (claims and quarantine keys as read, owners the owner indexes): each live
+// incarnation's claim names it, on the claim lease its owner index names, with the
+// quarantine key of each address it holds marked with the claim on that lease; no claim
+// names a holder of a live node that is not the ordinal's live incarnation; and every
+// ordinal's claim exists. m.mu is held.
+func (m *model) claimRepairProblemsLocked(claims, quarantine []*mvccpb.KeyValue, owners map[string]stored[keyspace.OwnerRecord]) (out []string) {
+	rest := map[netip.Addr]*mvccpb.KeyValue{}
+	for _, kv := range quarantine {
+		if _, _, ip, err := keyspace.ParseQuarantineKey(string(kv.Key)); err == nil {
+			rest[ip] = kv
+		}
+	}
+	seen := map[string]bool{}
+	for _, kv := range claims {
+		_, _, name, err := keyspace.ParseClaimKey(string(kv.Key))
+		rec, derr := keyspace.Decode[keyspace.ClaimRecord](string(kv.Key), kv.Value)
+		if err != nil || derr != nil {
+			continue // checkSticky reports it
+		}
+		ord := strings.TrimPrefix(name, "ns.")
+		seen[ord] = true
+		cur, live := m.incarnationLocked(ord, "")
+		h := rec.Holder
+		switch {
+		case live && !m.awayLocked(cur) && (h == nil || h.Owner != cur.owner || h.IfName != cur.ifName):
+			out = append(out, fmt.Sprintf("claim %s names holder %s, the model's live incarnation is %v", name, holderName(rec), cur))
+			continue
+		case !live && h != nil && m.isLiveNode(h.Node, h.NodeUID):
+			out = append(out, fmt.Sprintf("claim %s names holder %s of live node %s, which the model has deleted", name, holderName(rec), h.Node))
+			continue
+		case !live || m.awayLocked(cur):
+			continue
+		}
+		if ix, ok := owners[m.ownerKey(cur)]; !ok || ix.rec.ClaimLease != keyspace.LeaseHex(clientv3.LeaseID(kv.Lease)) {
+			out = append(out, fmt.Sprintf("claim %s is on lease %x, the owner index of %v names %q (present %v)", name, kv.Lease, cur,
+				ix.rec.ClaimLease, ok))
+		}
+		for _, ip := range rec.IPs {
+			if slices.Contains(m.conflict[cur], ip) {
+				continue
+			}
+			q, ok := rest[ip]
+			var qrec keyspace.QuarantineRecord
+			if ok {
+				qrec, _ = keyspace.Decode[keyspace.QuarantineRecord](string(q.Key), q.Value)
+			}
+			if !ok || qrec.Claim != name || q.Lease != kv.Lease {
+				out = append(out, fmt.Sprintf("claim %s (lease %x): the quarantine key of %s is %+v (present %v), want marked with the claim on its lease",
+					name, kv.Lease, ip, qrec, ok))
+			}
+		}
+	}
+	for ord := range m.claimIPs {
+		if !seen[ord] {
+			out = append(out, fmt.Sprintf("the record of claim %s is gone", modelClaim(ord)))
+		}
+	}
+	return out
+}

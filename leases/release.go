@@ -107,13 +107,21 @@ type releaseOutcome struct {
 	// OnLease are the addresses still on the attachment's lease; the others were taken or
 	// deleted by someone else and must be left alone.
 	OnLease []netip.Addr
+	// ClaimKept: the sticky claim went onto the hold lease (it was still on the attachment's
+	// claim lease).
+	ClaimKept bool
 }
 
 // outcome decodes resp, the response to r's transaction.
 func (r *release) outcome(resp *clientv3.TxnResponse) releaseOutcome {
 	if resp.Succeeded {
-		return releaseOutcome{Applied: true, Revision: resp.Header.Revision,
+		out := releaseOutcome{Applied: true, Revision: resp.Header.Revision,
 			Left: resp.Responses[len(resp.Responses)-1].GetResponseRange().Count}
+		if r.claimKey != "" && r.holdLease != 0 {
+			// Before the pod record's transaction and the count.
+			out.ClaimKept = resp.Responses[len(resp.Responses)-3].GetResponseTxn().GetSucceeded()
+		}
+		return out
 	}
 	var out releaseOutcome
 	index := resp.Responses[len(r.addrs)].GetResponseRange().Kvs

@@ -182,7 +182,7 @@ func (a *Agent) releaseSticky(ctx context.Context, pool, owner string, at attach
 	if hold <= 0 {
 		hold = a.cfg.ClaimHold
 	}
-	ttl := hold + max(a.cfg.Quarantine, 0)
+	ttl := a.claimReleaseTTL(at)
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Grant(octx, int64((ttl+time.Second-1)/time.Second))
@@ -194,6 +194,16 @@ func (a *Agent) releaseSticky(ctx context.Context, pool, owner string, at attach
 	return keyspace.ClaimKey(a.cfg.Cluster, pool, at.Claim), rec, resp.ID, nil
 }
 
+// claimReleaseTTL is the TTL of the lease at's claim goes onto when released: its hold plus
+// quarantine.
+func (a *Agent) claimReleaseTTL(at attachment) time.Duration {
+	hold := at.ClaimHold
+	if hold <= 0 {
+		hold = a.cfg.ClaimHold
+	}
+	return hold + max(a.cfg.Quarantine, 0)
+}
+
 // resumeClaims renews again, after a restart, the claim leases of the attachments this node
 // holds (from the journal or the owner indexes).
 func (a *Agent) resumeClaims(ctx context.Context) {
@@ -202,7 +212,7 @@ func (a *Agent) resumeClaims(ctx context.Context) {
 		err := a.keeper.Adopt(octx, id)
 		cancel()
 		if err != nil {
-			a.log.Warn("a claim lease could not be resumed; the claim goes with it, the pod keeps its addresses",
+			a.log.Warn("a claim lease could not be resumed; the audit puts the claim back on a new one",
 				"lease", keyspace.LeaseHex(id), "err", err)
 		}
 	}
