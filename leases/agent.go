@@ -292,6 +292,15 @@ func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.metrics.leaseLost.Inc()
 	if a.blockLeaseLost(id) {
+		// The node record names the block lease a restart adopts: it must name the one the
+		// claims and held keys go on from now, granted anew when the record is written again.
+		// (The node lease goes with a cut-off longer than the block lease's TTL anyway; a
+		// restore can take a block lease granted after its backup and leave the node's.)
+		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
+			a.log.Warn("block lease lost; the node record will be written again, naming a new one", "lease", keyspace.LeaseHex(id))
+			a.keeper.Forget(node)
+			a.wake()
+		}
 		return
 	}
 	if slices.Contains(a.pods.claimLeases(), id) {
