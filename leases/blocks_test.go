@@ -1,11 +1,15 @@
 package leases
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,6 +138,94 @@ func TestEveryAddressIsAllocatableWhenBlocksRunOut(t *testing.T) {
 	}
 	if borrowed == 0 {
 		t.Error("no address was borrowed, so the test did not reach borrowing")
+	}
+}
+
+// unreadableClaimsKV is etcd's KV except that, while failing is set, the keys-only read of
+// one pool's block claims (readClaims) fails as one that missed its timeout; reads counts
+// those reads. The claim transaction, whose Else reads the claims too, is left alone.
+type unreadableClaimsKV struct {
+	clientv3.KV
+	prefix  string
+	failing *atomic.Bool
+	reads   *atomic.Int32
+}
+
+func (k unreadableClaimsKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	if key == k.prefix && k.failing.Load() {
+		k.reads.Add(1)
+		return nil, context.DeadlineExceeded
+	}
+	return k.KV.Get(ctx, key, opts...)
+}
+
+// TestUnreadableBlockClaimsLeaveTheADDToBorrowing is issue 36's burst: a node's blocks are
+// full, the claims it last read show every block claimed, and reading them again (a hint:
+// the claim's transaction decides) misses its timeout. The ADD goes on with the claims as
+// last known and borrows, instead of failing as "agent unavailable"; and the ADDs right
+// behind it borrow too without each waiting for a read of its own.
+func TestUnreadableBlockClaimsLeaveTheADDToBorrowing(t *testing.T) {
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.63.0.0/27", 28) // 2 blocks, 15 addresses each
+	var failing atomic.Bool
+	var reads atomic.Int32
+	cli := etcdtest.Client(t)
+	cli.KV = unreadableClaimsKV{KV: cli.KV, prefix: keyspace.BlocksPrefix(pool.Name), failing: &failing, reads: &reads}
+	a := startAgent(t, cluster, "n1", "uid1")
+	b, err := Start(ctx, cli, Config{Cluster: cluster, Node: "n2", NodeUID: "uid2", Quarantine: -1, SpareLeases: 2,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	res, err := a.Add(ctx, addReq(pool, "a0", "eth0", "a0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	aBlock := pool.Blocks.Of(addrs(res)[0])
+	var bBlock netip.Prefix
+	for i := 0; ; i++ { // fill n2's block, the pool's other one
+		res, err := b.Add(ctx, addReq(pool, fmt.Sprint("b", i), "eth0", fmt.Sprint("b", i)))
+		if err != nil {
+			t.Fatalf("ADD %d on n2: %v", i, err)
+		}
+		got := pool.Blocks.Of(addrs(res)[0])
+		if got == aBlock {
+			break // n2's block is full: it borrowed, with the claims read without a fault
+		}
+		bBlock = got
+	}
+	if !bBlock.IsValid() || bBlock == aBlock {
+		t.Fatalf("n2 claimed no block of its own (n1's is %s)", aBlock)
+	}
+	v := b.pools.viewOf(pool.Name)
+	v.mu.Lock()
+	v.claimsRead = time.Time{} // the claims n2 knows are old: the next ADD reads them again
+	v.mu.Unlock()
+	failing.Store(true)
+
+	res, err = b.Add(ctx, addReq(pool, "x0", "eth0", "x0"))
+	if err != nil {
+		t.Fatalf("ADD with the block claims unreadable: %v; want it to borrow", err)
+	}
+	if got := pool.Blocks.Of(addrs(res)[0]); got != aBlock {
+		t.Errorf("ADD with the block claims unreadable got %s; want one borrowed in n1's block %s", addrs(res)[0], aBlock)
+	}
+	if n := reads.Load(); n != 1 {
+		t.Fatalf("the ADD read the block claims %d times; want once (else the test tested nothing)", n)
+	}
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Go(func() {
+			id := fmt.Sprint("x", i+1)
+			if _, err := b.Add(ctx, addReq(pool, id, "eth0", id)); err != nil {
+				t.Errorf("ADD %s right after the failed read: %v; want it to borrow", id, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := reads.Load(); n != 1 {
+		t.Errorf("the 4 ADDs right after the failed read read the block claims %d more times; want none", n-1)
 	}
 }
 
