@@ -18,7 +18,7 @@ func startAgent(t testing.TB, cluster, node, uid string) *leases.Agent {
 	t.Helper()
 	cfg := leases.Config{Cluster: cluster, Node: node, NodeUID: uid, LeaseTTL: 10 * time.Second, Quarantine: -1,
 		SpareLeases: 2, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	a, err := leases.Start(ctx, etcdtest.Client(t), cfg)
 	if err != nil {

@@ -289,9 +289,7 @@ var uniq = etcdtest.Uniq
 // never a sleep.
 func eventually(t testing.TB, within time.Duration, what string, cond func() bool) time.Duration {
 	t.Helper()
-	start := time.Now()
-	etcdtest.Eventually(t, within, what, cond)
-	return time.Since(start)
+	return etcdtest.Eventually(t, what, func() error { return etcdtest.Saw(cond(), "not so") })
 }
 
 // etcdClient returns a client of the comma-separated endpoints, closed when the test ends.

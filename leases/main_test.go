@@ -20,7 +20,7 @@ func startAgent(t testing.TB, cluster, node, uid string, mod ...func(*Config)) *
 	for _, f := range mod {
 		f(&cfg)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	a, err := Start(ctx, etcdtest.Client(t), cfg)
 	if err != nil {

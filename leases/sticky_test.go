@@ -197,9 +197,9 @@ func TestStickyClaimExpiresAfterTheHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := keyspace.ClaimKey(cluster, pool.Name, "default.web-2")
-	etcdtest.Eventually(t, 15*time.Second, "the released claim expired", func() bool {
-		_, ok := readClaimRecord(t, cli, key)
-		return !ok
+	etcdtest.Eventually(t, "the released claim expired", func() error {
+		rec, ok := readClaimRecord(t, cli, key)
+		return etcdtest.Saw(!ok, "claim %+v", rec)
 	})
 	other := addReq(pool, "c3", "eth0", "pod-uid-3")
 	other.RequestedIPs = resultAddrs(res)
