@@ -47,7 +47,9 @@ func TestACutOffNodeKeepsItsAddressesWhileAnotherFillsThePool(t *testing.T) {
 			t.Logf("cut-off agent's log:\n%s\nthe other's:\n%s", tb.Log(0), tb.Log(1))
 		}
 	}()
-	pool := uniq("cut")
+	// The pods' netns paths are named after the pool: ccUniq keeps them apart from those of
+	// another run of this package on the machine, whose cleanup would remove them.
+	pool := ccUniq("cut")
 	subnet := netip.MustParsePrefix("10.85.0.0/24")
 	spec := allocator.PoolSpec{Name: pool, Ranges: []allocator.RangeSet{{{Subnet: subnet}}}}
 	if err := spec.Canonicalize(); err != nil {

@@ -225,14 +225,19 @@ func (a *agentProc) restart(t testing.TB) {
 	a.start(t)
 }
 
-func (a *agentProc) stop() {
+// stop stops the agent as systemd does (SIGINT) and waits for it to finish its shutdown,
+// which the test goes on to check (SIGKILL only after etcdtest.Patience).
+func (a *agentProc) stop() { a.stopWithin(etcdtest.Patience) }
+
+// stopWithin is stop with SIGKILL after d.
+func (a *agentProc) stopWithin(d time.Duration) {
 	if a.cmd == nil {
 		return
 	}
 	_ = a.cmd.Process.Signal(os.Interrupt)
 	select {
 	case <-a.done:
-	case <-time.After(etcdtest.Patience):
+	case <-time.After(d):
 		_ = a.cmd.Process.Kill()
 		<-a.done
 	}
