@@ -355,6 +355,12 @@ func TestLogLimiter(t *testing.T) {
 		{3 * time.Second, true, true, 1, 0},
 		{3100 * time.Millisecond, true, true, 0, 0}, // a flush with nothing held back reports nothing
 		{3200 * time.Millisecond, false, false, 0, 800 * time.Millisecond},
+		{4 * time.Second, false, true, 1, 0}, // passes at the period's end, before the flush asked for
+		{4050 * time.Millisecond, false, false, 0, 950 * time.Millisecond},
+		// The flush asked for at 3.2 s, run late: the line at 4 s reported its event, and the
+		// one held back since is the new period's (a second line now was issue 36's flake).
+		{4060 * time.Millisecond, true, true, 0, 0},
+		{5 * time.Second, true, true, 1, 0},
 	}
 	for _, s := range steps {
 		if s.flush {
