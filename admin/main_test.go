@@ -26,7 +26,7 @@ func startAgentOn(t testing.TB, cli *clientv3.Client, cluster, node, uid string,
 	t.Helper()
 	cfg := leases.Config{Cluster: cluster, Node: node, NodeUID: uid, LeaseTTL: ttl, Quarantine: -1,
 		SpareLeases: 2, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	a, err := leases.Start(ctx, cli, cfg)
 	if err != nil {

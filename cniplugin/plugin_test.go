@@ -230,7 +230,7 @@ func TestErrorsReachTheRuntime(t *testing.T) {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	c := &agentapi.Client{Socket: socket, Timeout: 5 * time.Second}
+	c := &agentapi.Client{Socket: socket, Timeout: 2 * time.Minute} // ample for a stub on a busy machine
 	conf := readTemplate(t, "plugin.json", socket, "1.1.0")
 	tests := []struct {
 		name   string

@@ -21,7 +21,6 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
@@ -29,6 +28,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -62,7 +62,7 @@ func ccSorted(p []netip.Prefix) []netip.Prefix {
 // ccHeldBy returns the allocation keys of pool whose record names owner.
 func ccHeldBy(t testing.TB, cli *clientv3.Client, pool, owner string) []string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := cli.Get(ctx, keyspace.IPsPrefix(pool), clientv3.WithPrefix())
 	if err != nil {
@@ -236,7 +236,7 @@ func ccWantDualStack(t *testing.T, res *types100.Result, sub4, sub6 netip.Prefix
 // plugins v1.9.1 does not implement GC itself), then through leasehold's own GC for an
 // attachment this runtime has no cache entry for.
 func TestBridgeWithLeaseholdViaLibcni(t *testing.T) {
-	f := newFixture(t, withAgentFlags("--gc-grace", "0s"), withNetns(), withTimeout(2*time.Minute))
+	f := newFixture(t, withAgentFlags("--gc-grace", "0s"), withNetns())
 	hostNS, bridge := ccHostNS(t)
 	name := f.Pool
 	sub4, sub6 := netip.MustParsePrefix("10.61.0.0/24"), netip.MustParsePrefix("fd61::/64")

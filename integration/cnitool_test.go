@@ -13,7 +13,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
@@ -63,7 +62,7 @@ func ccVethPair(t *testing.T) (a, b string) {
 // configured default routes, etcd records them for the pod UID, `cnitool check` passes,
 // and `cnitool del` removes the interface and every allocation of the owner.
 func TestMacvlanWithLeaseholdViaCnitool(t *testing.T) {
-	f := newFixture(t, withNetns(), withTimeout(2*time.Minute))
+	f := newFixture(t, withNetns())
 	master, _ := ccVethPair(t)
 	ctr := f.sandbox("lh-ccmv-")
 	nsPath := ccNetnsPath(ctr)

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	criapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 )
 
@@ -213,16 +214,16 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 
 	img := filepath.Join(dir, "pause.tar")
 	criWritePauseImage(t, img, criImage, bins.busybox)
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	ctx, cancel := testCtx(t)
 	defer cancel()
 	if out, err := exec.CommandContext(ctx, bins.ctr, "-a", c.Sock, "-n", "k8s.io", "images", "import", img).CombinedOutput(); err != nil {
 		t.Fatalf("ctr images import: %v\n%s", err, out)
 	}
-	eventually(t, 20*time.Second, "the CRI plugin sees the imported sandbox image", func() bool {
-		rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+	eventually(t, "the CRI plugin sees the imported sandbox image", func() error {
+		rctx, rcancel := context.WithTimeout(ctx, etcdtest.Patience)
 		defer rcancel()
 		r, err := c.IS.ImageStatus(rctx, &criapi.ImageStatusRequest{Image: &criapi.ImageSpec{Image: criImage}})
-		return err == nil && r.Image != nil
+		return saw(err == nil && r.Image != nil, "ImageStatus %v, %v", r, err)
 	})
 	return c
 }
@@ -246,17 +247,17 @@ func (c *criRuntime) start(t testing.TB) {
 	}
 	c.conn, c.RS, c.IS = conn, criapi.NewRuntimeServiceClient(conn), criapi.NewImageServiceClient(conn)
 	exited := false
-	eventually(t, 30*time.Second, "containerd's CRI service answers at "+c.Sock, func() bool {
+	eventually(t, "containerd's CRI service answers at "+c.Sock, func() error {
 		select {
 		case <-c.done:
 			exited = true
-			return true
+			return nil
 		default:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second) // one try of many
 		defer cancel()
 		_, err := c.RS.Version(ctx, &criapi.VersionRequest{})
-		return err == nil
+		return err
 	})
 	if exited {
 		t.Fatalf("containerd exited before serving the CRI:\n%s", c.logs.String())
@@ -286,7 +287,7 @@ func (c *criRuntime) kill() {
 	c.closeConn()
 }
 
-// stop stops containerd with SIGTERM (SIGKILL after 10 s).
+// stop stops containerd with SIGTERM (SIGKILL after etcdtest.Patience).
 func (c *criRuntime) stop() {
 	if c.cmd == nil {
 		return
@@ -294,7 +295,7 @@ func (c *criRuntime) stop() {
 	_ = c.cmd.Process.Signal(unix.SIGTERM)
 	select {
 	case <-c.done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(etcdtest.Patience):
 		_ = c.cmd.Process.Kill()
 		<-c.done
 	}
@@ -319,7 +320,7 @@ type criPod struct {
 // runPod creates a pod sandbox through the CRI and returns it with the address its status
 // reports.
 func (c *criRuntime) runPod(ctx context.Context, name, uid string) (criPod, error) {
-	ctx, cancel := context.WithTimeout(ctx, 45*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, etcdtest.Patience)
 	defer cancel()
 	cfg := &criapi.PodSandboxConfig{
 		Metadata: &criapi.PodSandboxMetadata{Name: name, Uid: uid, Namespace: criNamespace},
@@ -342,7 +343,7 @@ func (c *criRuntime) runPod(ctx context.Context, name, uid string) (criPod, erro
 
 // podIP is the address PodSandboxStatus reports for the sandbox.
 func (c *criRuntime) podIP(ctx context.Context, id string) (netip.Addr, error) {
-	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, etcdtest.Patience)
 	defer cancel()
 	st, err := c.RS.PodSandboxStatus(ctx, &criapi.PodSandboxStatusRequest{PodSandboxId: id})
 	if err != nil {
@@ -387,14 +388,14 @@ func criUID(name string) string {
 
 // stopPod and removePod are StopPodSandbox and RemovePodSandbox.
 func (c *criRuntime) stopPod(ctx context.Context, id string) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, etcdtest.Patience)
 	defer cancel()
 	_, err := c.RS.StopPodSandbox(ctx, &criapi.StopPodSandboxRequest{PodSandboxId: id})
 	return err
 }
 
 func (c *criRuntime) removePod(ctx context.Context, id string) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, etcdtest.Patience)
 	defer cancel()
 	_, err := c.RS.RemovePodSandbox(ctx, &criapi.RemovePodSandboxRequest{PodSandboxId: id})
 	return err
@@ -402,7 +403,7 @@ func (c *criRuntime) removePod(ctx context.Context, id string) error {
 
 // sandboxes returns the state of every sandbox containerd knows, by id.
 func (c *criRuntime) sandboxes(ctx context.Context) (map[string]criapi.PodSandboxState, error) {
-	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, etcdtest.Patience)
 	defer cancel()
 	r, err := c.RS.ListPodSandbox(ctx, &criapi.ListPodSandboxRequest{})
 	if err != nil {
@@ -419,7 +420,7 @@ func (c *criRuntime) sandboxes(ctx context.Context) (map[string]criapi.PodSandbo
 func (c *criRuntime) cleanup() {
 	t := c.t
 	if c.running() {
-		ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*etcdtest.Patience)
 		if ids, err := c.sandboxes(ctx); err != nil {
 			t.Errorf("cleanup: ListPodSandbox: %v", err)
 		} else {
@@ -455,9 +456,9 @@ func (c *criRuntime) cleanup() {
 			}
 		}
 	}
-	// A shim exits once its sandbox is deleted; one still running after 10 s is killed.
+	// A shim exits once its sandbox is deleted; one still running after etcdtest.Patience is killed.
 	shims := criShims(c.Sock)
-	for deadline := time.Now().Add(10 * time.Second); len(shims) > 0 && time.Now().Before(deadline); shims = criShims(c.Sock) {
+	for deadline := time.Now().Add(etcdtest.Patience); len(shims) > 0 && time.Now().Before(deadline); shims = criShims(c.Sock) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	for _, pid := range shims {

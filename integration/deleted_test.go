@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -57,7 +59,7 @@ func (a *agentProc) logged(msg string) int {
 // 0-50 ms after the answer, restart with the same identity: 100 rounds, and no deleted pod's
 // keys ever come back (they used to, from the journal, in 2 of 2 tries).
 func TestDelAnsweredThenKilledIsNeverBroughtBack(t *testing.T) {
-	f := newFixture(t, withShortLeases(), withNetns(), withTimeout(5*time.Minute))
+	f := newFixture(t, withShortLeases(), withNetns())
 	conf := v4conf(f.Pool, f.Agent.Socket, "10.81.0.0/22")
 	rng := rand.New(rand.NewPCG(1, 27))
 	var deleted []string
@@ -72,14 +74,16 @@ func TestDelAnsweredThenKilledIsNeverBroughtBack(t *testing.T) {
 		f.Agent.kill()
 		deleted = append(deleted, uid)
 		f.Agent.restart(t)
-		eventually(t, 10*time.Second, "the restarted agent has recovered", func() bool {
-			return f.Agent.logged("recovered this node's pods") == round+2 // the first start's too
+		eventually(t, "the restarted agent has recovered", func() error {
+			n := f.Agent.logged("recovered this node's pods")
+			return saw(n == round+2, "%d recoveries logged, want %d", n, round+2) // the first start's too
 		})
 	}
 	// A re-claim runs right after each recovery; a deleted pod brought back keeps its keys
 	// for good, so the last restart's recovery round is enough to see all of them.
-	eventually(t, 10*time.Second, "the last recovery round is done", func() bool {
-		return len(f.Agent.journaled(t)) == 0 || f.ownerKeys(deleted[len(deleted)-1]) > 0
+	eventually(t, "the last recovery round is done", func() error {
+		j, n := f.Agent.journaled(t), f.ownerKeys(deleted[len(deleted)-1])
+		return saw(len(j) == 0 || n > 0, "the journal lists %v", j)
 	})
 	for _, uid := range deleted {
 		if n := f.ownerKeys(uid); n != 0 {
@@ -95,7 +99,7 @@ func TestDelAnsweredThenKilledIsNeverBroughtBack(t *testing.T) {
 // leases expire; the runtime's DELs of half of them arrive at random moments around the
 // SIGCONT, racing the re-claim. Every DEL answered is final, every other pod is re-claimed.
 func TestDelsAroundAFreezeAreFinal(t *testing.T) {
-	f := newFixture(t, withShortLeases(), withNetns(), withTimeout(3*time.Minute))
+	f := newFixture(t, withShortLeases(), withNetns())
 	conf := v4conf(f.Pool, f.Agent.Socket, "10.82.0.0/24")
 	rng := rand.New(rand.NewPCG(2, 27))
 	type pod struct {
@@ -109,13 +113,13 @@ func TestDelsAroundAFreezeAreFinal(t *testing.T) {
 		pods = append(pods, pod{p, uid, f.ipv4(conf, p, "K8S_POD_UID="+uid)})
 	}
 	f.Agent.freeze(t)
-	eventually(t, 2*ttl+expirySlack, "the frozen agent's leases expire", func() bool {
+	eventually(t, "the frozen agent's leases expire", func() error {
 		for _, p := range pods {
 			if exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, p.ip)) {
-				return false
+				return fmt.Errorf("%s of %s is still allocated", p.ip, p.uid)
 			}
 		}
-		return true
+		return nil
 	})
 	start := time.Now()
 	var wg sync.WaitGroup
@@ -135,16 +139,17 @@ func TestDelsAroundAFreezeAreFinal(t *testing.T) {
 			t.Errorf("DEL of %s: %v", pods[i].uid, err)
 		}
 	}
-	eventually(t, 15*time.Second, "the pods not deleted are re-claimed", func() bool {
+	eventually(t, "the pods not deleted are re-claimed", func() error {
 		for _, p := range pods[6:] {
 			if !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, p.ip)) {
-				return false
+				return fmt.Errorf("%s of %s is not allocated", p.ip, p.uid)
 			}
 		}
-		return true
+		return nil
 	})
-	eventually(t, 10*time.Second, "the journal lists exactly the pods not deleted", func() bool {
-		return len(f.Agent.journaled(t)) == 6
+	eventually(t, "the journal lists exactly the pods not deleted", func() error {
+		j := f.Agent.journaled(t)
+		return saw(len(j) == 6, "the journal lists %v", j)
 	})
 	for _, p := range pods[:6] {
 		if n := f.ownerKeys(p.uid); n != 0 {
@@ -172,7 +177,7 @@ func TestBurstAfterAFreezeTakesNoRunningPodsAddress(t *testing.T) {
 }
 
 func burstAfterAFreeze(t *testing.T, kill bool) {
-	f := newFixture(t, withShortLeases(), withNetns(), withTimeout(3*time.Minute))
+	f := newFixture(t, withShortLeases(), withNetns())
 	// Blocks of 16: the running pods fill most of the node's first block, and a burst that
 	// comes back to it meets their addresses first.
 	blocks := allocator.Blocks{IPv4: 28, IPv6: allocator.DefaultBlocks.IPv6}
@@ -209,13 +214,13 @@ func burstAfterAFreeze(t *testing.T, kill bool) {
 	} else {
 		f.Agent.freeze(t)
 	}
-	eventually(t, 2*ttl+expirySlack, "the running pods' leases expire", func() bool {
-		for ip := range running {
+	eventually(t, "the running pods' leases expire", func() error {
+		for ip, p := range running {
 			if exists(t, f.Cli, keyspace.IPKey(f.Pool, blocks, ip)) {
-				return false
+				return fmt.Errorf("%s of %s is still allocated", ip, p)
 			}
 		}
-		return true
+		return nil
 	})
 	if kill {
 		f.Agent.restart(t)
@@ -243,13 +248,13 @@ func burstAfterAFreeze(t *testing.T, kill bool) {
 		})
 	}
 	wg.Wait()
-	eventually(t, 15*time.Second, "every running pod is re-claimed", func() bool {
+	eventually(t, "every running pod is re-claimed", func() error {
 		for ip, p := range running {
-			if holderOf(t, f, keyspace.IPKey(f.Pool, blocks, ip)) != "uid-"+p {
-				return false
+			if h := holderOf(t, f, keyspace.IPKey(f.Pool, blocks, ip)); h != "uid-"+p {
+				return fmt.Errorf("%s held by %q, want uid-%s", ip, h, p)
 			}
 		}
-		return true
+		return nil
 	})
 	if n := f.Agent.logged("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost"); n != 0 {
 		t.Errorf("%d conflicts: the node gave its own running pods' addresses away", n)
@@ -261,7 +266,7 @@ func burstAfterAFreeze(t *testing.T, kill bool) {
 // other holder's DEL comes, the running pod holds its address again within one TTL, and CHECK
 // passes.
 func TestConflictResolvesWhenTheOtherHolderLetsGo(t *testing.T) {
-	f := newFixture(t, withShortLeases(), withoutAgent(), withNetns(), withTimeout(2*time.Minute))
+	f := newFixture(t, withShortLeases(), withoutAgent(), withNetns())
 	px := newProxy(t, f.Endpoint)
 	agent := f.startAgent("--etcd-endpoints", px.URL, "--quarantine", "30s")
 	other := f.startAgent("--quarantine", "30s")
@@ -269,8 +274,8 @@ func TestConflictResolvesWhenTheOtherHolderLetsGo(t *testing.T) {
 	p1 := f.sandbox("lh-cr-")
 	ip1 := f.ipv4(conf, p1, "K8S_POD_UID=uid-"+p1)
 	px.partition()
-	eventually(t, ttl+expirySlack, "the partitioned agent's lease expires in etcd", func() bool {
-		return !exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1))
+	eventually(t, "the partitioned agent's lease expires in etcd", func() error {
+		return saw(!exists(t, f.Cli, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)), "%s is still allocated", ip1)
 	})
 	otherConf := v4conf(f.Pool, other.Socket, "10.84.0.0/24")
 	if got := f.ipv4(otherConf, "thief", "K8S_POD_UID=thief;IP="+ip1.String()); got != ip1 {
@@ -278,14 +283,26 @@ func TestConflictResolvesWhenTheOtherHolderLetsGo(t *testing.T) {
 	}
 	px.heal()
 	conflictKey := keyspace.ConflictKey(f.Cluster, "uid-"+p1, "eth0", f.Pool)
-	eventually(t, 30*time.Second, "the conflict is recorded", func() bool { return exists(t, f.Cli, conflictKey) })
+	eventually(t, "the conflict is recorded", func() error { return saw(exists(t, f.Cli, conflictKey), "no %s", conflictKey) })
 	if err := f.del(otherConf, "thief", "eth0", "K8S_POD_UID=thief"); err != nil {
 		t.Fatal(err)
 	}
-	took := eventually(t, ttl, "the running pod holds its address again", func() bool {
-		return holderOf(t, f, keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)) == "uid-"+p1
+	ipKey := keyspace.IPKey(f.Pool, allocator.DefaultBlocks, ip1)
+	took := eventually(t, "the running pod holds its address again", func() error {
+		h := holderOf(t, f, ipKey)
+		return saw(h == "uid-"+p1, "%s held by %q", ip1, h)
 	})
 	t.Logf("the running pod held %s again %s after the other holder's DEL", ip1, took.Round(time.Millisecond))
+	// At once, not after the other holder's 30 s quarantine: read at the revision before the
+	// running pod's claim (however late the test looks), the quarantine key still stood.
+	claimed, err := f.Cli.Get(f.Ctx, ipKey)
+	if err != nil || len(claimed.Kvs) != 1 {
+		t.Fatalf("%s: %v, %v", ipKey, claimed, err)
+	}
+	qKey := keyspace.QuarantineKey(f.Pool, allocator.DefaultBlocks, ip1)
+	if q, err := f.Cli.Get(f.Ctx, qKey, clientv3.WithRev(claimed.Kvs[0].CreateRevision-1)); err != nil || len(q.Kvs) != 1 {
+		t.Errorf("the running pod took %s back only after the other holder's quarantine ended (%s just before: %v, %v)", ip1, qKey, q, err)
+	}
 	if err := f.check(conf, p1, "eth0", "K8S_POD_UID=uid-"+p1); err != nil {
 		t.Errorf("CHECK after the conflict was resolved: %v", err)
 	}

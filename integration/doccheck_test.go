@@ -20,6 +20,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -211,7 +212,7 @@ func newDocState(t *testing.T, bin string) *docState {
 // runDemo runs the demo once; its agent, left running, is stopped at cleanup.
 func (s *docState) runDemo(t *testing.T, bin string) ([]byte, error) {
 	tmp := t.TempDir()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	ctx, cancel := testCtx(t) // the demo takes half a minute on an idle machine
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "../deploy/demo.sh")
 	cmd.Env = append(os.Environ(), "BIN="+bin, "TMPDIR="+tmp, "DEMO_KEEP=1")
@@ -245,11 +246,11 @@ func (s *docState) stop(t *testing.T) {
 		f := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
 		return len(f) == 0 || f[0] == "Z" || f[0] == "X"
 	}
-	for deadline := time.Now().Add(15 * time.Second); !gone(); time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(etcdtest.Patience); !gone(); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			_ = syscall.Kill(s.pid, syscall.SIGKILL)
 			log, _ := os.ReadFile(filepath.Join(s.Dir, "leaseholdd.log"))
-			t.Errorf("the demo's leaseholdd (pid %d) did not stop within 15s of SIGINT; its log:\n%s", s.pid, log)
+			t.Errorf("the demo's leaseholdd (pid %d) did not stop within %s of SIGINT; its log:\n%s", s.pid, etcdtest.Patience, log)
 			break
 		}
 	}
@@ -260,7 +261,7 @@ func (s *docState) stop(t *testing.T) {
 // lease expired.
 func (s *docState) changed(t *testing.T) bool {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), etcdtest.Patience)
 	defer cancel()
 	resp, err := s.Cli.Get(ctx, keyspace.Prefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil {
@@ -282,7 +283,7 @@ func (s *docState) killNodeB(t *testing.T, endpoint string) {
 		"--state-dir", filepath.Join(dir, "state"), "--publish-host-addresses=false", "--liveness-interval", "0s", "--metrics-addr", ""}
 	b.start(t)
 	defer b.kill()
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), etcdtest.Patience)
 	defer cancel()
 	conf := netconf("net1", b.Socket, map[string]any{"pool": "net1"})
 	if _, err := newPlugin(t).add(ctx, conf, "ctr-db-1", "eth0", "K8S_POD_UID=uid-db-1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME=db-1"); err != nil {
@@ -323,7 +324,7 @@ func (s *docState) killNodeB(t *testing.T, endpoint string) {
 // readVars reads the placeholders' values, and checks that docAddr is where the docs say.
 func (s *docState) readVars(t *testing.T) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), etcdtest.Patience)
 	defer cancel()
 	resp, err := s.Cli.Get(ctx, keyspace.IPsPrefix("net1"), clientv3.WithPrefix())
 	if err != nil {
@@ -386,7 +387,7 @@ func (s *docState) run(t *testing.T, c docCommand) string {
 	if len(unknown) > 0 {
 		return fail("unknown placeholder %s (%s)", strings.Join(unknown, ", "), placeholderHelp())
 	}
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(t.Context(), etcdtest.Patience)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", code)
 	cmd.Dir = s.cwd
@@ -445,7 +446,7 @@ func (s *docState) emptyGet(t *testing.T, code string, out []byte) (family, exam
 			continue
 		}
 		family = keyspace.Prefix + name + "/"
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(t.Context(), etcdtest.Patience)
 		resp, err := s.Cli.Get(ctx, family, clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithLimit(1))
 		cancel()
 		if err != nil {

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os/exec"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -63,7 +65,7 @@ func startEtcdCluster(t *testing.T) *etcdCluster {
 			c.kill(i)
 		}
 	})
-	c.waitHealthy(30 * time.Second)
+	c.waitHealthy()
 	return c
 }
 
@@ -94,36 +96,38 @@ func (c *etcdCluster) endpoints() string { return strings.Join(c.clients, ",") }
 func (c *etcdCluster) leader() int {
 	cli := etcdClient(c.t, c.clients[0])
 	leader := -1
-	eventually(c.t, 20*time.Second, "an etcd leader", func() bool {
+	eventually(c.t, "an etcd leader", func() error {
+		var errs []error
 		for i, ep := range c.clients {
 			if c.procs[i] == nil {
 				continue
 			}
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // one try of many
 			st, err := cli.Status(ctx, ep)
 			cancel()
 			if err == nil && st.Leader == st.Header.MemberId {
 				leader = i
-				return true
+				return nil
 			}
+			errs = append(errs, fmt.Errorf("m%d: status %v, %v", i, st, err))
 		}
-		return false
+		return errors.Join(errs...)
 	})
 	return leader
 }
 
-func (c *etcdCluster) waitHealthy(timeout time.Duration) {
+func (c *etcdCluster) waitHealthy() {
 	c.t.Helper()
 	cli, err := clientv3.New(clientv3.Config{Endpoints: c.clients, DialTimeout: 5 * time.Second})
 	if err != nil {
 		c.t.Fatal(err)
 	}
 	defer cli.Close()
-	eventually(c.t, timeout, "etcd cluster answers a linearizable read", func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	eventually(c.t, "etcd cluster answers a linearizable read", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // one try of many
 		defer cancel()
 		_, err := cli.Get(ctx, "health")
-		return err == nil
+		return err
 	})
 }
 
@@ -134,7 +138,7 @@ func (c *etcdCluster) waitHealthy(timeout time.Duration) {
 // than the lease TTL and back: the agents serve again, and the pods allocated before keep
 // their addresses (etcd re-arms lease TTLs when a leader is elected).
 func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
-	f := newFixture(t, withThreeMemberEtcd(), withShortLeases(), withAgents(2), withNetns(), withTimeout(5*time.Minute))
+	f := newFixture(t, withThreeMemberEtcd(), withShortLeases(), withAgents(2), withNetns())
 	ec, name := f.Members, f.Pool
 	ipam := dualStackIPAM("10.70.0.0/24", "fd70::/64")
 	ipam["timeout"] = "20s"
@@ -162,7 +166,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 				ec.kill(l)
 				killed <- l
 			}
-			ctx, cancel := context.WithTimeout(f.Ctx, 30*time.Second)
+			ctx, cancel := context.WithTimeout(f.Ctx, etcdtest.Patience)
 			defer cancel()
 			ctr := fmt.Sprintf("%s-%02d", prefix, i)
 			start := time.Now()
@@ -182,8 +186,10 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	ok := 0
 	seen := map[netip.Addr]string{}
 	for _, o := range results {
-		if o.took > 25*time.Second {
-			t.Errorf("%s answered after %s, past the plugin's 20s deadline", o.ctr, o.took)
+		// The plugin gives up at its deadline: twice it leaves its own start and stop ample
+		// room on a busy machine, and a plugin waiting for etcd's election does not fit.
+		if o.took > 2*20*time.Second {
+			t.Errorf("%s answered after %s, far past the plugin's 20s deadline", o.ctr, o.took)
 		}
 		if o.err != nil {
 			if cniCode(o.err) == 0 {
@@ -204,7 +210,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 		t.Errorf("only %d of %d ADDs succeeded with two of three members up", ok, n)
 	}
 	keysPresent := func() int {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 		defer cancel()
 		resp, err := f.Cli.Get(ctx, keyspace.IPsPrefix(name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 		if err != nil {
@@ -228,7 +234,7 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 
 	// The killed member restarts and rejoins.
 	ec.start(l)
-	ec.waitHealthy(30 * time.Second)
+	ec.waitHealthy()
 
 	// The whole cluster goes down for longer than the TTL, then comes back.
 	for i := range 3 {
@@ -238,13 +244,13 @@ func TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown(t *testing.T) {
 	for i := range 3 {
 		ec.start(i)
 	}
-	ec.waitHealthy(60 * time.Second)
+	ec.waitHealthy()
 	// The agents serve again.
-	eventually(t, 60*time.Second, "the agents serve ADDs again", func() bool {
-		ctx, cancel := context.WithTimeout(f.Ctx, 20*time.Second)
+	eventually(t, "the agents serve ADDs again", func() error {
+		ctx, cancel := context.WithTimeout(f.Ctx, 30*time.Second) // one try of many
 		defer cancel()
 		_, err := f.pl.add(ctx, confs[0].conf, "after-outage", "eth0", "K8S_POD_UID=uid-after")
-		return err == nil
+		return err
 	})
 	// Pods allocated before the outage still hold their addresses, renewed again.
 	time.Sleep(2 * ttl) // no condition to poll: the test is that several TTLs pass and every address stays

@@ -26,8 +26,8 @@ import (
 // part is taken down by t.Cleanup, the agents before etcd.
 type fixture struct {
 	t *testing.T
-	// Ctx ends when the fixture's timeout (withTimeout, one minute by default) has passed
-	// or the test ends.
+	// Ctx ends when the test ends, or shortly before go test's -timeout would stop the
+	// binary (testCtx): nothing but the outcomes a test waits for bounds it.
 	Ctx context.Context
 	// Endpoint is the etcd the agents are given (--etcd-endpoints): one URL, or three
 	// comma-separated ones with withThreeMemberEtcd. Empty with withoutEtcd.
@@ -68,7 +68,6 @@ type fixtureConfig struct {
 	agents     int
 	agentFlags []string
 	netns      bool
-	timeout    time.Duration
 }
 
 // fixtureOption changes what newFixture builds.
@@ -126,23 +125,18 @@ func withNetns() fixtureOption {
 	return func(c *fixtureConfig) { c.netns = true }
 }
 
-// withTimeout bounds Ctx (default one minute).
-func withTimeout(d time.Duration) fixtureOption {
-	return func(c *fixtureConfig) { c.timeout = d }
-}
-
 // newFixture starts what opts ask for: by default one etcd process, a client of it and one
 // agent.
 func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
 	t.Helper()
-	cfg := fixtureConfig{agents: 1, timeout: time.Minute}
+	cfg := fixtureConfig{agents: 1}
 	for _, o := range opts {
 		o(&cfg)
 	}
 	if cfg.netns {
 		requireNetns(t)
 	}
-	ctx, cancel := context.WithTimeout(t.Context(), cfg.timeout)
+	ctx, cancel := testCtx(t)
 	t.Cleanup(cancel)
 	f := &fixture{t: t, Ctx: ctx, Pool: uniq("net"), Cluster: uniq("cluster-"), pl: newPlugin(t), cfg: cfg}
 	agents := cfg.agents
@@ -210,7 +204,9 @@ func (f *fixture) launch(endpoint, bin string, flags []string) *agentProc {
 	a.Cluster, a.Node, a.NodeUID = lastFlag(a.args, "cluster"), lastFlag(a.args, "node"), lastFlag(a.args, "node-uid")
 	a.logs = &syncbuf.Buffer{}
 	t.Cleanup(func() {
-		a.stop()
+		// Nothing checks this shutdown: one whose etcd the test took away may take its
+		// timeouts, and need not be waited for.
+		a.stopWithin(10 * time.Second)
 		if t.Failed() {
 			t.Logf("leaseholdd %v output:\n%s", a.args, a.logs.String())
 		}
@@ -284,14 +280,26 @@ func (f *fixture) sandbox(prefix string) string {
 // uniq returns prefix followed by a number no other call in this test binary returned.
 var uniq = etcdtest.Uniq
 
-// eventually polls cond until it holds and returns how long that took; it fails the test,
-// naming what, when cond does not hold within the bound. Waits for a condition use it,
-// never a sleep.
-func eventually(t testing.TB, within time.Duration, what string, cond func() bool) time.Duration {
+// eventually polls cond until it returns nil and returns how long that took; it fails the
+// test, naming what and what cond last saw, when that does not come within etcdtest.Patience,
+// far above what any run needs. Waits for a condition use it, never a sleep; how fast
+// something happens is the bench's to measure.
+func eventually(t testing.TB, what string, cond func() error) time.Duration {
 	t.Helper()
-	start := time.Now()
-	etcdtest.Eventually(t, within, what, cond)
-	return time.Since(start)
+	return etcdtest.Eventually(t, what, cond)
+}
+
+// saw is a condition's answer for eventually: nil when ok, else what it saw.
+var saw = etcdtest.Saw
+
+// testCtx is a test's context: it ends when the test ends, or shortly before go test's
+// -timeout stops the binary (etcdtest.Deadline). A test is bounded by the outcomes it waits
+// for, not by a clock of its own.
+func testCtx(t testing.TB) (context.Context, context.CancelFunc) {
+	if d, ok := etcdtest.Deadline(t); ok {
+		return context.WithDeadline(t.Context(), d)
+	}
+	return context.WithCancel(t.Context())
 }
 
 // etcdClient returns a client of the comma-separated endpoints, closed when the test ends.

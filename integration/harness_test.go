@@ -19,6 +19,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 )
 
@@ -169,17 +170,17 @@ func launchEtcdIn(t testing.TB, dataDir, curl, purl string, flags ...string) (*e
 	}
 	defer cli.Close()
 	exited := false
-	eventually(t, 20*time.Second, "etcd answers at "+curl, func() bool {
+	eventually(t, "etcd answers at "+curl, func() error {
 		select {
 		case <-done:
 			exited = true
-			return true
+			return nil
 		default:
 		}
-		c, cancel := context.WithTimeout(ctx, time.Second)
+		c, cancel := context.WithTimeout(ctx, 5*time.Second) // one try of many
 		defer cancel()
 		_, err := cli.Get(c, "health")
-		return err == nil
+		return err
 	})
 	if exited {
 		return nil, out.String()
@@ -235,18 +236,18 @@ func (a *agentProc) start(t testing.TB) {
 	a.done = make(chan struct{})
 	go func(cmd *exec.Cmd, done chan struct{}) { _ = cmd.Wait(); close(done) }(a.cmd, a.done)
 	exited := false
-	eventually(t, 30*time.Second, "leaseholdd serves "+a.Socket, func() bool {
+	eventually(t, "leaseholdd serves "+a.Socket, func() error {
 		select {
 		case <-a.done:
 			exited = true
-			return true
+			return nil
 		default:
 		}
 		c, err := net.Dial("unix", a.Socket)
 		if err == nil {
 			c.Close()
 		}
-		return err == nil
+		return err
 	})
 	if exited {
 		t.Fatalf("leaseholdd exited before serving %s:\n%s", a.Socket, a.logs.String())
@@ -269,14 +270,19 @@ func (a *agentProc) restart(t testing.TB) {
 	a.start(t)
 }
 
-func (a *agentProc) stop() {
+// stop stops the agent as systemd does (SIGINT) and waits for it to finish its shutdown,
+// which the test goes on to check (SIGKILL only after etcdtest.Patience).
+func (a *agentProc) stop() { a.stopWithin(etcdtest.Patience) }
+
+// stopWithin is stop with SIGKILL after d.
+func (a *agentProc) stopWithin(d time.Duration) {
 	if a.cmd == nil {
 		return
 	}
 	_ = a.cmd.Process.Signal(os.Interrupt)
 	select {
 	case <-a.done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(d):
 		_ = a.cmd.Process.Kill()
 		<-a.done
 	}
@@ -340,7 +346,7 @@ func cniCode(err error) uint {
 // snapshot returns every key under prefix with its value and lease.
 func snapshot(t testing.TB, cli *clientv3.Client, prefix string) map[string]string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
 	if err != nil {

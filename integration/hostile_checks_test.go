@@ -11,11 +11,11 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -24,7 +24,7 @@ import (
 // JSON, and carries no hostile marker.
 func checkHostileKeys(t *testing.T, cli *clientv3.Client) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := cli.Get(ctx, "\x00", clientv3.WithFromKey())
 	if err != nil {

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -15,16 +16,19 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 )
 
 // TestHostileAgentClients attacks the agent socket directly: a request over the size
 // limit, a crowd of clients that connect and send nothing (or half a request), pools
-// of absurd shape. The agent refuses or answers in bounded time, and a normal ADD through
-// the plugin still succeeds within its timeout.
+// of absurd shape. The agent refuses or answers at a bounded cost (its CPU time, which a
+// busy machine does not inflate as it does the wall clock), and a normal ADD through the
+// plugin still succeeds within its timeout.
 func TestHostileAgentClients(t *testing.T) {
-	f := newFixture(t, withTimeout(5*time.Minute))
+	f := newFixture(t)
 	agent, pl, ctx := f.Agent, f.pl, f.Ctx
-	client := &agentapi.Client{Socket: agent.Socket, Timeout: 60 * time.Second}
+	pid := agent.cmd.Process.Pid
+	client := &agentapi.Client{Socket: agent.Socket, Timeout: etcdtest.Patience}
 	// run sends inv as the plugin does and reads the answer as the runtime does.
 	run := func(inv *agentapi.Invocation) error {
 		out, err := client.Invoke(ctx, inv)
@@ -45,17 +49,27 @@ func TestHostileAgentClients(t *testing.T) {
 	conf := netconf(name, agent.Socket, dualStackIPAM("10.88.0.0/16", "fd88::/64"))
 	var cfg map[string]any
 	_ = json.Unmarshal(conf, &cfg)
-	cfg["ipam"].(map[string]any)["timeout"] = "5s"
+	// The plugin's timeout: below the agent's 10 s read limit, so that an ADD served only once
+	// the attackers' connections time out fails; far above what an ADD needs, the 1 s in
+	// which the intake evicts an idle staller included, on a busy machine.
+	cfg["ipam"].(map[string]any)["timeout"] = "9s"
 	conf, _ = json.Marshal(cfg)
 	normalAdd := func(t *testing.T, what string) {
 		t.Helper()
 		start := time.Now()
 		c := uniq("ctr")
 		if _, err := pl.add(ctx, conf, c, "eth0", "K8S_POD_UID="+uniq("uid-")); err != nil {
-			t.Fatalf("%s: a normal ADD failed: %v", what, err)
+			t.Fatalf("%s: a normal ADD failed after %s: %v", what, time.Since(start).Round(time.Millisecond), err)
 		}
-		if took := time.Since(start); took > 5*time.Second {
-			t.Errorf("%s: a normal ADD took %s, more than its 5s timeout", what, took)
+	}
+	// cheap runs op and fails the test when the agent spent more than a second of CPU on it:
+	// each of these once cost seconds (quadratic or cubic work), a refusal costs milliseconds.
+	cheap := func(t *testing.T, what string, op func()) {
+		t.Helper()
+		before := cpuTime(t, pid)
+		op()
+		if spent := cpuTime(t, pid) - before; spent > time.Second {
+			t.Errorf("%s cost the agent %s of CPU", what, spent)
 		}
 	}
 
@@ -63,7 +77,7 @@ func TestHostileAgentClients(t *testing.T) {
 	// agent serves on.
 	t.Run("2 MiB request", func(t *testing.T) {
 		big := []byte(`{"version":1,"op":"cni","timeoutMs":5000,"request":{"command":"ADD","stdin":"` + strings.Repeat("x", 2<<20) + `"}}`)
-		resp, err := rawAgentCall(agent.Socket, big, 20*time.Second)
+		resp, err := rawAgentCall(agent.Socket, big, etcdtest.Patience)
 		if err != nil {
 			t.Fatalf("no answer to a 2 MiB request: %v", err)
 		}
@@ -80,8 +94,8 @@ func TestHostileAgentClients(t *testing.T) {
 	})
 
 	// 100 connections that send nothing (50) or half a request (50) and stay open. A
-	// normal ADD goes through meanwhile, and the agent closes every one of them within
-	// its 10 s read limit.
+	// normal ADD goes through meanwhile, and the agent closes every one of them (its 10 s
+	// read limit), not the client.
 	t.Run("100 silent connections", func(t *testing.T) {
 		var conns []net.Conn
 		for i := range 100 {
@@ -110,15 +124,16 @@ func TestHostileAgentClients(t *testing.T) {
 		closedAfter := make([]time.Duration, len(conns))
 		for i, c := range conns {
 			wg.Go(func() {
-				_ = c.SetReadDeadline(opened.Add(15 * time.Second))
-				_, _ = io.Copy(io.Discard, c)
+				_ = c.SetReadDeadline(opened.Add(etcdtest.Patience))
+				_, err := io.Copy(io.Discard, c)
 				closedAfter[i] = time.Since(opened)
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					t.Errorf("silent connection %d: the agent held it for %s, and its read limit is 10s", i, closedAfter[i].Round(time.Millisecond))
+				}
 			})
 		}
 		wg.Wait()
-		if worst := slices.Max(closedAfter); worst > 13*time.Second {
-			t.Errorf("the agent held a silent connection for %s; its read limit is 10s", worst)
-		}
+		t.Logf("the agent closed the silent connections %s to %s after they opened", slices.Min(closedAfter).Round(time.Millisecond), slices.Max(closedAfter).Round(time.Millisecond))
 	})
 
 	// 200 clients each send half of a request near the size limit and stall: the agent's
@@ -128,7 +143,6 @@ func TestHostileAgentClients(t *testing.T) {
 	t.Run("200 stalled half requests", func(t *testing.T) {
 		const clients = 200
 		const rssBound = 64 << 20 // the intake's 16.5 MiB, with room for the Go heap's growth
-		pid := agent.cmd.Process.Pid
 		logsBefore := len(agent.logs.String())
 		base := vmRSS(t, pid)
 		half := []byte(`{"version":1,"op":"cni","timeoutMs":5000,"request":{"command":"ADD","stdin":"` +
@@ -184,7 +198,7 @@ func TestHostileAgentClients(t *testing.T) {
 		// Every staller is an event the log reports, in a line of its own or counted as
 		// suppressed in another, and there is at most one line per 10 s.
 		var lines, counted int
-		eventually(t, 15*time.Second, "the log reports every stalled client", func() bool {
+		eventually(t, "the log reports every stalled client", func() error {
 			lines, counted = 0, 0
 			for line := range strings.SplitSeq(agent.logs.String()[logsBefore:], "\n") {
 				var rec struct {
@@ -200,7 +214,7 @@ func TestHostileAgentClients(t *testing.T) {
 					counted += 1 + rec.Suppressed
 				}
 			}
-			return counted >= clients
+			return saw(counted >= clients, "%d clients reported in %d lines", counted, lines)
 		})
 		if elapsed := time.Since(start); lines > int(elapsed/(10*time.Second))+1 {
 			t.Errorf("%d log lines about clients in %s; at most one per 10s", lines, elapsed)
@@ -216,15 +230,14 @@ func TestHostileAgentClients(t *testing.T) {
 			set = append(set, allocator.Range{Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{100, byte(64 + i/256), byte(i % 256), 0}), 24)})
 		}
 		pool := uniq("h10k")
-		start := time.Now()
-		res, err := add(netconf(pool, agent.Socket, map[string]any{"ranges": []allocator.RangeSet{set}}), uniq("ctr"))
-		took := time.Since(start)
-		t.Logf("ADD with a 10,000-range pool answered in %s: %v %v", took, res, err)
+		var res allocator.Result
+		var err error
 		// Canonicalizing compares ranges pairwise, so leasehold bounds them per set
 		// (allocator.MaxRangesPerSet): refused at once, naming the limit.
-		if took > 5*time.Second {
-			t.Errorf("ADD with a 10,000-range pool took %s", took)
-		}
+		cheap(t, "ADD with a 10,000-range pool", func() {
+			res, err = add(netconf(pool, agent.Socket, map[string]any{"ranges": []allocator.RangeSet{set}}), uniq("ctr"))
+		})
+		t.Logf("ADD with a 10,000-range pool answered: %v %v", res, err)
 		if code := agentapi.CodeOf(err); code != agentapi.CodeInvalidNetworkConfig || !strings.Contains(err.Error(), "more than the 1024") {
 			t.Errorf("ADD with a 10,000-range pool: code %d (%v); want code 7 naming the limit", code, err)
 		}
@@ -236,13 +249,11 @@ func TestHostileAgentClients(t *testing.T) {
 	t.Run("IPv6 /0", func(t *testing.T) {
 		all6 := netconf(uniq("hall6"), agent.Socket, map[string]any{"ranges": []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("::/0")}}}})
 		container := uniq("ctr")
-		start := time.Now()
-		res, err := add(all6, container)
+		var res allocator.Result
+		var err error
+		cheap(t, "ADD from ::/0", func() { res, err = add(all6, container) })
 		if err != nil {
 			t.Fatalf("ADD from ::/0: %v", err)
-		}
-		if took := time.Since(start); took > 5*time.Second {
-			t.Errorf("ADD from ::/0 took %s", took)
 		}
 		if a := res.IPs[0].Address; len(res.IPs) != 1 || a.Bits() != 0 || !a.Addr().Is6() || a.Addr() == netip.MustParseAddr("::1") {
 			t.Errorf("ADD from ::/0 gave %v; want one IPv6 address /0 that is not the gateway ::1", res.IPs)
@@ -262,25 +273,23 @@ func TestHostileAgentClients(t *testing.T) {
 	// once with code 7 naming the limit, never answered with code 11 ("try again later")
 	// that the runtime would retry forever.
 	t.Run("range sets limit", func(t *testing.T) {
-		add := func(n int) (allocator.Result, time.Duration, error) {
+		add := func(n int) (res allocator.Result, err error) {
 			var sets []allocator.RangeSet
 			for i := range n {
 				sets = append(sets, allocator.RangeSet{{Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{100, byte(100 + i/256), byte(i % 256), 0}), 24)}})
 			}
-			start := time.Now()
-			res, err := add(netconf(uniq(fmt.Sprintf("h%dsets", n)), agent.Socket, map[string]any{"ranges": sets}), uniq("ctr"))
-			return res, time.Since(start), err
+			cheap(t, fmt.Sprintf("an ADD with %d range sets", n), func() {
+				res, err = add(netconf(uniq(fmt.Sprintf("h%dsets", n)), agent.Socket, map[string]any{"ranges": sets}), uniq("ctr"))
+			})
+			return res, err
 		}
-		if res, _, err := add(allocator.MaxRangeSets); err != nil || len(res.IPs) != allocator.MaxRangeSets {
+		if res, err := add(allocator.MaxRangeSets); err != nil || len(res.IPs) != allocator.MaxRangeSets {
 			t.Errorf("ADD with %d range sets: %d addresses, %v", allocator.MaxRangeSets, len(res.IPs), err)
 		}
 		for _, n := range []int{allocator.MaxRangeSets + 1, 42, 2000} {
-			_, took, err := add(n)
+			_, err := add(n)
 			if code := agentapi.CodeOf(err); code != agentapi.CodeInvalidNetworkConfig || !strings.Contains(err.Error(), fmt.Sprint(allocator.MaxRangeSets)) {
 				t.Errorf("ADD with %d range sets: code %d (%v); want code 7 naming the limit %d", n, code, err, allocator.MaxRangeSets)
-			}
-			if took > 2*time.Second {
-				t.Errorf("refusing %d range sets took %s", n, took)
 			}
 		}
 		normalAdd(t, "after too many range sets")
@@ -331,6 +340,30 @@ func grepLines(s, word string) string {
 }
 
 // vmRSS is the resident set size of process pid, from /proc/<pid>/status.
+// cpuTime is the CPU time (user and system) process pid has used.
+func cpuTime(t testing.TB, pid int) time.Duration {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatalf("reading the agent's CPU time: %v", err)
+	}
+	// After "pid (comm) ": state is field 3 of proc(5); utime and stime are 14 and 15, in
+	// clock ticks of 1/100 s (USER_HZ on Linux).
+	s := string(b)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	var utime, stime int64
+	if len(fields) < 13 {
+		t.Fatalf("/proc/%d/stat: %q", pid, s)
+	}
+	if _, err := fmt.Sscan(fields[11], &utime); err != nil {
+		t.Fatalf("/proc/%d/stat utime %q: %v", pid, fields[11], err)
+	}
+	if _, err := fmt.Sscan(fields[12], &stime); err != nil {
+		t.Fatalf("/proc/%d/stat stime %q: %v", pid, fields[12], err)
+	}
+	return time.Duration(utime+stime) * time.Second / 100
+}
+
 func vmRSS(t testing.TB, pid int) int64 {
 	t.Helper()
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))

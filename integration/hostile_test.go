@@ -9,11 +9,11 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/leasehold/leasehold/cniplugin/agentapi"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -52,7 +52,7 @@ type hostileRow struct {
 // its lock and journal directly inside it, no file anywhere named after a hostile value;
 // and after DEL nothing of the accepted ones is left.
 func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
-	f := newFixture(t, withTimeout(5*time.Minute))
+	f := newFixture(t)
 	agent, cli, pl, ctx := f.Agent, f.Cli, f.pl, f.Ctx
 
 	hnet := f.Pool
@@ -220,7 +220,7 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 	// The agent socket directly, as a hostile local client could call it: plugin
 	// invocations (the only operation there is) carrying what no environment variable can
 	// (NUL) and what the plugin never sends.
-	client := &agentapi.Client{Socket: agent.Socket, Timeout: 20 * time.Second}
+	client := &agentapi.Client{Socket: agent.Socket, Timeout: etcdtest.Patience}
 	apiNet := uniq("hapi")
 	apiConf := func(network string, ipam map[string]any, top map[string]any) []byte {
 		if ipam == nil {
@@ -352,14 +352,14 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 		want[ownerOf(inv)] = ""
 	}
 	// The agent writes its journal every 50 ms, off the ADD path.
-	eventually(t, 10*time.Second, "the journal holds every accepted owner", func() bool {
+	eventually(t, "the journal holds every accepted owner", func() error {
 		journaled := agent.journaled(t)
 		for owner, bug := range want {
 			if bug == "" && !journaled[owner] {
-				return false
+				return fmt.Errorf("owner %q is not journaled", clip(owner))
 			}
 		}
-		return true
+		return nil
 	})
 	checkStateDir(t, agent, want)
 	checkNoEscapedFiles(t, agent.StateDir)
@@ -384,7 +384,10 @@ func TestHostileNamesAreRefusedOrStoredSafely(t *testing.T) {
 			}
 		}
 	}
-	eventually(t, 10*time.Second, "the journal forgets every owner", func() bool { return len(agent.journaled(t)) == 0 })
+	eventually(t, "the journal forgets every owner", func() error {
+		j := agent.journaled(t)
+		return saw(len(j) == 0, "%d owners journaled", len(j))
+	})
 	checkStateDir(t, agent, nil)
 	checkHostileKeys(t, cli)
 	if t.Failed() {

@@ -8,6 +8,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -54,8 +55,8 @@ func TestLeaseholddRefusesANodeIdentityServedFromAnotherHost(t *testing.T) {
 	}
 	select {
 	case <-agent.done:
-	case <-time.After(20 * time.Second):
-		t.Fatal("leaseholdd kept running after another host took its node identity")
+	case <-time.After(etcdtest.Patience):
+		t.Fatalf("leaseholdd kept running for %s after another host took its node identity", etcdtest.Patience)
 	}
 	if code := agent.cmd.ProcessState.ExitCode(); code != 1 || !strings.Contains(agent.logs.String(), `other-host/boot-1`) {
 		t.Errorf("leaseholdd whose identity was taken: exit %d, want 1 with a log naming the other host", code)

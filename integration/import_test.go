@@ -12,13 +12,13 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -75,7 +75,7 @@ func wantImportCounts(t *testing.T, a *agentProc, want map[string]float64) {
 // heldAt returns the pool's allocations by address, failing on one listed twice.
 func heldAt(t *testing.T, f *fixture, pool string) map[netip.Addr]admin.AllocationEntry {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(f.Ctx, 10*time.Second)
+	ctx, cancel := context.WithTimeout(f.Ctx, etcdtest.Patience)
 	defer cancel()
 	list, err := admin.ListAllocations(ctx, f.Cli, pool)
 	if err != nil {
@@ -100,7 +100,7 @@ func heldAt(t *testing.T, f *fixture, pool string) map[netip.Addr]admin.Allocati
 // pool is exhausted, are never given an imported address; the old pods' CHECK and DEL, naming
 // their pod UIDs as a kubelet does, reach their attachments; a restart imports nothing new.
 func TestSwitchFromHostLocalWithRunningContainers(t *testing.T) {
-	f := newFixture(t, withNetns(), withoutAgent(), withTimeout(2*time.Minute))
+	f := newFixture(t, withNetns(), withoutAgent())
 	network, dataDir := f.Pool, t.TempDir()
 	ranges := []any{[]any{map[string]any{"subnet": "10.73.0.0/28"}}, []any{map[string]any{"subnet": "fd73::/124"}}}
 	hlConf, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": network, "type": "host-local",
@@ -264,7 +264,7 @@ func refusedStart(t *testing.T, f *fixture, flags ...string) string {
 // The agent must refuse to start, naming the directory to give; given it, it imports every
 // container; with the cache check turned off it would have imported nothing.
 func TestHostLocalImportChecksTheCNICache(t *testing.T) {
-	f := newFixture(t, withNetns(), withoutAgent(), withTimeout(time.Minute))
+	f := newFixture(t, withNetns(), withoutAgent())
 	network, dataDir, cache, wrong := f.Pool, t.TempDir(), t.TempDir(), t.TempDir()
 	ranges := []any{[]any{map[string]any{"subnet": "10.74.0.0/28"}}}
 	conf, _ := json.Marshal(map[string]any{"cniVersion": "1.0.0", "name": network, "type": "host-local",

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"context"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -32,7 +31,7 @@ func TestLateFirstRenewalKeepsTheLease(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer k.Close()
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	ctx, cancel := testCtx(t)
 	defer cancel()
 	g, err := cli.Grant(ctx, 8)
 	if err != nil {

@@ -8,12 +8,13 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
+
+	"github.com/leasehold/leasehold/internal/etcdtest"
 )
 
 func httpGet(t *testing.T, url string) (int, string) {
 	t.Helper()
-	c := http.Client{Timeout: 5 * time.Second}
+	c := http.Client{Timeout: etcdtest.Patience}
 	resp, err := c.Get(url)
 	if err != nil {
 		t.Fatalf("GET %s: %v", url, err)
@@ -104,9 +105,9 @@ func TestMetricsAndHealth(t *testing.T) {
 		t.Errorf("leasehold_ready with etcd up = %v, want 1", got)
 	}
 	f.Etcd.kill()
-	eventually(t, 20*time.Second, "/readyz reports etcd gone", func() bool {
-		code, _ := httpGet(t, "http://"+addr+"/readyz")
-		return code == http.StatusServiceUnavailable
+	eventually(t, "/readyz reports etcd gone", func() error {
+		code, body := httpGet(t, "http://"+addr+"/readyz")
+		return saw(code == http.StatusServiceUnavailable, "/readyz = %d %s", code, body)
 	})
 	_, text = httpGet(t, "http://"+addr+"/metrics")
 	if got := metricValue(t, text, "leasehold_ready", ""); got != 0 {

@@ -10,11 +10,11 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -22,7 +22,7 @@ import (
 // container IDs and the same pod UIDs, hammer one pool in one etcd at once. Afterwards every
 // invariant holds across the keys, and no cluster's DEL or GC touches the other's owners.
 func TestTwoClustersShareOnePool(t *testing.T) {
-	f := newFixture(t, withoutAgent(), withTimeout(3*time.Minute))
+	f := newFixture(t, withoutAgent())
 	type node struct {
 		cluster, name string
 		agent         *agentProc
@@ -145,8 +145,8 @@ func TestTwoClustersShareOnePool(t *testing.T) {
 	if !exists(t, f.Cli, keyspace.PoolConflictKey(pool, "cluster-b", "node-1")) {
 		t.Errorf("no pool conflict record %s", keyspace.PoolConflictKey(pool, "cluster-b", "node-1"))
 	}
-	eventually(t, 10*time.Second, "cluster-a's agent logs the conflict", func() bool {
-		return strings.Contains(nodes[1].agent.logs.String(), "another node defines this pool differently")
+	eventually(t, "cluster-a's agent logs the conflict", func() error {
+		return saw(strings.Contains(nodes[1].agent.logs.String(), "another node defines this pool differently"), "not in its log")
 	})
 	out, err := exec.CommandContext(f.Ctx, filepath.Join(binDir(t), "leaseholdctl"), "--endpoints", f.Endpoint,
 		"pool", "conflicts", "--pool", pool, "-o", "json").Output()
@@ -184,7 +184,7 @@ func withValidAttachments(t *testing.T, conf []byte, valid []map[string]string) 
 
 func allocationsByNode(t *testing.T, cli *clientv3.Client, pool string) map[string]int {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	list, err := admin.ListAllocations(ctx, cli, pool)
 	if err != nil {
@@ -202,7 +202,7 @@ func allocationsByNode(t *testing.T, cli *clientv3.Client, pool string) map[stri
 // lease, with a pod record on that lease; every such key has a lease; counts match.
 func checkInvariants(t *testing.T, cli *clientv3.Client, pool string, attachments, families int) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := cli.Get(ctx, keyspace.Prefix, clientv3.WithPrefix())
 	if err != nil {

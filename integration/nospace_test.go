@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -23,7 +22,7 @@ func TestEtcdOutOfSpace(t *testing.T) {
 	const quota = 4 << 20
 	addr := strings.TrimPrefix(freeURL(t), "http://")
 	f := newFixture(t, withEtcdFlags("--quota-backend-bytes", fmt.Sprint(quota)),
-		withAgentFlags("--quarantine", "30s", "--metrics-addr", addr), withTimeout(2*time.Minute))
+		withAgentFlags("--quarantine", "30s", "--metrics-addr", addr))
 	conf := v4conf(f.Pool, f.Agent.Socket, "10.41.0.0/24")
 	a := f.ipv4(conf, "ns-a", "K8S_POD_UID=uid-a")
 	b := f.ipv4(conf, "ns-b", "K8S_POD_UID=uid-b")

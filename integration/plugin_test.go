@@ -18,7 +18,7 @@ import (
 // TestConcurrentPluginAddsGetDistinctAddresses is issue 2's acceptance test: 200 ADDs at
 // once through the real plugin binary, against leaseholdd and etcd as separate processes.
 func TestConcurrentPluginAddsGetDistinctAddresses(t *testing.T) {
-	f := newFixture(t, withTimeout(3*time.Minute))
+	f := newFixture(t)
 	name := f.Pool
 	conf := netconf(name, f.Agent.Socket, dualStackIPAM("10.20.0.0/23", "fd20::/64"))
 
@@ -211,7 +211,7 @@ func TestRefusedRequestsThroughThePlugin(t *testing.T) {
 
 // TestAgentUnreachable: the plugin fails with a CNI error that says so and names the socket.
 func TestAgentUnreachable(t *testing.T) {
-	f := newFixture(t, withoutEtcd(), withTimeout(30*time.Second))
+	f := newFixture(t, withoutEtcd())
 	sock := filepath.Join(t.TempDir(), "nobody.sock")
 	_, err := f.add(netconf("n", sock, dualStackIPAM("10.26.0.0/24", "fd26::/64")), "c1", "eth0", "")
 	if err == nil {
@@ -306,9 +306,9 @@ func TestRemovedSocketIsCreatedAgain(t *testing.T) {
 	if err := os.Remove(agent.Socket); err != nil {
 		t.Fatal(err)
 	}
-	took := eventually(t, 15*time.Second, "the socket is back", func() bool {
+	took := eventually(t, "the socket is back", func() error {
 		_, err := os.Stat(agent.Socket)
-		return err == nil
+		return err
 	})
 	t.Logf("socket back %s after its removal", took.Round(100*time.Millisecond))
 	if _, err := f.add(conf, "after", "eth0", ""); err != nil {

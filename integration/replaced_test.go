@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"strings"
 	"testing"
-	"time"
 )
 
 // TestEtcdDataReplaced: etcd's data is lost (an empty etcd at the same endpoints, its
@@ -13,7 +12,7 @@ import (
 // address" from it. It lists the pool again and allocates from what etcd now holds, and it
 // registers its node again.
 func TestEtcdDataReplaced(t *testing.T) {
-	f := newFixture(t, withAgents(2), withTimeout(2*time.Minute))
+	f := newFixture(t, withAgents(2))
 	filler, server := f.Agents[0], f.Agents[1]
 	// A /29 hands out .2-.6: the filler takes all five.
 	fillerConf, conf := v4conf(f.Pool, filler.Socket, "10.43.0.0/29"), v4conf(f.Pool, server.Socket, "10.43.0.0/29")
@@ -21,9 +20,9 @@ func TestEtcdDataReplaced(t *testing.T) {
 		f.ipv4(fillerConf, fmt.Sprintf("fill-%d", i), fmt.Sprintf("K8S_POD_UID=uid-fill-%d", i))
 	}
 	// The server's view follows the pool and is full.
-	eventually(t, 10*time.Second, "the server's view sees the pool full", func() bool {
+	eventually(t, "the server's view sees the pool full", func() error {
 		_, err := f.add(conf, "early", "eth0", "K8S_POD_UID=uid-early")
-		return cniCode(err) == 102
+		return saw(cniCode(err) == 102, "ADD: %v", err)
 	})
 	// The writes above raised the revision: the server's watch resumes past anything the
 	// empty etcd will reach during the test.
@@ -35,16 +34,13 @@ func TestEtcdDataReplaced(t *testing.T) {
 	filler.kill() // its pods are gone with the data; nobody re-claims them
 	f.Etcd = replaceEtcdProcess(t, f.Etcd)
 
-	var err error
-	eventually(t, 30*time.Second, "an ADD through the server succeeds in the empty etcd", func() bool {
-		_, err = f.add(conf, "after", "eth0", "K8S_POD_UID=uid-after")
-		return err == nil
+	eventually(t, "an ADD through the server succeeds in the empty etcd", func() error {
+		_, err := f.add(conf, "after", "eth0", "K8S_POD_UID=uid-after")
+		return err
 	})
-	if err != nil {
-		t.Fatalf("ADD after etcd's data was replaced: %v", err)
-	}
-	eventually(t, 30*time.Second, "the server registers its node again in the new etcd", func() bool {
-		return exists(t, f.Cli, "/leasehold/v1/nodes/"+server.Cluster+"/"+server.Node)
+	nodeKey := "/leasehold/v1/nodes/" + server.Cluster + "/" + server.Node
+	eventually(t, "the server registers its node again in the new etcd", func() error {
+		return saw(exists(t, f.Cli, nodeKey), "no %s", nodeKey)
 	})
 	if !strings.Contains(server.logs.String(), "etcd went back in time") {
 		t.Errorf("the server did not say that etcd went back in time:\n%s", server.logs.String())

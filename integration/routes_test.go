@@ -8,7 +8,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -58,7 +57,7 @@ func ccGWRank(shape []ccHop, gws ...netip.Addr) []string {
 // not in the list. The bridge plugin runs with isGateway and isDefaultGateway off, so every
 // default route in the namespace is one of leasehold's.
 func TestRouteFamilySplitSameDestinationRoutesHaveOneShape(t *testing.T) {
-	f := newFixture(t, withNetns(), withTimeout(2*time.Minute))
+	f := newFixture(t, withNetns())
 	hostNS, bridge := ccHostNS(t)
 	name := f.Pool
 	sub4, sub6 := netip.MustParsePrefix("10.63.0.0/24"), netip.MustParsePrefix("fd63::/64")
@@ -172,12 +171,12 @@ func TestRouteFamilySplitSameDestinationRoutesHaveOneShape(t *testing.T) {
 // subnet of the pool (not on-link), a gateway of the other family, and two routes to one
 // destination with the same explicit priority (IPv6 would make them ECMP, IPv4 would not).
 func TestRouteFamilySplitAmbiguousRoutesAreRefusedBeforeAnythingIsWritten(t *testing.T) {
-	f := newFixture(t, withNetns(), withTimeout(2*time.Minute))
+	f := newFixture(t, withNetns())
 	hostNS, bridge := ccHostNS(t)
 	// The agent's node record is written once at start; wait for it so that the snapshots
 	// below see a quiet store.
-	eventually(t, 10*time.Second, "the agent's node record", func() bool {
-		return exists(t, f.Cli, keyspace.NodeKey(f.Cluster, f.Agent.Node))
+	eventually(t, "the agent's node record", func() error {
+		return saw(exists(t, f.Cli, keyspace.NodeKey(f.Cluster, f.Agent.Node)), "no %s", keyspace.NodeKey(f.Cluster, f.Agent.Node))
 	})
 
 	ranges := []any{

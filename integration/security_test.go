@@ -22,6 +22,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/etcdserver"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -137,11 +138,14 @@ func tlsClient(t *testing.T, url string, p *pki, cert, key, user, pass string) *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cli.Close() })
-	eventually(t, 20*time.Second, "etcd over TLS answers", func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	eventually(t, "etcd over TLS answers", func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // one try of many
 		defer cancel()
 		_, err := cli.Get(ctx, "health")
-		return err == nil || strings.Contains(err.Error(), "permission denied") || strings.Contains(err.Error(), "user name")
+		if err == nil || strings.Contains(err.Error(), "permission denied") || strings.Contains(err.Error(), "user name") {
+			return nil
+		}
+		return err
 	})
 	return cli
 }
@@ -150,7 +154,7 @@ func tlsClient(t *testing.T, url string, p *pki, cert, key, user, pass string) *
 func runAgentExpectingFailure(t *testing.T, args ...string) string {
 	t.Helper()
 	dir := t.TempDir()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(binDir(t), "leaseholdd"), append([]string{"--socket", filepath.Join(dir, "s.sock"),
 		"--state-dir", filepath.Join(dir, "state"), "--node", "n", "--node-uid", "u", "--metrics-addr", "",
@@ -160,7 +164,7 @@ func runAgentExpectingFailure(t *testing.T, args ...string) string {
 		t.Fatalf("leaseholdd %v started and exited 0; want a refusal:\n%s", args, out)
 	}
 	if ctx.Err() != nil {
-		t.Fatalf("leaseholdd %v neither served nor refused within 60s:\n%s", args, out)
+		t.Fatalf("leaseholdd %v neither served nor refused within %s:\n%s", args, etcdtest.Patience, out)
 	}
 	return string(out)
 }
@@ -210,7 +214,7 @@ func TestMutualTLSToEtcd(t *testing.T) {
 // write outside those prefixes.
 func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	p := newPKI(t)
-	f := newFixture(t, withTLSEtcd(p), withoutAgent(), withTimeout(2*time.Minute))
+	f := newFixture(t, withTLSEtcd(p), withoutAgent())
 	root := f.Cli // its certificate is for user root
 	const cluster, user, pass = "prod-a", "leasehold-prod-a", "s3cret-Pa55word"
 	must := func(_ any, err error) {

@@ -4,7 +4,6 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -14,7 +13,7 @@ import (
 // naming it; after its DEL the replacement gets the same addresses on b; then node b is
 // killed, and once its pod lease has expired a third incarnation on node a gets them again.
 func TestStickyAddressFollowsAStatefulSetPod(t *testing.T) {
-	f := newFixture(t, withAgents(2), withShortLeases(), withTimeout(2*time.Minute))
+	f := newFixture(t, withAgents(2), withShortLeases())
 	a, b := f.Agents[0], f.Agents[1]
 	conf := func(ag *agentProc, timeout string) []byte {
 		ipam := dualStackIPAM("10.93.0.0/24", "fd93::/64")
@@ -37,7 +36,9 @@ func TestStickyAddressFollowsAStatefulSetPod(t *testing.T) {
 		}
 		return out, nil
 	}
-	first, err := addrs(a, "web-2-a", "uid-1", "10s")
+	// Timeouts: ample for an ADD on a busy machine; the refused one waits for the live holder
+	// until shortly before its own, then names it; the last waits for a dead node's lease.
+	first, err := addrs(a, "web-2-a", "uid-1", "20s")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,13 +47,13 @@ func TestStickyAddressFollowsAStatefulSetPod(t *testing.T) {
 		t.Fatalf("no claim %s after the first ADD", key)
 	}
 
-	if _, err := addrs(b, "web-2-b", "uid-2", "2s"); err == nil || cniCode(err) != 11 || !strings.Contains(err.Error(), "uid-1") {
+	if _, err := addrs(b, "web-2-b", "uid-2", "5s"); err == nil || cniCode(err) != 11 || !strings.Contains(err.Error(), "uid-1") {
 		t.Fatalf("the replacement's ADD while web-2 lives: %v, want code 11 naming uid-1", err)
 	}
-	if err := f.del(conf(a, "10s"), "web-2-a", "eth0", args("uid-1")); err != nil {
+	if err := f.del(conf(a, "20s"), "web-2-a", "eth0", args("uid-1")); err != nil {
 		t.Fatal(err)
 	}
-	second, err := addrs(b, "web-2-b", "uid-2", "10s")
+	second, err := addrs(b, "web-2-b", "uid-2", "20s")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,7 +62,7 @@ func TestStickyAddressFollowsAStatefulSetPod(t *testing.T) {
 	}
 
 	b.kill() // node b dies with web-2 on it: its pod lease expires after the TTL
-	third, err := addrs(a, "web-2-c", "uid-3", "30s")
+	third, err := addrs(a, "web-2-c", "uid-3", "60s")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -65,7 +64,7 @@ func buildRelease(t *testing.T, commit string) (leaseholdd, plugin string) {
 // live pod holds its own.
 func TestUpgradeFromTheFlatLayoutWithLivePods(t *testing.T) {
 	oldAgent, oldPlugin := buildRelease(t, flatRelease)
-	f := newFixture(t, withoutAgent(), withNetns(), withTimeout(3*time.Minute))
+	f := newFixture(t, withoutAgent(), withNetns())
 	oldPl := plugin{path: oldPlugin}
 	ipam := func() map[string]any {
 		return map[string]any{"ranges": []any{[]any{map[string]any{"subnet": "10.91.0.0/24"}}}}

@@ -30,11 +30,9 @@ func addReq(pool allocator.PoolSpec, container, ifName, podUID string) allocator
 		Pod: allocator.PodRef{UID: podUID, Namespace: "default", Name: "pod-" + container}}
 }
 
-func ctxT(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	return ctx
-}
+// ctxT is the test's context (etcdtest.Ctx): no test here is bounded by the clock, only by
+// the outcomes it waits for.
+func ctxT(t *testing.T) context.Context { return etcdtest.Ctx(t) }
 
 func TestAddIsIdempotentAndWritesOneLeasePerOwner(t *testing.T) {
 	cluster := etcdtest.Uniq("c")
@@ -274,20 +272,28 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	}
 	cli := etcdtest.Client(t)
 	key := keyspace.IPKey(pool.Name, allocator.DefaultBlocks, res.IPs[0].Address.Addr())
-	for time.Since(added) < grace-300*time.Millisecond {
-		if len(etcdtest.Dump(t, cli, key)) == 0 {
-			t.Fatalf("released %s after the ADD, inside the %s grace", time.Since(added), grace)
+	// A read that answers before the grace has passed must find the key: the grace runs from
+	// inside Add, so a release no earlier than it cannot be seen then, however slow the read.
+	for {
+		gone := len(etcdtest.Dump(t, cli, key)) == 0
+		since := time.Since(added)
+		if gone && since < grace {
+			t.Fatalf("released %s after the ADD, inside the %s grace", since, grace)
+		}
+		if gone || since >= grace {
+			break
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	etcdtest.Eventually(t, 5*time.Second, "the gone sandbox's address is released", func() bool {
-		return len(etcdtest.Dump(t, cli, key)) == 0
+	etcdtest.Eventually(t, "the gone sandbox's address is released", func() error {
+		n := len(etcdtest.Dump(t, cli, key))
+		return etcdtest.Saw(n == 0, "%d keys at %s", n, key)
 	})
 	// The keys go in the release transaction; the agent forgets the pod after it has also
 	// revoked the lease, one round trip later.
-	etcdtest.Eventually(t, 5*time.Second, "the agent gives up the gone pod's lease after its keys", func() bool {
-		_, held := a.pods.lease("uid-x")
-		return !held
+	etcdtest.Eventually(t, "the agent gives up the gone pod's lease after its keys", func() error {
+		l, held := a.pods.lease("uid-x")
+		return etcdtest.Saw(!held, "the agent still holds lease %x", l)
 	})
 }
 
@@ -320,13 +326,12 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 	}
 	var pods []podState
 	var errs []error
-	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+	etcdtest.Eventually(t, "the rebuilt journal lists the pod", func() error { // written off the ADD path
 		var l loaded
-		if l, errs = (journal{dir: state}).load(); len(l.pods) == 1 {
-			pods = l.pods // written off the ADD path
-			break
-		}
-	}
+		l, errs = (journal{dir: state}).load()
+		pods = l.pods
+		return etcdtest.Saw(len(pods) == 1, "%d pods (load errors %v)", len(pods), errs)
+	})
 	if len(errs) > 0 || len(pods) != 1 || len(pods[0].Attachments) != 1 {
 		t.Fatalf("rebuilt journal: %+v, errors %v", pods, errs)
 	}

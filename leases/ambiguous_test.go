@@ -165,7 +165,9 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 		t.Fatal(err)
 	}
 	armed.Store(true) // the next transaction the agent commits is the first re-claim
-	etcdtest.Eventually(t, 20*time.Second, "a re-claim after the revoke", func() bool { return !armed.Load() })
+	etcdtest.Eventually(t, "a re-claim after the revoke", func() error {
+		return etcdtest.Saw(!armed.Load(), "no transaction committed since the revoke")
+	})
 	// A new pod right then takes a spare: it must not get the lease of the lost answer.
 	if _, err := a.Add(ctx, addReq(pool, "new", "eth0", "uid-s")); err != nil {
 		t.Fatal(err)
@@ -175,15 +177,14 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 		t.Errorf("lease of the new pod carries %q (err %v); want its own 4 keys alone", ttl.Keys, err)
 	}
 	var now clientv3.LeaseID
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if l, ok := a.pods.lease("uid-r"); ok && l != lost {
+	etcdtest.Eventually(t, "the pod is re-claimed", func() error {
+		l, ok := a.pods.lease("uid-r")
+		if ok && l != lost {
 			now = l
-			break
+			return nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatal("the pod was not re-claimed within 20 s")
-		}
-	}
+		return fmt.Errorf("the pod's lease is %x (held %v), the lost one %x", l, ok, lost)
+	})
 	for _, id := range spares(a.keeper) {
 		if ttl, err := other.TimeToLive(ctx, id, clientv3.WithAttachedKeys()); err != nil || len(ttl.Keys) > 0 {
 			t.Errorf("spare lease %s carries keys %q (err %v)", keyspace.LeaseHex(id), ttl.Keys, err)

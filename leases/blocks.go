@@ -389,13 +389,32 @@ func (v *view) freshSnapshot() bool {
 	return v.borrowed != nil && time.Since(v.borrowedAt) < snapshotFresh
 }
 
-// readClaims reads which blocks of the pool are claimed.
+// readClaims reads which blocks of the pool are claimed. It is asked only when the claims as
+// last known show no unclaimed block, and what it answers is a hint: the claim's transaction
+// decides, and a claim lost to another node reads the claims again in its Else.
+//
+// A read that fails (etcd slow under a burst, or out of reach) does not fail the ADD: the ADD
+// goes on with the last known claims, which show no unclaimed block, and so borrows (borrow.go),
+// whose own claim is as safe as any. At worst the node borrows where it could have claimed a
+// block given back meanwhile. Failing would refuse an ADD for which the agent knows a correct
+// next step, and every ADD waiting behind it for claimMu would then spend its own timeout on
+// the same read. So the last known claims serve as if just read, for claimsFresh: the ADDs
+// waiting behind borrow at once. Only when ctx itself has ended (the caller gave up) is the
+// error returned (allocator.ErrUnavailable).
 func (v *view) readClaims(ctx context.Context) error {
 	octx, cancel := context.WithTimeout(ctx, v.own.opTimeout)
 	defer cancel()
 	resp, err := v.cli.Get(octx, keyspace.BlocksPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 	if err != nil {
-		return fmt.Errorf("%w: read the block claims of pool %s: %w", allocator.ErrUnavailable, v.pool, err)
+		if ctx.Err() != nil {
+			return fmt.Errorf("%w: read the block claims of pool %s: %w", allocator.ErrUnavailable, v.pool, err)
+		}
+		v.log.Warn("reading the block claims failed; ADDs go on with the claims as last known, and borrow",
+			"err", err, "again after", claimsFresh)
+		v.mu.Lock()
+		v.claimsRead = time.Now()
+		v.mu.Unlock()
+		return nil
 	}
 	claims := make(map[netip.Prefix]string, len(resp.Kvs))
 	for _, kv := range resp.Kvs {

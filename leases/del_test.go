@@ -98,7 +98,8 @@ func TestStaleDelOfAnotherContainerReleasesNothing(t *testing.T) {
 }
 
 func TestQuarantineHoldsReleasedAddress(t *testing.T) {
-	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = 3 * time.Second })
+	const quarantine = 3 * time.Second
+	a := startAgent(t, etcdtest.Uniq("c"), "n1", "uid1", func(c *Config) { c.Quarantine = quarantine })
 	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.12.0.0/30")}}}}
 	ctx := ctxT(t)
 	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "")) // the /30's only address: .2
@@ -116,20 +117,21 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 		t.Errorf("view right after DEL: %d allocated, %d quarantined; want 0 and 1", allocated, quarantined)
 	}
 	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
-	if !errors.Is(err, allocator.ErrOnlyQuarantined) || !errors.Is(err, allocator.ErrPoolExhausted) {
+	switch {
+	case errors.Is(err, allocator.ErrOnlyQuarantined) && errors.Is(err, allocator.ErrPoolExhausted):
+	case err == nil && time.Since(released) >= quarantine:
+		// A busy machine let the quarantine pass before the ADD was asked: it may succeed.
+		t.Logf("the ADD came %s after the release, past the quarantine: its refusal is not checked", time.Since(released))
+	default:
 		t.Fatalf("while quarantined: want ErrOnlyQuarantined, got %v", err)
 	}
 	var got allocator.Result
-	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		if got, err = a.Add(ctx, addReq(pool, "c2", "eth0", "")); err == nil {
-			break
-		}
-	}
-	if err != nil {
-		t.Fatalf("address never left quarantine: %v", err)
-	}
-	if waited := time.Since(released); waited < 3*time.Second {
-		t.Errorf("address reused after %s, before the 3s quarantine", waited)
+	etcdtest.Eventually(t, "the address leaves quarantine", func() error {
+		got, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))
+		return err
+	})
+	if waited := time.Since(released); waited < quarantine {
+		t.Errorf("address reused after %s, before the %s quarantine", waited, quarantine)
 	}
 	if got.IPs[0].Address != res.IPs[0].Address {
 		t.Errorf("want the released %s again, got %s", res.IPs[0].Address, got.IPs[0].Address)
@@ -150,12 +152,11 @@ func TestStaleDelAfterTheAddressWentToAnotherOwner(t *testing.T) {
 		t.Fatal(err)
 	}
 	var second allocator.Result
-	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		if second, err = a.Add(ctx, addReq(pool, "ctr-b", "eth0", "uid-b")); err == nil {
-			break
-		}
-	}
-	if err != nil || second.IPs[0].Address != first.IPs[0].Address {
+	etcdtest.Eventually(t, "owner B's ADD succeeds once the quarantine ends", func() error {
+		second, err = a.Add(ctx, addReq(pool, "ctr-b", "eth0", "uid-b"))
+		return err
+	})
+	if second.IPs[0].Address != first.IPs[0].Address {
 		t.Fatalf("owner B should get A's old address %s after quarantine: %v %v", first.IPs[0].Address, second, err)
 	}
 	if err := a.Del(ctx, addReq(pool, "ctr-a", "eth0", "uid-a")); err != nil {
@@ -213,11 +214,11 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 			t.Fatal(err)
 		}
 		lost := lease
-		etcdtest.Eventually(t, 20*time.Second, "the pod is re-claimed after its lease's revoke", func() bool {
+		etcdtest.Eventually(t, "the pod is re-claimed after its lease's revoke", func() error {
 			if l, ok := a.pods.lease("uid-two"); ok {
 				lease = l
 			}
-			return lease != lost
+			return etcdtest.Saw(lease != lost, "the pod's lease is still the revoked %x", lost)
 		})
 		if got := etcdtest.Dump(t, cli, keyspace.OwnerPrefix(a.cfg.Cluster, "uid-two")); len(got) != 2 || got[keyspace.OwnerKey(a.cfg.Cluster, "uid-two", "net1", pool.Name)] != int64(lease) {
 			t.Fatalf("owner index after the re-claim: %v, want both attachments on lease %x", got, lease)
@@ -250,7 +251,10 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 // waitSpares waits for at least n spares.
 func waitSpares(t *testing.T, k *Keeper, n int) {
 	t.Helper()
-	etcdtest.Eventually(t, 10*time.Second, fmt.Sprintf("at least %d spares", n), func() bool { return len(spares(k)) >= n })
+	etcdtest.Eventually(t, fmt.Sprintf("at least %d spares", n), func() error {
+		have := len(spares(k))
+		return etcdtest.Saw(have >= n, "%d spares", have)
+	})
 }
 
 // podWithRoomForItsLease starts an agent with 10 spare leases and ADDs pod uid-a (container

@@ -82,6 +82,12 @@ func allocOwner(t *testing.T, cli *clientv3.Client, pool allocator.PoolSpec, ip 
 	return rec.Owner
 }
 
+// ownerIs is a condition for etcdtest.Eventually: that ip is allocated to owner want.
+func ownerIs(t *testing.T, cli *clientv3.Client, pool allocator.PoolSpec, ip netip.Addr, want string) error {
+	got := allocOwner(t, cli, pool, ip)
+	return etcdtest.Saw(got == want, "%s allocated to %q, want %q", ip, got, want)
+}
+
 // TestExpiredAddressesAreHeldBackWhileThePoolHasRoom: a node is cut off (it stops renewing)
 // and its pods' leases expire. Another node fills the pool: it gets every address no expired
 // holder had first, then the expired ones (the longest expired first; never for a new sticky
@@ -203,20 +209,18 @@ func TestACutOffNodeThatComesBackWithinTheDelayGetsEverythingBack(t *testing.T) 
 		t.Fatal(err)
 	}
 	back := startAgent(t, cluster, "cut", "uid-cut", withHold(cutDir))
-	etcdtest.Eventually(t, 15*time.Second, "the cut-off node's pods are re-claimed", func() bool {
+	etcdtest.Eventually(t, "the cut-off node's pods are re-claimed", func() error {
 		for _, o := range owners[1:] {
-			if allocOwner(t, cli, pool, mine[o]) != o {
-				return false
+			if err := ownerIs(t, cli, pool, mine[o], o); err != nil {
+				return err
 			}
 		}
-		return true
+		return nil
 	})
 	if back.Conflicts() != 0 {
 		t.Errorf("%d conflicts after coming back within the delay; want 0", back.Conflicts())
 	}
-	etcdtest.Eventually(t, 15*time.Second, "the held key of the pod deleted meanwhile is freed", func() bool {
-		return len(etcdtest.Dump(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, mine[gone]))) == 0
-	})
+	etcdtest.Eventually(t, "the held key of the pod deleted meanwhile is freed", etcdtest.Keys(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, mine[gone]), 0))
 	for _, o := range owners[1:] {
 		key := keyspace.HeldKey(pool.Name, pool.Blocks, mine[o])
 		if len(etcdtest.Dump(t, cli, key)) != 1 {
@@ -278,9 +282,7 @@ func TestADeletedPodStaysDeletedAfterACrash(t *testing.T) {
 		crash(a)                // right after the DEL's answer
 		expire(t, cli, a, kept) // away past its lease: only the journal knows it
 		a = startAgent(t, cluster, "n", "uid-n", withHold(dir))
-		etcdtest.Eventually(t, 10*time.Second, "the pod added before the crash is re-claimed", func() bool {
-			return allocOwner(t, cli, pool, addrs(kres)[0]) == kept
-		})
+		etcdtest.Eventually(t, "the pod added before the crash is re-claimed", func() error { return ownerIs(t, cli, pool, addrs(kres)[0], kept) })
 		if o := allocOwner(t, cli, pool, ip); o == owner {
 			t.Fatalf("round %d: %s's DEL was answered, and after a crash and restart it holds %s again", round, owner, ip)
 		}
@@ -310,9 +312,9 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		// Hold the owner, so that the re-claim waits with the DEL until the lease is lost.
 		unlock := a.locks.lock(owner)
 		expire(t, cli, a, owner)
-		etcdtest.Eventually(t, 10*time.Second, "the agent finds the lease lost", func() bool {
+		etcdtest.Eventually(t, "the agent finds the lease lost", func() error {
 			_, lost := a.pods.lostPod(owner)
-			return lost
+			return etcdtest.Saw(lost, "the agent holds %s's lease as live", owner)
 		})
 		var wg sync.WaitGroup
 		var delErr error
@@ -324,9 +326,9 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 			t.Fatal(delErr)
 		}
 		// Give any late re-claim its chance, then look.
-		etcdtest.Eventually(t, 10*time.Second, "the agent forgets the deleted pod", func() bool {
+		etcdtest.Eventually(t, "the agent forgets the deleted pod", func() error {
 			_, known := a.pods.snapshot(owner)
-			return !known
+			return etcdtest.Saw(!known, "the agent still knows %s", owner)
 		})
 		time.Sleep(200 * time.Millisecond)
 		if o := allocOwner(t, cli, pool, ip); o == owner {
@@ -361,17 +363,17 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 		unlocks = append(unlocks, a.locks.lock(o)) // no re-claim before the burst is done
 	}
 	expire(t, cli, a, owners...)
-	etcdtest.Eventually(t, 10*time.Second, "the agent's view takes the expired allocations for free", func() bool {
+	etcdtest.Eventually(t, "the agent's view takes the expired allocations for free", func() error {
 		// Gone, and found on this node's own block lease: nothing of another node holds them.
 		v := a.pools.viewOf(pool.Name)
 		v.mu.Lock()
 		defer v.mu.Unlock()
 		for ip := range mine {
 			if _, ok := v.allocated[ip]; ok || v.heldBackLocked(ip) {
-				return false
+				return fmt.Errorf("%s allocated %v, held back %v", ip, ok, v.heldBackLocked(ip))
 			}
 		}
-		return true
+		return nil
 	})
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -393,13 +395,13 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 	for _, unlock := range unlocks {
 		unlock()
 	}
-	etcdtest.Eventually(t, 15*time.Second, "every running pod holds its address again", func() bool {
+	etcdtest.Eventually(t, "every running pod holds its address again", func() error {
 		for ip, o := range mine {
-			if allocOwner(t, cli, pool, ip) != o {
-				return false
+			if err := ownerIs(t, cli, pool, ip, o); err != nil {
+				return err
 			}
 		}
-		return true
+		return nil
 	})
 	if a.Conflicts() != 0 {
 		t.Errorf("%d conflicts: the node gave its own running pods' addresses away", a.Conflicts())
@@ -427,18 +429,14 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 		t.Fatalf("another node asks for the expired address: %v", err)
 	}
 	unlock()
-	etcdtest.Eventually(t, 15*time.Second, "the re-claim records the conflict", func() bool {
-		return len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name))) == 1
-	})
+	etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name), 1))
 	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); !errors.Is(err, allocator.ErrConflict) {
 		t.Errorf("CHECK of the conflicted pod: %v, want a conflict", err)
 	}
 	if err := b.Del(ctx, thief); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, 5*time.Second, "the running pod holds its address again", func() bool {
-		return allocOwner(t, cli, pool, ip) == "run"
-	})
+	etcdtest.Eventually(t, "the running pod holds its address again", func() error { return ownerIs(t, cli, pool, ip, "run") })
 	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); err != nil {
 		t.Errorf("CHECK after the conflict was resolved: %v", err)
 	}
@@ -572,12 +570,10 @@ func TestTheRestOfAPodSurvivesADelOfOneAttachment(t *testing.T) {
 	if err := a.Del(ctx, addReq(pool, "other-old", "eth0", "other")); err != nil { // an older sandbox's
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, 15*time.Second, "the attachments not deleted are re-claimed", func() bool {
-		return allocOwner(t, cli, pool, addrs(net1)[0]) == "run" && allocOwner(t, cli, pool, addrs(other)[0]) == "other"
+	etcdtest.Eventually(t, "the attachments not deleted are re-claimed", func() error {
+		return errors.Join(ownerIs(t, cli, pool, addrs(net1)[0], "run"), ownerIs(t, cli, pool, addrs(other)[0], "other"))
 	})
-	etcdtest.Eventually(t, 5*time.Second, "the deleted attachment's held key is freed", func() bool {
-		return len(etcdtest.Dump(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, addrs(eth0)[0]))) == 0
-	})
+	etcdtest.Eventually(t, "the deleted attachment's held key is freed", etcdtest.Keys(t, cli, keyspace.HeldKey(pool.Name, pool.Blocks, addrs(eth0)[0]), 0))
 	if o := allocOwner(t, cli, pool, addrs(eth0)[0]); o != "" {
 		t.Errorf("the deleted attachment's %s is held by %q", addrs(eth0)[0], o)
 	}
@@ -607,9 +603,7 @@ func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
 			t.Fatal(err)
 		}
 		unlock()
-		etcdtest.Eventually(t, 15*time.Second, "the re-claim records the conflict", func() bool {
-			return len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name))) == 1
-		})
+		etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name), 1))
 		return ip, thief
 	}
 	ip, thief := conflict("eth0")
@@ -619,9 +613,7 @@ func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
 	if err := b.Del(ctx, thief); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, 5*time.Second, "the running pod holds its address again after a repeated ADD", func() bool {
-		return allocOwner(t, cli, pool, ip) == "run"
-	})
+	etcdtest.Eventually(t, "the running pod holds its address again after a repeated ADD", func() error { return ownerIs(t, cli, pool, ip, "run") })
 	conflict("net1")
 	if err := a.Del(ctx, addReq(pool, "run", "net1", "run")); err != nil {
 		t.Fatal(err)
@@ -653,9 +645,7 @@ func TestWhatGCReleasedStaysReleasedAfterACrash(t *testing.T) {
 		crash(a)
 		expire(t, cli, a, kept)
 		a = startAgent(t, cluster, "a", "uid-a", withHold(dir), noGrace)
-		etcdtest.Eventually(t, 10*time.Second, "the kept pod is re-claimed", func() bool {
-			return len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, kept))) == 1
-		})
+		etcdtest.Eventually(t, "the kept pod is re-claimed", etcdtest.Keys(t, cli, keyspace.OwnerPrefix(cluster, kept), 1))
 		if n := len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, gone))); n != 0 {
 			t.Fatalf("round %d: the attachment GC released came back after a crash", round)
 		}
@@ -706,8 +696,8 @@ func takenThenBack(t *testing.T, b *Agent, req allocator.Request, ip netip.Addr,
 		t.Fatalf("another pod asks for the address, free now: %v", err)
 	}
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the running pod's re-claim records the conflict", func() bool {
-		return back.Conflicts() == 1
+	etcdtest.Eventually(t, "the running pod's re-claim records the conflict", func() error {
+		return etcdtest.Saw(back.Conflicts() == 1, "%d conflicts", back.Conflicts())
 	})
 	return back
 }
@@ -736,11 +726,9 @@ func TestAnAddressHadMeanwhileIsAConflictEvenIfLetGo(t *testing.T) {
 	dir, b, ip := awayPastTheDelay(t, cluster, pool)
 	hadAndLetGo(t, b, pool, ip)
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the running pod's address is re-claimed", func() bool {
-		return allocOwner(t, cli, pool, ip) == "run"
-	})
-	etcdtest.Eventually(t, 5*time.Second, "the conflict had meanwhile is counted", func() bool {
-		return back.Conflicts() == 1
+	etcdtest.Eventually(t, "the running pod's address is re-claimed", func() error { return ownerIs(t, cli, pool, ip, "run") })
+	etcdtest.Eventually(t, "the conflict had meanwhile is counted", func() error {
+		return etcdtest.Saw(back.Conflicts() == 1, "%d conflicts", back.Conflicts())
 	})
 	if got := back.Conflicts(); got != 1 {
 		t.Errorf("%d conflicts counted; want 1", got)
@@ -762,9 +750,7 @@ func TestAReleasedClaimGivesUpARunningPodsAddress(t *testing.T) {
 	if err := b.Del(ctx, sts); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, 15*time.Second, "the running pod holds its address again", func() bool {
-		return allocOwner(t, cli, pool, ip) == "run"
-	})
+	etcdtest.Eventually(t, "the running pod holds its address again", func() error { return ownerIs(t, cli, pool, ip, "run") })
 	claimKey := keyspace.ClaimKey(cluster, pool.Name, "ns.web-2")
 	if rec, ok := readClaimRecord(t, cli, claimKey); ok {
 		t.Errorf("the claim kept %v after giving up its only address", rec.IPs)
@@ -822,9 +808,7 @@ func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
 		}
 	}
 	startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the running pod holds its address again", func() bool {
-		return allocOwner(t, cli, pool, ip) == "run"
-	})
+	etcdtest.Eventually(t, "the running pod holds its address again", func() error { return ownerIs(t, cli, pool, ip, "run") })
 	if resp, err := cli.Get(ctx, wantedKey); err != nil || len(resp.Kvs) != 0 {
 		t.Errorf("wanted key after the pod got its address back: %v %v", resp, err)
 	}
@@ -854,8 +838,8 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 	})
 	hadAndLetGo(t, b, pool, ip)
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the overlap found at the DEL is counted", func() bool {
-		return back.Conflicts() == 1
+	etcdtest.Eventually(t, "the overlap found at the DEL is counted", func() error {
+		return etcdtest.Saw(back.Conflicts() == 1, "%d conflicts", back.Conflicts())
 	})
 	if n := allocOwner(t, cli, pool, ip); n != "" {
 		t.Errorf("%s is allocated to %q; the deleted pod's DEL must leave it free", ip, n)

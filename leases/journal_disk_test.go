@@ -13,7 +13,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -74,13 +73,11 @@ func (d *smallDisk) free(t *testing.T) {
 	}
 }
 
-// pollUntil checks cond every 20 ms until it holds, and fails the test after d.
-func pollUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for end := time.Now().Add(d); !cond(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("after %v: %s", d, what)
-		}
+// journalIs is a condition for etcdtest.Eventually: that the journal in dir lists owners want.
+func journalIs(dir string, want []string) func() error {
+	return func() error {
+		got, errs := journalOwners(dir)
+		return etcdtest.Saw(slices.Equal(got, want), "the journal lists %v (load errors %v), want %v", got, errs, want)
 	}
 }
 
@@ -136,10 +133,7 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 				want = append(want, fmt.Sprintf("before-%d", i))
 				w.save(testPod(want[i], clientv3.LeaseID(i+1), fmt.Sprintf("10.3.0.%d", i+1)))
 			}
-			pollUntil(t, 5*time.Second, "the pods saved before the disk fills are journaled", func() bool {
-				got, _ := journalOwners(disk.dir)
-				return slices.Equal(got, want)
-			})
+			etcdtest.Eventually(t, "the pods saved before the disk fills are journaled", journalIs(disk.dir, want))
 			journaled := slices.Clone(want)
 
 			disk.fill(t)
@@ -148,8 +142,9 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 				want = append(want, owner)
 				w.save(testPod(owner, clientv3.LeaseID(100+i), fmt.Sprintf("10.3.1.%d", i+1)))
 			}
-			pollUntil(t, 10*time.Second, "the write fails and is retried", func() bool {
-				return w.health() != nil && w.failures.Load() >= 2
+			etcdtest.Eventually(t, "the write fails and is retried", func() error {
+				err, n := w.health(), w.failures.Load()
+				return etcdtest.Saw(err != nil && n >= 2, "health %v after %d failures", err, n)
 			})
 			if err := w.health(); !errors.Is(err, ErrJournalUnwritable) || !errors.Is(err, syscall.ENOSPC) {
 				t.Errorf("health while the disk is full: want ErrJournalUnwritable wrapping ENOSPC, got %v", err)
@@ -163,11 +158,8 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 			}
 
 			disk.free(t) // no further change: the writer's own retry must write them
-			pollUntil(t, 3*journalRetryMax, "the pods saved while the disk was full reach the journal", func() bool {
-				got, _ := journalOwners(disk.dir)
-				return slices.Equal(got, want)
-			})
-			pollUntil(t, time.Second, "the journal reports itself healthy", func() bool { return w.health() == nil })
+			etcdtest.Eventually(t, "the pods saved while the disk was full reach the journal", journalIs(disk.dir, want))
+			etcdtest.Eventually(t, "the journal reports itself healthy", w.health)
 			if _, errs := journalOwners(disk.dir); len(errs) > 0 {
 				t.Errorf("load after the recovery reported %v", errs)
 			}
@@ -182,10 +174,7 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 			w.save(testPod("after", 999, "10.3.2.1"))
 			want = append(want, "after")
 			slices.Sort(want)
-			pollUntil(t, 5*time.Second, "a pod saved after the recovery is journaled", func() bool {
-				got, _ := journalOwners(disk.dir)
-				return slices.Equal(got, want)
-			})
+			etcdtest.Eventually(t, "a pod saved after the recovery is journaled", journalIs(disk.dir, want))
 		})
 	}
 }
@@ -227,10 +216,7 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 	if _, err := a.Add(ctx, addReq(pool, "ctr-before", "eth0", "uid-before")); err != nil {
 		t.Fatal(err)
 	}
-	pollUntil(t, 5*time.Second, "the first pod is journaled", func() bool {
-		got, _ := journalOwners(disk.dir)
-		return slices.Equal(got, []string{"uid-before"})
-	})
+	etcdtest.Eventually(t, "the first pod is journaled", journalIs(disk.dir, []string{"uid-before"}))
 	if err := a.Ready(ctx); err != nil {
 		t.Fatalf("ready before the disk fills: %v", err)
 	}
@@ -244,8 +230,9 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 		}
 		want = append(want, owner)
 	}
-	pollUntil(t, 10*time.Second, "/readyz fails while the journal cannot be written", func() bool {
-		return errors.Is(a.Ready(ctx), ErrJournalUnwritable)
+	etcdtest.Eventually(t, "/readyz fails while the journal cannot be written", func() error {
+		err := a.Ready(ctx)
+		return etcdtest.Saw(errors.Is(err, ErrJournalUnwritable), "Ready: %v", err)
 	})
 	if err := a.Ready(ctx); !errors.Is(err, ErrNotReady) || !strings.Contains(err.Error(), "no space left") {
 		t.Errorf("Ready while the disk is full: want ErrNotReady naming the cause, got %v", err)
@@ -261,11 +248,8 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 	}
 
 	disk.free(t) // and no ADD after it
-	pollUntil(t, 3*journalRetryMax, "the pods added while the disk was full reach the journal", func() bool {
-		got, _ := journalOwners(disk.dir)
-		return slices.Equal(got, want)
-	})
-	pollUntil(t, time.Second, "/readyz passes again", func() bool { return a.Ready(ctx) == nil })
+	etcdtest.Eventually(t, "the pods added while the disk was full reach the journal", journalIs(disk.dir, want))
+	etcdtest.Eventually(t, "/readyz passes again", func() error { return a.Ready(ctx) })
 	if g := gauge(t, a.Metrics(), "leasehold_journal_healthy"); g != 1 {
 		t.Errorf("leasehold_journal_healthy after the recovery: %v, want 1", g)
 	}
@@ -303,12 +287,12 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 		}
 	}
 	startAgent(t, cluster, "n1", "uid1", withState)
-	pollUntil(t, 15*time.Second, "every pod, also those added while the disk was full, is re-claimed", func() bool {
+	etcdtest.Eventually(t, "every pod, also those added while the disk was full, is re-claimed", func() error {
 		for _, owner := range want {
 			if !owned(owner) {
-				return false
+				return fmt.Errorf("%s holds no address", owner)
 			}
 		}
-		return true
+		return nil
 	})
 }

@@ -26,7 +26,7 @@ func startAgentAt(t testing.TB, endpoint, cluster, node, uid string, mod ...func
 	for _, f := range mod {
 		f(&cfg)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	a, err := Start(ctx, etcdtest.ClientAt(t, endpoint), cfg)
 	if err != nil {

@@ -28,8 +28,9 @@ const (
 	// blocks back.
 	modelBlockIdle = 300 * time.Millisecond
 	// modelViewSettle bounds how long check waits for the agents' views of their blocks to
-	// agree with etcd: a give-back deletes the claim, then drops the span.
-	modelViewSettle = 3 * time.Second
+	// agree with etcd (a give-back deletes the claim, then drops the span), and a settling
+	// history for what it waits for: far above what the slowest run needs.
+	modelViewSettle = etcdtest.Patience
 )
 
 // modelBlockMetrics are the counters the model sums over every agent it ran.
@@ -173,14 +174,14 @@ func (m *model) die(ctx context.Context, i int) bool {
 	m.count["death"]++
 	// Every key the dead node wrote for its pods and blocks must go with its leases: a key on
 	// a lease it did not renew expires on its own within the TTL, one on no lease never does.
-	deadline := time.Now().Add(12 * time.Second)
+	deadline := time.Now().Add(etcdtest.Patience)
 	for {
 		left := m.keysOfNode(ctx, n.name, n.uid)
 		if len(left) == 0 {
 			return true
 		}
 		if time.Now().After(deadline) {
-			m.t.Errorf("step %d: keys of dead node %s (uid %s) outlive its leases: %v", i, n.name, n.uid, left)
+			m.t.Errorf("step %d: keys of dead node %s (uid %s) outlive its leases by %s: %v", i, n.name, n.uid, etcdtest.Patience, left)
 			return true
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -236,7 +237,7 @@ func (m *model) drain(ctx context.Context, i int) {
 // claim, and it goes with its lease, after the reuse delay; the model revokes that lease
 // (counted as "orphaned").
 func (m *model) settle(i int) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), modelStepTimeout)
 	defer cancel()
 	m.revive(i)
 	m.returns(ctx, i, true)
@@ -502,7 +503,7 @@ func (m *model) checkViews() {
 }
 
 func (m *model) viewProblems() []string {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
 	if err != nil {
@@ -575,7 +576,7 @@ func (m *model) viewProblems() []string {
 
 // blocksDump is the pool's claims and each live agent's blocks, for a failure report.
 func (m *model) blocksDump() string {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	var b strings.Builder
 	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())

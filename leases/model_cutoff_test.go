@@ -12,6 +12,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -43,11 +44,12 @@ const (
 	// a hold ends only when the model lets a cut-off node's block lease expire.
 	modelReuseDelay = 5 * time.Minute
 	// modelReclaimWait bounds how long an agent started after a cut-off or a crash, or one
-	// that lost a pod lease, takes to hold every pod of its node again.
-	modelReclaimWait = 15 * time.Second
+	// that lost a pod lease, takes to hold every pod of its node again: far above what the
+	// slowest run needs, so that running out of it means the pods are not re-claimed.
+	modelReclaimWait = etcdtest.Patience
 	// modelResolveWait bounds how long a running pod takes to hold again a conflicted address
-	// once the owner that took it let it go (the agent watches the key).
-	modelResolveWait = 5 * time.Second
+	// once the owner that took it let it go (the agent watches the key); as generous.
+	modelResolveWait = etcdtest.Patience
 )
 
 // stored is a key of etcd as the model reads it: its record and lease.
@@ -405,7 +407,7 @@ func (m *model) returns(ctx context.Context, i int, all bool) {
 		m.count["back"]++
 		seen := m.awaitReclaims(i, ni)
 		// The keys are written before the agent has looked back in etcd's history.
-		deadline := time.Now().Add(5 * time.Second)
+		deadline := time.Now().Add(etcdtest.Patience)
 		for n.agent.Conflicts() < int64(seen.sure) && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Millisecond)
 		}
@@ -570,7 +572,7 @@ type reclaimWant struct {
 // reclaimProblems says what of want etcd and the agent do not show yet, and which addresses
 // each attachment lost (the taken ones and the contested ones its waiter got).
 func (m *model) reclaimProblems(n *modelNode, want reclaimWant) (lost map[attKey][]netip.Addr, out []string) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	st := m.readState(ctx)
 	lost = map[attKey][]netip.Addr{}

@@ -43,8 +43,9 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 	m.mu.Lock()
 	held, container := m.held[k], m.ctr[k]
 	m.mu.Unlock()
+	sent := time.Now()
 	err := n.agent.Del(ctx, m.req(k, container))
-	m.release(k, held)
+	m.release(k, held, sent)
 	m.crashNode(ctx, i, ni, expire)
 	m.log("%d %s DEL %v %s -> %v, then CRASH (its pod leases expire: %v)", i, n.name, k, container, err, expire)
 	m.count["crash after DEL"]++

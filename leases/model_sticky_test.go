@@ -13,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -42,11 +43,13 @@ const (
 	// a claim never expires while the model runs (settle ends them).
 	modelClaimHold = 24 * time.Hour
 	// modelStickyWait is a new incarnation's ADD deadline: an ADD whose claim a live
-	// incarnation holds waits until shortly before it, then fails naming the holder.
+	// incarnation holds waits until shortly before it, then fails naming the holder (or, on a
+	// machine too busy to read the claim in that time, fails at the deadline).
 	modelStickyWait = 1500 * time.Millisecond
 	// modelStickyRaceWait is the deadline of a new incarnation's ADD sent together with the
-	// DEL of the live one (kubelet's DEL of the old pod late): the DEL ends within it.
-	modelStickyRaceWait = 3 * time.Second
+	// DEL of the live one (kubelet's DEL of the old pod late): the DEL ends within it, however
+	// busy the machine. The ADD returns once the DEL is done, so it costs nothing to wait.
+	modelStickyRaceWait = etcdtest.Patience
 )
 
 func modelClaim(ordinal string) string { return "ns." + ordinal }
@@ -180,7 +183,10 @@ func (m *model) stickyAdd(ctx context.Context, i int, node *modelNode, k attKey,
 		m.t.Errorf("step %d: claim %s was handed to %v (%v) while incarnation %v lives and holds it", i, modelClaim(ordinal), k, addrs(res), holder)
 		return
 	case live:
-		if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), holder.owner) {
+		// Only an ADD that ran out of time before it could read the claim may leave the holder
+		// unnamed: a busy machine.
+		slow := errors.Is(err, context.DeadlineExceeded)
+		if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), holder.owner) && !slow {
 			m.t.Errorf("step %d: ADD of %v while %v holds claim %s: %v, want ErrUnavailable naming %s", i, k, holder, modelClaim(ordinal), err, holder.owner)
 		}
 		m.inc("sticky refused")

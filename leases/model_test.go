@@ -166,6 +166,10 @@ func TestModelRandomHistories(t *testing.T) {
 
 const modelQuarantine = 2 * time.Second
 
+// modelStepTimeout bounds one step or settle of a history: far above what the slowest run
+// needs, so that only an operation that never ends runs out of it.
+const modelStepTimeout = 3 * etcdtest.Patience
+
 type modelNode struct {
 	name, uid, state string
 	agent            *Agent // nil while the node is dead or cut off
@@ -297,7 +301,7 @@ type modelOp struct {
 
 // step runs one to three random operations at once, on distinct owners.
 func (m *model) step(i int) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), modelStepTimeout)
 	defer cancel()
 	m.revive(i)
 	m.returns(ctx, i, false)
@@ -441,6 +445,7 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			c = container + "-old" // a replayed DEL of an earlier sandbox
 		}
 		before := m.keysOfOthers(busy)
+		sent := time.Now()
 		err := node.agent.Del(ctx, m.req(k, c))
 		m.log("%d %s DEL %v %s stale=%v -> %v", i, node.name, k, c, stale || !have, err)
 		m.inc("del")
@@ -455,7 +460,7 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			}
 		}
 		if have && !stale {
-			m.release(k, held)
+			m.release(k, held, sent)
 		}
 	default: // CHECK
 		_, err := node.agent.Check(ctx, m.req(k, container))
@@ -481,12 +486,15 @@ func (m *model) inc(what string) {
 	m.count[what]++
 }
 
-func (m *model) release(k attKey, held []netip.Addr) {
+// release records that k's addresses held were released by an operation sent at sent: their
+// quarantine runs from the release transaction inside it, so from no earlier than sent. (From
+// when the answer came, a busy machine could make a hand-over after the quarantine look early.)
+func (m *model) release(k attKey, held []netip.Addr, sent time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, a := range held {
 		if !slices.Contains(m.conflict[k], a) { // another owner's
-			m.freed[a] = time.Now()
+			m.freed[a] = sent
 		}
 	}
 	delete(m.held, k)
@@ -585,6 +593,7 @@ func (m *model) gc(ctx context.Context, i int) {
 		held[k] = m.held[k]
 	}
 	m.mu.Unlock()
+	sent := time.Now()
 	err := m.nodes[ni].agent.GC(ctx, allocator.GCRequest{Network: m.pool.Name, Pool: m.pool, ValidAttachments: valid})
 	m.log("%d %s GC valid=%d dropped=%v -> %v", i, m.nodes[ni].name, len(valid), dropped, err)
 	m.count["gc"]++
@@ -592,13 +601,13 @@ func (m *model) gc(ctx context.Context, i int) {
 		m.t.Errorf("step %d: GC: %v", i, err)
 	}
 	for _, k := range dropped {
-		m.release(k, held[k])
+		m.release(k, held[k], sent)
 	}
 }
 
 // keysOfOthers returns the allocation keys, with their revisions, of owners not in busy.
 func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix())
 	if err != nil {
@@ -615,7 +624,7 @@ func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
 
 // check compares etcd with the model at a quiet point.
 func (m *model) check() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	resp, err := m.cli.Txn(ctx).Then(
 		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),

@@ -53,15 +53,20 @@ const stickyWaitStep = 500 * time.Millisecond
 // readSticky reads st's claim and the state of its addresses, and sets st.sticky. A claim
 // whose addresses another owner still holds (the previous pod lives, or its node's lease has
 // not expired) is waited for, polling, until shortly before ctx ends; then the ADD fails
-// naming the holder. The addresses are never taken from a live holder.
+// naming the holder, also when ctx ends during a later poll (a slow etcd): the holder the last
+// answer named is still the reason. The addresses are never taken from a live holder.
 func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
 	hold, err := a.claimHold(st.req)
 	if err != nil {
 		return err
 	}
 	key := keyspace.ClaimKey(a.cfg.Cluster, p.spec.Name, st.req.Claim)
+	held := ""
 	for {
 		s, holder, err := a.readClaim(ctx, p, st, key)
+		if err != nil && held != "" && ctx.Err() != nil {
+			holder, err = held, nil
+		}
 		if err != nil {
 			return err
 		}
@@ -73,8 +78,9 @@ func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
 			st.sticky = s
 			return nil
 		}
+		held = holder
 		deadline, ok := ctx.Deadline()
-		if !ok || time.Until(deadline) < 2*stickyWaitStep {
+		if !ok || time.Until(deadline) < 2*stickyWaitStep || ctx.Err() != nil {
 			a.metrics.claimsRefused.Inc()
 			return fmt.Errorf("%w: claim %q of pool %q: its addresses are still held by %s; an attachment naming the claim gets them "+
 				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, st.req.Claim, p.spec.Name, holder)

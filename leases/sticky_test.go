@@ -3,8 +3,11 @@ package leases
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/netip"
+	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -67,7 +70,7 @@ func TestStickyClaimFollowsThePodAcrossNodes(t *testing.T) {
 	}
 
 	// The replacement while the first pod lives: waits, then names the holder.
-	short, cancel := context.WithTimeout(ctx, 2*time.Second)
+	short, cancel := context.WithTimeout(ctx, 5*time.Second)
 	_, err = b.Add(short, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
 	cancel()
 	if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), "pod-uid-1") {
@@ -105,6 +108,53 @@ func TestStickyClaimFollowsThePodAcrossNodes(t *testing.T) {
 	again, err := b.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
 	if err != nil || resultAddrs(again)[0] != resultAddrs(first)[0] {
 		t.Fatalf("repeated ADD of the holder: %v %v", again, err)
+	}
+}
+
+// slowAfterFirstKV is etcd's KV, except that every read of key after the first waits until
+// its context ends: an etcd that became too slow to answer.
+type slowAfterFirstKV struct {
+	clientv3.KV
+	key   string
+	reads *atomic.Int32
+}
+
+func (k slowAfterFirstKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	if key == k.key && k.reads.Add(1) > 1 {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return k.KV.Get(ctx, key, opts...)
+}
+
+// TestAStickyWaitThatRunsOutNamesTheHolder: an ADD waiting for a claim's live holder ends
+// during a read that etcd is too slow to answer; it still fails naming the holder the last
+// answer named, not as a failed read.
+func TestAStickyWaitThatRunsOutNamesTheHolder(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	pool := v4Pool(etcdtest.Uniq("p"), "10.69.0.0/24", 26)
+	ctx := ctxT(t)
+	a := startAgent(t, cluster, "n1", "uid1")
+	if _, err := a.Add(ctx, stickyReq(pool, "c1", "pod-uid-1", "default.web-2")); err != nil {
+		t.Fatal(err)
+	}
+	var reads atomic.Int32
+	cli := etcdtest.Client(t)
+	cli.KV = slowAfterFirstKV{KV: cli.KV, key: keyspace.ClaimKey(cluster, pool.Name, "default.web-2"), reads: &reads}
+	b, err := Start(ctx, cli, Config{Cluster: cluster, Node: "n2", NodeUID: "uid2", Quarantine: -1, SpareLeases: 1,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, err = b.Add(short, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))
+	cancel()
+	if !errors.Is(err, allocator.ErrUnavailable) || !strings.Contains(err.Error(), "still held by") || !strings.Contains(err.Error(), "pod-uid-1") {
+		t.Errorf("ADD whose wait ran out in a slow read: %v; want ErrUnavailable naming pod-uid-1 as the holder", err)
+	}
+	if n := reads.Load(); n < 2 {
+		t.Errorf("the claim was read %d times; the test needs a slow read after the first", n)
 	}
 }
 
@@ -147,9 +197,9 @@ func TestStickyClaimExpiresAfterTheHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	key := keyspace.ClaimKey(cluster, pool.Name, "default.web-2")
-	etcdtest.Eventually(t, 15*time.Second, "the released claim expired", func() bool {
-		_, ok := readClaimRecord(t, cli, key)
-		return !ok
+	etcdtest.Eventually(t, "the released claim expired", func() error {
+		rec, ok := readClaimRecord(t, cli, key)
+		return etcdtest.Saw(!ok, "claim %+v", rec)
 	})
 	other := addReq(pool, "c3", "eth0", "pod-uid-3")
 	other.RequestedIPs = resultAddrs(res)

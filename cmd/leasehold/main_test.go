@@ -92,7 +92,7 @@ func startOldAgent(t *testing.T) string {
 			}
 			go func() {
 				defer c.Close()
-				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				_ = c.SetDeadline(time.Now().Add(2 * time.Minute)) // a bound for a client that never finishes, not a figure
 				_, _ = io.Copy(io.Discard, c)
 				_, _ = io.WriteString(c, `{"version":1,"error":{"code":6,"msg":"agent protocol error: unknown operation \"cni\"; `+
 					`leaseholdd knows add, del, check, gc and status","sentinel":"ErrProtocol"}}`)

@@ -69,7 +69,7 @@ func agent(t *testing.T, ep, cluster, node string, tweaks ...func(*leases.Config
 	for _, tweak := range tweaks {
 		tweak(&cfg)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	a, err := leases.Start(ctx, etcdtest.ClientAt(t, ep), cfg)
 	if err != nil {

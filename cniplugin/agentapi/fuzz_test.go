@@ -187,7 +187,7 @@ func FuzzServe(f *testing.F) {
 	f.Add([]byte(`{"version":1,"op":"cni","timeoutMs":29000,"request":` + string(body) + `}`))
 	svc := &fuzzInvoker{}
 	socket := fuzzServer(f, svc)
-	c := &Client{Socket: socket, Timeout: 10 * time.Second}
+	c := &Client{Socket: socket, Timeout: patience}
 	probe := NewInvocation("STATUS", testConf(socket), "", "")
 	f.Fuzz(func(t *testing.T, data []byte) {
 		svc.reset()
@@ -232,7 +232,7 @@ func FuzzServe(f *testing.F) {
 			}
 		}
 		// The server keeps serving.
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), patience)
 		defer cancel()
 		if out, err := c.Invoke(ctx, probe); err != nil || out.Exit != 0 {
 			t.Fatalf("after input %s the server no longer serves: %+v %v", short(data), out, err)
@@ -266,7 +266,7 @@ func fuzzExchange(t *testing.T, socket string, data []byte) (*WireResponse, []by
 		t.Fatalf("dial: %v", err)
 	}
 	defer conn.Close()
-	_ = conn.SetDeadline(time.Now().Add(15 * time.Second))
+	_ = conn.SetDeadline(time.Now().Add(patience))
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		_, _ = conn.Write(data) // the server may answer and close before reading it all
@@ -367,8 +367,8 @@ func fuzzServerLog(tb testing.TB, svc Invoker, log *slog.Logger) string {
 			if err != nil {
 				tb.Errorf("Serve: %v", err)
 			}
-		case <-time.After(30 * time.Second):
-			tb.Errorf("Serve did not return after cancel")
+		case <-time.After(patience):
+			tb.Errorf("Serve did not return %s after cancel", patience)
 		}
 	})
 	return socket

@@ -88,8 +88,8 @@ func startServer(t *testing.T, inv Invoker) (socket string, stop func()) {
 				if err != nil {
 					t.Errorf("Serve: %v", err)
 				}
-			case <-time.After(30 * time.Second):
-				t.Errorf("Serve did not return after cancel")
+			case <-time.After(patience):
+				t.Errorf("Serve did not return %s after cancel", patience)
 			}
 		})
 	}

@@ -343,10 +343,16 @@ func (l *logLimiter) allow(now time.Time) (ok bool, skipped int, flushIn time.Du
 }
 
 // flush returns how many events were held back since the last that passed; if any were,
-// their report counts as the period's line: the period starts again at now.
+// their report counts as the period's line: the period starts again at now. Before the
+// period has ended it reports nothing: a flush asked for in an earlier period, run late
+// (after an event passed at that period's end), must not report the new period's events
+// early, a second line within the period; the flush asked for in this period reports them.
 func (l *logLimiter) flush(now time.Time) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if now.Before(l.next) {
+		return 0
+	}
 	n := l.skipped
 	if n > 0 {
 		l.skipped = 0
