@@ -189,7 +189,7 @@ func TestDoctorRunningPodFixWithTheAgent(t *testing.T) {
 		t.Fatalf("want one %s finding, got %+v", KindPodAddrMissing, fs)
 	}
 	runFix(t, cli, f.Fix)
-	etcdtest.Eventually(t, 20*time.Second, "the agent re-claims the pod's address and doctor is clean", func() bool {
+	etcdtest.EventuallyTrue(t, "the agent re-claims the pod's address and doctor is clean", func() bool {
 		st, err := ReadState(ctx, cli)
 		if err != nil {
 			return false

@@ -59,7 +59,7 @@ func conflictNames(t testing.TB, cli *clientv3.Client, pool string, p pod32) boo
 // stay. In a full pool, an allocation deleted by hand: no ADD, on its node or on a second
 // node that borrows, is given the address.
 func TestKeyOfARunningPodDeletedByHand(t *testing.T) {
-	f := newFixture(t, withAgents(2), withShortLeases(), withNetns(), withTimeout(5*time.Minute))
+	f := newFixture(t, withAgents(2), withShortLeases(), withNetns())
 	h := newHistory32(f)
 	blocks := allocator.DefaultBlocks
 	conf := v4conf(f.Pool, f.Agent.Socket, "10.87.0.0/24")
@@ -226,7 +226,7 @@ type doctorReport struct {
 // finding about them says there is nothing to do. Each case removes keys of its own pod and
 // puts them back (same value, same lease) before the next.
 func TestDoctorReportsARunningPodsMissingKey(t *testing.T) {
-	f := newFixture(t, withAgentFlags("--lease-ttl", "2m"), withNetns(), withTimeout(3*time.Minute))
+	f := newFixture(t, withAgentFlags("--lease-ttl", "2m"), withNetns())
 	h := newHistory32(f)
 	blocks := allocator.DefaultBlocks
 	conf := v4conf(f.Pool, f.Agent.Socket, "10.89.0.0/24")

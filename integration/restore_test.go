@@ -390,7 +390,7 @@ func TestEtcdRestoredFromABackup(t *testing.T) {
 }
 
 func restoredFromABackup(t *testing.T, restoreFlags []string) {
-	f := newFixture(t, withAgents(2), withShortLeases(), withNetns(), withTimeout(8*time.Minute))
+	f := newFixture(t, withAgents(2), withShortLeases(), withNetns())
 	blocks := allocator.Blocks{IPv4: 28, IPv6: allocator.DefaultBlocks.IPv6}
 	confs := make([][]byte, len(f.Agents))
 	for i, a := range f.Agents {

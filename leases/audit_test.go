@@ -43,7 +43,7 @@ func heldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner string, k podKe
 	t.Helper()
 	var lease clientv3.LeaseID
 	var last string
-	etcdtest.Eventually(t, 60*time.Second, "the pod's keys back on its lease", func() bool {
+	etcdtest.EventuallyTrue(t, "the pod's keys back on its lease", func() bool {
 		var ok bool
 		if lease, ok = a.pods.lease(owner); !ok {
 			last = "the agent holds no lease for the pod"
@@ -169,7 +169,7 @@ func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
 		t.Fatal(err)
 	}
 	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
-	etcdtest.Eventually(t, 60*time.Second, "a conflict recorded for the running pod", func() bool {
+	etcdtest.EventuallyTrue(t, "a conflict recorded for the running pod", func() bool {
 		resp, err := cli.Get(ctx, conflict)
 		return err == nil && len(resp.Kvs) > 0
 	})
@@ -198,7 +198,7 @@ func TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce(t *testing.T) {
 	}
 	ip := addrs(res)[0]
 	k := keysOf(cluster, "n1", "u1", pool, ip)
-	etcdtest.Eventually(t, 60*time.Second, "the audit at start done", func() bool { return counterValue(a.metrics.audits) >= 1 })
+	etcdtest.EventuallyTrue(t, "the audit at start done", func() bool { return counterValue(a.metrics.audits) >= 1 })
 	audits := counterValue(a.metrics.audits)
 	lease := heldFor(t, cli, a, "u1", k, ip)
 	if _, err := cli.Delete(ctx, k.alloc); err != nil {

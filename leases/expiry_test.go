@@ -877,7 +877,7 @@ func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
-	etcdtest.Eventually(t, 15*time.Second, "the overlap found at the DEL is counted", func() bool {
+	etcdtest.EventuallyTrue(t, "the overlap found at the DEL is counted", func() bool {
 		return back.Conflicts() == 1
 	})
 	if n := allocOwner(t, cli, pool, ip); n != "thief" {

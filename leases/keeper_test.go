@@ -257,7 +257,7 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 	cli, ctx := etcdtest.Client(t), ctxT(t)
 	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 2})
 	defer k.Close()
-	etcdtest.Eventually(t, 30*time.Second, "two spares granted", func() bool {
+	etcdtest.EventuallyTrue(t, "two spares granted", func() bool {
 		k.mu.Lock()
 		defer k.mu.Unlock()
 		return len(k.spare) == 2
@@ -282,7 +282,7 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 	if still {
 		t.Fatalf("lease %x is still a spare with a key on it", id)
 	}
-	etcdtest.Eventually(t, 30*time.Second, "the key goes with the revoked lease", func() bool {
+	etcdtest.EventuallyTrue(t, "the key goes with the revoked lease", func() bool {
 		resp, err := cli.Get(ctx, key)
 		return err == nil && len(resp.Kvs) == 0
 	})

@@ -244,6 +244,8 @@ func (m *model) settle(i int) {
 	m.evict(ctx, i, true)
 	m.resolve(i)
 	m.check()
+	m.restoresAtEnd(ctx, i)
+	m.check()
 	m.mu.Lock()
 	var keys []attKey
 	busy := map[string]bool{}

@@ -88,7 +88,29 @@ func (m *model) backup(ctx context.Context, i int) {
 // backup yet, a node is cut off, an owner outside the model holds a running pod's address, or
 // the history had its share of restores.
 func (m *model) restore(ctx context.Context, i int) bool {
-	if len(m.backups) == 0 || len(m.intruders) > 0 || m.count["restore"] > i/modelRestoreEvery ||
+	return m.restoreIf(ctx, i, m.count["restore"] <= i/modelRestoreEvery)
+}
+
+// restoresAtEnd makes sure a history exercised both ways of restoring: the steps' own
+// restores depend on the state (no node away, no intruder), which the timing of a loaded
+// machine can change; at the end, with every node back, the missing ones run.
+func (m *model) restoresAtEnd(ctx context.Context, i int) {
+	for range 2 {
+		if m.count["restore plain"] > 0 && m.count["restore bumped"] > 0 {
+			return
+		}
+		if len(m.backups) == 0 {
+			m.backup(ctx, i)
+		}
+		if !m.restoreIf(ctx, i, true) {
+			return
+		}
+	}
+}
+
+// restoreIf is restore when ok, with a history's share of restores left aside.
+func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
+	if len(m.backups) == 0 || len(m.intruders) > 0 || !ok ||
 		slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.away > 0 }) {
 		return false
 	}

@@ -32,7 +32,7 @@ func claimHeldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner, container
 	t.Helper()
 	var lease clientv3.LeaseID
 	var last string
-	etcdtest.Eventually(t, 60*time.Second, "the claim's keys back on its claim lease", func() bool {
+	etcdtest.EventuallyTrue(t, "the claim's keys back on its claim lease", func() bool {
 		ix, err := cli.Get(context.Background(), k.owner)
 		if err != nil || len(ix.Kvs) == 0 {
 			last = "no owner index"
@@ -190,12 +190,12 @@ func TestAClaimReleasedByAnAdminIsNotPutBack(t *testing.T) {
 	if _, err := admin.ReleaseClaim(ctx, cli, cluster, pool.Name, claim, admin.ClaimReleaseOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, 30*time.Second, "the agent forgets the claim", func() bool {
+	etcdtest.EventuallyTrue(t, "the agent forgets the claim", func() bool {
 		at, _, ok := a.pods.attachment("u1", "eth0", pool.Name)
 		return ok && at.Claim == "" && at.ClaimLease == 0
 	})
 	audits := counterValue(a.metrics.audits)
-	etcdtest.Eventually(t, 30*time.Second, "two more audits", func() bool { return counterValue(a.metrics.audits) >= audits+2 })
+	etcdtest.EventuallyTrue(t, "two more audits", func() bool { return counterValue(a.metrics.audits) >= audits+2 })
 	if _, ok := readClaimRecord(t, cli, keyspace.ClaimKey(cluster, pool.Name, claim)); ok {
 		t.Fatalf("the claim an admin released is back")
 	}
@@ -247,7 +247,7 @@ func TestAClaimOfADeletedPodBroughtBackByARestoreIsReleased(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.etcdWentBack("a test's restore")
-	etcdtest.Eventually(t, 30*time.Second, "the claim of the deleted pod released", func() bool {
+	etcdtest.EventuallyTrue(t, "the claim of the deleted pod released", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero()
 	})
@@ -300,7 +300,7 @@ func TestAReleasedClaimARestoreTookIsPutBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.etcdWentBack("a test's restore")
-	etcdtest.Eventually(t, 30*time.Second, "the released claim put back", func() bool {
+	etcdtest.EventuallyTrue(t, "the released claim put back", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero() && slices.Equal(rec.IPs, ips)
 	})

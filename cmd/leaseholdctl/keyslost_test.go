@@ -5,7 +5,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -172,7 +171,7 @@ func TestAllocShowAndPoolShowOfARunningPodsLostKeys(t *testing.T) {
 
 			// What they say the agent does: started again, it puts the keys back within half a TTL.
 			w.start(t)
-			etcdtest.Eventually(t, 15*time.Second, "the agent puts the pod's keys back", func() bool {
+			etcdtest.EventuallyTrue(t, "the agent puts the pod's keys back", func() bool {
 				return ctlAt(w.ep, "alloc", "show", w.ip).code == exitOK
 			})
 			if r := ctlAt(w.ep, "pool", "show", "net"); strings.Contains(r.stdout, "keys lost") || !strings.Contains(r.stdout, "no expired addresses or blocks") {
@@ -185,7 +184,7 @@ func TestAllocShowAndPoolShowOfARunningPodsLostKeys(t *testing.T) {
 			for _, k := range tt.deleted(w) {
 				w.del(t, k)
 			}
-			etcdtest.Eventually(t, 15*time.Second, "the running agent puts the pod's keys back", func() bool {
+			etcdtest.EventuallyTrue(t, "the running agent puts the pod's keys back", func() bool {
 				return ctlAt(w.ep, "alloc", "show", w.ip).code == exitOK
 			})
 		})
@@ -260,7 +259,7 @@ func TestAllocShowAndPoolShowOfExpiredAddressesSayWhatTheAgentDoes(t *testing.T)
 		t.Fatal(err)
 	}
 	w.start(t)
-	etcdtest.Eventually(t, 15*time.Second, "the agent re-claims web's address and frees db's held key", func() bool {
+	etcdtest.EventuallyTrue(t, "the agent re-claims web's address and frees db's held key", func() bool {
 		return ctlAt(w.ep, "alloc", "show", w.ip).code == exitOK && len(keys(t, w.cli, dbHeld)) == 0
 	})
 	if r := ctlAt(w.ep, "alloc", "show", dbIP); r.code != exitNotFound || strings.Contains(r.stdout+r.stderr, "expired") {

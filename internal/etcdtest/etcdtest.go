@@ -170,6 +170,13 @@ func Eventually(t testing.TB, what string, cond func() error) time.Duration {
 	}
 }
 
+// EventuallyTrue is Eventually for a condition that says only whether it holds; the test
+// says what it saw in its own failure, if it matters.
+func EventuallyTrue(t testing.TB, what string, cond func() bool) time.Duration {
+	t.Helper()
+	return Eventually(t, what, func() error { return Saw(cond(), "not yet") })
+}
+
 // Saw is a condition's answer for Eventually: nil when ok, else what it saw.
 func Saw(ok bool, format string, args ...any) error {
 	if ok {
