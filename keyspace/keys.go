@@ -199,6 +199,11 @@ func ConflictsPrefix(cluster string) string {
 // NodeKey is /leasehold/v1/nodes/<cluster>/<node>: the agent's node record, on the node lease.
 func NodeKey(cluster, node string) string { return nodesDir + cluster + "/" + node }
 
+// RestoredKey is where an agent that found etcd gone back in time (restored from a backup)
+// says so, on a lease of the settle time, for every agent of every cluster: one that saw no
+// sign itself (a backup close to what it last saw) learns it there (RestoredRecord).
+const RestoredKey = Prefix + "restored"
+
 // NodesPrefix is the prefix of every node record of cluster; with cluster "" of all clusters.
 func NodesPrefix(cluster string) string {
 	if cluster == "" {

@@ -111,6 +111,16 @@ type PoolConflictRecord struct {
 	Detected time.Time          `json:"detected"`
 }
 
+// RestoredRecord is the value of /leasehold/v1/restored: the agent that found etcd gone back
+// in time, when, why, and the end of its settle time.
+type RestoredRecord struct {
+	Cluster string    `json:"cluster"`
+	Node    string    `json:"node"`
+	Noticed time.Time `json:"noticed"`
+	Until   time.Time `json:"until"`
+	Why     string    `json:"why"`
+}
+
 // QuarantineRecord is the value of /leasehold/v1/quarantine/<pool>/<block>/<ip>.
 type QuarantineRecord struct {
 	ReleasedBy string    `json:"releasedBy"`

@@ -155,10 +155,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.resumeBlocks(ctx)
 	a.resumeClaims(ctx)
-	a.wg.Add(3)
+	a.wg.Add(4)
 	go a.reclaimLoop()
 	go a.livenessLoop()
 	go a.goneLoop()
+	go a.restoredLoop()
 	if cfg.PublishHostAddrs {
 		a.wg.Add(1)
 		go a.publishHosts(actx)

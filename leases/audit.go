@@ -573,6 +573,13 @@ func (h *restoreHold) settling() error {
 // time), the node registered again and the spare leases revoked with whatever a backup put
 // back on them; ADDs wait for the repair (restoreHold).
 func (a *Agent) etcdWentBack(why string) {
+	until := a.wentBack(why)
+	go a.announceRestore(until, why)
+}
+
+// wentBack is etcdWentBack without telling the other agents (restored.go), for a restore
+// they told this agent of. It returns the end of the settle time.
+func (a *Agent) wentBack(why string) time.Time {
 	until := a.hold.notice(why)
 	a.metrics.wentBack.Inc()
 	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
@@ -588,6 +595,7 @@ func (a *Agent) etcdWentBack(why string) {
 	// The backup's leases of pods deleted since live out their TTL, and their allocations
 	// keep the held keys of their addresses from being freed (settleHeld) until then.
 	time.AfterFunc(a.cfg.LeaseTTL*3/2, a.wake)
+	return until
 }
 
 // etcdMayHaveGoneBack is the gate's suspicion that etcd went back in time without a sign in

@@ -261,3 +261,32 @@ func TestASettleTimeSurvivesARestart(t *testing.T) {
 		t.Errorf("the ADD that found no room: %v, want code 11 naming the settle time", last)
 	}
 }
+
+// TestAnAgentToldOfARestoreSettles: an agent that saw no sign of a restore (its last answers
+// were at revisions the restored etcd passed) learns it from the agent that found it, and
+// settles as if it had: no new block for it during the settle time.
+func TestAnAgentToldOfARestoreSettles(t *testing.T) {
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/26", 28)
+	found := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()))
+	told := startAgent(t, cluster, "n2", "uid-n2", withHold(t.TempDir()))
+	if _, err := found.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	// The word is for every agent on this etcd: the package's other tests must not hear it.
+	cli := etcdtest.Client(t)
+	t.Cleanup(func() { _, _ = cli.Delete(context.Background(), keyspace.RestoredKey) })
+	found.etcdWentBack("a test's restore")
+	etcdtest.EventuallyTrue(t, "the other agent settling", func() bool { return told.hold.settling() != nil })
+	_, err := told.Add(ctx, addReq(pool, "c2", "eth0", "u2")) // it holds no block: it needs one
+	if !errors.Is(err, errSettling) {
+		t.Errorf("an ADD needing a new block on the told agent: %v, want refused for the settle time", err)
+	}
+	if n := counterValue(told.metrics.wentBack); n != 1 {
+		t.Errorf("the told agent counted etcd going back %v times, want 1", n)
+	}
+	// Its own word does not start a second repair of the agent that found it.
+	if n := counterValue(found.metrics.wentBack); n != 1 {
+		t.Errorf("the agent that found it counted etcd going back %v times, want 1", n)
+	}
+}

@@ -1,0 +1,80 @@
+package leases
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// An agent that finds etcd gone back in time says so under keyspace.RestoredKey, on a lease
+// of its settle time, and every agent follows that key. One that saw no sign of the restore
+// itself (its last answers were at revisions the restored etcd had passed, or it was away)
+// would hand out the addresses other nodes' pods lost with the backup: told, it repairs and
+// settles as if it had noticed. An agent told of a restore does not tell again.
+
+// announceRestore writes the restored key for the other agents: what this agent found, and
+// the end of its settle time, which the key's lease ends with.
+func (a *Agent) announceRestore(until time.Time, why string) {
+	ctx, cancel := a.opCtx(a.ctx)
+	defer cancel()
+	left := time.Until(until)
+	lease, err := a.cli.Grant(ctx, int64((left+time.Second-1)/time.Second))
+	if err == nil {
+		now := time.Now()
+		rec := keyspace.RestoredRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Noticed: now.UTC(), Until: now.Add(left).UTC(), Why: why}
+		_, err = a.cli.Put(ctx, keyspace.RestoredKey, keyspace.Encode(rec), clientv3.WithLease(lease.ID))
+	}
+	if err != nil && a.ctx.Err() == nil {
+		a.log.Warn("could not tell the other agents that etcd went back in time; each finds it by itself", "err", err)
+	}
+}
+
+// restoredLoop follows the restored key: read at start, then watched.
+func (a *Agent) restoredLoop() {
+	defer a.wg.Done()
+	backoff := retryFirst
+	for a.ctx.Err() == nil {
+		ctx, cancel := a.opCtx(a.ctx)
+		resp, err := a.cli.Get(ctx, keyspace.RestoredKey)
+		cancel()
+		if err == nil {
+			if len(resp.Kvs) > 0 {
+				a.toldOfRestore(resp.Kvs[0])
+			}
+			wctx, stop := context.WithCancel(clientv3.WithRequireLeader(a.ctx))
+			for wr := range a.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(resp.Header.Revision+1), clientv3.WithFilterDelete()) {
+				if wr.Err() != nil {
+					break
+				}
+				for _, ev := range wr.Events {
+					a.toldOfRestore(ev.Kv)
+				}
+				backoff = retryFirst
+			}
+			stop()
+		}
+		if !sleepCtx(a.ctx, backoff) {
+			return
+		}
+		backoff = min(2*backoff, retryMax)
+	}
+}
+
+// toldOfRestore acts on another agent's word that etcd went back in time, unless this agent
+// is settling after it already.
+func (a *Agent) toldOfRestore(kv *mvccpb.KeyValue) {
+	rec, err := keyspace.Decode[keyspace.RestoredRecord](string(kv.Key), kv.Value)
+	if err != nil || rec.Cluster == a.cfg.Cluster && rec.Node == a.cfg.Node || !time.Now().Before(rec.Until) {
+		return
+	}
+	if _, until, _ := a.hold.settleTimes(); !until.IsZero() && until.Add(a.cfg.LeaseTTL).After(rec.Until) {
+		return // this agent noticed it too, or was told already
+	}
+	a.wentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
+		rec.Node, rec.Cluster, rec.Noticed.Format(time.RFC3339), rec.Why))
+}
