@@ -96,7 +96,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		cfg:             cfg,
 		cli:             gate.client,
 		gate:            gate,
-		hold:            newRestoreHold(cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
+		hold:            newRestoreHold(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
 		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:             actx,
 		cancel:          cancel,

@@ -402,16 +402,19 @@ func (a *Agent) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
 
 // restoreHold is what the agent does while it repairs what etcd going back in time took.
 // ADDs wait until every running pod of the node holds its addresses again (a repeated ADD
-// must find its pod's keys, not claim new ones), for a lease TTL at most (repairTime). And
-// for the settle time after it noticed, the lease TTL plus the reuse delay, the node claims no
-// new block, borrows nothing, and leaves free the addresses its views knew allocated before
-// they listed their pools again: another node's pod created after the backup holds its
-// address with no key left, and no held key either. Its agent re-claims it within the TTL (it
-// notices by its keep-alives or watches, or at its audit every half TTL); a node cut off
-// across the restore comes back within the TTL and the reuse delay, or its pods are expired
-// anyway, as after any cut-off.
+// must find its pod's keys, not claim new ones), for a lease TTL at most (repairTime). For the
+// settle time after it noticed, two lease TTLs, the node claims no new block and borrows
+// nothing: another node's pod created after the backup holds its address with no key and no
+// held key left, in a block whose claim may be gone too, until its agent re-claims it, within
+// the TTL (it notices by its keep-alives or watches, is told by the agent that noticed first,
+// or finds its keys lost at its audit every half TTL), with the blocks around it. And for the
+// keep time, the TTL plus the reuse delay, as long as a cut-off node's addresses are held
+// back, its views pass over the addresses they knew allocated before they listed their pools
+// again, and the blocks a restore gave back to the node. What remains open is the pod created
+// after the backup on a node cut off across the restore, outside those: its address may go to
+// another pod once the settle time is over, and is a conflict when its node comes back.
 type restoreHold struct {
-	repairTime, settle time.Duration
+	repairTime, settle, keep time.Duration
 
 	mu        sync.Mutex
 	gen       uint64 // times noticed
@@ -420,28 +423,29 @@ type restoreHold struct {
 	why       string
 	repairBy  time.Time     // when ADDs go on whatever the repair's state
 	until     time.Time     // end of the settle time
+	keepUntil time.Time     // end of the keep time
 	open      chan struct{} // closed while ADDs may go on
 }
 
-func newRestoreHold(repairTime, settle time.Duration) *restoreHold {
-	h := &restoreHold{repairTime: repairTime, settle: settle, open: make(chan struct{})}
+func newRestoreHold(repairTime, settle, keep time.Duration) *restoreHold {
+	h := &restoreHold{repairTime: repairTime, settle: settle, keep: keep, open: make(chan struct{})}
 	close(h.open)
 	return h
 }
 
-// notice closes the hold for a new repair and returns the end of its settle time.
+// notice closes the hold for a new repair and returns the end of its keep time.
 func (h *restoreHold) notice(why string) time.Time {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.gen++
 	now := time.Now()
-	h.noticed, h.why, h.repairBy, h.until = now, why, now.Add(h.repairTime), now.Add(h.settle)
+	h.noticed, h.why, h.repairBy, h.until, h.keepUntil = now, why, now.Add(h.repairTime), now.Add(h.settle), now.Add(h.keep)
 	select {
 	case <-h.open:
 		h.open = make(chan struct{})
 	default:
 	}
-	return h.until
+	return h.keepUntil
 }
 
 // pending is the notice a repair starting now answers.
@@ -496,12 +500,12 @@ func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
 		"hold their addresses again", allocator.ErrUnavailable, noticed.UTC().Format(time.RFC3339), why)
 }
 
-// settleTimes are the last notice's time, the end of its settle time (zero: none) and its
-// reason.
+// settleTimes are the last notice's time, the end of its keep time (zero: none; the settle
+// time ends before) and its reason.
 func (h *restoreHold) settleTimes() (noticed, until time.Time, why string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.noticed, h.until, h.why
+	return h.noticed, h.keepUntil, h.why
 }
 
 // resumeSettle goes on with the settle time of a notice an earlier process of the agent made
@@ -509,7 +513,15 @@ func (h *restoreHold) settleTimes() (noticed, until time.Time, why string) {
 func (h *restoreHold) resumeSettle(noticed, until time.Time, why string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.noticed, h.until, h.why = noticed, until, why
+	h.noticed, h.keepUntil, h.why = noticed, until, why
+	h.until = noticed.Add(h.settle)
+}
+
+// settleEnds are the ends of the last notice's repair time, settle time and keep time.
+func (h *restoreHold) settleEnds() (repairBy, until, keepUntil time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.repairBy, h.until, h.keepUntil
 }
 
 // repairing tells whether a notice's repair is not done yet.
@@ -582,9 +594,10 @@ func (a *Agent) etcdWentBack(why string) {
 func (a *Agent) wentBack(why string) time.Time {
 	until := a.hold.notice(why)
 	a.metrics.wentBack.Inc()
+	_, settled, _ := a.hold.settleEnds()
 	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
-		"why", why, "no_new_blocks_until", until.UTC().Format(time.RFC3339))
+		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))
 	go a.saveSettle(a.pools.restartAll(until))
 	if node := a.nodeLease(); node != 0 {
 		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds

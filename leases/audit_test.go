@@ -229,7 +229,7 @@ func TestASettleTimeSurvivesARestart(t *testing.T) {
 	crash(first) // its pod, its block and its block lease stay
 	block := netip.PrefixFrom(got[0], 28).Masked()
 	kept := got[0].Next() // in the block the restarted agent adopts
-	if err := saveSettle(dir, settleState{Noticed: time.Now().Add(-time.Minute), Until: time.Now().Add(time.Hour), Why: "a test",
+	if err := saveSettle(dir, settleState{Noticed: time.Now(), Until: time.Now().Add(time.Hour), Why: "a test",
 		Kept: map[string][]netip.Addr{pool.Name: {kept}}}); err != nil {
 		t.Fatal(err)
 	}

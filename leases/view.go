@@ -143,7 +143,7 @@ type generation struct {
 
 func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner, hooks viewHooks) *view {
 	if hooks.hold == nil {
-		hooks.hold = newRestoreHold(0, 0)
+		hooks.hold = newRestoreHold(0, 0, 0)
 	}
 	v := &view{
 		hold:        hooks.hold,

@@ -442,6 +442,13 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 		return true, fmt.Sprintf("%s, when node n%d had been away %s (%s), longer than TTL+reuse delay %s",
 			when, prev.Slot, awayFor.Round(100*time.Millisecond), cause, need)
 	}
+	if w, ok := c.acrossRestore(prev, at); ok {
+		// ARCHITECTURE.md, invariant 15: a pod created after the backup, whose node was cut
+		// off across the restore, has no key and no held key left; after the settle time
+		// (two TTLs) its address may go to another pod, a conflict when its node is back.
+		return true, fmt.Sprintf("%s, after the settle time of restore #%d: %s was created after its backup and node n%d "+
+			"was away across it (the window that remains)", when, w.f.ID, prev.UID, prev.Slot)
+	}
 	away := fmt.Sprintf("node n%d not away then", prev.Slot)
 	if awayFor > 0 {
 		away = fmt.Sprintf("node n%d away only %s then (%s)", prev.Slot, awayFor.Round(100*time.Millisecond), cause)
@@ -455,6 +462,22 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 		return true, fmt.Sprintf("%s, when the pool was full: %s; %s", when, occ, away)
 	}
 	return false, fmt.Sprintf("%s, when the pool had room: %s; %s, not longer than TTL+reuse delay %s", when, occ, away, need)
+}
+
+// acrossRestore finds the restore whose backup predates p's ADD, whose return p's node was
+// away across, and whose settle time (two TTLs after etcd's return) ended before at.
+func (c *checker) acrossRestore(p *Pod, at time.Time) (restoreWindow, bool) {
+	for _, w := range c.restores {
+		if !p.Created.After(w.backupFrom) || !at.After(w.back.Add(2*c.h.Params.TTL)) {
+			continue
+		}
+		for _, a := range c.away[p.Slot] {
+			if !a.Start.After(w.back) && c.awayEnd(a).After(w.back) {
+				return w, true
+			}
+		}
+	}
+	return restoreWindow{}, false
 }
 
 // awayFor is how long slot had been away without a break at t (0 when it was not away), or,
