@@ -106,10 +106,10 @@ soak:
 # member killed or its leader cut off, compactions, issue 27's races, the whole etcd cluster
 # restored from a backup (bin/etcdutl, plain or --bump-revision --mark-compacted), a running
 # pod's key deleted or overwritten with etcdctl) for LEASEHOLD_CHAOS_DURATION (default 10m here,
-# 90s in make test); then a checker judges the recorded history: overlaps, conflicts and their
+# 2m in make test); then a checker judges the recorded history: overlaps, conflicts and their
 # justification, leaks, lost keys, resurrections, keys missing, the repair after a restore or
 # an edited key, doctor.
-# A new seed each time unless LEASEHOLD_CHAOS_SEED replays one (make test runs seed 1 for 90s);
+# A new seed each time unless LEASEHOLD_CHAOS_SEED replays one (make test runs seed 1 for 2m);
 # LEASEHOLD_CHAOS_SEEDS=N runs N seeds in a row; a failing run prints its seed, the command
 # replaying it and the directory with its logs and history.json. Results: docs/chaos.md.
 chaos: build tools

@@ -25,13 +25,13 @@ import (
 // whether each is justified, the final state against the live pods, resurrections of
 // deleted pods' keys, live pods' keys missing, and the repair after a restore or an edit.
 //
-// Under make test it is the short version (90 s of faults, 5 nodes, about 2 minutes) of seed
+// Under make test it is the short version (2 min of faults, 5 nodes, about 2.5 minutes) of seed
 // 1, so that the run is the same schedule every time; make chaos runs the long one with a new
 // seed each time. Environment:
 //
 //	LEASEHOLD_CHAOS_SEED      the seed, or "random" for a new one (printed); default 1
 //	LEASEHOLD_CHAOS_SEEDS     run that many seeds in a row (seed, seed+1, ...)
-//	LEASEHOLD_CHAOS_DURATION  fault phase of each run (default 90s)
+//	LEASEHOLD_CHAOS_DURATION  fault phase of each run (default 2m)
 //	LEASEHOLD_CHAOS_NODES     agents (default 5, at least 5)
 //	LEASEHOLD_CHAOS_POOL      tight (default: the pods can nearly fill a /24) or roomy (a /22)
 //	LEASEHOLD_CHAOS_KEEP      keep the run directory of a passing run too
@@ -77,7 +77,7 @@ func TestChaos(t *testing.T) {
 	if nodes < 5 {
 		t.Fatalf("LEASEHOLD_CHAOS_NODES=%d: at least 5", nodes)
 	}
-	duration := 90 * time.Second
+	duration := 2 * time.Minute
 	if s := os.Getenv("LEASEHOLD_CHAOS_DURATION"); s != "" {
 		d, err := time.ParseDuration(s)
 		if err != nil {

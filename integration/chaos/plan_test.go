@@ -16,7 +16,7 @@ func testConfig(seed int64, d time.Duration) Config {
 // compaction during a restore, and every fault ends within the fault phase.
 func TestPlanFaultsIsSeeded(t *testing.T) {
 	for seed := int64(1); seed <= 50; seed++ {
-		cfg := testConfig(seed, 90*time.Second)
+		cfg := testConfig(seed, 120*time.Second)
 		a, b := planFaults(cfg), planFaults(cfg)
 		if !reflect.DeepEqual(a, b) {
 			t.Fatalf("seed %d: two schedules differ", seed)
@@ -52,29 +52,33 @@ func TestPlanFaultsIsSeeded(t *testing.T) {
 				etcdFree, restoreFree = f.At+f.busy, f.At+f.busy
 			}
 		}
-		if len(kinds) != len(faultKinds) {
+		if len(kinds) != len(faultKinds)-1 || kinds[EtcdRestore] > 0 {
 			t.Errorf("seed %d: %d faults cover %d of %d kinds: %v", seed, len(a), len(kinds), len(faultKinds), kinds)
 		}
 	}
-	// Seed 1's short run (make test) restores etcd.
+	// A short run (make test) restores no backup; a long one does (make chaos).
+	for _, f := range planFaults(testConfig(1, 2*time.Minute)) {
+		if f.Kind == EtcdRestore {
+			t.Errorf("seed 1's 2 min run restores etcd at +%s", f.At)
+		}
+	}
 	restores := 0
-	for _, f := range planFaults(testConfig(1, 90*time.Second)) {
+	for _, f := range planFaults(testConfig(1, 10*time.Minute)) {
 		if f.Kind == EtcdRestore {
 			restores++
-			t.Logf("seed 1 restores etcd at +%s (%s, new token %v), %s after the backup", f.At, f.Way, f.NewToken, f.Dur)
 		}
 	}
 	if restores == 0 {
-		t.Error("seed 1's 90 s run does not restore etcd")
+		t.Error("seed 1's 10 min run does not restore etcd")
 	}
-	if reflect.DeepEqual(planFaults(testConfig(1, 90*time.Second)), planFaults(testConfig(2, 90*time.Second))) {
+	if reflect.DeepEqual(planFaults(testConfig(1, 2*time.Minute)), planFaults(testConfig(2, 2*time.Minute))) {
 		t.Error("seeds 1 and 2 draw the same schedule")
 	}
 }
 
 func TestPlanPodsIsSeeded(t *testing.T) {
 	for seed := int64(1); seed <= 20; seed++ {
-		cfg := testConfig(seed, 90*time.Second)
+		cfg := testConfig(seed, 120*time.Second)
 		load := planLoad(cfg.Seed, cfg.Duration)
 		if !reflect.DeepEqual(planPods(newRand(cfg.Seed, 1000), load, cfg.Duration), planPods(newRand(cfg.Seed, 1000), load, cfg.Duration)) {
 			t.Fatal("two pod schedules of one seed differ")
