@@ -136,6 +136,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.pools = newPools(actx, a.cli, a.log, hooks)
 	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
+	a.blockLeases.granted = func(id clientv3.LeaseID) {
+		// The node record names the block lease a restart adopts: once the claims and held
+		// keys go on a new one (the last was lost: a cut-off longer than its TTL, or a
+		// restore of a backup from before its grant), the record is written again.
+		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
+			a.log.Warn("new block lease; the node record will be written again, naming it", "lease", keyspace.LeaseHex(id))
+			a.keeper.Forget(node)
+			a.wake()
+		}
+	}
 	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
 		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, holdBack: cfg.ReuseDelay > 0, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
 	h := fnv.New64a()
@@ -293,15 +303,6 @@ func (a *Agent) Conflicts() int64 { return a.conflicts.Load() }
 func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	a.metrics.leaseLost.Inc()
 	if a.blockLeaseLost(id) {
-		// The node record names the block lease a restart adopts: it must name the one the
-		// claims and held keys go on from now, granted anew when the record is written again.
-		// (The node lease goes with a cut-off longer than the block lease's TTL anyway; a
-		// restore can take a block lease granted after its backup and leave the node's.)
-		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
-			a.log.Warn("block lease lost; the node record will be written again, naming a new one", "lease", keyspace.LeaseHex(id))
-			a.keeper.Forget(node)
-			a.wake()
-		}
 		return
 	}
 	if slices.Contains(a.pods.claimLeases(), id) {

@@ -48,6 +48,9 @@ type blockOwner struct {
 type blockLeases struct {
 	keeper *Keeper
 	ttl    time.Duration
+	// granted, if set, hears of each new current lease granted after the first (wired at
+	// start): the node record must name it.
+	granted func(clientv3.LeaseID)
 
 	mu      sync.Mutex
 	current clientv3.LeaseID
@@ -78,12 +81,17 @@ func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {
 		return 0, err
 	}
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	if b.current != 0 {
+		cur := b.current
+		b.mu.Unlock()
 		go b.keeper.revokeQuietly(id)
-		return b.current, nil
+		return cur, nil
 	}
 	b.current, b.held[id] = id, true
+	b.mu.Unlock()
+	if b.granted != nil {
+		b.granted(id)
+	}
 	return id, nil
 }
 

@@ -246,7 +246,7 @@ func TestAClaimOfADeletedPodBroughtBackByARestoreIsReleased(t *testing.T) {
 	if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
 		t.Fatal(err)
 	}
-	a.etcdWentBack("a test's restore")
+	a.wentBack("a test's restore") // not told to the package's other agents (restored.go)
 	etcdtest.EventuallyTrue(t, "the claim of the deleted pod released", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero()
@@ -299,7 +299,7 @@ func TestAReleasedClaimARestoreTookIsPutBack(t *testing.T) {
 	if _, err := cli.Revoke(ctx, released); err != nil {
 		t.Fatal(err)
 	}
-	a.etcdWentBack("a test's restore")
+	a.wentBack("a test's restore") // not told to the package's other agents (restored.go)
 	etcdtest.EventuallyTrue(t, "the released claim put back", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero() && slices.Equal(rec.IPs, ips)
