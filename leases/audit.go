@@ -112,14 +112,10 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		return n
 	}
 	for len(verified) > 0 {
-		n, keys := 0, 0
-		for n < len(verified) && (n == 0 || keys+compared(verified[n]) <= maxTxnOps) {
-			keys += compared(verified[n])
-			n++
-		}
+		n := nextChunk(verified, compared)
 		chunk := verified[:n]
 		verified = verified[n:]
-		cmps := make([]clientv3.Cmp, 0, keys)
+		var cmps []clientv3.Cmp
 		for _, p := range chunk {
 			for _, k := range p.keys {
 				if all || !k.watched {
@@ -139,11 +135,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	}
 	// The reads, for pods not verified yet and those whose compare failed.
 	for len(unverified) > 0 {
-		n, keys := 0, 0
-		for n < len(unverified) && (n == 0 || keys+len(unverified[n].keys) <= maxTxnOps) {
-			keys += len(unverified[n].keys)
-			n++
-		}
+		n := nextChunk(unverified, func(p auditPod) int { return len(p.keys) })
 		chunk := unverified[:n]
 		unverified = unverified[n:]
 		kvs, err := a.readKeys(ctx, chunk)
@@ -191,6 +183,17 @@ func (a *Agent) markWatched(pods []auditPod) {
 			k.watched = v != nil && v.followsAddr(k.addr)
 		}
 	}
+}
+
+// nextChunk is how many of items, taken from the front, one transaction carries: as many as
+// fit maxTxnOps by size, and always the first.
+func nextChunk[T any](items []T, size func(T) int) int {
+	n, total := 0, 0
+	for n < len(items) && (n == 0 || total+size(items[n]) <= maxTxnOps) {
+		total += size(items[n])
+		n++
+	}
+	return n
 }
 
 // auditLayouts is the layout of each pool this node's pods have attachments in, read from

@@ -249,15 +249,12 @@ func (a *Agent) auditClaims(ctx context.Context, layouts map[string]allocator.Bl
 			unverified = append(unverified, c)
 		}
 	}
+	size := func(c stickyCheck) int { return len(c.keys) }
 	for len(verified) > 0 {
-		n, keys := 0, 0
-		for n < len(verified) && (n == 0 || keys+len(verified[n].keys) <= maxTxnOps) {
-			keys += len(verified[n].keys)
-			n++
-		}
+		n := nextChunk(verified, size)
 		chunk := verified[:n]
 		verified = verified[n:]
-		cmps := make([]clientv3.Cmp, 0, keys)
+		var cmps []clientv3.Cmp
 		for _, c := range chunk {
 			for i, k := range c.keys {
 				cmps = append(cmps, keyspace.Unchanged(k, c.revs[i]))
@@ -275,11 +272,7 @@ func (a *Agent) auditClaims(ctx context.Context, layouts map[string]allocator.Bl
 	}
 	var errs []error
 	for len(unverified) > 0 {
-		n, keys := 0, 0
-		for n < len(unverified) && (n == 0 || keys+len(unverified[n].keys) <= maxTxnOps) {
-			keys += len(unverified[n].keys)
-			n++
-		}
+		n := nextChunk(unverified, size)
 		chunk := unverified[:n]
 		unverified = unverified[n:]
 		var ops []clientv3.Op
