@@ -412,8 +412,8 @@ func (a *Agent) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
 // the TTL (it notices by its keep-alives or watches, is told by the agent that noticed first,
 // or finds its keys lost at its audit every half TTL), with the blocks around it. And for the
 // keep time, the TTL plus the reuse delay, as long as a cut-off node's addresses are held
-// back, its views pass over the addresses they knew allocated before they listed their pools
-// again, and the blocks a restore gave back to the node. What remains open is the pod created
+// back, its views pass over the addresses they knew allocated or held back before they listed
+// their pools again, and the blocks a restore gave back to the node. What remains open is the pod created
 // after the backup on a node cut off across the restore, outside those: its address may go to
 // another pod once the settle time is over, and is a conflict when its node comes back.
 type restoreHold struct {
@@ -434,6 +434,17 @@ func newRestoreHold(repairTime, settle, keep time.Duration) *restoreHold {
 	h := &restoreHold{repairTime: repairTime, settle: settle, keep: keep, open: make(chan struct{})}
 	close(h.open)
 	return h
+}
+
+// generation counts the notices: an answer read across a change of it may be of etcd's new
+// history, where what the agent knew is gone, and concludes nothing. Zero on a nil hold.
+func (h *restoreHold) generation() uint64 {
+	if h == nil {
+		return 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.gen
 }
 
 // notice closes the hold for a new repair and returns the end of its keep time.

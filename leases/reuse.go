@@ -199,9 +199,17 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 	for i, a := range due {
 		ops[i] = clientv3.OpGet(keyspace.HeldKey(v.pool, v.blocks, a), clientv3.WithKeysOnly())
 	}
+	gen := v.hold.generation()
 	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
 	resps, _, err := readChunked(octx, v.cli, ops)
 	cancel()
+	if err == nil && v.hold.generation() != gen {
+		// The answer proved etcd went back in time: a held key it lacks may be one the
+		// backup lacked, of a pod still running on a node cut off. The listing that follows
+		// keeps these addresses for the keep time (replace).
+		soonest(now.Add(retryMax))
+		return next
+	}
 	if err != nil {
 		if ctx.Err() == nil {
 			v.log.Info("reading held keys failed; the addresses stay held back", "count", len(due), "err", err)

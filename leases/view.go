@@ -82,13 +82,13 @@ type view struct {
 	restarting bool
 
 	// After etcd went back in time (audit.go): hold refuses new blocks and borrowing for the
-	// settle time, and kept are the addresses the view knew allocated before it listed the
-	// pool again and the listing lacks, passed over until keepUntil: another node's pod may
-	// run with one, its key gone with the backup, until its agent re-claims it.
+	// settle time, and kept are the addresses the view knew allocated or held back before it
+	// listed the pool again and the listing lacks, passed over until keepUntil: another
+	// node's pod may run with one, its key gone with the backup, until its agent re-claims it.
 	hold      *restoreHold
 	kept      map[netip.Addr]struct{}
 	keepUntil time.Time
-	// dropped are the addresses the last listing found free that the view knew allocated, at
+	// dropped are the addresses the last listing found free that the view knew taken, at
 	// droppedAt: a watch broken by a restore's compaction lists the pool again before the
 	// agent has proof that etcd went back, and restartKeeping keeps them too.
 	dropped   []netip.Addr

@@ -261,6 +261,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 	claims map[netip.Prefix]string, lists []listed) {
 	allocated := make(map[netip.Addr]int64)
 	quarantined := make(map[netip.Addr]time.Time)
+	held := make(map[netip.Addr]struct{})
 	for _, l := range lists {
 		for _, kv := range l.ips.GetKvs() {
 			if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
@@ -270,12 +271,32 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		for _, kv := range l.qs.GetKvs() {
 			v.applyQuarantine(quarantined, kv.Key, kv.Value)
 		}
+		for _, kv := range l.held.GetKvs() {
+			if _, _, ip, err := keyspace.ParseHeldKey(string(kv.Key)); err == nil {
+				held[ip] = struct{}{}
+			}
+		}
 	}
 	v.mu.Lock()
 	v.dropped, v.gained, v.droppedAt = v.dropped[:0], v.gained[:0], time.Now()
+	// Dropped: what the view knew taken that the listing finds free. An address held back
+	// for an expired holder, or whose allocation went with no release seen (suspect), counts
+	// as taken: the holder's node, cut off, may come back for it, and a restore that lost the
+	// held key must not hand the address out meanwhile.
 	for a := range v.allocated {
 		if _, ok := allocated[a]; !ok {
 			v.dropped = append(v.dropped, a)
+		}
+	}
+	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.heldBack), mapKeys(v.suspect)} {
+		for a := range m {
+			_, was := v.allocated[a]
+			_, alloc := allocated[a]
+			_, h := held[a]
+			if !was && !alloc && !h {
+				v.dropped = append(v.dropped, a)
+				held[a] = struct{}{} // once, when both maps have it
+			}
 		}
 	}
 	for b, s := range spans {
