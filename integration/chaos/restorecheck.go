@@ -96,9 +96,14 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 //     after the backup began (the backup cannot hold p's key): p had taken the address from
 //     holder, and the restore undid that. The conflict is then as justified as that taking
 //     was (reuseJustified, holder as the pod that lost it): both pods have run with the
-//     address since p got it.
+//     address since p got it;
+//   - or p's ADD was sent after the backup began (its key is not in the restored etcd),
+//     holder was never answered the address (no successful ADD of it has ip), and an ADD of
+//     holder was in flight when etcd came back and failed: it chose ip as free in the
+//     restored etcd, and its agent, finding etcd gone back, gave the claim back and answered
+//     an error. Justified: no pod was ever told the address but p.
 //
-// ok is false when neither applies: the conflict is judged as any other.
+// ok is false when none applies: the conflict is judged as any other.
 func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Time) (ok, justified bool, why string) {
 	hp := c.pods[holder]
 	if hp == nil {
@@ -135,7 +140,28 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 		return true, j, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) gave %s back to %s, which had it before the backup; "+
 			"%s had taken it: %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), ip, hp.UID, p.UID, why)
 	}
+	for _, w := range c.restores {
+		if t.Before(w.lost) || t.After(c.restoreUntil(w, p.Slot)) || !p.Created.After(w.backupFrom) || slices.Contains(hp.Addrs, ip) {
+			continue
+		}
+		if a, ok := failedAcross(hp, w); ok {
+			return true, true, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) lost %s's key (created after the backup); "+
+				"%s's ADD sent at %s, in flight when etcd came back, claimed %s there and failed at %s: never answered the address",
+				w.f.ID, c.at(w.backupFrom), c.at(w.back), p.UID, hp.UID, c.at(a.Sent), ip, c.at(a.Answered))
+		}
+	}
 	return false, false, ""
+}
+
+// failedAcross finds an ADD of p that was sent before etcd came back from w and failed after
+// etcd lost its data.
+func failedAcross(p *Pod, w restoreWindow) (Attempt, bool) {
+	for _, a := range p.Attempts {
+		if a.Op == "ADD" && !a.OK && !a.Sent.After(w.back) && !a.Answered.IsZero() && a.Answered.After(w.lost) {
+			return a, true
+		}
+	}
+	return Attempt{}, false
 }
 
 // keyDeadline is when the key a key-edit fault changed must be back: keyGrace after the edit,

@@ -1,6 +1,7 @@
 package chaos
 
 import (
+	"net/netip"
 	"slices"
 	"strings"
 	"testing"
@@ -181,4 +182,35 @@ func TestCheckJudgesAConflictARestoreTurnedAround(t *testing.T) {
 		t.Errorf("conflicts: %+v", r.Conflicts)
 	}
 	wantFailure(t, build(30), "unjustified conflicts")
+}
+
+// TestCheckJudgesAConflictWithAnAddInFlightAcrossARestore: "a" is created after the backup
+// (20 s), so the restore erases its key. "b"'s first ADD, sent at 40.5 s while etcd was being
+// restored, chose a's address as free there; its agent found etcd gone back, gave the claim
+// back and answered an error; a's agent recorded the conflict meanwhile (41.5 s). b's retry
+// got another address. Justified: nobody but a was ever told the address. Had b been answered
+// a's address, the conflict is judged as any other: unjustified with room in the pool and a's
+// node never away.
+func TestCheckJudgesAConflictWithAnAddInFlightAcrossARestore(t *testing.T) {
+	build := func(told bool) *History {
+		h := history()
+		h.Faults = append(h.Faults, &Fault{ID: 1, Kind: EtcdRestore, Target: "all", Slot: -1, Way: RestoreBump,
+			Start: sec(20), BackupDone: sec(20.1), Lost: sec(40), End: sec(41)})
+		h.pod("a", 0, "10.0.0.2", 30, 0)
+		b := h.pod("b", 1, "10.0.0.3", 45, 0)
+		b.Created = sec(40.5)
+		b.Attempts = append([]Attempt{{Op: "ADD", Sent: sec(40.5), Answered: sec(41.2)}}, b.Attempts...)
+		if told {
+			b.Addrs = []netip.Addr{addr("10.0.0.2")}
+		}
+		h.conflict(41.5, "a", "10.0.0.2", "b")
+		h.final("10.0.0.2=a", "10.0.0.3=b")
+		return h
+	}
+	r := Check(build(false))
+	t.Logf("\n%s", r)
+	if len(r.Conflicts) != 1 || !r.Conflicts[0].Justified || !strings.Contains(r.Conflicts[0].Reason, "never answered the address") {
+		t.Errorf("conflicts: %+v", r.Conflicts)
+	}
+	wantFailure(t, build(true), "unjustified conflicts")
 }
