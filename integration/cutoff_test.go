@@ -118,10 +118,16 @@ func TestACutOffNodeKeepsItsAddressesWhileAnotherFillsThePool(t *testing.T) {
 	if err := tb.Heal(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
+	// A re-claim writes a pod's allocations before its pod record, which it writes (and logs a
+	// conflict) only once it has read the answer of the claim: wait for the pod records too,
+	// or the doctor below could find one missing.
 	eventually(t, "every pod of the cut-off node holds its address again", func() error {
 		for ip, owner := range cut {
 			if o := cutOwner(t, cli, pool, ip); o != owner {
 				return fmt.Errorf("%s allocated to %q, want %s", ip, o, owner)
+			}
+			if !cutPodRecorded(t, cli, pool, ip) {
+				return fmt.Errorf("%s is allocated to %s, whose pod record is not on its lease yet", ip, owner)
 			}
 		}
 		return nil
@@ -152,6 +158,30 @@ func cutOwner(t *testing.T, cli *clientv3.Client, pool string, ip netip.Addr) st
 		t.Fatal(err)
 	}
 	return a.Owner
+}
+
+// cutPodRecorded reports whether the allocation of ip in pool (blocks of the default size)
+// has its pod's record on its lease.
+func cutPodRecorded(t *testing.T, cli *clientv3.Client, pool string, ip netip.Addr) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
+	defer cancel()
+	resp, err := cli.Get(ctx, keyspace.IPKey(pool, allocator.DefaultBlocks, ip))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) == 0 {
+		return false
+	}
+	var a keyspace.Allocation
+	if err := json.Unmarshal(resp.Kvs[0].Value, &a); err != nil {
+		t.Fatal(err)
+	}
+	pr, err := cli.Get(ctx, keyspace.PodKey(a.Cluster, a.Node, a.Owner))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(pr.Kvs) == 1 && pr.Kvs[0].Lease == resp.Kvs[0].Lease
 }
 
 // netnsPath makes /var/run/netns/<container>, the netns path the plugin passes, a plain file:

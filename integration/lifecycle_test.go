@@ -261,16 +261,19 @@ func TestPartitionLongerThanTTLReclaimsAndReportsConflict(t *testing.T) {
 		t.Errorf("%s must stay with the owner that got it meanwhile, got %+v", ip1, a)
 	}
 	conflictKey := keyspace.ConflictKey(f.Cluster, "uid-"+p1, "eth0", f.Pool)
-	eventually(t, "conflict record "+conflictKey, func() error { return saw(exists(t, f.Cli, conflictKey), "no key %s", conflictKey) })
+	// The agent logs the conflict once it has read the answer of the claim that wrote the
+	// record: wait for the log line too.
+	const conflictLogged = `"level":"ERROR","msg":"CONFLICT`
+	eventually(t, "conflict record "+conflictKey, func() error {
+		recorded, logged := exists(t, f.Cli, conflictKey), strings.Contains(agent.logs.String(), conflictLogged)
+		return saw(recorded && logged, "key %s present %v; the conflict logged at error level %v", conflictKey, recorded, logged)
+	})
 	err := f.check(conf, p1, "eth0", "K8S_POD_UID=uid-"+p1)
 	if cniCode(err) != 104 || !strings.Contains(err.Error(), "thief") {
 		t.Errorf("CHECK of the conflicted pod: want code 104 naming the holder, got %v", err)
 	}
 	if err := f.check(conf, p2, "eth0", "K8S_POD_UID=uid-"+p2); err != nil {
 		t.Errorf("CHECK of the re-claimed pod: %v", err)
-	}
-	if !strings.Contains(agent.logs.String(), `"level":"ERROR","msg":"CONFLICT`) {
-		t.Errorf("the conflict must be logged at error level")
 	}
 	// DEL of the conflicted pod releases its record, never the other owner's address.
 	if err := f.del(conf, p1, "eth0", "K8S_POD_UID=uid-"+p1); err != nil {

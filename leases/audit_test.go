@@ -284,13 +284,15 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 		})
 	}()
 	found.etcdWentBack("a test's restore")
-	etcdtest.EventuallyTrue(t, "the other agent settling", func() bool { return told.hold.settling() != nil })
+	// The told agent starts settling (wentBack) from the word its watch brought, and counts it
+	// only after: wait for the count too.
+	etcdtest.Eventually(t, "the other agent settling", func() error {
+		settling, n := told.hold.settling(), counterValue(told.metrics.wentBack)
+		return etcdtest.Saw(settling != nil && n == 1, "settling: %v; the told agent counted etcd going back %v times, want 1", settling, n)
+	})
 	_, err := told.Add(ctx, addReq(pool, "c2", "eth0", "u2")) // it holds no block: it needs one
 	if !errors.Is(err, errSettling) {
 		t.Errorf("an ADD needing a new block on the told agent: %v, want refused for the settle time", err)
-	}
-	if n := counterValue(told.metrics.wentBack); n != 1 {
-		t.Errorf("the told agent counted etcd going back %v times, want 1", n)
 	}
 	// Its own word does not start a second repair of the agent that found it.
 	if n := counterValue(found.metrics.wentBack); n != 1 {

@@ -209,13 +209,16 @@ func TestACutOffNodeThatComesBackWithinTheDelayGetsEverythingBack(t *testing.T) 
 		t.Fatal(err)
 	}
 	back := startAgent(t, cluster, "cut", "uid-cut", withHold(cutDir))
+	// The addresses are back in etcd before the agent has read the answers of its re-claims,
+	// and it counts a conflict only after such an answer: wait for it to hold every pod again.
 	etcdtest.Eventually(t, "the cut-off node's pods are re-claimed", func() error {
 		for _, o := range owners[1:] {
 			if err := ownerIs(t, cli, pool, mine[o], o); err != nil {
 				return err
 			}
 		}
-		return nil
+		lost := back.pods.lost()
+		return etcdtest.Saw(len(lost) == 0, "the agent still re-claims %v", lost)
 	})
 	if back.Conflicts() != 0 {
 		t.Errorf("%d conflicts after coming back within the delay; want 0", back.Conflicts())
@@ -395,13 +398,16 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 	for _, unlock := range unlocks {
 		unlock()
 	}
+	// The addresses are back in etcd before the agent has read the answers of its re-claims,
+	// and it counts a conflict only after such an answer: wait for it to hold every pod again.
 	etcdtest.Eventually(t, "every running pod holds its address again", func() error {
 		for ip, o := range mine {
 			if err := ownerIs(t, cli, pool, ip, o); err != nil {
 				return err
 			}
 		}
-		return nil
+		lost := a.pods.lost()
+		return etcdtest.Saw(len(lost) == 0, "the agent still re-claims %v", lost)
 	})
 	if a.Conflicts() != 0 {
 		t.Errorf("%d conflicts: the node gave its own running pods' addresses away", a.Conflicts())
@@ -701,10 +707,34 @@ func takenThenBack(t *testing.T, b *Agent, req allocator.Request, ip netip.Addr,
 		t.Fatalf("another pod asks for the address, free now: %v", err)
 	}
 	back := startAgent(t, cluster, "away", "uid-away", withHold(dir))
+	// The re-claim counts the conflict once etcd answered its claim, and only after the answer
+	// of the pod record that follows does it record the pod, conflict and all, for its journal:
+	// wait for the journal to hold the conflict too.
 	etcdtest.Eventually(t, "the running pod's re-claim records the conflict", func() error {
-		return etcdtest.Saw(back.Conflicts() == 1, "%d conflicts", back.Conflicts())
+		if n := back.Conflicts(); n != 1 {
+			return fmt.Errorf("%d conflicts", n)
+		}
+		return journalsConflict(dir, "run", ip)
 	})
 	return back
+}
+
+// journalsConflict is a condition for etcdtest.Eventually: that the journal in dir lists ip
+// as a conflict of owner's attachment.
+func journalsConflict(dir, owner string, ip netip.Addr) error {
+	l, errs := journal{dir: dir}.load()
+	for _, ps := range l.pods {
+		if ps.Owner != owner {
+			continue
+		}
+		for _, at := range ps.Attachments {
+			if slices.Contains(at.Conflicts, ip) {
+				return nil
+			}
+		}
+		return fmt.Errorf("the journal lists %s's attachments %+v without the conflict on %s (load errors %v)", owner, ps.Attachments, ip, errs)
+	}
+	return fmt.Errorf("the journal does not list %s (load errors %v)", owner, errs)
 }
 
 // hadAndLetGo has b's pod "thief" ask for ip, then deletes it.

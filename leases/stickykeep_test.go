@@ -27,8 +27,9 @@ type stickyKeysOf struct {
 
 // claimHeldFor waits until k's claim record names owner's container with ips, on the claim
 // lease the agent renews and the owner index names, and each address's quarantine key is
-// marked with the claim on that lease; it returns that lease.
-func claimHeldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner, container, claim string, k stickyKeysOf, ips []netip.Addr) clientv3.LeaseID {
+// marked with the claim on that lease, and until each of also holds; it returns that lease.
+func claimHeldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner, container, claim string, k stickyKeysOf, ips []netip.Addr,
+	also ...func() error) clientv3.LeaseID {
 	t.Helper()
 	var lease clientv3.LeaseID
 	var last string
@@ -72,6 +73,12 @@ func claimHeldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner, container
 			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](q, resp.Kvs[0].Value)
 			if rec.Claim != claim || keyspace.LeaseOf(resp.Kvs[0]) != lease {
 				last = fmt.Sprintf("%s: %+v on lease %s", q, rec, keyspace.LeaseHex(keyspace.LeaseOf(resp.Kvs[0])))
+				return false
+			}
+		}
+		for _, f := range also {
+			if err := f(); err != nil {
+				last = err.Error()
 				return false
 			}
 		}
@@ -139,16 +146,17 @@ func TestTheStickyClaimOfARunningPodIsPutBack(t *testing.T) {
 			if err := c.change(); err != nil {
 				t.Fatal(err)
 			}
-			next := claimHeldFor(t, cli, a, "u1", "c1", claim, k, ips)
+			// The keys are back in etcd before the agent has read the answer of its repair, and it
+			// counts what it put back only after: wait for the count too.
+			next := claimHeldFor(t, cli, a, "u1", "c1", claim, k, ips, func() error {
+				after := counterValue(a.metrics.podKeysLost)
+				return etcdtest.Saw(after > lostBefore, "leasehold_pod_keys_lost_total stayed %v", after)
+			})
 			if c.newLease == (next == lease) {
 				t.Errorf("claim lease %s after the repair, was %s: want a new one %v", keyspace.LeaseHex(next), keyspace.LeaseHex(lease), c.newLease)
 			}
 			lease = next
-			if after := counterValue(a.metrics.podKeysLost); after <= lostBefore {
-				t.Errorf("leasehold_pod_keys_lost_total stayed %v", after)
-			} else {
-				lostBefore = after
-			}
+			lostBefore = counterValue(a.metrics.podKeysLost)
 			if now, _ := a.pods.lease("u1"); now != podLease {
 				t.Errorf("the pod went from lease %s to %s: its own keys were fine", keyspace.LeaseHex(podLease), keyspace.LeaseHex(now))
 			}

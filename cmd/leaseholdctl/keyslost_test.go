@@ -170,9 +170,13 @@ func TestAllocShowAndPoolShowOfARunningPodsLostKeys(t *testing.T) {
 			}
 
 			// What they say the agent does: started again, it puts the keys back within half a TTL.
+			// The re-claim writes the allocation first, and the pod record once it has read that
+			// answer: wait for the pod record too, or the doctor below could find it missing.
 			w.start(t)
-			etcdtest.EventuallyTrue(t, "the agent puts the pod's keys back", func() bool {
-				return ctlAt(w.ep, "alloc", "show", w.ip).code == exitOK
+			podKey := keyspace.PodKey("c1", "n1", "u-web")
+			etcdtest.Eventually(t, "the agent puts the pod's keys back", func() error {
+				code, pod := ctlAt(w.ep, "alloc", "show", w.ip).code, keys(t, w.cli, podKey)
+				return etcdtest.Saw(code == exitOK && len(pod) == 1, "alloc show exits %d; pod record %s present: %v", code, podKey, len(pod) == 1)
 			})
 			if r := ctlAt(w.ep, "pool", "show", "net"); strings.Contains(r.stdout, "keys lost") || !strings.Contains(r.stdout, "no expired addresses or blocks") {
 				t.Errorf("pool show once the agent put the keys back:\n%s", r.stdout)
