@@ -306,6 +306,17 @@ func (c *checker) overlaps() []Overlap {
 					}
 				}
 				if !o.Recorded {
+					// The pod that lost the address was deleted before its node came back: its
+					// agent never re-claims it, so there is nothing for it to record, and the
+					// overlap ended with that DEL.
+					if ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second)); ok &&
+						!first.DelSent.IsZero() && c.awayThrough(first.Slot, from, first.DelSent) {
+						o.Recorded = true
+						o.Hint = fmt.Sprintf("nothing to record: %s's DEL was sent at %s, before node n%d came back; %s",
+							first.UID, c.at(first.DelSent), first.Slot, why)
+					}
+				}
+				if !o.Recorded {
 					ok, why := c.reuseJustified(first, second.UID, ip, from.Add(time.Second))
 					o.Hint = "reuse UNJUSTIFIED: " + why
 					if ok {
@@ -478,6 +489,16 @@ func (c *checker) acrossRestore(p *Pod, at time.Time) (restoreWindow, bool) {
 		}
 	}
 	return restoreWindow{}, false
+}
+
+// awayThrough reports whether slot was away without a break from from to to.
+func (c *checker) awayThrough(slot int, from, to time.Time) bool {
+	for _, a := range c.away[slot] {
+		if !a.Start.After(from) && !c.awayEnd(a).Before(to) {
+			return true
+		}
+	}
+	return false
 }
 
 // awayFor is how long slot had been away without a break at t (0 when it was not away), or,

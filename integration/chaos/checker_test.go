@@ -164,6 +164,25 @@ func TestCheckAcceptsAConflictAfterALongAbsence(t *testing.T) {
 	}
 }
 
+// TestCheckAcceptsAnOverlapEndedByADelWhileAway: a, cut off for 20 s, is deleted at 27.5 s,
+// before its node comes back at 28 s: its agent never re-claims it and records nothing, and
+// b's taking was justified. Deleted after its node came back, with no conflict recorded, the
+// overlap is unexplained.
+func TestCheckAcceptsAnOverlapEndedByADelWhileAway(t *testing.T) {
+	build := func(del float64) *History {
+		h := standing(20)
+		h.Logs = nil
+		h.Pods[0].DelSent, h.Pods[0].DelAnswered = sec(del), sec(del+0.1)
+		h.Pods[0].Attempts = append(h.Pods[0].Attempts, Attempt{Op: "DEL", Sent: sec(del), Answered: sec(del + 0.1), OK: true})
+		return h
+	}
+	r := wantPass(t, build(27.5))
+	if len(r.Overlaps) != 1 || !r.Overlaps[0].Recorded || !strings.Contains(r.Overlaps[0].Hint, "nothing to record") {
+		t.Errorf("want one overlap with nothing to record, got %+v", r.Overlaps)
+	}
+	wantFailure(t, build(29), "unexplained overlaps")
+}
+
 func TestCheckFindsAnUnjustifiedConflict(t *testing.T) {
 	// 8 s away: more than the TTL, less than TTL + reuse delay, and the pool had room.
 	wantFailure(t, standing(8), "unjustified conflicts")

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -92,8 +93,9 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 //   - holder no longer held its addresses when etcd came back (deleted, or its DEL sent), and
 //     its ADD was sent before the backup was saved: justified, etcd handed a deleted pod's
 //     allocation or held key back (no running pod has the address);
-//   - or holder still ran, had the address before the backup was saved, and p sent its ADD
-//     after the backup began (the backup cannot hold p's key): p had taken the address from
+//   - or holder still ran, had the address before the backup was saved, and p sent its first
+//     ADD that may have claimed (firstClaim) after the backup began (the backup cannot hold
+//     p's key; ADDs refused for the settle time of an earlier restore claimed nothing): p had taken the address from
 //     holder, and the restore undid that. The conflict is then as justified as that taking
 //     was (reuseJustified, holder as the pod that lost it): both pods have run with the
 //     address since p got it;
@@ -128,11 +130,7 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 				"which had let the address go at %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), hp.UID, c.at(end))
 		}
 		hpGot, _ := c.gotAddress(hp, ip, w.backupTo)
-		first := p.Created
-		if len(p.Attempts) > 0 {
-			first = p.Attempts[0].Sent
-		}
-		if hpGot.IsZero() || !hpGot.Before(w.backupTo) || !first.After(w.backupFrom) {
+		if hpGot.IsZero() || !hpGot.Before(w.backupTo) || !firstClaim(p).After(w.backupFrom) {
 			continue
 		}
 		pGot, _ := c.gotAddress(p, ip, t)
@@ -152,6 +150,25 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 	}
 	return false, false, ""
 }
+
+// firstClaim is when the first ADD of p that may have claimed an address was sent: one that
+// succeeded, or failed without an answer that says it claimed nothing (the agent not
+// reachable, the settle time after a restore, a full pool). A key of p cannot be in a backup
+// begun before it.
+func firstClaim(p *Pod) time.Time {
+	for _, a := range p.Attempts {
+		if a.Op != "ADD" {
+			continue
+		}
+		if a.OK || !slices.ContainsFunc(claimedNothing, func(m string) bool { return strings.Contains(a.Msg, m) }) {
+			return a.Sent
+		}
+	}
+	return p.Created
+}
+
+// claimedNothing are parts of the answers of ADDs refused before they claimed anything.
+var claimedNothing = []string{"is not reachable at", "settling after a restore", "pool exhausted", "only quarantined addresses are free"}
 
 // failedAcross finds an ADD of p that was sent before etcd came back from w and failed after
 // etcd lost its data.
