@@ -163,13 +163,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		a.Close()
 		return nil, err
 	}
+	// Another agent's word that etcd went back in time is read before the first ADD: an agent
+	// started during the settle time (a node replaced, a state directory lost) settles too.
+	restoredRev := a.readRestored(ctx)
 	a.resumeBlocks(ctx)
 	a.resumeClaims(ctx)
 	a.wg.Add(4)
 	go a.reclaimLoop()
 	go a.livenessLoop()
 	go a.goneLoop()
-	go a.restoredLoop()
+	go a.restoredLoop(restoredRev)
 	if cfg.PublishHostAddrs {
 		a.wg.Add(1)
 		go a.publishHosts(actx)

@@ -298,4 +298,10 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 	if n := counterValue(found.metrics.wentBack); n != 1 {
 		t.Errorf("the agent that found it counted etcd going back %v times, want 1", n)
 	}
+	// An agent started during the settle time (a node replaced, an agent restarted) settles
+	// too, before it answers its first ADD.
+	late := startAgent(t, cluster, "n3", "uid-n3", withHold(t.TempDir()))
+	if _, err := late.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, errSettling) {
+		t.Errorf("the first ADD needing a new block on an agent started during the settle time: %v, want refused for it", err)
+	}
 }

@@ -34,20 +34,33 @@ func (a *Agent) announceRestore(until time.Time, why string) {
 	}
 }
 
-// restoredLoop follows the restored key: read at start, then watched.
-func (a *Agent) restoredLoop() {
+// readRestored reads the restored key and acts on it; it returns the revision read at, or 0
+// when etcd did not answer.
+func (a *Agent) readRestored(ctx context.Context) int64 {
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	resp, err := a.cli.Get(octx, keyspace.RestoredKey)
+	if err != nil {
+		return 0
+	}
+	if len(resp.Kvs) > 0 {
+		a.toldOfRestore(resp.Kvs[0])
+	}
+	return resp.Header.Revision
+}
+
+// restoredLoop follows the restored key from rev, the revision Start read it at (0: read it
+// first), watching it and reading it again whenever the watch breaks.
+func (a *Agent) restoredLoop(rev int64) {
 	defer a.wg.Done()
 	backoff := retryFirst
 	for a.ctx.Err() == nil {
-		ctx, cancel := a.opCtx(a.ctx)
-		resp, err := a.cli.Get(ctx, keyspace.RestoredKey)
-		cancel()
-		if err == nil {
-			if len(resp.Kvs) > 0 {
-				a.toldOfRestore(resp.Kvs[0])
-			}
+		if rev == 0 {
+			rev = a.readRestored(a.ctx)
+		}
+		if rev != 0 {
 			wctx, stop := context.WithCancel(clientv3.WithRequireLeader(a.ctx))
-			for wr := range a.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(resp.Header.Revision+1), clientv3.WithFilterDelete()) {
+			for wr := range a.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(rev+1), clientv3.WithFilterDelete()) {
 				if wr.Err() != nil {
 					break
 				}
@@ -57,6 +70,7 @@ func (a *Agent) restoredLoop() {
 				backoff = retryFirst
 			}
 			stop()
+			rev = 0
 		}
 		if !sleepCtx(a.ctx, backoff) {
 			return

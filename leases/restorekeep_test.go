@@ -106,3 +106,34 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 		})
 	}
 }
+
+// TestAnAgentStartedAfterARestoreSettles: an agent that starts during the settle time of a
+// restore another agent found (a node replaced, an agent restarted with a new state
+// directory) settles before its first ADD: it claims no new block then.
+func TestAnAgentStartedAfterARestoreSettles(t *testing.T) {
+	member := etcdtest.StartMember(t)
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.79.0.0/26", 28)
+	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	if _, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
+		t.Fatal(err)
+	}
+	backup := filepath.Join(t.TempDir(), "backup.db")
+	if err := member.Snapshot(ctx, backup); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := member.Restore(backup, 0); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the first agent settling", func() error {
+		_, err := a.Add(ctx, addReq(pool, "c2", "eth0", "u2"))
+		return etcdtest.Saw(a.hold.settling() != nil, "not settling; ADD: %v", err)
+	})
+	b := startAgentAt(t, member.ClientURL, cluster, "n2", "uid-n2", withHold(t.TempDir()), auditFast)
+	if _, err := b.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, errSettling) {
+		t.Errorf("the first ADD needing a new block on an agent started during the settle time: %v, want refused for it", err)
+	}
+}
