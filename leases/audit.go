@@ -347,16 +347,25 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		lease clientv3.LeaseID
 		what  string
 		still func() bool // whether the agent still holds it as read
+		gone  func()      // what to do once its lease is gone, when the keeper does not say it
 	}
 	var owns []own
 	if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
 		owns = append(owns, own{keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), node, "the node record",
-			func() bool { return a.nodeLease() == node && a.keeper.Holds(node) }})
+			func() bool { return a.nodeLease() == node && a.keeper.Holds(node) }, nil})
 	}
 	a.pools.forEachView(func(v *view) {
 		for b, lease := range v.claimsHeld() {
 			owns = append(owns, own{keyspace.BlockKey(v.pool, b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.pool),
-				func() bool { return v.holdsClaim(b, lease) }})
+				func() bool { return v.holdsClaim(b, lease) },
+				func() {
+					// A claim a restore brought back, on a block lease of this node the agent
+					// never took up again: the keeper, which does not renew it, never says it
+					// is gone.
+					if !a.blockLeases.mine(lease) {
+						v.blockLeaseLost(lease)
+					}
+				}})
 		}
 	})
 	for len(owns) > 0 {
@@ -380,8 +389,14 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		}
 		for i, o := range chunk {
 			kvs := resp.Responses[i].GetResponseRange().Kvs
-			if len(kvs) > 0 && keyspace.LeaseOf(kvs[0]) == o.lease || !o.still() || !a.leaseAlive(ctx, o.lease) {
-				continue // as the agent holds it, gone with its lease (the keeper reports that), or unknown
+			if len(kvs) > 0 && keyspace.LeaseOf(kvs[0]) == o.lease || !o.still() {
+				continue // as the agent holds it, or let go meanwhile
+			}
+			if alive, known := a.leaseState(ctx, o.lease); !alive {
+				if known && o.gone != nil {
+					o.gone()
+				}
+				continue // gone with its lease (the keeper reports that of its own), or unknown
 			}
 			found := "missing"
 			if len(kvs) > 0 {
@@ -397,10 +412,16 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 // leaseAlive tells whether etcd answers that it still has lease id; without an answer the
 // next audit looks again.
 func (a *Agent) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
+	alive, _ := a.leaseState(ctx, id)
+	return alive
+}
+
+// leaseState is leaseAlive, and whether etcd answered.
+func (a *Agent) leaseState(ctx context.Context, id clientv3.LeaseID) (alive, known bool) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	ttl, err := a.cli.TimeToLive(octx, id)
-	return err == nil && ttl.TTL > 0
+	return err == nil && ttl.TTL > 0, err == nil
 }
 
 // restoreHold is what the agent does while it repairs what etcd going back in time took.
