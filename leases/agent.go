@@ -59,7 +59,9 @@ type Agent struct {
 	hold     *restoreHold
 	keys     *ownKeys
 	auditDue atomic.Bool
-	suspect  atomic.Bool
+	// swept is the restoreHold generation sweepLeases last ran for.
+	swept   atomic.Uint64
+	suspect atomic.Bool
 	// stickyKept is what the agent knows of the sticky claims it keeps (stickykeep.go).
 	stickyKept stickyKept
 

@@ -101,6 +101,19 @@ func (t *pods) lease(owner string) (clientv3.LeaseID, bool) {
 	return 0, false
 }
 
+// leaseOwners maps each held pod lease to its owner.
+func (t *pods) leaseOwners() map[clientv3.LeaseID]string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make(map[clientv3.LeaseID]string, len(t.m))
+	for owner, ps := range t.m {
+		if id, ok := ps.lease.held(); ok {
+			out[id] = owner
+		}
+	}
+	return out
+}
+
 // attachment is what the agent knows of owner's attachment ifName in pool, with the pod's
 // lease; ok is false when it knows none or the lease is not held.
 func (t *pods) attachment(owner, ifName, pool string) (at attachment, lease clientv3.LeaseID, ok bool) {

@@ -302,6 +302,13 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 	}
 	// The held keys of pods still being re-claimed stay: the pods list their addresses.
 	errs = append(errs, a.settleHeld(ctx))
+	if g := a.hold.generation(); g != a.swept.Load() {
+		err := a.sweepLeases(ctx)
+		if err == nil {
+			a.swept.Store(g)
+		}
+		errs = append(errs, err)
+	}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
