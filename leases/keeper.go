@@ -139,11 +139,18 @@ func (k *Keeper) Refill() { k.kick() }
 // sent together also share etcd's WAL writes.
 func (k *Keeper) lowWater() int { return k.spareN / 2 }
 
-// Return gives back a lease from Take that no key was written with.
+// Return gives back a lease from Take that no key was written with. It is a spare again as
+// a recycled one is (Recycle): once etcd lists no key on it. A lease taken before etcd went
+// back in time may carry keys the restore put back on it (a deleted pod's, recycled since),
+// and one returned after DropSpares would otherwise be handed out again with them.
 func (k *Keeper) Return(id clientv3.LeaseID) {
-	if !k.spareAgain(id) {
-		go k.revokeQuietly(id)
-	}
+	go func() {
+		ctx, cancel := context.WithTimeout(k.ctx, k.timeout)
+		defer cancel()
+		if _, err := k.Recycle(ctx, id); err != nil {
+			k.log.Debug("revoke a returned lease", "lease", keyspace.LeaseHex(id), "err", err)
+		}
+	}()
 }
 
 // Adopt resumes keep-alive of a lease this node identity granted earlier (agent restart).

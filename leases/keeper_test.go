@@ -294,3 +294,43 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 		t.Errorf("%d recycled spares left to check, want 0", n)
 	}
 }
+
+// TestALeaseReturnedWithKeysOnItIsNoSpare: a lease an ADD took before etcd went back, and
+// gave back unused after the spares were dropped, carries the keys a restore put back on it
+// (a deleted pod's, whose lease it had been): it is revoked, key and all, not handed to the
+// next pod. One returned without a key is a spare again.
+func TestALeaseReturnedWithKeysOnItIsNoSpare(t *testing.T) {
+	cli, ctx := etcdtest.Client(t), ctxT(t)
+	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 2})
+	defer k.Close()
+	dirty, err := k.Take(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clean, err := k.Take(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := etcdtest.Uniq("/restored/allocation-")
+	if _, err := cli.Put(ctx, key, "back from a backup", clientv3.WithLease(dirty)); err != nil {
+		t.Fatal(err)
+	}
+	k.DropSpares()
+	k.Return(dirty)
+	k.Return(clean)
+	etcdtest.EventuallyTrue(t, "the returned lease with a key revoked, key and all", func() bool {
+		resp, err := cli.Get(ctx, key)
+		return err == nil && len(resp.Kvs) == 0
+	})
+	etcdtest.EventuallyTrue(t, "the clean lease a spare again", func() bool {
+		k.mu.Lock()
+		defer k.mu.Unlock()
+		return slices.Contains(k.spare, clean)
+	})
+	k.mu.Lock()
+	dirtySpare := slices.Contains(k.spare, dirty)
+	k.mu.Unlock()
+	if dirtySpare {
+		t.Errorf("lease %x, with a key on it, is a spare", dirty)
+	}
+}
