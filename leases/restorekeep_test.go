@@ -282,3 +282,117 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		t.Errorf("CHECK of the pod whose lease was swept: %v", err)
 	}
 }
+
+// TestAnAddressARestoreGaveToADeletedPodStaysKept: another node's running pod borrowed x here
+// after the backup; the backup has x allocated to a pod deleted since. After the restore the
+// listing shows x allocated, to the deleted pod, whose restored key soon goes; x then stays
+// kept for the running pod (its node cut off, it cannot re-claim yet) for the keep time.
+func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
+	for _, way := range []struct {
+		name string
+		bump uint64
+	}{{"plain", 0}, {"bumped", modelBump}} {
+		t.Run(way.name, func(t *testing.T) {
+			member := etcdtest.StartMember(t)
+			cli := etcdtest.ClientAt(t, member.ClientURL)
+			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+			pool := v4Pool(etcdtest.Uniq("p"), "10.82.0.0/28", 28)
+			a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+			first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			x := resultAddrs(first)[0].Next()
+			allocOf := func(owner string, lease clientv3.LeaseID) string {
+				return keyspace.Encode(keyspace.Allocation{Owner: owner, Cluster: cluster, Node: "n2", NodeUID: "uid-n2",
+					ContainerID: "c-" + owner, IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(lease)})
+			}
+			key := keyspace.IPKey(pool.Name, pool.Blocks, x)
+			old, err := cli.Grant(ctx, 600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := cli.Put(ctx, key, allocOf("deleted", old.ID), clientv3.WithLease(old.ID)); err != nil {
+				t.Fatal(err)
+			}
+			backup := filepath.Join(t.TempDir(), "backup.db")
+			if err := member.Snapshot(ctx, backup); err != nil {
+				t.Fatal(err)
+			}
+			// The deleted pod's DEL, then the running pod's claim of x.
+			if _, err := cli.Revoke(ctx, old.ID); err != nil {
+				t.Fatal(err)
+			}
+			running, err := cli.Grant(ctx, 600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			put, err := cli.Put(ctx, key, allocOf("running", running.ID), clientv3.WithLease(running.ID))
+			if err != nil {
+				t.Fatal(err)
+			}
+			v := a.pools.viewOf(pool.Name)
+			etcdtest.Eventually(t, "the view knowing x allocated to the running pod", func() error {
+				v.mu.Lock()
+				defer v.mu.Unlock()
+				return etcdtest.Saw(v.allocated[x] == put.Header.Revision, "x allocated at %d, want %d", v.allocated[x], put.Header.Revision)
+			})
+			if err := member.Restore(backup, way.bump); err != nil {
+				t.Fatal(err)
+			}
+			// The agent lists the pool again and finds x allocated, to the deleted pod; then
+			// that restored key goes with its lease, which nobody renews.
+			etcdtest.Eventually(t, "the view listing x as the restore has it", func() error {
+				if _, err := a.Add(ctx, addReq(pool, "probe", "eth0", "probe")); err == nil {
+					if err := a.Del(ctx, addReq(pool, "probe", "eth0", "probe")); err != nil {
+						return err
+					}
+				}
+				v.mu.Lock()
+				defer v.mu.Unlock()
+				rev, ok := v.allocated[x]
+				return etcdtest.Saw(ok && rev != put.Header.Revision, "x allocated %v at %d (the running pod's key: %d)", ok, rev, put.Header.Revision)
+			})
+			if _, err := cli.Revoke(ctx, old.ID); err != nil && !keyspace.IsLeaseNotFound(err) {
+				t.Fatal(err)
+			}
+			// Its deletion, no release explaining it, holds x back until the view reads that
+			// no held key stands for it: the ADDs come after that.
+			etcdtest.Eventually(t, "the view done with the deleted pod's key", func() error {
+				v.mu.Lock()
+				defer v.mu.Unlock()
+				_, alloc := v.allocated[x]
+				_, suspect := v.suspect[x]
+				_, held := v.heldBack[x]
+				return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
+			})
+			got := 0
+			for i := range 20 {
+				req := addReq(pool, fmt.Sprintf("n%d", i), "eth0", fmt.Sprintf("new-%d", i))
+				var res []netip.Addr
+				etcdtest.Eventually(t, "an ADD answered after the restore", func() error {
+					r, err := a.Add(ctx, req)
+					switch {
+					case err == nil:
+						res = resultAddrs(r)
+						return nil
+					case errors.Is(err, errSettling) || errors.Is(err, allocator.ErrPoolExhausted):
+						res = nil
+						return nil
+					}
+					return err
+				})
+				if res == nil {
+					break
+				}
+				if res[0] == x {
+					t.Fatalf("ADD %d after the restore got %s, the running pod's before it", i, x)
+				}
+				got++
+			}
+			if got == 0 {
+				t.Fatal("no ADD succeeded after the restore")
+			}
+		})
+	}
+}

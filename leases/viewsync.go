@@ -279,12 +279,14 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 	}
 	v.mu.Lock()
 	v.dropped, v.gained, v.droppedAt = v.dropped[:0], v.gained[:0], time.Now()
-	// Dropped: what the view knew taken that the listing finds free. An address held back
-	// for an expired holder, or whose allocation went with no release seen (suspect), counts
-	// as taken: the holder's node, cut off, may come back for it, and a restore that lost the
-	// held key must not hand the address out meanwhile.
-	for a := range v.allocated {
-		if _, ok := allocated[a]; !ok {
+	// Dropped: what the view knew taken that the listing finds free, or allocated by another
+	// key (a restored one of a pod deleted since, which goes soon: the pod the view knew may
+	// still run with the address). An address held back for an expired holder, or whose
+	// allocation went with no release seen (suspect), counts as taken: the holder's node, cut
+	// off, may come back for it, and a restore that lost the held key must not hand the
+	// address out meanwhile.
+	for a, rev := range v.allocated {
+		if now, ok := allocated[a]; !ok || now != rev {
 			v.dropped = append(v.dropped, a)
 		}
 	}
