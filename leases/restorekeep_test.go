@@ -77,33 +77,7 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 				t.Fatal(err)
 			}
 			// Every ADD until the pool has nothing more to give: none gets x.
-			got := 0
-			for i := range 20 {
-				req := addReq(pool, fmt.Sprintf("n%d", i), "eth0", fmt.Sprintf("new-%d", i))
-				var res []netip.Addr
-				etcdtest.Eventually(t, "an ADD answered after the restore", func() error {
-					r, err := a.Add(ctx, req)
-					switch {
-					case err == nil:
-						res = resultAddrs(r)
-						return nil
-					case errors.Is(err, errSettling) || errors.Is(err, allocator.ErrPoolExhausted):
-						res = nil // the block has nothing more to give, and no other is claimed now
-						return nil
-					}
-					return err // etcd coming back, the repair after it: the ADD is tried again
-				})
-				if res == nil {
-					break
-				}
-				if res[0] == x {
-					t.Fatalf("ADD %d after the restore got %s, held back for a pod of a cut-off node before it", i, x)
-				}
-				got++
-			}
-			if got == 0 {
-				t.Fatal("no ADD succeeded after the restore")
-			}
+			addsNeverGet(t, a, pool, x, "held back for a pod of a cut-off node before it")
 		})
 	}
 }
@@ -366,33 +340,42 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 				_, held := v.heldBack[x]
 				return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
 			})
-			got := 0
-			for i := range 20 {
-				req := addReq(pool, fmt.Sprintf("n%d", i), "eth0", fmt.Sprintf("new-%d", i))
-				var res []netip.Addr
-				etcdtest.Eventually(t, "an ADD answered after the restore", func() error {
-					r, err := a.Add(ctx, req)
-					switch {
-					case err == nil:
-						res = resultAddrs(r)
-						return nil
-					case errors.Is(err, errSettling) || errors.Is(err, allocator.ErrPoolExhausted):
-						res = nil
-						return nil
-					}
-					return err
-				})
-				if res == nil {
-					break
-				}
-				if res[0] == x {
-					t.Fatalf("ADD %d after the restore got %s, the running pod's before it", i, x)
-				}
-				got++
-			}
-			if got == 0 {
-				t.Fatal("no ADD succeeded after the restore")
-			}
+			addsNeverGet(t, a, pool, x, "the running pod's before it")
 		})
+	}
+}
+
+// addsNeverGet runs ADDs on a, each tried again while etcd comes back and the agent repairs,
+// until the pool has nothing more to give it (the settle time refuses a new block): none may
+// get x (what x is, for the failure), and one at least must succeed.
+func addsNeverGet(t *testing.T, a *Agent, pool allocator.PoolSpec, x netip.Addr, what string) {
+	t.Helper()
+	ctx := ctxT(t)
+	got := 0
+	for i := range 20 {
+		req := addReq(pool, fmt.Sprintf("n%d", i), "eth0", fmt.Sprintf("new-%d", i))
+		var res []netip.Addr
+		etcdtest.Eventually(t, "an ADD answered after the restore", func() error {
+			r, err := a.Add(ctx, req)
+			switch {
+			case err == nil:
+				res = resultAddrs(r)
+				return nil
+			case errors.Is(err, errSettling) || errors.Is(err, allocator.ErrPoolExhausted):
+				res = nil // the block has nothing more to give, and no other is claimed now
+				return nil
+			}
+			return err // etcd coming back, the repair after it: the ADD is tried again
+		})
+		if res == nil {
+			break
+		}
+		if res[0] == x {
+			t.Fatalf("ADD %d after the restore got %s, %s", i, x, what)
+		}
+		got++
+	}
+	if got == 0 {
+		t.Fatal("no ADD succeeded after the restore")
 	}
 }
