@@ -481,6 +481,13 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		pr.ContainerID = snap.Attachments[0].ContainerID
 	}
 	if _, err := a.cli.Put(octx, keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
+		// The attachments are on the lease, which no pod of the agent names: held, it would
+		// be renewed for good with them (and with whatever a restore put back on a spare).
+		// The next attempt re-claims on a new lease once these keys are gone.
+		if rerr := a.keeper.Revoke(lease); rerr != nil {
+			a.log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
+				"owner", owner, "lease", keyspace.LeaseHex(lease), "err", rerr)
+		}
 		return a.unavailable("write the pod record", err)
 	}
 	a.claimedOn(ctx, req, owner, lease, snap.Attachments...)
