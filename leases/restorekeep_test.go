@@ -149,6 +149,11 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 	etcdtest.Eventually(t, "the agent off the revoked block lease", func() error {
 		return etcdtest.Saw(v.claimsHeld()[block] != old, "the view holds %s on %s", block, keyspace.LeaseHex(old))
 	})
+	// A pod after the backup: the agent has seen etcd's history past it, and notices the
+	// restore at its next answer.
+	if _, err := a.Add(ctx, addReq(pool, "c9", "eth0", "u9")); err != nil {
+		t.Fatal(err)
+	}
 	if err := member.Restore(backup, 0); err != nil {
 		t.Fatal(err)
 	}
