@@ -14,17 +14,20 @@ import (
 // etcdGate sees every answer etcd gives the agent: the KV, lease and watch calls of the
 // client it hands out (client), and the keep-alive answers the keeper reads (heard). From
 // the answers it keeps when etcd answered last (reachability) and etcd's history as the agent
-// has seen it: the cluster ID and the highest revision.
+// has seen it: the cluster ID, the highest revision and the highest raft term.
 //
 // An answer from another cluster, or at a revision below one the agent already saw, means
 // etcd went back in time: it was restored from a backup, or replaced by an empty etcd at the
 // same endpoints. Keys the agent wrote may be gone while their leases live on, so a renewed
 // lease proves nothing then. A linearizable request (every KV request the agent sends) is
-// answered at the revision the gate had seen when it was sent, or a later one: such an answer
-// below it is proof, reported to wentBack. Any other answer (a keep-alive, a lease or a watch
-// answer, from a member that may lag behind another, or filled in before an answer the agent
-// read first) is measured against the revision the agent had seen suspectAfter earlier; one
-// below it is a suspicion, which the gate settles with a linearizable read of its own.
+// answered at the revision and in the raft term the gate had seen when it was sent, or later
+// ones: an answer below either is proof, reported to wentBack. The term matters to an agent
+// that was away while etcd was restored: the restored cluster's revision is above any it saw,
+// but its terms count from the first again, and stay below the old cluster's until it has had
+// as many elections. Any other answer (a keep-alive, a lease or a watch answer, from a member
+// that may lag behind another, or filled in before an answer the agent read first) is
+// measured against the revision the agent had seen suspectAfter earlier, and the highest term;
+// one below either is a suspicion, which the gate settles with a linearizable read of its own.
 //
 // etcd restored with its revision bumped and marked compacted, as etcd's documentation
 // recommends under Kubernetes, goes forward: any answer whose revision grew far faster than
@@ -49,7 +52,12 @@ type etcdGate struct {
 	mu      sync.Mutex
 	cluster uint64
 	rev     int64
-	revAt   time.Time // when rev was last raised
+	// term is the highest raft term a linearizable answer carried. A cluster's terms never
+	// go down, and a restored one starts again from the first: an agent whose last answers
+	// predate the backup sees no revision below its floor, but its term is above the new
+	// cluster's for as long as that cluster has had fewer elections.
+	term  uint64
+	revAt time.Time // when rev was last raised
 	// old is the highest revision seen at least suspectAfter ago (at most twice that), what
 	// an answer that is not linearizable is measured against; recent becomes old at rotated.
 	old, recent int64
@@ -96,13 +104,14 @@ func newEtcdGate(ctx context.Context, cli *clientv3.Client, probe string) *etcdG
 // in the epoch it was sent in.
 type floor struct {
 	rev   int64
+	term  uint64
 	epoch uint64
 }
 
 func (g *etcdGate) floor() floor {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return floor{g.rev, g.epoch}
+	return floor{g.rev, g.term, g.epoch}
 }
 
 // epochNow counts the times etcd was found gone back in time: a decision taken from what the
@@ -141,16 +150,22 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	if now := time.Now(); now.Sub(g.rotated) >= suspectAfter {
 		g.old, g.recent, g.rotated = g.recent, g.rev, now
 	}
-	below := f.rev
+	below, termBelow := f.rev, f.term
 	if !proof {
-		below = g.old
+		below, termBelow = g.old, g.term
 	}
+	// A term is measured against the one seen when the request was sent: answers to requests
+	// in flight together may arrive in another order than they were served, across an election.
+	termBack := g.cluster != 0 && h.RaftTerm != 0 && h.RaftTerm < termBelow
 	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
 	since := time.Since(g.revAt)
 	jump := g.cluster != 0 && g.rev > 0 && h.Revision-g.rev > revSlack+int64(since.Seconds()*maxRevRate)
-	if !back && !jump {
+	if !back && !jump && !termBack {
 		if h.Revision > g.rev {
 			g.rev, g.revAt = h.Revision, time.Now()
+		}
+		if proof && h.RaftTerm > g.term {
+			g.term = h.RaftTerm
 		}
 		g.cluster = h.ClusterId
 		g.mu.Unlock()
@@ -168,8 +183,15 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	case jump:
 		why = fmt.Sprintf("etcd's revision jumped from %d to %d in %s, faster than any etcd writes: restored with its revision bumped",
 			g.rev, h.Revision, since.Round(time.Second))
+	case !back:
+		why = fmt.Sprintf("etcd answered in raft term %d after term %d (revision %d after %d): a cluster restored from a backup",
+			h.RaftTerm, f.term, h.Revision, f.rev)
 	}
 	g.cluster, g.rev, g.revAt, g.old, g.recent = h.ClusterId, h.Revision, time.Now(), 0, 0
+	g.term = 0
+	if proof {
+		g.term = h.RaftTerm
+	}
 	g.epoch++
 	g.mu.Unlock()
 	g.wentBack(why)

@@ -23,6 +23,9 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 		wantGB bool          // proof that etcd went back
 	}
 	hdr := func(c uint64, rev int64) *pb.ResponseHeader { return &pb.ResponseHeader{ClusterId: c, Revision: rev} }
+	hdrT := func(rev int64, term uint64) *pb.ResponseHeader {
+		return &pb.ResponseHeader{ClusterId: cluster, Revision: rev, RaftTerm: term}
+	}
 	for _, c := range []struct {
 		name    string
 		answers []answer
@@ -44,6 +47,18 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 		// Once etcd is found gone back, an answer to a request sent before proves nothing more.
 		{"an answer of the old epoch", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 60), proof: true, wantGB: true},
 			{h: hdr(cluster, 50), proof: true, stale: true}}},
+		// An agent away while etcd was restored: the backup's revision is above the last it
+		// saw, but the restored cluster counts its raft terms from the first again.
+		{"a linearizable answer in an earlier term", []answer{{h: hdrT(100, 9), proof: true}, {h: hdrT(400, 2), proof: true, wantGB: true}}},
+		// Elections move the term on.
+		{"terms that grow", []answer{{h: hdrT(100, 2), proof: true}, {h: hdrT(120, 5), proof: true}, {h: hdrT(130, 5), proof: true}}},
+		// Two requests in flight across an election: the one served first in the old term is
+		// read second. It is measured against the term seen when it was sent.
+		{"an answer sent before the election was seen", []answer{{h: hdrT(100, 4), proof: true}, {h: hdrT(120, 5), proof: true},
+			{h: hdrT(110, 4), proof: true, stale: true}}},
+		// A keep-alive from a member that has not heard of the last election yet: a suspicion,
+		// which a confirmation read settles.
+		{"a keep-alive in an earlier term", []answer{{h: hdrT(100, 4), proof: true}, {h: hdrT(120, 5), proof: true}, {h: hdrT(121, 4)}}},
 		// A header the client made up (a watch's end) is not etcd's.
 		{"no cluster ID", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(0, 0), proof: true}}},
 	} {

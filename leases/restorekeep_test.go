@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -111,6 +112,40 @@ func TestAnAgentStartedAfterARestoreSettles(t *testing.T) {
 	if _, err := b.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, errSettling) {
 		t.Errorf("the first ADD needing a new block on an agent started during the settle time: %v, want refused for it", err)
 	}
+}
+
+// TestARestoreNoRevisionShowsIsSeenByTheRaftTerm: etcd restored from a backup taken after the
+// last change the agent saw answers at no revision below any the agent saw, as it does for an
+// agent that was cut off from before the backup until after the restore. The restored cluster
+// counts its raft terms from the first again, below those of the cluster the agent knew: the
+// agent finds etcd restored by that, and settles.
+func TestARestoreNoRevisionShowsIsSeenByTheRaftTerm(t *testing.T) {
+	member := etcdtest.StartMember(t)
+	for range 3 { // a member of one starts a new term each time it starts
+		if err := member.Restart(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.81.0.0/26", 28)
+	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	if _, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
+		t.Fatal(err)
+	}
+	// Nothing is written after the backup: every revision the agent sees before the restore
+	// is the backup's or below.
+	backup := filepath.Join(t.TempDir(), "backup.db")
+	if err := member.Snapshot(ctx, backup); err != nil {
+		t.Fatal(err)
+	}
+	if err := member.Restore(backup, 0); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the agent settling after the restore, by the raft term", func() error {
+		_, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+		settling := a.hold.settling()
+		return etcdtest.Saw(settling != nil && strings.Contains(settling.Error(), "raft term"), "settling: %v; ADD: %v", settling, err)
+	})
 }
 
 // TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease: a restore brings back this node's

@@ -175,6 +175,13 @@ func (m *Member) Snapshot(ctx context.Context, path string) error {
 	return nil
 }
 
+// Restart stops the member and starts it again on the same data, at the same URLs: a member
+// of one begins a new raft term each time it starts.
+func (m *Member) Restart() error {
+	m.stop()
+	return m.startAgain()
+}
+
 // Restore stops the member, restores backup (a file Snapshot wrote) into a new data directory
 // as `etcdutl snapshot restore` does, and starts the member on it at the same URLs. With bump
 // above 0 it restores as etcd's documentation recommends when clients watch (Kubernetes):
@@ -189,7 +196,12 @@ func (m *Member) Restore(backup string, bump uint64) error {
 	if err := snapshot.NewV3(zap.NewNop()).Restore(cfg); err != nil {
 		return fmt.Errorf("snapshot restore of %s: %w", backup, err)
 	}
-	// The ports were the member's a moment ago; one still closing is tried again shortly.
+	return m.startAgain()
+}
+
+// startAgain starts the stopped member at its URLs. The ports were the member's a moment ago;
+// one still closing is tried again shortly.
+func (m *Member) startAgain() error {
 	var err error
 	for try := 0; try < 50; try++ {
 		if err = m.start(); err == nil {
@@ -198,5 +210,5 @@ func (m *Member) Restore(backup string, bump uint64) error {
 		time.Sleep(100 * time.Millisecond)
 	}
 	u, _ := url.Parse(m.ClientURL)
-	return fmt.Errorf("start the restored member at %s: %w", u.Host, err)
+	return fmt.Errorf("start the member again at %s: %w", u.Host, err)
 }
