@@ -318,23 +318,33 @@ func (a *Agent) keysLost(ctx context.Context, p auditPod, problems []string, cop
 	a.metrics.podKeysLost.Add(float64(len(problems)))
 	a.log.Error("keys of a running pod were deleted or changed in etcd; re-claiming its addresses",
 		"owner", p.owner, "lease", keyspace.LeaseHex(p.lease), "keys", problems)
-	if len(copies) > 0 {
-		ops := make([]clientv3.Op, 0, len(copies))
-		for _, kv := range copies {
-			ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)},
-				[]clientv3.Op{clientv3.OpDelete(string(kv.Key))}, nil))
-		}
-		octx, cancel := a.opCtx(ctx)
-		_, err := a.cli.Txn(octx).Then(ops...).Commit()
-		cancel()
-		if err != nil {
-			return a.unavailable("delete the copies of a pod's keys on other leases", err)
-		}
+	if err := a.dropCopies(ctx, copies); err != nil {
+		return err
 	}
 	if err := a.keeper.Revoke(p.lease); err != nil {
 		return a.unavailable("revoke the lease of a pod whose keys were lost", err)
 	}
 	a.pods.lose(p.lease)
+	return nil
+}
+
+// dropCopies deletes keys of a running pod that carry its own value on a lease not its own
+// (or none), each only if unchanged since read: left, one would outlive the pod.
+func (a *Agent) dropCopies(ctx context.Context, copies []*mvccpb.KeyValue) error {
+	if len(copies) == 0 {
+		return nil
+	}
+	ops := make([]clientv3.Op, 0, len(copies))
+	for _, kv := range copies {
+		ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)},
+			[]clientv3.Op{clientv3.OpDelete(string(kv.Key))}, nil))
+	}
+	octx, cancel := a.opCtx(ctx)
+	_, err := a.cli.Txn(octx).Then(ops...).Commit()
+	cancel()
+	if err != nil {
+		return a.unavailable("delete the copies of a pod's keys on other leases", err)
+	}
 	return nil
 }
 

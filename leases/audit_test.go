@@ -182,6 +182,52 @@ func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
 	heldFor(t, cli, a, "u1", k, ip)
 }
 
+// TestAPodsOwnAllocationWithoutItsLeaseIsNoConflictAtItsReclaim: the pod's own allocation
+// put by hand without its lease (etcdctl put of the value read), then the pod's lease lost
+// before any check of the agent saw the put: the re-claim finds the address held with the
+// pod's own value. That is the pod's, not another owner's: the copy goes and the address is
+// re-claimed on the pod's new lease, with no conflict, and the pod's DEL frees it. Found by
+// the fault run: the re-claim recorded a conflict of the pod with itself, and the copy, on no
+// lease, outlived the pod.
+func TestAPodsOwnAllocationWithoutItsLeaseIsNoConflictAtItsReclaim(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/24", 28)
+	// The audit as seldom as allowed: the lost lease's re-claim meets the copy first.
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) { c.AuditInterval = c.LeaseTTL })
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	lease := heldFor(t, cli, a, "u1", k, ip)
+	before, err := cli.Get(ctx, k.alloc)
+	if err != nil || len(before.Kvs) == 0 {
+		t.Fatalf("%s: %v %v", k.alloc, before, err)
+	}
+	if _, err := cli.Put(ctx, k.alloc, string(before.Kvs[0].Value)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	// What the keeper does when a renewal finds the lease gone, without waiting for one.
+	a.keeper.Forget(lease)
+	a.leaseLost(lease)
+	if next := heldFor(t, cli, a, "u1", k, ip); next == lease {
+		t.Fatalf("the pod is still on lease %s", keyspace.LeaseHex(lease))
+	}
+	if resp, err := cli.Get(ctx, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)); err != nil || len(resp.Kvs) > 0 {
+		t.Errorf("a conflict recorded for the pod with its own address: %v %v", resp.Kvs, err)
+	}
+	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := cli.Get(ctx, k.alloc); err != nil || len(resp.Kvs) > 0 {
+		t.Errorf("%s after the pod's DEL: %v %v", k.alloc, resp.Kvs, err)
+	}
+}
+
 // TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce: an allocation of a running pod
 // deleted in its node's own block is put back without waiting for the audit: the node's view
 // sees the delete, which no release explains (ownKeys). In a full pool, another node could

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -686,14 +687,24 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 				allocator.ErrConflict, c.ownerKey, rec.NodeUID, rec.ContainerID)
 		}
 		var still []netip.Addr
+		var copies []*mvccpb.KeyValue
 		for _, f := range out.Addrs {
 			if f.Holder == nil {
 				still = append(still, f.Addr)
 				continue
 			}
 			holder, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
+			if holder.Owner == ps.Owner && holder.Cluster == a.cfg.Cluster && holder.NodeUID == a.cfg.NodeUID {
+				// The pod's own value on another lease, or none (an etcdctl put of it, or a
+				// restore's): the address is this pod's. The copy goes, the claim writes it anew.
+				still, copies = append(still, f.Addr), append(copies, f.Holder)
+				continue
+			}
 			taken = append(taken, keyspace.TakenByOther{IP: f.Addr, Holder: holder.Owner, Cluster: holder.Cluster,
 				Node: holder.Node, ContainerID: holder.ContainerID})
+		}
+		if err := a.dropCopies(ctx, copies); err != nil {
+			return 0, nil, err
 		}
 		c.addrs = still
 	}
