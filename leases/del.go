@@ -113,9 +113,9 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 	if len(resp.Kvs) == 0 {
 		if lease, held := a.pods.lease(owner); held && a.pods.lists(owner, req.IfName, req.Pool.Name, req.ContainerID) {
 			// The agent holds the attachment, etcd has no key of it: its lease expired before
-			// the keeper noticed. The pod's other attachments are re-claimed (if the lease
-			// still lives, the re-claim resumes it), this one is not.
-			a.pods.lose(lease)
+			// the keeper noticed, or etcd went back to before the keys were written. The pod's
+			// other attachments are re-claimed, this one is not.
+			a.keysGone(lease)
 		}
 		if a.forgetLost(ctx, owner, req) {
 			return -1, nil
@@ -389,8 +389,9 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	}
 	if ps, _ := a.pods.snapshot(owner); len(ps.Attachments) > 0 {
 		// etcd holds no attachment of the pod, the agent still knows some: their keys went
-		// with the lease, which expired before the keeper noticed. They are re-claimed.
-		a.pods.lose(lease)
+		// with the lease, which expired before the keeper noticed (or with a restore). They
+		// are re-claimed.
+		a.keysGone(lease)
 		a.wake()
 		return nil
 	}
@@ -407,6 +408,19 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	a.pods.drop(owner)
 	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
 	return nil
+}
+
+// keysGone is the finding that etcd holds no key of a pod on lease, which the keeper still
+// renews: the lease expired before the keeper noticed, or etcd went back to before the keys
+// were written. The pod is re-claimed on a new lease, and this one is revoked: alive again
+// after a restore, it carries what the backup had on it (a deleted pod's keys, when it was
+// that pod's and then a spare), which renewed would stay for ever.
+func (a *Agent) keysGone(lease clientv3.LeaseID) {
+	if err := a.keeper.Revoke(lease); err != nil {
+		a.log.Debug("revoking the lease of a pod whose keys are gone failed; it expires by itself",
+			"lease", keyspace.LeaseHex(lease), "err", err)
+	}
+	a.pods.lose(lease)
 }
 
 // GC releases every attachment of the request's network that this node identity made and

@@ -377,3 +377,42 @@ func TestDelReadsAnOwnerIndexThatChangedBehindTheAgent(t *testing.T) {
 		t.Errorf("allocations after DEL: %v", left)
 	}
 }
+
+// TestALeaseWhoseKeysAreGoneAtADELIsGivenUp: a pod's keys gone from etcd while the keeper
+// still renews its lease, as after a restore from a backup older than the pod, when the lease
+// was a deleted pod's before (a recycled spare) and carries that pod's keys again. The DEL
+// of the pod finds no key of it: the lease goes, and the deleted pod's keys with it. Found by
+// the fault run: the lease was renewed for good, the deleted pod's address held.
+func TestALeaseWhoseKeysAreGoneAtADELIsGivenUp(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.76.0.0/24", 28)
+	// The audit as seldom as allowed: the DEL meets the change first.
+	a := startAgent(t, cluster, "n1", "uid-n1", func(c *Config) { c.AuditInterval = c.LeaseTTL })
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease, ok := a.pods.lease("u1")
+	if !ok {
+		t.Fatal("the agent holds no lease for the pod")
+	}
+	// What the restore does: the pod's keys gone, a deleted pod's record back on the lease.
+	k := keysOf(cluster, "n1", "u1", pool, addrs(res)[0])
+	gone := keyspace.PodKey(cluster, "n1", "u-deleted")
+	rec := keyspace.PodRecord{Owner: "u-deleted", NodeUID: "uid-n1"}
+	if _, err := cli.Txn(ctx).Then(clientv3.OpDelete(k.pod), clientv3.OpDelete(k.owner), clientv3.OpDelete(k.alloc),
+		clientv3.OpPut(gone, keyspace.Encode(rec), clientv3.WithLease(lease))).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the lease given up, and the deleted pod's record with it", func() error {
+		resp, err := cli.Get(ctx, gone)
+		if err != nil {
+			return err
+		}
+		return etcdtest.Saw(len(resp.Kvs) == 0 && !a.keeper.Holds(lease), "record there %v, lease %s renewed %v",
+			len(resp.Kvs) > 0, keyspace.LeaseHex(lease), a.keeper.Holds(lease))
+	})
+}
