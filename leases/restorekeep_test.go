@@ -83,6 +83,68 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 	}
 }
 
+// TestNoHeldBackAddressIsReusedWhileSettling: during the settle time after etcd went back in
+// time, an ADD that finds no free address in the node's blocks is refused for the settle time,
+// and an address held back for another node's expired pod is not handed out: the pool's other
+// room is not known then (no block is claimed, nothing borrowed). An agent restarted during
+// the settle time resumes it with nothing of the pool kept, as here.
+func TestNoHeldBackAddressIsReusedWhileSettling(t *testing.T) {
+	member := etcdtest.StartMember(t)
+	cli := etcdtest.ClientAt(t, member.ClientURL)
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.82.0.0/28", 28) // one block
+	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()))
+	first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another node's pod borrowed x here (its allocation on the pod's lease, its held key on
+	// the node's); the node is cut off and the pod's lease expires.
+	x := resultAddrs(first)[0].Next()
+	pod, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	alloc := keyspace.Allocation{Owner: "u-n2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c-n2",
+		IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(pod.ID)}
+	held := keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u-n2"}
+	if _, err := cli.Txn(ctx).Then(
+		clientv3.OpPut(keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.Encode(alloc), clientv3.WithLease(pod.ID)),
+		clientv3.OpPut(keyspace.HeldKey(pool.Name, pool.Blocks, x), keyspace.Encode(held), clientv3.WithLease(hold.ID)),
+	).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, pod.ID); err != nil {
+		t.Fatal(err)
+	}
+	v := a.pools.viewOf(pool.Name)
+	etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
+		v.mu.Lock()
+		defer v.mu.Unlock()
+		_, held := v.heldBack[x]
+		return etcdtest.Saw(held, "%s held back %v", x, held)
+	})
+	// The settle time as an agent restarted during it resumes it: nothing of the pool kept.
+	a.hold.resumeSettle(time.Now(), time.Now().Add(etcdtest.Patience), "a test's restore")
+	for i := range 20 {
+		res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("f%d", i), "eth0", fmt.Sprintf("uf%d", i)))
+		if err != nil {
+			if !errors.Is(err, errSettling) {
+				t.Errorf("the ADD that found no free address: %v, want refused for the settle time", err)
+			}
+			return
+		}
+		if got := resultAddrs(res)[0]; got == x {
+			t.Fatalf("ADD f%d was given %s, held back for a pod of another node, during the settle time", i, x)
+		}
+	}
+	t.Fatal("20 ADDs into a block of 16 addresses: none was refused")
+}
+
 // TestAnAgentStartedAfterARestoreSettles: an agent that starts during the settle time of a
 // restore another agent found (a node replaced, an agent restarted with a new state
 // directory) settles before its first ADD: it claims no new block then.

@@ -226,13 +226,15 @@ func (r *Report) String() string {
 		}
 	}
 	w("    reuses logged: %d, %d with the pool full by the history, %d with room", len(r.Reuses), full, len(r.Reuses)-full)
-	for i, v := range r.Reuses {
+	listed := 0
+	for _, v := range r.Reuses {
 		if v.Full {
 			continue
 		}
-		if i >= maxListed {
+		if listed == maxListed {
 			break
 		}
+		listed++
 		w("    reuse with room %s n%d %s: %s", at(v.Time), v.Slot, v.IP, v.Why)
 	}
 	w("(c) final state (%s; settled %v after %s; all agents ready %v): %d allocations, %d held keys, %d conflict records",
