@@ -16,6 +16,33 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
+// expiredBorrower makes x the address of another node's pod that borrowed it (its allocation
+// on the pod's lease, its held key on the node's), the node cut off and the pod's lease expired.
+func expiredBorrower(t *testing.T, cli *clientv3.Client, cluster string, pool allocator.PoolSpec, x netip.Addr) {
+	t.Helper()
+	ctx := ctxT(t)
+	pod, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hold, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	alloc := keyspace.Allocation{Owner: "u-n2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c-n2",
+		IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(pod.ID)}
+	held := keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u-n2"}
+	if _, err := cli.Txn(ctx).Then(
+		clientv3.OpPut(keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.Encode(alloc), clientv3.WithLease(pod.ID)),
+		clientv3.OpPut(keyspace.HeldKey(pool.Name, pool.Blocks, x), keyspace.Encode(held), clientv3.WithLease(hold.ID)),
+	).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, pod.ID); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore: an address in this node's block
 // held back for another node's expired pod (that node cut off, its pod running) whose held key
 // a restore lost (the backup predates it) is not handed out for the keep time, either way etcd
@@ -40,29 +67,8 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 			if err := member.Snapshot(ctx, backup); err != nil {
 				t.Fatal(err)
 			}
-			// Another node's pod borrows x here (its allocation on the pod's lease, its held key
-			// on the node's); the node is cut off and the pod's lease expires.
 			x := resultAddrs(first)[0].Next()
-			pod, err := cli.Grant(ctx, 600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			hold, err := cli.Grant(ctx, 600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			alloc := keyspace.Allocation{Owner: "u-n2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c-n2",
-				IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(pod.ID)}
-			held := keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u-n2"}
-			if _, err := cli.Txn(ctx).Then(
-				clientv3.OpPut(keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.Encode(alloc), clientv3.WithLease(pod.ID)),
-				clientv3.OpPut(keyspace.HeldKey(pool.Name, pool.Blocks, x), keyspace.Encode(held), clientv3.WithLease(hold.ID)),
-			).Commit(); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := cli.Revoke(ctx, pod.ID); err != nil {
-				t.Fatal(err)
-			}
+			expiredBorrower(t, cli, cluster, pool, x)
 			v := a.pools.viewOf(pool.Name)
 			// The view holds x back: first as a deletion no release explains (suspect), then,
 			// once it read the held key, until the hold ends. One way restores in the first
@@ -98,29 +104,8 @@ func TestNoHeldBackAddressIsReusedWhileSettling(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Another node's pod borrowed x here (its allocation on the pod's lease, its held key on
-	// the node's); the node is cut off and the pod's lease expires.
 	x := resultAddrs(first)[0].Next()
-	pod, err := cli.Grant(ctx, 600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hold, err := cli.Grant(ctx, 600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	alloc := keyspace.Allocation{Owner: "u-n2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c-n2",
-		IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(pod.ID)}
-	held := keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u-n2"}
-	if _, err := cli.Txn(ctx).Then(
-		clientv3.OpPut(keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.Encode(alloc), clientv3.WithLease(pod.ID)),
-		clientv3.OpPut(keyspace.HeldKey(pool.Name, pool.Blocks, x), keyspace.Encode(held), clientv3.WithLease(hold.ID)),
-	).Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := cli.Revoke(ctx, pod.ID); err != nil {
-		t.Fatal(err)
-	}
+	expiredBorrower(t, cli, cluster, pool, x)
 	v := a.pools.viewOf(pool.Name)
 	etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
 		v.mu.Lock()
