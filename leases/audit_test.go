@@ -2,9 +2,12 @@ package leases
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -226,6 +230,66 @@ func TestAPodsOwnAllocationWithoutItsLeaseIsNoConflictAtItsReclaim(t *testing.T)
 	if resp, err := cli.Get(ctx, k.alloc); err != nil || len(resp.Kvs) > 0 {
 		t.Errorf("%s after the pod's DEL: %v %v", k.alloc, resp.Kvs, err)
 	}
+}
+
+// TestAnOwnerThatHadTheAddressBeforeItsHolderIsLogged: a running pod's lease lost; while it
+// was, one owner took its address and let it go, and another holds it at the re-claim. The
+// re-claim records the conflict with the holder, which the address comes back from, and logs
+// the one before from etcd's history: it ran with the address too. Found by the fault run: a
+// node away across a restore came back to a second holder, and the first went unreported.
+func TestAnOwnerThatHadTheAddressBeforeItsHolderIsLogged(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.83.0.0/24", 28)
+	var logs syncbuf.Buffer
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) {
+		c.AuditInterval = c.LeaseTTL
+		c.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	lease, ok := a.pods.lease("u1")
+	if !ok {
+		t.Fatal("the agent holds no lease for the pod")
+	}
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	key := keyspace.IPKey(pool.Name, pool.Blocks, ip)
+	other := func(owner string) string {
+		return keyspace.Encode(keyspace.Allocation{Owner: owner, Cluster: cluster, Node: "n2", NodeUID: "uid-n2",
+			ContainerID: "c-" + owner, IfName: "eth0", Network: pool.Name})
+	}
+	for _, op := range []clientv3.Op{clientv3.OpPut(key, other("u-before")), clientv3.OpDelete(key), clientv3.OpPut(key, other("u-now"))} {
+		if _, err := cli.Do(ctx, op); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// What the keeper does when a renewal finds the lease gone, without waiting for one.
+	a.keeper.Forget(lease)
+	a.leaseLost(lease)
+	etcdtest.Eventually(t, "a CONFLICT logged for each owner that had the address", func() error {
+		var holders []string
+		for line := range strings.Lines(logs.String()) {
+			var l struct {
+				Msg   string `json:"msg"`
+				Owner string `json:"owner"`
+				Taken []struct {
+					Holder string `json:"holder"`
+				} `json:"taken"`
+			}
+			if json.Unmarshal([]byte(line), &l) != nil || !strings.HasPrefix(l.Msg, "CONFLICT") || l.Owner != "u1" {
+				continue
+			}
+			for _, tk := range l.Taken {
+				holders = append(holders, tk.Holder)
+			}
+		}
+		slices.Sort(holders)
+		return etcdtest.Saw(slices.Equal(holders, []string{"u-before", "u-now"}), "the CONFLICT lines name %v", holders)
+	})
 }
 
 // TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce: an allocation of a running pod

@@ -565,6 +565,39 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
 }
 
+// heldBefore looks in etcd's history, in the background, at each address the re-claim found
+// another owner holding (taken), between the attachment's last write and the re-claim (rev):
+// an owner other than the one holding it now that had it and let it go meanwhile ran with this
+// pod's address too (a node away across a restore, its hold gone). That is logged as the
+// conflict it was; the record names only the holder now, which the address comes back from,
+// and the address is counted once, as that conflict.
+func (a *Agent) heldBefore(owner string, at attachment, c *claim, taken []keyspace.TakenByOther, rev int64) {
+	if at.OwnerRev <= 0 || a.ctx.Err() != nil {
+		return
+	}
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		var before []keyspace.TakenByOther
+		for _, t := range taken {
+			others, known := a.othersSince(a.ctx, owner, keyspace.IPKey(c.pool, c.blocks, t.IP), t.IP, at.OwnerRev, rev, time.Time{})
+			if !known {
+				a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
+					"whether another pod had it meanwhile", "owner", owner, "ip", t.IP, "pool", c.pool)
+			}
+			for _, o := range others {
+				if o.Holder != t.Holder || o.Cluster != t.Cluster {
+					before = append(before, o)
+				}
+			}
+		}
+		if len(before) > 0 {
+			a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
+				"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", before)
+		}
+	}()
+}
+
 // historyIdle is how long othersSince waits, once a watch of a key's history is created,
 // for an event after the last: etcd sends a watch's past events at once (its sync loop runs
 // every 100 ms), so a quiet second means the history is all there. A miss costs a conflict
@@ -668,6 +701,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 				for _, t := range taken {
 					lost = append(lost, t.IP)
 				}
+				a.heldBefore(ps.Owner, at, c, taken, out.Revision)
 			}
 			a.usedMeanwhile(ctx, ps.Owner, at, c, unheld, out.Revision)
 			return out.Revision, lost, nil
