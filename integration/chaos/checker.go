@@ -766,13 +766,14 @@ func (c *checker) resurrections() []Resurrection {
 }
 
 // deletedBy is when a pod's keys must be gone after its DEL answered: TTL after its release.
-// A DEL answered while its node was away is released when the node comes back, or the key
-// expires with its lease (releasedBy), and etcd extends every lease when its leader changes:
-// a key seen until then was never deleted, not brought back.
+// A DEL answered while its node was away, or while etcd could not be reached from it (a
+// leader cut off or killed: the DEL is recorded and answered), is released when etcd answers
+// again, or the key expires with its lease (releasedBy), and etcd extends every lease when
+// its leader changes: a key seen until then was never deleted, not brought back.
 func (c *checker) deletedBy(p *Pod) time.Time {
 	slack := c.h.Params.TTL
 	t := c.releasedBy(p).Add(slack)
-	if !t.Equal(p.DelAnswered.Add(slack)) && c.etcdFaultNear(p.DelAnswered, t) {
+	if c.etcdFaultNear(p.DelAnswered.Add(-slack), t) {
 		t = t.Add(c.h.Params.TTL + 2*time.Second)
 	}
 	return t

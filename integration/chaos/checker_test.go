@@ -274,6 +274,17 @@ func TestCheckFindsAResurrection(t *testing.T) {
 	}
 }
 
+// A DEL answered while etcd's leader was cut off is recorded and answered; its keys go when
+// etcd answers again, or with their lease, which the new leader extends by its TTL.
+func TestCheckAllowsADeletedPodsKeyAcrossALeaderChange(t *testing.T) {
+	h := clean()
+	h.Faults = append(h.Faults, &Fault{ID: 1, Kind: EtcdLeaderCut, Target: "e1", Slot: -1, Member: 1, Start: sec(29), End: sec(33)})
+	h.sample(36, "10.0.0.2=a", "10.0.0.3=c") // 6 s after a's DEL answered, the lease extended
+	wantPass(t, h)
+	h.sample(45, "10.0.0.2=a", "10.0.0.3=c") // past a TTL from the new leader, and the slack
+	wantFailure(t, h, "resurrections")
+}
+
 func TestCheckFindsAMissingKey(t *testing.T) {
 	h := clean()
 	h.sample(60, "10.0.0.2=b") // c runs on a node that was never away, without its key
