@@ -21,13 +21,15 @@ import (
 // same endpoints. Keys the agent wrote may be gone while their leases live on, so a renewed
 // lease proves nothing then. A linearizable request (every KV request the agent sends) is
 // answered at the revision and in the raft term the gate had seen when it was sent, or later
-// ones: an answer below either is proof, reported to wentBack. The term matters to an agent
-// that was away while etcd was restored: the restored cluster's revision is above any it saw,
-// but its terms count from the first again, and stay below the old cluster's until it has had
-// as many elections. Any other answer (a keep-alive, a lease or a watch answer, from a member
-// that may lag behind another, or filled in before an answer the agent read first) is
-// measured against the revision the agent had seen suspectAfter earlier, and the highest term;
-// one below either is a suspicion, which the gate settles with a linearizable read of its own.
+// ones: an answer below the revision is proof, reported to wentBack. The term matters to an
+// agent that was away while etcd was restored: the restored cluster's revision is above any
+// it saw, but its terms count from the first again, and stay below the old cluster's until it
+// has had as many elections. A member back from a cut answers in its old term for a moment
+// too, so answers in an earlier term are proof only once they last termConfirm. Any other
+// answer (a keep-alive, a lease or a watch answer, from a member that may lag behind another,
+// or filled in before an answer the agent read first) is measured against the revision the
+// agent had seen suspectAfter earlier, and the highest term; one below either is a suspicion,
+// which the gate settles with a linearizable read of its own.
 //
 // etcd restored with its revision bumped and marked compacted, as etcd's documentation
 // recommends under Kubernetes, goes forward: any answer whose revision grew far faster than
@@ -55,9 +57,11 @@ type etcdGate struct {
 	// term is the highest raft term a linearizable answer carried. A cluster's terms never
 	// go down, and a restored one starts again from the first: an agent whose last answers
 	// predate the backup sees no revision below its floor, but its term is above the new
-	// cluster's for as long as that cluster has had fewer elections.
-	term  uint64
-	revAt time.Time // when rev was last raised
+	// cluster's for as long as that cluster has had fewer elections. termLow is when answers
+	// in an earlier term began, none in the known term since (zero: none).
+	term    uint64
+	termLow time.Time
+	revAt   time.Time // when rev was last raised
 	// old is the highest revision seen at least suspectAfter ago (at most twice that), what
 	// an answer that is not linearizable is measured against; recent becomes old at rotated.
 	old, recent int64
@@ -84,6 +88,11 @@ const (
 	maxRevRate = 200_000
 	revSlack   = 1_000_000
 )
+
+// termConfirm is how long answers in a term below the known one must last, with none in the
+// known term between, to prove a restore: a member cut off from an election serves a few
+// answers in the term before it as it comes back, until the new leader reaches it.
+const termConfirm = 2 * time.Second
 
 // confirmEvery bounds how often a suspicion sends a confirmation read: a member that lags
 // answers keep-alives below the floor for as long as it lags.
@@ -160,9 +169,31 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
 	since := time.Since(g.revAt)
 	jump := g.cluster != 0 && g.rev > 0 && h.Revision-g.rev > revSlack+int64(since.Seconds()*maxRevRate)
+	if termBack && !back && !jump {
+		// A member cut off from an election answers in the term before it for a moment
+		// as it comes back; a restored cluster does in every answer. Only an earlier term
+		// that lasts termConfirm, no answer in the known term between, is proof.
+		now := time.Now()
+		if g.termLow.IsZero() {
+			g.termLow = now
+			time.AfterFunc(termConfirm, g.confirm)
+		}
+		termBack = proof && now.Sub(g.termLow) >= termConfirm
+		if !termBack {
+			if h.Revision > g.rev {
+				g.rev, g.revAt = h.Revision, now
+			}
+			g.mu.Unlock()
+			g.confirm()
+			return
+		}
+	}
 	if !back && !jump && !termBack {
 		if h.Revision > g.rev {
 			g.rev, g.revAt = h.Revision, time.Now()
+		}
+		if h.RaftTerm != 0 && h.RaftTerm >= g.term {
+			g.termLow = time.Time{} // the cluster the agent knows answers in its own terms
 		}
 		if proof && h.RaftTerm > g.term {
 			g.term = h.RaftTerm
@@ -188,7 +219,7 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 			h.RaftTerm, f.term, h.Revision, f.rev)
 	}
 	g.cluster, g.rev, g.revAt, g.old, g.recent = h.ClusterId, h.Revision, time.Now(), 0, 0
-	g.term = 0
+	g.term, g.termLow = 0, time.Time{}
 	if proof {
 		g.term = h.RaftTerm
 	}

@@ -20,6 +20,7 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 		proof  bool          // linearizable
 		after  time.Duration // since the gate last saw the revision grow
 		stale  bool          // sent before the first proof
+		lowFor time.Duration // how long answers in an earlier term have come, if they have
 		wantGB bool          // proof that etcd went back
 	}
 	hdr := func(c uint64, rev int64) *pb.ResponseHeader { return &pb.ResponseHeader{ClusterId: c, Revision: rev} }
@@ -48,8 +49,14 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 		{"an answer of the old epoch", []answer{{h: hdr(cluster, 100), proof: true}, {h: hdr(cluster, 60), proof: true, wantGB: true},
 			{h: hdr(cluster, 50), proof: true, stale: true}}},
 		// An agent away while etcd was restored: the backup's revision is above the last it
-		// saw, but the restored cluster counts its raft terms from the first again.
-		{"a linearizable answer in an earlier term", []answer{{h: hdrT(100, 9), proof: true}, {h: hdrT(400, 2), proof: true, wantGB: true}}},
+		// saw, but the restored cluster counts its raft terms from the first again, in every
+		// answer.
+		{"answers in an earlier term for termConfirm", []answer{{h: hdrT(100, 9), proof: true}, {h: hdrT(400, 2), proof: true},
+			{h: hdrT(401, 2)}, {h: hdrT(402, 2), proof: true, lowFor: termConfirm, wantGB: true}}},
+		// A member back from a cut answers in its old term for a moment; the others answer in
+		// the new one meanwhile.
+		{"a member back from a cut", []answer{{h: hdrT(100, 4), proof: true}, {h: hdrT(110, 5), proof: true},
+			{h: hdrT(111, 4), proof: true}, {h: hdrT(112, 5)}, {h: hdrT(113, 4), proof: true, lowFor: termConfirm}}},
 		// Elections move the term on.
 		{"terms that grow", []answer{{h: hdrT(100, 2), proof: true}, {h: hdrT(120, 5), proof: true}, {h: hdrT(130, 5), proof: true}}},
 		// Two requests in flight across an election: the one served first in the old term is
@@ -72,6 +79,13 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 				f := g.floor()
 				if an.stale {
 					f = first
+				}
+				if an.lowFor > 0 {
+					g.mu.Lock()
+					if !g.termLow.IsZero() {
+						g.termLow = time.Now().Add(-an.lowFor)
+					}
+					g.mu.Unlock()
 				}
 				if an.after > 0 {
 					g.mu.Lock()
