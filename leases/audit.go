@@ -601,6 +601,9 @@ func (a *Agent) reclaimBlocks(ctx context.Context) error {
 				return err
 			}
 			if claimed {
+				// Another node may have borrowed in it since the backup, its pod's key gone
+				// with the restore: no new ADD chooses in it for the keep time.
+				v.markRestored(b)
 				a.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
 					"pool", pool, "block", b)
 			}

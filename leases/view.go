@@ -536,6 +536,16 @@ func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
 	return v.restart()
 }
 
+// markRestored has the view pass over block for the keep time, as over a block the backup
+// gave back.
+func (v *view) markRestored(block netip.Prefix) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if sp := v.spans[block]; sp != nil && time.Now().Before(v.keepUntil) {
+		sp.restored = true
+	}
+}
+
 // droppedRecall is how long before the proof that etcd went back a listing's dropped
 // addresses are kept: the proof comes with the first answers after etcd's return, the
 // listing of a compacted watch a little before.
