@@ -539,63 +539,74 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.Ta
 // re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
 // the conflict it was.
 func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, c *claim, unheld []netip.Addr, rev int64) {
-	if at.OwnerRev <= 0 {
+	var look []netip.Addr
+	for _, ip := range unheld {
+		if slices.Contains(c.addrs, ip) {
+			look = append(look, ip)
+		}
+	}
+	if taken, had := a.holdersBetween(ctx, owner, at, c, look, nil, rev); had > 0 {
+		a.conflicts.Add(int64(had))
+		a.logHeldMeanwhile(owner, at, c, taken)
+	}
+}
+
+// heldBefore is usedMeanwhile for the addresses the re-claim found another owner holding
+// (taken), in the background: an owner other than the one holding it now that had it and let
+// it go meanwhile ran with this pod's address too (a node away across a restore, its hold
+// gone). The record names only the holder now, which the address comes back from, and the
+// address is counted once, as that conflict.
+func (a *Agent) heldBefore(owner string, at attachment, c *claim, taken []keyspace.TakenByOther, rev int64) {
+	if at.OwnerRev <= 0 || a.ctx.Err() != nil {
 		return
 	}
-	var taken []keyspace.TakenByOther
-	had := 0 // addresses, each counted once whatever the number of owners that had it
-	for _, ip := range unheld {
-		if !slices.Contains(c.addrs, ip) {
-			continue
+	look := make([]netip.Addr, 0, len(taken))
+	now := make(map[netip.Addr]keyspace.TakenByOther, len(taken))
+	for _, t := range taken {
+		look, now[t.IP] = append(look, t.IP), t
+	}
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		if before, _ := a.holdersBetween(a.ctx, owner, at, c, look, now, rev); len(before) > 0 {
+			a.logHeldMeanwhile(owner, at, c, before)
 		}
+	}()
+}
+
+// holdersBetween reads etcd's history of the allocation key of each of addrs between the
+// attachment's last write and rev: the owners other than owner that held it, less the one
+// holding it now (now, if named there). had counts the addresses with any such owner. A
+// history etcd no longer has is logged.
+func (a *Agent) holdersBetween(ctx context.Context, owner string, at attachment, c *claim, addrs []netip.Addr,
+	now map[netip.Addr]keyspace.TakenByOther, rev int64) (taken []keyspace.TakenByOther, had int) {
+	if at.OwnerRev <= 0 {
+		return nil, 0
+	}
+	for _, ip := range addrs {
 		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.pool, c.blocks, ip), ip, at.OwnerRev, rev, time.Time{})
 		if !known {
 			a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
 				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool)
 		}
-		if len(others) > 0 {
-			taken, had = append(taken, others...), had+1
+		n := len(taken)
+		for _, o := range others {
+			if t, ok := now[ip]; !ok || o.Holder != t.Holder || o.Cluster != t.Cluster {
+				taken = append(taken, o)
+			}
+		}
+		if len(taken) > n {
+			had++
 		}
 	}
-	if had == 0 {
-		return
-	}
-	a.conflicts.Add(int64(had))
-	a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
-		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
+	return taken, had
 }
 
-// heldBefore looks in etcd's history, in the background, at each address the re-claim found
-// another owner holding (taken), between the attachment's last write and the re-claim (rev):
-// an owner other than the one holding it now that had it and let it go meanwhile ran with this
-// pod's address too (a node away across a restore, its hold gone). That is logged as the
-// conflict it was; the record names only the holder now, which the address comes back from,
-// and the address is counted once, as that conflict.
-func (a *Agent) heldBefore(owner string, at attachment, c *claim, taken []keyspace.TakenByOther, rev int64) {
-	if at.OwnerRev <= 0 || a.ctx.Err() != nil {
-		return
-	}
-	a.wg.Add(1)
-	go func() {
-		defer a.wg.Done()
-		var before []keyspace.TakenByOther
-		for _, t := range taken {
-			others, known := a.othersSince(a.ctx, owner, keyspace.IPKey(c.pool, c.blocks, t.IP), t.IP, at.OwnerRev, rev, time.Time{})
-			if !known {
-				a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
-					"whether another pod had it meanwhile", "owner", owner, "ip", t.IP, "pool", c.pool)
-			}
-			for _, o := range others {
-				if o.Holder != t.Holder || o.Cluster != t.Cluster {
-					before = append(before, o)
-				}
-			}
-		}
-		if len(before) > 0 {
-			a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
-				"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", before)
-		}
-	}()
+// logHeldMeanwhile logs owners that held this pod's addresses and let them go before the
+// re-claim.
+func (a *Agent) logHeldMeanwhile(owner string, at attachment, c *claim, taken []keyspace.TakenByOther) {
+	a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
+		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
 }
 
 // historyIdle is how long othersSince waits, once a watch of a key's history is created,
