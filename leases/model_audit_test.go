@@ -150,6 +150,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		adds = append(adds, attKey{owner: owner, ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]})
 	}
 	again := m.rng.IntN(3) == 0 // and the pod's own ADD, repeated
+	m.expectAdds(m.neverHeldFree(ctx), len(adds))
 	var wg sync.WaitGroup
 	for _, nk := range adds {
 		wg.Go(func() { m.do(ctx, i, n, nk, 0, 0, busy) })

@@ -144,6 +144,7 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 		k := attKey{owner: owner, ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
 		plan = append(plan, modelOp{node: m.homeOf(owner), k: k})
 	}
+	m.expectAdds(m.neverHeldFree(ctx), len(plan))
 	m.repairing = true
 	var wg sync.WaitGroup
 	for _, p := range plan {

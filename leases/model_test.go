@@ -299,6 +299,15 @@ type modelOp struct {
 	afterDel bool
 }
 
+// expectAdds records, for admitLocked, the room the pool had (neverHeldFree) before the
+// step's adds new ADDs. Every kind of step that runs ADDs calls it: a value left from an
+// earlier step would judge them against another pool.
+func (m *model) expectAdds(free []int, adds int) {
+	m.mu.Lock()
+	m.neverHeld, m.stepAdds = free, adds
+	m.mu.Unlock()
+}
+
 // step runs one to three random operations at once, on distinct owners.
 func (m *model) step(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), modelStepTimeout)
@@ -373,9 +382,7 @@ func (m *model) step(i int) {
 			adds++
 		}
 	}
-	m.mu.Lock()
-	m.neverHeld, m.stepAdds = free, adds
-	m.mu.Unlock()
+	m.expectAdds(free, adds)
 	var wg sync.WaitGroup
 	for _, p := range plan {
 		if p.sticky != "" {
