@@ -144,7 +144,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	req, owner := st.req, st.owner
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	epoch := a.gate.epochNow() // what the view and the snapshots know is of this history
+	epoch := a.gate.Epoch() // what the view and the snapshots know is of this history
 
 	lease, known := a.pods.lease(owner)
 	if at, _, ok := a.pods.attachment(owner, req.IfName, p.spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
@@ -265,7 +265,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, a.unavailable("claim addresses", err))
 	}
 	out := c.outcome(resp)
-	if out.Applied && st.sticky == nil && a.gate.epochNow() != epoch {
+	if out.Applied && st.sticky == nil && a.gate.Epoch() != epoch {
 		p.view.settle(reserved, 0)
 		return allocator.Result{}, false, a.undoClaim(ctx, st, known, lease, p.spec.Name)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/etcdgate"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -55,7 +56,7 @@ type Agent struct {
 	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
 	// it repairs what etcd going back in time took; auditDue asks the recovery loop to check
 	// every key the agent keeps, suspect says that etcd may have gone back (audit.go).
-	gate     *etcdGate
+	gate     *etcdgate.Gate
 	hold     *restoreHold
 	keys     *ownKeys
 	auditDue atomic.Bool
@@ -92,11 +93,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		}
 	}
 	actx, cancel := context.WithCancel(context.Background())
-	gate := newEtcdGate(actx, cli, keyspace.NodeKey(cfg.Cluster, cfg.Node))
-	a := &Agent{
+	var a *Agent // the gate's signals reach it once made, before any request passes the gate
+	gate := etcdgate.New(actx, cli, etcdgate.Config{Probe: keyspace.NodeKey(cfg.Cluster, cfg.Node), ProbeTimeout: probeTimeout,
+		WentBack: func(why string) { a.etcdWentBack(why) }, MayHaveGoneBack: func(why string) { a.etcdMayHaveGoneBack(why) }})
+	a = &Agent{
 		unlock:          unlock,
 		cfg:             cfg,
-		cli:             gate.client,
+		cli:             gate.Client(),
 		gate:            gate,
 		hold:            newRestoreHold(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
 		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
@@ -110,12 +113,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		started:         time.Now(),
 		stopped:         make(chan struct{}),
 	}
-	gate.wentBack, gate.mayHaveGoneBack = a.etcdWentBack, a.etcdMayHaveGoneBack
 	a.pods = newPods(cfg.NodeUID, a.jw)
 	a.metrics = newMetrics(a)
 	a.claims = &claimBatcher{cli: a.cli, timeout: cfg.OpTimeout, m: a.metrics}
 	keeper, err := NewKeeper(a.cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
-		Log: a.log, OnLost: a.leaseLost, OnHeard: gate.heard})
+		Log: a.log, OnLost: a.leaseLost, OnHeard: gate.Heard})
 	if err != nil {
 		cancel()
 		unlock()
@@ -251,7 +253,7 @@ func (a *Agent) reachable(ctx context.Context) error {
 	}
 	if err := a.ask(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
 		return fmt.Errorf("%w: etcd does not answer (no answer since %s): %w", allocator.ErrUnavailable,
-			a.gate.lastAnswer().UTC().Format(time.RFC3339), err)
+			a.gate.LastAnswer().UTC().Format(time.RFC3339), err)
 	}
 	return nil
 }
@@ -266,7 +268,7 @@ func (a *Agent) probe(ctx context.Context, key string) error {
 }
 
 // silentFor is how long ago etcd last answered the agent.
-func (a *Agent) silentFor() time.Duration { return a.gate.silentFor() }
+func (a *Agent) silentFor() time.Duration { return a.gate.SilentFor() }
 
 // ask is probe's question: a count-only read of key, bounded by probeTimeout.
 func (a *Agent) ask(ctx context.Context, key string) error {

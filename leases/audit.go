@@ -20,7 +20,7 @@ import (
 // A live lease is not proof that the keys on it exist: an etcd restored from a backup has
 // the leases the backup had, without what was written on them since, and an admin may delete
 // or overwrite a key with etcdctl. So the agent checks what it wrote (audit) every
-// Config.AuditInterval, and at once when etcd may have gone back in time (gate.go): the node
+// Config.AuditInterval, and at once when etcd may have gone back in time (etcdgate): the node
 // record, the block claims its views hold, and for each running pod its pod record, owner
 // indexes and allocations. A key missing, on another lease or with a value this agent did not
 // write is a lost key: the pod's lease is revoked and the pod re-claimed, exactly as after a

@@ -72,7 +72,7 @@ type KeeperConfig struct {
 	OnLost func(clientv3.LeaseID)
 	// OnHeard, if not nil, is called with the header of each renewal etcd answers: the agent
 	// knows from it, at no cost, that etcd answers (Agent.reachable), and whether etcd went
-	// back in time (etcdGate).
+	// back in time (package etcdgate).
 	OnHeard func(*pb.ResponseHeader)
 }
 

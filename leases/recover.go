@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/etcdgate"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -63,7 +64,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	switch since := time.Since(journaledAt); {
 	case written > resp.Header.Revision:
 		a.etcdWentBack(fmt.Sprintf("this node's journal names revision %d, and etcd is at %d", written, resp.Header.Revision))
-	case written > 0 && !journaledAt.IsZero() && resp.Header.Revision-written > revSlack+int64(max(since, 0).Seconds()*maxRevRate):
+	case written > 0 && !journaledAt.IsZero() && etcdgate.Jumped(written, resp.Header.Revision, since):
 		a.etcdWentBack(fmt.Sprintf("etcd is at revision %d, %d after this node's journal written %s ago: faster than etcd writes",
 			resp.Header.Revision, resp.Header.Revision-written, since.Round(time.Second)))
 	}
@@ -623,7 +624,7 @@ func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Add
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	// Past the gate: a history compacted away is an answer here, not a sign of a restore.
-	wch := a.gate.raw.Watch(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
+	wch := a.gate.History(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
 		clientv3.WithCreatedNotify())
 	idle := time.NewTimer(historyIdle)
 	defer idle.Stop()

@@ -1,4 +1,4 @@
-package leases
+package etcdgate
 
 import (
 	"context"
@@ -73,7 +73,7 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			cancel() // no confirmation read: this gate has no client
 			went := make(chan string, 4)
-			g := &etcdGate{ctx: ctx, started: time.Now(), wentBack: func(why string) { went <- why }, mayHaveGoneBack: func(string) {}}
+			g := &Gate{ctx: ctx, started: time.Now(), cfg: Config{WentBack: func(why string) { went <- why }, MayHaveGoneBack: func(string) {}}}
 			first := g.floor()
 			for i, an := range c.answers {
 				f := g.floor()
@@ -92,10 +92,10 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 					g.revAt = time.Now().Add(-an.after)
 					g.mu.Unlock()
 				}
-				before := g.epochNow()
+				before := g.Epoch()
 				g.seen(an.h, f, an.proof)
 				// The epoch moves with the proof, before the signal's goroutine runs.
-				if gb := g.epochNow() != before; gb != an.wantGB {
+				if gb := g.Epoch() != before; gb != an.wantGB {
 					t.Errorf("answer %d (%v): etcd gone back %v, want %v", i, an.h, gb, an.wantGB)
 				}
 			}

@@ -1,4 +1,6 @@
-package leases
+// Package etcdgate is the agent's one way to etcd: every answer etcd gives passes the gate,
+// which keeps when etcd last answered and notices etcd going back in time.
+package etcdgate
 
 import (
 	"context"
@@ -11,8 +13,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// etcdGate sees every answer etcd gives the agent: the KV, lease and watch calls of the
-// client it hands out (client), and the keep-alive answers the keeper reads (heard). From
+// Gate sees every answer etcd gives the agent: the KV, lease and watch calls of the
+// client it hands out (Client), and the keep-alive answers the keeper reads (Heard). From
 // the answers it keeps when etcd answered last (reachability) and etcd's history as the agent
 // has seen it: the cluster ID, the highest revision and the highest raft term.
 //
@@ -21,7 +23,7 @@ import (
 // same endpoints. Keys the agent wrote may be gone while their leases live on, so a renewed
 // lease proves nothing then. A linearizable request (every KV request the agent sends) is
 // answered at the revision and in the raft term the gate had seen when it was sent, or later
-// ones: an answer below the revision is proof, reported to wentBack. The term matters to an
+// ones: an answer below the revision is proof, reported to WentBack. The term matters to an
 // agent that was away while etcd was restored: the restored cluster's revision is above any
 // it saw, but its terms count from the first again, and stay below the old cluster's until it
 // has had as many elections. A member back from a cut answers in its old term for a moment
@@ -34,22 +36,19 @@ import (
 // etcd restored with its revision bumped and marked compacted, as etcd's documentation
 // recommends under Kubernetes, goes forward: any answer whose revision grew far faster than
 // etcd can write is proof of it (maxRevRate). A compacted watch is a suspicion of that kind,
-// for a bump too small to tell: mayHaveGoneBack has the agent check its keys.
+// for a bump too small to tell: MayHaveGoneBack has the agent check its keys.
 //
 // Both signals are wired at start and called on the goroutine that got the answer, before
 // the request returns: a decision that reads what the agent knows after such an answer must
 // find the agent already repairing (restoreHold). So they must not block, nor take a lock that
 // a caller of etcd may hold: they set state and wake the recovery loop.
-type etcdGate struct {
+type Gate struct {
 	raw     *clientv3.Client
 	client  *clientv3.Client // raw, with its KV, Lease and Watcher seen through the gate
 	ctx     context.Context  // the agent's: confirmation reads end with it
-	probe   string           // the key a confirmation reads (count only)
+	cfg     Config
 	started time.Time
 	last    atomic.Int64 // monotonic nanoseconds after started of the last answer
-
-	wentBack        func(why string)
-	mayHaveGoneBack func(why string)
 
 	mu      sync.Mutex
 	cluster uint64
@@ -89,6 +88,12 @@ const (
 	revSlack   = 1_000_000
 )
 
+// Jumped reports whether etcd's revision growing from from to to in since is more than
+// etcd can write: a restore with its revision bumped.
+func Jumped(from, to int64, since time.Duration) bool {
+	return to-from > revSlack+int64(max(since, 0).Seconds()*maxRevRate)
+}
+
 // termConfirm is how long answers in a term below the known one must last, with none in the
 // known term between, to prove a restore: a member cut off from an election serves a few
 // answers in the term before it as it comes back, until the new leader reaches it.
@@ -98,15 +103,43 @@ const termConfirm = 2 * time.Second
 // answers keep-alives below the floor for as long as it lags.
 const confirmEvery = time.Second
 
-func newEtcdGate(ctx context.Context, cli *clientv3.Client, probe string) *etcdGate {
-	g := &etcdGate{raw: cli, ctx: ctx, probe: probe, started: time.Now(),
-		wentBack: func(string) {}, mayHaveGoneBack: func(string) {}}
+// Config is what a gate needs from the agent, the signals included: the gate is wired once,
+// when it is made, before any request passes it.
+type Config struct {
+	// Probe is the key a confirmation read counts; ProbeTimeout bounds that read.
+	Probe        string
+	ProbeTimeout time.Duration
+	// WentBack is told the proof that etcd went back in time; MayHaveGoneBack a sign of it
+	// that proves nothing alone (a compacted watch). Nil: nobody is told.
+	WentBack        func(why string)
+	MayHaveGoneBack func(why string)
+}
+
+// New returns the gate of cli. Requests made through its Client end with ctx's (the agent's)
+// confirmation reads; cli stays the caller's, and only the gate may call it.
+func New(ctx context.Context, cli *clientv3.Client, cfg Config) *Gate {
+	if cfg.WentBack == nil {
+		cfg.WentBack = func(string) {}
+	}
+	if cfg.MayHaveGoneBack == nil {
+		cfg.MayHaveGoneBack = func(string) {}
+	}
+	g := &Gate{raw: cli, ctx: ctx, cfg: cfg, started: time.Now()}
 	c := *cli // the copy shares the connection; its Close is never called
 	c.KV = gatedKV{cli.KV, g}
 	c.Lease = gatedLease{cli.Lease, g}
 	c.Watcher = gatedWatcher{cli.Watcher, g}
 	g.client = &c
 	return g
+}
+
+// Client is etcd's client with every answer seen by the gate: the only one the agent uses.
+func (g *Gate) Client() *clientv3.Client { return g.client }
+
+// History watches key from past the gate, for a read of etcd's history: there a revision
+// compacted away is an answer to the question, not a sign that etcd went back.
+func (g *Gate) History(ctx context.Context, key string, opts ...clientv3.OpOption) clientv3.WatchChan {
+	return g.raw.Watch(ctx, key, opts...)
 }
 
 // floor is what a request is measured against: the highest revision seen when it was sent,
@@ -117,36 +150,36 @@ type floor struct {
 	epoch uint64
 }
 
-func (g *etcdGate) floor() floor {
+func (g *Gate) floor() floor {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return floor{g.rev, g.term, g.epoch}
 }
 
-// epochNow counts the times etcd was found gone back in time: a decision taken from what the
+// Epoch counts the times etcd was found gone back in time: a decision taken from what the
 // agent knew in an earlier epoch may be wrong in etcd's new history.
-func (g *etcdGate) epochNow() uint64 {
+func (g *Gate) Epoch() uint64 {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.epoch
 }
 
 // answered records that etcd just answered.
-func (g *etcdGate) answered() { g.last.Store(int64(time.Since(g.started))) }
+func (g *Gate) answered() { g.last.Store(int64(time.Since(g.started))) }
 
-// silentFor is how long ago etcd last answered.
-func (g *etcdGate) silentFor() time.Duration {
+// SilentFor is how long ago etcd last answered.
+func (g *Gate) SilentFor() time.Duration {
 	return time.Since(g.started) - time.Duration(g.last.Load())
 }
 
-// lastAnswer is when etcd last answered.
-func (g *etcdGate) lastAnswer() time.Time {
-	return time.Now().Add(-g.silentFor())
+// LastAnswer is when etcd last answered.
+func (g *Gate) LastAnswer() time.Time {
+	return time.Now().Add(-g.SilentFor())
 }
 
 // seen notes the header of an answer to a request sent at floor f. proof says that the
 // request was linearizable, so that an answer below f is proof that etcd went back.
-func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
+func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	g.answered()
 	if h == nil || h.ClusterId == 0 {
 		return // a header the client made up (a watch's end), not etcd's
@@ -168,7 +201,7 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	termBack := g.cluster != 0 && h.RaftTerm != 0 && h.RaftTerm < termBelow
 	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
 	since := time.Since(g.revAt)
-	jump := g.cluster != 0 && g.rev > 0 && h.Revision-g.rev > revSlack+int64(since.Seconds()*maxRevRate)
+	jump := g.cluster != 0 && g.rev > 0 && Jumped(g.rev, h.Revision, since)
 	if termBack && !back && !jump {
 		// A member cut off from an election answers in the term before it for a moment
 		// as it comes back; a restored cluster does in every answer. Only an earlier term
@@ -225,15 +258,15 @@ func (g *etcdGate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	}
 	g.epoch++
 	g.mu.Unlock()
-	g.wentBack(why)
+	g.cfg.WentBack(why)
 }
 
-// heard notes the header of an answer that is not linearizable: a keep-alive's.
-func (g *etcdGate) heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), false) }
+// Heard notes the header of an answer that is not linearizable: a keep-alive's.
+func (g *Gate) Heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), false) }
 
 // confirm sends a linearizable read through the gate, at most once per confirmEvery: its
 // answer is measured like any other, so it proves that etcd went back, or that a member lags.
-func (g *etcdGate) confirm() {
+func (g *Gate) confirm() {
 	g.mu.Lock()
 	if g.confirming || time.Since(g.confirmed) < confirmEvery || g.ctx.Err() != nil {
 		g.mu.Unlock()
@@ -247,21 +280,21 @@ func (g *etcdGate) confirm() {
 			g.confirming = false
 			g.mu.Unlock()
 		}()
-		ctx, cancel := context.WithTimeout(g.ctx, probeTimeout)
+		ctx, cancel := context.WithTimeout(g.ctx, g.cfg.ProbeTimeout)
 		defer cancel()
-		_, _ = g.client.Get(ctx, g.probe, clientv3.WithCountOnly())
+		_, _ = g.client.Get(ctx, g.cfg.Probe, clientv3.WithCountOnly())
 	}()
 }
 
 // watched notes a watch answer: a compaction, or its header.
-func (g *etcdGate) watched(resp *clientv3.WatchResponse) {
+func (g *Gate) watched(resp *clientv3.WatchResponse) {
 	if resp.CompactRevision != 0 {
-		g.heard(&resp.Header) // a bumped revision proves more than the compaction suggests
-		g.mayHaveGoneBack(fmt.Sprintf("a watch was compacted at revision %d", resp.CompactRevision))
+		g.Heard(&resp.Header) // a bumped revision proves more than the compaction suggests
+		g.cfg.MayHaveGoneBack(fmt.Sprintf("a watch was compacted at revision %d", resp.CompactRevision))
 		return
 	}
 	if resp.Err() == nil {
-		g.heard(&resp.Header)
+		g.Heard(&resp.Header)
 	}
 }
 
@@ -269,7 +302,7 @@ func (g *etcdGate) watched(resp *clientv3.WatchResponse) {
 // serializable read is linearizable.
 type gatedKV struct {
 	clientv3.KV
-	g *etcdGate
+	g *Gate
 }
 
 func (k gatedKV) Put(ctx context.Context, key, val string, opts ...clientv3.OpOption) (*clientv3.PutResponse, error) {
@@ -325,7 +358,7 @@ func (k gatedKV) Txn(ctx context.Context) clientv3.Txn { return &gatedTxn{Txn: k
 // the request is sent.
 type gatedTxn struct {
 	clientv3.Txn
-	g *etcdGate
+	g *Gate
 }
 
 func (t *gatedTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
@@ -357,13 +390,13 @@ func (t *gatedTxn) Commit() (*clientv3.TxnResponse, error) {
 // that answered before. KeepAlive's answers reach the gate through the keeper (heard).
 type gatedLease struct {
 	clientv3.Lease
-	g *etcdGate
+	g *Gate
 }
 
 func (l gatedLease) Grant(ctx context.Context, ttl int64) (*clientv3.LeaseGrantResponse, error) {
 	resp, err := l.Lease.Grant(ctx, ttl)
 	if err == nil {
-		l.g.heard(resp.ResponseHeader)
+		l.g.Heard(resp.ResponseHeader)
 	}
 	return resp, err
 }
@@ -371,7 +404,7 @@ func (l gatedLease) Grant(ctx context.Context, ttl int64) (*clientv3.LeaseGrantR
 func (l gatedLease) Revoke(ctx context.Context, id clientv3.LeaseID) (*clientv3.LeaseRevokeResponse, error) {
 	resp, err := l.Lease.Revoke(ctx, id)
 	if err == nil {
-		l.g.heard(resp.Header)
+		l.g.Heard(resp.Header)
 	}
 	return resp, err
 }
@@ -379,7 +412,7 @@ func (l gatedLease) Revoke(ctx context.Context, id clientv3.LeaseID) (*clientv3.
 func (l gatedLease) TimeToLive(ctx context.Context, id clientv3.LeaseID, opts ...clientv3.LeaseOption) (*clientv3.LeaseTimeToLiveResponse, error) {
 	resp, err := l.Lease.TimeToLive(ctx, id, opts...)
 	if err == nil {
-		l.g.heard(resp.ResponseHeader)
+		l.g.Heard(resp.ResponseHeader)
 	}
 	return resp, err
 }
@@ -387,7 +420,7 @@ func (l gatedLease) TimeToLive(ctx context.Context, id clientv3.LeaseID, opts ..
 func (l gatedLease) KeepAliveOnce(ctx context.Context, id clientv3.LeaseID) (*clientv3.LeaseKeepAliveResponse, error) {
 	resp, err := l.Lease.KeepAliveOnce(ctx, id)
 	if err == nil {
-		l.g.heard(resp.ResponseHeader)
+		l.g.Heard(resp.ResponseHeader)
 	}
 	return resp, err
 }
@@ -396,7 +429,7 @@ func (l gatedLease) KeepAliveOnce(ctx context.Context, id clientv3.LeaseID) (*cl
 // caller.
 type gatedWatcher struct {
 	clientv3.Watcher
-	g *etcdGate
+	g *Gate
 }
 
 func (w gatedWatcher) Watch(ctx context.Context, key string, opts ...clientv3.OpOption) clientv3.WatchChan {
