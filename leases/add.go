@@ -23,6 +23,7 @@ const maxAddAttempts = 16
 type addState struct {
 	req   allocator.Request
 	owner string
+	own   *owned // the owner's lock, held for the whole ADD
 	// fresh is a lease taken from the keeper for a pod that has none yet; given back
 	// unless a transaction binds keys to it.
 	fresh clientv3.LeaseID
@@ -80,9 +81,9 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	if err := a.hold.wait(ctx, a.cfg.OpTimeout); err != nil {
 		return allocator.Result{}, err // etcd went back in time: this node's pods first
 	}
-	unlock := a.locks.lock(owner)
-	defer unlock()
-	st := &addState{req: req, owner: owner, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
+	own := a.locks.lock(owner)
+	defer own.unlock()
+	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
 	defer a.dropSticky(st)
 	defer func() {
 		if st.fresh != 0 {
@@ -254,10 +255,10 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		// The transaction may have been applied even though its answer was lost. The lease
 		// stays with the owner so it is never handed to another pod; a DEL revokes it.
 		if st.fresh != 0 {
-			a.claimedOn(ctx, req, owner, st.fresh)
+			a.claimedOn(ctx, req, st.own, st.fresh)
 			st.fresh = 0
 		}
-		a.pods.unanswered(owner)
+		a.pods.unanswered(st.own)
 		// Sending the claim again is safe: both compare the owner index absent, so at most
 		// one of them applies, whichever etcd orders first, even if the lost one is applied
 		// late by a new leader. The next claim finds the owner index (the lost one applied:
@@ -280,7 +281,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.spec.Name, "ips", addrs)
 			}
 		}
-		a.claimedOn(ctx, req, owner, lease, at)
+		a.claimedOn(ctx, req, st.own, lease, at)
 		st.fresh = 0
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
@@ -301,7 +302,7 @@ func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease c
 	if known {
 		req := st.req
 		req.Pool = allocator.PoolSpec{Name: pool}
-		_, err = a.releaseAttachment(ctx, req, st.owner)
+		_, err = a.releaseAttachment(ctx, req, st.own)
 	} else {
 		err = a.keeper.Revoke(lease)
 		st.fresh = 0
@@ -418,7 +419,7 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 	switch out.Pod {
 	case podExists:
 		// The pod has keys on another interface already, from before this agent's memory.
-		if err := a.resumePod(ctx, st.owner, out.PodKV); err != nil {
+		if err := a.resumePod(ctx, st.own, out.PodKV); err != nil {
 			return allocator.Result{}, false, err
 		}
 		return allocator.Result{}, false, nil
@@ -578,7 +579,7 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.claimedOn(ctx, st.req, st.owner, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
+	a.claimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
 	res, err := result(&p.spec, rec.IPs)
 	return res, true, err
 }
@@ -617,7 +618,8 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 }
 
 // resumePod takes over the lease of a pod record this node identity wrote earlier.
-func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyValue) error {
+func (a *Agent) resumePod(ctx context.Context, own *owned, podKV *mvccpb.KeyValue) error {
+	owner := own.owner
 	rec, err := keyspace.Decode[keyspace.PodRecord](string(podKV.Key), podKV.Value)
 	if err != nil {
 		return err
@@ -650,7 +652,7 @@ func (a *Agent) resumePod(ctx context.Context, owner string, podKV *mvccpb.KeyVa
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.claimedOn(ctx, allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, owner, lease)
+	a.claimedOn(ctx, allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, own, lease)
 	return nil
 }
 

@@ -113,8 +113,8 @@ func (a *Agent) awaitDelete(ctx context.Context, key string, rev int64) {
 // deleted, re-claimed anew, or its lease is lost: the re-claim takes over); else the key
 // another owner holds the address with and the revision it was read at.
 func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key string, rev int64, done bool, err error) {
-	unlock := a.locks.lock(ref.owner)
-	defer unlock()
+	own := a.locks.lock(ref.owner)
+	defer own.unlock()
 	ps, ok := a.pods.snapshot(ref.owner)
 	lease, held := ps.lease.held()
 	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
@@ -197,7 +197,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		return ipKey, resp.Header.Revision, false, nil
 	}
 	left := slices.DeleteFunc(slices.Clone(at.Conflicts), func(x netip.Addr) bool { return x == ref.addr })
-	a.pods.setConflicts(ref.owner, ref.ifName, ref.pool, left)
+	a.pods.setConflicts(own, ref.ifName, ref.pool, left)
 	if v := a.pools.viewOf(ref.pool); v != nil {
 		v.markAllocated(ref.addr, resp.Header.Revision)
 	}
@@ -211,7 +211,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		"conflicts_left", len(left))
 	if at.Claim != "" {
 		// The pod's sticky claim, left to the other holder while it held the address.
-		if err := a.keepClaimLocked(ctx, stickyRef{ref.owner, ref.ifName, ref.pool}); err != nil {
+		if err := a.keepClaimLocked(ctx, own, stickyRef{ref.owner, ref.ifName, ref.pool}); err != nil {
 			a.log.Warn("checking the sticky claim of a pod whose conflict was resolved failed; the next audit checks it",
 				"owner", ref.owner, "claim", at.Claim, "err", err)
 		}

@@ -39,21 +39,21 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 		return err
 	}
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
-	unlock := a.locks.lock(owner)
-	defer unlock()
+	own := a.locks.lock(owner)
+	defer own.unlock()
 	if err := a.importConflictDeleted(req); err != nil {
 		return err
 	}
 	if err := a.reachable(ctx); err != nil {
-		return a.deferRelease(ctx, req, owner, err)
+		return a.deferRelease(ctx, req, own, err)
 	}
-	left, err := a.releaseAttachment(ctx, req, owner)
+	left, err := a.releaseAttachment(ctx, req, own)
 	if err == nil {
-		err = a.dropPodIfEmpty(ctx, owner, left)
+		err = a.dropPodIfEmpty(ctx, own, left)
 	}
 	if err != nil {
 		if errors.Is(err, allocator.ErrUnavailable) && a.reachable(ctx) != nil {
-			return a.deferRelease(ctx, req, owner, err)
+			return a.deferRelease(ctx, req, own, err)
 		}
 		return err
 	}
@@ -73,8 +73,9 @@ func (a *Agent) durable(ctx context.Context, op, owner string) error {
 
 // deferRelease answers a DEL that etcd could not take (cause): the attachment is recorded as
 // released in the journal, never re-claimed, and released in etcd once etcd answers.
-func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, owner string, cause error) error {
-	a.pods.markReleased(owner, req.IfName, req.Pool.Name, req.ContainerID)
+func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *owned, cause error) error {
+	owner := own.owner
+	a.pods.markReleased(own, req.IfName, req.Pool.Name, req.ContainerID)
 	if err := a.durable(ctx, "DEL", owner); err != nil {
 		return err
 	}
@@ -87,7 +88,8 @@ func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, owner s
 
 // releaseAttachment deletes the request's attachment and returns the owner's attachments left, or -1
 // when it released nothing and so did not count them.
-func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, owner string) (int64, error) {
+func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, own *owned) (int64, error) {
+	owner := own.owner
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
 	if at, lease, ok := a.pods.attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
@@ -99,7 +101,7 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		if at.ClaimLease != 0 {
 			rec.ClaimLease = keyspace.LeaseHex(at.ClaimLease)
 		}
-		left, err := a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, true)
+		left, err := a.releaseRecord(ctx, req.Pool.Name, own, kv, rec, true)
 		if !errors.Is(err, errStale) {
 			return left, err
 		}
@@ -117,7 +119,7 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 			// other attachments are re-claimed, this one is not.
 			a.keysGone(lease)
 		}
-		if a.forgetLost(ctx, owner, req) {
+		if a.forgetLost(ctx, own, req) {
 			return -1, nil
 		}
 		a.log.Debug("DEL of an attachment without addresses", "owner", owner, "ifname", req.IfName, "pool", req.Pool.Name)
@@ -134,24 +136,25 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		return -1, nil
 	}
 	if rec.ContainerID != req.ContainerID {
-		a.forgetLost(ctx, owner, req)
+		a.forgetLost(ctx, own, req)
 		a.log.Info("DEL for a container that no longer holds the attachment; nothing released",
 			"owner", owner, "ifname", req.IfName, "pool", req.Pool.Name, "container", req.ContainerID, "holder", rec.ContainerID)
 		return -1, nil
 	}
-	return a.releaseRecord(ctx, req.Pool.Name, owner, kv, rec, false)
+	return a.releaseRecord(ctx, req.Pool.Name, own, kv, rec, false)
 }
 
 // forgetLost drops the request's attachment from a pod whose lease was lost, when etcd holds
 // nothing of it to release (its keys expired): it must never be re-claimed now that its DEL
 // is answered. Its held keys are freed by the next settleHeld. It reports whether there was
 // such an attachment.
-func (a *Agent) forgetLost(ctx context.Context, owner string, req allocator.Request) bool {
+func (a *Agent) forgetLost(ctx context.Context, own *owned, req allocator.Request) bool {
+	owner := own.owner
 	if _, held := a.pods.lease(owner); held {
 		return false
 	}
 	at, ok := a.pods.lostAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID)
-	if !ok || !a.pods.forgetAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID) {
+	if !ok || !a.pods.forgetAttachment(own, req.IfName, req.Pool.Name, req.ContainerID) {
 		return false
 	}
 	a.metrics.reclaimsCancelled.Inc()
@@ -244,7 +247,8 @@ var errStale = errors.New("owner index changed since the agent last saw it")
 // returns the owner's attachments left, counted in the same transaction (after its deletes),
 // or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
 // set; an owner index that changed since is then errStale, not "released by someone else".
-func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
+func (a *Agent) releaseRecord(ctx context.Context, pool string, own *owned, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
+	owner := own.owner
 	blocks, err := a.pools.blocksOf(ctx, pool)
 	if err != nil {
 		return -1, err
@@ -317,7 +321,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool, owner string, kv *mvccp
 		switch {
 		case out.Applied:
 			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
-				a.pods.dropAttachment(owner, ifName, pool)
+				a.pods.dropAttachment(own, ifName, pool)
 			}
 			if v := a.pools.viewOf(pool); v != nil {
 				v.released(r.addrs, out.Revision, until)
@@ -365,13 +369,14 @@ func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
 // transaction deleted the pod record with the last attachment), else revokes it, deleting
 // what is left. left is the count of the owner's attachments that the release transaction
 // read, or -1 when none did; then they are counted here.
-func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) error {
+func (a *Agent) dropPodIfEmpty(ctx context.Context, own *owned, left int64) error {
+	owner := own.owner
 	lease, ok := a.pods.lease(owner)
 	if !ok {
 		// A pod whose lease was lost: with its last attachment released it has nothing
 		// left to re-claim.
 		if ps, known := a.pods.snapshot(owner); known && len(ps.Attachments) == 0 {
-			a.pods.drop(owner)
+			a.pods.drop(own)
 		}
 		return nil
 	}
@@ -405,7 +410,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, owner string, left int64) er
 	if err != nil {
 		return a.unavailable("revoke the pod lease", err)
 	}
-	a.pods.drop(owner)
+	a.pods.drop(own)
 	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
 	return nil
 }
@@ -468,10 +473,10 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 }
 
 func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool) error {
-	unlock := a.locks.lock(owner)
-	defer unlock()
+	own := a.locks.lock(owner)
+	defer own.unlock()
 	young := a.addedWithinGrace(owner)
-	return a.releaseWhere(ctx, owner, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
+	return a.releaseWhere(ctx, own, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
 		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
 			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
 		if collect {
@@ -503,8 +508,9 @@ func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
 
 // releaseWhere releases each attachment of owner made by this node identity for which
 // pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
-// release fails and joins the errors. The caller holds the owner lock.
-func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
+// release fails and joins the errors.
+func (a *Agent) releaseWhere(ctx context.Context, own *owned, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
+	owner := own.owner
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	cancel()
@@ -525,13 +531,13 @@ func (a *Agent) releaseWhere(ctx context.Context, owner string, pick func(ifName
 		if rec.NodeUID != a.cfg.NodeUID || !pick(ifName, pool, rec) {
 			continue
 		}
-		if _, err := a.releaseRecord(ctx, pool, owner, kv, rec, false); err != nil {
+		if _, err := a.releaseRecord(ctx, pool, own, kv, rec, false); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	if len(errs) == 0 {
 		// Counted anew: an attachment this walk did not release may have changed meanwhile.
-		errs = append(errs, a.dropPodIfEmpty(ctx, owner, -1))
+		errs = append(errs, a.dropPodIfEmpty(ctx, own, -1))
 	}
 	return errors.Join(errs...)
 }

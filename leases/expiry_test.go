@@ -313,7 +313,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		}
 		ip := addrs(res)[0]
 		// Hold the owner, so that the re-claim waits with the DEL until the lease is lost.
-		unlock := a.locks.lock(owner)
+		own := a.locks.lock(owner)
 		expire(t, cli, a, owner)
 		etcdtest.Eventually(t, "the agent finds the lease lost", func() error {
 			_, lost := a.pods.lostPod(owner)
@@ -323,7 +323,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		var delErr error
 		wg.Go(func() { delErr = a.Del(ctx, addReq(pool, owner, "eth0", owner)) })
 		time.Sleep(time.Duration(round%4) * 5 * time.Millisecond) // let the re-claim or the DEL queue first
-		unlock()
+		own.unlock()
 		wg.Wait()
 		if delErr != nil {
 			t.Fatal(delErr)
@@ -361,7 +361,7 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 		mine[addrs(res)[0]] = owner
 		owners = append(owners, owner)
 	}
-	var unlocks []func()
+	var unlocks []*owned
 	for _, o := range owners {
 		unlocks = append(unlocks, a.locks.lock(o)) // no re-claim before the burst is done
 	}
@@ -395,8 +395,8 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	for _, unlock := range unlocks {
-		unlock()
+	for _, own := range unlocks {
+		own.unlock()
 	}
 	// The addresses are back in etcd before the agent has read the answers of its re-claims,
 	// and it counts a conflict only after such an answer: wait for it to hold every pod again.
@@ -427,14 +427,14 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
-	unlock := a.locks.lock("run")
+	own := a.locks.lock("run")
 	expire(t, cli, a, "run")
 	thief := addReq(pool, "thief", "eth0", "thief")
 	thief.RequestedIPs = []netip.Addr{ip}
 	if _, err := b.Add(ctx, thief); err != nil {
 		t.Fatalf("another node asks for the expired address: %v", err)
 	}
-	unlock()
+	own.unlock()
 	etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name), 1))
 	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); !errors.Is(err, allocator.ErrConflict) {
 		t.Errorf("CHECK of the conflicted pod: %v, want a conflict", err)
@@ -534,7 +534,9 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.keeper.Forget(alive) // reported lost: no longer renewed
-	a.claimedOn(ctx, allocator.Request{}, "alive", alive)
+	own := a.locks.lock("alive")
+	a.claimedOn(ctx, allocator.Request{}, own, alive)
+	own.unlock()
 	if !a.keeper.Holds(alive) {
 		t.Errorf("a pod's lease that etcd still has is not renewed")
 	}
@@ -546,12 +548,12 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 	if _, err := cli.Revoke(ctx, gone); err != nil {
 		t.Fatal(err)
 	}
-	unlock := a.locks.lock("gone") // keep the re-claim from running before the look
-	a.claimedOn(ctx, allocator.Request{}, "gone", gone)
+	own = a.locks.lock("gone") // keep the re-claim from running before the look
+	a.claimedOn(ctx, allocator.Request{}, own, gone)
 	if _, lost := a.pods.lostPod("gone"); !lost {
 		t.Errorf("a pod whose lease etcd no longer has is not queued for re-claim")
 	}
-	unlock()
+	own.unlock()
 }
 
 // TestTheRestOfAPodSurvivesADelOfOneAttachment: the pod's lease expired before the agent
@@ -606,14 +608,14 @@ func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
 			t.Fatal(err)
 		}
 		ip := addrs(res)[0]
-		unlock := a.locks.lock("run")
+		own := a.locks.lock("run")
 		expire(t, cli, a, "run")
 		thief := addReq(pool, "thief-"+ifName, "eth0", "thief-"+ifName)
 		thief.RequestedIPs = []netip.Addr{ip}
 		if _, err := b.Add(ctx, thief); err != nil {
 			t.Fatal(err)
 		}
-		unlock()
+		own.unlock()
 		etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name), 1))
 		return ip, thief
 	}
@@ -861,7 +863,9 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 	// answered after the other pod below got the address (a cut-off agent cannot know that):
 	// the answer's time says so.
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
-		a.pods.markReleased("run", "eth0", pool.Name, "run")
+		own := a.locks.lock("run")
+		a.pods.markReleased(own, "eth0", pool.Name, "run")
+		own.unlock()
 		a.pods.mu.Lock()
 		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
 		snap := a.pods.m["run"].clone()
@@ -889,7 +893,9 @@ func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
-		a.pods.markReleased("run", "eth0", pool.Name, "run")
+		own := a.locks.lock("run")
+		a.pods.markReleased(own, "eth0", pool.Name, "run")
+		own.unlock()
 		a.pods.mu.Lock()
 		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
 		snap := a.pods.m["run"].clone()

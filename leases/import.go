@@ -142,8 +142,8 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 // the owner and is sent again; an address found held is reported and dropped.
 func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
 	owner := at.Owner()
-	unlock := a.locks.lock(owner)
-	defer unlock()
+	own := a.locks.lock(owner)
+	defer own.unlock()
 	req := allocator.Request{Network: imp.Network, Pool: allocator.PoolSpec{Name: imp.Pool}, ContainerID: at.ContainerID,
 		IfName: at.IfName, Pod: at.Pod}
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, at.IfName, imp.Pool)
@@ -196,10 +196,10 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			// It may have applied: the lease stays with the owner, never a spare, and the claim
 			// is sent again; both compare the owner index absent, so at most one applies.
 			if fresh != 0 {
-				a.claimedOn(ctx, req, owner, fresh)
+				a.claimedOn(ctx, req, own, fresh)
 				fresh = 0
 			}
-			a.pods.unanswered(owner)
+			a.pods.unanswered(own)
 			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
 				return a.unavailable("import "+ownerKey, err)
 			}
@@ -210,7 +210,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 				p.view.markAllocated(ip, out.Revision)
 				rep.Imported = append(rep.Imported, entry(ip, ""))
 			}
-			a.claimedOn(ctx, req, owner, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
+			a.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
 				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
 			fresh = 0
 			a.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
@@ -218,7 +218,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			return nil
 		}
 		if out.Existing != nil {
-			return a.importFound(ctx, req, owner, addrs, out.Existing, rep, entry)
+			return a.importFound(ctx, req, own, addrs, out.Existing, rep, entry)
 		}
 		switch out.Pod {
 		case podExists:
@@ -229,12 +229,12 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 				}
 				return nil
 			}
-			if err := a.resumePod(ctx, owner, out.PodKV); err != nil {
+			if err := a.resumePod(ctx, own, out.PodKV); err != nil {
 				return err
 			}
 			continue
 		case podGone, podMoved:
-			a.pods.drop(owner)
+			a.pods.drop(own)
 			if out.Pod == podGone && a.keeper.Holds(lease) && fresh == 0 {
 				fresh = lease
 			}
@@ -263,7 +263,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 // importFound handles an owner index that exists already: of this node identity and
 // container, the import was done before and its lease is renewed here; anything else is
 // another attachment's, and the addresses are conflicts.
-func (a *Agent) importFound(ctx context.Context, req allocator.Request, owner string, addrs []netip.Addr, kv *mvccpb.KeyValue,
+func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *owned, addrs []netip.Addr, kv *mvccpb.KeyValue,
 	rep *ImportReport, entry func(netip.Addr, string) ImportedAddr) error {
 	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 	if err != nil {
@@ -284,7 +284,7 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, owner st
 			return a.unavailable("resume the pod lease of "+string(kv.Key), err)
 		}
 	}
-	a.claimedOn(ctx, req, owner, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
+	a.claimedOn(ctx, req, own, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
 		ContainerID: rec.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
 	var missing []netip.Addr
 	for _, ip := range addrs {

@@ -93,9 +93,9 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	if stale {
 		container += "-old"
 	}
-	var unlock func()
+	var own *owned
 	if how == 0 {
-		unlock = a.locks.lock(k.owner)
+		own = a.locks.lock(k.owner)
 	}
 	m.revoke(ctx, i, lease)
 	if how < 2 {
@@ -110,8 +110,8 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 			}
 			if time.Now().After(deadline) {
 				m.t.Errorf("step %d: %s never found the lease of %s lost", i, n.name, k.owner)
-				if unlock != nil {
-					unlock()
+				if own != nil {
+					own.unlock()
 				}
 				return true
 			}
@@ -120,9 +120,9 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	}
 	done := make(chan error, 1)
 	go func() { done <- a.Del(ctx, m.req(k, container)) }()
-	if unlock != nil {
+	if own != nil {
 		time.Sleep(pause) // the DEL and the re-claim queue for the owner
-		unlock()
+		own.unlock()
 	}
 	err := <-done
 	a.keeper.lost(lease) // found by now in any case (a no-op if it was)

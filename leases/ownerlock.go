@@ -2,9 +2,18 @@ package leases
 
 import "sync"
 
-// ownerLocks serialises the operations of one owner (ADD, DEL, CHECK, GC) inside the agent,
-// so that an owner's keys are never written by two of its own requests at once. Owners
-// never wait for each other.
+// ownerLocks serialises the operations of one owner (ADD, DEL, CHECK, GC, a re-claim, an
+// import, a conflict resolved, a sticky claim kept) inside the agent, so that an owner's keys
+// are never written by two of its own requests at once. Owners never wait for each other.
+//
+// The lock is a type, not a convention: lock returns an owned handle, and the pod book's
+// changes to a pod (pods.claimed, drop, forgetAttachment, ...) take one, so code that does not
+// hold the owner's lock cannot change its pod (the compiler checks it). What changes a pod
+// without its lock does so by design, named at each method: the start, before any request is
+// served (restore), and a lost lease, which a request must not be able to delay (lose).
+//
+// Lock order, where more than one lock is held: Agent.importMu, then an owner lock, then a
+// view's claimMu, then that view's mu. No owner lock is taken while another is held.
 type ownerLocks struct {
 	mu sync.Mutex
 	m  map[string]*ownerLock
@@ -15,8 +24,15 @@ type ownerLock struct {
 	refs int
 }
 
-// lock blocks until owner is free and returns the function that frees it.
-func (l *ownerLocks) lock(owner string) (unlock func()) {
+// owned is a held owner lock: the proof that no other operation of owner runs.
+type owned struct {
+	owner string
+	l     *ownerLocks
+	ol    *ownerLock
+}
+
+// lock blocks until owner is free and returns its handle, which unlock frees.
+func (l *ownerLocks) lock(owner string) *owned {
 	l.mu.Lock()
 	if l.m == nil {
 		l.m = make(map[string]*ownerLock)
@@ -29,13 +45,16 @@ func (l *ownerLocks) lock(owner string) (unlock func()) {
 	ol.refs++
 	l.mu.Unlock()
 	ol.mu.Lock()
-	return func() {
-		ol.mu.Unlock()
-		l.mu.Lock()
-		ol.refs--
-		if ol.refs == 0 {
-			delete(l.m, owner)
-		}
-		l.mu.Unlock()
+	return &owned{owner: owner, l: l, ol: ol}
+}
+
+// unlock frees the owner; o must not be used after.
+func (o *owned) unlock() {
+	o.ol.mu.Unlock()
+	o.l.mu.Lock()
+	o.ol.refs--
+	if o.ol.refs == 0 {
+		delete(o.l.m, o.owner)
 	}
+	o.l.mu.Unlock()
 }

@@ -22,7 +22,10 @@ func TestPodLeaseLifecycle(t *testing.T) {
 		}
 	}
 	held("before any claim", false)
-	p.claimed(allocator.Request{Netns: "/run/netns/x"}, "o", lease, attachment{IfName: "eth0", Pool: "p"})
+	var locks ownerLocks
+	own := locks.lock("o")
+	defer own.unlock()
+	p.claimed(allocator.Request{Netns: "/run/netns/x"}, own, lease, attachment{IfName: "eth0", Pool: "p"})
 	held("after the claim", true)
 	if _, _, ok := p.attachment("o", "eth0", "p"); !ok {
 		t.Fatal("the claimed attachment is not known")
@@ -46,7 +49,7 @@ func TestPodLeaseLifecycle(t *testing.T) {
 	if len(p.idle(0)) != 0 {
 		t.Error("a lost pod is offered to the sandbox liveness check")
 	}
-	p.resumed("o", lease)
+	p.resumed(own, lease)
 	held("after the re-claim resumed it", true)
 	if len(p.lost()) != 0 {
 		t.Error("a resumed pod is still due a re-claim")
@@ -54,11 +57,11 @@ func TestPodLeaseLifecycle(t *testing.T) {
 	if !p.mayRecycle("o") {
 		t.Error("a lease with every claim answered may be recycled")
 	}
-	p.unanswered("o")
+	p.unanswered(own)
 	if p.mayRecycle("o") {
 		t.Error("a lease a claim may still land on is recycled as a spare")
 	}
-	p.drop("o")
+	p.drop(own)
 	held("after it was given up", false)
 	if p.count() != 0 {
 		t.Errorf("%d pods left after the drop", p.count())

@@ -105,9 +105,9 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.pods.restore(ps, true, ok)
 		if sandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
-			unlock := a.locks.lock(ps.Owner)
-			err := a.releaseOwner(ctx, ps.Owner)
-			unlock()
+			own := a.locks.lock(ps.Owner)
+			err := a.releaseOwner(ctx, own)
+			own.unlock()
 			if err != nil {
 				return err
 			}
@@ -171,9 +171,9 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 }
 
 // releaseOwner releases every attachment this node identity made for owner and revokes the
-// owner's lease. The caller holds the owner lock.
-func (a *Agent) releaseOwner(ctx context.Context, owner string) error {
-	return a.releaseWhere(ctx, owner, func(string, string, keyspace.OwnerRecord) bool { return true })
+// owner's lease, under own.
+func (a *Agent) releaseOwner(ctx context.Context, own *owned) error {
+	return a.releaseWhere(ctx, own, func(string, string, keyspace.OwnerRecord) bool { return true })
 }
 
 // livenessLoop releases the pods whose sandbox is gone: the node's own knowledge, never
@@ -201,14 +201,14 @@ func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
 		if !sandboxGone(netns) {
 			continue
 		}
-		unlock := a.locks.lock(owner)
+		own := a.locks.lock(owner)
 		if netns, ok := a.pods.stillIdle(owner, grace); ok && sandboxGone(netns) {
 			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", owner, "netns", netns)
-			if err := a.releaseOwner(ctx, owner); err != nil {
+			if err := a.releaseOwner(ctx, own); err != nil {
 				a.log.Warn("release of a gone sandbox failed; will retry", "owner", owner, "err", err)
 			}
 		}
-		unlock()
+		own.unlock()
 	}
 }
 
@@ -323,12 +323,12 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 // releasePending releases owner's attachments whose DEL was answered while etcd could not be
 // reached (deferRelease), and gives the pod's lease up with the last.
 func (a *Agent) releasePending(ctx context.Context, owner string) error {
-	unlock := a.locks.lock(owner)
-	defer unlock()
+	own := a.locks.lock(owner)
+	defer own.unlock()
 	var errs []error
 	for _, at := range a.pods.releasedAttachments(owner) {
 		req := allocator.Request{Pool: allocator.PoolSpec{Name: at.Pool}, Network: at.Network, IfName: at.IfName, ContainerID: at.ContainerID}
-		left, err := a.releaseAttachment(ctx, req, owner)
+		left, err := a.releaseAttachment(ctx, req, own)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -336,12 +336,12 @@ func (a *Agent) releasePending(ctx context.Context, owner string) error {
 		// Released, or nothing of it was left in etcd: either way it is done. Nothing left (and
 		// not taken by forgetLost, which reports as below): its keys expired while etcd was
 		// away, and another pod may have had its addresses meanwhile.
-		if a.pods.forgetAttachment(owner, at.IfName, at.Pool, at.ContainerID) && left < 0 {
+		if a.pods.forgetAttachment(own, at.IfName, at.Pool, at.ContainerID) && left < 0 {
 			a.reportTakenAtDel(ctx, owner, at)
 		}
 		a.log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
 			"ifname", at.IfName, "pool", at.Pool)
-		if err := a.dropPodIfEmpty(ctx, owner, left); err != nil {
+		if err := a.dropPodIfEmpty(ctx, own, left); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -409,15 +409,15 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 // took meanwhile is a conflict: logged at error level, counted, recorded under
 // /leasehold/v1/conflicts/, and reported by CHECK. It is never taken back.
 func (a *Agent) reclaim(ctx context.Context, owner string) error {
-	unlock := a.locks.lock(owner)
-	defer unlock()
+	own := a.locks.lock(owner)
+	defer own.unlock()
 	snap, ok := a.pods.lostPod(owner)
 	if !ok {
 		return nil
 	}
 	if sandboxGone(snap.Netns) {
 		a.log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
-		a.pods.drop(owner)
+		a.pods.drop(own)
 		return nil
 	}
 	octx, cancel := a.opCtx(ctx)
@@ -433,7 +433,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 			if err := a.keeper.Resume(snap.lease.id); err != nil {
 				return err
 			}
-			a.pods.resumed(owner, snap.lease.id)
+			a.pods.resumed(own, snap.lease.id)
 			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(snap.lease.id))
 			return nil
 		}
@@ -445,7 +445,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		for _, at := range snap.Attachments {
 			a.reportTakenAtDel(octx, owner, at) // another pod may have had its addresses meanwhile
 		}
-		a.pods.drop(owner)
+		a.pods.drop(own)
 		return nil
 	}
 	defer a.keeper.Refill()
@@ -492,10 +492,10 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		}
 		return a.unavailable("write the pod record", err)
 	}
-	a.claimedOn(ctx, req, owner, lease, snap.Attachments...)
+	a.claimedOn(ctx, req, own, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
-	return a.keepClaimsOf(ctx, owner) // on the claim lease, which a restore may have taken too
+	return a.keepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
 }
 
 // heldByOthers reads the held keys of c's addresses and takes out of c those held back for

@@ -210,7 +210,8 @@ func (t *pods) holdsClaim(pool, name string) bool {
 
 // setClaim records container's attachment ifName in pool of owner as holding claim on lease
 // (none: claim ""), with its owner index written at ownerRev.
-func (t *pods) setClaim(owner, ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
+func (t *pods) setClaim(o *owned, ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
+	owner := o.owner
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -346,14 +347,15 @@ func (a *Agent) claimRight(owner string, at attachment, kvs []*mvccpb.KeyValue) 
 
 // keepClaim checks and repairs ref's claim under its owner's lock.
 func (a *Agent) keepClaim(ctx context.Context, ref stickyRef) error {
-	unlock := a.locks.lock(ref.owner)
-	defer unlock()
-	return a.keepClaimLocked(ctx, ref)
+	own := a.locks.lock(ref.owner)
+	defer own.unlock()
+	return a.keepClaimLocked(ctx, own, ref)
 }
 
-// keepClaimsOf checks and repairs the claims of owner's attachments; the caller holds the
-// owner lock. One that cannot be checked now is left to the next audit.
-func (a *Agent) keepClaimsOf(ctx context.Context, owner string) error {
+// keepClaimsOf checks and repairs the claims of own's attachments. One that cannot be
+// checked now is left to the next audit.
+func (a *Agent) keepClaimsOf(ctx context.Context, own *owned) error {
+	owner := own.owner
 	ps, ok := a.pods.snapshot(owner)
 	if !ok {
 		return nil
@@ -361,15 +363,15 @@ func (a *Agent) keepClaimsOf(ctx context.Context, owner string) error {
 	var errs []error
 	for _, at := range ps.Attachments {
 		if at.Claim != "" && !at.Released {
-			errs = append(errs, a.keepClaimLocked(ctx, stickyRef{owner, at.IfName, at.Pool}))
+			errs = append(errs, a.keepClaimLocked(ctx, own, stickyRef{owner, at.IfName, at.Pool}))
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// keepClaimLocked checks ref's claim and puts back what is not as the agent wrote it; the
-// caller holds the owner lock. A failure makes an audit due, which tries again.
-func (a *Agent) keepClaimLocked(ctx context.Context, ref stickyRef) (err error) {
+// keepClaimLocked checks ref's claim and puts back what is not as the agent wrote it, under
+// own, ref's owner's lock. A failure makes an audit due, which tries again.
+func (a *Agent) keepClaimLocked(ctx context.Context, own *owned, ref stickyRef) (err error) {
 	defer func() {
 		if err != nil {
 			a.auditDue.Store(true)
@@ -389,7 +391,7 @@ func (a *Agent) keepClaimLocked(ctx context.Context, ref stickyRef) (err error) 
 		if p.migrating != nil {
 			return nil // its keys move under the migration's freeze
 		}
-		done, err := a.keepClaimOnce(ctx, ps, podLease, ps.Attachments[i], p.spec.Blocks)
+		done, err := a.keepClaimOnce(ctx, own, ps, podLease, ps.Attachments[i], p.spec.Blocks)
 		if err != nil || done {
 			return err
 		}
@@ -400,7 +402,7 @@ func (a *Agent) keepClaimLocked(ctx context.Context, ref stickyRef) (err error) 
 
 // keepClaimOnce is one check and repair of at's claim; done is false when a compare failed
 // and it should run again.
-func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv3.LeaseID, at attachment, blocks allocator.Blocks) (done bool, _ error) {
+func (a *Agent) keepClaimOnce(ctx context.Context, own *owned, ps podState, podLease clientv3.LeaseID, at attachment, blocks allocator.Blocks) (done bool, _ error) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	owner := ps.Owner
@@ -435,7 +437,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv
 		return true, nil
 	}
 	if oi.Claim != at.Claim {
-		a.pods.setClaim(owner, at.IfName, at.Pool, at.ContainerID, "", 0, oiKV.ModRevision)
+		a.pods.setClaim(own, at.IfName, at.Pool, at.ContainerID, "", 0, oiKV.ModRevision)
 		if lease != 0 {
 			if err := a.keeper.Revoke(lease); err != nil {
 				a.log.Warn("revoking the lease of a released claim failed; it expires by itself", "lease", keyspace.LeaseHex(lease), "err", err)
@@ -645,7 +647,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, ps podState, podLease clientv
 		rev = tresp.Header.Revision
 	}
 	if lease != at.ClaimLease || indexed {
-		a.pods.setClaim(owner, at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
+		a.pods.setClaim(own, at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
 	}
 	a.metrics.podKeysLost.Add(float64(len(problems)))
 	a.log.Error("the sticky claim of a running pod was missing or changed in etcd; put back", "owner", owner, "claim", at.Claim,
@@ -706,11 +708,11 @@ func (a *Agent) releaseStaleClaims(ctx context.Context) error {
 			continue
 		}
 		h := rec.Holder
-		unlock := a.locks.lock(h.Owner)
+		own := a.locks.lock(h.Owner)
 		if !a.pods.lists(h.Owner, h.IfName, pool, h.ContainerID) && !a.pods.holdsClaim(pool, name) {
 			errs = append(errs, a.releaseStaleClaim(ctx, pool, name, kv, rec))
 		}
-		unlock()
+		own.unlock()
 	}
 	return errors.Join(errs...)
 }

@@ -1,0 +1,125 @@
+package leases
+
+import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+)
+
+// TestOwnerLockOrder checks the lock order ownerlock.go states, on the agent's code: a
+// method of Agent that holds an owner lock (it is handed an owned, or takes one) never calls,
+// directly or through other methods of Agent, a method that takes an owner lock (a second
+// owner's, or its own again: a deadlock) or Agent.importMu (taken before an owner lock, never
+// after). Calls in a goroutine the method starts do not hold its lock and are not followed.
+func TestOwnerLockOrder(t *testing.T) {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	type method struct {
+		pos                   token.Position
+		holds, owner, importM bool
+		calls                 map[string]bool
+	}
+	methods := map[string]*method{}
+	fset := token.NewFileSet()
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			fn, ok := d.(*ast.FuncDecl)
+			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
+				continue
+			}
+			if star, ok := fn.Recv.List[0].Type.(*ast.StarExpr); !ok || star.X.(*ast.Ident).Name != "Agent" {
+				continue
+			}
+			recv := fn.Recv.List[0].Names[0].Name
+			m := &method{pos: fset.Position(fn.Pos()), calls: map[string]bool{}}
+			for _, p := range fn.Type.Params.List {
+				if star, ok := p.Type.(*ast.StarExpr); ok {
+					if id, ok := star.X.(*ast.Ident); ok && id.Name == "owned" {
+						m.holds = true
+					}
+				}
+			}
+			ast.Inspect(fn.Body, func(n ast.Node) bool {
+				if _, ok := n.(*ast.GoStmt); ok {
+					return false // another goroutine: it holds nothing of this one's
+				}
+				call, ok := n.(*ast.CallExpr)
+				if !ok {
+					return true
+				}
+				sel, ok := call.Fun.(*ast.SelectorExpr)
+				if !ok {
+					return true
+				}
+				switch inner, _ := sel.X.(*ast.SelectorExpr); {
+				case inner != nil && inner.Sel.Name == "locks" && sel.Sel.Name == "lock":
+					m.owner, m.holds = true, true
+				case inner != nil && inner.Sel.Name == "importMu" && sel.Sel.Name == "Lock":
+					m.importM = true
+				default:
+					if x, ok := sel.X.(*ast.Ident); ok && x.Name == recv {
+						m.calls[sel.Sel.Name] = true
+					}
+				}
+				return true
+			})
+			methods[fn.Name.Name] = m
+		}
+	}
+	// takes reports whether name, or a method it calls, takes an owner lock or importMu.
+	memo := map[string]bool{}
+	var takes func(name string, seen map[string]bool) bool
+	takes = func(name string, seen map[string]bool) bool {
+		if v, ok := memo[name]; ok {
+			return v
+		}
+		m, ok := methods[name]
+		if !ok || seen[name] {
+			return false
+		}
+		seen[name] = true
+		v := m.owner || m.importM
+		for c := range m.calls {
+			v = v || takes(c, seen)
+		}
+		memo[name] = v
+		return v
+	}
+	names := make([]string, 0, len(methods))
+	for name := range methods {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	checked := 0
+	for _, name := range names {
+		m := methods[name]
+		if !m.holds {
+			continue
+		}
+		checked++
+		if m.importM {
+			t.Errorf("%s: Agent.%s holds an owner lock and takes importMu; take importMu first, in a caller", m.pos, name)
+		}
+		for c := range m.calls {
+			if takes(c, map[string]bool{}) {
+				t.Errorf("%s: Agent.%s holds an owner lock and calls %s, which takes an owner lock or importMu", m.pos, name, c)
+			}
+		}
+	}
+	if checked < 10 {
+		t.Errorf("only %d methods of Agent hold an owner lock: the test no longer finds them", checked)
+	}
+}
