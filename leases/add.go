@@ -216,6 +216,25 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		reserved = append(reserved, addr)
 		if !expired {
 			notHeld[addr] = true
+			continue
+		}
+		// A held-back address goes to another pod only when the pool has nothing else free,
+		// and a view whose watches are behind etcd (an agent paused, or starved of CPU) may
+		// still hold addresses released since: the recheck before code 102 judges this too.
+		if st.relisted {
+			continue
+		}
+		if _, _, stale, err := a.recheck(octx, ownerKeyOf(a, st, p), p); err == nil && stale {
+			p.view.settle(reserved, 0)
+			st.relisted = true
+			a.log.Info("the pool's view holds addresses etcd does not; listing the pool again before reusing a held-back address",
+				"pool", p.spec.Name, "ip", addr)
+			select {
+			case <-p.view.restart():
+			case <-ctx.Done():
+				return allocator.Result{}, false, a.unavailable("list pool "+p.spec.Name+" again", ctx.Err())
+			}
+			return allocator.Result{}, false, nil
 		}
 	}
 

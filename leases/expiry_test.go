@@ -925,3 +925,82 @@ func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
 		t.Errorf("%s is allocated to %q; the deleted pod's DEL must leave it to the other pod", ip, n)
 	}
 }
+
+// TestAStaleViewIsListedAgainBeforeAHeldBackAddressIsReused: a node whose view is behind etcd
+// (an agent paused while its pods' neighbours were deleted: the watch events wait) believes
+// its block full. The pool's other block holds back a dead node's addresses. The ADD must not
+// take one of those while its own block has room in etcd: it checks its view against etcd,
+// lists the pool again, and gets the free address.
+func TestAStaleViewIsListedAgainBeforeAHeldBackAddressIsReused(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.75.0.0/27", 28) // two blocks: one per node
+	dead := startAgent(t, cluster, "dead", "u-dead", withHold(t.TempDir()))
+	live := startAgent(t, cluster, "live", "u-live", withHold(t.TempDir()))
+	// fill gives n more pods to ag; all land in its one block, claimed by the first.
+	fill := func(ag *Agent, name string, n int) (block netip.Prefix, owners []string, got []netip.Addr) {
+		for i := range n {
+			o := fmt.Sprintf("%s-%d", name, i)
+			res, err := ag.Add(ctx, addReq(pool, o, "eth0", o))
+			if err != nil {
+				t.Fatalf("ADD %s: %v", o, err)
+			}
+			ip := addrs(res)[0]
+			if i == 0 {
+				block = netip.PrefixFrom(ip, 28).Masked()
+			} else if !block.Contains(ip) {
+				t.Fatalf("ADD %s got %s, outside its node's block %s", o, ip, block)
+			}
+			owners, got = append(owners, o), append(got, ip)
+		}
+		return block, owners, got
+	}
+	liveBlock, _, _ := fill(live, "live", 1)
+	p, err := live.pools.ensure(ctx, allocator.PoolSpec{Name: pool.Name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	room := func(block netip.Prefix) int {
+		n := 0
+		for a := block.Addr(); block.Contains(a); a = a.Next() {
+			if p.spec.Allocatable(a) == nil {
+				n++
+			}
+		}
+		return n
+	}
+	other := netip.MustParsePrefix("10.75.0.0/28")
+	if other == liveBlock {
+		other = netip.MustParsePrefix("10.75.0.16/28")
+	}
+	deadBlock, deadOwners, _ := fill(dead, "dead", room(other))
+	if deadBlock == liveBlock {
+		t.Fatalf("both nodes in block %s", deadBlock)
+	}
+	_, _, more := fill(live, "live-more", room(liveBlock)-2)
+	crash(dead)
+	expire(t, cli, dead, deadOwners...) // held back for them on the block lease
+	// The last free address of the live node's block, which its view believes allocated.
+	var free netip.Addr
+	taken := map[netip.Addr]bool{}
+	for _, a := range more {
+		taken[a] = true
+	}
+	for a := liveBlock.Addr(); liveBlock.Contains(a); a = a.Next() {
+		if p.spec.Allocatable(a) == nil && !taken[a] && !live.pods.ownsAddr(pool.Name, a) {
+			free = a
+		}
+	}
+	if !free.IsValid() {
+		t.Fatalf("no free address left in %s (room %d, given %v)", liveBlock, room(liveBlock), more)
+	}
+	p.view.mu.Lock()
+	p.view.allocated[free] = 1
+	p.view.mu.Unlock()
+	res, err := live.Add(ctx, addReq(pool, "new", "eth0", "new"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := addrs(res)[0]; got != free {
+		t.Errorf("the ADD got %s, not %s, the address its node's block had free in etcd", got, free)
+	}
+}
