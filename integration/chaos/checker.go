@@ -464,7 +464,7 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 	if awayFor > 0 {
 		away = fmt.Sprintf("node n%d away only %s then (%s)", prev.Slot, awayFor.Round(100*time.Millisecond), cause)
 	}
-	full, occ := c.fullAt(at)
+	full, occ := c.fullAt(at, hp.Slot)
 	if s, ok := c.sampleNear(at); ok && !full {
 		occ += fmt.Sprintf(" (etcd at %s: %d allocations, %d held keys without one, %d quarantined)",
 			c.at(s.T0), len(s.Allocs), s.HeldOnly, s.Quarantined)
@@ -570,8 +570,8 @@ func (c *checker) gotAddress(p *Pod, ip netip.Addr, before time.Time) (time.Time
 // allocated, held back nor quarantined) than the ADDs sent since could have taken. The
 // history cannot know when a quarantine key expires (its lease serves every release of a
 // window) or which in-flight ADD already committed; etcd's sample can.
-func (c *checker) fullAt(t time.Time) (bool, string) {
-	n, inflight := c.occupancy(t)
+func (c *checker) fullAt(t time.Time, slot int) (bool, string) {
+	n, inflight := c.occupancy(t, slot)
 	size := c.h.Params.PoolSize
 	why := fmt.Sprintf("%d of %d addresses held (%d of them by ADDs in flight or unanswered), %d free", n, size, inflight, size-n)
 	if n+fullSlack >= size {
@@ -603,15 +603,20 @@ func (c *checker) fullAt(t time.Time) (bool, string) {
 // claim may have applied and its answer been lost). A pod that never got an address this way
 // counts as one address it may hold until its DEL. inflight is how many of the addresses
 // counted are such ADDs'.
-func (c *checker) occupancy(t time.Time) (held, inflight int) {
+func (c *checker) occupancy(t time.Time, slot int) (held, inflight int) {
 	// A release's quarantine key lives on a lease shared by the releases of a window of
 	// max(q/10, 1 s), and etcd expires it within about a second more.
-	q, hold := c.h.Params.Quarantine+max(c.h.Params.Quarantine/10, time.Second)+time.Second, c.h.Params.TTL+c.h.Params.ReuseDelay
+	// A dead node's held keys live on its block lease, 1.5 x (TTL + reuse delay) from its last
+	// renewal (leases.blockLeaseTTL), and etcd expires it within about a second more.
+	q, hold := c.h.Params.Quarantine+max(c.h.Params.Quarantine/10, time.Second)+time.Second, (c.h.Params.TTL+c.h.Params.ReuseDelay)*3/2+time.Second
 	addrs := map[netip.Addr]bool{}
 	unknown := 0
 	for _, p := range c.h.Pods {
 		taken := p.liveAt(t) ||
 			!p.DelAnswered.IsZero() && !t.Before(p.DelAnswered) && t.Before(c.releasedBy(p).Add(q)) ||
+			// A DEL its node answered while away is released by that node's re-claim after
+			// its return: till then the address is still its own pod's to it (invariant 14).
+			p.Slot == slot && !p.DelAnswered.IsZero() && !t.Before(p.DelAnswered) && t.Before(c.releasedByOwnNode(p)) ||
 			!p.DiedAt.IsZero() && p.Live() && !t.Before(p.DiedAt) && t.Before(p.DiedAt.Add(hold))
 		if !taken {
 			// An ADD in flight, or one that may have committed without an answer.
@@ -666,6 +671,17 @@ func (c *checker) releasedBy(p *Pod) time.Time {
 	return p.DelAnswered
 }
 
+// releasedByOwnNode is when p's node, which answered p's DEL while away, has run its re-claim
+// after its return (as awayFor allows it: TTL + 5 s); p.DelAnswered when it was not away.
+func (c *checker) releasedByOwnNode(p *Pod) time.Time {
+	for _, a := range c.away[p.Slot] {
+		if !a.Start.After(p.DelAnswered) && !c.awayEnd(a).Before(p.DelAnswered) {
+			return c.awayEnd(a).Add(c.h.Params.TTL + 5*time.Second)
+		}
+	}
+	return p.DelAnswered
+}
+
 // ReuseVerdict judges one "reusing an address whose holder expired" line: was the pool
 // full by the history's account?
 type ReuseVerdict struct {
@@ -682,7 +698,7 @@ func (c *checker) reuses() []ReuseVerdict {
 		if l.Kind != "reuse" {
 			continue
 		}
-		full, why := c.fullAt(l.Time)
+		full, why := c.fullAt(l.Time, l.Slot)
 		if s, ok := c.sampleNear(l.Time); ok {
 			why += fmt.Sprintf("; etcd at %s: %d allocations, %d held keys without one, %d quarantined",
 				c.at(s.T0), len(s.Allocs), s.HeldOnly, s.Quarantined)
