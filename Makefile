@@ -33,7 +33,7 @@ build:
 	cp $(BIN)/leasehold $(BIN)/cni/leasehold
 
 # Programs the tests drive, built from the versions pinned in integration/tools/go.mod:
-# etcd, etcdctl and etcdutl (v3.6.5; etcdutl restores a snapshot), cnitool (cni v1.3.1),
+# etcd, etcdctl and etcdutl (v3.6.16; etcdutl restores a snapshot), cnitool (cni v1.3.1),
 # reference plugins (plugins v1.9.1); Helm (v3.22.0, integration/helmtool/go.mod, a module of
 # its own so that its dependencies do not raise etcd's), which renders deploy/helm/leasehold in
 # the tests and in `make e2e`; and from integration/tools/promtool/go.mod: promtool (prometheus

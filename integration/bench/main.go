@@ -253,7 +253,8 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 	sink := &logSink{max: 20}
 	ev := &env{cfg: cfg, bin: bin, root: root, netns: netns,
 		agentLog: slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelWarn}))}
-	res := &results{start: time.Now(), config: "go run . " + argv, version: describe(filepath.Dir(bin))}
+	res := &results{start: time.Now(), config: "go run . " + argv, version: describe(filepath.Dir(bin)),
+		etcdVersion: etcdVersion(filepath.Join(bin, "etcd"))}
 	stopProfiles, err := startProfiles(cfg.cpuProfile, cfg.memProfile, cfg.mutexProfile, cfg.blockProfile)
 	if err != nil {
 		return err
@@ -351,6 +352,20 @@ func describe(repo string) string {
 		return "unknown"
 	}
 	return strings.TrimSpace(string(out))
+}
+
+// etcdVersion is the version the etcd binary at path reports, or "?".
+func etcdVersion(path string) string {
+	out, err := exec.Command(path, "--version").Output()
+	if err != nil {
+		return "?"
+	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if v, ok := strings.CutPrefix(line, "etcd Version: "); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "?"
 }
 
 // loadAvg is the 1-minute load average from /proc/loadavg, or "?".

@@ -61,6 +61,8 @@ type results struct {
 	took    time.Duration
 	config  string
 	version string
+	// etcdVersion is what bin/etcd reports.
+	etcdVersion string
 }
 
 func (res *results) add(r row) { res.rows = append(res.rows, r) }
@@ -171,8 +173,8 @@ func (res *results) write(dir string) error {
 	md.WriteString("# leasehold benchmark results\n\n")
 	fmt.Fprintf(&md, "Produced by `make bench` (`integration/bench`) on %s in %s, leasehold %s; %s, %d CPUs, GOOS %s.\n",
 		res.start.UTC().Format("2006-01-02 15:04 MST"), res.took.Round(time.Second), res.version, runtime.Version(), runtime.NumCPU(), runtime.GOOS)
-	md.WriteString("Every figure was measured in this one run against a real etcd (bin/etcd v3.6.5 as its own process, fsync on, data on local disk), " +
-		"with the real binaries (bin/leasehold, bin/leaseholdd, bin/cni/host-local from plugins v1.9.1).\n\n")
+	fmt.Fprintf(&md, "Every figure was measured in this one run against a real etcd (bin/etcd v%s as its own process, fsync on, data on local disk), "+
+		"with the real binaries (bin/leasehold, bin/leaseholdd, bin/cni/host-local from plugins v1.9.1).\n\n", res.etcdVersion)
 	md.WriteString(res.table())
 	md.WriteString("\n## ADD latency vs pool occupancy\n\n")
 	md.WriteString("Sequential ADDs through the plugin binaries into a /16, leasehold and host-local samples interleaved at each level, " +
