@@ -26,8 +26,8 @@ func goList(t *testing.T, deps bool, pkg string) []string {
 // (allocator <- keyspace <- admin, leases <- cmd), the plugin binary is a thin client (no etcd,
 // gRPC, netlink, CNI library, net, encoding/json, fmt or reflect: in a process that lives for
 // one call each of them costs startup time), allocator is standard library only, only
-// leases/kernel talks netlink, and leaseholdctl links neither the agent, netlink nor the
-// Prometheus client.
+// leases/kernel talks netlink, leaseholdctl links neither the agent, netlink nor the
+// Prometheus client, and no part of the agent under leases/ depends on package leases.
 func TestDependencyRule(t *testing.T) {
 	const mod = "github.com/leasehold/leasehold/"
 	for _, dep := range goList(t, true, "./cmd/leasehold") {
@@ -53,6 +53,27 @@ func TestDependencyRule(t *testing.T) {
 				t.Errorf("leases imports %s", imp)
 			}
 		}
+	}
+	// The agent's parts (leases/etcdgate, leases/kernel, leases/adopt, ...) sit below it: none
+	// depends on the orchestrator, package leases (docs/agent.md).
+	out, err := exec.Command("go", "list", "../leases/...").Output()
+	if err != nil {
+		t.Fatalf("go list ../leases/...: %v", err)
+	}
+	parts := 0
+	for _, pkg := range strings.Fields(string(out)) {
+		if pkg == mod+"leases" {
+			continue
+		}
+		parts++
+		for _, dep := range goList(t, true, pkg) {
+			if dep == mod+"leases" {
+				t.Errorf("%s depends on package leases; the agent's parts sit below the orchestrator", pkg)
+			}
+		}
+	}
+	if parts < 3 {
+		t.Errorf("go list found %d parts under leases/: %s", parts, out)
 	}
 	for _, dep := range goList(t, true, "./cmd/leaseholdctl") {
 		switch {
