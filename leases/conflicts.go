@@ -65,7 +65,8 @@ func (a *Agent) watchConflicts() {
 // for that owner's key to go, until the conflict is resolved or no longer the agent's. The
 // other owner lets the address go by its release, which deletes its allocation and held key:
 // an expiry of its lease leaves its held key, for its pod may still run on a node cut off, and
-// the address stays held back until that hold ends too.
+// the address stays held back until that hold ends too (but for another pod of the running
+// pod's own sticky claim: heldForClaim).
 func (a *Agent) followConflict(ctx context.Context, ref conflictRef) {
 	defer a.wg.Done()
 	defer func() {
@@ -137,16 +138,20 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
 	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
 	qKey := keyspace.QuarantineKey(ref.pool, p.spec.Blocks, ref.addr)
-	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey, clientv3.WithKeysOnly()),
-		clientv3.OpGet(qKey)).Commit()
+	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey), clientv3.OpGet(qKey)).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("read "+conflictKey, err)
 	}
 	cmps := []clientv3.Cmp{keyspace.Absent(ipKey), keyspace.OnLease(ownerKey, lease)}
+	q := cur.Responses[2].GetResponseRange().Kvs
+	ownClaim := false // held back for another pod of the pod's own claim
 	if held := cur.Responses[1].GetResponseRange().Kvs; len(held) > 0 {
 		if !a.blockLeases.mine(clientv3.LeaseID(held[0].Lease)) {
-			// Held back for the other owner, whose lease expired without a release.
-			return heldKey, cur.Header.Revision, false, nil
+			if ownClaim = heldForClaim(held[0], q, at.Claim, a.cfg.Cluster); !ownClaim {
+				// Held back for the other owner, whose lease expired without a release.
+				return heldKey, cur.Header.Revision, false, nil
+			}
+			cmps = append(cmps, keyspace.Unchanged(qKey, q[0].ModRevision))
 		}
 		cmps = append(cmps, keyspace.Unchanged(heldKey, held[0].ModRevision))
 	} else {
@@ -175,7 +180,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		}
 	}
 	var gaveUp string
-	if q := cur.Responses[2].GetResponseRange().Kvs; len(q) > 0 && !restsUnder(q[0], at.Claim, claimCluster == a.cfg.Cluster) {
+	if len(q) > 0 && !ownClaim && !restsUnder(q[0], at.Claim, claimCluster == a.cfg.Cluster) {
 		c, p, claim, err := a.claimGivesUp(octx, claimCluster, ref, q[0])
 		if err != nil {
 			return "", 0, false, err
@@ -227,6 +232,23 @@ func restsUnder(q *mvccpb.KeyValue, claim string, same bool) bool {
 	}
 	rec, err := keyspace.Decode[keyspace.QuarantineRecord](string(q.Key), q.Value)
 	return err == nil && rec.Claim == claim
+}
+
+// heldForClaim tells whether held, the held key of an address held back for a pod of another
+// node, holds it back for a pod of claim of cluster, the running pod's own: the address
+// rests under that claim (q, its quarantine key) and held names an owner of cluster. Such a
+// key does not keep the address from the running pod, as it keeps it from others: an ADD
+// naming the claim takes the claim's addresses over it once no allocation stands
+// (readClaim), and a running pod of the claim takes them back as well. A restored backup
+// brings back the held keys of the claim's earlier holders, on block leases of nodes gone
+// since that stand for the reuse delay: waited for, they would keep the running pod from its
+// addresses, and its claim's quarantine keys off its claim lease, for that long.
+func heldForClaim(held *mvccpb.KeyValue, q []*mvccpb.KeyValue, claim, cluster string) bool {
+	if len(q) == 0 || !restsUnder(q[0], claim, true) {
+		return false
+	}
+	rec, err := keyspace.Decode[keyspace.HeldRecord](string(held.Key), held.Value)
+	return err == nil && rec.Cluster == cluster
 }
 
 // claimGivesUp handles an address that rests in quarantine under a released sticky claim: its
