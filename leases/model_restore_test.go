@@ -47,9 +47,11 @@ import (
 // The leases the model let expire come back with the backup, with their whole TTL: a pod or
 // node lease expires again within its TTL unless an agent takes it up again; a block lease
 // stands for the reuse delay, which the model shortens to a few steps, and what the restore
-// gives it back the model shortens to nothing: it revokes it again at once. A restore waits
-// while a node is cut off or an owner outside the model holds a running pod's address, and
-// comes at most once per modelRestoreEvery steps.
+// gives it back the model shortens to nothing: it revokes it again at once. A block lease the
+// restore brings back that the model never let expire (an agent revoked it itself) goes the
+// same way once the agents have repaired, if no agent renews it (expireUnrenewed). A restore
+// waits while a node is cut off or an owner outside the model holds a running pod's address,
+// and comes at most once per modelRestoreEvery steps.
 
 const (
 	// modelRepairWait bounds how long the agents take, after a restore, to hold every pod of
@@ -153,6 +155,7 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 	wg.Wait()
 	m.repairing = false
 	m.awaitRepair(i, start, before)
+	m.expireUnrenewed(i)
 	return true
 }
 
@@ -207,6 +210,93 @@ func (m *model) expireAgain(i int) {
 	}
 	m.log("%d the restore brought back leases the model let expire: pod and node leases %v (they expire within their TTL unless an agent "+
 		"takes them up), block leases %v (revoked again)", i, back, again)
+}
+
+// expireUnrenewed revokes, once the agents repaired what a restore changed, the block leases
+// it brought back that no agent renews (nor will): leases the model never let expire, which
+// expireAgain does not know, such as one an agent revoked itself when it stopped with no pod
+// left (Close), or one of a node identity replaced since under a new node UID whose older
+// lease was gone before that node died. etcd keeps a restored lease with its whole TTL and
+// expires it when that runs out without a renewal, as any other lease: what the backup put
+// on it, block claims and held keys, goes with it, a block-lease TTL (1.5 x (TTL + reuse
+// delay)) after the restore. The model shortens that wait to nothing, as it does for every
+// lease it lets expire, once the agents had their chance to take such a lease up again: an
+// agent adopts a block lease of its own identity that the node record names when it
+// registers, or that its claims are on when it lists a pool it serves (sortClaims). So no
+// lease is revoked that an agent holds, nor one whose claims name a live node that follows
+// the pool (that agent must adopt them; checkViews says whether it did), nor one of a
+// cut-off node still holding its pods' addresses back (holdsBack): those are renewed, or
+// the model lets them expire itself (returns).
+func (m *model) expireUnrenewed(i int) {
+	ctx, cancel := context.WithTimeout(context.Background(), modelEtcdBack)
+	defer cancel()
+	resp, err := m.cli.Txn(ctx).Then(
+		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.WantedPrefix(m.pool.Name, m.pool.Blocks, netip.Addr{}), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		m.t.Fatalf("step %d: %v", i, err)
+	}
+	var ttl time.Duration
+	for _, n := range m.nodes {
+		if n.agent != nil {
+			ttl = n.agent.cfg.LeaseTTL
+		}
+	}
+	keep := map[clientv3.LeaseID]bool{} // renewed, or to be adopted by a live node
+	leases := map[clientv3.LeaseID]bool{}
+	for _, n := range m.nodes {
+		for _, id := range n.blockLeases {
+			keep[id] = keep[id] || n.holdsBack
+		}
+	}
+	for r, rr := range resp.Responses {
+		for _, kv := range rr.GetResponseRange().Kvs {
+			lease := keyspace.LeaseOf(kv)
+			if lease == 0 {
+				continue
+			}
+			leases[lease] = true
+			switch r {
+			case 0:
+				rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+				if err != nil || m.holdsBackFor(rec.Node, rec.NodeUID) {
+					keep[lease] = true
+				}
+				for _, n := range m.nodes {
+					if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.viewOf(m.pool.Name) != nil {
+						keep[lease] = true
+					}
+				}
+			case 1:
+				// A held key names its node by name only.
+				rec, err := keyspace.Decode[keyspace.HeldRecord](string(kv.Key), kv.Value)
+				if err != nil || slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.holdsBack && n.name == rec.Node }) {
+					keep[lease] = true
+				}
+			}
+		}
+	}
+	var gone []string
+	for _, id := range slices.Sorted(maps.Keys(leases)) {
+		if keep[id] || slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.agent != nil && n.agent.keeper.Holds(id) }) {
+			continue
+		}
+		r, err := m.cli.TimeToLive(ctx, id)
+		if err != nil {
+			m.t.Fatalf("step %d: look up lease %s: %v", i, keyspace.LeaseHex(id), err)
+		}
+		if r.TTL <= 0 || time.Duration(r.GrantedTTL)*time.Second <= ttl {
+			continue // gone, or not a block lease
+		}
+		m.revoke(ctx, i, id)
+		gone = append(gone, keyspace.LeaseHex(id))
+	}
+	if len(gone) > 0 {
+		m.log("%d the restore brought back block leases no agent renews, which etcd expires after their TTL: %v (revoked)", i, gone)
+		m.count["unrenewed block lease after a restore"] += len(gone)
+	}
 }
 
 // awaitRepair waits until the agents hold every pod the model gives their nodes again, and

@@ -145,10 +145,11 @@ func TestModelRandomHistories(t *testing.T) {
 		tot["leasehold_conflicts_resolved_total"], m.count["crash after DEL"], m.count["del during re-claim"])
 	t.Logf("seed %d: keys of running pods changed by hand: %d (%d deleted, %d overwritten with the pod's value without its lease, "+
 		"%d with another owner's; agents counted %v keys lost); %d backups, %d restores (%d plain, %d bumped; agents noticed "+
-		"%v times), %d conflicts after a restore; agents re-claimed pods %v times", seed,
+		"%v times), %d conflicts after a restore, %d block leases nobody renewed revoked after a restore; agents re-claimed pods %v times", seed,
 		m.count["tamper"], m.count["tamper: "+tamperDeleted], m.count["tamper: "+tamperOwnValue], m.count["tamper: "+tamperOtherOwner],
 		tot["leasehold_pod_keys_lost_total"], m.count["backup"], m.count["restore"], m.count["restore plain"], m.count["restore bumped"],
-		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], tot["leasehold_reclaims_total"])
+		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], m.count["unrenewed block lease after a restore"],
+		tot["leasehold_reclaims_total"])
 	if m.count["tamper"] == 0 {
 		t.Errorf("seed %d: no key of a running pod was deleted or overwritten in %d steps: the history did not exercise the audit", seed, steps)
 	}
