@@ -462,6 +462,50 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 	}
 }
 
+// TestAReclaimThatFindsNoConflictEndsTheOldOnes: the agent took a conflicted address back
+// (its other holder let it go) and crashed before its journal recorded it: started again with
+// the pod's lease expired meanwhile, it re-claims from a journal that lists the address as
+// taken, and finds it the pod's own. The re-claim's finding is what the pod has: no conflict
+// is left in the agent's state (else the address is a conflict for good: no watch ends it,
+// and the audit leaves its keys alone), and its key rewritten by hand without the lease is put
+// back on it.
+func TestAReclaimThatFindsNoConflictEndsTheOldOnes(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.79.0.0/24", 26)
+	dir := t.TempDir()
+	a := startAgent(t, cluster, "n", "uid-n", withHold(dir))
+	res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	// The journal as written while another owner held ip, the resolution not written yet.
+	own := a.locks.lock("run")
+	a.pods.setConflicts(own, "eth0", pool.Name, []netip.Addr{ip})
+	own.unlock()
+	if err := a.jw.sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	crash(a)
+	expire(t, cli, a, "run")
+	a = startAgent(t, cluster, "n", "uid-n", withHold(dir), auditFast)
+	k := keysOf(cluster, "n", "run", pool, ip)
+	heldFor(t, cli, a, "run", k, ip) // re-claimed, with no conflict: nobody else holds ip
+	if ps, _ := a.pods.snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
+		t.Errorf("the re-claim found no conflict, and the pod's state lists conflicts: %+v", ps.Attachments)
+	}
+	// The pod's own value without its lease, as an admin's etcdctl put: no conflict watch
+	// sees it (it waits for a deletion), the audit does, unless it takes ip for a conflict.
+	kv, err := cli.Get(ctx, k.alloc)
+	if err != nil || len(kv.Kvs) == 0 {
+		t.Fatalf("%s: %v %v", k.alloc, kv, err)
+	}
+	if _, err := cli.Put(ctx, k.alloc, string(kv.Kvs[0].Value)); err != nil {
+		t.Fatal(err)
+	}
+	heldFor(t, cli, a, "run", k, ip) // the audit puts it back on the pod's lease
+}
+
 // TestStaleSnapshotsNeverHandOutAHeldBackAddress: many nodes, more than the pool has blocks,
 // so that most borrow from snapshots read while the pods of two nodes were still being
 // added. The two nodes die; the others fill the pool: every address no expired holder had

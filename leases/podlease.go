@@ -113,7 +113,8 @@ func (ps *podState) hold(id clientv3.LeaseID) {
 
 // put records at as the pod's attachment of its interface and pool. The same container's
 // attachment read again from etcd (a repeated ADD) keeps the conflicts the agent knows of
-// for its addresses: the owner index does not list them.
+// for its addresses: the owner index does not list them. A re-claim, which finds them
+// anew, gives them, none as an empty list.
 func (ps *podState) put(at attachment) {
 	for i, old := range ps.Attachments {
 		if old.IfName == at.IfName && old.Pool == at.Pool {

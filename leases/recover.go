@@ -705,7 +705,10 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 			return 0, nil, a.unavailable("re-claim "+c.ownerKey, err)
 		}
 		if out.Applied {
-			var lost []netip.Addr
+			// What the re-claim found taken is the attachment's conflicts now: none is an
+			// empty list, not nil, which podState.put reads as "not known" and so keeps the
+			// old ones (a crash right after a resolution leaves them in the journal).
+			lost := []netip.Addr{}
 			if len(taken) > 0 {
 				a.conflicts.Add(int64(len(taken)))
 				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
