@@ -494,6 +494,19 @@ func (m *model) refusedForRepair(a *Agent, err error, start time.Time) bool {
 	a.hold.mu.Lock()
 	until := a.hold.until
 	a.hold.mu.Unlock()
+	if strings.Contains(err.Error(), "leaves free the addresses it knew taken") {
+		// The keep time after the settle time: with no other free address, the node hands out
+		// none held back for an expired pod (blocks.go, choose).
+		p, err := a.pools.ensure(context.Background(), allocator.PoolSpec{Name: m.pool.Name})
+		if err != nil {
+			return false
+		}
+		p.view.mu.Lock()
+		if p.view.keepUntil.After(until) {
+			until = p.view.keepUntil
+		}
+		p.view.mu.Unlock()
+	}
 	return start.Before(until)
 }
 
