@@ -23,9 +23,7 @@ import (
 // same endpoints. Keys the agent wrote may be gone while their leases live on, so a renewed
 // lease proves nothing then. A linearizable request (every KV request the agent sends) is
 // answered at the revision and in the raft term the gate had seen when it was sent, or later
-// ones: a write answered below the revision is proof, reported to WentBack. A read below it
-// is proof once such reads have lasted revConfirm: etcd serves a stale linearizable read
-// from a member behind now and then, right after a leader change (see read). The term matters to an
+// ones: an answer below the revision is proof, reported to WentBack. The term matters to an
 // agent that was away while etcd was restored: the restored cluster's revision is above any
 // it saw, but its terms count from the first again, and stay below the old cluster's until it
 // has had as many elections. A member back from a cut answers in its old term for a moment
@@ -62,10 +60,7 @@ type Gate struct {
 	// in an earlier term began, none in the known term since (zero: none).
 	term    uint64
 	termLow time.Time
-	// revLow is when linearizable reads below the floor began, none at or above it since
-	// (zero: none); see read.
-	revLow time.Time
-	revAt  time.Time // when rev was last raised
+	revAt   time.Time // when rev was last raised
 	// old is the highest revision seen at least suspectAfter ago (at most twice that), what
 	// an answer that is not linearizable is measured against; recent becomes old at rotated.
 	old, recent int64
@@ -103,11 +98,6 @@ func Jumped(from, to int64, since time.Duration) bool {
 // known term between, to prove a restore: a member cut off from an election serves a few
 // answers in the term before it as it comes back, until the new leader reaches it.
 const termConfirm = 2 * time.Second
-
-// revConfirm is how long linearizable reads below the revision floor must last, with none at
-// or above it between, to prove that etcd went back: a member behind catches up within a
-// moment; a restored etcd answers below the floor until it has written past it.
-const revConfirm = 2 * time.Second
 
 // confirmEvery bounds how often a suspicion sends a confirmation read: a member that lags
 // answers keep-alives below the floor for as long as it lags.
@@ -187,26 +177,9 @@ func (g *Gate) LastAnswer() time.Time {
 	return time.Now().Add(-g.SilentFor())
 }
 
-// answerKind is what a request's answer proves of etcd's history.
-type answerKind int
-
-const (
-	// other: not linearizable (a keep-alive, a lease or watch answer, a serializable read).
-	other answerKind = iota
-	// read: a linearizable read, served at a read index the leader confirmed. etcd serves
-	// some from a member behind, right after its leader changed or a member paused (etcd
-	// issue #20418 and a race of a read index with a leader change, fixed in 3.6.9; seen with
-	// 3.6.16 too, just after a cut leader's link came back): one below the floor is proof
-	// only once such reads have lasted revConfirm, none at or above it between.
-	read
-	// write: a write, applied where raft put it in etcd's history: below the floor it is
-	// proof at once.
-	write
-)
-
-// seen notes the header of an answer to a request of kind sent at floor f.
-func (g *Gate) seen(h *pb.ResponseHeader, f floor, kind answerKind) {
-	proof := kind != other
+// seen notes the header of an answer to a request sent at floor f. proof says that the
+// request was linearizable, so that an answer below f is proof that etcd went back.
+func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	g.answered()
 	if h == nil || h.ClusterId == 0 {
 		return // a header the client made up (a watch's end), not etcd's
@@ -229,20 +202,6 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, kind answerKind) {
 	back := g.cluster != 0 && (h.ClusterId != g.cluster || h.Revision < below)
 	since := time.Since(g.revAt)
 	jump := g.cluster != 0 && g.rev > 0 && Jumped(g.rev, h.Revision, since)
-	if back && kind == read && h.ClusterId == g.cluster && !jump {
-		// A read behind the floor: a member behind, or a restore. The confirmation reads
-		// tell: a member catches up within a moment, a restored etcd stays behind.
-		now := time.Now()
-		if g.revLow.IsZero() {
-			g.revLow = now
-			time.AfterFunc(revConfirm, g.confirm)
-		}
-		if now.Sub(g.revLow) < revConfirm {
-			g.mu.Unlock()
-			g.confirm()
-			return
-		}
-	}
 	if termBack && !back && !jump {
 		// A member cut off from an election answers in the term before it for a moment
 		// as it comes back; a restored cluster does in every answer. Only an earlier term
@@ -269,9 +228,6 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, kind answerKind) {
 		if h.RaftTerm != 0 && h.RaftTerm >= g.term {
 			g.termLow = time.Time{} // the cluster the agent knows answers in its own terms
 		}
-		if proof {
-			g.revLow = time.Time{} // a linearizable answer at or above the floor
-		}
 		if proof && h.RaftTerm > g.term {
 			g.term = h.RaftTerm
 		}
@@ -284,22 +240,19 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, kind answerKind) {
 		g.confirm()
 		return
 	}
-	why := fmt.Sprintf("etcd answered a write at revision %d of cluster %x after revision %d of cluster %x", h.Revision, h.ClusterId, f.rev, g.cluster)
+	why := fmt.Sprintf("etcd answered at revision %d of cluster %x after revision %d of cluster %x", h.Revision, h.ClusterId, f.rev, g.cluster)
 	switch {
 	case h.ClusterId != g.cluster:
 		why = fmt.Sprintf("etcd answered as cluster %x, not %x (revision %d after %d)", h.ClusterId, g.cluster, h.Revision, f.rev)
 	case jump:
 		why = fmt.Sprintf("etcd's revision jumped from %d to %d in %s, faster than any etcd writes: restored with its revision bumped",
 			g.rev, h.Revision, since.Round(time.Second))
-	case back && kind == read:
-		why = fmt.Sprintf("etcd answered reads at revisions below %d for %s, the last at revision %d of cluster %x",
-			f.rev, time.Since(g.revLow).Round(100*time.Millisecond), h.Revision, h.ClusterId)
 	case !back:
 		why = fmt.Sprintf("etcd answered in raft term %d after term %d (revision %d after %d): a cluster restored from a backup",
 			h.RaftTerm, f.term, h.Revision, f.rev)
 	}
 	g.cluster, g.rev, g.revAt, g.old, g.recent = h.ClusterId, h.Revision, time.Now(), 0, 0
-	g.term, g.termLow, g.revLow = 0, time.Time{}, time.Time{}
+	g.term, g.termLow = 0, time.Time{}
 	if proof {
 		g.term = h.RaftTerm
 	}
@@ -309,7 +262,7 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, kind answerKind) {
 }
 
 // Heard notes the header of an answer that is not linearizable: a keep-alive's.
-func (g *Gate) Heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), other) }
+func (g *Gate) Heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), false) }
 
 // confirm sends a linearizable read through the gate, at most once per confirmEvery: its
 // answer is measured like any other, so it proves that etcd went back, or that a member lags.
@@ -356,7 +309,7 @@ func (k gatedKV) Put(ctx context.Context, key, val string, opts ...clientv3.OpOp
 	f := k.g.floor()
 	resp, err := k.KV.Put(ctx, key, val, opts...)
 	if err == nil {
-		k.g.seen(resp.Header, f, write)
+		k.g.seen(resp.Header, f, true)
 	}
 	return resp, err
 }
@@ -365,7 +318,7 @@ func (k gatedKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption)
 	f := k.g.floor()
 	resp, err := k.KV.Get(ctx, key, opts...)
 	if err == nil {
-		k.g.seen(resp.Header, f, kindOf(clientv3.OpGet(key, opts...)))
+		k.g.seen(resp.Header, f, !clientv3.OpGet(key, opts...).IsSerializable())
 	}
 	return resp, err
 }
@@ -374,7 +327,7 @@ func (k gatedKV) Delete(ctx context.Context, key string, opts ...clientv3.OpOpti
 	f := k.g.floor()
 	resp, err := k.KV.Delete(ctx, key, opts...)
 	if err == nil {
-		k.g.seen(resp.Header, f, write)
+		k.g.seen(resp.Header, f, true)
 	}
 	return resp, err
 }
@@ -394,42 +347,18 @@ func (k gatedKV) Do(ctx context.Context, op clientv3.Op) (clientv3.OpResponse, e
 		case resp.Txn() != nil:
 			h = resp.Txn().Header
 		}
-		k.g.seen(h, f, kindOf(op))
+		k.g.seen(h, f, !op.IsSerializable())
 	}
 	return resp, err
 }
 
-func (k gatedKV) Txn(ctx context.Context) clientv3.Txn {
-	return &gatedTxn{Txn: k.KV.Txn(ctx), g: k.g, kind: read}
-}
-
-// kindOf is what an answer to op proves: a put or delete, or a transaction with one in a
-// branch, is a write; any other is a read, linearizable unless serializable.
-func kindOf(ops ...clientv3.Op) answerKind {
-	kind := other
-	for _, op := range ops {
-		switch {
-		case op.IsPut(), op.IsDelete():
-			return write
-		case op.IsTxn():
-			_, then, els := op.Txn()
-			if kindOf(append(then, els...)...) == write {
-				return write
-			}
-			kind = read
-		case !op.IsSerializable():
-			kind = read
-		}
-	}
-	return kind
-}
+func (k gatedKV) Txn(ctx context.Context) clientv3.Txn { return &gatedTxn{Txn: k.KV.Txn(ctx), g: k.g} }
 
 // gatedTxn is a transaction whose answer the gate sees. Its floor is taken at Commit, when
 // the request is sent.
 type gatedTxn struct {
 	clientv3.Txn
-	g    *Gate
-	kind answerKind // read, or write once a branch writes
+	g *Gate
 }
 
 func (t *gatedTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
@@ -439,17 +368,11 @@ func (t *gatedTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
 
 func (t *gatedTxn) Then(ops ...clientv3.Op) clientv3.Txn {
 	t.Txn = t.Txn.Then(ops...)
-	if kindOf(ops...) == write {
-		t.kind = write
-	}
 	return t
 }
 
 func (t *gatedTxn) Else(ops ...clientv3.Op) clientv3.Txn {
 	t.Txn = t.Txn.Else(ops...)
-	if kindOf(ops...) == write {
-		t.kind = write
-	}
 	return t
 }
 
@@ -457,7 +380,7 @@ func (t *gatedTxn) Commit() (*clientv3.TxnResponse, error) {
 	f := t.g.floor()
 	resp, err := t.Txn.Commit()
 	if err == nil {
-		t.g.seen(resp.Header, f, t.kind)
+		t.g.seen(resp.Header, f, true)
 	}
 	return resp, err
 }
