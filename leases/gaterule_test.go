@@ -16,27 +16,10 @@ import (
 // it. The one exception is the keeper's pipelined renewal (RenewNow), whose answers reach the
 // gate through OnHeard: the test fails if it stops passing them on.
 func TestEveryEtcdCallPassesTheGate(t *testing.T) {
-	files, err := filepath.Glob("*.go")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, sub := range []string{"adopt", "kernel"} {
-		more, err := filepath.Glob(filepath.Join(sub, "*.go"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		files = append(files, more...)
-	}
 	fset := token.NewFileSet()
 	var sawStart, sawRenew bool
-	for _, name := range files {
-		if strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for _, src := range agentSource(t, fset, ".", "adopt", "kernel") {
+		name, f := src.name, src.f
 		etcd := importName(f, "go.etcd.io/etcd/client/v3")
 		for _, d := range f.Decls {
 			fn, ok := d.(*ast.FuncDecl)
@@ -127,4 +110,33 @@ func importName(f *ast.File, path string) string {
 
 	}
 	return ""
+}
+
+// sourceFile is a parsed Go file of the agent's code.
+type sourceFile struct {
+	name string
+	f    *ast.File
+}
+
+// agentSource parses, with fset, the Go files but tests of dirs (relative to package leases).
+func agentSource(t *testing.T, fset *token.FileSet, dirs ...string) []sourceFile {
+	t.Helper()
+	var out []sourceFile
+	for _, dir := range dirs {
+		names, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, name := range names {
+			if strings.HasSuffix(name, "_test.go") {
+				continue
+			}
+			f, err := parser.ParseFile(fset, name, nil, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, sourceFile{name, f})
+		}
+	}
+	return out
 }

@@ -2,11 +2,8 @@ package leases
 
 import (
 	"go/ast"
-	"go/parser"
 	"go/token"
-	"path/filepath"
 	"sort"
-	"strings"
 	"testing"
 )
 
@@ -16,10 +13,6 @@ import (
 // owner's, or its own again: a deadlock) or Agent.importMu (taken before an owner lock, never
 // after). Calls in a goroutine the method starts do not hold its lock and are not followed.
 func TestOwnerLockOrder(t *testing.T) {
-	files, err := filepath.Glob("*.go")
-	if err != nil {
-		t.Fatal(err)
-	}
 	type method struct {
 		pos                   token.Position
 		holds, owner, importM bool
@@ -27,15 +20,8 @@ func TestOwnerLockOrder(t *testing.T) {
 	}
 	methods := map[string]*method{}
 	fset := token.NewFileSet()
-	for _, name := range files {
-		if strings.HasSuffix(name, "_test.go") {
-			continue
-		}
-		f, err := parser.ParseFile(fset, name, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, d := range f.Decls {
+	for _, src := range agentSource(t, fset, ".") {
+		for _, d := range src.f.Decls {
 			fn, ok := d.(*ast.FuncDecl)
 			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
 				continue
