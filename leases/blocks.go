@@ -214,13 +214,6 @@ func (v *view) choose(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 		}
 		return netip.Addr{}, false, err
 	}
-	if until := v.keepEnds(); !until.IsZero() {
-		// The room the view shows is short by what it keeps after etcd went back in time:
-		// no address held back for an expired pod goes while the pool's room is not known.
-		return netip.Addr{}, false, fmt.Errorf("%w: %v; until %s, after etcd went back in time, this node leaves free the "+
-			"addresses it knew taken, and hands out no address held back for an expired pod", allocator.ErrUnavailable, err,
-			until.UTC().Format(time.RFC3339))
-	}
 	addr, err = v.reuseExpired(ctx, spec, set, skip, err)
 	return addr, err == nil, err
 }
@@ -267,17 +260,6 @@ func (v *view) chooseFree(ctx context.Context, spec *allocator.PoolSpec, set int
 		}
 	}
 	return v.borrow(ctx, spec, set, skip)
-}
-
-// keepEnds is the end of the keep time after etcd went back in time, while it lasts; zero
-// after it.
-func (v *view) keepEnds() time.Time {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	if !time.Now().Before(v.keepUntil) {
-		return time.Time{}
-	}
-	return v.keepUntil
 }
 
 // keeping tells whether the view passes over addresses it kept after etcd went back in time.
