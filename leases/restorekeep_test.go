@@ -466,3 +466,58 @@ func addsNeverGet(t *testing.T, a *Agent, pool allocator.PoolSpec, x netip.Addr,
 		t.Fatal("no ADD succeeded after the restore")
 	}
 }
+
+// TestARestoredAttachmentDeletedAfterTheBackupIsSwept: a pod with two attachments, one
+// deleted after the backup. The restore puts the deleted attachment's keys back on the pod's
+// lease, which the agent renews for the attachment the pod keeps: the agent deletes them,
+// keeps the other's, and the address goes free.
+func TestARestoredAttachmentDeletedAfterTheBackupIsSwept(t *testing.T) {
+	member := etcdtest.StartMember(t)
+	cli := etcdtest.ClientAt(t, member.ClientURL)
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.83.0.0/26", 28)
+	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	keep, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone, err := a.Add(ctx, addReq(pool, "c0", "net1", "u0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	backup := filepath.Join(t.TempDir(), "backup.db")
+	if err := member.Snapshot(ctx, backup); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "c0", "net1", "u0")); err != nil {
+		t.Fatal(err)
+	}
+	if err := member.Restore(backup, 0); err != nil {
+		t.Fatal(err)
+	}
+	keys := func(ip netip.Addr, ifName string) (alloc, owner int, err error) {
+		al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
+		if err != nil {
+			return 0, 0, err
+		}
+		oi, err := cli.Get(ctx, keyspace.OwnerKey(cluster, "u0", ifName, pool.Name))
+		if err != nil {
+			return 0, 0, err
+		}
+		return len(al.Kvs), len(oi.Kvs), nil
+	}
+	etcdtest.Eventually(t, "the deleted attachment's restored keys gone, the kept one's there", func() error {
+		ga, go_, err := keys(resultAddrs(gone)[0], "net1")
+		if err != nil {
+			return err
+		}
+		ka, ko, err := keys(resultAddrs(keep)[0], "eth0")
+		if err != nil {
+			return err
+		}
+		if ga != 0 || go_ != 0 || ka != 1 || ko != 1 {
+			return fmt.Errorf("net1 (deleted): %d allocations, %d owner indexes; eth0 (kept): %d, %d", ga, go_, ka, ko)
+		}
+		return nil
+	})
+}
