@@ -114,6 +114,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		stopped:         make(chan struct{}),
 	}
 	a.pods = newPods(cfg.NodeUID, a.jw)
+	a.stickyKept.dir, a.stickyKept.log = cfg.StateDir, a.log
+	if rel, err := loadReleased(cfg.StateDir, time.Now()); err != nil {
+		a.log.Warn("the saved sticky claims this node released are unreadable; a restore of etcd from a backup older than "+
+			"their release loses them", "err", err)
+	} else {
+		a.stickyKept.resume(rel)
+	}
 	a.metrics = newMetrics(a)
 	a.claims = &claimBatcher{cli: a.cli, timeout: cfg.OpTimeout, m: a.metrics}
 	keeper, err := NewKeeper(a.cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"slices"
 	"sync"
@@ -54,8 +55,12 @@ type stickyKept struct {
 	// claims naming attachments of this node deleted since were released.
 	swept atomic.Uint64
 	// releases are the claims this agent released, by claim key, until their hold ends: a
-	// restore of a backup from before the release takes them (releaseStaleClaims).
+	// restore of a backup from before the release takes them (releaseStaleClaims). They are
+	// kept in the state directory too (releasedFile), for an agent restarted within the hold.
 	releases map[string]releasedClaim
+	// dir is the state directory; log tells when the releases could not be saved there.
+	dir string
+	log *slog.Logger
 }
 
 // releasedClaim is a claim as this agent released it: the record and the quarantine record
@@ -82,6 +87,17 @@ func (s *stickyKept) released(key, pool, name string, rec keyspace.ClaimRecord, 
 		}
 	}
 	s.releases[key] = releasedClaim{pool: pool, name: name, rec: rec, q: q, ends: now.Add(ttl)}
+	if err := saveReleased(s.dir, s.releases, now); err != nil {
+		s.log.Warn("the sticky claims this node released could not be saved; a restart within their hold forgets them, and "+
+			"a restore of etcd from a backup older than the release then loses them", "err", err)
+	}
+}
+
+// resume takes up the releases an earlier run of the agent saved whose hold has not ended.
+func (s *stickyKept) resume(from map[string]releasedClaim) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.releases = from
 }
 
 // releasedNow lists the claims this agent released whose hold has not ended, by key.
@@ -792,8 +808,8 @@ func (a *Agent) releaseStaleClaim(ctx context.Context, pool, name string, kv *mv
 // the claim, or than its release): as released, each address that no allocation or other
 // quarantine key stands at resting under it, on a lease of the hold left. A claim etcd has,
 // in any state, is left as it is: its holder's agent keeps it, or the release of the stale
-// record (releaseStaleClaims) did. Known limit: an agent restarted since the release has
-// forgotten it.
+// record (releaseStaleClaims) did. The releases are kept in the state directory
+// (releasedFile), so an agent restarted since a release puts it back too.
 func (a *Agent) restoreReleasedClaims(ctx context.Context) error {
 	var errs []error
 	for key, r := range a.stickyKept.releasedNow() {

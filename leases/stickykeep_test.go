@@ -283,11 +283,22 @@ func TestAClaimOfADeletedPodBroughtBackByARestoreIsReleased(t *testing.T) {
 
 // TestAReleasedClaimARestoreTookIsPutBack: a claim the node released, which a restore of a
 // backup older than the claim took from etcd, is put back as released for the rest of its
-// hold: the next pod naming it gets its addresses.
+// hold: the next pod naming it gets its addresses. Also by the agent restarted since the
+// release, which reads it from its state directory (found by the model,
+// LEASEHOLD_MODEL_SEED=1795803430334405080: a node crashed right after the DEL).
 func TestAReleasedClaimARestoreTookIsPutBack(t *testing.T) {
+	for _, restarted := range []bool{false, true} {
+		t.Run(map[bool]string{false: "running", true: "restarted"}[restarted], func(t *testing.T) {
+			testAReleasedClaimARestoreTookIsPutBack(t, restarted)
+		})
+	}
+}
+
+func testAReleasedClaimARestoreTookIsPutBack(t *testing.T, restarted bool) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 28)
-	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+	state := t.TempDir()
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(state), auditFast)
 	const claim = "default.web-3"
 	res, err := a.Add(ctx, stickyReq(pool, "c3", "u3", claim))
 	if err != nil {
@@ -303,6 +314,10 @@ func TestAReleasedClaimARestoreTookIsPutBack(t *testing.T) {
 		t.Fatalf("claim %s after the DEL: %v %v", key, resp, err)
 	}
 	released := clientv3.LeaseID(resp.Kvs[0].Lease)
+	if restarted {
+		a.Close()
+		a = startAgent(t, cluster, "n1", "uid-n1", withHold(state), auditFast)
+	}
 	// What a restore of a backup older than the claim does: the claim, its quarantine keys
 	// and its lease are gone.
 	if _, err := cli.Revoke(ctx, released); err != nil {
