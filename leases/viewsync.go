@@ -308,12 +308,19 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			v.gained = append(v.gained, b)
 		}
 	}
-	if time.Now().Before(v.keepUntil) {
+	if now := time.Now(); now.Before(v.keepUntil) {
 		for _, a := range v.dropped {
 			v.kept[a] = struct{}{}
 		}
 		for _, b := range v.gained {
 			spans[b].restored = true
+		}
+		// A restore of a backup older than a release loses the address's quarantine key: it
+		// rests until the end the view knew all the same.
+		for a, until := range v.quarantined {
+			if _, alloc := allocated[a]; !alloc && until.After(now) && until.After(quarantined[a]) {
+				quarantined[a] = until
+			}
 		}
 	}
 	v.listedOnce = true
