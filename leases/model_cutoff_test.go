@@ -224,7 +224,8 @@ func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 }
 
 // neverHeldFree counts, per range set, the addresses etcd shows free that no expired holder
-// had: no allocation, quarantine or held key, and not in m.expired. It returns nil, reading
+// had: no allocation, quarantine or held key, not in m.expired, and not kept by an agent after
+// etcd went back in time (keptAfterRestore). It returns nil, reading
 // nothing, while no cut-off node holds addresses back.
 func (m *model) neverHeldFree(ctx context.Context) []int {
 	if !slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.holdsBack }) {
@@ -252,6 +253,9 @@ func (m *model) neverHeldFree(ctx context.Context) []int {
 		used[a] = true
 	}
 	m.mu.Unlock()
+	for a := range m.keptAfterRestore() {
+		used[a] = true
+	}
 	free := make([]int, len(m.spec.Ranges))
 	for s := range free {
 		free[s] = int(m.spec.SetSize(s).Int64())
@@ -262,6 +266,35 @@ func (m *model) neverHeldFree(ctx context.Context) []int {
 		}
 	}
 	return free
+}
+
+// keptAfterRestore is what the live agents' views pass over for the keep time after etcd
+// went back in time: the addresses they knew taken that the restored etcd shows free, and the
+// blocks the backup gave back to their node. A cut-off node's pod may still run on any of
+// them, as on an address held back for it: a reuse of a held-back address while the only
+// other room is there is not a reuse with room.
+func (m *model) keptAfterRestore() map[netip.Addr]bool {
+	kept := map[netip.Addr]bool{}
+	for _, n := range m.nodes {
+		if n.agent == nil {
+			continue
+		}
+		n.agent.pools.forEachView(func(v *view) {
+			if v.pool != m.pool.Name {
+				return
+			}
+			addrs, blocks := v.settleKnowledge()
+			for _, a := range addrs {
+				kept[a] = true
+			}
+			for _, b := range blocks {
+				for a := b.Masked().Addr(); b.Contains(a); a = a.Next() {
+					kept[a] = true
+				}
+			}
+		})
+	}
+	return kept
 }
 
 // crashNode kills node ni's agent as kill -9 would (crash: what its journal has not written
