@@ -8,7 +8,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // TestLateFirstRenewalKeepsTheLease: etcd stops answering (SIGSTOP, as an etcd too busy to
@@ -25,7 +25,7 @@ func TestLateFirstRenewalKeepsTheLease(t *testing.T) {
 	}
 	defer cli.Close()
 	var lost atomic.Int64
-	k, err := leases.NewKeeper(cli, leases.KeeperConfig{TTL: 8 * time.Second, OpTimeout: 10 * time.Second,
+	k, err := keeper.New(cli, keeper.Config{TTL: 8 * time.Second, OpTimeout: 10 * time.Second,
 		OnLost: func(clientv3.LeaseID) { lost.Add(1) }})
 	if err != nil {
 		t.Fatal(err)

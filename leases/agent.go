@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -26,7 +27,7 @@ type Agent struct {
 	cfg    Config
 	cli    *clientv3.Client
 	log    *slog.Logger
-	keeper *Keeper
+	keeper *keeper.Keeper
 	pools  *pools
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
@@ -123,14 +124,14 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.metrics = newMetrics(a)
 	a.claims = &claimBatcher{cli: a.cli, timeout: cfg.OpTimeout, m: a.metrics}
-	keeper, err := NewKeeper(a.cli, KeeperConfig{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
+	k, err := keeper.New(a.cli, keeper.Config{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
 		Log: a.log, OnLost: a.leaseLost, OnHeard: gate.Heard})
 	if err != nil {
 		cancel()
 		unlock()
 		return nil, err
 	}
-	a.keeper = keeper
+	a.keeper = k
 	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.ownsAddr, func() {
 		a.auditDue.Store(true)
 		a.wake()
@@ -146,7 +147,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.pools = newPools(actx, a.cli, a.log, hooks)
 	a.pools.onMismatch = a.recordPoolConflict
-	a.blockLeases = newBlockLeases(keeper, blockLeaseTTL(cfg))
+	a.blockLeases = newBlockLeases(k, blockLeaseTTL(cfg))
 	a.blockLeases.granted = func(id clientv3.LeaseID) {
 		// The node record names the block lease a restart adopts: once the claims and held
 		// keys go on a new one (the last was lost: a cut-off longer than its TTL, or a

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -16,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // lostResponseKV is etcd's KV with one twist: while armed, the next transaction that etcd
@@ -205,8 +205,4 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 }
 
 // spares is a copy of the keeper's spare leases.
-func spares(k *Keeper) []clientv3.LeaseID {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return slices.Clone(k.spare)
-}
+func spares(k *keeper.Keeper) []clientv3.LeaseID { return k.Spares() }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // Blocks (allocator.Blocks): a node claims blocks of a pool and allocates from them first,
@@ -46,7 +47,7 @@ type blockOwner struct {
 // (Close): a restart keeps the node's blocks, and a node cut off from etcd or dead keeps its
 // blocks and its pods' addresses held back for the reuse delay after its pods' leases expire.
 type blockLeases struct {
-	keeper *Keeper
+	keeper *keeper.Keeper
 	ttl    time.Duration
 	// granted, if set, hears of each new current lease granted after the first (wired at
 	// start): the node record must name it.
@@ -57,7 +58,7 @@ type blockLeases struct {
 	held    map[clientv3.LeaseID]bool
 }
 
-func newBlockLeases(k *Keeper, ttl time.Duration) *blockLeases {
+func newBlockLeases(k *keeper.Keeper, ttl time.Duration) *blockLeases {
 	return &blockLeases{keeper: k, ttl: ttl, held: make(map[clientv3.LeaseID]bool)}
 }
 
@@ -84,7 +85,7 @@ func (b *blockLeases) get(ctx context.Context) (clientv3.LeaseID, error) {
 	if b.current != 0 {
 		cur := b.current
 		b.mu.Unlock()
-		go b.keeper.revokeQuietly(id)
+		go b.keeper.RevokeQuietly(id)
 		return cur, nil
 	}
 	b.current, b.held[id] = id, true
@@ -112,7 +113,7 @@ func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
 	if held {
 		return nil
 	}
-	granted, err := b.keeper.adopt(ctx, id)
+	granted, err := b.keeper.AdoptTTL(ctx, id)
 	if err != nil {
 		return err
 	}

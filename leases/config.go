@@ -7,6 +7,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // Config is what an agent needs to know about its node and its policies.
@@ -100,7 +101,7 @@ const (
 // Bounds the agent sets itself. Every other wait is Config.OpTimeout.
 const (
 	// minLeaseTTL is etcd's minimum lease TTL; a shorter one is raised by etcd, silently.
-	minLeaseTTL = 2 * time.Second
+	minLeaseTTL = keeper.MinTTL
 	// probeAfter is how old the last etcd answer may be before STATUS and /readyz ask etcd
 	// again: containerd polls STATUS every few seconds, and an agent in use talks to etcd far
 	// more often than that.

@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
@@ -59,7 +60,7 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 
 // givenUp checks that a gone pod's lease was given up: revoked, or recycled as a spare with
 // no key left on it.
-func givenUp(t *testing.T, cli *clientv3.Client, k *Keeper, lease clientv3.LeaseID) {
+func givenUp(t *testing.T, cli *clientv3.Client, k *keeper.Keeper, lease clientv3.LeaseID) {
 	t.Helper()
 	ttl, err := cli.TimeToLive(context.Background(), lease, clientv3.WithAttachedKeys())
 	switch {
@@ -249,7 +250,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 }
 
 // waitSpares waits for at least n spares.
-func waitSpares(t *testing.T, k *Keeper, n int) {
+func waitSpares(t *testing.T, k *keeper.Keeper, n int) {
 	t.Helper()
 	etcdtest.Eventually(t, fmt.Sprintf("at least %d spares", n), func() error {
 		have := len(spares(k))

@@ -208,45 +208,6 @@ func ExampleAgent_Close() {
 	// DEL: <nil>
 }
 
-// A Keeper holds the leases of keys that must go with their owner: a key written with a lease
-// from Take lives while the keeper renews the lease (or, after Close, for one TTL), and Revoke
-// deletes it at once.
-func ExampleNewKeeper() {
-	ctx, cli, done, err := etcdtest.Connect()
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	defer done()
-
-	k, err := leases.NewKeeper(cli, leases.KeeperConfig{TTL: 5 * time.Second, Spares: 1})
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	defer k.Close()
-	id, err := k.Take(ctx)
-	if err != nil {
-		fmt.Println(err)
-		return
-	}
-	if _, err := cli.Put(ctx, "/example/keeper/held", "x", clientv3.WithLease(id)); err != nil {
-		k.Return(id) // no key was written with it
-		fmt.Println(err)
-		return
-	}
-	got, err := cli.Get(ctx, "/example/keeper/held")
-	fmt.Println("held:", got.Count, k.Holds(id), err)
-
-	fmt.Println("Revoke:", k.Revoke(id))
-	got, err = cli.Get(ctx, "/example/keeper/held")
-	fmt.Println("after Revoke:", got.Count, k.Holds(id), err)
-	// Output:
-	// held: 1 true <nil>
-	// Revoke: <nil>
-	// after Revoke: 0 false <nil>
-}
-
 // exampleAgent connects to etcd and starts the agent of node-1 in cluster "example", as
 // leases' ExampleStart shows in full; done stops it and closes the client.
 func exampleAgent() (ctx context.Context, cli *clientv3.Client, agent *leases.Agent, done func(), err error) {

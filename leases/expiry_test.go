@@ -32,16 +32,7 @@ func crash(a *Agent) {
 		a.jw.mu.Unlock()
 		a.cancel()
 		a.wg.Wait()
-		k := a.keeper
-		k.cancel()
-		k.wg.Wait()
-		k.mu.Lock()
-		for id, stop := range k.held {
-			stop()
-			delete(k.held, id)
-		}
-		k.spare = nil
-		k.mu.Unlock()
+		a.keeper.Abandon()
 		a.jw.close()
 		a.unlock()
 	})

@@ -19,6 +19,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // Files the default node UID is read from.
@@ -128,7 +129,7 @@ func (a *Agent) register(ctx context.Context) error {
 			if bl, err := keyspace.ParseLeaseHex(old.BlockLease); err == nil && bl != 0 && old.UID == a.cfg.NodeUID {
 				// This identity's block lease from before a restart or a lost node lease: its
 				// claims and held keys are this node's.
-				if err := a.blockLeases.adopt(octx, bl); err != nil && !errors.Is(err, ErrLeaseLost) {
+				if err := a.blockLeases.adopt(octx, bl); err != nil && !errors.Is(err, keeper.ErrLeaseLost) {
 					a.log.Warn("resuming this node's block lease failed; its claims go with it", "lease", old.BlockLease, "err", err)
 				}
 			}

@@ -118,15 +118,7 @@ func (m *model) holds(owner string) bool {
 }
 
 // keptAlive lists the leases an agent renews: what expires when its node dies.
-func keptAlive(a *Agent) []clientv3.LeaseID {
-	a.keeper.mu.Lock()
-	defer a.keeper.mu.Unlock()
-	out := make([]clientv3.LeaseID, 0, len(a.keeper.held))
-	for id := range a.keeper.held {
-		out = append(out, id)
-	}
-	return out
-}
+func keptAlive(a *Agent) []clientv3.LeaseID { return a.keeper.HeldLeases() }
 
 // die kills one node: its agent stops, and every lease it renewed expires (revoked here, as
 // etcd does a TTL after the last renewal), taking its pods' addresses and its block claims,

@@ -99,7 +99,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	}
 	m.revoke(ctx, i, lease)
 	if how < 2 {
-		a.keeper.lost(lease) // found at once, not at its next keep-alive
+		a.keeper.MarkLost(lease) // found at once, not at its next keep-alive
 		deadline := time.Now().Add(modelReclaimWait)
 		for {
 			if _, lost := a.pods.lostPod(k.owner); lost {
@@ -125,7 +125,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 		own.unlock()
 	}
 	err := <-done
-	a.keeper.lost(lease) // found by now in any case (a no-op if it was)
+	a.keeper.MarkLost(lease) // found by now in any case (a no-op if it was)
 	m.log("%d %s LOSE lease %s of %s and DEL %v %s stale=%v (%s) -> %v", i, n.name, keyspace.LeaseHex(lease), k.owner, k, container, stale,
 		[]string{"both waiting for the owner lock", "once the agent found the lease lost", "before the agent knew"}[how], err)
 	m.count["del during re-claim"]++

@@ -562,7 +562,7 @@ func (m *model) lose(ctx context.Context, i int) {
 			continue
 		}
 		m.revoke(ctx, i, lease)
-		m.nodes[ni].agent.keeper.lost(lease) // found at once, not at its next keep-alive
+		m.nodes[ni].agent.keeper.MarkLost(lease) // found at once, not at its next keep-alive
 		m.log("%d LOSE lease of %s on %s", i, owner, m.nodes[ni].name)
 		m.count["lose"]++
 		// The model's expectation stays: the agent re-claims (no ADD runs meanwhile, and

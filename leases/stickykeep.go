@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 )
 
 // Keeping the sticky claims of running attachments (issue 32). The claim record and its
@@ -427,7 +428,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, own *owned, ps podState, podL
 		// The keeper reported it lost: renewals stopped (etcd without a leader), or etcd no
 		// longer has it (expired, revoked, or granted after a backup restored since).
 		switch err := a.keeper.Adopt(octx, lease); {
-		case errors.Is(err, ErrLeaseLost):
+		case errors.Is(err, keeper.ErrLeaseLost):
 			lease = 0
 		case err != nil:
 			return false, a.unavailable("resume the claim lease "+keyspace.LeaseHex(lease), err)

@@ -1,4 +1,4 @@
-package leases
+package keeper
 
 import (
 	"context"
@@ -205,7 +205,7 @@ const refillBatch = 8
 
 func (k *Keeper) refillLoop() {
 	defer k.wg.Done()
-	backoff := retryFirst
+	backoff := refillRetryFirst
 	for {
 		select {
 		case <-k.ctx.Done():
@@ -251,10 +251,10 @@ func (k *Keeper) refillLoop() {
 					return
 				case <-time.After(backoff):
 				}
-				backoff = min(2*backoff, retryMax)
+				backoff = min(2*backoff, refillRetryMax)
 				continue
 			}
-			backoff = retryFirst
+			backoff = refillRetryFirst
 		}
 	}
 }
@@ -266,7 +266,9 @@ func (k *Keeper) kick() {
 	}
 }
 
-func (k *Keeper) revokeQuietly(id clientv3.LeaseID) {
+// RevokeQuietly revokes id, logging a failure at debug level: for a lease that carries
+// nothing, which expires by itself anyway.
+func (k *Keeper) RevokeQuietly(id clientv3.LeaseID) {
 	if err := k.Revoke(id); err != nil {
 		k.log.Debug("revoke unused lease", "lease", keyspace.LeaseHex(id), "err", err)
 	}

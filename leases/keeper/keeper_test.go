@@ -1,4 +1,4 @@
-package leases
+package keeper
 
 import (
 	"context"
@@ -21,8 +21,8 @@ import (
 // leases at once on one stream, and learns which ones etcd no longer has.
 func TestRenewNowRenewsEveryLeaseAndNamesTheGone(t *testing.T) {
 	cli := etcdtest.Client(t)
-	ctx := ctxT(t)
-	k := newKeeper(t, cli, KeeperConfig{TTL: 10 * time.Second, Spares: 1,
+	ctx := etcdtest.Ctx(t)
+	k := newKeeper(t, cli, Config{TTL: 10 * time.Second, Spares: 1,
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
 	defer k.Close()
 	const leaseTTL = 30 * time.Second // far longer than granting 300 leases takes, however busy the machine
@@ -95,9 +95,9 @@ func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
 	cli := etcdtest.Client(t)
 	reg := &registrations{Lease: cli.Lease, at: map[clientv3.LeaseID]time.Time{}}
 	cli.Lease = reg
-	ctx := ctxT(t)
+	ctx := etcdtest.Ctx(t)
 	const ttl = 6 * time.Second
-	k := newKeeper(t, cli, KeeperConfig{TTL: ttl})
+	k := newKeeper(t, cli, Config{TTL: ttl})
 	defer k.Close()
 	granted := time.Now() // the lease is granted no earlier than this
 	id, err := k.grant(ctx)
@@ -143,9 +143,9 @@ func TestFreshLeaseIsRenewedWhenDueAndNotBefore(t *testing.T) {
 // is found lost when its renewals start, as a renewed lease is at its next renewal.
 func TestFreshLeaseRevokedFromOutsideIsReportedLost(t *testing.T) {
 	cli := etcdtest.Client(t)
-	ctx := ctxT(t)
+	ctx := etcdtest.Ctx(t)
 	lost := make(chan clientv3.LeaseID, 4)
-	k := newKeeper(t, cli, KeeperConfig{TTL: 6 * time.Second, OnLost: func(id clientv3.LeaseID) { lost <- id }})
+	k := newKeeper(t, cli, Config{TTL: 6 * time.Second, OnLost: func(id clientv3.LeaseID) { lost <- id }})
 	defer k.Close()
 	id, err := k.grant(ctx)
 	if err != nil {
@@ -197,8 +197,8 @@ func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
 	cli := etcdtest.Client(t)
 	g := &grants{Lease: cli.Lease}
 	cli.Lease = g
-	ctx := ctxT(t)
-	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 8})
+	ctx := etcdtest.Ctx(t)
+	k := newKeeper(t, cli, Config{TTL: 30 * time.Second, Spares: 8})
 	defer k.Close()
 	spares := func() int {
 		k.mu.Lock()
@@ -240,9 +240,9 @@ func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
 	}
 }
 
-func newKeeper(t *testing.T, cli *clientv3.Client, cfg KeeperConfig) *Keeper {
+func newKeeper(t *testing.T, cli *clientv3.Client, cfg Config) *Keeper {
 	t.Helper()
-	k, err := NewKeeper(cli, cfg)
+	k, err := New(cli, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -254,8 +254,8 @@ func newKeeper(t *testing.T, cli *clientv3.Client, cfg KeeperConfig) *Keeper {
 // check of recycled spares revokes it, key and all, instead of handing it to a new pod; a
 // spare granted fresh is not asked about.
 func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
-	cli, ctx := etcdtest.Client(t), ctxT(t)
-	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 2})
+	cli, ctx := etcdtest.Client(t), etcdtest.Ctx(t)
+	k := newKeeper(t, cli, Config{TTL: 30 * time.Second, Spares: 2})
 	defer k.Close()
 	etcdtest.EventuallyTrue(t, "two spares granted", func() bool {
 		k.mu.Lock()
@@ -300,8 +300,8 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 // (a deleted pod's, whose lease it had been): it is revoked, key and all, not handed to the
 // next pod. One returned without a key is a spare again.
 func TestALeaseReturnedWithKeysOnItIsNoSpare(t *testing.T) {
-	cli, ctx := etcdtest.Client(t), ctxT(t)
-	k := newKeeper(t, cli, KeeperConfig{TTL: 30 * time.Second, Spares: 2})
+	cli, ctx := etcdtest.Client(t), etcdtest.Ctx(t)
+	k := newKeeper(t, cli, Config{TTL: 30 * time.Second, Spares: 2})
 	defer k.Close()
 	dirty, err := k.Take(ctx)
 	if err != nil {

@@ -1,4 +1,8 @@
-package leases
+// Package keeper keeps the agent's etcd leases alive: the pods', the blocks' and the sticky
+// claims'. It is one part of the agent (docs/agent.md): it owns its goroutines (the refill of
+// spare leases and the start of due renewals) and its lock, and tells its owner of a lost
+// lease and of each renewal etcd answered through the callbacks it is given at start.
+package keeper
 
 import (
 	"context"
@@ -15,6 +19,17 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+)
+
+// MinTTL is etcd's minimum lease TTL; a shorter one is raised by etcd, silently.
+const MinTTL = 2 * time.Second
+
+const (
+	// defaultOpTimeout bounds a grant or revoke when Config.OpTimeout is not set.
+	defaultOpTimeout = 10 * time.Second
+	// refillRetryFirst and refillRetryMax bound the wait between refills etcd refused.
+	refillRetryFirst = 100 * time.Millisecond
+	refillRetryMax   = 5 * time.Second
 )
 
 // Keeper owns the agent's leases: it pre-grants a few so that an ADD for a new pod costs one
@@ -57,13 +72,13 @@ type Keeper struct {
 // ErrLeaseLost is returned for an operation on a lease etcd no longer has.
 var ErrLeaseLost = errors.New("lease lost")
 
-// KeeperConfig is what a Keeper needs.
-type KeeperConfig struct {
+// Config is what a Keeper needs.
+type Config struct {
 	// TTL of the leases it grants, rounded up to whole seconds; at least etcd's minimum of 2s.
 	TTL time.Duration
 	// Spares is how many pre-granted leases it keeps ready; 0 keeps none.
 	Spares int
-	// OpTimeout bounds each grant and revoke it runs on its own; default DefaultOpTimeout.
+	// OpTimeout bounds each grant and revoke it runs on its own; default 10s.
 	OpTimeout time.Duration
 	// Log receives its diagnostics; nil discards them.
 	Log *slog.Logger
@@ -76,14 +91,14 @@ type KeeperConfig struct {
 	OnHeard func(*pb.ResponseHeader)
 }
 
-// NewKeeper starts a keeper granting leases as cfg says and keeping its spare leases ready.
+// New starts a keeper granting leases as cfg says and keeping its spare leases ready.
 // It returns an error wrapping allocator.ErrInvalidConfig for a TTL under etcd's minimum.
-func NewKeeper(cli *clientv3.Client, cfg KeeperConfig) (*Keeper, error) {
-	if cfg.TTL < minLeaseTTL {
-		return nil, fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, cfg.TTL, minLeaseTTL)
+func New(cli *clientv3.Client, cfg Config) (*Keeper, error) {
+	if cfg.TTL < MinTTL {
+		return nil, fmt.Errorf("%w: lease TTL %s is shorter than etcd's minimum of %s", allocator.ErrInvalidConfig, cfg.TTL, MinTTL)
 	}
 	if cfg.OpTimeout <= 0 {
-		cfg.OpTimeout = DefaultOpTimeout
+		cfg.OpTimeout = defaultOpTimeout
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
@@ -156,12 +171,12 @@ func (k *Keeper) Return(id clientv3.LeaseID) {
 // Adopt resumes keep-alive of a lease this node identity granted earlier (agent restart).
 // It returns ErrLeaseLost if etcd no longer has the lease.
 func (k *Keeper) Adopt(ctx context.Context, id clientv3.LeaseID) error {
-	_, err := k.adopt(ctx, id)
+	_, err := k.AdoptTTL(ctx, id)
 	return err
 }
 
-// adopt is Adopt, returning the TTL the lease was granted with.
-func (k *Keeper) adopt(ctx context.Context, id clientv3.LeaseID) (time.Duration, error) {
+// AdoptTTL is Adopt, returning the TTL the lease was granted with.
+func (k *Keeper) AdoptTTL(ctx context.Context, id clientv3.LeaseID) (time.Duration, error) {
 	resp, err := k.cli.TimeToLive(ctx, id)
 	if err != nil {
 		return 0, fmt.Errorf("adopt lease %s: %w", keyspace.LeaseHex(id), err)
@@ -173,7 +188,7 @@ func (k *Keeper) adopt(ctx context.Context, id clientv3.LeaseID) (time.Duration,
 }
 
 // GrantKept grants a lease of its own TTL, not a pod lease's, and keeps it alive like every
-// lease it holds (the block lease: blocks.go).
+// lease it holds (the block lease: leases/blocks.go).
 func (k *Keeper) GrantKept(ctx context.Context, ttl time.Duration) (clientv3.LeaseID, error) {
 	secs := int64(math.Ceil(ttl.Seconds()))
 	resp, err := k.cli.Grant(ctx, secs)
@@ -340,7 +355,7 @@ func (k *Keeper) CheckRecycled(ctx context.Context) error {
 		if i >= 0 {
 			k.log.Warn("a spare lease carries keys of a pod deleted before (etcd restored from a backup); revoking it",
 				"lease", keyspace.LeaseHex(id), "keys", len(resp.Keys))
-			k.revokeQuietly(id)
+			k.RevokeQuietly(id)
 			k.kick()
 		}
 	}
@@ -358,7 +373,7 @@ func (k *Keeper) DropSpares() {
 	k.mu.Unlock()
 	go func() {
 		for _, id := range spare {
-			k.revokeQuietly(id)
+			k.RevokeQuietly(id)
 		}
 	}()
 	k.kick()
@@ -395,7 +410,7 @@ func (k *Keeper) Close() {
 	k.spare = nil
 	k.mu.Unlock()
 	for _, id := range spare {
-		k.revokeQuietly(id)
+		k.RevokeQuietly(id)
 	}
 	k.mu.Lock()
 	for id, cancel := range k.held {
@@ -403,4 +418,42 @@ func (k *Keeper) Close() {
 		delete(k.held, id)
 	}
 	k.mu.Unlock()
+}
+
+// Spares lists the spare leases ready now.
+func (k *Keeper) Spares() []clientv3.LeaseID {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Clone(k.spare)
+}
+
+// HeldLeases lists the leases the keeper renews, its spares included.
+func (k *Keeper) HeldLeases() []clientv3.LeaseID {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := make([]clientv3.LeaseID, 0, len(k.held))
+	for id := range k.held {
+		out = append(out, id)
+	}
+	return out
+}
+
+// MarkLost is what the keeper does when a held lease's renewal stops: id is forgotten and
+// OnLost called, for a caller that learned from etcd that id is gone before its keep-alive
+// said so.
+func (k *Keeper) MarkLost(id clientv3.LeaseID) { k.lost(id) }
+
+// Abandon stops the keeper as the process's death would: its goroutines and every renewal
+// end, and nothing is revoked, so that etcd expires each lease a TTL after its last renewal.
+// The agent's tests use it for a kill -9.
+func (k *Keeper) Abandon() {
+	k.cancel()
+	k.wg.Wait()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for id, stop := range k.held {
+		stop()
+		delete(k.held, id)
+	}
+	k.spare = nil
 }
