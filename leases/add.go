@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
@@ -23,7 +24,7 @@ const maxAddAttempts = 16
 type addState struct {
 	req   allocator.Request
 	owner string
-	own   *owned // the owner's lock, held for the whole ADD
+	own   *ownerlock.Owned // the owner's lock, held for the whole ADD
 	// fresh is a lease taken from the keeper for a pod that has none yet; given back
 	// unless a transaction binds keys to it.
 	fresh clientv3.LeaseID
@@ -81,8 +82,8 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	if err := a.hold.wait(ctx, a.cfg.OpTimeout); err != nil {
 		return allocator.Result{}, err // etcd went back in time: this node's pods first
 	}
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
 	defer a.dropSticky(st)
 	defer func() {
@@ -637,8 +638,8 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 }
 
 // resumePod takes over the lease of a pod record this node identity wrote earlier.
-func (a *Agent) resumePod(ctx context.Context, own *owned, podKV *mvccpb.KeyValue) error {
-	owner := own.owner
+func (a *Agent) resumePod(ctx context.Context, own *ownerlock.Owned, podKV *mvccpb.KeyValue) error {
+	owner := own.Owner()
 	rec, err := keyspace.Decode[keyspace.PodRecord](string(podKV.Key), podKV.Value)
 	if err != nil {
 		return err

@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/keeper"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -32,7 +33,7 @@ type Agent struct {
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
 	claims      *claimBatcher
-	locks       ownerLocks
+	locks       ownerlock.Locks
 
 	ctx    context.Context
 	cancel context.CancelFunc

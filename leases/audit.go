@@ -291,8 +291,8 @@ func (a *Agent) writtenFor(owner string, k auditKey, kv *mvccpb.KeyValue) bool {
 // (a DEL or ADD may have changed it since the audit's read), and, if they are still wrong,
 // gives its lease up for the re-claim. It reports whether it did.
 func (a *Agent) recheckPod(ctx context.Context, owner string, layouts map[string]allocator.Blocks) (bool, error) {
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	p, ok := a.pods.auditOne(owner, a.cfg.Cluster, a.cfg.Node, layouts)
 	if !ok {
 		return false, nil

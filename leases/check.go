@@ -29,8 +29,8 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		return allocator.Result{}, err
 	}
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	p, err := a.pools.ensure(ctx, req.Pool)
 	if err != nil {
 		return allocator.Result{}, err

@@ -114,8 +114,8 @@ func (a *Agent) awaitDelete(ctx context.Context, key string, rev int64) {
 // deleted, re-claimed anew, or its lease is lost: the re-claim takes over); else the key
 // another owner holds the address with and the revision it was read at.
 func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key string, rev int64, done bool, err error) {
-	own := a.locks.lock(ref.owner)
-	defer own.unlock()
+	own := a.locks.Lock(ref.owner)
+	defer own.Unlock()
 	ps, ok := a.pods.snapshot(ref.owner)
 	lease, held := ps.lease.held()
 	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })

@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // Del releases one attachment's addresses. It deletes only keys this attachment holds: the
@@ -39,8 +40,8 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 		return err
 	}
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	if err := a.importConflictDeleted(req); err != nil {
 		return err
 	}
@@ -73,8 +74,8 @@ func (a *Agent) durable(ctx context.Context, op, owner string) error {
 
 // deferRelease answers a DEL that etcd could not take (cause): the attachment is recorded as
 // released in the journal, never re-claimed, and released in etcd once etcd answers.
-func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *owned, cause error) error {
-	owner := own.owner
+func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *ownerlock.Owned, cause error) error {
+	owner := own.Owner()
 	a.pods.markReleased(own, req.IfName, req.Pool.Name, req.ContainerID)
 	if err := a.durable(ctx, "DEL", owner); err != nil {
 		return err
@@ -88,8 +89,8 @@ func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *ow
 
 // releaseAttachment deletes the request's attachment and returns the owner's attachments left, or -1
 // when it released nothing and so did not count them.
-func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, own *owned) (int64, error) {
-	owner := own.owner
+func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, own *ownerlock.Owned) (int64, error) {
+	owner := own.Owner()
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
 	if at, lease, ok := a.pods.attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
@@ -148,8 +149,8 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 // nothing of it to release (its keys expired): it must never be re-claimed now that its DEL
 // is answered. Its held keys are freed by the next settleHeld. It reports whether there was
 // such an attachment.
-func (a *Agent) forgetLost(ctx context.Context, own *owned, req allocator.Request) bool {
-	owner := own.owner
+func (a *Agent) forgetLost(ctx context.Context, own *ownerlock.Owned, req allocator.Request) bool {
+	owner := own.Owner()
 	if _, held := a.pods.lease(owner); held {
 		return false
 	}
@@ -247,8 +248,8 @@ var errStale = errors.New("owner index changed since the agent last saw it")
 // returns the owner's attachments left, counted in the same transaction (after its deletes),
 // or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
 // set; an owner index that changed since is then errStale, not "released by someone else".
-func (a *Agent) releaseRecord(ctx context.Context, pool string, own *owned, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
-	owner := own.owner
+func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.Owned, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
+	owner := own.Owner()
 	blocks, err := a.pools.blocksOf(ctx, pool)
 	if err != nil {
 		return -1, err
@@ -369,8 +370,8 @@ func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
 // transaction deleted the pod record with the last attachment), else revokes it, deleting
 // what is left. left is the count of the owner's attachments that the release transaction
 // read, or -1 when none did; then they are counted here.
-func (a *Agent) dropPodIfEmpty(ctx context.Context, own *owned, left int64) error {
-	owner := own.owner
+func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left int64) error {
+	owner := own.Owner()
 	lease, ok := a.pods.lease(owner)
 	if !ok {
 		// A pod whose lease was lost: with its last attachment released it has nothing
@@ -473,8 +474,8 @@ func (a *Agent) GC(ctx context.Context, req allocator.GCRequest) (err error) {
 }
 
 func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner string, valid map[allocator.Attachment]bool) error {
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	young := a.addedWithinGrace(owner)
 	return a.releaseWhere(ctx, own, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
 		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
@@ -509,8 +510,8 @@ func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
 // releaseWhere releases each attachment of owner made by this node identity for which
 // pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
 // release fails and joins the errors.
-func (a *Agent) releaseWhere(ctx context.Context, own *owned, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
-	owner := own.owner
+func (a *Agent) releaseWhere(ctx context.Context, own *ownerlock.Owned, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
+	owner := own.Owner()
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	cancel()

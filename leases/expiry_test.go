@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // Issues 23 and 27 in-process, against a real etcd: expired is not free, a deleted pod stays
@@ -304,7 +305,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		}
 		ip := addrs(res)[0]
 		// Hold the owner, so that the re-claim waits with the DEL until the lease is lost.
-		own := a.locks.lock(owner)
+		own := a.locks.Lock(owner)
 		expire(t, cli, a, owner)
 		etcdtest.Eventually(t, "the agent finds the lease lost", func() error {
 			_, lost := a.pods.lostPod(owner)
@@ -314,7 +315,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		var delErr error
 		wg.Go(func() { delErr = a.Del(ctx, addReq(pool, owner, "eth0", owner)) })
 		time.Sleep(time.Duration(round%4) * 5 * time.Millisecond) // let the re-claim or the DEL queue first
-		own.unlock()
+		own.Unlock()
 		wg.Wait()
 		if delErr != nil {
 			t.Fatal(delErr)
@@ -352,9 +353,9 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 		mine[addrs(res)[0]] = owner
 		owners = append(owners, owner)
 	}
-	var unlocks []*owned
+	var unlocks []*ownerlock.Owned
 	for _, o := range owners {
-		unlocks = append(unlocks, a.locks.lock(o)) // no re-claim before the burst is done
+		unlocks = append(unlocks, a.locks.Lock(o)) // no re-claim before the burst is done
 	}
 	expire(t, cli, a, owners...)
 	etcdtest.Eventually(t, "the agent's view takes the expired allocations for free", func() error {
@@ -387,7 +388,7 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 	}
 	wg.Wait()
 	for _, own := range unlocks {
-		own.unlock()
+		own.Unlock()
 	}
 	// The addresses are back in etcd before the agent has read the answers of its re-claims,
 	// and it counts a conflict only after such an answer: wait for it to hold every pod again.
@@ -418,14 +419,14 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
-	own := a.locks.lock("run")
+	own := a.locks.Lock("run")
 	expire(t, cli, a, "run")
 	thief := addReq(pool, "thief", "eth0", "thief")
 	thief.RequestedIPs = []netip.Addr{ip}
 	if _, err := b.Add(ctx, thief); err != nil {
 		t.Fatalf("another node asks for the expired address: %v", err)
 	}
-	own.unlock()
+	own.Unlock()
 	etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name), 1))
 	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); !errors.Is(err, allocator.ErrConflict) {
 		t.Errorf("CHECK of the conflicted pod: %v, want a conflict", err)
@@ -471,9 +472,9 @@ func TestAReclaimThatFindsNoConflictEndsTheOldOnes(t *testing.T) {
 	}
 	ip := addrs(res)[0]
 	// The journal as written while another owner held ip, the resolution not written yet.
-	own := a.locks.lock("run")
+	own := a.locks.Lock("run")
 	a.pods.setConflicts(own, "eth0", pool.Name, []netip.Addr{ip})
-	own.unlock()
+	own.Unlock()
 	if err := a.jw.sync(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -569,9 +570,9 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.keeper.Forget(alive) // reported lost: no longer renewed
-	own := a.locks.lock("alive")
+	own := a.locks.Lock("alive")
 	a.claimedOn(ctx, allocator.Request{}, own, alive)
-	own.unlock()
+	own.Unlock()
 	if !a.keeper.Holds(alive) {
 		t.Errorf("a pod's lease that etcd still has is not renewed")
 	}
@@ -583,12 +584,12 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 	if _, err := cli.Revoke(ctx, gone); err != nil {
 		t.Fatal(err)
 	}
-	own = a.locks.lock("gone") // keep the re-claim from running before the look
+	own = a.locks.Lock("gone") // keep the re-claim from running before the look
 	a.claimedOn(ctx, allocator.Request{}, own, gone)
 	if _, lost := a.pods.lostPod("gone"); !lost {
 		t.Errorf("a pod whose lease etcd no longer has is not queued for re-claim")
 	}
-	own.unlock()
+	own.Unlock()
 }
 
 // TestTheRestOfAPodSurvivesADelOfOneAttachment: the pod's lease expired before the agent
@@ -643,14 +644,14 @@ func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
 			t.Fatal(err)
 		}
 		ip := addrs(res)[0]
-		own := a.locks.lock("run")
+		own := a.locks.Lock("run")
 		expire(t, cli, a, "run")
 		thief := addReq(pool, "thief-"+ifName, "eth0", "thief-"+ifName)
 		thief.RequestedIPs = []netip.Addr{ip}
 		if _, err := b.Add(ctx, thief); err != nil {
 			t.Fatal(err)
 		}
-		own.unlock()
+		own.Unlock()
 		etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name), 1))
 		return ip, thief
 	}
@@ -898,9 +899,9 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 	// answered after the other pod below got the address (a cut-off agent cannot know that):
 	// the answer's time says so.
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
-		own := a.locks.lock("run")
+		own := a.locks.Lock("run")
 		a.pods.markReleased(own, "eth0", pool.Name, "run")
-		own.unlock()
+		own.Unlock()
 		a.pods.mu.Lock()
 		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
 		snap := a.pods.m["run"].clone()
@@ -928,9 +929,9 @@ func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
-		own := a.locks.lock("run")
+		own := a.locks.Lock("run")
 		a.pods.markReleased(own, "eth0", pool.Name, "run")
-		own.unlock()
+		own.Unlock()
 		a.pods.mu.Lock()
 		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
 		snap := a.pods.m["run"].clone()

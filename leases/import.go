@@ -14,6 +14,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/adopt"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // Import is what one import claims: the attachments another IPAM plugin (host-local,
@@ -142,8 +143,8 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 // the owner and is sent again; an address found held is reported and dropped.
 func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
 	owner := at.Owner()
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	req := allocator.Request{Network: imp.Network, Pool: allocator.PoolSpec{Name: imp.Pool}, ContainerID: at.ContainerID,
 		IfName: at.IfName, Pod: at.Pod}
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, at.IfName, imp.Pool)
@@ -263,7 +264,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 // importFound handles an owner index that exists already: of this node identity and
 // container, the import was done before and its lease is renewed here; anything else is
 // another attachment's, and the addresses are conflicts.
-func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *owned, addrs []netip.Addr, kv *mvccpb.KeyValue,
+func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *ownerlock.Owned, addrs []netip.Addr, kv *mvccpb.KeyValue,
 	rep *ImportReport, entry func(netip.Addr, string) ImportedAddr) error {
 	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 	if err != nil {

@@ -7,8 +7,8 @@ import (
 	"testing"
 )
 
-// TestOwnerLockOrder checks the lock order ownerlock.go states, on the agent's code: a
-// method of Agent that holds an owner lock (it is handed an owned, or takes one) never calls,
+// TestOwnerLockOrder checks the lock order ownerlock/ownerlock.go states, on the agent's code:
+// a method of Agent that holds an owner lock (it is handed an ownerlock.Owned, or takes one) never calls,
 // directly or through other methods of Agent, a method that takes an owner lock (a second
 // owner's, or its own again: a deadlock) or Agent.importMu (taken before an owner lock, never
 // after). Calls in a goroutine the method starts do not hold its lock and are not followed.
@@ -33,8 +33,10 @@ func TestOwnerLockOrder(t *testing.T) {
 			m := &method{pos: fset.Position(fn.Pos()), calls: map[string]bool{}}
 			for _, p := range fn.Type.Params.List {
 				if star, ok := p.Type.(*ast.StarExpr); ok {
-					if id, ok := star.X.(*ast.Ident); ok && id.Name == "owned" {
-						m.holds = true
+					if sel, ok := star.X.(*ast.SelectorExpr); ok && sel.Sel.Name == "Owned" {
+						if pkg, ok := sel.X.(*ast.Ident); ok && pkg.Name == "ownerlock" {
+							m.holds = true
+						}
 					}
 				}
 			}
@@ -51,7 +53,7 @@ func TestOwnerLockOrder(t *testing.T) {
 					return true
 				}
 				switch inner, _ := sel.X.(*ast.SelectorExpr); {
-				case inner != nil && inner.Sel.Name == "locks" && sel.Sel.Name == "lock":
+				case inner != nil && inner.Sel.Name == "locks" && sel.Sel.Name == "Lock":
 					m.owner, m.holds = true, true
 				case inner != nil && inner.Sel.Name == "importMu" && sel.Sel.Name == "Lock":
 					m.importM = true

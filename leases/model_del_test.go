@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // The part of TestModelRandomHistories that proves a DEL answered is final (issue 27): an
@@ -93,9 +94,9 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	if stale {
 		container += "-old"
 	}
-	var own *owned
+	var own *ownerlock.Owned
 	if how == 0 {
-		own = a.locks.lock(k.owner)
+		own = a.locks.Lock(k.owner)
 	}
 	m.revoke(ctx, i, lease)
 	if how < 2 {
@@ -111,7 +112,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 			if time.Now().After(deadline) {
 				m.t.Errorf("step %d: %s never found the lease of %s lost", i, n.name, k.owner)
 				if own != nil {
-					own.unlock()
+					own.Unlock()
 				}
 				return true
 			}
@@ -122,7 +123,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	go func() { done <- a.Del(ctx, m.req(k, container)) }()
 	if own != nil {
 		time.Sleep(pause) // the DEL and the re-claim queue for the owner
-		own.unlock()
+		own.Unlock()
 	}
 	err := <-done
 	a.keeper.MarkLost(lease) // found by now in any case (a no-op if it was)

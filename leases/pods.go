@@ -12,11 +12,12 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // pods is what the agent knows of the pods whose leases it holds, one podState per owner,
 // mirrored to the journal on every change. It is the only place the agent's pod map is read
-// or written. A change to a pod takes the owner's lock (an owned handle, ownerlock.go), so
+// or written. A change to a pod takes the owner's lock (an ownerlock.Owned handle, package leases/ownerlock), so
 // the changes of one pod never interleave; the map's own lock only keeps it consistent. Three
 // changes take none, by design: restore (at start, before any request), lose (a lost lease,
 // which no request may delay) and verified (audit revisions, kept only while the lease they
@@ -143,8 +144,8 @@ func (t *pods) attachment(owner, ifName, pool string) (at attachment, lease clie
 // extending every lease) after an ADD took it and before its claim applied on it. Then the
 // lease is adopted again, or, gone from etcd, its pod re-claimed; never left to expire
 // unrenewed under a pod that was told it has its addresses.
-func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, o *owned, lease clientv3.LeaseID, ats ...attachment) {
-	owner := o.owner
+func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, o *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment) {
+	owner := o.Owner()
 	a.pods.claimed(req, o, lease, ats...)
 	if a.keeper.Holds(lease) {
 		return
@@ -164,8 +165,8 @@ func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, o *owned, 
 // claimed records that owner's keys are on lease, now held (after a claim, an adoption, a
 // re-claim or an ambiguous commit), with the attachments given; it creates the pod's state if
 // needed and marks an ADD's time.
-func (t *pods) claimed(req allocator.Request, o *owned, lease clientv3.LeaseID, ats ...attachment) {
-	owner := o.owner
+func (t *pods) claimed(req allocator.Request, o *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment) {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -192,8 +193,8 @@ func (t *pods) claimed(req allocator.Request, o *owned, lease clientv3.LeaseID, 
 
 // resumed records that owner's lost lease turned out alive and is held again, without
 // marking an ADD.
-func (t *pods) resumed(o *owned, lease clientv3.LeaseID) {
-	owner := o.owner
+func (t *pods) resumed(o *ownerlock.Owned, lease clientv3.LeaseID) {
+	owner := o.Owner()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if ps, ok := t.m[owner]; ok {
@@ -221,8 +222,8 @@ func (t *pods) restore(ps podState, held, journaled bool) {
 }
 
 // unanswered records that a claim on owner's lease lost its answer (see podLease).
-func (t *pods) unanswered(o *owned) {
-	owner := o.owner
+func (t *pods) unanswered(o *ownerlock.Owned) {
+	owner := o.Owner()
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if ps, ok := t.m[owner]; ok {
@@ -311,8 +312,8 @@ func (t *pods) addedWithin(owner string, d time.Duration) bool {
 }
 
 // dropAttachment forgets one attachment of owner.
-func (t *pods) dropAttachment(o *owned, ifName, pool string) {
-	owner := o.owner
+func (t *pods) dropAttachment(o *ownerlock.Owned, ifName, pool string) {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -328,8 +329,8 @@ func (t *pods) dropAttachment(o *owned, ifName, pool string) {
 }
 
 // drop forgets owner entirely (its lease was given up, or its keys are gone).
-func (t *pods) drop(o *owned) {
-	owner := o.owner
+func (t *pods) drop(o *ownerlock.Owned) {
+	owner := o.Owner()
 	t.mu.Lock()
 	t.index(t.m[owner], -1)
 	delete(t.m, owner)
@@ -341,8 +342,8 @@ func (t *pods) drop(o *owned) {
 // answered while etcd could not be reached: the attachment is released once etcd answers and
 // never re-claimed (attachment.Released). An attachment the agent does not know is recorded
 // without addresses; its release then reads them from etcd.
-func (t *pods) markReleased(o *owned, ifName, pool, container string) {
-	owner := o.owner
+func (t *pods) markReleased(o *ownerlock.Owned, ifName, pool, container string) {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -432,8 +433,8 @@ func (t *pods) lostAttachment(owner, ifName, pool, container string) (attachment
 // owner, and owner itself once it has no attachment left; it reports whether it knew it.
 // A DEL of a pod whose lease was lost uses it: etcd has nothing of the attachment left to
 // release (its keys expired), and nothing must re-claim it.
-func (t *pods) forgetAttachment(o *owned, ifName, pool, container string) bool {
-	owner := o.owner
+func (t *pods) forgetAttachment(o *ownerlock.Owned, ifName, pool, container string) bool {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -464,8 +465,8 @@ func (t *pods) forgetAttachment(o *owned, ifName, pool, container string) bool {
 
 // setConflicts records which addresses of owner's attachment ifName in pool another owner
 // holds (attachment.Conflicts).
-func (t *pods) setConflicts(o *owned, ifName, pool string, taken []netip.Addr) {
-	owner := o.owner
+func (t *pods) setConflicts(o *ownerlock.Owned, ifName, pool string, taken []netip.Addr) {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {

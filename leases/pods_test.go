@@ -6,6 +6,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // TestPodLeaseLifecycle walks one pod through the transitions of podLease (no I/O: the
@@ -22,9 +23,9 @@ func TestPodLeaseLifecycle(t *testing.T) {
 		}
 	}
 	held("before any claim", false)
-	var locks ownerLocks
-	own := locks.lock("o")
-	defer own.unlock()
+	var locks ownerlock.Locks
+	own := locks.Lock("o")
+	defer own.Unlock()
 	p.claimed(allocator.Request{Netns: "/run/netns/x"}, own, lease, attachment{IfName: "eth0", Pool: "p"})
 	held("after the claim", true)
 	if _, _, ok := p.attachment("o", "eth0", "p"); !ok {

@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -105,9 +106,9 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.pods.restore(ps, true, ok)
 		if sandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
-			own := a.locks.lock(ps.Owner)
+			own := a.locks.Lock(ps.Owner)
 			err := a.releaseOwner(ctx, own)
-			own.unlock()
+			own.Unlock()
 			if err != nil {
 				return err
 			}
@@ -172,7 +173,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 
 // releaseOwner releases every attachment this node identity made for owner and revokes the
 // owner's lease, under own.
-func (a *Agent) releaseOwner(ctx context.Context, own *owned) error {
+func (a *Agent) releaseOwner(ctx context.Context, own *ownerlock.Owned) error {
 	return a.releaseWhere(ctx, own, func(string, string, keyspace.OwnerRecord) bool { return true })
 }
 
@@ -201,14 +202,14 @@ func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
 		if !sandboxGone(netns) {
 			continue
 		}
-		own := a.locks.lock(owner)
+		own := a.locks.Lock(owner)
 		if netns, ok := a.pods.stillIdle(owner, grace); ok && sandboxGone(netns) {
 			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", owner, "netns", netns)
 			if err := a.releaseOwner(ctx, own); err != nil {
 				a.log.Warn("release of a gone sandbox failed; will retry", "owner", owner, "err", err)
 			}
 		}
-		own.unlock()
+		own.Unlock()
 	}
 }
 
@@ -323,8 +324,8 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 // releasePending releases owner's attachments whose DEL was answered while etcd could not be
 // reached (deferRelease), and gives the pod's lease up with the last.
 func (a *Agent) releasePending(ctx context.Context, owner string) error {
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	var errs []error
 	for _, at := range a.pods.releasedAttachments(owner) {
 		req := allocator.Request{Pool: allocator.PoolSpec{Name: at.Pool}, Network: at.Network, IfName: at.IfName, ContainerID: at.ContainerID}
@@ -409,8 +410,8 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 // took meanwhile is a conflict: logged at error level, counted, recorded under
 // /leasehold/v1/conflicts/, and reported by CHECK. It is never taken back.
 func (a *Agent) reclaim(ctx context.Context, owner string) error {
-	own := a.locks.lock(owner)
-	defer own.unlock()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
 	snap, ok := a.pods.lostPod(owner)
 	if !ok {
 		return nil

@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/keeper"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // Keeping the sticky claims of running attachments (issue 32). The claim record and its
@@ -227,8 +228,8 @@ func (t *pods) holdsClaim(pool, name string) bool {
 
 // setClaim records container's attachment ifName in pool of owner as holding claim on lease
 // (none: claim ""), with its owner index written at ownerRev.
-func (t *pods) setClaim(o *owned, ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
-	owner := o.owner
+func (t *pods) setClaim(o *ownerlock.Owned, ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
+	owner := o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
 	if !ok {
@@ -364,15 +365,15 @@ func (a *Agent) claimRight(owner string, at attachment, kvs []*mvccpb.KeyValue) 
 
 // keepClaim checks and repairs ref's claim under its owner's lock.
 func (a *Agent) keepClaim(ctx context.Context, ref stickyRef) error {
-	own := a.locks.lock(ref.owner)
-	defer own.unlock()
+	own := a.locks.Lock(ref.owner)
+	defer own.Unlock()
 	return a.keepClaimLocked(ctx, own, ref)
 }
 
 // keepClaimsOf checks and repairs the claims of own's attachments. One that cannot be
 // checked now is left to the next audit.
-func (a *Agent) keepClaimsOf(ctx context.Context, own *owned) error {
-	owner := own.owner
+func (a *Agent) keepClaimsOf(ctx context.Context, own *ownerlock.Owned) error {
+	owner := own.Owner()
 	ps, ok := a.pods.snapshot(owner)
 	if !ok {
 		return nil
@@ -388,7 +389,7 @@ func (a *Agent) keepClaimsOf(ctx context.Context, own *owned) error {
 
 // keepClaimLocked checks ref's claim and puts back what is not as the agent wrote it, under
 // own, ref's owner's lock. A failure makes an audit due, which tries again.
-func (a *Agent) keepClaimLocked(ctx context.Context, own *owned, ref stickyRef) (err error) {
+func (a *Agent) keepClaimLocked(ctx context.Context, own *ownerlock.Owned, ref stickyRef) (err error) {
 	defer func() {
 		if err != nil {
 			a.auditDue.Store(true)
@@ -419,7 +420,7 @@ func (a *Agent) keepClaimLocked(ctx context.Context, own *owned, ref stickyRef) 
 
 // keepClaimOnce is one check and repair of at's claim; done is false when a compare failed
 // and it should run again.
-func (a *Agent) keepClaimOnce(ctx context.Context, own *owned, ps podState, podLease clientv3.LeaseID, at attachment, blocks allocator.Blocks) (done bool, _ error) {
+func (a *Agent) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podState, podLease clientv3.LeaseID, at attachment, blocks allocator.Blocks) (done bool, _ error) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	owner := ps.Owner
@@ -725,11 +726,11 @@ func (a *Agent) releaseStaleClaims(ctx context.Context) error {
 			continue
 		}
 		h := rec.Holder
-		own := a.locks.lock(h.Owner)
+		own := a.locks.Lock(h.Owner)
 		if !a.pods.lists(h.Owner, h.IfName, pool, h.ContainerID) && !a.pods.holdsClaim(pool, name) {
 			errs = append(errs, a.releaseStaleClaim(ctx, pool, name, kv, rec))
 		}
-		own.unlock()
+		own.Unlock()
 	}
 	return errors.Join(errs...)
 }

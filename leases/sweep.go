@@ -8,6 +8,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
 // sweepLeases deletes, from the leases the agent renews for its node and its pods, the pod
@@ -27,13 +28,13 @@ func (a *Agent) sweepLeases(ctx context.Context) error {
 	}
 	var swept []string
 	for id, owner := range owners {
-		var own *owned
+		var own *ownerlock.Owned
 		if owner != "" {
-			own = a.locks.lock(owner)
+			own = a.locks.Lock(owner)
 		}
 		keys, err := a.sweepLease(ctx, id, own)
 		if own != nil {
-			own.unlock()
+			own.Unlock()
 		}
 		swept = append(swept, keys...)
 		if err != nil {
@@ -49,7 +50,7 @@ func (a *Agent) sweepLeases(ctx context.Context) error {
 
 // sweepLease deletes the keys on lease id that are not own's (nil: the node's lease, which
 // carries none of a pod) and returns them.
-func (a *Agent) sweepLease(ctx context.Context, id clientv3.LeaseID, own *owned) (swept []string, _ error) {
+func (a *Agent) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ownerlock.Owned) (swept []string, _ error) {
 	octx, cancel := a.opCtx(ctx)
 	ttl, err := a.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
 	cancel()
@@ -59,7 +60,7 @@ func (a *Agent) sweepLease(ctx context.Context, id clientv3.LeaseID, own *owned)
 	owner := ""
 	var ps podState
 	if own != nil {
-		owner = own.owner
+		owner = own.Owner()
 		ps, _ = a.pods.snapshot(owner)
 	}
 	for _, k := range ttl.Keys {
