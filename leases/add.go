@@ -25,9 +25,9 @@ type addState struct {
 	req   allocator.Request
 	owner string
 	own   *ownerlock.Owned // the owner's lock, held for the whole ADD
-	// fresh is a lease taken from the keeper for a pod that has none yet; given back
-	// unless a transaction binds keys to it.
-	fresh clientv3.LeaseID
+	// claims are the ADD's claim loop (claimloop.go): the spare lease taken for a pod that
+	// has none yet, and what a refused or unanswered claim means to an ADD (addPolicy).
+	claims claimLoop
 	// lost are addresses this ADD found taken since its view was built.
 	lost map[netip.Addr]bool
 	// unanswered counts claims whose answer did not come (see tryAdd).
@@ -85,11 +85,10 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
 	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
+	st.claims = claimLoop{a: a, own: own, req: req, policy: a.addPolicy(st)}
 	defer a.dropSticky(st)
 	defer func() {
-		if st.fresh != 0 {
-			a.keeper.Return(st.fresh)
-		}
+		st.claims.done()
 		a.keeper.Refill()
 	}()
 	for attempt := range maxAddAttempts {
@@ -153,14 +152,11 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		return a.repeated(ctx, p, st, lease)
 	}
 	if !known {
-		if st.fresh == 0 {
-			id, err := a.keeper.Take(octx)
-			if err != nil {
-				return allocator.Result{}, false, a.unavailable("grant pod lease", err)
-			}
-			st.fresh = id
+		id, err := st.claims.spare(octx)
+		if err != nil {
+			return allocator.Result{}, false, a.unavailable("grant pod lease", err)
 		}
-		lease = st.fresh
+		lease = id
 	}
 
 	addrs := make([]netip.Addr, len(p.spec.Ranges))
@@ -257,35 +253,25 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			return allocator.Result{}, false, err
 		}
 	}
-	start := time.Now()
-	var resp *clientv3.TxnResponse
-	if c.claimKey != "" {
-		// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
-		cmps, puts, gets := c.txn()
-		resp, err = a.cli.Txn(octx).If(cmps...).Then(puts...).Else(gets...).Commit()
-	} else {
-		resp, err = a.claims.commit(octx, c)
-	}
-	a.metrics.rtt("claim", start)
-	if err != nil {
+	out, again, err := st.claims.commit(ctx, c, func() (claimOutcome, error) {
+		start := time.Now()
+		defer a.metrics.rtt("claim", start)
+		if c.claimKey != "" {
+			// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
+			return c.commit(octx, a.cli)
+		}
+		resp, err := a.claims.commit(octx, c)
+		if err != nil {
+			return claimOutcome{}, err
+		}
+		return c.outcome(resp), nil
+	})
+	if err != nil || again {
+		// An unanswered claim sent again finds the owner index (the lost one applied: its
+		// addresses are returned) or claims afresh on the same lease.
 		p.view.settle(reserved, 0)
-		if refused(err) {
-			return a.claimRefused(ctx, owner, st, lease, known, heldLease, err)
-		}
-		// The transaction may have been applied even though its answer was lost. The lease
-		// stays with the owner so it is never handed to another pod; a DEL revokes it.
-		if st.fresh != 0 {
-			a.claimedOn(ctx, req, st.own, st.fresh)
-			st.fresh = 0
-		}
-		a.pods.unanswered(st.own)
-		// Sending the claim again is safe: both compare the owner index absent, so at most
-		// one of them applies, whichever etcd orders first, even if the lost one is applied
-		// late by a new leader. The next claim finds the owner index (the lost one applied:
-		// its addresses are returned) or claims afresh on the same lease.
-		return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, a.unavailable("claim addresses", err))
+		return allocator.Result{}, false, err
 	}
-	out := c.outcome(resp)
 	if out.Applied && st.sticky == nil && a.gate.Epoch() != epoch {
 		p.view.settle(reserved, 0)
 		return allocator.Result{}, false, a.undoClaim(ctx, st, known, lease, p.spec.Name)
@@ -302,7 +288,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			}
 		}
 		a.claimedOn(ctx, req, st.own, lease, at)
-		st.fresh = 0
+		st.claims.bound()
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
 		res, err := result(&p.spec, addrs)
 		return res, true, err
@@ -325,7 +311,7 @@ func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease c
 		_, err = a.releaseAttachment(ctx, req, st.own)
 	} else {
 		err = a.keeper.Revoke(lease)
-		st.fresh = 0
+		st.claims.bound() // revoked: neither the owner's nor a spare
 	}
 	a.log.Warn("etcd went back in time while an ADD chose its addresses; what it claimed is given back",
 		"owner", st.owner, "container", st.req.ContainerID, "pool", pool, "err", err)
@@ -355,33 +341,30 @@ func (a *Agent) waitUnanswered(ctx context.Context, st *addState, owner string, 
 	return nil
 }
 
-// claimRefused handles a claim etcd refused: it applied nothing, so nothing is unsure. A
-// fresh lease etcd no longer has (a spare that expired or was revoked from outside) is
-// forgotten and the ADD tries again on another. A known pod's lease that is gone takes the
-// pod's keys with it: the pod is queued for re-claim, and the runtime's retry finds it
-// re-claimed. Any other refusal (the NOSPACE alarm, a missing permission, too many requests)
-// is the ADD's answer, naming the cause.
-func (a *Agent) claimRefused(ctx context.Context, owner string, st *addState, lease clientv3.LeaseID, known bool,
-	heldLease clientv3.LeaseID, err error) (allocator.Result, bool, error) {
-	if leaseGone(err) && a.heldLeaseGone(ctx, heldLease) {
-		return allocator.Result{}, false, nil // claimed again on a new block lease
+// addPolicy is what a claim etcd refused or did not answer means to the ADD st (the claim
+// loop, claimloop.go). A known pod's lease that is gone takes the pod's keys with it: the pod
+// is queued for re-claim, and the runtime's retry finds it re-claimed. Any other refusal (the
+// NOSPACE alarm, a missing permission, too many requests) is the ADD's answer, naming the
+// cause. An unanswered claim is sent again after a wait (waitUnanswered).
+func (a *Agent) addPolicy(st *addState) claimPolicy {
+	return claimPolicy{
+		ownLeaseGone: func(lease clientv3.LeaseID, _ error) error {
+			a.keeper.Forget(lease)
+			a.leaseLost(lease)
+			return fmt.Errorf("%w: the lease %s of owner %s is gone from etcd, and its addresses with it; "+
+				"they are being re-claimed: retry", allocator.ErrUnavailable, keyspace.LeaseHex(lease), st.owner)
+		},
+		refused: func(err error) error {
+			if noSpace(err) {
+				return fmt.Errorf("%w: etcd is out of space (its NOSPACE alarm is raised) and takes no new "+
+					"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
+			}
+			return a.unavailable("etcd refused the claim", err)
+		},
+		unanswered: func(ctx context.Context, err error) error {
+			return a.waitUnanswered(ctx, st, st.owner, a.unavailable("claim addresses", err))
+		},
 	}
-	switch {
-	case leaseGone(err) && !known:
-		a.keeper.Forget(lease)
-		st.fresh = 0
-		a.log.Warn("a spare lease was gone from etcd; claiming on another", "owner", owner, "lease", keyspace.LeaseHex(lease))
-		return allocator.Result{}, false, nil
-	case leaseGone(err):
-		a.keeper.Forget(lease)
-		a.leaseLost(lease)
-		return allocator.Result{}, false, fmt.Errorf("%w: the lease %s of owner %s is gone from etcd, and its addresses with it; "+
-			"they are being re-claimed: retry", allocator.ErrUnavailable, keyspace.LeaseHex(lease), owner)
-	case noSpace(err):
-		return allocator.Result{}, false, fmt.Errorf("%w: etcd is out of space (its NOSPACE alarm is raised) and takes no new "+
-			"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
-	}
-	return allocator.Result{}, false, a.unavailable("etcd refused the claim", err)
 }
 
 // heldFor is what an owner's claim writes as its held keys: the node's block lease and the

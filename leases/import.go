@@ -151,26 +151,30 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 	entry := func(ip netip.Addr, detail string) ImportedAddr {
 		return ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName, Detail: detail}
 	}
-	var fresh clientv3.LeaseID
-	defer func() {
-		if fresh != 0 {
-			a.keeper.Return(fresh)
-		}
-	}()
 	unanswered := 0
+	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{
+		// A refusal, of the owner's own lease gone too, is the import's answer.
+		refused: func(err error) error {
+			return fmt.Errorf("%w: import %s: etcd refused the claim: %w", allocator.ErrUnavailable, ownerKey, err)
+		},
+		unanswered: func(ctx context.Context, err error) error {
+			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
+				return a.unavailable("import "+ownerKey, err)
+			}
+			return nil
+		},
+	}}
+	defer claims.done()
 	for range maxImportAttempts {
 		octx, cancel := a.opCtx(ctx)
 		lease, known := a.pods.lease(owner)
 		if !known {
-			if fresh == 0 {
-				id, err := a.keeper.Take(octx)
-				if err != nil {
-					cancel()
-					return a.unavailable("grant a pod lease for the import of "+ownerKey, err)
-				}
-				fresh = id
+			id, err := claims.spare(octx)
+			if err != nil {
+				cancel()
+				return a.unavailable("grant a pod lease for the import of "+ownerKey, err)
 			}
-			lease = fresh
+			lease = id
 		}
 		heldLease, held, err := a.heldFor(octx, owner)
 		if err != nil {
@@ -182,28 +186,12 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			heldLease: heldLease, held: held,
 			alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 			podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known, pod: a.podRecord(req, owner, lease, now)}
-		out, err := c.commit(octx, a.cli)
+		out, again, err := claims.commit(ctx, c, func() (claimOutcome, error) { return c.commit(octx, a.cli) })
 		cancel()
-		switch {
-		case err != nil && refused(err) && leaseGone(err) && a.heldLeaseGone(ctx, heldLease):
-			continue
-		case err != nil && refused(err) && leaseGone(err) && !known:
-			a.keeper.Forget(fresh)
-			fresh = 0
-			continue
-		case err != nil && refused(err):
-			return fmt.Errorf("%w: import %s: etcd refused the claim: %w", allocator.ErrUnavailable, ownerKey, err)
-		case err != nil:
-			// It may have applied: the lease stays with the owner, never a spare, and the claim
-			// is sent again; both compare the owner index absent, so at most one applies.
-			if fresh != 0 {
-				a.claimedOn(ctx, req, own, fresh)
-				fresh = 0
-			}
-			a.pods.unanswered(own)
-			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
-				return a.unavailable("import "+ownerKey, err)
-			}
+		if err != nil {
+			return err
+		}
+		if again {
 			continue
 		}
 		if out.Applied {
@@ -213,7 +201,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			}
 			a.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
 				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
-			fresh = 0
+			claims.bound()
 			a.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
 				"pool", imp.Pool, "ips", addrs, "lease", keyspace.LeaseHex(lease))
 			return nil
@@ -236,8 +224,8 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			continue
 		case podGone, podMoved:
 			a.pods.drop(own)
-			if out.Pod == podGone && a.keeper.Holds(lease) && fresh == 0 {
-				fresh = lease
+			if out.Pod == podGone {
+				claims.reuse(lease)
 			}
 			continue
 		}

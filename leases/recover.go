@@ -460,7 +460,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		if at.Released {
 			continue // its release is pending (releasePending): never re-claimed
 		}
-		rev, taken, err := a.reclaimAttachment(octx, snap, at, lease)
+		rev, taken, err := a.reclaimAttachment(octx, own, snap, at, lease)
 		if err != nil {
 			if !wrote && !errors.Is(err, allocator.ErrUnavailable) {
 				a.keeper.Return(lease) // etcd answered and nothing is on it
@@ -669,7 +669,7 @@ func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Add
 // ModRevision, so that its DEL needs no read first, and the addresses another owner took
 // meanwhile: they are left to that owner, recorded in the attachment's conflict record, and
 // taken back when that owner lets them go (conflicts.go).
-func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
+func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podState, at attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: at.Pool})
 	if err != nil {
@@ -690,20 +690,24 @@ func (a *Agent) reclaimAttachment(ctx context.Context, ps podState, at attachmen
 	if err != nil {
 		return 0, nil, err
 	}
+	// The re-claim's lease is the owner's new one, never a spare; any refusal and a lost
+	// answer are its answer: reclaimAll tries again.
+	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{what: "re-claim " + c.ownerKey,
+		refused: func(err error) error { return a.unavailable("re-claim "+c.ownerKey, err) }}}
 	for range 5 {
 		if len(taken) > 0 {
 			c.conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
 				Taken: taken, Detected: a.wall()}
 		}
-		out, err := c.commit(ctx, a.cli)
-		if err != nil && refused(err) && leaseGone(err) && a.heldLeaseGone(ctx, c.heldLease) {
+		out, again, err := claims.commit(ctx, c, func() (claimOutcome, error) { return c.commit(ctx, a.cli) })
+		if err != nil {
+			return 0, nil, err
+		}
+		if again {
 			if c.heldLease, _, err = a.heldFor(ctx, ps.Owner); err != nil {
 				return 0, nil, err
 			}
 			continue
-		}
-		if err != nil {
-			return 0, nil, a.unavailable("re-claim "+c.ownerKey, err)
 		}
 		if out.Applied {
 			// What the re-claim found taken is the attachment's conflicts now: none is an
