@@ -133,10 +133,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
-	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.ownsAddr, func() {
-		a.auditDue.Store(true)
-		a.wake()
-	})
+	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.ownsAddr, a.checkNow)
 	hooks := viewHooks{hold: a.hold, keys: a.keys}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
@@ -325,8 +322,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		// A sticky claim's: the audit puts the claim back, on the lease if etcd still has it.
 		a.log.Error("the claim lease of a running pod's sticky claim stopped being renewed; checking the claim",
 			"lease", keyspace.LeaseHex(id))
-		a.auditDue.Store(true)
-		a.wake()
+		a.checkNow()
 		return
 	}
 	node := a.nodeLease() == id

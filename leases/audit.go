@@ -651,8 +651,7 @@ func (a *Agent) wentBack(why string) time.Time {
 		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
 	}
 	a.keeper.DropSpares()
-	a.auditDue.Store(true)
-	a.wake()
+	a.checkNow()
 	// The backup's leases of pods deleted since live out their TTL, and their allocations
 	// keep the held keys of their addresses from being freed (settleHeld) until then.
 	time.AfterFunc(a.cfg.LeaseTTL*3/2, a.wake)
@@ -666,8 +665,7 @@ func (a *Agent) etcdMayHaveGoneBack(why string) {
 	if !a.suspect.Swap(true) {
 		a.log.Info("etcd may have gone back in time; checking every key of this node's pods", "why", why)
 	}
-	a.auditDue.Store(true)
-	a.wake()
+	a.checkNow()
 }
 
 // errAuditFailed marks an audit that could not finish: it runs again on the next retry.

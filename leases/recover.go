@@ -141,8 +141,9 @@ func (a *Agent) recover(ctx context.Context) error {
 		a.pods.restore(ps, false, true)
 		lost++
 	}
-	a.auditDue.Store(true) // the pod records were read, their other keys not yet
-	a.wake()               // re-claims, releases recorded while etcd was away, held keys no pod holds any more
+	// The pod records were read, their other keys not yet; then re-claims, the releases
+	// recorded while etcd was away, and the held keys no pod holds any more.
+	a.checkNow()
 	a.log.Info("recovered this node's pods", "resumed", resumed, "released", released, "to_reclaim", lost,
 		"other_identities_left_to_expire", foreign)
 	return nil
@@ -213,7 +214,17 @@ func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
 	}
 }
 
-// wake makes the recovery loop run.
+// checkNow makes the recovery loop check every key the agent keeps (the audit) and then run
+// a whole pass: a key was found changed, a lease that carries keys was lost, etcd may have
+// gone back in time, or the agent just started.
+func (a *Agent) checkNow() {
+	a.auditDue.Store(true)
+	a.wake()
+}
+
+// wake makes the recovery loop run a whole pass (reclaimAll): a pod's lease or keys were
+// lost, a DEL was recorded while etcd was away or while its pod was being re-claimed, or a
+// held key of this node no pod lists was found.
 func (a *Agent) wake() {
 	select {
 	case a.lost <- struct{}{}:
