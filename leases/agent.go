@@ -47,9 +47,17 @@ type Agent struct {
 	pods        *pods
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
-	cmu      sync.Mutex
-	cwatch   map[conflictRef]context.CancelFunc
-	importMu sync.Mutex // one Import at a time (import.go)
+	cmu    sync.Mutex
+	cwatch map[conflictRef]context.CancelFunc
+	// backHeld are the addresses this node's pods held when the agent last found etcd gone
+	// back in time (of notice backGen), until the repair after it is done; restoredHolds the
+	// held keys of other owners a restore brought back that the re-claim found on such
+	// addresses, by ModRevision (conflicts.go).
+	rmu           sync.Mutex
+	backHeld      map[conflictRef]bool
+	backGen       uint64
+	restoredHolds map[conflictRef]int64
+	importMu      sync.Mutex // one Import at a time (import.go)
 	// importConflicts lists the addresses imports left to another owner, by attachment, until
 	// its container's DEL (importreport.go).
 	icmu            sync.Mutex
@@ -111,6 +119,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		jw:              newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
 		lost:            make(chan struct{}, 1),
 		cwatch:          make(map[conflictRef]context.CancelFunc),
+		restoredHolds:   make(map[conflictRef]int64),
 		importConflicts: map[importConflictRef][]netip.Addr{},
 		started:         time.Now(),
 		stopped:         make(chan struct{}),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"sync"
@@ -640,7 +641,11 @@ func (a *Agent) etcdWentBack(why string) {
 // wentBack is etcdWentBack without telling the other agents (restored.go), for a restore
 // they told this agent of. It returns the end of the settle time.
 func (a *Agent) wentBack(why string) time.Time {
+	held := a.pods.heldAddrs() // before the audit takes the pods whose keys went
 	until := a.hold.notice(why)
+	a.rmu.Lock()
+	a.backHeld, a.backGen = held, a.hold.generation()
+	a.rmu.Unlock()
 	a.metrics.wentBack.Inc()
 	_, settled, _ := a.hold.settleEnds()
 	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
@@ -678,6 +683,10 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 		return 0, nil
 	}
 	suspected := a.suspect.Swap(false)
+	var held map[conflictRef]bool
+	if suspected {
+		held = a.pods.heldAddrs() // before the audit takes the pods whose keys went
+	}
 	lost, err = a.audit(ctx)
 	if err != nil {
 		a.auditDue.Store(true)
@@ -688,6 +697,12 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 	}
 	if suspected && lost > 0 {
 		a.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
+		a.rmu.Lock()
+		if a.backHeld == nil {
+			a.backHeld = map[conflictRef]bool{}
+		}
+		maps.Copy(a.backHeld, held)
+		a.rmu.Unlock()
 	}
 	return lost, nil
 }

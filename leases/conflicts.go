@@ -2,6 +2,7 @@ package leases
 
 import (
 	"context"
+	"maps"
 	"net/netip"
 	"slices"
 
@@ -38,6 +39,9 @@ func (a *Agent) watchConflicts() {
 			}
 		}
 	}
+	a.rmu.Lock()
+	maps.DeleteFunc(a.restoredHolds, func(ref conflictRef, _ int64) bool { return !want[ref] })
+	a.rmu.Unlock()
 	a.cmu.Lock()
 	defer a.cmu.Unlock()
 	if a.ctx.Err() != nil {
@@ -66,7 +70,8 @@ func (a *Agent) watchConflicts() {
 // other owner lets the address go by its release, which deletes its allocation and held key:
 // an expiry of its lease leaves its held key, for its pod may still run on a node cut off, and
 // the address stays held back until that hold ends too (but for another pod of the running
-// pod's own sticky claim: heldForClaim).
+// pod's own sticky claim, heldForClaim, and for a hold a restore brought back from before the
+// running pod had the address, restoredHold).
 func (a *Agent) followConflict(ctx context.Context, ref conflictRef) {
 	defer a.wg.Done()
 	defer func() {
@@ -147,11 +152,14 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	ownClaim := false // held back for another pod of the pod's own claim
 	if held := cur.Responses[1].GetResponseRange().Kvs; len(held) > 0 {
 		if !a.blockLeases.mine(clientv3.LeaseID(held[0].Lease)) {
-			if ownClaim = heldForClaim(held[0], q, at.Claim, a.cfg.Cluster); !ownClaim {
+			ownClaim = heldForClaim(held[0], q, at.Claim, a.cfg.Cluster)
+			if !ownClaim && !a.restoredHold(ref, held[0]) {
 				// Held back for the other owner, whose lease expired without a release.
 				return heldKey, cur.Header.Revision, false, nil
 			}
-			cmps = append(cmps, keyspace.Unchanged(qKey, q[0].ModRevision))
+			if ownClaim {
+				cmps = append(cmps, keyspace.Unchanged(qKey, q[0].ModRevision))
+			}
 		}
 		cmps = append(cmps, keyspace.Unchanged(heldKey, held[0].ModRevision))
 	} else {
@@ -249,6 +257,36 @@ func heldForClaim(held *mvccpb.KeyValue, q []*mvccpb.KeyValue, claim, cluster st
 	}
 	rec, err := keyspace.Decode[keyspace.HeldRecord](string(held.Key), held.Value)
 	return err == nil && rec.Cluster == cluster
+}
+
+// noteRestoredHolds records, for a re-claim of owner's attachment at after etcd went back in
+// time, the held keys of other owners (holds, by address) on addresses the pod held when the
+// agent found etcd gone back: keys the restore brought back, for their ModRevisions are of
+// etcd's history before the pod had these addresses (restoredHold).
+func (a *Agent) noteRestoredHolds(owner string, at attachment, holds map[netip.Addr]int64) {
+	a.rmu.Lock()
+	defer a.rmu.Unlock()
+	for ip, rev := range holds {
+		ref := conflictRef{owner, at.IfName, at.Pool, ip}
+		if a.backHeld[ref] && !slices.Contains(at.Conflicts, ip) {
+			a.restoredHolds[ref] = rev
+		}
+	}
+}
+
+// restoredHold tells whether held, another owner's held key of ref's address, is one a
+// restore brought back that the re-claim found on an address the running pod held when the
+// agent found etcd gone back: the pod had the address in etcd's history after that hold was
+// written, so the hold had ended or been passed over by then, and it keeps the address from
+// the pod no longer than the other owner's allocation does. Its block lease may be of a node
+// gone since, or of an identity replaced since, which nobody renews and which stands for
+// 1.5 x (TTL + reuse delay): waited for, it would keep the running pod from its address for
+// that long. A hold written since (its ModRevision moved) is waited for.
+func (a *Agent) restoredHold(ref conflictRef, held *mvccpb.KeyValue) bool {
+	a.rmu.Lock()
+	defer a.rmu.Unlock()
+	rev, ok := a.restoredHolds[ref]
+	return ok && rev == held.ModRevision
 }
 
 // claimGivesUp handles an address that rests in quarantine under a released sticky claim: its

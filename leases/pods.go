@@ -498,6 +498,27 @@ func (t *pods) wanted(cluster string) map[string]bool {
 	return out
 }
 
+// heldAddrs lists the addresses of the pods whose leases the agent holds, but those another
+// owner holds (conflicts) and those of attachments being released.
+func (t *pods) heldAddrs() map[conflictRef]bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[conflictRef]bool{}
+	for owner, ps := range t.m {
+		if _, held := ps.lease.held(); !held {
+			continue
+		}
+		for _, at := range ps.Attachments {
+			for _, ip := range at.IPs {
+				if !at.Released && !slices.Contains(at.Conflicts, ip) {
+					out[conflictRef{owner, at.IfName, at.Pool, ip}] = true
+				}
+			}
+		}
+	}
+	return out
+}
+
 // conflicted lists, per owner, the attachments with addresses another owner holds.
 func (t *pods) conflicted() map[string][]attachment {
 	t.mu.Lock()

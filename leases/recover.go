@@ -328,6 +328,11 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 	}
 	if len(a.pods.lost()) == 0 {
 		a.hold.done(gen) // every running pod holds its keys again: ADDs go on
+		a.rmu.Lock()
+		if gen >= a.backGen {
+			a.backHeld = nil // re-claimed since: what they held then tells nothing more
+		}
+		a.rmu.Unlock()
 	}
 	return nil
 }
@@ -513,17 +518,19 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 // heldByOthers reads the held keys of c's addresses and takes out of c those held back for
 // another node's pod (its lease expired without a release, while it may run): a re-claim no
 // more takes such an address than an ADD does; it is a conflict until that holder lets it go.
-// It also returns the addresses with no held key at all: their hold ran out (the node was
-// away longer than the reuse delay), and another pod may have had them meanwhile.
-func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.TakenByOther, unheld []netip.Addr, _ error) {
+// It also returns the ModRevisions of those held keys, and the addresses with no held key at
+// all: their hold ran out (the node was away longer than the reuse delay), and another pod
+// may have had them meanwhile.
+func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
 	ops := make([]clientv3.Op, len(c.addrs))
 	for i, ip := range c.addrs {
 		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.pool, c.blocks, ip))
 	}
 	resp, err := a.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
-		return nil, nil, a.unavailable("read the held keys of "+c.ownerKey, err)
+		return nil, nil, nil, a.unavailable("read the held keys of "+c.ownerKey, err)
 	}
+	holds = map[netip.Addr]int64{}
 	var still []netip.Addr
 	for i, ip := range c.addrs {
 		kvs := resp.Responses[i].GetResponseRange().Kvs
@@ -541,9 +548,10 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.Ta
 			continue
 		}
 		taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: rec.Owner, Cluster: rec.Cluster, Node: rec.Node})
+		holds[ip] = kvs[0].ModRevision
 	}
 	c.addrs = still
-	return taken, unheld, nil
+	return taken, holds, unheld, nil
 }
 
 // usedMeanwhile looks, for the addresses just re-claimed whose hold had run out (unheld),
@@ -697,10 +705,11 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
 		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		wantCluster: a.cfg.Cluster, wantOwner: ps.Owner}
-	taken, unheld, err := a.heldByOthers(ctx, c)
+	taken, holds, unheld, err := a.heldByOthers(ctx, c)
 	if err != nil {
 		return 0, nil, err
 	}
+	a.noteRestoredHolds(ps.Owner, at, holds)
 	// The re-claim's lease is the owner's new one, never a spare; any refusal and a lost
 	// answer are its answer: reclaimAll tries again.
 	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{what: "re-claim " + c.ownerKey,

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -566,5 +567,107 @@ func TestARestoreDoesNotShortenAQuarantine(t *testing.T) {
 		if got := resultAddrs(res)[0]; got == x {
 			t.Fatalf("ADD f%d was given %s, released into a 10 minute quarantine just before the restore", i, got)
 		}
+	}
+}
+
+// TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod: a restore of a backup
+// from when another pod held a running pod's address, on a node gone since, brings back that
+// pod's keys: its allocation, on its pod lease, which nobody renews; its held key, on its
+// node's block lease, which stands for 1.5 x (TTL + reuse delay). The running pod, which had
+// the address after that hold, is in conflict while the old allocation stands, then gets the
+// address back with a held key of its own: the old held key keeps it no longer. Found by the
+// model (LEASEHOLD_MODEL_SEED=1795809293599403829, step 64): the running pod waited for the
+// old block lease to run out.
+func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing.T) {
+	for _, way := range []struct {
+		name string
+		bump uint64
+	}{{"plain", 0}, {"bumped", modelBump}} {
+		t.Run(way.name, func(t *testing.T) {
+			member := etcdtest.StartMember(t)
+			cli := etcdtest.ClientAt(t, member.ClientURL)
+			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+			pool := v4Pool(etcdtest.Uniq("p"), "10.85.0.0/28", 28)
+			a0 := startAgentAt(t, member.ClientURL, cluster, "n0", "uid-n0", withHold(t.TempDir()), auditFast)
+			first, err := a0.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			x := resultAddrs(first)[0]
+			backup := filepath.Join(t.TempDir(), "backup.db")
+			if err := member.Snapshot(ctx, backup); err != nil {
+				t.Fatal(err)
+			}
+			// The pod's DEL, its node gone, and a pod of another node given the address.
+			if err := a0.Del(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
+				t.Fatal(err)
+			}
+			a0.Close()
+			a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+			req := addReq(pool, "c1", "eth0", "u1")
+			req.RequestedIPs = []netip.Addr{x}
+			etcdtest.Eventually(t, "u1 given "+x.String(), func() error {
+				res, err := a1.Add(ctx, req)
+				if err != nil {
+					return err
+				}
+				return etcdtest.Saw(resultAddrs(res)[0] == x, "u1 given %v, want %s", resultAddrs(res), x)
+			})
+			if err := member.Restore(backup, way.bump); err != nil {
+				t.Fatal(err)
+			}
+			// The backup's allocation and held key of u0; the allocation goes with u0's pod
+			// lease, as etcd expires it a TTL after the restore; the held key's block lease
+			// stands.
+			var old clientv3.LeaseID
+			etcdtest.Eventually(t, "u0's keys back with the restore", func() error {
+				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
+				if err != nil {
+					return err
+				}
+				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
+				if err != nil {
+					return err
+				}
+				if len(al.Kvs) == 0 || len(held.Kvs) == 0 {
+					return fmt.Errorf("%s: allocation %v, held key %v", x, al.Kvs, held.Kvs)
+				}
+				rec, _ := keyspace.Decode[keyspace.Allocation](string(al.Kvs[0].Key), al.Kvs[0].Value)
+				h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value)
+				if rec.Owner != "u0" || h.Owner != "u0" {
+					return fmt.Errorf("%s: allocated to %s, held for %s, want u0's keys", x, rec.Owner, h.Owner)
+				}
+				old = keyspace.LeaseOf(al.Kvs[0])
+				return nil
+			})
+			etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
+				at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name)
+				return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
+			})
+			if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
+				t.Fatal(err)
+			}
+			etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
+				lease, _ := a1.pods.lease("u1")
+				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
+				if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
+					return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, al, err, keyspace.LeaseHex(lease))
+				}
+				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
+				if err != nil || len(held.Kvs) == 0 {
+					return fmt.Errorf("%s: no held key (%v)", x, err)
+				}
+				if h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value); h.Owner != "u1" || !a1.blockLeases.mine(keyspace.LeaseOf(held.Kvs[0])) {
+					return fmt.Errorf("%s: held for %s on lease %s, want u1 on n1's block lease", x, h.Owner, keyspace.LeaseHex(keyspace.LeaseOf(held.Kvs[0])))
+				}
+				if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
+					return fmt.Errorf("u1's conflict record is still there")
+				}
+				if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
+					return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
+				}
+				return nil
+			})
+		})
 	}
 }
