@@ -358,7 +358,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		lease clientv3.LeaseID
 		what  string
 		still func() bool // whether the agent still holds it as read
-		gone  func()      // what to do once its lease is gone, when the keeper does not say it
+		gone  func()      // what to do once its lease is gone, before the keeper says it, if it ever does
 	}
 	var owns []own
 	if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
@@ -370,12 +370,19 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 			owns = append(owns, own{keyspace.BlockKey(v.pool, b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.pool),
 				func() bool { return v.holdsClaim(b, lease) },
 				func() {
-					// A claim a restore brought back, on a block lease of this node the agent
-					// never took up again: the keeper, which does not renew it, never says it
-					// is gone.
-					if !a.blockLeases.mine(lease) {
-						v.blockLeaseLost(lease)
+					// The claim went with its lease. The keeper would say so only at the
+					// lease's next renewal, a third of the block lease's TTL away (a TTL that
+					// outlives the reuse delay), and never for a lease it does not renew (a
+					// claim a restore brought back, on a block lease of this node the agent
+					// never took up again); meanwhile the view would hold blocks any node may
+					// claim. So the lease is lost now, as the keeper would report it.
+					a.keeper.Forget(lease)
+					if a.blockLeaseLost(lease) {
+						a.log.Warn("this node's block lease is gone from etcd, and its block claims and held keys with it",
+							"lease", keyspace.LeaseHex(lease))
+						return
 					}
+					v.blockLeaseLost(lease)
 				}})
 		}
 	})
@@ -407,7 +414,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 				if known && o.gone != nil {
 					o.gone()
 				}
-				continue // gone with its lease (the keeper reports that of its own), or unknown
+				continue // gone with its lease (the node lease the keeper reports lost of its own), or unknown
 			}
 			found := "missing"
 			if len(kvs) > 0 {

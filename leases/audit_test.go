@@ -322,6 +322,64 @@ func TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce(t *testing.T) {
 	}
 }
 
+// TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit: the node's block lease, which its
+// keeper renews, is revoked from outside (an admin; or, in the model, a lease a restore
+// brought back that the agent took up again and that went again at once): its claims go with
+// it, and any node may claim those blocks. The agent lets them go at its next audit, not at
+// the keeper's next renewal of the lease, a third of its TTL away: with the reuse delay of a
+// real node that is minutes, during which its view would hold blocks that are not its.
+func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 28)
+	// A reuse delay that puts the block lease's next renewal far beyond etcdtest.Patience.
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) { c.ReuseDelay = time.Hour })
+	res, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	v := a.pools.viewOf(pool.Name)
+	block := pool.Blocks.Of(ip)
+	old := v.claimsHeld()[block]
+	if old == 0 || !a.keeper.Holds(old) || !a.blockLeases.mine(old) {
+		t.Fatalf("the view holds %s on %s, renewed by the keeper: %v, a block lease of the node: %v",
+			block, keyspace.LeaseHex(old), a.keeper.Holds(old), a.blockLeases.mine(old))
+	}
+	if _, err := cli.Revoke(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "every claim the view holds in etcd as held", func() error {
+		if a.blockLeases.mine(old) || a.keeper.Holds(old) {
+			return fmt.Errorf("the agent still takes %s for its block lease (renewed: %v)", keyspace.LeaseHex(old), a.keeper.Holds(old))
+		}
+		for b, lease := range v.claimsHeld() {
+			resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
+			if err != nil {
+				return err
+			}
+			if len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
+				return fmt.Errorf("the view holds %s on %s; etcd: %v", b, keyspace.LeaseHex(lease), resp.Kvs)
+			}
+		}
+		return nil
+	})
+	if got := allocOwner(t, cli, pool, ip); got != "u0" {
+		t.Errorf("%s allocated to %q after its block's claim went; the pod keeps it on its own lease", ip, got)
+	}
+	// The next ADD claims a block again, on a new block lease.
+	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	for b, lease := range v.claimsHeld() {
+		if lease == old {
+			t.Errorf("block %s claimed again on the revoked lease %s", b, keyspace.LeaseHex(old))
+		}
+	}
+	if len(blockClaims(t, cli, pool.Name)) == 0 {
+		t.Errorf("no block claimed after the ADD")
+	}
+}
+
 // TestASettleTimeSurvivesARestart: an agent restarted within the settle time after etcd went
 // back in time goes on passing over what its earlier process kept (settleFile): an address
 // another node's pod may hold with its key gone with the backup is not handed out, and no new
