@@ -683,17 +683,25 @@ func (c *checker) releasedByOwnNode(p *Pod) time.Time {
 }
 
 // ReuseVerdict judges one "reusing an address whose holder expired" line: was the pool
-// full by the history's account?
+// full by the history's account? Keeping: the reusing agent was in its keep time after it
+// logged that etcd went back in time (TTL + reuse delay from then), when it leaves free the
+// addresses it knew taken and the blocks the backup gave back to its node, as a cut-off
+// node's pod may run on any of them: room the history counts and the agent does not.
 type ReuseVerdict struct {
-	Time time.Time  `json:"time"`
-	Slot int        `json:"slot"`
-	IP   netip.Addr `json:"ip"`
-	Full bool       `json:"full"`
-	Why  string     `json:"why"`
+	Time    time.Time  `json:"time"`
+	Slot    int        `json:"slot"`
+	IP      netip.Addr `json:"ip"`
+	Full    bool       `json:"full"`
+	Keeping bool       `json:"keeping,omitempty"`
+	Why     string     `json:"why"`
 }
+
+// WithRoom tells whether v is a reuse the pool's room did not justify.
+func (v ReuseVerdict) WithRoom() bool { return !v.Full && !v.Keeping }
 
 func (c *checker) reuses() []ReuseVerdict {
 	var out []ReuseVerdict
+	keep := c.h.Params.TTL + c.h.Params.ReuseDelay
 	for _, l := range c.h.Logs {
 		if l.Kind != "reuse" {
 			continue
@@ -703,7 +711,14 @@ func (c *checker) reuses() []ReuseVerdict {
 			why += fmt.Sprintf("; etcd at %s: %d allocations, %d held keys without one, %d quarantined",
 				c.at(s.T0), len(s.Allocs), s.HeldOnly, s.Quarantined)
 		}
-		out = append(out, ReuseVerdict{Time: l.Time, Slot: l.Slot, IP: l.IP, Full: full, Why: why})
+		v := ReuseVerdict{Time: l.Time, Slot: l.Slot, IP: l.IP, Full: full, Why: why}
+		for _, w := range c.h.Logs {
+			if w.Kind == "wentback" && w.Slot == l.Slot && !w.Time.After(l.Time) && l.Time.Sub(w.Time) < keep {
+				v.Keeping = true
+				v.Why += fmt.Sprintf("; in the keep time of n%d, which logged etcd going back at %s", l.Slot, c.at(w.Time))
+			}
+		}
+		out = append(out, v)
 	}
 	return out
 }

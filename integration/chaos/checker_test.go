@@ -430,3 +430,33 @@ func TestCheckAcceptsAnOverlapEtcdForgot(t *testing.T) {
 	h.Pods[1].Attempts[1].Sent, h.Pods[1].Attempts[1].Answered = sec(33.9), sec(34)
 	wantFailure(t, h, "unexplained overlaps")
 }
+
+// TestCheckExplainsAReuseInAKeepTime: a reuse with room by the history's account is not a
+// failure while its agent is in the keep time after it logged etcd going back (TTL + reuse
+// delay), when it leaves free what it knew taken; after that time it is.
+func TestCheckExplainsAReuseInAKeepTime(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		wentBack   float64
+		withinKeep bool
+	}{{"within the keep time", 14, true}, {"after it", 15 - 1 - (standing(8).Params.TTL+standing(8).Params.ReuseDelay).Seconds(), false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := standing(8)
+			h.Logs = append(h.Logs, LogEvent{Time: sec(tc.wentBack), Slot: 1, Kind: "wentback"},
+				LogEvent{Time: sec(15), Slot: 1, Kind: "reuse", Pool: "p", IP: addr("10.0.0.2")})
+			r := Check(h)
+			if len(r.Reuses) != 1 || r.Reuses[0].Full || r.Reuses[0].Keeping != tc.withinKeep {
+				t.Fatalf("want one reuse with room, keeping %v; got %+v", tc.withinKeep, r.Reuses)
+			}
+			if tc.withinKeep {
+				for _, f := range failures(t, h) {
+					if strings.Contains(f, "while the pool had room") {
+						t.Errorf("a reuse in the keep time failed the run: %v", f)
+					}
+				}
+			} else {
+				wantFailure(t, h, "reuses of held-back addresses while the pool had room")
+			}
+		})
+	}
+}

@@ -81,7 +81,7 @@ func (r *Report) Failures() []string {
 	add(len(r.Unjustified()), "unjustified conflicts")
 	withRoom := 0
 	for _, v := range r.Reuses {
-		if !v.Full {
+		if v.WithRoom() {
 			withRoom++
 		}
 	}
@@ -219,13 +219,17 @@ func (r *Report) String() string {
 		}
 		w("    %s %s: %s (n%d) lost %s to %s%s: %s", tag, at(v.Time), v.Owner, v.Slot, v.IP, v.Holder, times, v.Reason)
 	}
-	full := 0
+	full, keeping := 0, 0
 	for _, v := range r.Reuses {
-		if v.Full {
+		switch {
+		case v.Full:
 			full++
+		case v.Keeping:
+			keeping++
 		}
 	}
-	w("    reuses logged: %d, %d with the pool full by the history, %d with room", len(r.Reuses), full, len(r.Reuses)-full)
+	w("    reuses logged: %d, %d with the pool full by the history, %d in a keep time after etcd went back, %d with room",
+		len(r.Reuses), full, keeping, len(r.Reuses)-full-keeping)
 	listed := 0
 	for _, v := range r.Reuses {
 		if v.Full {
@@ -235,7 +239,11 @@ func (r *Report) String() string {
 			break
 		}
 		listed++
-		w("    reuse with room %s n%d %s: %s", at(v.Time), v.Slot, v.IP, v.Why)
+		tag := "reuse with room"
+		if v.Keeping {
+			tag = "explained: reuse in a keep time"
+		}
+		w("    %s %s n%d %s: %s", tag, at(v.Time), v.Slot, v.IP, v.Why)
 	}
 	w("(c) final state (%s; settled %v after %s; all agents ready %v): %d allocations, %d held keys, %d conflict records",
 		"after the runtime's DELs", r.Settled, r.SettleTook, r.AllReady, r.FinalAllocs, r.FinalHeld, r.FinalConflicts)
