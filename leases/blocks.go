@@ -482,6 +482,7 @@ func (v *view) dropSpan(block netip.Prefix) {
 	for a := range v.quarantined {
 		if block.Contains(a) {
 			delete(v.quarantined, a)
+			delete(v.restKept, a)
 		}
 	}
 	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.heldBack), mapKeys(v.suspect), mapKeys(v.relRev)} {
@@ -536,6 +537,9 @@ func (v *view) giveBackLoop(ctx context.Context) {
 func (v *view) idleBlocks(now time.Time) []span {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	// A quarantine kept across a restore with no key in etcd holds its block until it ends,
+	// not for ever.
+	v.endRestKept(now)
 	used := make(map[netip.Prefix]bool)
 	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.allocated), mapKeys(v.quarantined), mapKeys(v.pending),
 		mapKeys(v.heldBack), mapKeys(v.suspect)} {

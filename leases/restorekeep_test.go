@@ -574,6 +574,79 @@ func TestARestoreDoesNotShortenAQuarantine(t *testing.T) {
 	}
 }
 
+// TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack: the quarantine end a view
+// keeps for an address whose quarantine key a restore lost (TestARestoreDoesNotShortenAQuarantine)
+// ends at that time, though no watch event ends it: the address is free again, and the block,
+// once every pod in it is deleted, is given back. Found by the model
+// (LEASEHOLD_MODEL_SEED=1795809733120131005): a node released an address, crashed and came
+// back just before etcd was restored from a backup without its quarantine key, and never gave
+// back the block, empty in etcd, that its view held the address quarantined in.
+func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
+	const quarantine = 8 * time.Second
+	member := etcdtest.StartMember(t)
+	cli := etcdtest.ClientAt(t, member.ClientURL)
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.86.0.0/26", 28)
+	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast,
+		func(c *Config) { c.Quarantine, c.BlockIdle = quarantine, 300*time.Millisecond })
+	keep := addReq(pool, "c0", "eth0", "u0")
+	if _, err := a.Add(ctx, keep); err != nil {
+		t.Fatal(err)
+	}
+	backup := filepath.Join(t.TempDir(), "backup.db")
+	if err := member.Snapshot(ctx, backup); err != nil {
+		t.Fatal(err)
+	}
+	gone := addReq(pool, "c1", "eth0", "u1")
+	res, err := a.Add(ctx, gone)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := resultAddrs(res)[0]
+	if err := a.Del(ctx, gone); err != nil {
+		t.Fatal(err)
+	}
+	released := time.Now()
+	if err := member.Restore(backup, 0); err != nil {
+		t.Fatal(err)
+	}
+	restored := time.Now()
+	v := a.pools.viewOf(pool.Name)
+	// The view lists the restored pool, which has no quarantine key of x, and keeps x's end.
+	etcdtest.Eventually(t, "the view listed again after the restore, keeping "+x.String()+" quarantined", func() error {
+		if a.hold.settling() == nil {
+			return errors.New("the agent has not found etcd restored")
+		}
+		v.mu.Lock()
+		listed := v.droppedAt.After(restored)
+		_, q := v.quarantined[x]
+		v.mu.Unlock()
+		if !listed {
+			return errors.New("the view has not listed the pool since the restore")
+		}
+		if !q {
+			t.Fatalf("the view listed the pool %s after the release of %s, inside its quarantine of %s, and does not keep it",
+				time.Since(released).Round(time.Millisecond), x, quarantine)
+		}
+		return nil
+	})
+	if q := etcdtest.Dump(t, cli, keyspace.QuarantineKey(pool.Name, pool.Blocks, x)); len(q) != 0 {
+		t.Fatalf("the backup predates %s's release, and the restore has its quarantine key: %v", x, q)
+	}
+	if err := a.Del(ctx, keep); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the quarantine of "+x.String()+" over in the view, and the empty block given back", func() error {
+		v.mu.Lock()
+		_, q := v.quarantined[x]
+		v.mu.Unlock()
+		c := blockClaims(t, cli, pool.Name)
+		held := v.heldBlocks()
+		return etcdtest.Saw(!q && len(c) == 0 && held == 0,
+			"%s quarantined in the view: %v; claims %v; blocks the view follows %d", x, q, c, held)
+	})
+}
+
 // TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod: a restore of a backup
 // from when another pod held a running pod's address, on a node gone since, brings back that
 // pod's keys: its allocation, on its pod lease, which nobody renews; its held key, on its

@@ -88,6 +88,10 @@ type view struct {
 	hold      *restoreHold
 	kept      map[netip.Addr]struct{}
 	keepUntil time.Time
+	// restKept are the addresses whose quarantine end the last listing kept though etcd had no
+	// quarantine key for them (a restore of a backup older than their release): no watch event
+	// ends such a quarantine, so the view ends it itself at that time (endRestKept).
+	restKept map[netip.Addr]struct{}
 	// dropped are the addresses the last listing found free that the view knew taken, at
 	// droppedAt: a watch broken by a restore's compaction lists the pool again before the
 	// agent has proof that etcd went back, and restartKeeping keeps them too.
@@ -150,6 +154,7 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 		keys:        hooks.keys,
 		restoredAt:  make(map[netip.Prefix]bool),
 		kept:        make(map[netip.Addr]struct{}),
+		restKept:    make(map[netip.Addr]struct{}),
 		pool:        pool,
 		blocks:      blocks,
 		cli:         cli,
@@ -222,6 +227,7 @@ func (v *view) follows(a netip.Addr) bool {
 func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	v.endRestKept(time.Now())
 	busy := v.busy(skip)
 	if v.blocks.Flat() {
 		addr, err := spec.Next(set, v.from(spec, set), unlocked{v}, busy)
@@ -373,6 +379,7 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 		}
 		if !until.IsZero() {
 			v.quarantined[a] = until
+			delete(v.restKept, a) // its quarantine key ends it
 		}
 		v.releaseSeen(a, rev)
 		v.roomAt(a)
@@ -411,8 +418,22 @@ func (v *view) markQuarantined(a netip.Addr, until time.Time) {
 	switch {
 	case v.follows(a):
 		v.quarantined[a] = until
+		delete(v.restKept, a) // its quarantine key ends it
 	case v.borrowed != nil:
 		v.borrowed.quarantined[a] = until
+	}
+}
+
+// endRestKept ends the quarantines the last listing kept without a key in etcd (restKept)
+// whose time is up: no watch event will. The caller holds the lock.
+func (v *view) endRestKept(now time.Time) {
+	for a := range v.restKept {
+		if until, ok := v.quarantined[a]; ok && until.After(now) {
+			continue
+		}
+		delete(v.restKept, a)
+		delete(v.quarantined, a)
+		v.roomAt(a)
 	}
 }
 
@@ -503,6 +524,7 @@ func (v *view) isClaimed(block netip.Prefix) bool {
 func (v *view) counts() (allocated, quarantined int, ipPrefixes, qPrefixes []string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	v.endRestKept(time.Now())
 	for b := range v.spans {
 		if !b.IsValid() {
 			ipPrefixes = append(ipPrefixes, keyspace.IPsPrefix(v.pool))

@@ -277,6 +277,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			}
 		}
 	}
+	restKept := make(map[netip.Addr]struct{})
 	v.mu.Lock()
 	v.dropped, v.gained, v.droppedAt = v.dropped[:0], v.gained[:0], time.Now()
 	// Dropped: what the view knew taken that the listing finds free, or allocated by another
@@ -316,9 +317,13 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			spans[b].restored = true
 		}
 		// A restore of a backup older than a release loses the address's quarantine key: it
-		// rests until the end the view knew all the same.
+		// rests until the end the view knew all the same, ended by the view (restKept) unless
+		// etcd has a key of it whose delete ends it.
 		for a, until := range v.quarantined {
 			if _, alloc := allocated[a]; !alloc && until.After(now) && until.After(quarantined[a]) {
+				if _, key := quarantined[a]; !key {
+					restKept[a] = struct{}{}
+				}
 				quarantined[a] = until
 			}
 		}
@@ -331,7 +336,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 			old.stop()
 		}
 	}
-	v.spans, v.allocated, v.quarantined, v.order = spans, allocated, quarantined, nil
+	v.spans, v.allocated, v.quarantined, v.restKept, v.order = spans, allocated, quarantined, restKept, nil
 	clear(v.heldBack)
 	clear(v.suspect)
 	clear(v.relRev)
@@ -416,6 +421,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 			continue
 		}
 		if _, _, ip, err := keyspace.ParseQuarantineKey(key); err == nil && v.follows(ip) {
+			delete(v.restKept, ip) // a key of it: its events end its quarantine
 			if ev.Type == clientv3.EventTypeDelete {
 				delete(v.quarantined, ip)
 				v.roomAt(ip)
