@@ -105,7 +105,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	actx, cancel := context.WithCancel(context.Background())
 	var a *Agent // the gate's signals reach it once made, before any request passes the gate
 	gate := etcdgate.New(actx, cli, etcdgate.Config{Probe: keyspace.NodeKey(cfg.Cluster, cfg.Node), ProbeTimeout: probeTimeout,
-		WentBack: func(why string) { a.etcdWentBack(why) }, MayHaveGoneBack: func(why string) { a.etcdMayHaveGoneBack(why) }})
+		WentBack: func(why string, from time.Time) { a.etcdWentBackFrom(why, from) }, MayHaveGoneBack: func(why string) { a.etcdMayHaveGoneBack(why) }})
 	a = &Agent{
 		unlock:          unlock,
 		cfg:             cfg,

@@ -640,15 +640,23 @@ func (h *restoreHold) settling() error {
 // pods are checked, the views listed again (keeping what they knew allocated for the settle
 // time), the node registered again and the spare leases revoked with whatever a backup put
 // back on them; ADDs wait for the repair (restoreHold).
-func (a *Agent) etcdWentBack(why string) {
-	until := a.wentBack(why)
+func (a *Agent) etcdWentBack(why string) { a.etcdWentBackFrom(why, time.Now()) }
+
+// etcdWentBackFrom is etcdWentBack for the gate's proof, which dates the new history from
+// the first answer of it the gate heard (from): a pod lease the keeper found lost on such an
+// answer before the proof was lost to the restore, and its pod held its addresses until then.
+func (a *Agent) etcdWentBackFrom(why string, from time.Time) {
+	until := a.wentBackFrom(why, from)
 	go a.announceRestore(until, why)
 }
 
 // wentBack is etcdWentBack without telling the other agents (restored.go), for a restore
 // they told this agent of. It returns the end of the settle time.
-func (a *Agent) wentBack(why string) time.Time {
-	held := a.pods.heldAddrs() // before the audit takes the pods whose keys went
+func (a *Agent) wentBack(why string) time.Time { return a.wentBackFrom(why, time.Now()) }
+
+// wentBackFrom is wentBack with the new history dated from from (etcdWentBackFrom).
+func (a *Agent) wentBackFrom(why string, from time.Time) time.Time {
+	held := a.pods.heldAddrs(from) // before the audit takes the pods whose keys went
 	until := a.hold.notice(why)
 	a.rmu.Lock()
 	a.backHeld, a.backGen = held, a.hold.generation()
@@ -692,7 +700,7 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 	suspected := a.suspect.Swap(false)
 	var held map[conflictRef]bool
 	if suspected {
-		held = a.pods.heldAddrs() // before the audit takes the pods whose keys went
+		held = a.pods.heldAddrs(time.Now()) // before the audit takes the pods whose keys went
 	}
 	lost, err = a.audit(ctx)
 	if err != nil {

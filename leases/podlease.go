@@ -31,6 +31,8 @@ type podLease struct {
 	// unanswered: a claim on the lease lost its answer, and etcd may apply it late, so the
 	// lease is revoked when the pod goes, never recycled as a spare (Keeper.Recycle).
 	unanswered bool
+	// lostAt is when the lease was found lost (zero while it is not).
+	lostAt time.Time
 }
 
 type leaseState uint8
@@ -42,10 +44,10 @@ const (
 )
 
 // hold records that id carries the pod's keys and the keeper renews it.
-func (l *podLease) hold(id clientv3.LeaseID) { l.id, l.state = id, leaseHeld }
+func (l *podLease) hold(id clientv3.LeaseID) { l.id, l.state, l.lostAt = id, leaseHeld, time.Time{} }
 
 // lose records that the lease stopped being renewed; a re-claim is due.
-func (l *podLease) lose() { l.state = leaseLost }
+func (l *podLease) lose() { l.state, l.lostAt = leaseLost, time.Now() }
 
 // held returns the lease while it is held.
 func (l podLease) held() (clientv3.LeaseID, bool) { return l.id, l.state == leaseHeld && l.id != 0 }

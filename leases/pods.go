@@ -498,14 +498,16 @@ func (t *pods) wanted(cluster string) map[string]bool {
 	return out
 }
 
-// heldAddrs lists the addresses of the pods whose leases the agent holds, but those another
-// owner holds (conflicts) and those of attachments being released.
-func (t *pods) heldAddrs() map[conflictRef]bool {
+// heldAddrs lists the addresses of the pods whose leases the agent holds, or found lost at
+// lostSince or after, but those another owner holds (conflicts) and those of attachments
+// being released.
+func (t *pods) heldAddrs(lostSince time.Time) map[conflictRef]bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	out := map[conflictRef]bool{}
 	for owner, ps := range t.m {
-		if _, held := ps.lease.held(); !held {
+		_, held := ps.lease.held()
+		if !held && !(ps.lease.lost() && !ps.lease.lostAt.Before(lostSince)) {
 			continue
 		}
 		for _, at := range ps.Attachments {

@@ -1,7 +1,11 @@
 package leases
 
 import (
+	"fmt"
+	"maps"
+	"net/netip"
 	"testing"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -66,5 +70,32 @@ func TestPodLeaseLifecycle(t *testing.T) {
 	held("after it was given up", false)
 	if p.count() != 0 {
 		t.Errorf("%d pods left after the drop", p.count())
+	}
+}
+
+// TestHeldAddrsCountsPodsLostToTheNewHistory: what the pods held when etcd went back counts
+// the pods whose lease is held, and those whose lease was found lost on an answer of the new
+// history (at the gate's first doubted answer or after), not those lost before it: their
+// addresses may have gone to other pods meanwhile.
+func TestHeldAddrsCountsPodsLostToTheNewHistory(t *testing.T) {
+	p := newPods("uid1", newJournalWriter(journal{}, quietLog()))
+	var locks ownerlock.Locks
+	ip := func(s string) netip.Addr { return netip.MustParseAddr(s) }
+	for i, owner := range []string{"held", "lostBefore", "lostAfter"} {
+		own := locks.Lock(owner)
+		p.claimed(allocator.Request{}, own, clientv3.LeaseID(i+1), attachment{IfName: "eth0", Pool: "p",
+			IPs: []netip.Addr{ip(fmt.Sprintf("10.0.0.%d", i+1))}})
+		own.Unlock()
+	}
+	p.lose(2)
+	from := time.Now()
+	for time.Since(from) <= 0 {
+		// the next loss is found after from
+	}
+	p.lose(3)
+	got := p.heldAddrs(from)
+	want := map[conflictRef]bool{{"held", "eth0", "p", ip("10.0.0.1")}: true, {"lostAfter", "eth0", "p", ip("10.0.0.3")}: true}
+	if !maps.Equal(got, want) {
+		t.Errorf("heldAddrs: %v, want %v", got, want)
 	}
 }

@@ -67,7 +67,11 @@ type Gate struct {
 	rotated     time.Time
 	// epoch counts the times etcd went back: an answer to a request sent in an earlier epoch
 	// is measured against a floor of a history that is gone, and proves nothing.
-	epoch      uint64
+	epoch uint64
+	// doubted is when the first answer came that the gate doubted (below its floor, not yet
+	// proof), of those since the last answer it took; zero: none. A proof that etcd went back
+	// dates the new history from it: the agent acted on answers from it before the proof.
+	doubted    time.Time
 	confirming bool
 	confirmed  time.Time // when the last confirmation read was sent
 }
@@ -109,9 +113,11 @@ type Config struct {
 	// Probe is the key a confirmation read counts; ProbeTimeout bounds that read.
 	Probe        string
 	ProbeTimeout time.Duration
-	// WentBack is told the proof that etcd went back in time; MayHaveGoneBack a sign of it
-	// that proves nothing alone (a compacted watch). Nil: nobody is told.
-	WentBack        func(why string)
+	// WentBack is told the proof that etcd went back in time, and since when the gate heard
+	// the new history (the first answer it doubted before the proof, else the proof's own);
+	// MayHaveGoneBack a sign of it that proves nothing alone (a compacted watch). Nil: nobody
+	// is told.
+	WentBack        func(why string, since time.Time)
 	MayHaveGoneBack func(why string)
 }
 
@@ -119,7 +125,7 @@ type Config struct {
 // confirmation reads; cli stays the caller's, and only the gate may call it.
 func New(ctx context.Context, cli *clientv3.Client, cfg Config) *Gate {
 	if cfg.WentBack == nil {
-		cfg.WentBack = func(string) {}
+		cfg.WentBack = func(string, time.Time) {}
 	}
 	if cfg.MayHaveGoneBack == nil {
 		cfg.MayHaveGoneBack = func(string) {}
@@ -211,6 +217,9 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 			g.termLow = now
 			time.AfterFunc(termConfirm, g.confirm)
 		}
+		if g.doubted.IsZero() {
+			g.doubted = now
+		}
 		termBack = proof && now.Sub(g.termLow) >= termConfirm
 		if !termBack {
 			if h.Revision > g.rev {
@@ -232,10 +241,14 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 			g.term = h.RaftTerm
 		}
 		g.cluster = h.ClusterId
+		g.doubted = time.Time{}
 		g.mu.Unlock()
 		return
 	}
 	if !proof && !jump {
+		if g.doubted.IsZero() {
+			g.doubted = time.Now()
+		}
 		g.mu.Unlock()
 		g.confirm()
 		return
@@ -257,8 +270,13 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 		g.term = h.RaftTerm
 	}
 	g.epoch++
+	from := g.doubted
+	if from.IsZero() {
+		from = time.Now()
+	}
+	g.doubted = time.Time{}
 	g.mu.Unlock()
-	g.cfg.WentBack(why)
+	g.cfg.WentBack(why, from)
 }
 
 // Heard notes the header of an answer that is not linearizable: a keep-alive's.

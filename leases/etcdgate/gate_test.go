@@ -73,7 +73,7 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			cancel() // no confirmation read: this gate has no client
 			went := make(chan string, 4)
-			g := &Gate{ctx: ctx, started: time.Now(), cfg: Config{WentBack: func(why string) { went <- why }, MayHaveGoneBack: func(string) {}}}
+			g := &Gate{ctx: ctx, started: time.Now(), cfg: Config{WentBack: func(why string, _ time.Time) { went <- why }, MayHaveGoneBack: func(string) {}}}
 			first := g.floor()
 			for i, an := range c.answers {
 				f := g.floor()
@@ -111,6 +111,51 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 				case <-time.After(30 * time.Second):
 					t.Errorf("the proof was never signalled")
 				}
+			}
+		})
+	}
+}
+
+// TestGateDatesTheNewHistoryFromItsFirstDoubtedAnswer: the proof that etcd went back is told
+// with when the gate first heard the new history: the first answer below its floor that it
+// doubted (a keep-alive's, a lease's) before a linearizable answer proved it. The agent acted
+// on that answer already (a lease the keeper then took for lost). An answer the gate took
+// between ends the doubt.
+func TestGateDatesTheNewHistoryFromItsFirstDoubtedAnswer(t *testing.T) {
+	const cluster = 0xc1
+	hdr := func(c uint64, rev int64) *pb.ResponseHeader { return &pb.ResponseHeader{ClusterId: c, Revision: rev} }
+	for _, c := range []struct {
+		name    string
+		settled bool // an answer in the known history came between the doubt and the proof
+	}{{"doubted, then proven", false}, {"doubted, taken again, then proven", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel() // no confirmation read: this gate has no client
+			var from time.Time
+			g := &Gate{ctx: ctx, started: time.Now(), cfg: Config{WentBack: func(_ string, f time.Time) { from = f },
+				MayHaveGoneBack: func(string) {}}}
+			g.seen(hdr(cluster, 100), g.floor(), true)
+			g.mu.Lock()
+			g.old = 100 // a non-linearizable answer is measured against it
+			g.mu.Unlock()
+			beforeDoubt := time.Now()
+			g.seen(hdr(cluster, 40), g.floor(), false) // a keep-alive from the restored etcd: doubted
+			afterDoubt := time.Now()
+			if c.settled {
+				g.seen(hdr(cluster, 101), g.floor(), true)
+			}
+			for time.Since(afterDoubt) < 2*time.Millisecond {
+				// the proof comes later than the doubt: time.Now() moves on
+			}
+			proofAt := time.Now()
+			g.seen(hdr(cluster, 41), g.floor(), true)
+			switch {
+			case from.IsZero():
+				t.Fatal("the proof was never signalled")
+			case !c.settled && (from.Before(beforeDoubt) || from.After(afterDoubt)):
+				t.Errorf("new history dated %v, want the doubted answer's time, between %v and %v", from, beforeDoubt, afterDoubt)
+			case c.settled && from.Before(proofAt):
+				t.Errorf("new history dated %v, before the proof at %v, though an answer in the known history came after the doubt", from, proofAt)
 			}
 		})
 	}
