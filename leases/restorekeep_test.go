@@ -1,6 +1,7 @@
 package leases
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -50,44 +51,36 @@ func expiredBorrower(t *testing.T, cli *clientv3.Client, cluster string, pool al
 // is restored. Found by the fault run: a node that borrowed in another's block, cut off across
 // a restore, lost those addresses to the block owner's next ADDs.
 func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
-	for _, way := range []struct {
-		name string
-		bump uint64
-	}{{"plain", 0}, {"bumped", modelBump}} {
-		t.Run(way.name, func(t *testing.T) {
-			member := etcdtest.StartMember(t)
-			cli := etcdtest.ClientAt(t, member.ClientURL)
-			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
-			pool := v4Pool(etcdtest.Uniq("p"), "10.78.0.0/28", 28)
-			a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
-			first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			backup := filepath.Join(t.TempDir(), "backup.db")
-			if err := member.Snapshot(ctx, backup); err != nil {
-				t.Fatal(err)
-			}
-			x := resultAddrs(first)[0].Next()
-			expiredBorrower(t, cli, cluster, pool, x)
-			v := a.pools.viewOf(pool.Name)
-			// The view holds x back: first as a deletion no release explains (suspect), then,
-			// once it read the held key, until the hold ends. One way restores in the first
-			// state, the other in the second.
-			etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
-				v.mu.Lock()
-				defer v.mu.Unlock()
-				_, held := v.heldBack[x]
-				_, suspect := v.suspect[x]
-				return etcdtest.Saw(held || suspect && way.bump != 0, "%s held back %v, suspect %v", x, held, suspect)
-			})
-			if err := member.Restore(backup, way.bump); err != nil {
-				t.Fatal(err)
-			}
-			// Every ADD until the pool has nothing more to give: none gets x.
-			addsNeverGet(t, a, pool, x, "held back for a pod of a cut-off node before it")
+	eachRestoreWay(t, "10.78.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+		first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(first)[0].Next()
+		expiredBorrower(t, cli, cluster, pool, x)
+		v := a.pools.viewOf(pool.Name)
+		// The view holds x back: first as a deletion no release explains (suspect), then,
+		// once it read the held key, until the hold ends. One way restores in the first
+		// state, the other in the second.
+		etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			_, held := v.heldBack[x]
+			_, suspect := v.suspect[x]
+			return etcdtest.Saw(held || suspect && b.bump != 0, "%s held back %v, suspect %v", x, held, suspect)
 		})
-	}
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		// Every ADD until the pool has nothing more to give: none gets x.
+		addsNeverGet(t, a, pool, x, "held back for a pod of a cut-off node before it")
+	})
 }
 
 // TestNoHeldBackAddressIsReusedWhileSettling: during the settle time after etcd went back in
@@ -350,87 +343,79 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 // listing shows x allocated, to the deleted pod, whose restored key soon goes; x then stays
 // kept for the running pod (its node cut off, it cannot re-claim yet) for the keep time.
 func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
-	for _, way := range []struct {
-		name string
-		bump uint64
-	}{{"plain", 0}, {"bumped", modelBump}} {
-		t.Run(way.name, func(t *testing.T) {
-			member := etcdtest.StartMember(t)
-			cli := etcdtest.ClientAt(t, member.ClientURL)
-			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
-			pool := v4Pool(etcdtest.Uniq("p"), "10.82.0.0/28", 28)
-			a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
-			first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			x := resultAddrs(first)[0].Next()
-			allocOf := func(owner string, lease clientv3.LeaseID) string {
-				return keyspace.Encode(keyspace.Allocation{Owner: owner, Cluster: cluster, Node: "n2", NodeUID: "uid-n2",
-					ContainerID: "c-" + owner, IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(lease)})
-			}
-			key := keyspace.IPKey(pool.Name, pool.Blocks, x)
-			old, err := cli.Grant(ctx, 600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := cli.Put(ctx, key, allocOf("deleted", old.ID), clientv3.WithLease(old.ID)); err != nil {
-				t.Fatal(err)
-			}
-			backup := filepath.Join(t.TempDir(), "backup.db")
-			if err := member.Snapshot(ctx, backup); err != nil {
-				t.Fatal(err)
-			}
-			// The deleted pod's DEL, then the running pod's claim of x.
-			if _, err := cli.Revoke(ctx, old.ID); err != nil {
-				t.Fatal(err)
-			}
-			running, err := cli.Grant(ctx, 600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			put, err := cli.Put(ctx, key, allocOf("running", running.ID), clientv3.WithLease(running.ID))
-			if err != nil {
-				t.Fatal(err)
-			}
-			v := a.pools.viewOf(pool.Name)
-			etcdtest.Eventually(t, "the view knowing x allocated to the running pod", func() error {
-				v.mu.Lock()
-				defer v.mu.Unlock()
-				return etcdtest.Saw(v.allocated[x] == put.Header.Revision, "x allocated at %d, want %d", v.allocated[x], put.Header.Revision)
-			})
-			if err := member.Restore(backup, way.bump); err != nil {
-				t.Fatal(err)
-			}
-			// The agent lists the pool again and finds x allocated, to the deleted pod; then
-			// that restored key goes with its lease, which nobody renews.
-			etcdtest.Eventually(t, "the view listing x as the restore has it", func() error {
-				if _, err := a.Add(ctx, addReq(pool, "probe", "eth0", "probe")); err == nil {
-					if err := a.Del(ctx, addReq(pool, "probe", "eth0", "probe")); err != nil {
-						return err
-					}
-				}
-				v.mu.Lock()
-				defer v.mu.Unlock()
-				rev, ok := v.allocated[x]
-				return etcdtest.Saw(ok && rev != put.Header.Revision, "x allocated %v at %d (the running pod's key: %d)", ok, rev, put.Header.Revision)
-			})
-			if _, err := cli.Revoke(ctx, old.ID); err != nil && !keyspace.IsLeaseNotFound(err) {
-				t.Fatal(err)
-			}
-			// Its deletion, no release explaining it, holds x back until the view reads that
-			// no held key stands for it: the ADDs come after that.
-			etcdtest.Eventually(t, "the view done with the deleted pod's key", func() error {
-				v.mu.Lock()
-				defer v.mu.Unlock()
-				_, alloc := v.allocated[x]
-				_, suspect := v.suspect[x]
-				_, held := v.heldBack[x]
-				return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
-			})
-			addsNeverGet(t, a, pool, x, "the running pod's before it")
+	eachRestoreWay(t, "10.82.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+		first, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(first)[0].Next()
+		allocOf := func(owner string, lease clientv3.LeaseID) string {
+			return keyspace.Encode(keyspace.Allocation{Owner: owner, Cluster: cluster, Node: "n2", NodeUID: "uid-n2",
+				ContainerID: "c-" + owner, IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(lease)})
+		}
+		key := keyspace.IPKey(pool.Name, pool.Blocks, x)
+		old, err := cli.Grant(ctx, 600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(ctx, key, allocOf("deleted", old.ID), clientv3.WithLease(old.ID)); err != nil {
+			t.Fatal(err)
+		}
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		// The deleted pod's DEL, then the running pod's claim of x.
+		if _, err := cli.Revoke(ctx, old.ID); err != nil {
+			t.Fatal(err)
+		}
+		running, err := cli.Grant(ctx, 600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		put, err := cli.Put(ctx, key, allocOf("running", running.ID), clientv3.WithLease(running.ID))
+		if err != nil {
+			t.Fatal(err)
+		}
+		v := a.pools.viewOf(pool.Name)
+		etcdtest.Eventually(t, "the view knowing x allocated to the running pod", func() error {
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			return etcdtest.Saw(v.allocated[x] == put.Header.Revision, "x allocated at %d, want %d", v.allocated[x], put.Header.Revision)
 		})
-	}
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		// The agent lists the pool again and finds x allocated, to the deleted pod; then
+		// that restored key goes with its lease, which nobody renews.
+		etcdtest.Eventually(t, "the view listing x as the restore has it", func() error {
+			if _, err := a.Add(ctx, addReq(pool, "probe", "eth0", "probe")); err == nil {
+				if err := a.Del(ctx, addReq(pool, "probe", "eth0", "probe")); err != nil {
+					return err
+				}
+			}
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			rev, ok := v.allocated[x]
+			return etcdtest.Saw(ok && rev != put.Header.Revision, "x allocated %v at %d (the running pod's key: %d)", ok, rev, put.Header.Revision)
+		})
+		if _, err := cli.Revoke(ctx, old.ID); err != nil && !keyspace.IsLeaseNotFound(err) {
+			t.Fatal(err)
+		}
+		// Its deletion, no release explaining it, holds x back until the view reads that
+		// no held key stands for it: the ADDs come after that.
+		etcdtest.Eventually(t, "the view done with the deleted pod's key", func() error {
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			_, alloc := v.allocated[x]
+			_, suspect := v.suspect[x]
+			_, held := v.heldBack[x]
+			return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
+		})
+		addsNeverGet(t, a, pool, x, "the running pod's before it")
+	})
 }
 
 // addsNeverGet runs ADDs on a, each tried again while etcd comes back and the agent repairs,
@@ -656,95 +641,114 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 // model (LEASEHOLD_MODEL_SEED=1795809293599403829, step 64): the running pod waited for the
 // old block lease to run out.
 func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing.T) {
+	eachRestoreWay(t, "10.85.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		a0 := startAgentAt(t, member.ClientURL, cluster, "n0", "uid-n0", withHold(t.TempDir()), auditFast)
+		first, err := a0.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(first)[0]
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		// The pod's DEL, its node gone, and a pod of another node given the address.
+		if err := a0.Del(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
+			t.Fatal(err)
+		}
+		a0.Close()
+		a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+		req := addReq(pool, "c1", "eth0", "u1")
+		req.RequestedIPs = []netip.Addr{x}
+		etcdtest.Eventually(t, "u1 given "+x.String(), func() error {
+			res, err := a1.Add(ctx, req)
+			if err != nil {
+				return err
+			}
+			return etcdtest.Saw(resultAddrs(res)[0] == x, "u1 given %v, want %s", resultAddrs(res), x)
+		})
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		// The backup's allocation and held key of u0; the allocation goes with u0's pod
+		// lease, as etcd expires it a TTL after the restore; the held key's block lease
+		// stands.
+		var old clientv3.LeaseID
+		etcdtest.Eventually(t, "u0's keys back with the restore", func() error {
+			al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
+			if err != nil {
+				return err
+			}
+			held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
+			if err != nil {
+				return err
+			}
+			if len(al.Kvs) == 0 || len(held.Kvs) == 0 {
+				return fmt.Errorf("%s: allocation %v, held key %v", x, al.Kvs, held.Kvs)
+			}
+			rec, _ := keyspace.Decode[keyspace.Allocation](string(al.Kvs[0].Key), al.Kvs[0].Value)
+			h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value)
+			if rec.Owner != "u0" || h.Owner != "u0" {
+				return fmt.Errorf("%s: allocated to %s, held for %s, want u0's keys", x, rec.Owner, h.Owner)
+			}
+			old = keyspace.LeaseOf(al.Kvs[0])
+			return nil
+		})
+		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
+			at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name)
+			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
+		})
+		if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
+			lease, _ := a1.pods.lease("u1")
+			al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
+			if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
+				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, al, err, keyspace.LeaseHex(lease))
+			}
+			held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
+			if err != nil || len(held.Kvs) == 0 {
+				return fmt.Errorf("%s: no held key (%v)", x, err)
+			}
+			if h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value); h.Owner != "u1" || !a1.blockLeases.mine(keyspace.LeaseOf(held.Kvs[0])) {
+				return fmt.Errorf("%s: held for %s on lease %s, want u1 on n1's block lease", x, h.Owner, keyspace.LeaseHex(keyspace.LeaseOf(held.Kvs[0])))
+			}
+			if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
+				return fmt.Errorf("u1's conflict record is still there")
+			}
+			if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
+				return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
+			}
+			return nil
+		})
+	})
+}
+
+// restoreBed is what a test of a restore starts from, once per way etcd documents one: an
+// etcd member of its own, a client of it, a cluster name, the test's context and a pool.
+type restoreBed struct {
+	member  *etcdtest.Member
+	cli     *clientv3.Client
+	cluster string
+	ctx     context.Context
+	pool    allocator.PoolSpec
+	bump    uint64 // the restore's revision bump: 0 for a plain restore
+}
+
+// eachRestoreWay runs f as a subtest per way etcd documents a restore: plain (the revision
+// goes back) and with the revision bumped and every watch compacted (the way recommended
+// under Kubernetes), each on an etcd of its own with a pool of subnet in /28 blocks.
+func eachRestoreWay(t *testing.T, subnet string, f func(t *testing.T, b restoreBed)) {
 	for _, way := range []struct {
 		name string
 		bump uint64
 	}{{"plain", 0}, {"bumped", modelBump}} {
 		t.Run(way.name, func(t *testing.T) {
 			member := etcdtest.StartMember(t)
-			cli := etcdtest.ClientAt(t, member.ClientURL)
-			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
-			pool := v4Pool(etcdtest.Uniq("p"), "10.85.0.0/28", 28)
-			a0 := startAgentAt(t, member.ClientURL, cluster, "n0", "uid-n0", withHold(t.TempDir()), auditFast)
-			first, err := a0.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			x := resultAddrs(first)[0]
-			backup := filepath.Join(t.TempDir(), "backup.db")
-			if err := member.Snapshot(ctx, backup); err != nil {
-				t.Fatal(err)
-			}
-			// The pod's DEL, its node gone, and a pod of another node given the address.
-			if err := a0.Del(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
-				t.Fatal(err)
-			}
-			a0.Close()
-			a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
-			req := addReq(pool, "c1", "eth0", "u1")
-			req.RequestedIPs = []netip.Addr{x}
-			etcdtest.Eventually(t, "u1 given "+x.String(), func() error {
-				res, err := a1.Add(ctx, req)
-				if err != nil {
-					return err
-				}
-				return etcdtest.Saw(resultAddrs(res)[0] == x, "u1 given %v, want %s", resultAddrs(res), x)
-			})
-			if err := member.Restore(backup, way.bump); err != nil {
-				t.Fatal(err)
-			}
-			// The backup's allocation and held key of u0; the allocation goes with u0's pod
-			// lease, as etcd expires it a TTL after the restore; the held key's block lease
-			// stands.
-			var old clientv3.LeaseID
-			etcdtest.Eventually(t, "u0's keys back with the restore", func() error {
-				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
-				if err != nil {
-					return err
-				}
-				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
-				if err != nil {
-					return err
-				}
-				if len(al.Kvs) == 0 || len(held.Kvs) == 0 {
-					return fmt.Errorf("%s: allocation %v, held key %v", x, al.Kvs, held.Kvs)
-				}
-				rec, _ := keyspace.Decode[keyspace.Allocation](string(al.Kvs[0].Key), al.Kvs[0].Value)
-				h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value)
-				if rec.Owner != "u0" || h.Owner != "u0" {
-					return fmt.Errorf("%s: allocated to %s, held for %s, want u0's keys", x, rec.Owner, h.Owner)
-				}
-				old = keyspace.LeaseOf(al.Kvs[0])
-				return nil
-			})
-			etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
-				at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name)
-				return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
-			})
-			if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
-				t.Fatal(err)
-			}
-			etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
-				lease, _ := a1.pods.lease("u1")
-				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
-				if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
-					return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, al, err, keyspace.LeaseHex(lease))
-				}
-				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
-				if err != nil || len(held.Kvs) == 0 {
-					return fmt.Errorf("%s: no held key (%v)", x, err)
-				}
-				if h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value); h.Owner != "u1" || !a1.blockLeases.mine(keyspace.LeaseOf(held.Kvs[0])) {
-					return fmt.Errorf("%s: held for %s on lease %s, want u1 on n1's block lease", x, h.Owner, keyspace.LeaseHex(keyspace.LeaseOf(held.Kvs[0])))
-				}
-				if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
-					return fmt.Errorf("u1's conflict record is still there")
-				}
-				if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
-					return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
-				}
-				return nil
-			})
+			f(t, restoreBed{member: member, cli: etcdtest.ClientAt(t, member.ClientURL), cluster: etcdtest.Uniq("c"),
+				ctx: ctxT(t), pool: v4Pool(etcdtest.Uniq("p"), subnet, 28), bump: way.bump})
 		})
 	}
 }

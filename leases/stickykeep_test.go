@@ -362,95 +362,87 @@ func testAReleasedClaimARestoreTookIsPutBack(t *testing.T, restarted bool) {
 // claim's own pod, as from an ADD naming it. Found by the model (LEASEHOLD_MODEL_SEED
 // 1795798955580404457): the running pod waited for the old block lease to run out.
 func TestARestoredEarlierHolderOfAClaimDoesNotKeepItsAddressesFromTheRunningPod(t *testing.T) {
-	for _, way := range []struct {
-		name string
-		bump uint64
-	}{{"plain", 0}, {"bumped", modelBump}} {
-		t.Run(way.name, func(t *testing.T) {
-			member := etcdtest.StartMember(t)
-			cli := etcdtest.ClientAt(t, member.ClientURL)
-			cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
-			pool := v4Pool(etcdtest.Uniq("p"), "10.84.0.0/28", 28)
-			const claim = "default.web-2"
-			a0 := startAgentAt(t, member.ClientURL, cluster, "n0", "uid-n0", withHold(t.TempDir()), auditFast)
-			first, err := a0.Add(ctx, stickyReq(pool, "c0", "u0", claim))
-			if err != nil {
-				t.Fatal(err)
-			}
-			ips := resultAddrs(first)
-			backup := filepath.Join(t.TempDir(), "backup.db")
-			if err := member.Snapshot(ctx, backup); err != nil {
-				t.Fatal(err)
-			}
-			// The pod's DEL, its node gone, and the claim's next pod on another node.
-			if err := a0.Del(ctx, stickyReq(pool, "c0", "u0", claim)); err != nil {
-				t.Fatal(err)
-			}
-			a0.Close()
-			a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
-			next, err := a1.Add(ctx, stickyReq(pool, "c1", "u1", claim))
-			if err != nil || !slices.Equal(resultAddrs(next), ips) {
-				t.Fatalf("the claim's next pod: %v %v, want %v", resultAddrs(next), err, ips)
-			}
-			if err := member.Restore(backup, way.bump); err != nil {
-				t.Fatal(err)
-			}
-			// The backup's allocations and held keys of u0; the allocations go with u0's pod
-			// lease, as etcd expires it a TTL after the restore.
-			var old clientv3.LeaseID
-			etcdtest.Eventually(t, "u0's keys back with the restore", func() error {
-				for _, ip := range ips {
-					al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
-					if err != nil {
-						return err
-					}
-					held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
-					if err != nil {
-						return err
-					}
-					if len(al.Kvs) == 0 || len(held.Kvs) == 0 {
-						return fmt.Errorf("%s: allocation %v, held key %v", ip, al.Kvs, held.Kvs)
-					}
-					rec, _ := keyspace.Decode[keyspace.Allocation](string(al.Kvs[0].Key), al.Kvs[0].Value)
-					h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value)
-					if rec.Owner != "u0" || h.Owner != "u0" {
-						return fmt.Errorf("%s: allocated to %s, held for %s, want u0's keys", ip, rec.Owner, h.Owner)
-					}
-					old = keyspace.LeaseOf(al.Kvs[0])
-				}
-				return nil
-			})
-			if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
-				t.Fatal(err)
-			}
-			k := stickyKeysOf{pool: pool.Name, claim: keyspace.ClaimKey(cluster, pool.Name, claim),
-				owner: keyspace.OwnerKey(cluster, "u1", "eth0", pool.Name)}
+	eachRestoreWay(t, "10.84.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		const claim = "default.web-2"
+		a0 := startAgentAt(t, member.ClientURL, cluster, "n0", "uid-n0", withHold(t.TempDir()), auditFast)
+		first, err := a0.Add(ctx, stickyReq(pool, "c0", "u0", claim))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ips := resultAddrs(first)
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		// The pod's DEL, its node gone, and the claim's next pod on another node.
+		if err := a0.Del(ctx, stickyReq(pool, "c0", "u0", claim)); err != nil {
+			t.Fatal(err)
+		}
+		a0.Close()
+		a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+		next, err := a1.Add(ctx, stickyReq(pool, "c1", "u1", claim))
+		if err != nil || !slices.Equal(resultAddrs(next), ips) {
+			t.Fatalf("the claim's next pod: %v %v, want %v", resultAddrs(next), err, ips)
+		}
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		// The backup's allocations and held keys of u0; the allocations go with u0's pod
+		// lease, as etcd expires it a TTL after the restore.
+		var old clientv3.LeaseID
+		etcdtest.Eventually(t, "u0's keys back with the restore", func() error {
 			for _, ip := range ips {
-				k.q = append(k.q, keyspace.QuarantineKey(pool.Name, pool.Blocks, ip))
+				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
+				if err != nil {
+					return err
+				}
+				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
+				if err != nil {
+					return err
+				}
+				if len(al.Kvs) == 0 || len(held.Kvs) == 0 {
+					return fmt.Errorf("%s: allocation %v, held key %v", ip, al.Kvs, held.Kvs)
+				}
+				rec, _ := keyspace.Decode[keyspace.Allocation](string(al.Kvs[0].Key), al.Kvs[0].Value)
+				h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value)
+				if rec.Owner != "u0" || h.Owner != "u0" {
+					return fmt.Errorf("%s: allocated to %s, held for %s, want u0's keys", ip, rec.Owner, h.Owner)
+				}
+				old = keyspace.LeaseOf(al.Kvs[0])
 			}
-			claimHeldFor(t, cli, a1, "u1", "c1", claim, k, ips, func() error {
-				lease, _ := a1.pods.lease("u1")
-				for _, ip := range ips {
-					al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
-					if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
-						return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", ip, al, err, keyspace.LeaseHex(lease))
-					}
-					held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
-					if err != nil || len(held.Kvs) == 0 {
-						return fmt.Errorf("%s: no held key (%v)", ip, err)
-					}
-					if h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value); h.Owner != "u1" {
-						return fmt.Errorf("%s: held for %s, want u1", ip, h.Owner)
-					}
-				}
-				if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
-					return fmt.Errorf("u1's conflict record is still there")
-				}
-				if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
-					return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
-				}
-				return nil
-			})
+			return nil
 		})
-	}
+		if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
+			t.Fatal(err)
+		}
+		k := stickyKeysOf{pool: pool.Name, claim: keyspace.ClaimKey(cluster, pool.Name, claim),
+			owner: keyspace.OwnerKey(cluster, "u1", "eth0", pool.Name)}
+		for _, ip := range ips {
+			k.q = append(k.q, keyspace.QuarantineKey(pool.Name, pool.Blocks, ip))
+		}
+		claimHeldFor(t, cli, a1, "u1", "c1", claim, k, ips, func() error {
+			lease, _ := a1.pods.lease("u1")
+			for _, ip := range ips {
+				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
+				if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
+					return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", ip, al, err, keyspace.LeaseHex(lease))
+				}
+				held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip))
+				if err != nil || len(held.Kvs) == 0 {
+					return fmt.Errorf("%s: no held key (%v)", ip, err)
+				}
+				if h, _ := keyspace.Decode[keyspace.HeldRecord](string(held.Kvs[0].Key), held.Kvs[0].Value); h.Owner != "u1" {
+					return fmt.Errorf("%s: held for %s, want u1", ip, h.Owner)
+				}
+			}
+			if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
+				return fmt.Errorf("u1's conflict record is still there")
+			}
+			if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
+				return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
+			}
+			return nil
+		})
+	})
 }
