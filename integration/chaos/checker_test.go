@@ -439,7 +439,7 @@ func TestCheckExplainsAReuseInAKeepTime(t *testing.T) {
 		name       string
 		wentBack   float64
 		withinKeep bool
-	}{{"within the keep time", 14, true}, {"after it", 15 - 1 - (standing(8).Params.TTL+standing(8).Params.ReuseDelay).Seconds(), false}} {
+	}{{"within the keep time", 14, true}, {"after it", 15 - 1 - (standing(8).Params.TTL + standing(8).Params.ReuseDelay).Seconds(), false}} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := standing(8)
 			h.Logs = append(h.Logs, LogEvent{Time: sec(tc.wentBack), Slot: 1, Kind: "wentback"},
