@@ -453,12 +453,14 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 		return true, fmt.Sprintf("%s, when node n%d had been away %s (%s), longer than TTL+reuse delay %s",
 			when, prev.Slot, awayFor.Round(100*time.Millisecond), cause, need)
 	}
-	if w, ok := c.acrossRestore(prev, at); ok {
-		// ARCHITECTURE.md, invariant 15: a pod created after the backup, whose node was cut
-		// off across the restore, has no key and no held key left; after the settle time
-		// (two TTLs) its address may go to another pod, a conflict when its node is back.
-		return true, fmt.Sprintf("%s, after the settle time of restore #%d: %s was created after its backup and node n%d "+
-			"was away across it (the window that remains)", when, w.f.ID, prev.UID, prev.Slot)
+	if w, a, ok := c.acrossRestore(prev, hp, ip, at); ok {
+		// ARCHITECTURE.md, invariant 15: a pod that claimed its address after the backup has
+		// no key and no held key in the restored etcd until its agent re-claims it; its node
+		// away before that, past the settle time (two TTLs) its address may go to another
+		// pod, a conflict when its node is back.
+		return true, fmt.Sprintf("%s, after the settle time of restore #%d: %s claimed %s after its backup, and node n%d "+
+			"was away (%s, %s..%s) after etcd's return before its agent re-claimed it (the window that remains)",
+			when, w.f.ID, prev.UID, ip, prev.Slot, a.Cause, c.at(a.Start), c.at(c.awayEnd(a)))
 	}
 	away := fmt.Sprintf("node n%d not away then", prev.Slot)
 	if awayFor > 0 {
@@ -475,20 +477,91 @@ func (c *checker) reuseJustified(prev *Pod, holder string, ip netip.Addr, before
 	return false, fmt.Sprintf("%s, when the pool had room: %s; %s, not longer than TTL+reuse delay %s", when, occ, away, need)
 }
 
-// acrossRestore finds the restore whose backup predates p's ADD, whose return p's node was
-// away across, and whose settle time (two TTLs after etcd's return) ended before at.
-func (c *checker) acrossRestore(p *Pod, at time.Time) (restoreWindow, bool) {
+// acrossRestore finds the restore that left p without a key in a stretch its node was away,
+// as of at, when another pod got p's address ip (the window that remains):
+//   - p claimed ip after the backup (claimedAfterBackup): the restored etcd has neither p's
+//     keys nor its held key;
+//   - at is after the settle time of holder's agent (two TTLs after it noticed etcd going
+//     back, its "etcd went back" line, or after etcd's return if earlier), when it claims and
+//     borrows again;
+//   - p's node was away in a stretch that began before the settle time ended and before at,
+//     ended after etcd's return, and began before its agent re-claimed p in the restored etcd:
+//     neither a "pod re-claimed" line of p nor a sample holding ip for p between etcd's loss
+//     of its data and the stretch's start (a re-claim writes the held key, which keeps ip
+//     from other pods for the reuse delay after p's lease ends: then the usual rules judge).
+//     A node away across the return, or stopped between the return and its re-claim of p.
+//
+// The away stretch found is returned with the restore.
+func (c *checker) acrossRestore(p, holder *Pod, ip netip.Addr, at time.Time) (restoreWindow, Away, bool) {
 	for _, w := range c.restores {
-		if !p.Created.After(w.backupFrom) || !at.After(w.back.Add(2*c.h.Params.TTL)) {
-			continue
-		}
-		for _, a := range c.away[p.Slot] {
-			if !a.Start.After(w.back) && c.awayEnd(a).After(w.back) {
-				return w, true
+		noticed := w.back
+		for _, l := range c.h.Logs {
+			if l.Kind == "wentback" && l.Slot == holder.Slot && l.Time.After(w.lost) && l.Time.Before(noticed) {
+				noticed = l.Time // the run saw etcd serve a little after the agents
+				break
 			}
 		}
+		settled := noticed.Add(2 * c.h.Params.TTL)
+		if !at.After(settled) || !c.claimedAfterBackup(p, ip, w) {
+			continue
+		}
+		reclaimed := c.reclaimedAfter(p, ip, w.lost)
+		for _, a := range c.away[p.Slot] {
+			if !a.Start.Before(settled) || !a.Start.Before(at) || !c.awayEnd(a).After(w.back) {
+				continue
+			}
+			if !reclaimed.IsZero() && !reclaimed.After(a.Start) {
+				continue // re-claimed before the stretch: its held key keeps ip
+			}
+			if !reclaimed.IsZero() && reclaimed.Before(at) {
+				continue // its key was back before the other pod got ip
+			}
+			return w, a, true
+		}
 	}
-	return restoreWindow{}, false
+	return restoreWindow{}, Away{}, false
+}
+
+// claimedAfterBackup reports whether p's claim of ip cannot be in w's backup: p's first ADD
+// that may have claimed was sent after the backup began (firstClaim), or one sent before it
+// applied after it: a sample read at the backup's revision or later, before etcd lost its
+// data and before p was answered, lacks ip for p.
+func (c *checker) claimedAfterBackup(p *Pod, ip netip.Addr, w restoreWindow) bool {
+	if firstClaim(p).After(w.backupFrom) {
+		return true
+	}
+	if p.AddAnswered.IsZero() || !p.AddAnswered.After(w.backupFrom) || w.f.BackupRev == 0 {
+		return false
+	}
+	for _, s := range c.h.Samples {
+		if s.Rev < w.f.BackupRev || !s.T0.After(w.backupFrom) || !s.T1.Before(p.AddAnswered) || !s.T1.Before(w.lost) {
+			continue
+		}
+		if !slices.ContainsFunc(s.Allocs, func(a Alloc) bool { return a.IP == ip && a.Owner == p.UID }) {
+			return true
+		}
+	}
+	return false
+}
+
+// reclaimedAfter is when p's agent first put p's keys back after from: its "pod re-claimed"
+// line, or a sample that read ip held for p, whichever is first (zero when neither).
+func (c *checker) reclaimedAfter(p *Pod, ip netip.Addr, from time.Time) time.Time {
+	var t time.Time
+	for _, l := range c.h.Logs {
+		if l.Kind == "reclaimed" && l.Owner == p.UID && l.Time.After(from) && (t.IsZero() || l.Time.Before(t)) {
+			t = l.Time
+		}
+	}
+	for _, s := range c.h.Samples {
+		if !s.T0.After(from) || (!t.IsZero() && !s.T1.Before(t)) {
+			continue
+		}
+		if slices.ContainsFunc(s.Allocs, func(a Alloc) bool { return a.IP == ip && a.Owner == p.UID }) {
+			return s.T1 // read by then
+		}
+	}
+	return t
 }
 
 // awayThrough reports whether slot was away without a break from from to to.

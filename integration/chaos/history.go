@@ -233,8 +233,9 @@ type LogEvent struct {
 	Node string    `json:"node"`
 	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved..."), reuse
 	// ("reusing an address whose holder expired..."), wentback ("etcd went back in time..."),
-	// keyslost ("keys of a running pod were deleted or changed...") or unknown ("... etcd's
-	// history no longer tells whether another pod had its address meanwhile").
+	// keyslost ("keys of a running pod were deleted or changed..."), reclaimed ("pod
+	// re-claimed after its lease was lost": its keys are in etcd again) or unknown ("...
+	// etcd's history no longer tells whether another pod had its address meanwhile").
 	Kind   string     `json:"kind"`
 	Owner  string     `json:"owner,omitempty"`
 	IfName string     `json:"ifname,omitempty"`

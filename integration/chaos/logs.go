@@ -79,6 +79,8 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 			ev.Kind = "wentback"
 		case strings.HasPrefix(l.Msg, "keys of a running pod were deleted or changed"):
 			ev.Kind = "keyslost"
+		case strings.HasPrefix(l.Msg, "pod re-claimed after its lease was lost"):
+			ev.Kind = "reclaimed"
 		default:
 			continue
 		}

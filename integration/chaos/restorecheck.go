@@ -99,7 +99,7 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 //     holder, and the restore undid that. The conflict is then as justified as that taking
 //     was (reuseJustified, holder as the pod that lost it): both pods have run with the
 //     address since p got it;
-//   - or p's ADD was sent after the backup began (its key is not in the restored etcd),
+//   - or p's first ADD that may have claimed was sent after the backup began (its key is not in the restored etcd),
 //     holder was never answered the address (no successful ADD of it has ip), and an ADD of
 //     holder was in flight when etcd came back and failed: it chose ip as free in the
 //     restored etcd, and its agent, finding etcd gone back, gave the claim back and answered
@@ -139,7 +139,7 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 			"%s had taken it: %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), ip, hp.UID, p.UID, why)
 	}
 	for _, w := range c.restores {
-		if t.Before(w.lost) || t.After(c.restoreUntil(w, p.Slot)) || !p.Created.After(w.backupFrom) || slices.Contains(hp.Addrs, ip) {
+		if t.Before(w.lost) || t.After(c.restoreUntil(w, p.Slot)) || !firstClaim(p).After(w.backupFrom) || slices.Contains(hp.Addrs, ip) {
 			continue
 		}
 		if a, ok := failedAcross(hp, w); ok {
@@ -168,7 +168,10 @@ func firstClaim(p *Pod) time.Time {
 }
 
 // claimedNothing are parts of the answers of ADDs refused before they claimed anything.
-var claimedNothing = []string{"is not reachable at", "settling after a restore", "pool exhausted", "only quarantined addresses are free"}
+// "etcd does not answer (no answer since" is the agent's check that etcd answers, before
+// the ADD claims anything (leases/agent.go, reachable).
+var claimedNothing = []string{"is not reachable at", "settling after a restore", "pool exhausted", "only quarantined addresses are free",
+	"etcd does not answer (no answer since"}
 
 // failedAcross finds an ADD of p that was sent before etcd came back from w and failed after
 // etcd lost its data.

@@ -214,3 +214,72 @@ func TestCheckJudgesAConflictWithAnAddInFlightAcrossARestore(t *testing.T) {
 	}
 	wantFailure(t, build(true), "unjustified conflicts")
 }
+
+// TestCheckJudgesTheWindowThatRemains: "a" is created before the backup (20 s), but its first
+// ADDs claim nothing (etcd does not answer), and the one sent at 24.9 s claims 10.0.0.2: the
+// restore (etcd back at 41 s) erases its keys. a's agent notices at once (41 s) and is stopped
+// at 41.5 s before it re-claims a; "b" gets the address at 49.5 s, after the settle time (two
+// TTLs), and a's re-claim at 50.2 s records the conflict: the window that remains
+// (ARCHITECTURE.md, invariant 15). Not it: a re-claimed before its node was stopped (its held
+// key then keeps the address), b's address taken within the settle time, a's claim possibly
+// in the backup, a's node away only before etcd's return.
+func TestCheckJudgesTheWindowThatRemains(t *testing.T) {
+	build := func(change func(h *History, a *Pod)) *History {
+		h := history()
+		h.Faults = append(h.Faults, &Fault{ID: 1, Kind: EtcdRestore, Target: "all", Slot: -1, Way: RestoreBump,
+			Start: sec(20), BackupDone: sec(20.1), BackupRev: 100, Lost: sec(40), End: sec(41)})
+		a := h.pod("a", 0, "10.0.0.2", 25, 0)
+		a.Created = sec(10)
+		a.Attempts = append([]Attempt{{Op: "ADD", Sent: sec(10), Answered: sec(12), Code: 11,
+			Msg: "agent unavailable: etcd does not answer (no answer since 2026-01-01T12:00:05Z): context deadline exceeded"}}, a.Attempts...)
+		h.pod("b", 1, "10.0.0.2", 49.5, 60)
+		h.Logs = append(h.Logs, LogEvent{Time: sec(41), Slot: 0, Kind: "wentback", Msg: "etcd went back in time"},
+			LogEvent{Time: sec(41), Slot: 1, Kind: "wentback", Msg: "etcd went back in time"})
+		h.away(0, 41.5, 50, "sigstop")
+		h.conflict(50.2, "a", "10.0.0.2", "b")
+		h.Logs = append(h.Logs, LogEvent{Time: sec(50.3), Slot: 0, Kind: "reclaimed", Owner: "a", Msg: "pod re-claimed after its lease was lost"},
+			LogEvent{Time: sec(60.1), Slot: 0, Kind: "resolved", Owner: "a", IP: addr("10.0.0.2"), Msg: "conflict resolved"})
+		h.sample(30, "10.0.0.2=a")
+		h.sample(45)
+		h.sample(55, "10.0.0.2=b")
+		h.sample(62, "10.0.0.2=a")
+		h.final("10.0.0.2=a")
+		if change != nil {
+			change(h, a)
+		}
+		return h
+	}
+	r := Check(build(nil))
+	t.Logf("\n%s", r)
+	if len(r.Conflicts) != 1 || !r.Conflicts[0].Justified || !strings.Contains(r.Conflicts[0].Reason, "the window that remains") {
+		t.Fatalf("conflicts: %+v", r.Conflicts)
+	}
+	// Its one ADD sent before the backup, answered after it: the sample read at the backup's
+	// revision without a's key shows that the claim applied after the backup.
+	wantPass(t, build(func(h *History, a *Pod) {
+		a.Attempts = a.Attempts[1:]
+		a.Created, a.Attempts[0].Sent = sec(19), sec(19)
+		h.Samples[0].T0, h.Samples[0].T1, h.Samples[0].Rev = sec(21), sec(21.01), 101
+		h.Samples[0].Allocs = nil
+	}))
+	for name, change := range map[string]func(h *History, a *Pod){
+		"re-claimed before the stop": func(h *History, a *Pod) {
+			h.Logs = append(h.Logs, LogEvent{Time: sec(41.3), Slot: 0, Kind: "reclaimed", Owner: "a", Msg: "pod re-claimed after its lease was lost"})
+		},
+		"seen back before the stop": func(h *History, a *Pod) { h.sample(41.2, "10.0.0.2=a") },
+		"taken within the settle time": func(h *History, a *Pod) {
+			b := h.Pods[1]
+			b.AddAnswered, b.Attempts[0].Answered = sec(48.9), sec(48.9)
+		},
+		"an earlier ADD may have claimed": func(h *History, a *Pod) { a.Attempts[0].Msg = "context deadline exceeded" },
+		"claimed before the backup's revision": func(h *History, a *Pod) {
+			a.Attempts = a.Attempts[1:]
+			a.Created, a.Attempts[0].Sent = sec(19), sec(19)
+			h.Samples[0].T0, h.Samples[0].T1, h.Samples[0].Rev = sec(21), sec(21.01), 99
+			h.Samples[0].Allocs = nil
+		},
+		"away only before the return": func(h *History, a *Pod) { h.Away = []Away{{Slot: 0, Start: sec(30), End: sec(38), Cause: "sigstop"}} },
+	} {
+		t.Run(name, func(t *testing.T) { wantFailure(t, build(change), "unjustified conflicts") })
+	}
+}
