@@ -232,6 +232,36 @@ func TestAPodsOwnAllocationWithoutItsLeaseIsNoConflictAtItsReclaim(t *testing.T)
 	}
 }
 
+// TestAPodRecordPutByHandJustBeforeTheDelGoesWithThePod: the pod record put by hand without
+// its lease (etcdctl put of the value read) just before the pod's DEL, before any check of
+// the agent saw it: the release of the pod's last attachment deletes it too. Found by the
+// fault run: the copy, on no lease, outlived the pod, and doctor reported it.
+func TestAPodRecordPutByHandJustBeforeTheDelGoesWithThePod(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.0.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) { c.AuditInterval = c.LeaseTTL })
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := keysOf(cluster, "n1", "u1", pool, addrs(res)[0])
+	before, err := cli.Get(ctx, k.pod)
+	if err != nil || len(before.Kvs) == 0 {
+		t.Fatalf("%s: %v %v", k.pod, before, err)
+	}
+	if _, err := cli.Put(ctx, k.pod, string(before.Kvs[0].Value)); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{k.pod, k.owner, k.alloc} {
+		if resp, err := cli.Get(ctx, key); err != nil || len(resp.Kvs) > 0 {
+			t.Errorf("%s after the pod's DEL: %v %v", key, resp.Kvs, err)
+		}
+	}
+}
+
 // TestAnOwnerThatHadTheAddressBeforeItsHolderIsLogged: a running pod's lease lost; while it
 // was, one owner took its address and let it go, and another holds it at the re-claim. The
 // re-claim records the conflict with the holder, which the address comes back from, and logs

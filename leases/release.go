@@ -17,6 +17,7 @@ import (
 //	Then( delete the owner index and conflict record, every allocation and its held key,
 //	      [quarantine] put each address's quarantine key, on the shared quarantine lease,
 //	      Txn(If(no other owner index of the owner, pod record on the lease) Then(delete pod record)),
+//	      Txn(If(no other owner index of the owner, pod record on no lease) Then(delete pod record)),
 //	      count the owner's owner indexes left)
 //	Else( per address: allocation (keys only), owner index )
 //
@@ -83,12 +84,18 @@ func (r *release) txn() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	} else {
 		then = append(then, plain...)
 	}
-	then = append(then, clientv3.OpTxn([]clientv3.Cmp{
-		// No owner index before this one, and none after it (an empty range compares as absent).
-		clientv3.Compare(clientv3.CreateRevision(r.ownerPrefix), "=", 0).WithRange(r.ownerKey),
-		clientv3.Compare(clientv3.CreateRevision(r.ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(r.ownerPrefix)),
-		keyspace.OnLease(r.podKey, r.lease),
-	}, []clientv3.Op{clientv3.OpDelete(r.podKey)}, nil))
+	// No owner index before this one, and none after it (an empty range compares as absent):
+	// the pod record goes with the last. On the pod's lease, or on none: a copy put by hand
+	// (etcdctl put) just before the DEL, which the audit would have put back on the lease, and
+	// which nothing else ever deletes once the pod is gone.
+	last := func(podKey clientv3.Cmp) clientv3.Op {
+		return clientv3.OpTxn([]clientv3.Cmp{
+			clientv3.Compare(clientv3.CreateRevision(r.ownerPrefix), "=", 0).WithRange(r.ownerKey),
+			clientv3.Compare(clientv3.CreateRevision(r.ownerKey+"\x00"), "=", 0).WithRange(clientv3.GetPrefixRangeEnd(r.ownerPrefix)),
+			podKey,
+		}, []clientv3.Op{clientv3.OpDelete(r.podKey)}, nil)
+	}
+	then = append(then, last(keyspace.OnLease(r.podKey, r.lease)), last(keyspace.OnLease(r.podKey, 0)))
 	then = append(then, clientv3.OpGet(r.ownerPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	els = append(els, clientv3.OpGet(r.ownerKey))
 	return cmps, then, els
@@ -118,8 +125,8 @@ func (r *release) outcome(resp *clientv3.TxnResponse) releaseOutcome {
 		out := releaseOutcome{Applied: true, Revision: resp.Header.Revision,
 			Left: resp.Responses[len(resp.Responses)-1].GetResponseRange().Count}
 		if r.claimKey != "" && r.holdLease != 0 {
-			// Before the pod record's transaction and the count.
-			out.ClaimKept = resp.Responses[len(resp.Responses)-3].GetResponseTxn().GetSucceeded()
+			// Before the pod record's two transactions and the count.
+			out.ClaimKept = resp.Responses[len(resp.Responses)-4].GetResponseTxn().GetSucceeded()
 		}
 		return out
 	}
