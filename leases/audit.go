@@ -659,7 +659,14 @@ func (a *Agent) wentBackFrom(why string, from time.Time) time.Time {
 	held := a.pods.heldAddrs(from) // before the audit takes the pods whose keys went
 	until := a.hold.notice(why)
 	a.rmu.Lock()
-	a.backHeld, a.backGen = held, a.hold.generation()
+	// A notice before the repair of an earlier one is done (another sign of the same restore,
+	// found by the audit a moment later) adds to what the pods held at the first: a pod whose
+	// lease the restore took in between held its addresses then.
+	if a.backHeld == nil {
+		a.backHeld = map[conflictRef]bool{}
+	}
+	maps.Copy(a.backHeld, held)
+	a.backGen = a.hold.generation()
 	a.rmu.Unlock()
 	a.metrics.wentBack.Inc()
 	_, settled, _ := a.hold.settleEnds()
