@@ -540,9 +540,14 @@ func (v *view) idleBlocks(now time.Time) []span {
 	// A quarantine kept across a restore with no key in etcd holds its block until it ends,
 	// not for ever.
 	v.endRestKept(now)
+	// An address held back for another node's expired pod does not keep its block: the view
+	// looks at its held key again only when the hold ends as its lease's TTL said, and the
+	// key may go long before (its node back and done with it, `node forget`, its lease
+	// revoked) with no event the view follows. The give-back's transaction compares the
+	// block's held keys absent: while one stands, the block stays.
 	used := make(map[netip.Prefix]bool)
 	for _, m := range []func(func(netip.Addr) bool){mapKeys(v.allocated), mapKeys(v.quarantined), mapKeys(v.pending),
-		mapKeys(v.heldBack), mapKeys(v.suspect)} {
+		mapKeys(v.suspect)} {
 		m(func(a netip.Addr) bool {
 			used[v.blocks.Of(a)] = true
 			return true

@@ -669,3 +669,75 @@ func TestExactFitWithManyAgents(t *testing.T) {
 	}
 	t.Logf("%d pods re-created with new UIDs in %s (quarantine %s)", n, took.Round(time.Millisecond), quarantine)
 }
+
+// TestABlockIsGivenBackOnceAHoldEndsEarly: an empty block whose only address the view holds
+// back for another node's expired pod is given back once that address's held key is gone,
+// though the hold's end the view read (its lease's TTL) is far off: nothing tells the view of
+// a held key deleted before its lease ends (its node back and done with it, `leaseholdctl
+// node forget`, its lease revoked), and the give-back's transaction, which compares the block's
+// held keys absent, decides. While the held key stands, the block stays. Found by the model
+// (LEASEHOLD_MODEL_SEED=1795812281696163929): a restore brought back held keys of dead nodes
+// in a live node's blocks, on block leases the model revokes (as etcd expires them), and that
+// node kept its empty blocks for the whole TTL it had read.
+func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	cli := etcdtest.Client(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.87.0.0/28", 28) // one block
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) { c.BlockIdle = 300 * time.Millisecond })
+	req := addReq(pool, "c0", "eth0", "u0")
+	first, err := a.Add(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	block := pool.Blocks.Of(resultAddrs(first)[0])
+	x := resultAddrs(first)[0].Next()
+	expiredBorrower(t, cli, cluster, pool, x)
+	held, err := cli.Get(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, x))
+	if err != nil || len(held.Kvs) != 1 {
+		t.Fatalf("the held key of %s: %v %v", x, held, err)
+	}
+	hold := keyspace.LeaseOf(held.Kvs[0])
+	v := a.pools.viewOf(pool.Name)
+	etcdtest.Eventually(t, "the view holding "+x.String()+" back until its hold's lease ends", func() error {
+		v.mu.Lock()
+		defer v.mu.Unlock()
+		until, ok := v.heldBack[x]
+		return etcdtest.Saw(ok && until.After(time.Now().Add(time.Minute)), "%s held back %v until %s", x, ok, until)
+	})
+	if err := a.Del(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	// With the held key standing, a give-back is tried and fails: the block starts a new idle
+	// time, still this node's.
+	var tried time.Time
+	etcdtest.Eventually(t, "a give-back of the block tried while "+x.String()+"'s held key stands", func() error {
+		v.mu.Lock()
+		s := v.spans[block]
+		since := time.Time{}
+		if s != nil {
+			since = s.emptySince
+		}
+		v.mu.Unlock()
+		if s == nil {
+			t.Fatalf("the block was given back with the held key of %s standing: claims %v", x, blockClaims(t, cli, pool.Name))
+		}
+		if tried.IsZero() {
+			tried = since
+		}
+		return etcdtest.Saw(!tried.IsZero() && since.After(tried), "the block empty since %s, first seen empty since %s", since, tried)
+	})
+	if c := blockClaims(t, cli, pool.Name); len(c) != 1 {
+		t.Fatalf("the block was given back with the held key of %s standing: claims %v", x, c)
+	}
+	// The hold ends early: the held key goes with its lease, long before the end the view read.
+	if _, err := cli.Revoke(ctx, hold); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the empty block given back once the held key of "+x.String()+" is gone", func() error {
+		c := blockClaims(t, cli, pool.Name)
+		n := metricValue(t, a, "leasehold_blocks_given_back_total")
+		follows := v.heldBlocks()
+		return etcdtest.Saw(len(c) == 0 && n == 1 && follows == 0,
+			"claims %v, blocks given back %v (want 1), blocks the view follows %d", c, n, follows)
+	})
+}

@@ -589,7 +589,25 @@ func (m *model) blocksDump() string {
 		if v := n.agent.pools.viewOf(m.pool.Name); v != nil {
 			v.mu.Lock()
 			for blk, s := range v.spans {
-				held = append(held, fmt.Sprintf("%s@%s leaving=%v", blk, keyspace.LeaseHex(s.lease), s.leaving))
+				// What keeps the block this node's in the view (idleBlocks), and what it passes over.
+				var why []string
+				for name, keys := range map[string]func(func(netip.Addr) bool){"allocated": mapKeys(v.allocated),
+					"quarantined": mapKeys(v.quarantined), "pending": mapKeys(v.pending), "suspect": mapKeys(v.suspect),
+					"restKept": mapKeys(v.restKept), "kept": mapKeys(v.kept)} {
+					for a := range keys {
+						if blk.Contains(a) {
+							why = append(why, name+" "+a.String())
+						}
+					}
+				}
+				for a, until := range v.heldBack {
+					if blk.Contains(a) {
+						why = append(why, fmt.Sprintf("heldBack %s until %s", a, until.Format(time.TimeOnly)))
+					}
+				}
+				sort.Strings(why)
+				held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.lease),
+					s.leaving, s.emptySince.Format(time.TimeOnly), s.restored, why))
 			}
 			v.mu.Unlock()
 		}
