@@ -382,16 +382,7 @@ func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
 		if a.blockLeases.mine(old) || a.keeper.Holds(old) {
 			return fmt.Errorf("the agent still takes %s for its block lease (renewed: %v)", keyspace.LeaseHex(old), a.keeper.Holds(old))
 		}
-		for b, lease := range v.claimsHeld() {
-			resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
-			if err != nil {
-				return err
-			}
-			if len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
-				return fmt.Errorf("the view holds %s on %s; etcd: %v", b, keyspace.LeaseHex(lease), resp.Kvs)
-			}
-		}
-		return nil
+		return claimsAsHeld(ctx, cli, pool, v)
 	})
 	if got := allocOwner(t, cli, pool, ip); got != "u0" {
 		t.Errorf("%s allocated to %q after its block's claim went; the pod keeps it on its own lease", ip, got)

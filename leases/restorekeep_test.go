@@ -243,16 +243,7 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 		return etcdtest.Saw(a.hold.settling() != nil, "not settling; ADD: %v", err)
 	})
 	etcdtest.Eventually(t, "every claim the view holds in etcd as held", func() error {
-		for b, lease := range v.claimsHeld() {
-			resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
-			if err != nil {
-				return err
-			}
-			if len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
-				return fmt.Errorf("the view holds %s on %s; etcd: %v", b, keyspace.LeaseHex(lease), resp.Kvs)
-			}
-		}
-		return nil
+		return claimsAsHeld(ctx, cli, pool, v)
 	})
 }
 
@@ -751,4 +742,18 @@ func eachRestoreWay(t *testing.T, subnet string, f func(t *testing.T, b restoreB
 				ctx: ctxT(t), pool: v4Pool(etcdtest.Uniq("p"), subnet, 28), bump: way.bump})
 		})
 	}
+}
+
+// claimsAsHeld tells whether every block claim v holds is in etcd, on the lease v holds it on.
+func claimsAsHeld(ctx context.Context, cli *clientv3.Client, pool allocator.PoolSpec, v *view) error {
+	for b, lease := range v.claimsHeld() {
+		resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
+			return fmt.Errorf("the view holds %s on %s; etcd: %v", b, keyspace.LeaseHex(lease), resp.Kvs)
+		}
+	}
+	return nil
 }

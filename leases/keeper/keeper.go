@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
 	"slices"
 	"sync"
@@ -431,11 +432,7 @@ func (k *Keeper) Spares() []clientv3.LeaseID {
 func (k *Keeper) HeldLeases() []clientv3.LeaseID {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	out := make([]clientv3.LeaseID, 0, len(k.held))
-	for id := range k.held {
-		out = append(out, id)
-	}
-	return out
+	return slices.Collect(maps.Keys(k.held))
 }
 
 // MarkLost is what the keeper does when a held lease's renewal stops: id is forgotten and
