@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/keeper"
+	"github.com/leasehold/leasehold/leases/node"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 )
 
@@ -98,7 +99,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			return nil, fmt.Errorf("state directory %s: %w (give --state-dir a writable directory)", cfg.StateDir, err)
 		}
 		var err error
-		if unlock, err = lockStateDir(cfg.StateDir); err != nil {
+		if unlock, err = node.LockStateDir(cfg.StateDir); err != nil {
 			return nil, err
 		}
 	}
@@ -170,10 +171,14 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools.seed = h.Sum64()
-	if err := a.lockIdentity(ctx); err != nil {
+	octx, ocancel := a.opCtx(ctx)
+	release, err := node.LockIdentity(octx, a.cli, a.identity())
+	ocancel()
+	if err != nil {
 		a.Close()
 		return nil, err
 	}
+	a.unlock = func() { release(); unlock() }
 	if err := a.register(ctx); err != nil {
 		a.Close()
 		return nil, err
@@ -193,8 +198,9 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	go a.goneLoop()
 	go a.restoredLoop(restoredRev)
 	if cfg.PublishHostAddrs {
-		a.wg.Add(1)
-		go a.publishHosts(actx)
+		hosts := node.Hosts{KV: a.cli, ID: a.identity(), Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,
+			Lease: a.nodeLease, Wall: a.wall, Log: a.log}
+		a.wg.Go(func() { hosts.Publish(actx) })
 	}
 	return a, nil
 }
@@ -251,6 +257,24 @@ func (a *Agent) Close() {
 
 // LeasesHeld is the number of leases this agent keeps alive (pods, node, spares).
 func (a *Agent) LeasesHeld() int { return a.keeper.Held() }
+
+// identity is the node identity the agent serves (package node).
+func (a *Agent) identity() node.Identity {
+	return node.Identity{Cluster: a.cfg.Cluster, Node: a.cfg.Node, UID: a.cfg.NodeUID, Host: a.cfg.Host, Version: a.cfg.Version}
+}
+
+// register writes the node record on a fresh node lease (node.Record.Register), naming the
+// node's block lease.
+func (a *Agent) register(ctx context.Context) error {
+	id, err := node.Record{KV: a.cli, ID: a.identity(), Take: a.keeper.Take, Return: a.keeper.Return, Refill: a.keeper.Refill,
+		AdoptBlockLease: a.blockLeases.adopt, BlockLease: a.blockLeases.get, OpTimeout: a.cfg.OpTimeout, Wall: a.wall,
+		Log: a.log}.Register(ctx)
+	if err != nil {
+		return err
+	}
+	a.nodeLeaseID.Store(int64(id))
+	return nil
+}
 
 // nodeLease is the node record's lease; 0 before the node is registered.
 func (a *Agent) nodeLease() clientv3.LeaseID { return clientv3.LeaseID(a.nodeLeaseID.Load()) }

@@ -8,6 +8,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/keeper"
+	"github.com/leasehold/leasehold/leases/node"
 )
 
 // Config is what an agent needs to know about its node and its policies.
@@ -49,7 +50,7 @@ type Config struct {
 	// HostResync is how often the host addresses are listed again besides following
 	// netlink events; default DefaultHostResync.
 	HostResync time.Duration
-	// Host names the machine and boot this agent runs on; default DefaultHost (hostname and
+	// Host names the machine and boot this agent runs on; default node.DefaultHost (hostname and
 	// boot ID). Two agents with one node identity on different hosts are refused (see
 	// register); the same host may take over from its own previous process.
 	Host string
@@ -196,7 +197,7 @@ func (c *Config) validate() error {
 		c.HostResync = DefaultHostResync
 	}
 	if c.Host == "" {
-		c.Host = DefaultHost()
+		c.Host = node.DefaultHost()
 	}
 	if c.WallClock == nil {
 		c.WallClock = time.Now
@@ -206,3 +207,6 @@ func (c *Config) validate() error {
 	}
 	return nil
 }
+
+// ErrAgentRunning: another agent serves this node identity (node.ErrAgentRunning).
+var ErrAgentRunning = node.ErrAgentRunning

@@ -21,6 +21,7 @@ import (
 	"github.com/leasehold/leasehold/etcdserver"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases"
+	"github.com/leasehold/leasehold/leases/node"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -149,7 +150,7 @@ func serve(o *options, log *slog.Logger) error {
 	uid := o.nodeUID
 	if uid == "" {
 		var err error
-		if uid, err = leases.DefaultNodeUID(); err != nil {
+		if uid, err = node.DefaultNodeUID(); err != nil {
 			return err
 		}
 	}

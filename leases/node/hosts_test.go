@@ -1,4 +1,4 @@
-package leases
+package node
 
 import (
 	"errors"

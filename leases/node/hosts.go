@@ -1,7 +1,8 @@
-package leases
+package node
 
 import (
 	"context"
+	"log/slog"
 	"net/netip"
 	"time"
 
@@ -95,14 +96,30 @@ type hostRecord struct {
 	Since     time.Time `json:"since"`
 }
 
-// publishHosts keeps /leasehold/v1/hostips/<ip>/<cluster>/<node> equal to the node's
-// published host addresses, on the node lease, until ctx ends.
-func (a *Agent) publishHosts(ctx context.Context) {
-	defer a.wg.Done()
+// Hosts publishes the node's own addresses: the addresses of the network namespace Netns,
+// each under /leasehold/v1/hostips/<ip>/<cluster>/<node> on the node lease, where every
+// claim compares them absent (ARCHITECTURE.md, "Routes and host addresses").
+type Hosts struct {
+	KV clientv3.KV
+	ID Identity
+	// Netns is the network namespace whose addresses are the node's ("": the agent's own);
+	// Resync how often they are listed again besides following netlink events.
+	Netns     string
+	Resync    time.Duration
+	OpTimeout time.Duration
+	// Lease is the node record's lease, which the keys go on; a new one puts them all again.
+	Lease func() clientv3.LeaseID
+	Wall  func() time.Time
+	Log   *slog.Logger
+}
+
+// Publish keeps /leasehold/v1/hostips/<ip>/<cluster>/<node> equal to the node's published
+// host addresses, on the node lease, until ctx ends.
+func (h Hosts) Publish(ctx context.Context) {
 	set := newHostSet(3)
 	written := map[netip.Addr]bool{}
 	var writtenLease clientv3.LeaseID
-	resync := time.NewTicker(a.cfg.HostResync)
+	resync := time.NewTicker(h.Resync)
 	defer resync.Stop()
 	var events <-chan kernel.Event
 	var done chan struct{}
@@ -111,9 +128,9 @@ func (a *Agent) publishHosts(ctx context.Context) {
 			close(done)
 		}
 		done = make(chan struct{})
-		ch, err := kernel.Watch(a.cfg.HostNetns, done, func(err error) { a.log.Warn("host address events", "err", err) })
+		ch, err := kernel.Watch(h.Netns, done, func(err error) { h.Log.Warn("host address events", "err", err) })
 		if err != nil {
-			a.log.Warn("cannot follow host address events; relying on scans", "err", err)
+			h.Log.Warn("cannot follow host address events; relying on scans", "err", err)
 			events = nil
 			return
 		}
@@ -121,13 +138,13 @@ func (a *Agent) publishHosts(ctx context.Context) {
 	}
 	subscribe()
 	defer func() { close(done) }()
-	set.scan(kernel.AllAddrs(a.cfg.HostNetns))
+	set.scan(kernel.AllAddrs(h.Netns))
 	dirty := true
 	for {
 		if dirty {
-			lease := a.nodeLease()
-			if err := a.writeHosts(ctx, set, written, writtenLease != lease, lease); err != nil {
-				a.log.Warn("publishing host addresses failed; retrying", "err", err)
+			lease := h.Lease()
+			if err := h.write(ctx, set, written, writtenLease != lease, lease); err != nil {
+				h.Log.Warn("publishing host addresses failed; retrying", "err", err)
 			} else {
 				writtenLease, dirty = lease, false
 			}
@@ -138,7 +155,7 @@ func (a *Agent) publishHosts(ctx context.Context) {
 		case ev, ok := <-events:
 			if !ok {
 				subscribe()
-				dirty = set.scan(kernel.AllAddrs(a.cfg.HostNetns)) || dirty
+				dirty = set.scan(kernel.AllAddrs(h.Netns)) || dirty
 				continue
 			}
 			dirty = set.event(ev) || dirty
@@ -146,36 +163,36 @@ func (a *Agent) publishHosts(ctx context.Context) {
 			if events == nil {
 				subscribe()
 			}
-			dirty = set.scan(kernel.AllAddrs(a.cfg.HostNetns)) || dirty
-			dirty = dirty || a.nodeLease() != writtenLease
+			dirty = set.scan(kernel.AllAddrs(h.Netns)) || dirty
+			dirty = dirty || h.Lease() != writtenLease
 		}
 	}
 }
 
 // writeHosts puts added addresses and deletes removed ones in one transaction; with all it
 // puts every published address again (after the node lease changed).
-func (a *Agent) writeHosts(ctx context.Context, set *hostSet, written map[netip.Addr]bool, all bool, lease clientv3.LeaseID) error {
+func (h Hosts) write(ctx context.Context, set *hostSet, written map[netip.Addr]bool, all bool, lease clientv3.LeaseID) error {
 	var ops []clientv3.Op
 	var added, removed []netip.Addr
 	for ip, link := range set.published {
 		if all || !written[ip] {
-			ops = append(ops, clientv3.OpPut(keyspace.HostIPKey(ip, a.cfg.Cluster, a.cfg.Node),
-				keyspace.Encode(hostRecord{Interface: link, Since: a.wall()}), clientv3.WithLease(lease)))
+			ops = append(ops, clientv3.OpPut(keyspace.HostIPKey(ip, h.ID.Cluster, h.ID.Node),
+				keyspace.Encode(hostRecord{Interface: link, Since: h.Wall()}), clientv3.WithLease(lease)))
 			added = append(added, ip)
 		}
 	}
 	for ip := range written {
 		if _, ok := set.published[ip]; !ok {
-			ops = append(ops, clientv3.OpDelete(keyspace.HostIPKey(ip, a.cfg.Cluster, a.cfg.Node)))
+			ops = append(ops, clientv3.OpDelete(keyspace.HostIPKey(ip, h.ID.Cluster, h.ID.Node)))
 			removed = append(removed, ip)
 		}
 	}
 	if len(ops) == 0 {
 		return nil
 	}
-	octx, cancel := a.opCtx(ctx)
+	octx, cancel := context.WithTimeout(ctx, h.OpTimeout)
 	defer cancel()
-	if _, err := a.cli.Txn(octx).Then(ops...).Commit(); err != nil {
+	if _, err := h.KV.Txn(octx).Then(ops...).Commit(); err != nil {
 		return err
 	}
 	for _, ip := range added {
@@ -184,6 +201,6 @@ func (a *Agent) writeHosts(ctx context.Context, set *hostSet, written map[netip.
 	for _, ip := range removed {
 		delete(written, ip)
 	}
-	a.log.Info("host addresses published", "added", added, "removed", removed)
+	h.Log.Info("host addresses published", "added", added, "removed", removed)
 	return nil
 }
