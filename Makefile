@@ -18,7 +18,7 @@ GOBUILD   := CGO_ENABLED=0 $(GO) build -trimpath
 # package's testdata/fuzz/<Name>/, where it stays as a regression seed.
 FUZZ_TARGETS  := FuzzParseConfig:./cniplugin FuzzParseCNIArgs:./cniplugin \
                  FuzzWireRequest:./cniplugin/agentapi FuzzServe:./cniplugin/agentapi \
-                 FuzzValidateName:./allocator FuzzKeys:./keyspace FuzzJournalLoad:./leases \
+                 FuzzValidateName:./allocator FuzzKeys:./keyspace FuzzJournalLoad:./leases/podbook \
                  FuzzJSON:./cniplugin/thin FuzzInvoke:./cniplugin
 FUZZTIME      ?= 5s
 SOAK_FUZZTIME ?= 30m

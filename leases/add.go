@@ -129,7 +129,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 			// Answered once the journal has the pod: a crash right after the answer followed
 			// by an outage past the TTL still re-claims it. A journal that cannot be written
 			// fails /readyz, not the ADD (the pod record in etcd outlives a restart).
-			_ = a.jw.sync(ctx)
+			_ = a.jw.Sync(ctx)
 		}
 		if done || err != nil {
 			return res, err
@@ -147,8 +147,8 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	defer cancel()
 	epoch := a.gate.Epoch() // what the view and the snapshots know is of this history
 
-	lease, known := a.pods.lease(owner)
-	if at, _, ok := a.pods.attachment(owner, req.IfName, p.spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
+	lease, known := a.pods.Lease(owner)
+	if at, _, ok := a.pods.Attachment(owner, req.IfName, p.spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
 		return a.repeated(ctx, p, st, lease)
 	}
 	if !known {
@@ -170,7 +170,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		addr, expired, err := p.view.choose(ctx, &p.spec, i, func(x netip.Addr) bool {
 			// Never an address of this node's own pods: one whose lease expired (a freeze, a
 			// crash, a cut-off) looks free until its re-claim writes it back.
-			return st.skip(x) || a.pods.ownsAddr(p.spec.Name, x)
+			return st.skip(x) || a.pods.OwnsAddr(p.spec.Name, x)
 		}, st.sticky == nil)
 		if errors.Is(err, errSettling) {
 			p.view.settle(reserved, 0)
@@ -430,7 +430,7 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 		// The lease this agent holds for the pod no longer carries its pod record: deleted or
 		// changed by hand, or lost with a restored backup. The pod's other attachments run:
 		// they are re-claimed, as the audit would, before this ADD adds to them.
-		p := auditPod{owner: st.owner, lease: lease}
+		p := auditPod{Owner: st.owner, Lease: lease}
 		if err := a.keysLost(ctx, p, []string{keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner) + ": missing or on another lease"}, nil); err != nil {
 			return allocator.Result{}, false, err
 		}
@@ -548,7 +548,7 @@ func (a *Agent) repeated(ctx context.Context, p *pool, st *addState, lease clien
 	if len(resp.Kvs) > 0 {
 		return a.existing(ctx, p, st, resp.Kvs[0])
 	}
-	if err := a.keysLost(ctx, auditPod{owner: st.owner, lease: lease}, []string{key + ": missing"}, nil); err != nil {
+	if err := a.keysLost(ctx, auditPod{Owner: st.owner, Lease: lease}, []string{key + ": missing"}, nil); err != nil {
 		return allocator.Result{}, false, err
 	}
 	a.wake()

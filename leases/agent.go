@@ -20,6 +20,7 @@ import (
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/node"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -39,13 +40,12 @@ type Agent struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	journal journal
-	jw      *journalWriter
-	unlock  func()        // releases the state directory's lock
-	lost    chan struct{} // wakes the recovery loop (wake)
-	wg      sync.WaitGroup
+	jw     *podbook.Writer
+	unlock func()        // releases the state directory's lock
+	lost   chan struct{} // wakes the recovery loop (wake)
+	wg     sync.WaitGroup
 
-	pods        *pods
+	pods        *podbook.Book
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
 	cmu    sync.Mutex
@@ -116,8 +116,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:             actx,
 		cancel:          cancel,
-		journal:         journal{dir: cfg.StateDir},
-		jw:              newJournalWriter(journal{dir: cfg.StateDir}, cfg.Logger),
+		jw:              podbook.NewWriter(cfg.StateDir, cfg.Logger),
 		lost:            make(chan struct{}, 1),
 		cwatch:          make(map[conflictRef]context.CancelFunc),
 		restoredHolds:   make(map[conflictRef]int64),
@@ -125,7 +124,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		started:         time.Now(),
 		stopped:         make(chan struct{}),
 	}
-	a.pods = newPods(cfg.NodeUID, a.jw)
+	a.pods = podbook.New(cfg.NodeUID, a.jw)
 	a.stickyKept.dir, a.stickyKept.log = cfg.StateDir, a.log
 	if rel, err := loadReleased(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved sticky claims this node released are unreadable; a restore of etcd from a backup older than "+
@@ -143,7 +142,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
-	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.ownsAddr, a.checkNow)
+	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, a.checkNow)
 	hooks := viewHooks{hold: a.hold, keys: a.keys}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
@@ -239,7 +238,7 @@ func (a *Agent) Close() {
 	a.closeOnce.Do(func() {
 		a.cancel()
 		a.wg.Wait()
-		if a.pods.count() == 0 && a.Err() == nil {
+		if a.pods.Count() == 0 && a.Err() == nil {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
 			}
@@ -250,7 +249,7 @@ func (a *Agent) Close() {
 			}
 		}
 		a.keeper.Close()
-		a.jw.close()
+		a.jw.Close()
 		a.unlock()
 	})
 }
@@ -351,7 +350,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 	if a.blockLeaseLost(id) {
 		return
 	}
-	if slices.Contains(a.pods.claimLeases(), id) {
+	if slices.Contains(a.pods.ClaimLeases(), id) {
 		// A sticky claim's: the audit puts the claim back, on the lease if etcd still has it.
 		a.log.Error("the claim lease of a running pod's sticky claim stopped being renewed; checking the claim",
 			"lease", keyspace.LeaseHex(id))
@@ -359,7 +358,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		return
 	}
 	node := a.nodeLease() == id
-	owners := a.pods.lose(id)
+	owners := a.pods.Lose(id)
 	for _, owner := range owners {
 		a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", keyspace.LeaseHex(id))
 	}

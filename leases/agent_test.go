@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 func dualStack(name, v4, v6 string) allocator.PoolSpec {
@@ -292,7 +293,7 @@ func TestLivenessReleasesAGoneSandboxOnlyAfterTheGrace(t *testing.T) {
 	// The keys go in the release transaction; the agent forgets the pod after it has also
 	// revoked the lease, one round trip later.
 	etcdtest.Eventually(t, "the agent gives up the gone pod's lease after its keys", func() error {
-		l, held := a.pods.lease("uid-x")
+		l, held := a.pods.Lease("uid-x")
 		return etcdtest.Saw(!held, "the agent still holds lease %x", l)
 	})
 }
@@ -321,15 +322,15 @@ func TestRestartWithoutJournalRebuildsItFromEtcd(t *testing.T) {
 		t.Fatal(err)
 	}
 	second := startAgent(t, cluster, "n1", "uid1", withState)
-	if _, ok := second.pods.lease("uid-j"); !ok {
+	if _, ok := second.pods.Lease("uid-j"); !ok {
 		t.Fatal("restarted agent did not resume the pod's lease")
 	}
 	var pods []podState
 	var errs []error
 	etcdtest.Eventually(t, "the rebuilt journal lists the pod", func() error { // written off the ADD path
-		var l loaded
-		l, errs = (journal{dir: state}).load()
-		pods = l.pods
+		var l podbook.Loaded
+		l, errs = podbook.Load(state)
+		pods = l.Pods
 		return etcdtest.Saw(len(pods) == 1, "%d pods (load errors %v)", len(pods), errs)
 	})
 	if len(errs) > 0 || len(pods) != 1 || len(pods[0].Attachments) != 1 {

@@ -127,7 +127,7 @@ func TestAmbiguousCommitIsRetriedIntoTheSameAddresses(t *testing.T) {
 
 func mustLease(t *testing.T, a *Agent, owner string) int64 {
 	t.Helper()
-	l, ok := a.pods.lease(owner)
+	l, ok := a.pods.Lease(owner)
 	if !ok {
 		t.Fatalf("agent holds no lease for %s", owner)
 	}
@@ -178,7 +178,7 @@ func TestAmbiguousReclaimNeverLeavesKeysOnASpare(t *testing.T) {
 	}
 	var now clientv3.LeaseID
 	etcdtest.Eventually(t, "the pod is re-claimed", func() error {
-		l, ok := a.pods.lease("uid-r")
+		l, ok := a.pods.Lease("uid-r")
 		if ok && l != lost {
 			now = l
 			return nil

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // A live lease is not proof that the keys on it exist: an etcd restored from a backup has
@@ -31,41 +31,6 @@ import (
 // it. Any write to the key changes it, and so does a delete (to 0), a put without the lease,
 // or a restore of a backup older than the key; a key the agent has not read yet, or whose
 // compare failed, is read and judged by its value and lease.
-
-// auditKind is what a key of a running pod is.
-type auditKind uint8
-
-const (
-	auditPodRecord auditKind = iota
-	auditOwnerIndex
-	auditAllocation
-)
-
-// auditKey is one key of a running pod, as the audit expects it.
-type auditKey struct {
-	key       string
-	kind      auditKind
-	container string // an owner index's container
-	rev       int64  // ModRevision when last read and found right; 0: not yet
-	// An allocation's pool and address; watched when a view of this node follows its block:
-	// the view reports a change to it at once (ownKeys), so the audit's compares leave it out
-	// unless the view listed its pool again since the last audit (a watch broke meanwhile).
-	pool    string
-	addr    netip.Addr
-	watched bool
-}
-
-// auditPod is what the audit expects of one running pod: its keys on its lease.
-type auditPod struct {
-	owner string
-	lease clientv3.LeaseID
-	keys  []auditKey
-}
-
-// verified tells whether every key has a ModRevision to compare.
-func (p auditPod) verified() bool {
-	return !slices.ContainsFunc(p.keys, func(k auditKey) bool { return k.rev == 0 })
-}
 
 // audit checks every key the agent keeps against etcd, as the top of this file says, and
 // reports how many pods it found with lost keys (each revoked and marked lost, for the
@@ -91,12 +56,12 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 			a.keys.relisted.Store(true)
 		}
 	}()
-	pods := a.pods.auditable(a.cfg.Cluster, a.cfg.Node, layouts)
+	pods := a.pods.Audit().Pods(a.cfg.Cluster, a.cfg.Node, layouts)
 	a.markWatched(pods)
 	var unverified []auditPod
 	var verified []auditPod
 	for _, p := range pods {
-		if p.verified() {
+		if p.Verified() {
 			verified = append(verified, p)
 		} else {
 			unverified = append(unverified, p)
@@ -105,8 +70,8 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	// The compares, pods whole in each transaction.
 	compared := func(p auditPod) int {
 		n := 0
-		for _, k := range p.keys {
-			if all || !k.watched {
+		for _, k := range p.Keys {
+			if all || !k.Watched {
 				n++
 			}
 		}
@@ -118,9 +83,9 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		verified = verified[n:]
 		var cmps []clientv3.Cmp
 		for _, p := range chunk {
-			for _, k := range p.keys {
-				if all || !k.watched {
-					cmps = append(cmps, keyspace.Unchanged(k.key, k.rev))
+			for _, k := range p.Keys {
+				if all || !k.Watched {
+					cmps = append(cmps, keyspace.Unchanged(k.Key, k.Rev))
 				}
 			}
 		}
@@ -136,7 +101,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	}
 	// The reads, for pods not verified yet and those whose compare failed.
 	for len(unverified) > 0 {
-		n := nextChunk(unverified, func(p auditPod) int { return len(p.keys) })
+		n := nextChunk(unverified, func(p auditPod) int { return len(p.Keys) })
 		chunk := unverified[:n]
 		unverified = unverified[n:]
 		kvs, err := a.readKeys(ctx, chunk)
@@ -145,10 +110,10 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 		}
 		for i, p := range chunk {
 			if problems, _ := a.judge(p, kvs[i]); len(problems) == 0 {
-				a.pods.verified(p, kvs[i])
+				a.pods.Audit().Verified(p, kvs[i])
 				continue
 			}
-			gone, err := a.recheckPod(ctx, p.owner, layouts)
+			gone, err := a.recheckPod(ctx, p.Owner, layouts)
 			if err != nil {
 				return lost, err
 			}
@@ -167,21 +132,21 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	return lost, nil
 }
 
-// markWatched marks the allocations in blocks a view of this node follows (auditKey.watched).
+// markWatched marks the allocations in blocks a view of this node follows (podbook.AuditKey.Watched).
 func (a *Agent) markWatched(pods []auditPod) {
 	views := map[string]*view{}
 	for _, p := range pods {
-		for i := range p.keys {
-			k := &p.keys[i]
-			if k.kind != auditAllocation {
+		for i := range p.Keys {
+			k := &p.Keys[i]
+			if k.Kind != podbook.AuditAllocation {
 				continue
 			}
-			v, ok := views[k.pool]
+			v, ok := views[k.Pool]
 			if !ok {
-				v = a.pools.viewOf(k.pool)
-				views[k.pool] = v
+				v = a.pools.viewOf(k.Pool)
+				views[k.Pool] = v
 			}
-			k.watched = v != nil && v.followsAddr(k.addr)
+			k.Watched = v != nil && v.followsAddr(k.Addr)
 		}
 	}
 }
@@ -202,7 +167,7 @@ func nextChunk[T any](items []T, size func(T) int) int {
 // migrated is left out: its keys move under the migration's freeze.
 func (a *Agent) auditLayouts(ctx context.Context) (map[string]allocator.Blocks, error) {
 	out := make(map[string]allocator.Blocks)
-	for _, name := range a.pods.pools() {
+	for _, name := range a.pods.Pools() {
 		p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: name})
 		if errors.Is(err, allocator.ErrUnavailable) {
 			return nil, err
@@ -224,8 +189,8 @@ func (a *Agent) auditLayouts(ctx context.Context) (map[string]allocator.Blocks, 
 func (a *Agent) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.KeyValue, error) {
 	var ops []clientv3.Op
 	for _, p := range pods {
-		for _, k := range p.keys {
-			ops = append(ops, clientv3.OpGet(k.key))
+		for _, k := range p.Keys {
+			ops = append(ops, clientv3.OpGet(k.Key))
 		}
 	}
 	octx, cancel := a.opCtx(ctx)
@@ -237,8 +202,8 @@ func (a *Agent) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.KeyV
 	out := make([][]*mvccpb.KeyValue, len(pods))
 	i := 0
 	for j, p := range pods {
-		out[j] = make([]*mvccpb.KeyValue, len(p.keys))
-		for k := range p.keys {
+		out[j] = make([]*mvccpb.KeyValue, len(p.Keys))
+		for k := range p.Keys {
 			if kvs := resp.Responses[i].GetResponseRange().Kvs; len(kvs) > 0 {
 				out[j][k] = kvs[0]
 			}
@@ -248,42 +213,42 @@ func (a *Agent) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.KeyV
 	return out, nil
 }
 
-// judge says what is wrong with the keys read for p (kvs, in p.keys' order): one line per
+// judge says what is wrong with the keys read for p (kvs, in p.Keys' order): one line per
 // key; and which keys hold a value this agent wrote for p but sit on another lease or none
 // (an admin's copy): they must go before the re-claim, which creates each key only if absent.
 func (a *Agent) judge(p auditPod, kvs []*mvccpb.KeyValue) (problems []string, copies []*mvccpb.KeyValue) {
-	for i, k := range p.keys {
+	for i, k := range p.Keys {
 		kv := kvs[i]
 		if kv == nil {
-			problems = append(problems, k.key+": missing")
+			problems = append(problems, k.Key+": missing")
 			continue
 		}
-		ours := a.writtenFor(p.owner, k, kv)
+		ours := a.writtenFor(p.Owner, k, kv)
 		on := keyspace.LeaseOf(kv)
 		switch {
-		case on != p.lease && ours:
-			problems = append(problems, fmt.Sprintf("%s: on lease %s, not the pod's %s", k.key, keyspace.LeaseHex(on), keyspace.LeaseHex(p.lease)))
+		case on != p.Lease && ours:
+			problems = append(problems, fmt.Sprintf("%s: on lease %s, not the pod's %s", k.Key, keyspace.LeaseHex(on), keyspace.LeaseHex(p.Lease)))
 			copies = append(copies, kv)
-		case on != p.lease:
-			problems = append(problems, fmt.Sprintf("%s: overwritten with another owner's value on lease %s", k.key, keyspace.LeaseHex(on)))
+		case on != p.Lease:
+			problems = append(problems, fmt.Sprintf("%s: overwritten with another owner's value on lease %s", k.Key, keyspace.LeaseHex(on)))
 		case !ours:
-			problems = append(problems, k.key+": overwritten with a value this agent did not write")
+			problems = append(problems, k.Key+": overwritten with a value this agent did not write")
 		}
 	}
 	return problems, copies
 }
 
 // writtenFor tells whether kv's value is one this agent writes for owner at key k.
-func (a *Agent) writtenFor(owner string, k auditKey, kv *mvccpb.KeyValue) bool {
-	switch k.kind {
-	case auditPodRecord:
-		rec, err := keyspace.Decode[keyspace.PodRecord](k.key, kv.Value)
+func (a *Agent) writtenFor(owner string, k podbook.AuditKey, kv *mvccpb.KeyValue) bool {
+	switch k.Kind {
+	case podbook.AuditPodRecord:
+		rec, err := keyspace.Decode[keyspace.PodRecord](k.Key, kv.Value)
 		return err == nil && rec.Owner == owner && rec.NodeUID == a.cfg.NodeUID
-	case auditOwnerIndex:
-		rec, err := keyspace.Decode[keyspace.OwnerRecord](k.key, kv.Value)
-		return err == nil && rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == k.container
+	case podbook.AuditOwnerIndex:
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](k.Key, kv.Value)
+		return err == nil && rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == k.Container
 	default:
-		rec, err := keyspace.Decode[keyspace.Allocation](k.key, kv.Value)
+		rec, err := keyspace.Decode[keyspace.Allocation](k.Key, kv.Value)
 		return err == nil && rec.Owner == owner && rec.Cluster == a.cfg.Cluster && rec.NodeUID == a.cfg.NodeUID
 	}
 }
@@ -294,7 +259,7 @@ func (a *Agent) writtenFor(owner string, k auditKey, kv *mvccpb.KeyValue) bool {
 func (a *Agent) recheckPod(ctx context.Context, owner string, layouts map[string]allocator.Blocks) (bool, error) {
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
-	p, ok := a.pods.auditOne(owner, a.cfg.Cluster, a.cfg.Node, layouts)
+	p, ok := a.pods.Audit().One(owner, a.cfg.Cluster, a.cfg.Node, layouts)
 	if !ok {
 		return false, nil
 	}
@@ -304,7 +269,7 @@ func (a *Agent) recheckPod(ctx context.Context, owner string, layouts map[string
 	}
 	problems, copies := a.judge(p, kvs[0])
 	if len(problems) == 0 {
-		a.pods.verified(p, kvs[0])
+		a.pods.Audit().Verified(p, kvs[0])
 		return false, nil
 	}
 	return true, a.keysLost(ctx, p, problems, copies)
@@ -318,14 +283,14 @@ func (a *Agent) recheckPod(ctx context.Context, owner string, layouts map[string
 func (a *Agent) keysLost(ctx context.Context, p auditPod, problems []string, copies []*mvccpb.KeyValue) error {
 	a.metrics.podKeysLost.Add(float64(len(problems)))
 	a.log.Error("keys of a running pod were deleted or changed in etcd; re-claiming its addresses",
-		"owner", p.owner, "lease", keyspace.LeaseHex(p.lease), "keys", problems)
+		"owner", p.Owner, "lease", keyspace.LeaseHex(p.Lease), "keys", problems)
 	if err := a.dropCopies(ctx, copies); err != nil {
 		return err
 	}
-	if err := a.keeper.Revoke(p.lease); err != nil {
+	if err := a.keeper.Revoke(p.Lease); err != nil {
 		return a.unavailable("revoke the lease of a pod whose keys were lost", err)
 	}
-	a.pods.lose(p.lease)
+	a.pods.Lose(p.Lease)
 	return nil
 }
 
@@ -524,7 +489,7 @@ func (h *restoreHold) done(gen uint64) {
 // allocator.ErrUnavailable that says why they may not. ADDs go on a lease TTL after the
 // notice whatever the repair's state: a pod whose re-claim keeps failing (its owner index
 // taken over by another node identity) is reported by the recovery loop, and its addresses
-// are never offered by this node's ADDs (pods.ownsAddr).
+// are never offered by this node's ADDs (podbook.Book.OwnsAddr).
 func (h *restoreHold) wait(ctx context.Context, d time.Duration) error {
 	h.mu.Lock()
 	open, why, noticed, until := h.open, h.why, h.noticed, h.repairBy
@@ -590,7 +555,7 @@ func (h *restoreHold) repairing() bool {
 // pods' keys (invariant 11) and take their addresses for free once their holds end. A block
 // another node claims (a borrowed address) stays that node's.
 func (a *Agent) reclaimBlocks(ctx context.Context) error {
-	for pool, addrs := range a.pods.addrsByPool() {
+	for pool, addrs := range a.pods.AddrsByPool() {
 		v := a.pools.viewOf(pool)
 		if v == nil || v.own == nil {
 			continue // the flat layout: no blocks
@@ -656,7 +621,7 @@ func (a *Agent) wentBack(why string) time.Time { return a.wentBackFrom(why, time
 
 // wentBackFrom is wentBack with the new history dated from from (etcdWentBackFrom).
 func (a *Agent) wentBackFrom(why string, from time.Time) time.Time {
-	held := a.pods.heldAddrs(from) // before the audit takes the pods whose keys went
+	held := a.pods.HeldAddrs(from) // before the audit takes the pods whose keys went
 	until := a.hold.notice(why)
 	a.rmu.Lock()
 	// A notice before the repair of an earlier one is done (another sign of the same restore,
@@ -707,7 +672,7 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 	suspected := a.suspect.Swap(false)
 	var held map[conflictRef]bool
 	if suspected {
-		held = a.pods.heldAddrs(time.Now()) // before the audit takes the pods whose keys went
+		held = a.pods.HeldAddrs(time.Now()) // before the audit takes the pods whose keys went
 	}
 	lost, err = a.audit(ctx)
 	if err != nil {
@@ -805,7 +770,7 @@ func (a *Agent) goneLoop() {
 		if !sleepCtx(a.ctx, time.Until(g.at.Add(suspectGrace))) {
 			return
 		}
-		owner, ok := a.pods.ownerOf(g.pool, g.addr)
+		owner, ok := a.pods.OwnerOf(g.pool, g.addr)
 		if !ok {
 			continue // released meanwhile
 		}

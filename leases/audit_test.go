@@ -49,7 +49,7 @@ func heldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner string, k podKe
 	var last string
 	etcdtest.EventuallyTrue(t, "the pod's keys back on its lease", func() bool {
 		var ok bool
-		if lease, ok = a.pods.lease(owner); !ok {
+		if lease, ok = a.pods.Lease(owner); !ok {
 			last = "the agent holds no lease for the pod"
 			return false
 		}
@@ -280,7 +280,7 @@ func TestAnOwnerThatHadTheAddressBeforeItsHolderIsLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
-	lease, ok := a.pods.lease("u1")
+	lease, ok := a.pods.Lease("u1")
 	if !ok {
 		t.Fatal("the agent holds no lease for the pod")
 	}

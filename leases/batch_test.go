@@ -52,7 +52,7 @@ func TestConcurrentAddsInOneAgentShareClaimTransactions(t *testing.T) {
 				t.Fatalf("key of %s: %v", ip.Address, err)
 			}
 			rec, err := keyspace.Decode[keyspace.Allocation]("", resp.Kvs[0].Value)
-			lease, held := a.pods.lease(fmt.Sprintf("uid-%d", i))
+			lease, held := a.pods.Lease(fmt.Sprintf("uid-%d", i))
 			if err != nil || rec.Owner != fmt.Sprintf("uid-%d", i) || !held || resp.Kvs[0].Lease != int64(lease) {
 				t.Fatalf("%s: held by %q on lease %x, want uid-%d on its own lease %x (%v)", ip.Address, rec.Owner, resp.Kvs[0].Lease, i, lease, err)
 			}

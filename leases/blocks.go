@@ -636,7 +636,7 @@ func (a *Agent) resumeBlocks(ctx context.Context) {
 		return p
 	}
 	served := make(map[string]bool)
-	for _, name := range a.pods.pools() {
+	for _, name := range a.pods.Pools() {
 		if p := serve(name); p != nil {
 			served[name] = true
 			p.await(ctx)

@@ -118,9 +118,33 @@ func (l *claimLoop) commit(ctx context.Context, c *claim, send func() (claimOutc
 		l.a.claimedOn(ctx, l.req, l.own, l.fresh)
 		l.fresh = 0
 	}
-	l.a.pods.unanswered(l.own)
+	l.a.pods.Change(l.own).Unanswered()
 	if err := l.policy.unanswered(ctx, err); err != nil {
 		return out, false, err
 	}
 	return out, true, nil
+}
+
+// claimedOn is the pod book's Change.Claimed, and makes sure the keeper renews lease: a spare
+// may have been reported lost (its renewals stopped while etcd had no leader, which etcd
+// itself survives by extending every lease) after an ADD took it and before its claim applied
+// on it. Then the
+// lease is adopted again, or, gone from etcd, its pod re-claimed; never left to expire
+// unrenewed under a pod that was told it has its addresses.
+func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, o *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment) {
+	owner := o.Owner()
+	a.pods.Change(o).Claimed(req, lease, ats...)
+	if a.keeper.Holds(lease) {
+		return
+	}
+	octx, cancel := a.opCtx(ctx)
+	defer cancel()
+	if err := a.keeper.Adopt(octx, lease); err != nil {
+		a.log.Warn("the lease a claim applied on had stopped being renewed, and cannot be resumed; the pod is re-claimed",
+			"owner", owner, "lease", keyspace.LeaseHex(lease), "err", err)
+		a.pods.Lose(lease)
+		a.wake()
+		return
+	}
+	a.log.Warn("the lease a claim applied on had stopped being renewed; resumed", "owner", owner, "lease", keyspace.LeaseHex(lease))
 }

@@ -22,20 +22,14 @@ import (
 // release leaves the address in quarantine, which the resolution, like every re-claim, does
 // not compare). A running pod's address so never sits without a key.
 
-// conflictRef names one conflicted address of one attachment.
-type conflictRef struct {
-	owner, ifName, pool string
-	addr                netip.Addr
-}
-
 // watchConflicts starts following every conflicted address the agent's pods list, and stops
 // following those no pod lists any more.
 func (a *Agent) watchConflicts() {
 	want := map[conflictRef]bool{}
-	for owner, ats := range a.pods.conflicted() {
+	for owner, ats := range a.pods.Conflicted() {
 		for _, at := range ats {
 			for _, addr := range at.Conflicts {
-				want[conflictRef{owner, at.IfName, at.Pool, addr}] = true
+				want[conflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: addr}] = true
 			}
 		}
 	}
@@ -90,7 +84,7 @@ func (a *Agent) followConflict(ctx context.Context, ref conflictRef) {
 		}
 		if err != nil || key == "" { // key "": the conflict record moved meanwhile
 			if err != nil {
-				a.log.Warn("resolving a conflict failed; retrying", "owner", ref.owner, "ip", ref.addr, "err", err, "retry_in", backoff)
+				a.log.Warn("resolving a conflict failed; retrying", "owner", ref.Owner, "ip", ref.Addr, "err", err, "retry_in", backoff)
 			}
 			if !sleepCtx(ctx, backoff) {
 				return
@@ -119,30 +113,30 @@ func (a *Agent) awaitDelete(ctx context.Context, key string, rev int64) {
 // deleted, re-claimed anew, or its lease is lost: the re-claim takes over); else the key
 // another owner holds the address with and the revision it was read at.
 func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key string, rev int64, done bool, err error) {
-	own := a.locks.Lock(ref.owner)
+	own := a.locks.Lock(ref.Owner)
 	defer own.Unlock()
-	ps, ok := a.pods.snapshot(ref.owner)
-	lease, held := ps.lease.held()
-	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
-	if !ok || !held || i < 0 || ps.Attachments[i].Released || !slices.Contains(ps.Attachments[i].Conflicts, ref.addr) {
+	ps, ok := a.pods.Snapshot(ref.Owner)
+	lease, held := ps.Held()
+	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.IfName && at.Pool == ref.Pool })
+	if !ok || !held || i < 0 || ps.Attachments[i].Released || !slices.Contains(ps.Attachments[i].Conflicts, ref.Addr) {
 		return "", 0, true, nil
 	}
 	at := ps.Attachments[i]
-	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: ref.pool})
+	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: ref.Pool})
 	if err != nil {
 		return "", 0, false, err
 	}
-	heldLease, heldRec, err := a.heldFor(ctx, ref.owner)
+	heldLease, heldRec, err := a.heldFor(ctx, ref.Owner)
 	if err != nil {
 		return "", 0, false, err
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	ipKey := keyspace.IPKey(ref.pool, p.spec.Blocks, ref.addr)
-	heldKey := keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr)
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
-	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.owner, ref.ifName, ref.pool)
-	qKey := keyspace.QuarantineKey(ref.pool, p.spec.Blocks, ref.addr)
+	ipKey := keyspace.IPKey(ref.Pool, p.spec.Blocks, ref.Addr)
+	heldKey := keyspace.HeldKey(ref.Pool, p.spec.Blocks, ref.Addr)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.Owner, ref.IfName, ref.Pool)
+	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.Owner, ref.IfName, ref.Pool)
+	qKey := keyspace.QuarantineKey(ref.Pool, p.spec.Blocks, ref.Addr)
 	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey), clientv3.OpGet(qKey)).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("read "+conflictKey, err)
@@ -167,20 +161,20 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	}
 	conflictKVs := cur.Responses[0].GetResponseRange().Kvs
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.owner, lease, at.Created)), clientv3.WithLease(lease)),
-		clientv3.OpDelete(keyspace.WantedKey(ref.pool, p.spec.Blocks, ref.addr, a.cfg.Cluster, ref.owner))}
+	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.Owner, lease, at.Created)), clientv3.WithLease(lease)),
+		clientv3.OpDelete(keyspace.WantedKey(ref.Pool, p.spec.Blocks, ref.Addr, a.cfg.Cluster, ref.Owner))}
 	if heldLease != 0 {
-		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.pool, p.spec.Blocks, ref.addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
+		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.Pool, p.spec.Blocks, ref.Addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
 	}
 	claimCluster := a.cfg.Cluster
 	if len(conflictKVs) > 0 {
 		// The conflict record lists what is still taken: without this address, or gone.
 		cmps = append(cmps, keyspace.Unchanged(conflictKey, conflictKVs[0].ModRevision))
 		rec, _ := keyspace.Decode[keyspace.ConflictRecord](conflictKey, conflictKVs[0].Value)
-		if i := slices.IndexFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr && t.Cluster != "" }); i >= 0 {
+		if i := slices.IndexFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.Addr && t.Cluster != "" }); i >= 0 {
 			claimCluster = rec.Taken[i].Cluster
 		}
-		rec.Taken = slices.DeleteFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.addr })
+		rec.Taken = slices.DeleteFunc(rec.Taken, func(t keyspace.TakenByOther) bool { return t.IP == ref.Addr })
 		if len(rec.Taken) == 0 {
 			puts = append(puts, clientv3.OpDelete(conflictKey))
 		} else {
@@ -198,7 +192,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	resp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Else(clientv3.OpGet(ipKey, clientv3.WithKeysOnly()),
 		clientv3.OpGet(ownerKey, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
-		return "", 0, false, a.unavailable("take "+ref.addr.String()+" back for its running pod", err)
+		return "", 0, false, a.unavailable("take "+ref.Addr.String()+" back for its running pod", err)
 	}
 	if !resp.Succeeded {
 		if kvs := resp.Responses[1].GetResponseRange().Kvs; len(kvs) == 0 || !keyspace.HeldOn(kvs[0], lease) {
@@ -209,24 +203,24 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		}
 		return ipKey, resp.Header.Revision, false, nil
 	}
-	left := slices.DeleteFunc(slices.Clone(at.Conflicts), func(x netip.Addr) bool { return x == ref.addr })
-	a.pods.setConflicts(own, ref.ifName, ref.pool, left)
-	if v := a.pools.viewOf(ref.pool); v != nil {
-		v.markAllocated(ref.addr, resp.Header.Revision)
+	left := slices.DeleteFunc(slices.Clone(at.Conflicts), func(x netip.Addr) bool { return x == ref.Addr })
+	a.pods.Change(own).SetConflicts(ref.IfName, ref.Pool, left)
+	if v := a.pools.viewOf(ref.Pool); v != nil {
+		v.markAllocated(ref.Addr, resp.Header.Revision)
 	}
 	if gaveUp != "" {
 		a.log.Warn("a released sticky claim gives up an address to the running pod that had it first: the claim's next pod "+
-			"is given a new one", "claim", gaveUp, "claim_cluster", claimCluster, "pool", ref.pool, "ip", ref.addr, "owner", ref.owner)
+			"is given a new one", "claim", gaveUp, "claim_cluster", claimCluster, "pool", ref.Pool, "ip", ref.Addr, "owner", ref.Owner)
 	}
 	a.metrics.conflictsResolved.Inc()
 	a.log.Warn("conflict resolved: the other holder let the address go, and it is the running pod's again",
-		"owner", ref.owner, "ifname", ref.ifName, "pool", ref.pool, "ip", ref.addr, "lease", keyspace.LeaseHex(lease),
+		"owner", ref.Owner, "ifname", ref.IfName, "pool", ref.Pool, "ip", ref.Addr, "lease", keyspace.LeaseHex(lease),
 		"conflicts_left", len(left))
 	if at.Claim != "" {
 		// The pod's sticky claim, left to the other holder while it held the address.
-		if err := a.keepClaimLocked(ctx, own, stickyRef{ref.owner, ref.ifName, ref.pool}); err != nil {
+		if err := a.keepClaimLocked(ctx, own, stickyRef{ref.Owner, ref.IfName, ref.Pool}); err != nil {
 			a.log.Warn("checking the sticky claim of a pod whose conflict was resolved failed; the next audit checks it",
-				"owner", ref.owner, "claim", at.Claim, "err", err)
+				"owner", ref.Owner, "claim", at.Claim, "err", err)
 		}
 	}
 	return "", 0, true, nil
@@ -267,7 +261,7 @@ func (a *Agent) noteRestoredHolds(owner string, at attachment, holds map[netip.A
 	a.rmu.Lock()
 	defer a.rmu.Unlock()
 	for ip, rev := range holds {
-		ref := conflictRef{owner, at.IfName, at.Pool, ip}
+		ref := conflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}
 		if a.backHeld[ref] && !slices.Contains(at.Conflicts, ip) {
 			a.restoredHolds[ref] = rev
 		}
@@ -302,7 +296,7 @@ func (a *Agent) claimGivesUp(ctx context.Context, cluster string, ref conflictRe
 	if err != nil || rec.Claim == "" {
 		return nil, nil, "", nil
 	}
-	key := keyspace.ClaimKey(cluster, ref.pool, rec.Claim)
+	key := keyspace.ClaimKey(cluster, ref.Pool, rec.Claim)
 	resp, err := a.cli.Get(ctx, key)
 	if err != nil {
 		return nil, nil, "", a.unavailable("read claim "+key, err)
@@ -320,7 +314,7 @@ func (a *Agent) claimGivesUp(ctx context.Context, cluster string, ref conflictRe
 	if claim.Holder != nil {
 		return nil, nil, "", nil
 	}
-	claim.IPs = slices.DeleteFunc(claim.IPs, func(x netip.Addr) bool { return x == ref.addr })
+	claim.IPs = slices.DeleteFunc(claim.IPs, func(x netip.Addr) bool { return x == ref.Addr })
 	cmps = append(cmps, keyspace.Unchanged(key, kv.ModRevision))
 	if len(claim.IPs) == 0 {
 		return cmps, append(ops, clientv3.OpDelete(key)), rec.Claim, nil
@@ -334,7 +328,7 @@ func (a *Agent) stopConflicts(owner string) {
 	a.cmu.Lock()
 	mine := false
 	for ref := range a.cwatch {
-		mine = mine || ref.owner == owner
+		mine = mine || ref.Owner == owner
 	}
 	a.cmu.Unlock()
 	if mine {

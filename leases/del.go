@@ -63,9 +63,9 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 }
 
 // durable waits until the journal holds what an operation on owner changed, so that its
-// answer survives a crash right after it (journalWriter.sync).
+// answer survives a crash right after it (podbook.Writer.Sync).
 func (a *Agent) durable(ctx context.Context, op, owner string) error {
-	if err := a.jw.sync(ctx); err != nil {
+	if err := a.jw.Sync(ctx); err != nil {
 		return fmt.Errorf("%w: %s of %s is done in etcd, but the agent's journal in %s cannot record it, and a restart "+
 			"could undo it: %w; free the state directory's disk, then retry", allocator.ErrUnavailable, op, owner, a.cfg.StateDir, err)
 	}
@@ -76,7 +76,7 @@ func (a *Agent) durable(ctx context.Context, op, owner string) error {
 // released in the journal, never re-claimed, and released in etcd once etcd answers.
 func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *ownerlock.Owned, cause error) error {
 	owner := own.Owner()
-	a.pods.markReleased(own, req.IfName, req.Pool.Name, req.ContainerID)
+	a.pods.Change(own).MarkReleased(req.IfName, req.Pool.Name, req.ContainerID, time.Now())
 	if err := a.durable(ctx, "DEL", owner); err != nil {
 		return err
 	}
@@ -92,7 +92,7 @@ func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *ow
 func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, own *ownerlock.Owned) (int64, error) {
 	owner := own.Owner()
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, req.Pool.Name)
-	if at, lease, ok := a.pods.attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
+	if at, lease, ok := a.pods.Attachment(owner, req.IfName, req.Pool.Name); ok && at.OwnerRev > 0 && at.ContainerID == req.ContainerID {
 		// The agent wrote this attachment (or read it) at OwnerRev: release it without reading
 		// it first. The transaction compares that revision, so an owner index changed since
 		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
@@ -114,7 +114,7 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 		return -1, a.unavailable("read owner index "+ownerKey, err)
 	}
 	if len(resp.Kvs) == 0 {
-		if lease, held := a.pods.lease(owner); held && a.pods.lists(owner, req.IfName, req.Pool.Name, req.ContainerID) {
+		if lease, held := a.pods.Lease(owner); held && a.pods.Lists(owner, req.IfName, req.Pool.Name, req.ContainerID) {
 			// The agent holds the attachment, etcd has no key of it: its lease expired before
 			// the keeper noticed, or etcd went back to before the keys were written. The pod's
 			// other attachments are re-claimed, this one is not.
@@ -151,11 +151,11 @@ func (a *Agent) releaseAttachment(ctx context.Context, req allocator.Request, ow
 // such an attachment.
 func (a *Agent) forgetLost(ctx context.Context, own *ownerlock.Owned, req allocator.Request) bool {
 	owner := own.Owner()
-	if _, held := a.pods.lease(owner); held {
+	if _, held := a.pods.Lease(owner); held {
 		return false
 	}
-	at, ok := a.pods.lostAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID)
-	if !ok || !a.pods.forgetAttachment(own, req.IfName, req.Pool.Name, req.ContainerID) {
+	at, ok := a.pods.LostAttachment(owner, req.IfName, req.Pool.Name, req.ContainerID)
+	if !ok || !a.pods.Change(own).ForgetAttachment(req.IfName, req.Pool.Name, req.ContainerID) {
 		return false
 	}
 	a.metrics.reclaimsCancelled.Inc()
@@ -322,7 +322,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 		switch {
 		case out.Applied:
 			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
-				a.pods.dropAttachment(own, ifName, pool)
+				a.pods.Change(own).DropAttachment(ifName, pool)
 			}
 			if v := a.pools.viewOf(pool); v != nil {
 				v.released(r.addrs, out.Revision, until)
@@ -372,12 +372,12 @@ func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
 // read, or -1 when none did; then they are counted here.
 func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left int64) error {
 	owner := own.Owner()
-	lease, ok := a.pods.lease(owner)
+	lease, ok := a.pods.Lease(owner)
 	if !ok {
 		// A pod whose lease was lost: with its last attachment released it has nothing
 		// left to re-claim.
-		if ps, known := a.pods.snapshot(owner); known && len(ps.Attachments) == 0 {
-			a.pods.drop(own)
+		if ps, known := a.pods.Snapshot(owner); known && len(ps.Attachments) == 0 {
+			a.pods.Change(own).Drop()
 		}
 		return nil
 	}
@@ -393,7 +393,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left i
 	if left > 0 {
 		return nil
 	}
-	if ps, _ := a.pods.snapshot(owner); len(ps.Attachments) > 0 {
+	if ps, _ := a.pods.Snapshot(owner); len(ps.Attachments) > 0 {
 		// etcd holds no attachment of the pod, the agent still knows some: their keys went
 		// with the lease, which expired before the keeper noticed (or with a restore). They
 		// are re-claimed.
@@ -403,7 +403,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left i
 	}
 	recycled := false
 	var err error
-	if !a.pods.mayRecycle(owner) {
+	if !a.pods.MayRecycle(owner) {
 		err = a.keeper.Revoke(lease)
 	} else {
 		recycled, err = a.keeper.Recycle(octx, lease)
@@ -411,7 +411,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left i
 	if err != nil {
 		return a.unavailable("revoke the pod lease", err)
 	}
-	a.pods.drop(own)
+	a.pods.Change(own).Drop()
 	a.log.Debug("pod lease given up", "owner", owner, "lease", keyspace.LeaseHex(lease), "recycled", recycled)
 	return nil
 }
@@ -426,7 +426,7 @@ func (a *Agent) keysGone(lease clientv3.LeaseID) {
 		a.log.Debug("revoking the lease of a pod whose keys are gone failed; it expires by itself",
 			"lease", keyspace.LeaseHex(lease), "err", err)
 	}
-	a.pods.lose(lease)
+	a.pods.Lose(lease)
 }
 
 // GC releases every attachment of the request's network that this node identity made and
@@ -499,7 +499,7 @@ func (a *Agent) addedWithinGrace(owner string) func(keyspace.OwnerRecord) bool {
 	if grace <= 0 {
 		return func(keyspace.OwnerRecord) bool { return false }
 	}
-	recent := a.pods.addedWithin(owner, grace)
+	recent := a.pods.AddedWithin(owner, grace)
 	fresh := time.Since(a.started) < grace
 	now := a.wall()
 	return func(rec keyspace.OwnerRecord) bool {

@@ -35,7 +35,7 @@ func TestDelReleasesOnlyTheOwnersKeysAndGivesUpTheLease(t *testing.T) {
 	}
 	cli := etcdtest.Client(t)
 	before := etcdtest.Dump(t, cli, keyspace.Prefix)
-	dropLease, _ := a.pods.lease("uid-drop")
+	dropLease, _ := a.pods.Lease("uid-drop")
 	if err := a.Del(ctx, addReq(pool, "drop", "eth0", "uid-drop")); err != nil {
 		t.Fatalf("del: %v", err)
 	}
@@ -206,7 +206,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 			t.Fatalf("add %s: %v", ifName, err)
 		}
 	}
-	lease, ok := a.pods.lease("uid-two")
+	lease, ok := a.pods.Lease("uid-two")
 	if !ok {
 		t.Fatal("no pod lease after ADD")
 	}
@@ -216,7 +216,7 @@ func delReadsNothingFirst(t *testing.T, reclaimFirst bool) {
 		}
 		lost := lease
 		etcdtest.Eventually(t, "the pod is re-claimed after its lease's revoke", func() error {
-			if l, ok := a.pods.lease("uid-two"); ok {
+			if l, ok := a.pods.Lease("uid-two"); ok {
 				lease = l
 			}
 			return etcdtest.Saw(lease != lost, "the pod's lease is still the revoked %x", lost)
@@ -393,7 +393,7 @@ func TestALeaseWhoseKeysAreGoneAtADELIsGivenUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lease, ok := a.pods.lease("u1")
+	lease, ok := a.pods.Lease("u1")
 	if !ok {
 		t.Fatal("the agent holds no lease for the pod")
 	}

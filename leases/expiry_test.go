@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Issues 23 and 27 in-process, against a real etcd: expired is not free, a deleted pod stays
@@ -28,13 +29,11 @@ import (
 // the journal has not written yet is lost.
 func crash(a *Agent) {
 	a.closeOnce.Do(func() {
-		a.jw.mu.Lock()
-		a.jw.pending = map[string]*podState{}
-		a.jw.mu.Unlock()
+		a.jw.Abandon()
 		a.cancel()
 		a.wg.Wait()
 		a.keeper.Abandon()
-		a.jw.close()
+		a.jw.Close()
 		a.unlock()
 	})
 }
@@ -51,11 +50,11 @@ func withHold(dir string) func(*Config) {
 func expire(t *testing.T, cli *clientv3.Client, a *Agent, owners ...string) {
 	t.Helper()
 	for _, o := range owners {
-		ps, ok := a.pods.snapshot(o)
-		if !ok || ps.lease.id == 0 {
+		ps, ok := a.pods.Snapshot(o)
+		if !ok || ps.Lease() == 0 {
 			t.Fatalf("agent knows no lease of %s", o)
 		}
-		if _, err := cli.Revoke(context.Background(), ps.lease.id); err != nil && !keyspace.IsLeaseNotFound(err) {
+		if _, err := cli.Revoke(context.Background(), ps.Lease()); err != nil && !keyspace.IsLeaseNotFound(err) {
 			t.Fatal(err)
 		}
 	}
@@ -209,7 +208,7 @@ func TestACutOffNodeThatComesBackWithinTheDelayGetsEverythingBack(t *testing.T) 
 				return err
 			}
 		}
-		lost := back.pods.lost()
+		lost := back.pods.Lost()
 		return etcdtest.Saw(len(lost) == 0, "the agent still re-claims %v", lost)
 	})
 	if back.Conflicts() != 0 {
@@ -281,7 +280,7 @@ func TestADeletedPodStaysDeletedAfterACrash(t *testing.T) {
 		if o := allocOwner(t, cli, pool, ip); o == owner {
 			t.Fatalf("round %d: %s's DEL was answered, and after a crash and restart it holds %s again", round, owner, ip)
 		}
-		if _, ok := a.pods.snapshot(owner); ok {
+		if _, ok := a.pods.Snapshot(owner); ok {
 			t.Fatalf("round %d: the restarted agent knows the deleted pod %s", round, owner)
 		}
 		if err := a.Del(ctx, addReq(pool, kept, "eth0", kept)); err != nil {
@@ -308,7 +307,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		own := a.locks.Lock(owner)
 		expire(t, cli, a, owner)
 		etcdtest.Eventually(t, "the agent finds the lease lost", func() error {
-			_, lost := a.pods.lostPod(owner)
+			_, lost := a.pods.LostPod(owner)
 			return etcdtest.Saw(lost, "the agent holds %s's lease as live", owner)
 		})
 		var wg sync.WaitGroup
@@ -322,7 +321,7 @@ func TestADelOfAPodBeingReclaimedIsFinal(t *testing.T) {
 		}
 		// Give any late re-claim its chance, then look.
 		etcdtest.Eventually(t, "the agent forgets the deleted pod", func() error {
-			_, known := a.pods.snapshot(owner)
+			_, known := a.pods.Snapshot(owner)
 			return etcdtest.Saw(!known, "the agent still knows %s", owner)
 		})
 		time.Sleep(200 * time.Millisecond)
@@ -398,7 +397,7 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 				return err
 			}
 		}
-		lost := a.pods.lost()
+		lost := a.pods.Lost()
 		return etcdtest.Saw(len(lost) == 0, "the agent still re-claims %v", lost)
 	})
 	if a.Conflicts() != 0 {
@@ -449,7 +448,7 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 	if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name))); n != 0 {
 		t.Errorf("the conflict record outlived the resolution")
 	}
-	if ps, _ := a.pods.snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
+	if ps, _ := a.pods.Snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
 		t.Errorf("the pod's state still lists conflicts: %+v", ps.Attachments)
 	}
 }
@@ -473,9 +472,9 @@ func TestAReclaimThatFindsNoConflictEndsTheOldOnes(t *testing.T) {
 	ip := addrs(res)[0]
 	// The journal as written while another owner held ip, the resolution not written yet.
 	own := a.locks.Lock("run")
-	a.pods.setConflicts(own, "eth0", pool.Name, []netip.Addr{ip})
+	a.pods.Change(own).SetConflicts("eth0", pool.Name, []netip.Addr{ip})
 	own.Unlock()
-	if err := a.jw.sync(ctx); err != nil {
+	if err := a.jw.Sync(ctx); err != nil {
 		t.Fatal(err)
 	}
 	crash(a)
@@ -483,7 +482,7 @@ func TestAReclaimThatFindsNoConflictEndsTheOldOnes(t *testing.T) {
 	a = startAgent(t, cluster, "n", "uid-n", withHold(dir), auditFast)
 	k := keysOf(cluster, "n", "run", pool, ip)
 	heldFor(t, cli, a, "run", k, ip) // re-claimed, with no conflict: nobody else holds ip
-	if ps, _ := a.pods.snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
+	if ps, _ := a.pods.Snapshot("run"); slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return len(at.Conflicts) > 0 }) {
 		t.Errorf("the re-claim found no conflict, and the pod's state lists conflicts: %+v", ps.Attachments)
 	}
 	// The pod's own value without its lease, as an admin's etcdctl put: no conflict watch
@@ -586,7 +585,7 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 	}
 	own = a.locks.Lock("gone") // keep the re-claim from running before the look
 	a.claimedOn(ctx, allocator.Request{}, own, gone)
-	if _, lost := a.pods.lostPod("gone"); !lost {
+	if _, lost := a.pods.LostPod("gone"); !lost {
 		t.Errorf("a pod whose lease etcd no longer has is not queued for re-claim")
 	}
 	own.Unlock()
@@ -760,8 +759,8 @@ func takenThenBack(t *testing.T, b *Agent, req allocator.Request, ip netip.Addr,
 // journalsConflict is a condition for etcdtest.Eventually: that the journal in dir lists ip
 // as a conflict of owner's attachment.
 func journalsConflict(dir, owner string, ip netip.Addr) error {
-	l, errs := journal{dir: dir}.load()
-	for _, ps := range l.pods {
+	l, errs := podbook.Load(dir)
+	for _, ps := range l.Pods {
 		if ps.Owner != owner {
 			continue
 		}
@@ -858,7 +857,7 @@ func TestAConflictedAddressIsHeldForItsRunningPod(t *testing.T) {
 	if resp, err := cli.Get(ctx, wantedKey); err != nil || len(resp.Kvs) != 1 || !back.blockLeases.mine(keyspace.LeaseOf(resp.Kvs[0])) {
 		t.Fatalf("wanted key %s: %v %v; want it on the node's block lease", wantedKey, resp, err)
 	}
-	if err := back.jw.sync(ctx); err != nil { // the journal has the conflict, as it has within milliseconds
+	if err := back.jw.Sync(ctx); err != nil { // the journal has the conflict, as it has within milliseconds
 		t.Fatal(err)
 	}
 	crash(back) // cut off again, within the TTL
@@ -900,14 +899,9 @@ func TestADelAnsweredWhileAwayReportsWhoHadTheAddress(t *testing.T) {
 	// the answer's time says so.
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
 		own := a.locks.Lock("run")
-		a.pods.markReleased(own, "eth0", pool.Name, "run")
+		a.pods.Change(own).MarkReleased("eth0", pool.Name, "run", time.Now().Add(time.Minute))
 		own.Unlock()
-		a.pods.mu.Lock()
-		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
-		snap := a.pods.m["run"].clone()
-		a.pods.mu.Unlock()
-		a.jw.save(snap)
-		if err := a.jw.sync(ctxT(t)); err != nil {
+		if err := a.jw.Sync(ctxT(t)); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -930,14 +924,9 @@ func TestADelAfterACompactionReportsWhoHoldsTheAddress(t *testing.T) {
 	pool := v4Pool(etcdtest.Uniq("p"), "10.77.0.0/24", 26)
 	dir, b, ip := awayPastTheDelay(t, cluster, pool, func(a *Agent) {
 		own := a.locks.Lock("run")
-		a.pods.markReleased(own, "eth0", pool.Name, "run")
+		a.pods.Change(own).MarkReleased("eth0", pool.Name, "run", time.Now().Add(time.Minute))
 		own.Unlock()
-		a.pods.mu.Lock()
-		a.pods.m["run"].Attachments[0].ReleasedAt = time.Now().Add(time.Minute)
-		snap := a.pods.m["run"].clone()
-		a.pods.mu.Unlock()
-		a.jw.save(snap)
-		if err := a.jw.sync(ctxT(t)); err != nil {
+		if err := a.jw.Sync(ctxT(t)); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -1022,7 +1011,7 @@ func TestAStaleViewIsListedAgainBeforeAHeldBackAddressIsReused(t *testing.T) {
 		taken[a] = true
 	}
 	for a := liveBlock.Addr(); liveBlock.Contains(a); a = a.Next() {
-		if p.spec.Allocatable(a) == nil && !taken[a] && !live.pods.ownsAddr(pool.Name, a) {
+		if p.spec.Allocatable(a) == nil && !taken[a] && !live.pods.OwnsAddr(pool.Name, a) {
 			free = a
 		}
 	}

@@ -117,7 +117,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 			case err != nil:
 				e.Detail = err.Error()
 				rep.OutsidePool = append(rep.OutsidePool, e)
-			case a.pods.holdsAddr(owner, at.IfName, imp.Pool, ip):
+			case a.pods.HoldsAddr(owner, at.IfName, imp.Pool, ip):
 				rep.Already = append(rep.Already, e)
 			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}].imported:
 				e.Detail = "imported before and released since (DEL or GC)"
@@ -167,7 +167,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 	defer claims.done()
 	for range maxImportAttempts {
 		octx, cancel := a.opCtx(ctx)
-		lease, known := a.pods.lease(owner)
+		lease, known := a.pods.Lease(owner)
 		if !known {
 			id, err := claims.spare(octx)
 			if err != nil {
@@ -223,7 +223,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			}
 			continue
 		case podGone, podMoved:
-			a.pods.drop(own)
+			a.pods.Change(own).Drop()
 			if out.Pod == podGone {
 				claims.reuse(lease)
 			}
@@ -326,7 +326,7 @@ func holderOf(kv *mvccpb.KeyValue) string {
 // owner key and compared with the owner index's, so a request reaches only its own
 // container's attachment.
 func (a *Agent) attachmentOwner(req allocator.Request, owner string) string {
-	if owner != req.ContainerID && a.pods.keptByContainer(req.ContainerID, req.IfName, req.Pool.Name) {
+	if owner != req.ContainerID && a.pods.KeptByContainer(req.ContainerID, req.IfName, req.Pool.Name) {
 		return req.ContainerID
 	}
 	return owner

@@ -21,6 +21,7 @@ import (
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // smallDisk is a 64 KiB tmpfs, so that the journal meets a real ENOSPC: fill takes its
@@ -92,95 +93,16 @@ func (l *logLines) logger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
-const (
-	journalFailedMsg    = "journal write failed; re-claim after a lease loss may miss pods"
-	journalRecoveredMsg = "journal written again after failed writes; it holds every pod"
-)
+const journalFailedMsg = "journal write failed; re-claim after a lease loss may miss pods"
 
 // journalOwners loads the journal in dir: its owners, and what load reported.
 func journalOwners(dir string) ([]string, []error) {
-	l, errs := journal{dir: dir}.load()
+	l, errs := podbook.Load(dir)
 	var out []string
-	for _, ps := range l.pods {
+	for _, ps := range l.Pods {
 		out = append(out, ps.Owner)
 	}
 	return out, errs
-}
-
-// TestJournalWriterRecoversFromAFullDisk: changes saved while the state disk is full are
-// kept, retried without any further change, and written once the disk has room again; while
-// the disk is full the journal reads back whole (a failed append is cut back, a failed rewrite
-// leaves no partial copy), and the failure is logged once and reported until it ends.
-func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		before int // pods journaled before the disk fills
-	}{
-		// The journal exists: the pods of the full disk are one append, bigger than the
-		// room left in the file's last page, so the write is short, then ENOSPC.
-		{"append", 1},
-		// No journal yet: the first write is a rewrite (journal.tmp, renamed), which fails.
-		{"rewrite", 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			disk := newSmallDisk(t)
-			var logs logLines
-			w := newJournalWriter(journal{dir: disk.dir}, logs.logger())
-			w.start(loaded{})
-			t.Cleanup(w.close)
-			var want []string
-			for i := range tc.before {
-				want = append(want, fmt.Sprintf("before-%d", i))
-				w.save(testPod(want[i], clientv3.LeaseID(i+1), fmt.Sprintf("10.3.0.%d", i+1)))
-			}
-			etcdtest.Eventually(t, "the pods saved before the disk fills are journaled", journalIs(disk.dir, want))
-			journaled := slices.Clone(want)
-
-			disk.fill(t)
-			for i := range 40 {
-				owner := fmt.Sprintf("full-%02d", i)
-				want = append(want, owner)
-				w.save(testPod(owner, clientv3.LeaseID(100+i), fmt.Sprintf("10.3.1.%d", i+1)))
-			}
-			etcdtest.Eventually(t, "the write fails and is retried", func() error {
-				err, n := w.health(), w.failures.Load()
-				return etcdtest.Saw(err != nil && n >= 2, "health %v after %d failures", err, n)
-			})
-			if err := w.health(); !errors.Is(err, ErrJournalUnwritable) || !errors.Is(err, syscall.ENOSPC) {
-				t.Errorf("health while the disk is full: want ErrJournalUnwritable wrapping ENOSPC, got %v", err)
-			}
-			got, errs := journalOwners(disk.dir)
-			if len(errs) > 0 || !slices.Equal(got, journaled) {
-				t.Errorf("journal while the disk is full: %v, load reported %v; want %v and nothing reported (no partial line)", got, errs, journaled)
-			}
-			if _, err := os.Stat(filepath.Join(disk.dir, journalFile+".tmp")); !errors.Is(err, os.ErrNotExist) {
-				t.Errorf("a failed rewrite left its partial copy: %v", err)
-			}
-
-			disk.free(t) // no further change: the writer's own retry must write them
-			etcdtest.Eventually(t, "the pods saved while the disk was full reach the journal", journalIs(disk.dir, want))
-			// The writer reports itself healthy before it logs the recovery: wait for the line too.
-			etcdtest.Eventually(t, "the journal reports itself healthy", func() error {
-				if err := w.health(); err != nil {
-					return err
-				}
-				n := logs.count(journalRecoveredMsg)
-				return etcdtest.Saw(n == 1, "the recovery logged %d lines; want 1", n)
-			})
-			if _, errs := journalOwners(disk.dir); len(errs) > 0 {
-				t.Errorf("load after the recovery reported %v", errs)
-			}
-			if n := logs.count(journalFailedMsg); n != 1 {
-				t.Errorf("%d failed attempts logged %d lines; want 1 (the first; then one a minute)", w.failures.Load(), n)
-			}
-
-			// Appends go on after the recovery.
-			w.save(testPod("after", 999, "10.3.2.1"))
-			want = append(want, "after")
-			slices.Sort(want)
-			etcdtest.Eventually(t, "a pod saved after the recovery is journaled", journalIs(disk.dir, want))
-		})
-	}
 }
 
 // gauge reads one unlabelled metric of reg.
@@ -268,7 +190,7 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 	// the pods still run. The restarted agent knows them only from its journal.
 	var lost []clientv3.LeaseID
 	for _, owner := range want {
-		id, ok := a.pods.lease(owner)
+		id, ok := a.pods.Lease(owner)
 		if !ok {
 			t.Fatalf("pod %s holds no lease", owner)
 		}

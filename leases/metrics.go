@@ -156,7 +156,7 @@ func newMetrics(a *Agent) *metrics {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",
 			Help: "Sticky claims held by attachments of this node.",
-		}, func() float64 { return float64(len(a.pods.claimLeases())) }), m.imports,
+		}, func() float64 { return float64(len(a.pods.ClaimLeases())) }), m.imports,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_blocks_held",
 			Help: "Blocks this node holds, over every pool it serves.",
@@ -177,17 +177,17 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_pods",
 			Help: "Pods this agent holds a lease for.",
 		}, func() float64 {
-			return float64(a.pods.count())
+			return float64(a.pods.Count())
 		}),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "leasehold_journal_write_failures_total",
 			Help: "Writes of the local journal that failed (a full or failing --state-dir disk); each is retried until one succeeds.",
-		}, func() float64 { return float64(a.jw.failures.Load()) }),
+		}, func() float64 { return float64(a.jw.Failures()) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_journal_healthy",
 			Help: "1 while the local journal is written; 0 from a failed write until a retry writes every change it missed.",
 		}, func() float64 {
-			if a.jw.health() != nil {
+			if a.jw.Health() != nil {
 				return 0
 			}
 			return 1
@@ -318,7 +318,7 @@ var ErrNotReady = errors.New("agent not ready")
 // Ready reports whether the agent can serve ADDs and keep them: it has heard from etcd within
 // the last few seconds, or etcd answers a small read now, and its journal is being written.
 // It backs leaseholdd's /readyz. While the journal cannot be written the error also wraps
-// ErrJournalUnwritable; ADDs still succeed then, DELs wait for it (journalWriter.sync).
+// ErrJournalUnwritable; ADDs still succeed then, DELs wait for it (podbook.Writer.Sync).
 func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
@@ -326,7 +326,7 @@ func (a *Agent) Ready(ctx context.Context) error {
 	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
 		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
 	}
-	if err := a.jw.health(); err != nil {
+	if err := a.jw.Health(); err != nil {
 		return fmt.Errorf("%w: %w", ErrNotReady, err)
 	}
 	return nil

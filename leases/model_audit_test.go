@@ -82,7 +82,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 	k := cands[m.rng.IntN(len(cands))]
 	ni := m.home[k.owner]
 	n := m.nodes[ni]
-	old, ok := n.agent.pods.lease(k.owner)
+	old, ok := n.agent.pods.Lease(k.owner)
 	if !ok {
 		m.t.Errorf("step %d: %s holds no lease of running pod %s", i, n.name, k.owner)
 		return true
@@ -162,7 +162,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 	// The repair: the pod on a new lease (keysLost revokes the old one), its pod record on it.
 	deadline := time.Now().Add(modelReclaimWait)
 	for {
-		lease, held := n.agent.pods.lease(k.owner)
+		lease, held := n.agent.pods.Lease(k.owner)
 		if held && lease != old {
 			rec, err := m.cli.Get(ctx, keyspace.PodKey(m.cluster, n.name, k.owner))
 			if err != nil {

@@ -610,7 +610,7 @@ func (m *model) reclaimProblems(n *modelNode, want reclaimWant) (lost map[attKey
 	st := m.readState(ctx)
 	lost = map[attKey][]netip.Addr{}
 	for k, ips := range want.ips {
-		lease, held := n.agent.pods.lease(k.owner)
+		lease, held := n.agent.pods.Lease(k.owner)
 		ix, indexed := st.owners[m.ownerKey(k)]
 		switch {
 		case !held:

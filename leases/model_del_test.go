@@ -83,7 +83,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	how, stale := m.rng.IntN(3), m.rng.IntN(4) == 0
 	pause := time.Duration(m.rng.IntN(4)) * 5 * time.Millisecond
 	a := n.agent
-	lease, ok := a.pods.lease(k.owner)
+	lease, ok := a.pods.Lease(k.owner)
 	if !ok {
 		m.t.Errorf("step %d: %s holds no lease of %v", i, n.name, k)
 		return true
@@ -103,10 +103,10 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 		a.keeper.MarkLost(lease) // found at once, not at its next keep-alive
 		deadline := time.Now().Add(modelReclaimWait)
 		for {
-			if _, lost := a.pods.lostPod(k.owner); lost {
+			if _, lost := a.pods.LostPod(k.owner); lost {
 				break
 			}
-			if l, ok := a.pods.lease(k.owner); ok && l != lease {
+			if l, ok := a.pods.Lease(k.owner); ok && l != lease {
 				break // re-claimed already
 			}
 			if time.Now().After(deadline) {
@@ -190,7 +190,7 @@ func (m *model) checkGone(ctx context.Context, i int, n *modelNode, k attKey, he
 				m.t.Errorf("step %d: %v was deleted (%s), and it holds %s again", i, k, why, a)
 			}
 		}
-		if ps, ok := n.agent.pods.snapshot(k.owner); ok && slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
+		if ps, ok := n.agent.pods.Snapshot(k.owner); ok && slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
 			return at.IfName == k.ifName && at.Pool == m.pool.Name
 		}) {
 			m.t.Errorf("step %d: %v was deleted (%s), and agent %s still knows it: %+v", i, k, why, n.name, ps.Attachments)

@@ -379,7 +379,7 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 		if n.agent == nil {
 			continue
 		}
-		if lost := n.agent.pods.lost(); len(lost) > 0 {
+		if lost := n.agent.pods.Lost(); len(lost) > 0 {
 			out = append(out, fmt.Sprintf("%s re-claims %v still", n.name, lost))
 		}
 		if !holdOpen(n.agent) {
@@ -396,7 +396,7 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 		n := m.nodes[m.home[k.owner]]
 		ours[m.ownerKey(k)], ours[m.conflictKey(k)] = true, true
 		pods[keyspace.PodKey(m.cluster, n.name, k.owner)] = true
-		lease, held := n.agent.pods.lease(k.owner)
+		lease, held := n.agent.pods.Lease(k.owner)
 		ix, indexed := st.owners[m.ownerKey(k)]
 		switch {
 		case !held:

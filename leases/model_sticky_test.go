@@ -391,7 +391,7 @@ func (m *model) checkSticky(claims, allocs, owners, quarantine []*mvccpb.KeyValu
 // not with its pod leases.
 func claimLeaseSet(a *Agent) map[clientv3.LeaseID]bool {
 	out := map[clientv3.LeaseID]bool{}
-	for _, id := range a.pods.claimLeases() {
+	for _, id := range a.pods.ClaimLeases() {
 		out[id] = true
 	}
 	return out

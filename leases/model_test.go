@@ -557,7 +557,7 @@ func (m *model) lose(ctx context.Context, i int) {
 		if m.nodes[ni].agent == nil {
 			continue // a dead node's pods are gone
 		}
-		lease, ok := m.nodes[ni].agent.pods.lease(owner)
+		lease, ok := m.nodes[ni].agent.pods.Lease(owner)
 		if !ok {
 			continue
 		}

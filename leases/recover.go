@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -15,9 +16,11 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/parallel"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -27,18 +30,18 @@ import (
 // identities (a previous machine under this name) are left alone to expire.
 func (a *Agent) recover(ctx context.Context) error {
 	type journalRead struct {
-		loaded
+		podbook.Loaded
 		errs []error
 	}
 	var journaledAt time.Time // when the journal was last written, by an earlier process
 	if a.cfg.StateDir != "" {
-		if fi, err := os.Stat(filepath.Join(a.cfg.StateDir, journalFile)); err == nil {
+		if fi, err := os.Stat(filepath.Join(a.cfg.StateDir, podbook.JournalFile)); err == nil {
 			journaledAt = fi.ModTime()
 		}
 	}
 	fromDisk := make(chan journalRead, 1) // read the journal while etcd lists the pod records
 	go func() {
-		l, errs := a.journal.load()
+		l, errs := podbook.Load(a.cfg.StateDir)
 		fromDisk <- journalRead{l, errs}
 	}()
 	octx, cancel := a.opCtx(ctx)
@@ -48,8 +51,8 @@ func (a *Agent) recover(ctx context.Context) error {
 	if err != nil {
 		return a.unavailable("list this node's pod records", err)
 	}
-	a.jw.start(disk.loaded)
-	journaled, errs := disk.pods, disk.errs
+	a.jw.Start(disk.Loaded)
+	journaled, errs := disk.Pods, disk.errs
 	for _, err := range errs {
 		a.log.Error("journal", "err", err)
 	}
@@ -75,7 +78,7 @@ func (a *Agent) recover(ctx context.Context) error {
 		rec keyspace.PodRecord
 		err error
 	}
-	records := parallelMap(len(resp.Kvs), func(i int) (d decodedRecord) {
+	records := parallel.Map(len(resp.Kvs), func(i int) (d decodedRecord) {
 		d.rec, d.err = keyspace.Decode[keyspace.PodRecord](string(resp.Kvs[i].Key), resp.Kvs[i].Value)
 		return d
 	})
@@ -99,11 +102,11 @@ func (a *Agent) recover(ctx context.Context) error {
 				return err
 			}
 		}
-		ps.lease.id = keyspace.LeaseOf(kv)
+		lease := keyspace.LeaseOf(kv)
 		if ps.Netns == "" {
 			ps.Netns = rec.Netns
 		}
-		a.pods.restore(ps, true, ok)
+		a.pods.Restore(ps, lease, true, ok)
 		if sandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
 			own := a.locks.Lock(ps.Owner)
@@ -115,10 +118,10 @@ func (a *Agent) recover(ctx context.Context) error {
 			released++
 			continue
 		}
-		if err := a.keeper.Resume(ps.lease.id); err != nil {
+		if err := a.keeper.Resume(lease); err != nil {
 			return a.unavailable("resume pod lease", err)
 		}
-		resumedIDs = append(resumedIDs, ps.lease.id)
+		resumedIDs = append(resumedIDs, lease)
 		resumed++
 	}
 	// Renew them all now rather than on the keep-alive loop's first tick: a lease that was
@@ -135,10 +138,10 @@ func (a *Agent) recover(ctx context.Context) error {
 	for _, ps := range fromJournal {
 		if ps.NodeUID != a.cfg.NodeUID || sandboxGone(ps.Netns) {
 			// A previous boot's pod, or one whose sandbox is gone: nothing to keep.
-			a.jw.remove(ps.Owner)
+			a.jw.Remove(ps.Owner)
 			continue
 		}
-		a.pods.restore(ps, false, true)
+		a.pods.Restore(ps, ps.Lease(), false, true)
 		lost++
 	}
 	// The pod records were read, their other keys not yet; then re-claims, the releases
@@ -199,12 +202,12 @@ func (a *Agent) livenessLoop() {
 
 func (a *Agent) releaseGoneSandboxes(ctx context.Context) {
 	grace := a.cfg.LivenessGrace
-	for owner, netns := range a.pods.idle(grace) {
+	for owner, netns := range a.pods.Idle(grace) {
 		if !sandboxGone(netns) {
 			continue
 		}
 		own := a.locks.Lock(owner)
-		if netns, ok := a.pods.stillIdle(owner, grace); ok && sandboxGone(netns) {
+		if netns, ok := a.pods.StillIdle(owner, grace); ok && sandboxGone(netns) {
 			a.log.Info("sandbox gone (network namespace removed); releasing its addresses", "owner", owner, "netns", netns)
 			if err := a.releaseOwner(ctx, own); err != nil {
 				a.log.Warn("release of a gone sandbox failed; will retry", "owner", owner, "err", err)
@@ -297,7 +300,7 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 	}
 	node := a.nodeLease()
 	nodeLost := node != 0 && !a.keeper.Holds(node)
-	owners := a.pods.lost()
+	owners := a.pods.Lost()
 	if nodeLost {
 		if err := a.register(ctx); err != nil {
 			return err
@@ -307,7 +310,7 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 	for _, owner := range owners {
 		errs = append(errs, a.reclaim(ctx, owner))
 	}
-	for _, owner := range a.pods.pendingReleases() {
+	for _, owner := range a.pods.PendingReleases() {
 		errs = append(errs, a.releasePending(ctx, owner))
 	}
 	a.watchConflicts()
@@ -326,7 +329,7 @@ func (a *Agent) reclaimAll(ctx context.Context, full bool) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	if len(a.pods.lost()) == 0 {
+	if len(a.pods.Lost()) == 0 {
 		a.hold.done(gen) // every running pod holds its keys again: ADDs go on
 		a.rmu.Lock()
 		if gen >= a.backGen {
@@ -343,7 +346,7 @@ func (a *Agent) releasePending(ctx context.Context, owner string) error {
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
 	var errs []error
-	for _, at := range a.pods.releasedAttachments(owner) {
+	for _, at := range a.pods.ReleasedAttachments(owner) {
 		req := allocator.Request{Pool: allocator.PoolSpec{Name: at.Pool}, Network: at.Network, IfName: at.IfName, ContainerID: at.ContainerID}
 		left, err := a.releaseAttachment(ctx, req, own)
 		if err != nil {
@@ -353,7 +356,7 @@ func (a *Agent) releasePending(ctx context.Context, owner string) error {
 		// Released, or nothing of it was left in etcd: either way it is done. Nothing left (and
 		// not taken by forgetLost, which reports as below): its keys expired while etcd was
 		// away, and another pod may have had its addresses meanwhile.
-		if a.pods.forgetAttachment(own, at.IfName, at.Pool, at.ContainerID) && left < 0 {
+		if a.pods.Change(own).ForgetAttachment(at.IfName, at.Pool, at.ContainerID) && left < 0 {
 			a.reportTakenAtDel(ctx, owner, at)
 		}
 		a.log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
@@ -386,7 +389,7 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 		}
 		var ops []clientv3.Op
 		var freed []string
-		wants := a.pods.wanted(a.cfg.Cluster)
+		wants := a.pods.Wanted(a.cfg.Cluster)
 		for _, k := range ttl.Keys {
 			key := string(k)
 			if pool, _, ip, cluster, owner, err := keyspace.ParseWantedKey(key); err == nil {
@@ -398,7 +401,7 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 				continue
 			}
 			pool, _, ip, err := keyspace.ParseHeldKey(key)
-			if err != nil || a.pods.ownsAddr(pool, ip) {
+			if err != nil || a.pods.OwnsAddr(pool, ip) {
 				continue
 			}
 			ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.OnLease(key, id), keyspace.Absent(keyspace.IPKeyOfHeld(key))},
@@ -428,30 +431,30 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
-	snap, ok := a.pods.lostPod(owner)
+	snap, ok := a.pods.LostPod(owner)
 	if !ok {
 		return nil
 	}
 	if sandboxGone(snap.Netns) {
 		a.log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
-		a.pods.drop(own)
+		a.pods.Change(own).Drop()
 		return nil
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	// The client gives up on a lease after one TTL without an answer; etcd may not have
 	// expired it yet. Then the old lease is simply resumed.
-	if snap.lease.id != 0 {
-		ttl, err := a.cli.TimeToLive(octx, snap.lease.id)
+	if id := snap.Lease(); id != 0 {
+		ttl, err := a.cli.TimeToLive(octx, id)
 		if err != nil {
 			return a.unavailable("look up the lost lease", err)
 		}
 		if ttl.TTL > 0 {
-			if err := a.keeper.Resume(snap.lease.id); err != nil {
+			if err := a.keeper.Resume(id); err != nil {
 				return err
 			}
-			a.pods.resumed(own, snap.lease.id)
-			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(snap.lease.id))
+			a.pods.Change(own).Resumed(id)
+			a.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(id))
 			return nil
 		}
 	}
@@ -462,7 +465,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 		for _, at := range snap.Attachments {
 			a.reportTakenAtDel(octx, owner, at) // another pod may have had its addresses meanwhile
 		}
-		a.pods.drop(own)
+		a.pods.Change(own).Drop()
 		return nil
 	}
 	defer a.keeper.Refill()
@@ -731,7 +734,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 		}
 		if out.Applied {
 			// What the re-claim found taken is the attachment's conflicts now: none is an
-			// empty list, not nil, which podState.put reads as "not known" and so keeps the
+			// empty list, not nil, which the pod book's PodState.put reads as "not known" and so keeps the
 			// old ones (a crash right after a resolution leaves them in the journal).
 			lost := []netip.Addr{}
 			if len(taken) > 0 {
@@ -783,4 +786,15 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 		c.addrs = still
 	}
 	return 0, nil, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.ownerKey)
+}
+
+// sandboxGone reports whether the sandbox behind netns certainly no longer exists: its
+// network namespace path is gone. Any other answer (no path, a read error) counts as alive,
+// so a failed look never releases a running pod's addresses.
+func sandboxGone(netns string) bool {
+	if netns == "" {
+		return false
+	}
+	_, err := os.Stat(netns)
+	return errors.Is(err, fs.ErrNotExist)
 }

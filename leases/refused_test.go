@@ -34,11 +34,11 @@ func TestRefusedClaimIsNotAnUnansweredOne(t *testing.T) {
 	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "uid-r")); err != nil {
 		t.Fatalf("ADD whose spare lease was revoked from outside: %v", err)
 	}
-	lease, ok := a.pods.lease("uid-r")
+	lease, ok := a.pods.Lease("uid-r")
 	if !ok || slices.Contains(revoked, lease) {
 		t.Errorf("pod holds lease %x (held %v); want a lease that is not one of the revoked %x", lease, ok, revoked)
 	}
-	if !a.pods.mayRecycle("uid-r") {
+	if !a.pods.MayRecycle("uid-r") {
 		t.Error("the pod is marked as having an unanswered claim, but etcd answered by refusing it")
 	}
 	for _, id := range revoked {

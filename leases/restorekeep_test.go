@@ -260,7 +260,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pod, ok := a.pods.lease("u1")
+	pod, ok := a.pods.Lease("u1")
 	if !ok {
 		t.Fatal("no lease of u1")
 	}
@@ -687,14 +687,14 @@ func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing
 			return nil
 		})
 		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
-			at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name)
+			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
 			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
 		})
 		if _, err := cli.Revoke(ctx, old); err != nil && !keyspace.IsLeaseNotFound(err) {
 			t.Fatal(err)
 		}
 		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
-			lease, _ := a1.pods.lease("u1")
+			lease, _ := a1.pods.Lease("u1")
 			al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, x))
 			if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
 				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, al, err, keyspace.LeaseHex(lease))
@@ -709,7 +709,7 @@ func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing
 			if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
 				return fmt.Errorf("u1's conflict record is still there")
 			}
-			if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
+			if at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
 				return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
 			}
 			return nil

@@ -213,7 +213,7 @@ func (a *Agent) claimReleaseTTL(at attachment) time.Duration {
 // resumeClaims renews again, after a restart, the claim leases of the attachments this node
 // holds (from the journal or the owner indexes).
 func (a *Agent) resumeClaims(ctx context.Context) {
-	for _, id := range a.pods.claimLeases() {
+	for _, id := range a.pods.ClaimLeases() {
 		octx, cancel := a.opCtx(ctx)
 		err := a.keeper.Adopt(octx, id)
 		cancel()

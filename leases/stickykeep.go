@@ -191,74 +191,16 @@ func stickyKeys(cluster string, at attachment, blocks allocator.Blocks) (keys []
 	return keys, addrs
 }
 
-// sticky lists the claims of the attachments of running pods (those auditable lists) in the
-// pools of layouts.
-func (t *pods) sticky(cluster string, layouts map[string]allocator.Blocks) []stickyCheck {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	var out []stickyCheck
-	for _, ps := range t.m {
-		if _, held := ps.lease.held(); !held || slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.Released }) {
-			continue
-		}
-		for _, at := range ps.Attachments {
-			blocks, ok := layouts[at.Pool]
-			if at.Claim == "" || !ok {
-				continue
-			}
-			at.IPs, at.Conflicts = slices.Clone(at.IPs), slices.Clone(at.Conflicts)
-			keys, _ := stickyKeys(cluster, at, blocks)
-			out = append(out, stickyCheck{ref: stickyRef{ps.Owner, at.IfName, at.Pool}, at: at, keys: keys})
-		}
-	}
-	return out
-}
-
-// holdsClaim tells whether an attachment of this node's pods holds claim name of pool.
-func (t *pods) holdsClaim(pool, name string) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for _, ps := range t.m {
-		if slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.Pool == pool && at.Claim == name }) {
-			return true
-		}
-	}
-	return false
-}
-
-// setClaim records container's attachment ifName in pool of owner as holding claim on lease
-// (none: claim ""), with its owner index written at ownerRev.
-func (t *pods) setClaim(o *ownerlock.Owned, ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
-	owner := o.Owner()
-	t.mu.Lock()
-	ps, ok := t.m[owner]
-	if !ok {
-		t.mu.Unlock()
-		return
-	}
-	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool {
-		return at.IfName == ifName && at.Pool == pool && at.ContainerID == container
-	})
-	if i < 0 {
-		t.mu.Unlock()
-		return
-	}
-	at := &ps.Attachments[i]
-	at.ClaimLease, at.OwnerRev = lease, ownerRev
-	if claim == "" {
-		at.Claim, at.ClaimHold = "", 0
-	}
-	snap := ps.clone()
-	t.mu.Unlock()
-	t.jw.save(snap)
-}
-
 // auditClaims is the audit of the running attachments' claims (see the top of this file): a
 // compare per key of those found right before, a read of the others and of those whose
 // compare failed, and the repair, under the owner's lock, of what is not right. After etcd
 // went back in time it also releases the claims naming this node's deleted attachments.
 func (a *Agent) auditClaims(ctx context.Context, layouts map[string]allocator.Blocks) error {
-	checks := a.pods.sticky(a.cfg.Cluster, layouts)
+	var checks []stickyCheck
+	for _, h := range a.pods.Audit().Sticky(layouts) {
+		keys, _ := stickyKeys(a.cfg.Cluster, h.At, layouts[h.At.Pool])
+		checks = append(checks, stickyCheck{ref: stickyRef{h.Owner, h.At.IfName, h.At.Pool}, at: h.At, keys: keys})
+	}
 	a.stickyKept.prune(checks)
 	var verified, unverified []stickyCheck
 	for _, c := range checks {
@@ -374,7 +316,7 @@ func (a *Agent) keepClaim(ctx context.Context, ref stickyRef) error {
 // checked now is left to the next audit.
 func (a *Agent) keepClaimsOf(ctx context.Context, own *ownerlock.Owned) error {
 	owner := own.Owner()
-	ps, ok := a.pods.snapshot(owner)
+	ps, ok := a.pods.Snapshot(owner)
 	if !ok {
 		return nil
 	}
@@ -396,8 +338,8 @@ func (a *Agent) keepClaimLocked(ctx context.Context, own *ownerlock.Owned, ref s
 		}
 	}()
 	for range 3 {
-		ps, ok := a.pods.snapshot(ref.owner)
-		podLease, held := ps.lease.held()
+		ps, ok := a.pods.Snapshot(ref.owner)
+		podLease, held := ps.Held()
 		i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
 		if !ok || !held || i < 0 || ps.Attachments[i].Claim == "" || ps.Attachments[i].Released {
 			return nil // released, or being re-claimed: the re-claim checks it
@@ -455,7 +397,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podS
 		return true, nil
 	}
 	if oi.Claim != at.Claim {
-		a.pods.setClaim(own, at.IfName, at.Pool, at.ContainerID, "", 0, oiKV.ModRevision)
+		a.pods.Change(own).SetClaim(at.IfName, at.Pool, at.ContainerID, "", 0, oiKV.ModRevision)
 		if lease != 0 {
 			if err := a.keeper.Revoke(lease); err != nil {
 				a.log.Warn("revoking the lease of a released claim failed; it expires by itself", "lease", keyspace.LeaseHex(lease), "err", err)
@@ -665,7 +607,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podS
 		rev = tresp.Header.Revision
 	}
 	if lease != at.ClaimLease || indexed {
-		a.pods.setClaim(own, at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
+		a.pods.Change(own).SetClaim(at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
 	}
 	a.metrics.podKeysLost.Add(float64(len(problems)))
 	a.log.Error("the sticky claim of a running pod was missing or changed in etcd; put back", "owner", owner, "claim", at.Claim,
@@ -722,12 +664,12 @@ func (a *Agent) releaseStaleClaims(ctx context.Context) error {
 			continue
 		}
 		rec, err := keyspace.Decode[keyspace.ClaimRecord](string(kv.Key), kv.Value)
-		if err != nil || rec.Holder == nil || rec.Holder.NodeUID != a.cfg.NodeUID || a.pods.holdsClaim(pool, name) {
+		if err != nil || rec.Holder == nil || rec.Holder.NodeUID != a.cfg.NodeUID || a.pods.HoldsClaim(pool, name) {
 			continue
 		}
 		h := rec.Holder
 		own := a.locks.Lock(h.Owner)
-		if !a.pods.lists(h.Owner, h.IfName, pool, h.ContainerID) && !a.pods.holdsClaim(pool, name) {
+		if !a.pods.Lists(h.Owner, h.IfName, pool, h.ContainerID) && !a.pods.HoldsClaim(pool, name) {
 			errs = append(errs, a.releaseStaleClaim(ctx, pool, name, kv, rec))
 		}
 		own.Unlock()

@@ -49,7 +49,7 @@ func claimHeldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner, container
 			last = fmt.Sprintf("the owner index names claim lease %q, which the agent does not renew", oi.ClaimLease)
 			return false
 		}
-		if at, _, ok := a.pods.attachment(owner, "eth0", k.pool); !ok || at.ClaimLease != lease {
+		if at, _, ok := a.pods.Attachment(owner, "eth0", k.pool); !ok || at.ClaimLease != lease {
 			last = fmt.Sprintf("the agent remembers claim lease %s", keyspace.LeaseHex(at.ClaimLease))
 			return false
 		}
@@ -113,7 +113,7 @@ func TestTheStickyClaimOfARunningPodIsPutBack(t *testing.T) {
 		k.q = append(k.q, keyspace.QuarantineKey(pool.Name, pool.Blocks, ip))
 	}
 	lease := claimHeldFor(t, cli, a, "u1", "c1", claim, k, ips)
-	podLease, _ := a.pods.lease("u1")
+	podLease, _ := a.pods.Lease("u1")
 	lostBefore := counterValue(a.metrics.podKeysLost)
 
 	del := func(keys ...string) func() error {
@@ -158,7 +158,7 @@ func TestTheStickyClaimOfARunningPodIsPutBack(t *testing.T) {
 			}
 			lease = next
 			lostBefore = counterValue(a.metrics.podKeysLost)
-			if now, _ := a.pods.lease("u1"); now != podLease {
+			if now, _ := a.pods.Lease("u1"); now != podLease {
 				t.Errorf("the pod went from lease %s to %s: its own keys were fine", keyspace.LeaseHex(podLease), keyspace.LeaseHex(now))
 			}
 		})
@@ -200,7 +200,7 @@ func TestAClaimReleasedByAnAdminIsNotPutBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdtest.EventuallyTrue(t, "the agent forgets the claim", func() bool {
-		at, _, ok := a.pods.attachment("u1", "eth0", pool.Name)
+		at, _, ok := a.pods.Attachment("u1", "eth0", pool.Name)
 		return ok && at.Claim == "" && at.ClaimLease == 0
 	})
 	audits := counterValue(a.metrics.audits)
@@ -422,7 +422,7 @@ func TestARestoredEarlierHolderOfAClaimDoesNotKeepItsAddressesFromTheRunningPod(
 			k.q = append(k.q, keyspace.QuarantineKey(pool.Name, pool.Blocks, ip))
 		}
 		claimHeldFor(t, cli, a1, "u1", "c1", claim, k, ips, func() error {
-			lease, _ := a1.pods.lease("u1")
+			lease, _ := a1.pods.Lease("u1")
 			for _, ip := range ips {
 				al, err := cli.Get(ctx, keyspace.IPKey(pool.Name, pool.Blocks, ip))
 				if err != nil || len(al.Kvs) == 0 || keyspace.LeaseOf(al.Kvs[0]) != lease {
@@ -439,7 +439,7 @@ func TestARestoredEarlierHolderOfAClaimDoesNotKeepItsAddressesFromTheRunningPod(
 			if n := len(etcdtest.Dump(t, cli, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))); n != 0 {
 				return fmt.Errorf("u1's conflict record is still there")
 			}
-			if at, _, _ := a1.pods.attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
+			if at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name); len(at.Conflicts) > 0 {
 				return fmt.Errorf("the agent lists conflicts %v", at.Conflicts)
 			}
 			return nil

@@ -22,7 +22,7 @@ import (
 // repair (reclaimAll), and costs one lease listing per pod then; each pod's lease is swept
 // under the pod's lock, so that an ADD of a new attachment is not taken for a stale one.
 func (a *Agent) sweepLeases(ctx context.Context) error {
-	owners := a.pods.leaseOwners()
+	owners := a.pods.LeaseOwners()
 	if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
 		owners[node] = "" // no pod's key belongs on the node's lease
 	}
@@ -61,7 +61,7 @@ func (a *Agent) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ownerl
 	var ps podState
 	if own != nil {
 		owner = own.Owner()
-		ps, _ = a.pods.snapshot(owner)
+		ps, _ = a.pods.Snapshot(owner)
 	}
 	for _, k := range ttl.Keys {
 		key := string(k)

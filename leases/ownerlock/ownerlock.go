@@ -9,11 +9,11 @@ import "sync"
 // are never written by two of its own requests at once. Owners never wait for each other.
 //
 // The lock is a type, not a convention: Lock returns an Owned handle, and the pod book's
-// changes to a pod (pods.claimed, drop, forgetAttachment, ...) take one, so code that does not
-// hold the owner's lock cannot change its pod: the compiler checks it, and no code outside
-// this package can make a handle naming an owner. What changes a pod
+// changes to a pod (leases/podbook's Change: Claimed, Drop, ForgetAttachment, ...) are made
+// from one, so code that does not hold the owner's lock cannot change its pod: the compiler
+// checks it, and no code outside this package can make a handle naming an owner. What changes a pod
 // without its lock does so by design, named at each method: the start, before any request is
-// served (restore), and a lost lease, which a request must not be able to delay (lose).
+// served (Restore), and a lost lease, which a request must not be able to delay (Lose).
 //
 // Lock order, where more than one lock is held: Agent.importMu, then an owner lock, then a
 // view's claimMu, then that view's mu. No owner lock is taken while another is held

@@ -1,4 +1,4 @@
-package leases
+package podbook
 
 import (
 	"bytes"
@@ -19,14 +19,14 @@ func quietLog() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError + 1}))
 }
 
-func testPod(owner string, lease clientv3.LeaseID, ip string) podState {
-	ps := podState{Owner: owner, NodeUID: "uid1", Netns: "/run/netns/" + owner,
-		Attachments: []attachment{{IfName: "eth0", Pool: "p", Network: "n", ContainerID: "ctr-1", IPs: []netip.Addr{netip.MustParseAddr(ip)}}}}
+func testPod(owner string, lease clientv3.LeaseID, ip string) PodState {
+	ps := PodState{Owner: owner, NodeUID: "uid1", Netns: "/run/netns/" + owner,
+		Attachments: []Attachment{{IfName: "eth0", Pool: "p", Network: "n", ContainerID: "ctr-1", IPs: []netip.Addr{netip.MustParseAddr(ip)}}}}
 	ps.hold(lease)
 	return ps
 }
 
-func owners(pods []podState) string {
+func owners(pods []PodState) string {
 	var s []string
 	for _, ps := range pods {
 		s = append(s, ps.Owner+"="+ps.Attachments[0].IPs[0].String())
@@ -34,14 +34,14 @@ func owners(pods []podState) string {
 	return strings.Join(s, ",")
 }
 
-func openJournal(t *testing.T, dir string) (*journalWriter, loaded) {
+func openJournal(t *testing.T, dir string) (*Writer, Loaded) {
 	t.Helper()
 	l, errs := journal{dir: dir}.load()
 	if len(errs) > 0 {
 		t.Fatalf("load: %v", errs)
 	}
-	w := newJournalWriter(journal{dir: dir}, quietLog())
-	w.start(l)
+	w := NewWriter(dir, quietLog())
+	w.Start(l)
 	return w, l
 }
 
@@ -56,21 +56,21 @@ func TestJournalReplaysPutsAndDels(t *testing.T) {
 			time.Sleep(2 * flushEvery) // let the writer append, so that the journal grows
 		}
 	}
-	w.remove("pod-3")
-	w.remove("pod-never-saved")
+	w.Remove("pod-3")
+	w.Remove("pod-never-saved")
 	time.Sleep(2 * flushEvery)
 	long := strings.Repeat("x", 253)
 	w.save(testPod(long, 9999, "10.9.9.9"))
-	w.close()
+	w.Close()
 
 	l, errs := journal{dir: dir}.load()
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
-	if len(l.pods) != 30 { // 29 of the 30, and the long owner
-		t.Fatalf("got %d pods: %s", len(l.pods), owners(l.pods))
+	if len(l.Pods) != 30 { // 29 of the 30, and the long owner
+		t.Fatalf("got %d pods: %s", len(l.Pods), owners(l.Pods))
 	}
-	for _, ps := range l.pods {
+	for _, ps := range l.Pods {
 		if ps.Owner == "pod-3" {
 			t.Error("a removed pod came back")
 		}
@@ -78,7 +78,7 @@ func TestJournalReplaysPutsAndDels(t *testing.T) {
 			t.Errorf("pod-7: want its newest state (10.0.1.28 on lease 278), got %v on %d", ps.Attachments[0].IPs, ps.lease.id)
 		}
 	}
-	b, _ := os.ReadFile(filepath.Join(dir, journalFile))
+	b, _ := os.ReadFile(filepath.Join(dir, JournalFile))
 	if n := bytes.Count(b, []byte{'\n'}); n > 2*30+64 {
 		t.Errorf("journal has %d lines for 30 pods: never compacted", n)
 	}
@@ -99,10 +99,10 @@ func TestJournalFoldsInPerPodFilesOfEarlierVersions(t *testing.T) {
 	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "broken.json") {
 		t.Fatalf("want one error naming broken.json, got %v", errs)
 	}
-	w := newJournalWriter(journal{dir: dir}, quietLog())
-	w.start(l)
+	w := NewWriter(dir, quietLog())
+	w.Start(l)
 	w.save(testPod("new-c", 7, "10.1.0.9"))
-	w.close()
+	w.Close()
 	entries, _ := os.ReadDir(dir)
 	var names []string
 	for _, e := range entries {
@@ -112,7 +112,7 @@ func TestJournalFoldsInPerPodFilesOfEarlierVersions(t *testing.T) {
 		t.Errorf("state dir after the upgrade: %s; want broken.json,journal", got)
 	}
 	l, _ = journal{dir: dir}.load()
-	if got := owners(l.pods); got != "new-c=10.1.0.9,old-a=10.1.0.1,old-b=10.1.0.2,"+strings.Repeat("y", 240)+"=10.1.0.3" {
+	if got := owners(l.Pods); got != "new-c=10.1.0.9,old-a=10.1.0.1,old-b=10.1.0.2,"+strings.Repeat("y", 240)+"=10.1.0.3" {
 		t.Errorf("after the upgrade: %s", got)
 	}
 }
@@ -125,32 +125,32 @@ func TestJournalSurvivesATornAppendAndKeepsUnreadableLines(t *testing.T) {
 	w, _ := openJournal(t, dir)
 	w.save(testPod("a", 1, "10.2.0.1"))
 	w.save(testPod("b", 2, "10.2.0.2"))
-	w.close()
-	path := filepath.Join(dir, journalFile)
+	w.Close()
+	path := filepath.Join(dir, JournalFile)
 	f, _ := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
 	f.WriteString(`{"put":{"owner":"c","nodeUID":"ui`)
 	f.Close()
 	l, errs := journal{dir: dir}.load()
-	if owners(l.pods) != "a=10.2.0.1,b=10.2.0.2" || len(errs) != 1 || !strings.Contains(errs[0].Error(), "partly written") || l.unreadable {
-		t.Fatalf("torn append: pods %s, errors %v, unreadable %v", owners(l.pods), errs, l.unreadable)
+	if owners(l.Pods) != "a=10.2.0.1,b=10.2.0.2" || len(errs) != 1 || !strings.Contains(errs[0].Error(), "partly written") || l.unreadable {
+		t.Fatalf("torn append: pods %s, errors %v, unreadable %v", owners(l.Pods), errs, l.unreadable)
 	}
 	// The next writer does not append to the fragment: what it writes reads back whole.
-	w = newJournalWriter(journal{dir: dir}, quietLog())
-	w.start(l)
+	w = NewWriter(dir, quietLog())
+	w.Start(l)
 	w.save(testPod("d", 4, "10.2.0.4"))
-	w.close()
-	if l, errs := (journal{dir: dir}).load(); len(errs) != 0 || owners(l.pods) != "a=10.2.0.1,b=10.2.0.2,d=10.2.0.4" {
-		t.Fatalf("after a torn append and a restart: pods %s, errors %v", owners(l.pods), errs)
+	w.Close()
+	if l, errs := (journal{dir: dir}).load(); len(errs) != 0 || owners(l.Pods) != "a=10.2.0.1,b=10.2.0.2,d=10.2.0.4" {
+		t.Fatalf("after a torn append and a restart: pods %s, errors %v", owners(l.Pods), errs)
 	}
 
 	os.WriteFile(path, []byte(`{"put":{"owner":"a","nodeUID":"uid1","leaseID":"1","attachments":[{"ifName":"eth0","pool":"p","containerID":"c1","ips":["10.2.0.1"]}]}}`+"\ngarbage\n"), 0o600)
 	l, errs = journal{dir: dir}.load()
-	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "line 2") || !l.unreadable || len(l.pods) != 1 {
-		t.Fatalf("damaged line: pods %d, errors %v, unreadable %v", len(l.pods), errs, l.unreadable)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "line 2") || !l.unreadable || len(l.Pods) != 1 {
+		t.Fatalf("damaged line: pods %d, errors %v, unreadable %v", len(l.Pods), errs, l.unreadable)
 	}
-	w = newJournalWriter(journal{dir: dir}, quietLog())
-	w.start(l)
-	w.close()
+	w = NewWriter(dir, quietLog())
+	w.Start(l)
+	w.Close()
 	aside, _ := filepath.Glob(path + ".unreadable-*")
 	if len(aside) != 1 {
 		t.Fatalf("the damaged journal was not kept aside: %v", aside)
@@ -158,7 +158,7 @@ func TestJournalSurvivesATornAppendAndKeepsUnreadableLines(t *testing.T) {
 	if b, _ := os.ReadFile(aside[0]); !bytes.Contains(b, []byte("garbage")) {
 		t.Error("the kept file lost its content")
 	}
-	if l, errs := (journal{dir: dir}).load(); len(errs) != 0 || len(l.pods) != 1 {
-		t.Errorf("the new journal: %d pods, %v", len(l.pods), errs)
+	if l, errs := (journal{dir: dir}).load(); len(errs) != 0 || len(l.Pods) != 1 {
+		t.Errorf("the new journal: %d pods, %v", len(l.Pods), errs)
 	}
 }

@@ -1,4 +1,4 @@
-package leases
+package podbook
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/leasehold/leasehold/internal/parallel"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -22,32 +23,34 @@ import (
 // <dir>/journal, of JSON lines appended by a single writer: {"put": <pod>} gives a pod's newest
 // state, {"del": "<owner>"} forgets it; replaying the lines gives every pod. A new file with only
 // the live pods replaces it (written aside and renamed) when it has grown to twice their number.
-// Earlier versions kept one <owner>.json file per pod; load reads those too, and the writer's
+// Earlier versions kept one <owner>.json file per pod; Load reads those too, and the writer's
 // first compaction folds them in and deletes them.
 //
 // There is no fsync: a process crash keeps the page cache, and after a machine crash the boot
 // ID, and with it the node UID, changes and every sandbox of the old boot is gone anyway. A
-// crash in the middle of an append leaves a partial last line, which load skips; a failed
-// append leaves none (journalWriter.append cuts it back).
+// crash in the middle of an append leaves a partial last line, which Load skips; a failed
+// append leaves none (Writer.append cuts it back).
 type journal struct {
 	dir string // empty: no journal
 }
 
 const (
-	journalFile = "journal"
+	// JournalFile is the journal's name in the state directory.
+	JournalFile = "journal"
 	journalExt  = ".json" // the per-pod files of earlier versions
 )
 
 // journalLine is one line of the journal.
 type journalLine struct {
-	Put *podState `json:"put,omitempty"`
+	Put *PodState `json:"put,omitempty"`
 	Del string    `json:"del,omitempty"`
 }
 
-// loaded is what load found: the pods, and the per-pod files of earlier versions that were
-// read (the writer deletes them once they are folded into the journal).
-type loaded struct {
-	pods   []podState
+// Loaded is what Load found: the pods, and the per-pod files of earlier versions that were
+// read (the writer deletes them once they are folded into the journal). It is handed to
+// Writer.Start.
+type Loaded struct {
+	Pods   []PodState        // sorted by owner
 	lines  map[string][]byte // owner -> its put line in the journal, reused by the writer
 	nlines int               // lines in the journal file
 	legacy []string
@@ -59,15 +62,19 @@ type loaded struct {
 	torn bool
 }
 
-// load replays the journal. Unreadable lines and files are reported and kept, never
-// deleted: they may be the only record of a running pod.
-func (j journal) load() (loaded, []error) {
+// Load replays the journal in the state directory dir (none: nothing). Unreadable lines and
+// files are reported and kept, never deleted: they may be the only record of a running pod.
+func Load(dir string) (Loaded, []error) {
+	return journal{dir: dir}.load()
+}
+
+func (j journal) load() (Loaded, []error) {
 	if j.dir == "" {
-		return loaded{}, nil
+		return Loaded{}, nil
 	}
 	pods, legacy, errs := j.loadLegacy()
-	out := loaded{legacy: legacy, lines: map[string][]byte{}}
-	b, err := os.ReadFile(filepath.Join(j.dir, journalFile))
+	out := Loaded{legacy: legacy, lines: map[string][]byte{}}
+	b, err := os.ReadFile(filepath.Join(j.dir, JournalFile))
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 	case err != nil:
@@ -83,7 +90,7 @@ func (j journal) load() (loaded, []error) {
 				// stop in the middle of an append, or a failed one that could not be cut back.
 				errs = append(errs, fmt.Errorf("journal %s: skipping a partly written last line (the agent stopped while appending it, "+
 					"or an append failed and could not be cut back, which the agent logged as \"journal write failed\")",
-					filepath.Join(j.dir, journalFile)))
+					filepath.Join(j.dir, JournalFile)))
 				break
 			}
 			lines, b = append(lines, b[:i+1]), b[i+1:]
@@ -93,7 +100,7 @@ func (j journal) load() (loaded, []error) {
 			err error
 		}
 		// Decode on every CPU, then replay in order.
-		for n, d := range parallelMap(len(lines), func(i int) (d decoded) {
+		for n, d := range parallel.Map(len(lines), func(i int) (d decoded) {
 			d.err = json.Unmarshal(lines[i], &d.l)
 			switch {
 			case d.err == nil && (d.l.Put == nil) == (d.l.Del == ""):
@@ -105,7 +112,7 @@ func (j journal) load() (loaded, []error) {
 		}) {
 			switch {
 			case d.err != nil:
-				errs = append(errs, fmt.Errorf("journal %s: line %d is unreadable (%v); keeping the file aside", filepath.Join(j.dir, journalFile), n+1, d.err))
+				errs = append(errs, fmt.Errorf("journal %s: line %d is unreadable (%v); keeping the file aside", filepath.Join(j.dir, JournalFile), n+1, d.err))
 				out.unreadable = true
 			case d.l.Put != nil:
 				pods[d.l.Put.Owner] = *d.l.Put
@@ -122,24 +129,24 @@ func (j journal) load() (loaded, []error) {
 		if id, err := keyspace.ParseLeaseHex(ps.LeaseID); err == nil {
 			ps.lease.id = id
 		}
-		out.pods = append(out.pods, ps)
+		out.Pods = append(out.Pods, ps)
 	}
 	return out, errs
 }
 
 // loadLegacy reads the per-pod files of earlier versions, on every CPU.
-func (j journal) loadLegacy() (map[string]podState, []string, []error) {
-	pods := map[string]podState{}
+func (j journal) loadLegacy() (map[string]PodState, []string, []error) {
+	pods := map[string]PodState{}
 	entries, err := os.ReadDir(j.dir)
 	if err != nil {
 		return pods, nil, []error{fmt.Errorf("read journal %s: %w", j.dir, err)}
 	}
 	entries = slices.DeleteFunc(entries, func(e fs.DirEntry) bool { return e.IsDir() || !strings.HasSuffix(e.Name(), journalExt) })
 	type slot struct {
-		ps  podState
+		ps  PodState
 		err error
 	}
-	slots := parallelMap(len(entries), func(i int) (s slot) {
+	slots := parallel.Map(len(entries), func(i int) (s slot) {
 		s.ps, s.err = j.loadLegacyFile(entries[i].Name())
 		return s
 	})
@@ -156,25 +163,25 @@ func (j journal) loadLegacy() (map[string]podState, []string, []error) {
 	return pods, legacy, errs
 }
 
-func (j journal) loadLegacyFile(name string) (podState, error) {
+func (j journal) loadLegacyFile(name string) (PodState, error) {
 	b, err := os.ReadFile(filepath.Join(j.dir, name))
 	if err != nil {
-		return podState{}, err
+		return PodState{}, err
 	}
-	var ps podState
+	var ps PodState
 	err = json.Unmarshal(b, &ps)
 	if err == nil {
 		err = ps.validate()
 	}
 	if err != nil || legacyName(ps.Owner) != name {
-		return podState{}, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err)
+		return PodState{}, fmt.Errorf("journal file %s is unreadable (%v); leaving it", name, err)
 	}
 	return ps, nil
 }
 
 // validate checks the names a re-claim turns into keys, as an ADD checks them: the journal
 // is the agent's own file, but a damaged one must not become keys of another shape.
-func (ps *podState) validate() error {
+func (ps *PodState) validate() error {
 	if err := keyspace.ValidateNames("owner", ps.Owner); err != nil {
 		return err
 	}

@@ -1,4 +1,5 @@
-package leases
+// Package parallel runs one function over many inputs on every CPU.
+package parallel
 
 import (
 	"runtime"
@@ -6,9 +7,9 @@ import (
 	"sync/atomic"
 )
 
-// parallelMap returns f(0), ..., f(n-1), computed on every CPU: recovery decodes thousands of
+// Map returns f(0), ..., f(n-1), computed on every CPU: recovery decodes thousands of
 // journal lines and pod records, and decoding is most of its CPU.
-func parallelMap[T any](n int, f func(i int) T) []T {
+func Map[T any](n int, f func(i int) T) []T {
 	out := make([]T, n)
 	var next atomic.Int64
 	var wg sync.WaitGroup

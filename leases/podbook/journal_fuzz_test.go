@@ -1,4 +1,4 @@
-package leases
+package podbook
 
 import (
 	"os"
@@ -17,12 +17,12 @@ func FuzzJournalLoad(f *testing.F) {
 	f.Add([]byte("\n\n{}\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		dir := t.TempDir()
-		if err := os.WriteFile(filepath.Join(dir, journalFile), data, 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, JournalFile), data, 0o600); err != nil {
 			t.Fatal(err)
 		}
 		l, errs := journal{dir: dir}.load()
 		seen := map[string]bool{}
-		for _, ps := range l.pods {
+		for _, ps := range l.Pods {
 			if seen[ps.Owner] {
 				t.Fatalf("owner %q loaded twice", ps.Owner)
 			}

@@ -1,10 +1,7 @@
-package leases
+package podbook
 
 import (
-	"errors"
-	"io/fs"
 	"net/netip"
-	"os"
 	"slices"
 	"time"
 
@@ -55,8 +52,8 @@ func (l podLease) held() (clientv3.LeaseID, bool) { return l.id, l.state == leas
 // lost tells whether a re-claim is due.
 func (l podLease) lost() bool { return l.state == leaseLost }
 
-// attachment is one interface of a pod on one pool, as the agent remembers it.
-type attachment struct {
+// Attachment is one interface of a pod on one pool, as the agent remembers it.
+type Attachment struct {
 	IfName      string       `json:"ifName"`
 	Pool        string       `json:"pool"`
 	Network     string       `json:"network"`
@@ -67,36 +64,36 @@ type attachment struct {
 	// unknown). A DEL that finds it current needs no read before its transaction.
 	OwnerRev int64 `json:"ownerRev,omitempty"`
 	// Claim is the attachment's sticky claim, kept on ClaimLease, which this agent renews
-	// while the attachment holds it, and released with it for ClaimHold (sticky.go).
+	// while the attachment holds it, and released with it for ClaimHold (leases/sticky.go).
 	Claim      string           `json:"claim,omitempty"`
 	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
 	ClaimHold  time.Duration    `json:"claimHold,omitempty"`
 	// Released: the runtime's DEL of the attachment was answered while etcd could not be
 	// reached. The DEL is final: the attachment is never re-claimed, and the agent releases
-	// its keys once etcd answers (Agent.releasePending).
+	// its keys once etcd answers (leases.Agent.releasePending).
 	Released bool `json:"released,omitempty"`
 	// ReleasedAt is when that DEL was answered.
 	ReleasedAt time.Time `json:"releasedAt,omitzero"`
 	// Conflicts are addresses of the attachment that another owner took while the pod's lease
 	// was lost (a re-claim found them held). The agent watches them and takes each back for
-	// the running pod as soon as its holder lets it go (conflicts.go).
+	// the running pod as soon as its holder lets it go (leases/conflicts.go).
 	Conflicts []netip.Addr `json:"conflicts,omitempty"`
 }
 
-// podState is what the agent knows of one pod whose lease it holds. It is mirrored in the
+// PodState is what the agent knows of one pod whose lease it holds. It is mirrored in the
 // local journal, so that after a lease loss (or a restart after one) the agent can re-claim
 // the addresses of the pods that still run.
-type podState struct {
+type PodState struct {
 	Owner       string           `json:"owner"`
 	Pod         allocator.PodRef `json:"pod,omitzero"`
 	Netns       string           `json:"netns,omitempty"`
 	NodeUID     string           `json:"nodeUID"`
 	LeaseID     string           `json:"leaseID"`
-	Attachments []attachment     `json:"attachments"`
+	Attachments []Attachment     `json:"attachments"`
 
 	lease   podLease
 	lastAdd time.Time // an ADD touched the pod; sandbox liveness leaves it alone for a grace
-	// checked is what the audit last found right of the pod's keys (audit.go).
+	// checked is what the audit last found right of the pod's keys (Audit).
 	checked checkedKeys
 }
 
@@ -107,8 +104,14 @@ type checkedKeys struct {
 	revs  map[string]int64
 }
 
+// Lease is the pod's lease, held or not (0: none known): the one a re-claim tries to resume.
+func (ps PodState) Lease() clientv3.LeaseID { return ps.lease.id }
+
+// Held returns the pod's lease while it is held.
+func (ps PodState) Held() (clientv3.LeaseID, bool) { return ps.lease.held() }
+
 // hold is podLease.hold, keeping the journaled LeaseID in step.
-func (ps *podState) hold(id clientv3.LeaseID) {
+func (ps *PodState) hold(id clientv3.LeaseID) {
 	ps.lease.hold(id)
 	ps.LeaseID = keyspace.LeaseHex(id)
 }
@@ -117,7 +120,7 @@ func (ps *podState) hold(id clientv3.LeaseID) {
 // attachment read again from etcd (a repeated ADD) keeps the conflicts the agent knows of
 // for its addresses: the owner index does not list them. A re-claim, which finds them
 // anew, gives them, none as an empty list.
-func (ps *podState) put(at attachment) {
+func (ps *PodState) put(at Attachment) {
 	for i, old := range ps.Attachments {
 		if old.IfName == at.IfName && old.Pool == at.Pool {
 			if at.Conflicts == nil && old.ContainerID == at.ContainerID {
@@ -130,26 +133,15 @@ func (ps *podState) put(at attachment) {
 	ps.Attachments = append(ps.Attachments, at)
 }
 
-func (ps *podState) drop(ifName, pool string) {
-	ps.Attachments = slices.DeleteFunc(ps.Attachments, func(a attachment) bool { return a.IfName == ifName && a.Pool == pool })
+func (ps *PodState) drop(ifName, pool string) {
+	ps.Attachments = slices.DeleteFunc(ps.Attachments, func(a Attachment) bool { return a.IfName == ifName && a.Pool == pool })
 }
 
-func (ps *podState) clone() podState {
+func (ps *PodState) clone() PodState {
 	c := *ps
 	c.Attachments = slices.Clone(ps.Attachments)
 	for i := range c.Attachments {
 		c.Attachments[i].Conflicts = slices.Clone(c.Attachments[i].Conflicts)
 	}
 	return c
-}
-
-// sandboxGone reports whether the sandbox behind netns certainly no longer exists: its
-// network namespace path is gone. Any other answer (no path, a read error) counts as alive,
-// so a failed look never releases a running pod's addresses.
-func sandboxGone(netns string) bool {
-	if netns == "" {
-		return false
-	}
-	_, err := os.Stat(netns)
-	return errors.Is(err, fs.ErrNotExist)
 }

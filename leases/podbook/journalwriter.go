@@ -1,4 +1,4 @@
-package leases
+package podbook
 
 import (
 	"context"
@@ -16,9 +16,9 @@ import (
 	"time"
 )
 
-// journalWriter is the journal's one writer. Callers record the newest state of an owner;
+// Writer is the journal's one writer. Callers record the newest state of an owner;
 // a background loop appends what changed in one write, every flushEvery, or at once when an
-// ADD or DEL waits for its change (sync): concurrent callers share that write, and the file
+// ADD or DEL waits for its change (Sync): concurrent callers share that write, and the file
 // system sees one append, never a file per pod (docs/performance.md). An ADD or DEL is
 // answered only once the journal holds it, so a crash right after an answer loses nothing;
 // other changes (re-claims, recorded conflicts) may lose the last flushEvery, which the next
@@ -30,14 +30,14 @@ import (
 // pod again; no further change is needed for that. Meanwhile the failure is logged (at the
 // first failure, every journalLogEvery, and on recovery), counted, and fails /readyz; a DEL
 // waiting for it fails (code 11), an ADD does not.
-type journalWriter struct {
+type Writer struct {
 	j   journal
 	log *slog.Logger
 
 	mu      sync.Mutex
-	pending map[string]*podState // owner -> newest state; nil: forget the owner
-	seq     uint64               // changes taken so far (save, remove)
-	kick    chan struct{}        // asks the loop to write now (sync)
+	pending map[string]*PodState // owner -> newest state; nil: forget the owner
+	seq     uint64               // changes taken so far (save, Remove)
+	kick    chan struct{}        // asks the loop to write now (Sync)
 	done    chan struct{}
 	stopped chan struct{}
 	once    sync.Once
@@ -49,7 +49,7 @@ type journalWriter struct {
 	failErr  error     // the last failure while the journal misses changes; nil when it holds them all
 	failedAt time.Time // the first failure of the current run of failures
 	// written is the highest seq the file holds; failedThrough the highest seq the last failed
-	// attempt tried to write. notify is closed, and replaced, whenever either moves (sync).
+	// attempt tried to write. notify is closed, and replaced, whenever either moves (Sync).
 	written, failedThrough uint64
 	notify                 chan struct{}
 
@@ -78,26 +78,28 @@ const (
 	journalLogEvery   = time.Minute
 )
 
-// ErrJournalUnwritable is wrapped by Ready's error while the local journal cannot be written
-// (a full or failing --state-dir disk). ADDs still succeed (DELs wait); the pods they add are journaled
-// once a retry succeeds.
+// ErrJournalUnwritable is wrapped by Health's error, and so by the agent's Ready, while the
+// local journal cannot be written (a full or failing --state-dir disk). ADDs still succeed
+// (DELs wait); the pods they add are journaled once a retry succeeds.
 var ErrJournalUnwritable = errors.New("the journal cannot be written; re-claim after a lease loss would miss the pods changed since")
 
-func newJournalWriter(j journal, log *slog.Logger) *journalWriter {
-	return &journalWriter{j: j, log: log, pending: map[string]*podState{}, done: make(chan struct{}),
+// NewWriter makes the writer of the journal in the state directory dir (none: it writes
+// nothing, and Sync returns at once). It writes once started.
+func NewWriter(dir string, log *slog.Logger) *Writer {
+	return &Writer{j: journal{dir: dir}, log: log, pending: map[string]*PodState{}, done: make(chan struct{}),
 		stopped: make(chan struct{}), live: map[string][]byte{}, kick: make(chan struct{}, 1), notify: make(chan struct{})}
 }
 
-func (w *journalWriter) path() string { return filepath.Join(w.j.dir, journalFile) }
+func (w *Writer) path() string { return filepath.Join(w.j.dir, JournalFile) }
 
-// start begins writing, from what load found, in the background: an unreadable journal is
+// Start begins writing, from what Load found, in the background: an unreadable journal is
 // kept aside and the per-pod files of earlier versions are folded in by a compaction first;
 // then what changed is appended every flushEvery.
-func (w *journalWriter) start(from loaded) {
+func (w *Writer) Start(from Loaded) {
 	if w.j.dir == "" || !w.started.CompareAndSwap(false, true) {
 		return
 	}
-	for _, ps := range from.pods {
+	for _, ps := range from.Pods {
 		if line, ok := from.lines[ps.Owner]; ok {
 			w.live[ps.Owner] = line
 		} else if line, err := encodeLine(journalLine{Put: &ps}); err == nil {
@@ -123,8 +125,8 @@ func (w *journalWriter) start(from loaded) {
 }
 
 // save records ps as the owner's newest state. It never blocks on the disk and never fails;
-// an ADD or DEL that must survive a crash waits with sync.
-func (w *journalWriter) save(ps podState) {
+// an ADD or DEL that must survive a crash waits with Sync.
+func (w *Writer) save(ps PodState) {
 	if w.j.dir == "" {
 		return
 	}
@@ -134,8 +136,10 @@ func (w *journalWriter) save(ps podState) {
 	w.mu.Unlock()
 }
 
-// remove records that the owner is forgotten.
-func (w *journalWriter) remove(owner string) {
+// Remove records that the owner is forgotten: the book's Drop does, and so does the agent's
+// recovery for a pod of the journal it does not keep (a previous boot's, or one whose
+// sandbox is gone).
+func (w *Writer) Remove(owner string) {
 	if w.j.dir == "" {
 		return
 	}
@@ -145,13 +149,13 @@ func (w *journalWriter) remove(owner string) {
 	w.mu.Unlock()
 }
 
-// sync returns once the journal holds every change taken before the call: an ADD or DEL is
+// Sync returns once the journal holds every change taken before the call: an ADD or DEL is
 // answered only then, so that a crash right after the answer (kill -9) neither forgets a pod
 // the runtime was told it has nor brings back one it was told is deleted. No fsync: see
 // journal. It asks the loop to write at once; concurrent callers share that write. It returns
 // the error of the write that failed to record those changes (a full or failing disk), or
 // ctx's. Without a journal it returns nil at once.
-func (w *journalWriter) sync(ctx context.Context) error {
+func (w *Writer) Sync(ctx context.Context) error {
 	if w.j.dir == "" || !w.started.Load() {
 		return nil
 	}
@@ -170,7 +174,7 @@ func (w *journalWriter) sync(ctx context.Context) error {
 		case written >= target:
 			return nil
 		case err != nil && failed >= target:
-			return w.health()
+			return w.Health()
 		}
 		select {
 		case <-notify:
@@ -186,8 +190,8 @@ func (w *journalWriter) sync(ctx context.Context) error {
 }
 
 // publish records the outcome of a write attempt of the changes up to w.absorbed and wakes
-// the sync callers.
-func (w *journalWriter) publish(err error) {
+// the Sync callers.
+func (w *Writer) publish(err error) {
 	w.hmu.Lock()
 	if err == nil {
 		w.written = w.absorbed
@@ -199,9 +203,9 @@ func (w *journalWriter) publish(err error) {
 	w.hmu.Unlock()
 }
 
-// health is nil while the journal holds every change the writer has taken, and an error
+// Health is nil while the journal holds every change the writer has taken, and an error
 // wrapping ErrJournalUnwritable from a failed write until a retry succeeds.
-func (w *journalWriter) health() error {
+func (w *Writer) Health() error {
 	w.hmu.Lock()
 	defer w.hmu.Unlock()
 	if w.failErr == nil {
@@ -210,7 +214,7 @@ func (w *journalWriter) health() error {
 	return fmt.Errorf("%w (failing since %s): %w", ErrJournalUnwritable, w.failedAt.UTC().Format(time.RFC3339), w.failErr)
 }
 
-func (w *journalWriter) loop() {
+func (w *Writer) loop() {
 	defer close(w.stopped)
 	t := time.NewTicker(flushEvery)
 	defer t.Stop()
@@ -224,7 +228,7 @@ func (w *journalWriter) loop() {
 			}
 			return
 		case <-w.kick:
-			w.attempt(true, false) // someone waits for it (sync): no backoff
+			w.attempt(true, false) // someone waits for it (Sync): no backoff
 		case <-t.C:
 			w.attempt(false, false)
 		}
@@ -232,8 +236,8 @@ func (w *journalWriter) loop() {
 }
 
 // attempt writes what changed, unless a failed write's backoff still runs and force is not
-// set (the agent stops, or a caller waits: sync), and reports the outcome.
-func (w *journalWriter) attempt(force, stopping bool) {
+// set (the agent stops, or a caller waits: Sync), and reports the outcome.
+func (w *Writer) attempt(force, stopping bool) {
 	if !force && w.backoff > 0 && time.Now().Before(w.retryAt) {
 		return
 	}
@@ -281,7 +285,7 @@ func encodeLine(l journalLine) ([]byte, error) {
 }
 
 // absorb moves the pending changes into live and their lines into unwritten.
-func (w *journalWriter) absorb() {
+func (w *Writer) absorb() {
 	w.mu.Lock()
 	batch := w.pending
 	w.absorbed = w.seq
@@ -289,7 +293,7 @@ func (w *journalWriter) absorb() {
 		w.mu.Unlock()
 		return
 	}
-	w.pending = map[string]*podState{}
+	w.pending = map[string]*PodState{}
 	w.mu.Unlock()
 	for owner, ps := range batch {
 		var line []byte
@@ -321,7 +325,7 @@ func (w *journalWriter) absorb() {
 
 // flush writes what changed: appended, or the whole journal rewritten when it must be or
 // has grown to twice the live pods. What a failed write did not write stays for the next.
-func (w *journalWriter) flush() error {
+func (w *Writer) flush() error {
 	w.absorb()
 	if w.aside {
 		aside := fmt.Sprintf("%s.unreadable-%d", w.path(), time.Now().Unix())
@@ -356,7 +360,7 @@ func (w *journalWriter) flush() error {
 // append writes unwritten at the end of the file. A failed or short write is cut back to the
 // last whole line, so that no partial line stays: the next load would take it for a crash,
 // and the next append would be glued to it. If it cannot be cut back, the file is rewritten.
-func (w *journalWriter) append() error {
+func (w *Writer) append() error {
 	n, err := w.f.Write(w.unwritten)
 	if err == nil {
 		w.size += int64(n)
@@ -374,7 +378,7 @@ func (w *journalWriter) append() error {
 
 // compact replaces the journal by the live pods' lines, then deletes the per-pod files of
 // earlier versions it folded in. If it fails, the journal is left as it was.
-func (w *journalWriter) compact() error {
+func (w *Writer) compact() error {
 	path := w.path()
 	buf := make([]byte, 0, 512*len(w.live))
 	for _, owner := range slices.Sorted(maps.Keys(w.live)) {
@@ -406,8 +410,19 @@ func (w *journalWriter) compact() error {
 	return nil
 }
 
-// close writes what is pending and stops the loop; closing again does nothing.
-func (w *journalWriter) close() {
+// Failures counts the failed write attempts so far (a metric).
+func (w *Writer) Failures() int64 { return w.failures.Load() }
+
+// Abandon forgets the changes not written yet, as a kill -9 would (for tests); Close then
+// stops the writer.
+func (w *Writer) Abandon() {
+	w.mu.Lock()
+	w.pending = map[string]*PodState{}
+	w.mu.Unlock()
+}
+
+// Close writes what is pending and stops the loop; closing again does nothing.
+func (w *Writer) Close() {
 	if !w.started.Load() {
 		return
 	}
