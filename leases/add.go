@@ -14,6 +14,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
@@ -66,8 +67,8 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	defer a.metrics.observe("add", time.Now(), &err)
 	defer func() {
 		if errors.Is(err, allocator.ErrPoolExhausted) {
-			if v := a.pools.viewOf(req.Pool.Name); v != nil {
-				v.exhausted.Add(1)
+			if v := a.pools.ViewOf(req.Pool.Name); v != nil {
+				v.NoteExhausted()
 			}
 		}
 	}()
@@ -95,29 +96,29 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		if attempt > 0 {
 			a.metrics.casRetries.Inc()
 		}
-		p, err := a.pools.ensure(ctx, req.Pool)
+		p, err := a.pools.Ensure(ctx, req.Pool)
 		if err != nil {
 			return allocator.Result{}, err
 		}
-		if m := p.migrating; m != nil {
+		if m := p.Migrating; m != nil {
 			return allocator.Result{}, fmt.Errorf("%w: pool %q is being moved to the block layout by leaseholdctl pool migrate "+
 				"(%s, since %s): ADDs resume when it finishes; if it was interrupted, run leaseholdctl pool migrate %s again",
-				allocator.ErrUnavailable, p.spec.Name, m.By, m.Since.Format(time.RFC3339), p.spec.Name)
+				allocator.ErrUnavailable, p.Spec.Name, m.By, m.Since.Format(time.RFC3339), p.Spec.Name)
 		}
-		p.await(ctx)
+		p.Await(ctx)
 		if req.Claim != "" && (st.sticky == nil || st.sticky.stale) {
 			if err := a.readSticky(ctx, p, st); err != nil {
 				return allocator.Result{}, err
 			}
 		}
-		requested, err := p.spec.MatchRequested(st.req.RequestedIPs)
+		requested, err := p.Spec.MatchRequested(st.req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {
 			// The address may lie in a range added since the definition was read.
 			octx, cancel := a.opCtx(ctx)
 			_, changed, _, rerr := a.recheck(octx, ownerKeyOf(a, st, p), p)
 			cancel()
 			if rerr == nil && changed {
-				a.pools.invalidate(p.spec.Name)
+				a.pools.Invalidate(p.Spec.Name)
 				continue
 			}
 		}
@@ -141,14 +142,14 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 
 // tryAdd runs one claim transaction. It returns done=false when the caller should try again
 // with what the failed transaction taught the view.
-func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []netip.Addr) (allocator.Result, bool, error) {
+func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr) (allocator.Result, bool, error) {
 	req, owner := st.req, st.owner
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	epoch := a.gate.Epoch() // what the view and the snapshots know is of this history
 
 	lease, known := a.pods.Lease(owner)
-	if at, _, ok := a.pods.Attachment(owner, req.IfName, p.spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
+	if at, _, ok := a.pods.Attachment(owner, req.IfName, p.Spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
 		return a.repeated(ctx, p, st, lease)
 	}
 	if !known {
@@ -159,31 +160,31 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 		lease = id
 	}
 
-	addrs := make([]netip.Addr, len(p.spec.Ranges))
+	addrs := make([]netip.Addr, len(p.Spec.Ranges))
 	var reserved []netip.Addr
 	notHeld := map[netip.Addr]bool{}
-	for i := range p.spec.Ranges {
+	for i := range p.Spec.Ranges {
 		if requested[i].IsValid() {
 			addrs[i] = requested[i]
 			continue
 		}
-		addr, expired, err := p.view.choose(ctx, &p.spec, i, func(x netip.Addr) bool {
+		addr, expired, err := p.View.Choose(ctx, &p.Spec, i, func(x netip.Addr) bool {
 			// Never an address of this node's own pods: one whose lease expired (a freeze, a
 			// crash, a cut-off) looks free until its re-claim writes it back.
-			return st.skip(x) || a.pods.OwnsAddr(p.spec.Name, x)
+			return st.skip(x) || a.pods.OwnsAddr(p.Spec.Name, x)
 		}, st.sticky == nil)
 		if errors.Is(err, errSettling) {
-			p.view.settle(reserved, 0)
+			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, err // no retry: the settle time lasts minutes
 		}
 		if errors.Is(err, allocator.ErrUnavailable) {
 			// A block claim or a borrowing read etcd did not answer (a leader election):
 			// wait and try again, as for an unanswered claim.
-			p.view.settle(reserved, 0)
+			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, a.waitUnanswered(ctx, st, owner, err)
 		}
 		if err != nil {
-			p.view.settle(reserved, 0)
+			p.View.Settle(reserved, 0)
 			// No free address in the cached view. A repeated ADD needs none, and the pool may
 			// have grown since the definition was read: only on this path does the agent read
 			// the owner index and the definition's revision first (the hot path learns both
@@ -195,19 +196,19 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			case kv != nil:
 				return a.existing(ctx, p, st, kv)
 			case changed:
-				a.pools.invalidate(p.spec.Name)
+				a.pools.Invalidate(p.Spec.Name)
 				return allocator.Result{}, false, nil
 			case stale && !st.relisted:
 				st.relisted = true
-				a.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.spec.Name)
+				a.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.Spec.Name)
 				select {
-				case <-p.view.restart():
+				case <-p.View.Restart():
 				case <-ctx.Done():
-					return allocator.Result{}, false, a.unavailable("list pool "+p.spec.Name+" again", ctx.Err())
+					return allocator.Result{}, false, a.unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
 				}
 				return allocator.Result{}, false, nil
 			}
-			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.spec.Name, err)
+			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
 		}
 		addrs[i] = addr
 		reserved = append(reserved, addr)
@@ -222,14 +223,14 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 			continue
 		}
 		if _, _, stale, err := a.recheck(octx, ownerKeyOf(a, st, p), p); err == nil && stale {
-			p.view.settle(reserved, 0)
+			p.View.Settle(reserved, 0)
 			st.relisted = true
 			a.log.Info("the pool's view holds addresses etcd does not; listing the pool again before reusing a held-back address",
-				"pool", p.spec.Name, "ip", addr)
+				"pool", p.Spec.Name, "ip", addr)
 			select {
-			case <-p.view.restart():
+			case <-p.View.Restart():
 			case <-ctx.Done():
-				return allocator.Result{}, false, a.unavailable("list pool "+p.spec.Name+" again", ctx.Err())
+				return allocator.Result{}, false, a.unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
 			}
 			return allocator.Result{}, false, nil
 		}
@@ -237,19 +238,19 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 
 	heldLease, held, err := a.heldFor(octx, owner)
 	if err != nil {
-		p.view.settle(reserved, 0)
+		p.View.Settle(reserved, 0)
 		return allocator.Result{}, false, err
 	}
 	now := a.wall()
-	c := &claim{add: true, lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, poolRev: p.rev, addrs: addrs,
+	c := &claim{add: true, lease: lease, pool: p.Spec.Name, blocks: p.Spec.Blocks, poolRev: p.Rev, addrs: addrs,
 		heldLease: heldLease, held: held, notHeld: notHeld,
-		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name),
+		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.Spec.Name),
 		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
 		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 		pod: a.podRecord(req, owner, lease, now)}
 	if st.sticky != nil {
 		if err := a.stickyClaim(octx, st, c, now); err != nil {
-			p.view.settle(reserved, 0)
+			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, err
 		}
 	}
@@ -269,31 +270,31 @@ func (a *Agent) tryAdd(ctx context.Context, p *pool, st *addState, requested []n
 	if err != nil || again {
 		// An unanswered claim sent again finds the owner index (the lost one applied: its
 		// addresses are returned) or claims afresh on the same lease.
-		p.view.settle(reserved, 0)
+		p.View.Settle(reserved, 0)
 		return allocator.Result{}, false, err
 	}
 	if out.Applied && st.sticky == nil && a.gate.Epoch() != epoch {
-		p.view.settle(reserved, 0)
-		return allocator.Result{}, false, a.undoClaim(ctx, st, known, lease, p.spec.Name)
+		p.View.Settle(reserved, 0)
+		return allocator.Result{}, false, a.undoClaim(ctx, st, known, lease, p.Spec.Name)
 	}
 	if out.Applied {
-		p.view.settle(addrs, out.Revision)
-		at := attachment{IfName: req.IfName, Pool: p.spec.Name, Network: req.Network,
+		p.View.Settle(addrs, out.Revision)
+		at := attachment{IfName: req.IfName, Pool: p.Spec.Name, Network: req.Network,
 			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision}
 		if s := st.sticky; s != nil {
 			at.Claim, at.ClaimLease, at.ClaimHold, s.used = s.name, s.lease, s.hold, true
 			if s.handover {
 				a.metrics.claimHandovers.Inc()
-				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.spec.Name, "ips", addrs)
+				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.Spec.Name, "ips", addrs)
 			}
 		}
 		a.claimedOn(ctx, req, st.own, lease, at)
 		st.claims.bound()
-		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.spec.Name, "ips", addrs)
-		res, err := result(&p.spec, addrs)
+		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.Spec.Name, "ips", addrs)
+		res, err := result(&p.Spec, addrs)
 		return res, true, err
 	}
-	p.view.settle(reserved, 0)
+	p.View.Settle(reserved, 0)
 	return a.learn(ctx, p, st, requested, lease, out)
 }
 
@@ -404,13 +405,13 @@ func (a *Agent) heldLeaseGone(ctx context.Context, id clientv3.LeaseID) bool {
 // learn acts on what a failed claim found: the attachment may exist already (an idempotent
 // ADD), the pool definition may have changed, the pod record may not be where the agent
 // thought, or some addresses were taken. It returns done=false for the caller to try again.
-func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []netip.Addr,
+func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr,
 	lease clientv3.LeaseID, out claimOutcome) (allocator.Result, bool, error) {
 	if out.Existing != nil {
 		return a.existing(ctx, p, st, out.Existing)
 	}
 	if out.PoolChanged {
-		a.pools.invalidate(p.spec.Name)
+		a.pools.Invalidate(p.Spec.Name)
 		return allocator.Result{}, false, nil
 	}
 	if s := st.sticky; s != nil && (out.ClaimChanged || slices.ContainsFunc(out.Addrs, addrFound.taken)) {
@@ -445,36 +446,36 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 		st.lost[f.Addr] = true
 		wanted := requested[i] == f.Addr
 		if f.Host != nil {
-			p.view.markHost(string(f.Host.Key), f.Addr)
+			p.View.MarkHost(string(f.Host.Key), f.Addr)
 			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s is a host address: %s publishes it as its own, so no pool hands it out",
 					allocator.ErrAddressInUse, f.Addr, f.Host.Key)
 			}
 		}
 		if f.Holder != nil {
-			if p.view.markAllocated(f.Addr, f.Holder.CreateRevision) {
+			if p.View.MarkAllocated(f.Addr, f.Holder.CreateRevision) {
 				// Borrowed from a snapshot that others' ADDs have made stale: near
 				// exhaustion each of its addresses may be taken, so read the pool again
 				// rather than try them one by one; again after rereadEvery more losses,
 				// when every node's borrowers compete for the last addresses.
 				if st.borrowLost%rereadEvery == 0 {
-					p.view.staleSnapshot()
+					p.View.StaleSnapshot()
 				}
 				st.borrowLost++
 			}
 			if !wanted {
-				p.view.scatter(&p.spec, i)
+				p.View.Scatter(&p.Spec, i)
 			} else {
 				holder, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is held by owner %s (pod %s/%s, cluster %s, node %s, container %s)",
-					allocator.ErrAddressInUse, f.Addr, p.spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
+					allocator.ErrAddressInUse, f.Addr, p.Spec.Name, holder.Owner, holder.Pod.Namespace, holder.Pod.Name,
 					holder.Cluster, holder.Node, holder.ContainerID)
 			}
 		}
 		if f.Held != nil && f.Holder == nil {
 			// Held back for a holder that expired without a release, though the view or
 			// snapshot took it for free: the search passes it over from now on.
-			p.view.markHeld(f.Addr, clientv3.LeaseID(f.Held.Lease))
+			p.View.MarkHeld(f.Addr, clientv3.LeaseID(f.Held.Lease))
 			if a.blockLeases.mine(clientv3.LeaseID(f.Held.Lease)) {
 				a.wake() // this node's own held key no pod of it lists: settleHeld frees it
 			}
@@ -482,26 +483,26 @@ func (a *Agent) learn(ctx context.Context, p *pool, st *addState, requested []ne
 		if f.Wanted != nil && f.Holder == nil {
 			// A running pod wants it back: in use, as far as this view goes, until an event
 			// or a listing says otherwise.
-			p.view.markAllocated(f.Addr, f.Wanted.CreateRevision)
+			p.View.MarkAllocated(f.Addr, f.Wanted.CreateRevision)
 			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is wanted back by the running pod %s, whose "+
-					"address another owner took while its lease was lost", allocator.ErrAddressInUse, f.Addr, p.spec.Name, f.Wanted.Key)
+					"address another owner took while its lease was lost", allocator.ErrAddressInUse, f.Addr, p.Spec.Name, f.Wanted.Key)
 			}
 		}
 		if f.Quarantine != nil {
 			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(f.Quarantine.Key), f.Quarantine.Value)
-			p.view.markQuarantined(f.Addr, rec.Until)
+			p.View.MarkQuarantined(f.Addr, rec.Until)
 			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q rests in quarantine until %s after its release by %s",
-					allocator.ErrAddressInUse, f.Addr, p.spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
+					allocator.ErrAddressInUse, f.Addr, p.Spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
 			}
 		}
 	}
 	return allocator.Result{}, false, nil
 }
 
-func ownerKeyOf(a *Agent, st *addState, p *pool) string {
-	return keyspace.OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.spec.Name)
+func ownerKeyOf(a *Agent, st *addState, p *poolview.Pool) string {
+	return keyspace.OwnerKey(a.cfg.Cluster, st.owner, st.req.IfName, p.Spec.Name)
 }
 
 // recheck reads, in one transaction, an attachment's owner index (nil when there is none),
@@ -509,13 +510,13 @@ func ownerKeyOf(a *Agent, st *addState, p *pool) string {
 // more allocated or resting addresses than etcd does: then the view is stale in a way its
 // watches did not report (etcd's data replaced), and must be listed again before the ADD may
 // say that no address is free.
-func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvccpb.KeyValue, changed, stale bool, err error) {
-	allocated, quarantined, ipPrefixes, qPrefixes := p.view.counts()
-	ops := []clientv3.Op{clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.spec.Name), clientv3.WithKeysOnly())}
+func (a *Agent) recheck(ctx context.Context, ownerKey string, p *poolview.Pool) (kv *mvccpb.KeyValue, changed, stale bool, err error) {
+	allocated, quarantined, ipPrefixes, qPrefixes := p.View.Counts()
+	ops := []clientv3.Op{clientv3.OpGet(ownerKey), clientv3.OpGet(keyspace.PoolKey(p.Spec.Name), clientv3.WithKeysOnly())}
 	for _, prefix := range append(ipPrefixes, qPrefixes...) {
 		ops = append(ops, clientv3.OpGet(prefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	}
-	resps, _, err := readChunked(ctx, a.cli, ops)
+	resps, _, err := poolview.ReadChunked(ctx, a.cli, ops)
 	if err != nil {
 		return nil, false, false, a.unavailable("read "+ownerKey, err)
 	}
@@ -523,7 +524,7 @@ func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvcc
 		kv = kvs[0]
 	}
 	pools := resps[1].GetResponseRange().Kvs
-	changed = len(pools) == 0 || pools[0].ModRevision != p.rev
+	changed = len(pools) == 0 || pools[0].ModRevision != p.Rev
 	var inEtcd [2]int64
 	for i := range ipPrefixes {
 		inEtcd[0] += resps[2+i].GetResponseRange().Count
@@ -537,7 +538,7 @@ func (a *Agent) recheck(ctx context.Context, ownerKey string, p *pool) (kv *mvcc
 // owner index names. Without an owner index etcd lost it (deleted by hand, or a restored
 // backup): the pod is re-claimed as the audit would have it, and the ADD answered code 11; a
 // claim would give the attachment new addresses while its sandbox uses the old ones.
-func (a *Agent) repeated(ctx context.Context, p *pool, st *addState, lease clientv3.LeaseID) (allocator.Result, bool, error) {
+func (a *Agent) repeated(ctx context.Context, p *poolview.Pool, st *addState, lease clientv3.LeaseID) (allocator.Result, bool, error) {
 	key := ownerKeyOf(a, st, p)
 	octx, cancel := a.opCtx(ctx)
 	resp, err := a.cli.Get(octx, key)
@@ -560,7 +561,7 @@ func (a *Agent) repeated(ctx context.Context, p *pool, st *addState, lease clien
 // gets them again. A new container of the same pod (a sandbox re-created without a DEL)
 // takes the attachment over, keeping the addresses; the old container's late DEL then
 // compares its container ID and releases nothing.
-func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue) (allocator.Result, bool, error) {
+func (a *Agent) existing(ctx context.Context, p *poolview.Pool, st *addState, kv *mvccpb.KeyValue) (allocator.Result, bool, error) {
 	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 	if err != nil {
 		return allocator.Result{}, false, err
@@ -582,21 +583,21 @@ func (a *Agent) existing(ctx context.Context, p *pool, st *addState, kv *mvccpb.
 			return allocator.Result{}, false, err
 		}
 	}
-	a.claimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.spec.Name, st.req.ContainerID, rev))
-	res, err := result(&p.spec, rec.IPs)
+	a.claimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.Spec.Name, st.req.ContainerID, rev))
+	res, err := result(&p.Spec, rec.IPs)
 	return res, true, err
 }
 
 // rebind moves an attachment's keys to a new container ID in one transaction that
 // compares the owner index's revision and every address's lease. It returns the revision
 // it wrote them at.
-func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, lease clientv3.LeaseID) (int64, error) {
+func (a *Agent) rebind(ctx context.Context, p *poolview.Pool, st *addState, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, lease clientv3.LeaseID) (int64, error) {
 	now := a.wall()
 	withLease := clientv3.WithLease(lease)
 	cmps := []clientv3.Cmp{keyspace.Unchanged(string(kv.Key), kv.ModRevision)}
 	var puts []clientv3.Op
 	for _, addr := range rec.IPs {
-		key := keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr)
+		key := keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, addr)
 		cmps = append(cmps, keyspace.OnLease(key, lease))
 		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(a.allocation(st.req, st.owner, lease, rec.Created)), withLease))
 	}
@@ -616,7 +617,7 @@ func (a *Agent) rebind(ctx context.Context, p *pool, st *addState, kv *mvccpb.Ke
 			allocator.ErrUnavailable, kv.Key, st.req.ContainerID)
 	}
 	a.log.Info("attachment re-bound to a new container of the same owner",
-		"owner", st.owner, "ifname", st.req.IfName, "pool", p.spec.Name, "old_container", rec.ContainerID, "container", st.req.ContainerID)
+		"owner", st.owner, "ifname", st.req.IfName, "pool", p.Spec.Name, "old_container", rec.ContainerID, "container", st.req.ContainerID)
 	return resp.Header.Revision, nil
 }
 

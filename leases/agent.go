@@ -21,6 +21,7 @@ import (
 	"github.com/leasehold/leasehold/leases/node"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -31,7 +32,7 @@ type Agent struct {
 	cli    *clientv3.Client
 	log    *slog.Logger
 	keeper *keeper.Keeper
-	pools  *pools
+	pools  *poolview.Pools
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
 	claims      *claimBatcher
@@ -143,17 +144,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.keeper = k
 	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, a.checkNow)
-	hooks := viewHooks{hold: a.hold, keys: a.keys}
+	hooks := poolview.Hooks{Settling: a.hold.settling, Generation: a.hold.generation,
+		Put: a.keys.put, Deleted: a.keys.deleted, Listed: a.keys.listed}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
 	} else if ok {
 		a.hold.resumeSettle(st.Noticed, st.Until, st.Why)
-		hooks.settled = &st
+		hooks.Settled = &poolview.Settled{Until: st.Until, Kept: st.Kept, Restored: st.Restored}
 		a.log.Warn("resuming the settle time after etcd went back in time: no new block, no borrowing, and the "+
 			"addresses kept before the restart stay kept", "until", st.Until.UTC().Format(time.RFC3339), "why", st.Why)
 	}
-	a.pools = newPools(actx, a.cli, a.log, hooks)
-	a.pools.onMismatch = a.recordPoolConflict
 	a.blockLeases = newBlockLeases(k, blockLeaseTTL(cfg))
 	a.blockLeases.granted = func(id clientv3.LeaseID) {
 		// The node record names the block lease a restart adopts: once the claims and held
@@ -165,11 +165,20 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			a.wake()
 		}
 	}
-	a.pools.own = &blockOwner{cluster: cfg.Cluster, node: cfg.Node, nodeUID: cfg.NodeUID, leases: a.blockLeases,
-		idle: cfg.BlockIdle, opTimeout: cfg.OpTimeout, holdBack: cfg.ReuseDelay > 0, wall: cfg.WallClock, metrics: a.metrics, lostLease: func(id clientv3.LeaseID) { a.blockLeaseLost(id) }}
+	own := &poolview.Owner{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID,
+		Lease: a.blockLeases.get, Adopt: a.blockLeases.adopt, Mine: a.blockLeases.mine,
+		Idle: cfg.BlockIdle, OpTimeout: cfg.OpTimeout, HoldBack: cfg.ReuseDelay > 0, Wall: cfg.WallClock,
+		Metrics: poolview.Metrics{BlockClaims: a.metrics.blockClaims, BlocksGivenBack: a.metrics.blocksGivenBack,
+			Borrowed: a.metrics.borrowed, ExpiredReused: a.metrics.expiredReused},
+		LostLease: func(id clientv3.LeaseID) {
+			// A claim's transaction found it gone: its claims went with it.
+			a.keeper.Forget(id)
+			a.blockLeaseLost(id)
+		}}
 	h := fnv.New64a()
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
-	a.pools.seed = h.Sum64()
+	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
+		Owner: own, Hooks: hooks})
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())
 	ocancel()
@@ -377,7 +386,7 @@ func (a *Agent) blockLeaseLost(id clientv3.LeaseID) bool {
 	if !a.blockLeases.lost(id) {
 		return false
 	}
-	a.pools.forEachView(func(v *view) { v.blockLeaseLost(id) })
+	a.pools.ForEachView(func(v *poolview.View) { v.BlockLeaseLost(id) })
 	return true
 }
 
@@ -402,4 +411,14 @@ func (a *Agent) validate(req *allocator.Request) (string, error) {
 		return "", err
 	}
 	return owner, nil
+}
+
+// sleepCtx waits d, or until ctx ends: it reports whether d passed.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(d):
+		return true
+	}
 }

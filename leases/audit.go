@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // A live lease is not proof that the keys on it exist: an etcd restored from a backup has
@@ -134,7 +135,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 
 // markWatched marks the allocations in blocks a view of this node follows (podbook.AuditKey.Watched).
 func (a *Agent) markWatched(pods []auditPod) {
-	views := map[string]*view{}
+	views := map[string]*poolview.View{}
 	for _, p := range pods {
 		for i := range p.Keys {
 			k := &p.Keys[i]
@@ -143,10 +144,10 @@ func (a *Agent) markWatched(pods []auditPod) {
 			}
 			v, ok := views[k.Pool]
 			if !ok {
-				v = a.pools.viewOf(k.Pool)
+				v = a.pools.ViewOf(k.Pool)
 				views[k.Pool] = v
 			}
-			k.Watched = v != nil && v.followsAddr(k.Addr)
+			k.Watched = v != nil && v.FollowsAddr(k.Addr)
 		}
 	}
 }
@@ -168,7 +169,7 @@ func nextChunk[T any](items []T, size func(T) int) int {
 func (a *Agent) auditLayouts(ctx context.Context) (map[string]allocator.Blocks, error) {
 	out := make(map[string]allocator.Blocks)
 	for _, name := range a.pods.Pools() {
-		p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: name})
+		p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: name})
 		if errors.Is(err, allocator.ErrUnavailable) {
 			return nil, err
 		}
@@ -177,8 +178,8 @@ func (a *Agent) auditLayouts(ctx context.Context) (map[string]allocator.Blocks, 
 			a.log.Warn("the keys of this pool's pods are checked without their allocations", "pool", name, "err", err)
 			continue
 		}
-		if p.migrating == nil {
-			out[name] = p.spec.Blocks
+		if p.Migrating == nil {
+			out[name] = p.Spec.Blocks
 		}
 	}
 	return out, nil
@@ -330,10 +331,10 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		owns = append(owns, own{keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), node, "the node record",
 			func() bool { return a.nodeLease() == node && a.keeper.Holds(node) }, nil})
 	}
-	a.pools.forEachView(func(v *view) {
-		for b, lease := range v.claimsHeld() {
-			owns = append(owns, own{keyspace.BlockKey(v.pool, b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.pool),
-				func() bool { return v.holdsClaim(b, lease) },
+	a.pools.ForEachView(func(v *poolview.View) {
+		for b, lease := range v.ClaimsHeld() {
+			owns = append(owns, own{keyspace.BlockKey(v.Pool(), b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.Pool()),
+				func() bool { return v.HoldsClaim(b, lease) },
 				func() {
 					// The claim went with its lease. The keeper would say so only at the
 					// lease's next renewal, a third of the block lease's TTL away (a TTL that
@@ -347,7 +348,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 							"lease", keyspace.LeaseHex(lease))
 						return
 					}
-					v.blockLeaseLost(lease)
+					v.BlockLeaseLost(lease)
 				}})
 		}
 	})
@@ -556,27 +557,25 @@ func (h *restoreHold) repairing() bool {
 // another node claims (a borrowed address) stays that node's.
 func (a *Agent) reclaimBlocks(ctx context.Context) error {
 	for pool, addrs := range a.pods.AddrsByPool() {
-		v := a.pools.viewOf(pool)
-		if v == nil || v.own == nil {
+		v := a.pools.ViewOf(pool)
+		if v == nil || v.Blocks().Flat() {
 			continue // the flat layout: no blocks
 		}
 		tried := map[netip.Prefix]bool{}
 		for _, addr := range addrs {
-			b := v.blocks.Of(addr)
-			if tried[b] || !b.IsValid() || v.followsAddr(addr) {
+			b := v.Blocks().Of(addr)
+			if tried[b] || !b.IsValid() || v.FollowsAddr(addr) {
 				continue
 			}
 			tried[b] = true
-			v.claimMu.Lock()
-			claimed, err := v.claimAt(ctx, b)
-			v.claimMu.Unlock()
+			claimed, err := v.ClaimBlock(ctx, b)
 			if err != nil {
 				return err
 			}
 			if claimed {
 				// Another node may have borrowed in it since the backup, its pod's key gone
 				// with the restore: no new ADD chooses in it for the keep time.
-				v.markRestored(b)
+				v.MarkRestored(b)
 				a.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
 					"pool", pool, "block", b)
 			}
@@ -638,7 +637,7 @@ func (a *Agent) wentBackFrom(why string, from time.Time) time.Time {
 	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
 		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))
-	go a.saveSettle(a.pools.restartAll(until))
+	go a.saveSettle(a.pools.RestartAll(until))
 	if node := a.nodeLease(); node != 0 {
 		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
 	}
@@ -756,7 +755,7 @@ func (k *ownKeys) queue(pool string, a netip.Addr) {
 }
 
 // goneLoop checks the pod that lists each address the views reported (ownKeys), once a
-// release in flight had the time to change what the agent knows (suspectGrace): the check of
+// release in flight had the time to change what the agent knows (poolview.SuspectGrace): the check of
 // one pod under its lock (recheckPod), re-claimed at once if its keys are lost.
 func (a *Agent) goneLoop() {
 	defer a.wg.Done()
@@ -767,7 +766,7 @@ func (a *Agent) goneLoop() {
 			return
 		case g = <-a.keys.gone:
 		}
-		if !sleepCtx(a.ctx, time.Until(g.at.Add(suspectGrace))) {
+		if !sleepCtx(a.ctx, time.Until(g.at.Add(poolview.SuspectGrace))) {
 			return
 		}
 		owner, ok := a.pods.OwnerOf(g.pool, g.addr)

@@ -91,11 +91,11 @@ func TestAddsLandInTheNodesOwnBlock(t *testing.T) {
 		t.Errorf("want one block per node, got %v", claims)
 	}
 	for _, ag := range []*Agent{a, b} {
-		v := ag.pools.viewOf(pool.Name)
-		if n := v.heldBlocks(); n != 1 {
+		v := ag.pools.ViewOf(pool.Name)
+		if n := v.HeldBlocks(); n != 1 {
 			t.Errorf("%s follows %d blocks, want 1", ag.cfg.Node, n)
 		}
-		if allocated, _, _, _ := v.counts(); allocated != 6 {
+		if allocated, _, _, _ := v.Counts(); allocated != 6 {
 			t.Errorf("%s's view holds %d allocations, want its own 6 only", ag.cfg.Node, allocated)
 		}
 	}
@@ -203,10 +203,8 @@ func TestUnreadableBlockClaimsLeaveTheADDToBorrowing(t *testing.T) {
 	if !bBlock.IsValid() || bBlock == aBlock {
 		t.Fatalf("n2 claimed no block of its own (n1's is %s)", aBlock)
 	}
-	v := b.pools.viewOf(pool.Name)
-	v.mu.Lock()
-	v.claimsRead = time.Time{} // the claims n2 knows are old: the next ADD reads them again
-	v.mu.Unlock()
+	v := b.pools.ViewOf(pool.Name)
+	v.StaleClaims() // the claims n2 knows are old: the next ADD reads them again
 	failing.Store(true)
 
 	res, err = b.Add(ctx, addReq(pool, "x0", "eth0", "x0"))
@@ -288,7 +286,7 @@ func TestEmptyBlockIsGivenBackAndRestartKeepsBlocks(t *testing.T) {
 	etcdtest.Eventually(t, "the empty block given back", func() error {
 		c := blockClaims(t, cli, pool.Name)
 		n := metricValue(t, b, "leasehold_blocks_given_back_total")
-		held := b.pools.viewOf(pool.Name).heldBlocks()
+		held := b.pools.ViewOf(pool.Name).HeldBlocks()
 		return etcdtest.Saw(len(c) == 0 && n == 1 && held == 0,
 			"claims %v, blocks given back %v (want 1), blocks the view follows %d", c, n, held)
 	})
@@ -467,7 +465,7 @@ func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	held := a.pools.viewOf(pool.Name).heldBlocks()
+	held := a.pools.ViewOf(pool.Name).HeldBlocks()
 	if held <= maxTxnOps/2 {
 		t.Fatalf("the node holds %d blocks; the test needs more than %d", held, maxTxnOps/2)
 	}
@@ -477,10 +475,10 @@ func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ADD after a restart with %d blocks: %v", held, err)
 	}
-	if n := b.pools.viewOf(pool.Name).heldBlocks(); n < held {
+	if n := b.pools.ViewOf(pool.Name).HeldBlocks(); n < held {
 		t.Errorf("after the restart the node follows %d blocks, want its %d", n, held)
 	}
-	if allocated, _, _, _ := b.pools.viewOf(pool.Name).counts(); allocated != 301 {
+	if allocated, _, _, _ := b.pools.ViewOf(pool.Name).Counts(); allocated != 301 {
 		t.Errorf("the view holds %d allocations, want 301", allocated)
 	}
 	key := keyspace.IPKey(pool.Name, pool.Blocks, res.IPs[0].Address.Addr())
@@ -697,11 +695,10 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 		t.Fatalf("the held key of %s: %v %v", x, held, err)
 	}
 	hold := keyspace.LeaseOf(held.Kvs[0])
-	v := a.pools.viewOf(pool.Name)
+	v := a.pools.ViewOf(pool.Name)
 	etcdtest.Eventually(t, "the view holding "+x.String()+" back until its hold's lease ends", func() error {
-		v.mu.Lock()
-		defer v.mu.Unlock()
-		until, ok := v.heldBack[x]
+		st := v.Addr(x)
+		until, ok := st.HeldUntil, st.HeldBack
 		return etcdtest.Saw(ok && until.After(time.Now().Add(time.Minute)), "%s held back %v until %s", x, ok, until)
 	})
 	if err := a.Del(ctx, req); err != nil {
@@ -711,14 +708,9 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 	// time, still this node's.
 	var tried time.Time
 	etcdtest.Eventually(t, "a give-back of the block tried while "+x.String()+"'s held key stands", func() error {
-		v.mu.Lock()
-		s := v.spans[block]
-		since := time.Time{}
-		if s != nil {
-			since = s.emptySince
-		}
-		v.mu.Unlock()
-		if s == nil {
+		s, ok := v.Followed()[block]
+		since := s.EmptySince
+		if !ok {
 			t.Fatalf("the block was given back with the held key of %s standing: claims %v", x, blockClaims(t, cli, pool.Name))
 		}
 		if tried.IsZero() {
@@ -736,7 +728,7 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 	etcdtest.Eventually(t, "the empty block given back once the held key of "+x.String()+" is gone", func() error {
 		c := blockClaims(t, cli, pool.Name)
 		n := metricValue(t, a, "leasehold_blocks_given_back_total")
-		follows := v.heldBlocks()
+		follows := v.HeldBlocks()
 		return etcdtest.Saw(len(c) == 0 && n == 1 && follows == 0,
 			"claims %v, blocks given back %v (want 1), blocks the view follows %d", c, n, follows)
 	})

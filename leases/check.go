@@ -31,11 +31,11 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
-	p, err := a.pools.ensure(ctx, req.Pool)
+	p, err := a.pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return allocator.Result{}, err
 	}
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.spec.Name)
+	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.Spec.Name)
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Get(octx, ownerKey)
@@ -44,7 +44,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	}
 	if len(resp.Kvs) == 0 {
 		return allocator.Result{}, fmt.Errorf("%w: container %s interface %s has no addresses in pool %q (no key %s)",
-			allocator.ErrNotAllocated, req.ContainerID, req.IfName, p.spec.Name, ownerKey)
+			allocator.ErrNotAllocated, req.ContainerID, req.IfName, p.Spec.Name, ownerKey)
 	}
 	kv := resp.Kvs[0]
 	rec, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, kv.Value)
@@ -53,12 +53,12 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	}
 	if rec.ContainerID != req.ContainerID {
 		return allocator.Result{}, fmt.Errorf("%w: interface %s of owner %s in pool %q belongs to container %s, not %s",
-			allocator.ErrNotAllocated, req.IfName, owner, p.spec.Name, rec.ContainerID, req.ContainerID)
+			allocator.ErrNotAllocated, req.IfName, owner, p.Spec.Name, rec.ContainerID, req.ContainerID)
 	}
 	lease := keyspace.LeaseOf(kv)
 	ops := make([]clientv3.Op, 0, len(rec.IPs))
 	for _, addr := range rec.IPs {
-		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr)))
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, addr)))
 	}
 	tresp, err := a.cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
@@ -68,7 +68,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		kvs := tresp.Responses[i].GetResponseRange().Kvs
 		if len(kvs) == 0 {
 			return allocator.Result{}, fmt.Errorf("%w: owner index %s names %s, but %s does not exist",
-				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.spec.Name, p.spec.Blocks, addr))
+				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, addr))
 		}
 		holder, err := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
 		if err != nil {
@@ -76,7 +76,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 		}
 		if !keyspace.HeldOn(kvs[0], lease) || holder.Owner != owner || holder.ContainerID != req.ContainerID {
 			return allocator.Result{}, fmt.Errorf("%w: %s in pool %q is held by owner %s container %s on lease %x, not by this attachment (owner %s container %s lease %s)",
-				allocator.ErrConflict, addr, p.spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, keyspace.LeaseHex(lease))
+				allocator.ErrConflict, addr, p.Spec.Name, holder.Owner, holder.ContainerID, kvs[0].Lease, owner, req.ContainerID, keyspace.LeaseHex(lease))
 		}
 	}
 	ttl, err := a.cli.TimeToLive(octx, lease)
@@ -93,7 +93,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	if err := checkSandbox(req.Netns, req.IfName, rec.IPs); err != nil {
 		return allocator.Result{}, err
 	}
-	return result(&p.spec, rec.IPs)
+	return result(&p.Spec, rec.IPs)
 }
 
 // checkSandbox looks at the attachment's interface inside the sandbox: an address whose
@@ -140,13 +140,13 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 	if err := a.probe(ctx, keyspace.PoolKey(req.Pool.Name)); err != nil {
 		return a.unavailable("etcd does not answer", err)
 	}
-	p, err := a.pools.ensure(ctx, req.Pool)
+	p, err := a.pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return err
 	}
-	p.await(ctx)
-	if err := p.view.free(ctx, &p.spec); err != nil {
-		return fmt.Errorf("pool %q: %w", p.spec.Name, err)
+	p.Await(ctx)
+	if err := p.View.Free(ctx, &p.Spec); err != nil {
+		return fmt.Errorf("pool %q: %w", p.Spec.Name, err)
 	}
 	return nil
 }

@@ -53,7 +53,7 @@ type claim struct {
 	held      keyspace.HeldRecord
 	// notHeld are the addresses an ADD chose as free ones: the claim compares their held key
 	// absent, so that one whose holder expired without a release goes only to an ADD that
-	// chose it as such (view.reuseExpired), whatever a stale view or snapshot said.
+	// chose it as such (poolview.View.reuseExpired), whatever a stale view or snapshot said.
 	notHeld map[netip.Addr]bool
 
 	// ADD only.
@@ -140,7 +140,7 @@ func (c *claim) txn() (cmps []clientv3.Cmp, puts, gets []clientv3.Op) {
 		puts = append(puts, clientv3.OpPut(ipKey, alloc, on))
 		if c.heldLease != 0 {
 			// Overwrites the held key of an earlier holder that expired without a release:
-			// the address is this owner's now (see view.reuseExpired).
+			// the address is this owner's now (see poolview.View.reuseExpired).
 			puts = append(puts, clientv3.OpPut(keyspace.HeldKey(c.pool, c.blocks, addr), held, clientv3.WithLease(c.heldLease)))
 		}
 		gets = append(gets, clientv3.OpGet(ipKey))
@@ -250,7 +250,7 @@ type addrFound struct {
 	// Host is the key of a node that publishes the address as its own (ADD).
 	Host *mvccpb.KeyValue
 	// Held is the held key of an address the ADD chose as free: its holder expired without
-	// a release, and it is held back (reuse.go).
+	// a release, and it is held back (poolview/reuse.go).
 	Held *mvccpb.KeyValue
 	// Wanted is a wanted key of the address: a running pod's, which another owner took
 	// while its lease was lost (ADD).

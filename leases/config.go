@@ -114,26 +114,9 @@ const (
 	// (Agent.reachable): they call etcd anyway, and must not wait a whole request's timeout
 	// to learn that the node is cut off.
 	reachAfter = 2 * time.Second
-	// viewListTimeout bounds the listing of one pool's view, one range read of every
-	// allocation of the pool: far larger than any other read the agent makes.
-	viewListTimeout = 30 * time.Second
-	// watchHealthy is how long a watch must have run for the view to list again at once when
-	// it ends; one that ends sooner (permission denied, etcd going down) backs off first.
-	watchHealthy = 5 * time.Second
 	// retryFirst and retryMax bound the backoff of the agent's background retries (view
 	// lists, spare grants); reclaimRetryFirst and reclaimRetryMax the re-claim's, which
 	// waits for etcd to come back.
-	// maxBlockTries bounds the block claims one ADD tries (each lost to another node's claim
-	// of the same block) before it borrows instead.
-	maxBlockTries = 4
-	// claimsFresh is how long a read of a pool's block claims serves as the answer to "is any
-	// block unclaimed" before an ADD that found none reads them again: a burst of borrowing
-	// ADDs then costs one read, not one each.
-	claimsFresh = 10 * time.Second
-	// snapshotFresh is how long a read of the whole pool (borrow.go) is reused: for borrowing,
-	// and to leave blocks it shows half used to borrowing instead of claiming them. Others'
-	// releases outside this node's blocks reach it only by a new read.
-	snapshotFresh     = time.Minute
 	retryFirst        = 100 * time.Millisecond
 	retryMax          = 5 * time.Second
 	reclaimRetryFirst = 200 * time.Millisecond

@@ -122,7 +122,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		return "", 0, true, nil
 	}
 	at := ps.Attachments[i]
-	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: ref.Pool})
+	p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: ref.Pool})
 	if err != nil {
 		return "", 0, false, err
 	}
@@ -132,11 +132,11 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	ipKey := keyspace.IPKey(ref.Pool, p.spec.Blocks, ref.Addr)
-	heldKey := keyspace.HeldKey(ref.Pool, p.spec.Blocks, ref.Addr)
+	ipKey := keyspace.IPKey(ref.Pool, p.Spec.Blocks, ref.Addr)
+	heldKey := keyspace.HeldKey(ref.Pool, p.Spec.Blocks, ref.Addr)
 	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, ref.Owner, ref.IfName, ref.Pool)
 	conflictKey := keyspace.ConflictKey(a.cfg.Cluster, ref.Owner, ref.IfName, ref.Pool)
-	qKey := keyspace.QuarantineKey(ref.Pool, p.spec.Blocks, ref.Addr)
+	qKey := keyspace.QuarantineKey(ref.Pool, p.Spec.Blocks, ref.Addr)
 	cur, err := a.cli.Txn(octx).Then(clientv3.OpGet(conflictKey), clientv3.OpGet(heldKey), clientv3.OpGet(qKey)).Commit()
 	if err != nil {
 		return "", 0, false, a.unavailable("read "+conflictKey, err)
@@ -162,9 +162,9 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	conflictKVs := cur.Responses[0].GetResponseRange().Kvs
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(a.allocation(req, ref.Owner, lease, at.Created)), clientv3.WithLease(lease)),
-		clientv3.OpDelete(keyspace.WantedKey(ref.Pool, p.spec.Blocks, ref.Addr, a.cfg.Cluster, ref.Owner))}
+		clientv3.OpDelete(keyspace.WantedKey(ref.Pool, p.Spec.Blocks, ref.Addr, a.cfg.Cluster, ref.Owner))}
 	if heldLease != 0 {
-		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.Pool, p.spec.Blocks, ref.Addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
+		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.Pool, p.Spec.Blocks, ref.Addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
 	}
 	claimCluster := a.cfg.Cluster
 	if len(conflictKVs) > 0 {
@@ -205,8 +205,8 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 	}
 	left := slices.DeleteFunc(slices.Clone(at.Conflicts), func(x netip.Addr) bool { return x == ref.Addr })
 	a.pods.Change(own).SetConflicts(ref.IfName, ref.Pool, left)
-	if v := a.pools.viewOf(ref.Pool); v != nil {
-		v.markAllocated(ref.Addr, resp.Header.Revision)
+	if v := a.pools.ViewOf(ref.Pool); v != nil {
+		v.MarkAllocated(ref.Addr, resp.Header.Revision)
 	}
 	if gaveUp != "" {
 		a.log.Warn("a released sticky claim gives up an address to the running pod that had it first: the claim's next pod "+

@@ -197,7 +197,7 @@ func (a *Agent) reportTakenAtDel(ctx context.Context, owner string, at attachmen
 }
 
 func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment, upTo int64) {
-	blocks, err := a.pools.blocksOf(ctx, at.Pool)
+	blocks, err := a.pools.BlocksOf(ctx, at.Pool)
 	if err != nil {
 		return
 	}
@@ -250,7 +250,7 @@ var errStale = errors.New("owner index changed since the agent last saw it")
 // set; an owner index that changed since is then errStale, not "released by someone else".
 func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.Owned, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
 	owner := own.Owner()
-	blocks, err := a.pools.blocksOf(ctx, pool)
+	blocks, err := a.pools.BlocksOf(ctx, pool)
 	if err != nil {
 		return -1, err
 	}
@@ -324,8 +324,8 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
 				a.pods.Change(own).DropAttachment(ifName, pool)
 			}
-			if v := a.pools.viewOf(pool); v != nil {
-				v.released(r.addrs, out.Revision, until)
+			if v := a.pools.ViewOf(pool); v != nil {
+				v.Released(r.addrs, out.Revision, until)
 			}
 			if out.ClaimKept {
 				a.stickyKept.released(r.claimKey, pool, rec.Claim, r.claimRec, r.claimQ,

@@ -114,7 +114,7 @@ func TestQuarantineHoldsReleasedAddress(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The agent's view knows its own release when DEL returns, not once the watch brings it.
-	if allocated, quarantined, _, _ := a.pools.viewOf(pool.Name).counts(); allocated != 0 || quarantined != 1 {
+	if allocated, quarantined, _, _ := a.pools.ViewOf(pool.Name).Counts(); allocated != 0 || quarantined != 1 {
 		t.Errorf("view right after DEL: %d allocated, %d quarantined; want 0 and 1", allocated, quarantined)
 	}
 	_, err = a.Add(ctx, addReq(pool, "c2", "eth0", ""))

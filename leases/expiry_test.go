@@ -359,12 +359,10 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 	expire(t, cli, a, owners...)
 	etcdtest.Eventually(t, "the agent's view takes the expired allocations for free", func() error {
 		// Gone, and found on this node's own block lease: nothing of another node holds them.
-		v := a.pools.viewOf(pool.Name)
-		v.mu.Lock()
-		defer v.mu.Unlock()
+		v := a.pools.ViewOf(pool.Name)
 		for ip := range mine {
-			if _, ok := v.allocated[ip]; ok || v.heldBackLocked(ip) {
-				return fmt.Errorf("%s allocated %v, held back %v", ip, ok, v.heldBackLocked(ip))
+			if ok, held := v.Addr(ip).Allocated, v.HeldBackNow(ip); ok || held {
+				return fmt.Errorf("%s allocated %v, held back %v", ip, ok, held)
 			}
 		}
 		return nil
@@ -980,14 +978,14 @@ func TestAStaleViewIsListedAgainBeforeAHeldBackAddressIsReused(t *testing.T) {
 		return block, owners, got
 	}
 	liveBlock, _, _ := fill(live, "live", 1)
-	p, err := live.pools.ensure(ctx, allocator.PoolSpec{Name: pool.Name})
+	p, err := live.pools.Ensure(ctx, allocator.PoolSpec{Name: pool.Name})
 	if err != nil {
 		t.Fatal(err)
 	}
 	room := func(block netip.Prefix) int {
 		n := 0
 		for a := block.Addr(); block.Contains(a); a = a.Next() {
-			if p.spec.Allocatable(a) == nil {
+			if p.Spec.Allocatable(a) == nil {
 				n++
 			}
 		}
@@ -1011,16 +1009,14 @@ func TestAStaleViewIsListedAgainBeforeAHeldBackAddressIsReused(t *testing.T) {
 		taken[a] = true
 	}
 	for a := liveBlock.Addr(); liveBlock.Contains(a); a = a.Next() {
-		if p.spec.Allocatable(a) == nil && !taken[a] && !live.pods.OwnsAddr(pool.Name, a) {
+		if p.Spec.Allocatable(a) == nil && !taken[a] && !live.pods.OwnsAddr(pool.Name, a) {
 			free = a
 		}
 	}
 	if !free.IsValid() {
 		t.Fatalf("no free address left in %s (room %d, given %v)", liveBlock, room(liveBlock), more)
 	}
-	p.view.mu.Lock()
-	p.view.allocated[free] = 1
-	p.view.mu.Unlock()
+	p.View.MarkAllocated(free, 1)
 	res, err := live.Add(ctx, addReq(pool, "new", "eth0", "new"))
 	if err != nil {
 		t.Fatal(err)

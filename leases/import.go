@@ -15,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/adopt"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // Import is what one import claims: the attachments another IPAM plugin (host-local,
@@ -86,7 +87,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 	}
 	a.importMu.Lock()
 	defer a.importMu.Unlock()
-	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: imp.Pool})
+	p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: imp.Pool})
 	if errors.Is(err, allocator.ErrInvalidConfig) {
 		return rep, fmt.Errorf("import %s into pool %q: the pool is not defined in etcd, and the import needs its ranges to tell "+
 			"which addresses are its own: create it with leaseholdctl pool create %s --range ... with the ranges of network %s's "+
@@ -95,7 +96,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 	if err != nil {
 		return rep, fmt.Errorf("import %s into pool %q: %w", imp.Source, imp.Pool, err)
 	}
-	if p.migrating != nil {
+	if p.Migrating != nil {
 		return rep, fmt.Errorf("%w: import %s: pool %q is being moved to the block layout; run leaseholdctl pool migrate %s to its end first",
 			allocator.ErrUnavailable, imp.Source, imp.Pool, imp.Pool)
 	}
@@ -113,7 +114,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 		var claim []netip.Addr
 		for _, ip := range at.IPs {
 			e := ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName}
-			switch err := p.spec.Allocatable(ip); {
+			switch err := p.Spec.Allocatable(ip); {
 			case err != nil:
 				e.Detail = err.Error()
 				rep.OutsidePool = append(rep.OutsidePool, e)
@@ -141,7 +142,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 // importAttachment claims addrs for one attachment, as an ADD claims (add.go's tryAdd and
 // learn) but with the import's addresses: a claim whose answer was lost keeps its lease with
 // the owner and is sent again; an address found held is reported and dropped.
-func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
+func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
 	owner := at.Owner()
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
@@ -182,7 +183,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 			return err
 		}
 		now := a.wall()
-		c := &claim{lease: lease, pool: p.spec.Name, blocks: p.spec.Blocks, addrs: slices.Clone(addrs), ownerKey: ownerKey,
+		c := &claim{lease: lease, pool: p.Spec.Name, blocks: p.Spec.Blocks, addrs: slices.Clone(addrs), ownerKey: ownerKey,
 			heldLease: heldLease, held: held,
 			alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
 			podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known, pod: a.podRecord(req, owner, lease, now)}
@@ -196,7 +197,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *pool, imp Import, at ad
 		}
 		if out.Applied {
 			for _, ip := range addrs {
-				p.view.markAllocated(ip, out.Revision)
+				p.View.MarkAllocated(ip, out.Revision)
 				rep.Imported = append(rep.Imported, entry(ip, ""))
 			}
 			a.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
@@ -288,13 +289,13 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *own
 	}
 	// Imported before without them (they were held by another owner then): say who holds
 	// them now. The attachment is not changed; its DEL or GC ends it.
-	p, err := a.pools.ensure(ctx, req.Pool)
+	p, err := a.pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return err
 	}
 	ops := make([]clientv3.Op, len(missing))
 	for i, ip := range missing {
-		ops[i] = clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, ip))
+		ops[i] = clientv3.OpGet(keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, ip))
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()

@@ -5,13 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
-	"net/netip"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // metrics is the agent's Prometheus instrumentation, on a registry of its own so that
@@ -162,7 +161,7 @@ func newMetrics(a *Agent) *metrics {
 			Help: "Blocks this node holds, over every pool it serves.",
 		}, func() float64 {
 			n := 0
-			a.pools.forEachView(func(v *view) { n += v.heldBlocks() })
+			a.pools.ForEachView(func(v *poolview.View) { n += v.HeldBlocks() })
 			return float64(n)
 		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -252,61 +251,34 @@ func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
-	c.a.pools.mu.Lock()
-	served := make([]*pool, 0, len(c.a.pools.m))
-	for _, p := range c.a.pools.m {
-		served = append(served, p)
-	}
-	c.a.pools.mu.Unlock()
-	for _, p := range served {
+	for _, p := range c.a.pools.Served() {
 		// From the pool's first use, at 0: an alert on its increase sees the first refusal.
-		ch <- prometheus.MustNewConstMetric(exhaustedDesc, prometheus.CounterValue, float64(p.view.exhausted.Load()), p.spec.Name)
-		if p.rev <= 0 {
+		ch <- prometheus.MustNewConstMetric(exhaustedDesc, prometheus.CounterValue, float64(p.View.Exhausted()), p.Spec.Name)
+		if p.Rev <= 0 {
 			continue
 		}
-		n, first := p.view.heldBackCount()
-		ch <- prometheus.MustNewConstMetric(heldBackDesc, prometheus.GaugeValue, float64(n), p.spec.Name)
+		n, first := p.View.HeldBackCount()
+		ch <- prometheus.MustNewConstMetric(heldBackDesc, prometheus.GaugeValue, float64(n), p.Spec.Name)
 		if !first.IsZero() {
-			ch <- prometheus.MustNewConstMetric(heldBackEndDesc, prometheus.GaugeValue, max(time.Until(first).Seconds(), 0), p.spec.Name)
+			ch <- prometheus.MustNewConstMetric(heldBackEndDesc, prometheus.GaugeValue, max(time.Until(first).Seconds(), 0), p.Spec.Name)
 		}
-		alloc, quar := p.view.perSet(&p.spec)
-		for set := range p.spec.Ranges {
-			size, _ := new(big.Float).SetInt(p.spec.SetSize(set)).Float64()
+		alloc, quar := p.View.PerSet(&p.Spec)
+		for set := range p.Spec.Ranges {
+			size, _ := new(big.Float).SetInt(p.Spec.SetSize(set)).Float64()
 			label := fmt.Sprint(set)
 			emit := func(state string, v float64) {
-				ch <- prometheus.MustNewConstMetric(poolDesc, prometheus.GaugeValue, v, p.spec.Name, label, state)
+				ch <- prometheus.MustNewConstMetric(poolDesc, prometheus.GaugeValue, v, p.Spec.Name, label, state)
 			}
 			emit("size", size)
 			emit("allocated", float64(alloc[set]))
 			emit("quarantined", float64(quar[set]))
-			if p.view.blocks.Flat() {
+			if p.View.Blocks().Flat() {
 				// In the block layout the view holds this node's blocks only: the pool's free
 				// count is leaseholdctl pool list's to give.
 				emit("free", max(size-float64(alloc[set]+quar[set]), 0))
 			}
 		}
 	}
-}
-
-// perSet counts the view's allocated and quarantined addresses by range set.
-func (v *view) perSet(spec *allocator.PoolSpec) (allocated, quarantined map[int]int) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	allocated, quarantined = map[int]int{}, map[int]int{}
-	count := func(m map[int]int, a netip.Addr) {
-		if set, ok := spec.SetOf(a); ok && spec.Allocatable(a) == nil {
-			m[set]++
-		}
-	}
-	for a := range v.allocated {
-		count(allocated, a)
-	}
-	for a := range v.quarantined {
-		if _, alloc := v.allocated[a]; !alloc {
-			count(quarantined, a)
-		}
-	}
-	return allocated, quarantined
 }
 
 // Metrics is the agent's Prometheus registry (leaseholdd serves it on --metrics-addr).

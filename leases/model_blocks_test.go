@@ -336,7 +336,7 @@ func (m *model) claimsLeft(ctx context.Context) (left []string, orphans map[clie
 		claim := fmt.Sprintf("%s by %s", kv.Key, rec.Node)
 		orphan := false
 		for _, n := range m.nodes {
-			if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.viewOf(m.pool.Name) == nil {
+			if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(m.pool.Name) == nil {
 				orphan = true
 			}
 		}
@@ -521,23 +521,21 @@ func (m *model) viewProblems() []string {
 		if n.agent == nil {
 			continue
 		}
-		v := n.agent.pools.viewOf(m.pool.Name)
+		v := n.agent.pools.ViewOf(m.pool.Name)
 		if v == nil {
 			continue
 		}
 		select {
-		case <-v.synced:
+		case <-v.Synced():
 		default:
 			continue // not listed yet: it knows no block
 		}
-		v.mu.Lock()
 		spans := map[netip.Prefix]clientv3.LeaseID{}
-		for b, s := range v.spans {
+		for b, s := range v.Followed() {
 			if b.IsValid() {
-				spans[b] = s.lease
+				spans[b] = s.Lease
 			}
 		}
-		v.mu.Unlock()
 		for b, lease := range spans {
 			if other, dup := holder[b]; dup {
 				problems = append(problems, fmt.Sprintf("block %s is held by both %s and %s", b, other, n.name))
@@ -586,30 +584,12 @@ func (m *model) blocksDump() string {
 			continue
 		}
 		var held []string
-		if v := n.agent.pools.viewOf(m.pool.Name); v != nil {
-			v.mu.Lock()
-			for blk, s := range v.spans {
+		if v := n.agent.pools.ViewOf(m.pool.Name); v != nil {
+			for blk, s := range v.Followed() {
 				// What keeps the block this node's in the view (idleBlocks), and what it passes over.
-				var why []string
-				for name, keys := range map[string]func(func(netip.Addr) bool){"allocated": mapKeys(v.allocated),
-					"quarantined": mapKeys(v.quarantined), "pending": mapKeys(v.pending), "suspect": mapKeys(v.suspect),
-					"restKept": mapKeys(v.restKept), "kept": mapKeys(v.kept)} {
-					for a := range keys {
-						if blk.Contains(a) {
-							why = append(why, name+" "+a.String())
-						}
-					}
-				}
-				for a, until := range v.heldBack {
-					if blk.Contains(a) {
-						why = append(why, fmt.Sprintf("heldBack %s until %s", a, until.Format(time.TimeOnly)))
-					}
-				}
-				sort.Strings(why)
-				held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.lease),
-					s.leaving, s.emptySince.Format(time.TimeOnly), s.restored, why))
+				held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.Lease),
+					s.Leaving, s.EmptySince.Format(time.TimeOnly), s.Restored, s.Why))
 			}
-			v.mu.Unlock()
 		}
 		sort.Strings(held)
 		fmt.Fprintf(&b, "\n  %s (uid %s) holds %v", n.name, n.uid, held)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // The cut-off part of TestModelRandomHistories (issues 23 and 27). A node is cut off from
@@ -279,11 +280,11 @@ func (m *model) keptAfterRestore() map[netip.Addr]bool {
 		if n.agent == nil {
 			continue
 		}
-		n.agent.pools.forEachView(func(v *view) {
-			if v.pool != m.pool.Name {
+		n.agent.pools.ForEachView(func(v *poolview.View) {
+			if v.Pool() != m.pool.Name {
 				return
 			}
-			addrs, blocks := v.settleKnowledge()
+			addrs, blocks := v.SettleKnowledge()
 			for _, a := range addrs {
 				kept[a] = true
 			}

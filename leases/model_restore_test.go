@@ -265,7 +265,7 @@ func (m *model) expireUnrenewed(i int) {
 					keep[lease] = true
 				}
 				for _, n := range m.nodes {
-					if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.viewOf(m.pool.Name) != nil {
+					if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(m.pool.Name) != nil {
 						keep[lease] = true
 					}
 				}
@@ -496,16 +496,14 @@ func (m *model) refusedForRepair(a *Agent, err error, start time.Time) bool {
 	a.hold.mu.Unlock()
 	if strings.Contains(err.Error(), "leaves free the addresses it knew taken") {
 		// The keep time after the settle time: with no other free address, the node hands out
-		// none held back for an expired pod (blocks.go, choose).
-		p, err := a.pools.ensure(context.Background(), allocator.PoolSpec{Name: m.pool.Name})
+		// none held back for an expired pod (poolview/blocks.go, choose).
+		p, err := a.pools.Ensure(context.Background(), allocator.PoolSpec{Name: m.pool.Name})
 		if err != nil {
 			return false
 		}
-		p.view.mu.Lock()
-		if p.view.keepUntil.After(until) {
-			until = p.view.keepUntil
+		if keep := p.View.KeepUntil(); keep.After(until) {
+			until = keep
 		}
-		p.view.mu.Unlock()
 	}
 	return start.Before(until)
 }

@@ -693,7 +693,7 @@ func (a *Agent) othersSince(ctx context.Context, owner, key string, ip netip.Add
 // taken back when that owner lets them go (conflicts.go).
 func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podState, at attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: at.Pool})
+	p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: at.Pool})
 	if err != nil {
 		return 0, nil, err
 	}
@@ -701,7 +701,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 	if err != nil {
 		return 0, nil, err
 	}
-	c := &claim{lease: lease, pool: at.Pool, blocks: p.spec.Blocks, alsoFlat: p.migrating != nil, addrs: slices.Clone(at.IPs),
+	c := &claim{lease: lease, pool: at.Pool, blocks: p.Spec.Blocks, alsoFlat: p.Migrating != nil, addrs: slices.Clone(at.IPs),
 		heldLease: heldLease, held: held,
 		ownerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		alloc:       a.allocation(req, ps.Owner, lease, at.Created),

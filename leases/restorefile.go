@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // settleFile keeps, in the state directory, what the agent does for the settle time after
@@ -83,13 +84,13 @@ func (a *Agent) saveSettle(relisted []<-chan struct{}) {
 	}
 	s := settleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
 		Kept: map[string][]netip.Addr{}, Restored: map[string][]netip.Prefix{}}
-	a.pools.forEachView(func(v *view) {
-		kept, restored := v.settleKnowledge()
+	a.pools.ForEachView(func(v *poolview.View) {
+		kept, restored := v.SettleKnowledge()
 		if len(kept) > 0 {
-			s.Kept[v.pool] = kept
+			s.Kept[v.Pool()] = kept
 		}
 		if len(restored) > 0 {
-			s.Restored[v.pool] = restored
+			s.Restored[v.Pool()] = restored
 		}
 	})
 	if err := saveSettle(a.cfg.StateDir, s); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // expiredBorrower makes x the address of another node's pod that borrowed it (its allocation
@@ -64,15 +65,13 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 		}
 		x := resultAddrs(first)[0].Next()
 		expiredBorrower(t, cli, cluster, pool, x)
-		v := a.pools.viewOf(pool.Name)
+		v := a.pools.ViewOf(pool.Name)
 		// The view holds x back: first as a deletion no release explains (suspect), then,
 		// once it read the held key, until the hold ends. One way restores in the first
 		// state, the other in the second.
 		etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
-			v.mu.Lock()
-			defer v.mu.Unlock()
-			_, held := v.heldBack[x]
-			_, suspect := v.suspect[x]
+			st := v.Addr(x)
+			held, suspect := st.HeldBack, st.Suspect
 			return etcdtest.Saw(held || suspect && b.bump != 0, "%s held back %v, suspect %v", x, held, suspect)
 		})
 		if err := member.Restore(backup, b.bump); err != nil {
@@ -100,11 +99,9 @@ func TestNoHeldBackAddressIsReusedWhileSettling(t *testing.T) {
 	}
 	x := resultAddrs(first)[0].Next()
 	expiredBorrower(t, cli, cluster, pool, x)
-	v := a.pools.viewOf(pool.Name)
+	v := a.pools.ViewOf(pool.Name)
 	etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
-		v.mu.Lock()
-		defer v.mu.Unlock()
-		_, held := v.heldBack[x]
+		held := v.Addr(x).HeldBack
 		return etcdtest.Saw(held, "%s held back %v", x, held)
 	})
 	// The settle time as an agent restarted during it resumes it: nothing of the pool kept.
@@ -207,11 +204,11 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	v := a.pools.viewOf(pool.Name)
+	v := a.pools.ViewOf(pool.Name)
 	block := pool.Blocks.Of(resultAddrs(res)[0])
-	old := v.claimsHeld()[block]
+	old := v.ClaimsHeld()[block]
 	if old == 0 {
-		t.Fatalf("the view holds no claim of %s: %v", block, v.claimsHeld())
+		t.Fatalf("the view holds no claim of %s: %v", block, v.ClaimsHeld())
 	}
 	backup := filepath.Join(t.TempDir(), "backup.db")
 	if err := member.Snapshot(ctx, backup); err != nil {
@@ -223,7 +220,7 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdtest.Eventually(t, "the agent off the revoked block lease", func() error {
-		return etcdtest.Saw(v.claimsHeld()[block] != old, "the view holds %s on %s", block, keyspace.LeaseHex(old))
+		return etcdtest.Saw(v.ClaimsHeld()[block] != old, "the view holds %s on %s", block, keyspace.LeaseHex(old))
 	})
 	// A pod after the backup: the agent has seen etcd's history past it, and notices the
 	// restore at its next answer.
@@ -370,11 +367,10 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		v := a.pools.viewOf(pool.Name)
+		v := a.pools.ViewOf(pool.Name)
 		etcdtest.Eventually(t, "the view knowing x allocated to the running pod", func() error {
-			v.mu.Lock()
-			defer v.mu.Unlock()
-			return etcdtest.Saw(v.allocated[x] == put.Header.Revision, "x allocated at %d, want %d", v.allocated[x], put.Header.Revision)
+			rev := v.Addr(x).Rev
+			return etcdtest.Saw(rev == put.Header.Revision, "x allocated at %d, want %d", rev, put.Header.Revision)
 		})
 		if err := member.Restore(backup, b.bump); err != nil {
 			t.Fatal(err)
@@ -387,9 +383,8 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 					return err
 				}
 			}
-			v.mu.Lock()
-			defer v.mu.Unlock()
-			rev, ok := v.allocated[x]
+			st := v.Addr(x)
+			rev, ok := st.Rev, st.Allocated
 			return etcdtest.Saw(ok && rev != put.Header.Revision, "x allocated %v at %d (the running pod's key: %d)", ok, rev, put.Header.Revision)
 		})
 		if _, err := cli.Revoke(ctx, old.ID); err != nil && !keyspace.IsLeaseNotFound(err) {
@@ -398,11 +393,8 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 		// Its deletion, no release explaining it, holds x back until the view reads that
 		// no held key stands for it: the ADDs come after that.
 		etcdtest.Eventually(t, "the view done with the deleted pod's key", func() error {
-			v.mu.Lock()
-			defer v.mu.Unlock()
-			_, alloc := v.allocated[x]
-			_, suspect := v.suspect[x]
-			_, held := v.heldBack[x]
+			st := v.Addr(x)
+			alloc, suspect, held := st.Allocated, st.Suspect, st.HeldBack
 			return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
 		})
 		addsNeverGet(t, a, pool, x, "the running pod's before it")
@@ -587,16 +579,14 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	restored := time.Now()
-	v := a.pools.viewOf(pool.Name)
+	v := a.pools.ViewOf(pool.Name)
 	// The view lists the restored pool, which has no quarantine key of x, and keeps x's end.
 	etcdtest.Eventually(t, "the view listed again after the restore, keeping "+x.String()+" quarantined", func() error {
 		if a.hold.settling() == nil {
 			return errors.New("the agent has not found etcd restored")
 		}
-		v.mu.Lock()
-		listed := v.droppedAt.After(restored)
-		_, q := v.quarantined[x]
-		v.mu.Unlock()
+		listed := v.ListedAt().After(restored)
+		q := v.Addr(x).Quarantined
 		if !listed {
 			return errors.New("the view has not listed the pool since the restore")
 		}
@@ -613,11 +603,9 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdtest.Eventually(t, "the quarantine of "+x.String()+" over in the view, and the empty block given back", func() error {
-		v.mu.Lock()
-		_, q := v.quarantined[x]
-		v.mu.Unlock()
+		q := v.Addr(x).Quarantined
 		c := blockClaims(t, cli, pool.Name)
-		held := v.heldBlocks()
+		held := v.HeldBlocks()
 		return etcdtest.Saw(!q && len(c) == 0 && held == 0,
 			"%s quarantined in the view: %v; claims %v; blocks the view follows %d", x, q, c, held)
 	})
@@ -745,8 +733,8 @@ func eachRestoreWay(t *testing.T, subnet string, f func(t *testing.T, b restoreB
 }
 
 // claimsAsHeld tells whether every block claim v holds is in etcd, on the lease v holds it on.
-func claimsAsHeld(ctx context.Context, cli *clientv3.Client, pool allocator.PoolSpec, v *view) error {
-	for b, lease := range v.claimsHeld() {
+func claimsAsHeld(ctx context.Context, cli *clientv3.Client, pool allocator.PoolSpec, v *poolview.View) error {
+	for b, lease := range v.ClaimsHeld() {
 		resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
 		if err != nil {
 			return err

@@ -11,6 +11,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/poolview"
 )
 
 // Sticky claims (issue 19; docs/proposals/sticky.md). An attachment that names a claim keeps
@@ -55,12 +56,12 @@ const stickyWaitStep = 500 * time.Millisecond
 // not expired) is waited for, polling, until shortly before ctx ends; then the ADD fails
 // naming the holder, also when ctx ends during a later poll (a slow etcd): the holder the last
 // answer named is still the reason. The addresses are never taken from a live holder.
-func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
+func (a *Agent) readSticky(ctx context.Context, p *poolview.Pool, st *addState) error {
 	hold, err := a.claimHold(st.req)
 	if err != nil {
 		return err
 	}
-	key := keyspace.ClaimKey(a.cfg.Cluster, p.spec.Name, st.req.Claim)
+	key := keyspace.ClaimKey(a.cfg.Cluster, p.Spec.Name, st.req.Claim)
 	held := ""
 	for {
 		s, holder, err := a.readClaim(ctx, p, st, key)
@@ -83,7 +84,7 @@ func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
 		if !ok || time.Until(deadline) < 2*stickyWaitStep || ctx.Err() != nil {
 			a.metrics.claimsRefused.Inc()
 			return fmt.Errorf("%w: claim %q of pool %q: its addresses are still held by %s; an attachment naming the claim gets them "+
-				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, st.req.Claim, p.spec.Name, holder)
+				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, st.req.Claim, p.Spec.Name, holder)
 		}
 		select {
 		case <-ctx.Done():
@@ -97,7 +98,7 @@ func (a *Agent) readSticky(ctx context.Context, p *pool, st *addState) error {
 // returns a non-empty holder when another owner holds an address (or one rests in quarantine
 // for something else than this claim), else the claim as this ADD will take it; the request's
 // addresses become the claim's.
-func (a *Agent) readClaim(ctx context.Context, p *pool, st *addState, key string) (*stickyAdd, string, error) {
+func (a *Agent) readClaim(ctx context.Context, p *poolview.Pool, st *addState, key string) (*stickyAdd, string, error) {
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
 	resp, err := a.cli.Get(octx, key)
@@ -120,10 +121,10 @@ func (a *Agent) readClaim(ctx context.Context, p *pool, st *addState, key string
 	}
 	var ops []clientv3.Op
 	for _, ip := range rec.IPs {
-		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.spec.Name, p.spec.Blocks, ip)),
-			clientv3.OpGet(keyspace.QuarantineKey(p.spec.Name, p.spec.Blocks, ip)))
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, ip)),
+			clientv3.OpGet(keyspace.QuarantineKey(p.Spec.Name, p.Spec.Blocks, ip)))
 	}
-	resps, _, err := readChunked(octx, a.cli, ops)
+	resps, _, err := poolview.ReadChunked(octx, a.cli, ops)
 	if err != nil {
 		return nil, "", a.unavailable("read the addresses of claim "+key, err)
 	}

@@ -344,14 +344,14 @@ func (a *Agent) keepClaimLocked(ctx context.Context, own *ownerlock.Owned, ref s
 		if !ok || !held || i < 0 || ps.Attachments[i].Claim == "" || ps.Attachments[i].Released {
 			return nil // released, or being re-claimed: the re-claim checks it
 		}
-		p, err := a.pools.ensure(ctx, allocator.PoolSpec{Name: ref.pool})
+		p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: ref.pool})
 		if err != nil {
 			return err
 		}
-		if p.migrating != nil {
+		if p.Migrating != nil {
 			return nil // its keys move under the migration's freeze
 		}
-		done, err := a.keepClaimOnce(ctx, own, ps, podLease, ps.Attachments[i], p.spec.Blocks)
+		done, err := a.keepClaimOnce(ctx, own, ps, podLease, ps.Attachments[i], p.Spec.Blocks)
 		if err != nil || done {
 			return err
 		}
@@ -679,7 +679,7 @@ func (a *Agent) releaseStaleClaims(ctx context.Context) error {
 
 // releaseStaleClaim releases claim name of pool, read at kv as rec (releaseStaleClaims).
 func (a *Agent) releaseStaleClaim(ctx context.Context, pool, name string, kv *mvccpb.KeyValue, rec keyspace.ClaimRecord) error {
-	blocks, err := a.pools.blocksOf(ctx, pool)
+	blocks, err := a.pools.BlocksOf(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -764,7 +764,7 @@ func (a *Agent) restoreReleasedClaims(ctx context.Context) error {
 
 // restoreReleasedClaim is restoreReleasedClaims for the claim at key, released as r.
 func (a *Agent) restoreReleasedClaim(ctx context.Context, key string, r releasedClaim) error {
-	blocks, err := a.pools.blocksOf(ctx, r.pool)
+	blocks, err := a.pools.BlocksOf(ctx, r.pool)
 	if err != nil {
 		return err
 	}

@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"errors"

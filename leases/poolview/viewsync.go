@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"context"
@@ -21,8 +21,8 @@ import (
 
 // run lists the pool, then follows it with watches until ctx ends, listing again after a
 // broken watch.
-func (v *view) run(ctx context.Context) {
-	if v.own != nil && v.own.idle > 0 {
+func (v *View) run(ctx context.Context) {
+	if v.own != nil && v.own.Idle > 0 {
 		go v.giveBackLoop(ctx)
 	}
 	if v.holding() {
@@ -79,18 +79,9 @@ func (v *view) run(ctx context.Context) {
 	}
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	select {
-	case <-ctx.Done():
-		return false
-	case <-time.After(d):
-		return true
-	}
-}
-
 // follow watches what the listing at rev covered, each span from its own listing, until the
 // generation ends, and waits for every watch of it to return.
-func (v *view) follow(g *generation, rev int64, spans []span) {
+func (v *View) follow(g *generation, rev int64, spans []span) {
 	g.wg.Add(2)
 	go v.watch(g, g.ctx, keyspace.HostIPPrefix(netip.Addr{}), rev)
 	go v.watch(g, g.ctx, keyspace.PoolConflictsPrefix(v.pool), rev)
@@ -106,7 +97,7 @@ func (v *view) follow(g *generation, rev int64, spans []span) {
 
 // watchSpan starts the watches of one span's allocation and quarantine keys after s.rev, in
 // generation g unless it has ended or the span was given back meanwhile.
-func (v *view) watchSpan(g *generation, s span) {
+func (v *View) watchSpan(g *generation, s span) {
 	ips, qs := keyspace.IPsPrefix(v.pool), keyspace.QuarantinePrefix(v.pool)
 	if s.block.IsValid() {
 		ips, qs = keyspace.BlockIPsPrefix(v.pool, s.block), keyspace.BlockQuarantinePrefix(v.pool, s.block)
@@ -132,7 +123,7 @@ func (v *view) watchSpan(g *generation, s span) {
 // watch follows prefix after rev, as a member of generation g (the caller added it to g.wg),
 // until ctx ends. A watch that breaks on its own ends the generation, so that the view lists
 // again.
-func (v *view) watch(g *generation, ctx context.Context, prefix string, rev int64) {
+func (v *View) watch(g *generation, ctx context.Context, prefix string, rev int64) {
 	defer g.wg.Done()
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
@@ -153,7 +144,7 @@ func (v *view) watch(g *generation, ctx context.Context, prefix string, rev int6
 // reads the pool's block claims first: this node's claims (by node identity) are its blocks,
 // on block leases the agent adopts again after a restart; a claim of a lease that cannot be
 // adopted is gone with it. It returns the revision the pool-wide part was read at.
-func (v *view) list(ctx context.Context) (int64, error) {
+func (v *View) list(ctx context.Context) (int64, error) {
 	lctx, cancel := context.WithTimeout(ctx, viewListTimeout)
 	defer cancel()
 	if v.blocks.Flat() {
@@ -190,7 +181,7 @@ func (v *view) list(ctx context.Context) (int64, error) {
 		ops = append(ops, v.blockReads(b)...)
 	}
 	var blocks []listed
-	resps, hdrs, err := readChunked(lctx, v.cli, ops)
+	resps, hdrs, err := ReadChunked(lctx, v.cli, ops)
 	if err != nil {
 		return 0, err
 	}
@@ -218,7 +209,7 @@ func sortedBlocks(spans map[netip.Prefix]*span) []netip.Prefix {
 
 // blockReads are the reads that list one block this node follows: its allocation keys, its
 // quarantine keys and its held keys.
-func (v *view) blockReads(b netip.Prefix) []clientv3.Op {
+func (v *View) blockReads(b netip.Prefix) []clientv3.Op {
 	return []clientv3.Op{
 		clientv3.OpGet(keyspace.BlockIPsPrefix(v.pool, b), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 		clientv3.OpGet(keyspace.BlockQuarantinePrefix(v.pool, b), clientv3.WithPrefix()),
@@ -230,7 +221,7 @@ func (v *view) blockReads(b netip.Prefix) []clientv3.Op {
 // larger ones: a node holding many blocks lists them in several), and returns each op's
 // response with the header of the transaction that read it. A chunk holds a multiple of 3
 // ops, so that one block's reads (blockReads) are read at one revision.
-func readChunked(ctx context.Context, cli *clientv3.Client, ops []clientv3.Op) ([]*pb.ResponseOp, []*pb.ResponseHeader, error) {
+func ReadChunked(ctx context.Context, cli *clientv3.Client, ops []clientv3.Op) ([]*pb.ResponseOp, []*pb.ResponseHeader, error) {
 	resps := make([]*pb.ResponseOp, 0, len(ops))
 	hdrs := make([]*pb.ResponseHeader, 0, len(ops))
 	for len(ops) > 0 {
@@ -257,7 +248,7 @@ type listed struct {
 // replace installs a listing: host addresses, the spans followed (with their state kept
 // where a span was followed already), the block claims (nil in the flat layout) and the
 // spans' keys.
-func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
+func (v *View) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 	claims map[netip.Prefix]string, lists []listed) {
 	allocated := make(map[netip.Addr]int64)
 	quarantined := make(map[netip.Addr]time.Time)
@@ -357,7 +348,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 		v.relisted = nil
 	}
 	v.mu.Unlock()
-	v.keys.listed()
+	v.hooks.listed()
 	select {
 	case <-v.synced:
 	default:
@@ -365,7 +356,7 @@ func (v *view) replace(hosts *pb.RangeResponse, spans map[netip.Prefix]*span,
 	}
 }
 
-func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
+func (v *View) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
 	_, _, ip, err := keyspace.ParseQuarantineKey(string(key))
 	if err != nil {
 		return
@@ -377,7 +368,7 @@ func (v *view) applyQuarantine(m map[netip.Addr]time.Time, key, value []byte) {
 	m[ip] = rec.Until
 }
 
-func (v *view) apply(resp clientv3.WatchResponse) {
+func (v *View) apply(resp clientv3.WatchResponse) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for _, ev := range resp.Events {
@@ -392,7 +383,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 					v.allocated[ip] = ev.Kv.CreateRevision
 				}
 				v.allocPut(ip)
-				v.keys.put(v.pool, ip, ev.Kv)
+				v.hooks.put(v.pool, ip, ev.Kv)
 			case clientv3.EventTypeDelete:
 				// A delete older than a creation this agent already saw is stale.
 				if v.allocated[ip] <= ev.Kv.ModRevision {

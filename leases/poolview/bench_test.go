@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"fmt"
@@ -42,8 +42,8 @@ func benchPool(b *testing.B) (allocator.PoolSpec, []netip.Addr) {
 	return spec, all
 }
 
-func benchView() *view {
-	return newView("bench", allocator.Blocks{}, nil, slog.New(slog.DiscardHandler), 1, nil, viewHooks{})
+func benchView() *View {
+	return newView("bench", allocator.Blocks{}, nil, slog.New(slog.DiscardHandler), 1, nil, Hooks{})
 }
 
 // putEvents is a watch response creating an allocation key for each address, as etcd
@@ -153,7 +153,7 @@ func BenchmarkViewReserve(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				v.settle([]netip.Addr{a}, 0)
+				v.Settle([]netip.Addr{a}, 0)
 			}
 		})
 	}

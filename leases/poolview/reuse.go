@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"context"
@@ -34,9 +34,9 @@ import (
 // up once: an expiry leaves its held key behind. A held-back address is looked up again when
 // its hold ends. The borrowing snapshot reads the pool's held keys with its allocations.
 
-// suspectGrace is how long a deleted allocation waits for the quarantine put of a release at
+// SuspectGrace is how long a deleted allocation waits for the quarantine put of a release at
 // the same revision (a separate watch) before the view reads its held key.
-const suspectGrace = time.Second
+const SuspectGrace = time.Second
 
 // suspectDel is a deleted allocation no release explained yet: the revision it went at, and
 // when to read its held key.
@@ -47,12 +47,12 @@ type suspectDel struct {
 
 // holding reports whether the view applies the reuse order; the caller holds the lock or
 // reads it before the view runs.
-func (v *view) holding() bool { return v.nodeLeases != nil }
+func (v *View) holding() bool { return v.mine != nil }
 
 // heldBackLocked reports whether a is held back from ADDs while the pool has other room: its
 // holder expired without a release, or its allocation went and no release explains it yet.
 // The caller holds the lock.
-func (v *view) heldBackLocked(a netip.Addr) bool {
+func (v *View) heldBackLocked(a netip.Addr) bool {
 	if _, ok := v.heldBack[a]; ok {
 		return true
 	}
@@ -62,22 +62,22 @@ func (v *view) heldBackLocked(a netip.Addr) bool {
 
 // allocDeleted notes that a's allocation key was deleted at rev (a watch event); the caller
 // holds the lock.
-func (v *view) allocDeleted(a netip.Addr, rev int64) {
+func (v *View) allocDeleted(a netip.Addr, rev int64) {
 	if r, ok := v.relRev[a]; ok && r == rev {
 		delete(v.relRev, a) // a release
 		return
 	}
-	v.keys.deleted(v.pool, a)
+	v.hooks.deleted(v.pool, a)
 	if !v.holding() {
 		return
 	}
-	v.suspect[a] = suspectDel{rev: rev, at: time.Now().Add(suspectGrace)}
+	v.suspect[a] = suspectDel{rev: rev, at: time.Now().Add(SuspectGrace)}
 	v.kickHeld()
 }
 
 // releaseSeen notes a release of a at rev: a quarantine put (a watch event) or this agent's own
 // release. The caller holds the lock.
-func (v *view) releaseSeen(a netip.Addr, rev int64) {
+func (v *View) releaseSeen(a netip.Addr, rev int64) {
 	if s, ok := v.suspect[a]; ok && s.rev == rev {
 		delete(v.suspect, a)
 		return
@@ -87,16 +87,16 @@ func (v *view) releaseSeen(a netip.Addr, rev int64) {
 
 // allocPut notes that a is allocated again: nothing of its past holder matters. The caller
 // holds the lock.
-func (v *view) allocPut(a netip.Addr) {
+func (v *View) allocPut(a netip.Addr) {
 	delete(v.suspect, a)
 	delete(v.heldBack, a)
 	delete(v.relRev, a)
 }
 
-// markHeld records what a failed claim learned: a's held key, on lease, stands with no
+// MarkHeld records what a failed claim learned: a's held key, on lease, stands with no
 // allocation. A held key of this node's own (one no pod of it lists) is freed by settleHeld.
-func (v *view) markHeld(a netip.Addr, lease clientv3.LeaseID) {
-	if !v.holding() || v.nodeLeases.mine(lease) {
+func (v *View) MarkHeld(a netip.Addr, lease clientv3.LeaseID) {
+	if !v.holding() || v.mine(lease) {
 		return
 	}
 	v.mu.Lock()
@@ -118,7 +118,7 @@ func (v *view) markHeld(a netip.Addr, lease clientv3.LeaseID) {
 // heldListed installs what a listing found of held keys in its spans: those of another node
 // with no allocation at their address are held back, to be looked up (their hold's end) at
 // once. The caller holds the lock.
-func (v *view) heldListed(kvs []*mvccpb.KeyValue) {
+func (v *View) heldListed(kvs []*mvccpb.KeyValue) {
 	if !v.holding() {
 		return
 	}
@@ -127,7 +127,7 @@ func (v *view) heldListed(kvs []*mvccpb.KeyValue) {
 		if err != nil {
 			continue
 		}
-		if _, alloc := v.allocated[ip]; alloc || v.nodeLeases.mine(clientv3.LeaseID(kv.Lease)) {
+		if _, alloc := v.allocated[ip]; alloc || v.mine(clientv3.LeaseID(kv.Lease)) {
 			continue
 		}
 		if _, ok := v.heldBack[ip]; !ok {
@@ -137,7 +137,7 @@ func (v *view) heldListed(kvs []*mvccpb.KeyValue) {
 	v.kickHeld()
 }
 
-func (v *view) kickHeld() {
+func (v *View) kickHeld() {
 	select {
 	case v.heldKick <- struct{}{}:
 	default:
@@ -145,7 +145,7 @@ func (v *view) kickHeld() {
 }
 
 // heldLoop looks up the held keys of suspect and held-back addresses when due, until ctx ends.
-func (v *view) heldLoop(ctx context.Context) {
+func (v *View) heldLoop(ctx context.Context) {
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
@@ -167,7 +167,7 @@ func (v *view) heldLoop(ctx context.Context) {
 // checkHeld reads the held keys of the addresses due for a look: a suspect deletion is an
 // expiry if its held key (of another node) stays, and a held-back address is free once its
 // held key is gone. It returns when the next look is due (zero: none).
-func (v *view) checkHeld(ctx context.Context) time.Time {
+func (v *View) checkHeld(ctx context.Context) time.Time {
 	now := time.Now()
 	var due []netip.Addr
 	var next time.Time
@@ -199,11 +199,11 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 	for i, a := range due {
 		ops[i] = clientv3.OpGet(keyspace.HeldKey(v.pool, v.blocks, a), clientv3.WithKeysOnly())
 	}
-	gen := v.hold.generation()
+	gen := v.hooks.generation()
 	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
-	resps, _, err := readChunked(octx, v.cli, ops)
+	resps, _, err := ReadChunked(octx, v.cli, ops)
 	cancel()
-	if err == nil && v.hold.generation() != gen {
+	if err == nil && v.hooks.generation() != gen {
 		// The answer proved etcd went back in time: a held key it lacks may be one the
 		// backup lacked, of a pod still running on a node cut off. The listing that follows
 		// keeps these addresses for the keep time (replace).
@@ -219,7 +219,7 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 	}
 	leases := map[clientv3.LeaseID]time.Time{}
 	for _, r := range resps {
-		if kvs := r.GetResponseRange().Kvs; len(kvs) > 0 && !v.nodeLeases.mine(clientv3.LeaseID(kvs[0].Lease)) {
+		if kvs := r.GetResponseRange().Kvs; len(kvs) > 0 && !v.mine(clientv3.LeaseID(kvs[0].Lease)) {
 			leases[clientv3.LeaseID(kvs[0].Lease)] = time.Time{}
 		}
 	}
@@ -235,7 +235,7 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 		delete(v.suspect, a)
 		kvs := resps[i].GetResponseRange().Kvs
 		_, alloc := v.allocated[a]
-		if alloc || len(kvs) == 0 || v.nodeLeases.mine(clientv3.LeaseID(kvs[0].Lease)) {
+		if alloc || len(kvs) == 0 || v.mine(clientv3.LeaseID(kvs[0].Lease)) {
 			delete(v.heldBack, a)
 			v.roomAt(a)
 			continue
@@ -253,7 +253,7 @@ func (v *view) checkHeld(ctx context.Context) time.Time {
 // holdEnds fills in when each lease of ends expires, as etcd says now: now when the lease is
 // gone, zero when it could not be read. A hold ends with the block lease of the node that held
 // the address: the reuse delay after its pods' leases expired, unless it comes back.
-func (v *view) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time) {
+func (v *View) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 16)
@@ -284,7 +284,7 @@ func (v *view) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time
 // (this node's blocks, an unclaimed block, borrowing from a snapshot read just now), an
 // address whose holder expired without a release: the one whose hold ends first. It marks it
 // pending, or returns exhausted, the error the search without them ended with.
-func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool, exhausted error) (netip.Addr, error) {
+func (v *View) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool, exhausted error) (netip.Addr, error) {
 	if !v.holding() || !errors.Is(exhausted, allocator.ErrPoolExhausted) {
 		return netip.Addr{}, exhausted
 	}
@@ -368,7 +368,7 @@ func (v *view) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 			continue
 		}
 		v.pending[c.a] = struct{}{}
-		v.metrics.expiredReused.Inc()
+		v.metrics.ExpiredReused.Inc()
 		v.log.Info("reusing an address whose holder expired without a release: the pool has no other room",
 			"ip", c.a, "held_until", c.until, "held_on_lease", keyspace.LeaseHex(c.lease))
 		return c.a, nil
@@ -390,7 +390,7 @@ const maxRunningLookups = 32
 // hand, or overwritten), and the node's audit puts it back. A lease that runs out takes the
 // pod record with the allocation: that is the expired holder the reuse order is for. A failed
 // read leaves the answer to the claim, which compares the allocation absent.
-func (v *view) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip.Addr]bool {
+func (v *View) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip.Addr]bool {
 	out := map[netip.Addr]bool{}
 	if len(addrs) == 0 {
 		return out
@@ -437,9 +437,9 @@ func (v *view) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip
 	return out
 }
 
-// heldBackCount is how many addresses the view holds back, and when the first hold it knows
+// HeldBackCount is how many addresses the view holds back, and when the first hold it knows
 // ends (zero: none known).
-func (v *view) heldBackCount() (n int, first time.Time) {
+func (v *View) HeldBackCount() (n int, first time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	seen := map[netip.Addr]bool{}

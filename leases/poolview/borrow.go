@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"context"
@@ -42,7 +42,7 @@ func (s *snapshot) take(b allocator.Blocks, a netip.Addr) {
 	delete(s.expired, a)
 }
 
-// free records a as released, with its quarantine until until (zero: none).
+// Free records a as released, with its quarantine until until (zero: none).
 func (s *snapshot) free(b allocator.Blocks, a netip.Addr, until time.Time) {
 	if s.allocated[a] {
 		delete(s.allocated, a)
@@ -64,7 +64,7 @@ func (s *snapshot) Quarantined(a netip.Addr) (time.Time, bool) {
 // the rest as the snapshot read them, and host addresses everywhere; with strict, also the
 // addresses held back after an expiry. The view's lock is held.
 type borrowTaken struct {
-	v      *view
+	v      *View
 	s      *snapshot
 	strict bool
 }
@@ -90,7 +90,7 @@ func (t borrowTaken) Quarantined(a netip.Addr) (time.Time, bool) {
 // or the caller would not be here), and marks it pending. It reuses the last snapshot while
 // younger than snapshotFresh and reads the pool again once when that offers nothing, so
 // "exhausted" is said only after a fresh read.
-func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+func (v *View) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	for fresh := false; ; fresh = true {
 		v.mu.Lock()
 		s := v.borrowed
@@ -110,7 +110,7 @@ func (v *view) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, sk
 		}
 		v.mu.Unlock()
 		if err == nil {
-			v.own.metrics.borrowed.Inc()
+			v.own.Metrics.Borrowed.Inc()
 			return addr, nil
 		}
 		if fresh {
@@ -151,7 +151,7 @@ func pickSpread(spec *allocator.PoolSpec, set int, taken allocator.Taken, busy f
 
 // readPool reads every allocation key (keys only) and quarantine key of the pool, and keeps
 // the result as the borrowing snapshot.
-func (v *view) readPool(ctx context.Context) (*snapshot, error) {
+func (v *View) readPool(ctx context.Context) (*snapshot, error) {
 	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
 	defer cancel()
 	resp, err := v.cli.Txn(octx).Then(
@@ -181,7 +181,7 @@ func (v *view) readPool(ctx context.Context) (*snapshot, error) {
 		for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
 			_, _, ip, err := keyspace.ParseHeldKey(string(kv.Key))
 			id := clientv3.LeaseID(kv.Lease)
-			if err != nil || s.allocated[ip] || v.nodeLeases.mine(id) {
+			if err != nil || s.allocated[ip] || v.mine(id) {
 				continue
 			}
 			if _, q := s.quarantined[ip]; !q {

@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"context"
@@ -13,51 +13,59 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
-// pool is a pool definition this agent has checked against etcd, with its view. A pool
+// Pool is a pool definition this agent has checked against etcd, with its view. A Pool
 // value never changes; a re-read definition replaces it in the cache.
-type pool struct {
-	spec allocator.PoolSpec
-	// rev is the ModRevision of the stored definition; every ADD compares it, so a
+type Pool struct {
+	Spec allocator.PoolSpec
+	// Rev is the ModRevision of the stored definition; every ADD compares it, so a
 	// definition changed under the agent makes the ADD re-read it instead of using a stale one.
-	rev  int64
-	view *view
-	// migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
+	// It is -1 once the definition is to be read again (Invalidate).
+	Rev  int64
+	View *View
+	// Migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
 	// ADDs are refused until it finishes.
-	migrating *keyspace.Migration
+	Migrating *keyspace.Migration
 }
 
-// pools caches the stored definitions of the pools this agent serves.
-type pools struct {
+// Config is what Pools needs besides etcd's client, handed in by the agent at start.
+type Config struct {
+	// Seed spreads this agent's candidate search over each range (see View.from).
+	Seed uint64
+	// OnMismatch, if set, records a refused definition where the pool's other users see it.
+	OnMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
+	// Owner claims this node's blocks in pools of the block layout; nil: no block is claimed
+	// (tests).
+	Owner *Owner
+	// Hooks are handed to every view.
+	Hooks Hooks
+}
+
+// Pools caches the stored definitions of the pools this agent serves, each with its view.
+type Pools struct {
 	cli *clientv3.Client
 	log *slog.Logger
 	ctx context.Context // lives as long as the agent; views run on it
-	// seed spreads this agent's candidate search over each range (see view.from).
-	seed uint64
-
-	// onMismatch, if set, records a refused definition where the pool's other users see it.
-	onMismatch func(ctx context.Context, wanted, stored allocator.PoolSpec)
-	// own claims this node's blocks in pools of the block layout.
-	own *blockOwner
-	// hooks are handed to every view (viewHooks).
-	hooks viewHooks
+	cfg Config
 
 	mu    sync.Mutex
-	m     map[string]*pool
+	m     map[string]*Pool
 	stops map[string]context.CancelFunc // ends a view's run
 }
 
-func newPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger, hooks viewHooks) *pools {
-	return &pools{cli: cli, log: log, ctx: ctx, hooks: hooks, m: make(map[string]*pool), stops: make(map[string]context.CancelFunc)}
+// NewPools makes the cache of pools; each view runs on ctx until it ends or the pool's
+// layout changes.
+func NewPools(ctx context.Context, cli *clientv3.Client, log *slog.Logger, cfg Config) *Pools {
+	return &Pools{cli: cli, log: log, ctx: ctx, cfg: cfg, m: make(map[string]*Pool), stops: make(map[string]context.CancelFunc)}
 }
 
-// ensure returns the stored definition of spec.Name, creating it from spec if no definition
+// Ensure returns the stored definition of spec.Name, creating it from spec if no definition
 // exists. A spec with no ranges refers to a stored definition by name. A spec that disagrees
 // with the stored definition is refused with allocator.ErrPoolMismatch showing both.
-func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, error) {
+func (ps *Pools) Ensure(ctx context.Context, spec allocator.PoolSpec) (*Pool, error) {
 	ps.mu.Lock()
 	p, ok := ps.m[spec.Name]
 	ps.mu.Unlock()
-	if ok && p.rev > 0 && p.migrating == nil && (len(spec.Ranges) == 0 || p.spec.Equal(configured(spec, p.spec))) {
+	if ok && p.Rev > 0 && p.Migrating == nil && (len(spec.Ranges) == 0 || p.Spec.Equal(configured(spec, p.Spec))) {
 		return p, nil
 	}
 	stored, migrating, rev, err := ps.load(ctx, spec)
@@ -65,8 +73,8 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 		return nil, err
 	}
 	if len(spec.Ranges) > 0 && !stored.Equal(configured(spec, stored)) {
-		if ps.onMismatch != nil {
-			ps.onMismatch(ctx, spec, stored)
+		if ps.cfg.OnMismatch != nil {
+			ps.cfg.OnMismatch(ctx, spec, stored)
 		}
 		return nil, fmt.Errorf("%w: pool %q is stored in etcd as %s, but this network's configuration says %s; "+
 			"make the ranges match the stored definition, or name another pool with \"pool\" in the ipam configuration",
@@ -74,17 +82,17 @@ func (ps *pools) ensure(ctx context.Context, spec allocator.PoolSpec) (*pool, er
 	}
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
-	if old, ok := ps.m[spec.Name]; ok && old.view.blocks == stored.Blocks {
-		p = &pool{spec: stored, rev: rev, view: old.view, migrating: migrating}
+	if old, ok := ps.m[spec.Name]; ok && old.View.blocks == stored.Blocks {
+		p = &Pool{Spec: stored, Rev: rev, View: old.View, Migrating: migrating}
 	} else {
 		if stop := ps.stops[spec.Name]; stop != nil {
 			stop() // the pool's layout changed (pool migrate): follow it anew
 		}
 		vctx, stop := context.WithCancel(ps.ctx)
-		p = &pool{spec: stored, rev: rev, migrating: migrating,
-			view: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.seed, ps.own, ps.hooks)}
+		p = &Pool{Spec: stored, Rev: rev, Migrating: migrating,
+			View: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.cfg.Seed, ps.cfg.Owner, ps.cfg.Hooks)}
 		ps.stops[spec.Name] = stop
-		go p.view.run(vctx)
+		go p.View.run(vctx)
 	}
 	ps.m[spec.Name] = p
 	return p, nil
@@ -99,22 +107,22 @@ func configured(spec, stored allocator.PoolSpec) allocator.PoolSpec {
 	return spec
 }
 
-// blocksOf is the stored layout of pool name, read when this agent does not serve it yet
+// BlocksOf is the stored layout of pool name, read when this agent does not serve it yet
 // (a DEL or re-claim after a restart).
-func (ps *pools) blocksOf(ctx context.Context, name string) (allocator.Blocks, error) {
-	p, err := ps.ensure(ctx, allocator.PoolSpec{Name: name})
+func (ps *Pools) BlocksOf(ctx context.Context, name string) (allocator.Blocks, error) {
+	p, err := ps.Ensure(ctx, allocator.PoolSpec{Name: name})
 	if err != nil {
 		return allocator.Blocks{}, err
 	}
-	return p.spec.Blocks, nil
+	return p.Spec.Blocks, nil
 }
 
-// forEachView calls f with every view.
-func (ps *pools) forEachView(f func(*view)) {
+// ForEachView calls f with every view.
+func (ps *Pools) ForEachView(f func(*View)) {
 	ps.mu.Lock()
-	views := make([]*view, 0, len(ps.m))
+	views := make([]*View, 0, len(ps.m))
 	for _, p := range ps.m {
-		views = append(views, p.view)
+		views = append(views, p.View)
 	}
 	ps.mu.Unlock()
 	for _, v := range views {
@@ -122,50 +130,50 @@ func (ps *pools) forEachView(f func(*view)) {
 	}
 }
 
-// await blocks until p's view has been listed once, or ctx ends. An ADD may go ahead
+// Await blocks until p's view has been listed once, or ctx ends. An ADD may go ahead
 // without it (the transaction decides), but candidates are better with it.
-func (p *pool) await(ctx context.Context) {
+func (p *Pool) Await(ctx context.Context) {
 	select {
-	case <-p.view.synced:
+	case <-p.View.synced:
 	case <-ctx.Done():
 	}
 }
 
-// viewOf is the view of pool name, or nil when this agent does not serve it.
-func (ps *pools) viewOf(name string) *view {
+// ViewOf is the view of pool name, or nil when this agent does not serve it.
+func (ps *Pools) ViewOf(name string) *View {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p, ok := ps.m[name]; ok {
-		return p.view
+		return p.View
 	}
 	return nil
 }
 
-// restartAll makes every view list its pool again, keeping until keep the addresses it knew
+// RestartAll makes every view list its pool again, keeping until keep the addresses it knew
 // allocated as taken (view.restartKeeping), and the next ensure of each pool re-read its
 // definition. It returns a channel per view, closed once it has listed.
-func (ps *pools) restartAll(keep time.Time) (relisted []<-chan struct{}) {
+func (ps *Pools) RestartAll(keep time.Time) (relisted []<-chan struct{}) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	for name, p := range ps.m {
-		relisted = append(relisted, p.view.restartKeeping(keep))
-		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
+		relisted = append(relisted, p.View.restartKeeping(keep))
+		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating}
 	}
 	return relisted
 }
 
-// invalidate makes the next ensure re-read the stored definition.
-func (ps *pools) invalidate(name string) {
+// Invalidate makes the next ensure re-read the stored definition.
+func (ps *Pools) Invalidate(name string) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p, ok := ps.m[name]; ok {
-		ps.m[name] = &pool{spec: p.spec, rev: -1, view: p.view, migrating: p.migrating}
+		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating}
 	}
 }
 
 // load reads the stored definition, creating it from spec when absent: in the block layout,
 // with allocator.DefaultBlocks unless the configuration names block sizes.
-func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, *keyspace.Migration, int64, error) {
+func (ps *Pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, *keyspace.Migration, int64, error) {
 	key := keyspace.PoolKey(spec.Name)
 	var txn clientv3.Txn
 	if len(spec.Ranges) > 0 {
@@ -197,4 +205,15 @@ func (ps *pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.P
 		return allocator.PoolSpec{}, nil, 0, err
 	}
 	return stored, migrating, kvs[0].ModRevision, nil
+}
+
+// Served is every pool served, as last ensured.
+func (ps *Pools) Served() []*Pool {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	out := make([]*Pool, 0, len(ps.m))
+	for _, p := range ps.m {
+		out = append(out, p)
+	}
+	return out
 }

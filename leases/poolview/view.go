@@ -1,4 +1,4 @@
-package leases
+package poolview
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -27,12 +28,12 @@ import (
 // allocation in one node's block is sent to that node alone; addresses elsewhere are chosen
 // from a snapshot read when the node borrows (borrow.go). In the flat layout of a pool stored
 // before blocks it follows the whole pool, as one span.
-type view struct {
+type View struct {
 	pool   string
 	blocks allocator.Blocks // the stored layout; a changed layout gets a new view
 	cli    *clientv3.Client
 	log    *slog.Logger
-	own    *blockOwner // claims, keeps and gives back this node's blocks; nil in the flat layout
+	own    *Owner // claims, keeps and gives back this node's blocks; nil in the flat layout
 	// claimMu makes block claims one at a time (choose).
 	claimMu sync.Mutex
 	// exhausted counts the ADDs refused because the pool had no free address
@@ -63,15 +64,15 @@ type view struct {
 	borrowed   *snapshot
 	borrowedAt time.Time
 
-	// The reuse order (reuse.go), when nodeLeases is set: addresses held back because their
-	// holder expired without a release (value: when to look again), deleted allocations no
-	// release explains yet, and the revisions of releases seen before their deletes.
-	nodeLeases *blockLeases
-	metrics    *metrics
-	heldBack   map[netip.Addr]time.Time
-	suspect    map[netip.Addr]suspectDel
-	relRev     map[netip.Addr]int64
-	heldKick   chan struct{}
+	// The reuse order (reuse.go), when mine is set (Owner.Mine): addresses held back because
+	// their holder expired without a release (value: when to look again), deleted allocations
+	// no release explains yet, and the revisions of releases seen before their deletes.
+	mine     func(clientv3.LeaseID) bool
+	metrics  *Metrics
+	heldBack map[netip.Addr]time.Time
+	suspect  map[netip.Addr]suspectDel
+	relRev   map[netip.Addr]int64
+	heldKick chan struct{}
 
 	// gen is the current listing's generation: its watches run on it, and so do those of a
 	// block claimed during it. stopFollow ends it; relisted, when someone waits for a new
@@ -85,7 +86,7 @@ type view struct {
 	// settle time, and kept are the addresses the view knew allocated or held back before it
 	// listed the pool again and the listing lacks, passed over until keepUntil: another
 	// node's pod may run with one, its key gone with the backup, until its agent re-claims it.
-	hold      *restoreHold
+	hooks     Hooks
 	kept      map[netip.Addr]struct{}
 	keepUntil time.Time
 	// restKept are the addresses whose quarantine end the last listing kept though etcd had no
@@ -104,17 +105,64 @@ type view struct {
 	// gained are the blocks the last listing found this node's that it did not hold before
 	// (at droppedAt), marked restored if the proof comes (restartKeeping).
 	gained []netip.Prefix
-	// keys hears of changes to the allocations of this node's pods it did not make (audit.go).
-	keys *ownKeys
 }
 
-// viewHooks are what the agent hands each view at start: its restore hold, its ear for this
-// node's pods' keys (audit.go), and what an earlier process of the agent kept for the settle
-// time (settleFile). Any may be nil (tests, benchmarks).
-type viewHooks struct {
-	hold    *restoreHold
-	keys    *ownKeys
-	settled *settleState
+// Hooks are what the agent hands each view at start: its restore hold (Settling,
+// Generation), its ear for this node's pods' keys (Put, Deleted, Listed: changes to the
+// allocations of this node's pods the agent did not make), and what an earlier process of the
+// agent kept for the settle time (Settled). Any may be nil (tests, benchmarks). Put, Deleted
+// and Listed are called under the view's lock: they must not block.
+type Hooks struct {
+	// Settling returns, during the settle time after etcd went back in time, why a new
+	// block or a borrowed address is refused; nil after it.
+	Settling func() error
+	// Generation counts the times etcd was found gone back: a read answered in an earlier
+	// generation is of a history since replaced.
+	Generation func() uint64
+	Put        func(pool string, a netip.Addr, kv *mvccpb.KeyValue)
+	Deleted    func(pool string, a netip.Addr)
+	Listed     func()
+	Settled    *Settled
+}
+
+// Settled is what an earlier process of the agent kept for the settle time after etcd went
+// back in time: its end, and per pool the addresses kept and the blocks marked restored.
+type Settled struct {
+	Until    time.Time
+	Kept     map[string][]netip.Addr
+	Restored map[string][]netip.Prefix
+}
+
+func (h Hooks) settling() error {
+	if h.Settling == nil {
+		return nil
+	}
+	return h.Settling()
+}
+
+func (h Hooks) generation() uint64 {
+	if h.Generation == nil {
+		return 0
+	}
+	return h.Generation()
+}
+
+func (h Hooks) put(pool string, a netip.Addr, kv *mvccpb.KeyValue) {
+	if h.Put != nil {
+		h.Put(pool, a, kv)
+	}
+}
+
+func (h Hooks) deleted(pool string, a netip.Addr) {
+	if h.Deleted != nil {
+		h.Deleted(pool, a)
+	}
+}
+
+func (h Hooks) listed() {
+	if h.Listed != nil {
+		h.Listed()
+	}
 }
 
 // span is one key range the view follows.
@@ -145,13 +193,9 @@ type generation struct {
 	closed bool
 }
 
-func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *blockOwner, hooks viewHooks) *view {
-	if hooks.hold == nil {
-		hooks.hold = newRestoreHold(0, 0, 0)
-	}
-	v := &view{
-		hold:        hooks.hold,
-		keys:        hooks.keys,
+func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *slog.Logger, seed uint64, own *Owner, hooks Hooks) *View {
+	v := &View{
+		hooks:       hooks,
 		restoredAt:  make(map[netip.Prefix]bool),
 		kept:        make(map[netip.Addr]struct{}),
 		restKept:    make(map[netip.Addr]struct{}),
@@ -174,7 +218,7 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 		relRev:      make(map[netip.Addr]int64),
 		heldKick:    make(chan struct{}, 1),
 	}
-	if st := hooks.settled; st != nil && time.Now().Before(st.Until) {
+	if st := hooks.Settled; st != nil && time.Now().Before(st.Until) {
 		v.keepUntil = st.Until
 		for _, a := range st.Kept[pool] {
 			v.kept[a] = struct{}{}
@@ -188,14 +232,14 @@ func newView(pool string, blocks allocator.Blocks, cli *clientv3.Client, log *sl
 	} else {
 		v.own = own
 	}
-	if own != nil && own.holdBack {
-		v.nodeLeases, v.metrics = own.leases, own.metrics
+	if own != nil && own.HoldBack {
+		v.mine, v.metrics = own.Mine, &own.Metrics
 	}
 	return v
 }
 
 // unlocked implements allocator.Taken over a view whose lock the caller holds.
-type unlocked struct{ v *view }
+type unlocked struct{ v *View }
 
 func (u unlocked) Allocated(a netip.Addr) bool {
 	_, ok := u.v.allocated[a]
@@ -207,15 +251,15 @@ func (u unlocked) Quarantined(a netip.Addr) (time.Time, bool) {
 	return t, ok
 }
 
-// followsAddr is follows for a caller without the lock.
-func (v *view) followsAddr(a netip.Addr) bool {
+// FollowsAddr is follows for a caller without the lock.
+func (v *View) FollowsAddr(a netip.Addr) bool {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	return v.follows(a)
 }
 
 // follows reports whether a lies in a span the view follows; the caller holds the lock.
-func (v *view) follows(a netip.Addr) bool {
+func (v *View) follows(a netip.Addr) bool {
 	_, ok := v.spans[v.blocks.Of(a)]
 	return ok
 }
@@ -224,7 +268,7 @@ func (v *view) follows(a netip.Addr) bool {
 // agent holds and skip does not refuse, and marks it pending. In the block layout it looks
 // only in this node's blocks, in address order from where the last search ended; its error
 // then means "no room in my blocks", and the caller claims a block or borrows (choose).
-func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+func (v *View) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.endRestKept(time.Now())
@@ -260,7 +304,7 @@ func (v *view) reserve(spec *allocator.PoolSpec, set int, skip func(netip.Addr) 
 
 // busy is what a search must pass over besides what is taken: addresses chosen by ADDs in
 // flight, those skip refuses, and those held back (reuse.go). The caller holds the lock.
-func (v *view) busy(skip func(netip.Addr) bool) func(netip.Addr) bool {
+func (v *View) busy(skip func(netip.Addr) bool) func(netip.Addr) bool {
 	return func(a netip.Addr) bool {
 		if _, ok := v.pending[a]; ok {
 			return true
@@ -271,7 +315,7 @@ func (v *view) busy(skip func(netip.Addr) bool) func(netip.Addr) bool {
 
 // keptLocked tells whether a is one of the addresses kept after etcd went back in time; the
 // caller holds the lock.
-func (v *view) keptLocked(a netip.Addr) bool {
+func (v *View) keptLocked(a netip.Addr) bool {
 	if len(v.kept) == 0 {
 		return false
 	}
@@ -284,14 +328,14 @@ func (v *view) keptLocked(a netip.Addr) bool {
 }
 
 // roomAt notes that a may have come free; the caller holds the lock.
-func (v *view) roomAt(a netip.Addr) {
+func (v *View) roomAt(a netip.Addr) {
 	if s := v.spans[v.blocks.Of(a)]; s != nil {
 		clear(s.full)
 	}
 }
 
 // take marks addr pending and moves set's next search past it; the caller holds the lock.
-func (v *view) take(spec *allocator.PoolSpec, set int, addr netip.Addr) netip.Addr {
+func (v *View) take(spec *allocator.PoolSpec, set int, addr netip.Addr) netip.Addr {
 	v.pending[addr] = struct{}{}
 	v.next[set] = spec.Ranges[set].After(addr)
 	return addr
@@ -299,7 +343,7 @@ func (v *view) take(spec *allocator.PoolSpec, set int, addr netip.Addr) netip.Ad
 
 // sorted is the blocks this node holds in address order, kept until the spans change; the
 // caller holds the lock.
-func (v *view) sorted() []netip.Prefix {
+func (v *View) sorted() []netip.Prefix {
 	if v.order == nil {
 		v.order = make([]netip.Prefix, 0, len(v.spans))
 		for b := range v.spans {
@@ -319,7 +363,7 @@ func comparePrefix(x, y netip.Prefix) int { return x.Addr().Compare(y.Addr()) }
 // agent's first search starts at a place of the range derived from its identity, so that
 // agents on different nodes begin in different places instead of racing for the same
 // first addresses (and, in the block layout, claim blocks far apart).
-func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
+func (v *View) from(spec *allocator.PoolSpec, set int) netip.Addr {
 	if next, ok := v.next[set]; ok {
 		return next
 	}
@@ -328,10 +372,10 @@ func (v *view) from(spec *allocator.PoolSpec, set int) netip.Addr {
 	return spec.Ranges[set].Spread(float64(h.Sum64()>>11) / (1 << 53))
 }
 
-// scatter moves the next search of a range set to a random place, after this agent lost a
+// Scatter moves the next search of a range set to a random place, after this agent lost a
 // race there: the winner is likely to take the addresses right after it too. In the block
 // layout the race was with a borrower, and the search stays in the node's blocks.
-func (v *view) scatter(spec *allocator.PoolSpec, set int) {
+func (v *View) Scatter(spec *allocator.PoolSpec, set int) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.blocks.Flat() {
@@ -339,8 +383,8 @@ func (v *view) scatter(spec *allocator.PoolSpec, set int) {
 	}
 }
 
-// settle ends the pending state of addrs; when rev > 0 the transaction created them at rev.
-func (v *view) settle(addrs []netip.Addr, rev int64) {
+// Settle ends the pending state of addrs; when rev > 0 the transaction created them at rev.
+func (v *View) Settle(addrs []netip.Addr, rev int64) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for _, a := range addrs {
@@ -361,10 +405,10 @@ func (v *view) settle(addrs []netip.Addr, rev int64) {
 	}
 }
 
-// released records this agent's own release of addrs at rev, with their quarantine until
+// Released records this agent's own release of addrs at rev, with their quarantine until
 // until (zero: none), without waiting for the watch to bring it: an ADD right after a DEL
 // must see the address resting, not still allocated.
-func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
+func (v *View) Released(addrs []netip.Addr, rev int64, until time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for _, a := range addrs {
@@ -386,9 +430,9 @@ func (v *view) released(addrs []netip.Addr, rev int64, until time.Time) {
 	}
 }
 
-// markAllocated records what a failed transaction learned: addr was created at rev. It
+// MarkAllocated records what a failed transaction learned: addr was created at rev. It
 // reports whether addr lies outside the view's spans (a borrowed address).
-func (v *view) markAllocated(a netip.Addr, rev int64) (borrowed bool) {
+func (v *View) MarkAllocated(a netip.Addr, rev int64) (borrowed bool) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	switch {
@@ -404,15 +448,15 @@ func (v *view) markAllocated(a netip.Addr, rev int64) (borrowed bool) {
 	return true
 }
 
-// staleSnapshot makes the next borrowing read the pool again.
-func (v *view) staleSnapshot() {
+// StaleSnapshot makes the next borrowing read the pool again.
+func (v *View) StaleSnapshot() {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.borrowedAt = time.Time{}
 }
 
-// markQuarantined records what a failed transaction learned about a quarantined address.
-func (v *view) markQuarantined(a netip.Addr, until time.Time) {
+// MarkQuarantined records what a failed transaction learned about a quarantined address.
+func (v *View) MarkQuarantined(a netip.Addr, until time.Time) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	switch {
@@ -426,7 +470,7 @@ func (v *view) markQuarantined(a netip.Addr, until time.Time) {
 
 // endRestKept ends the quarantines the last listing kept without a key in etcd (restKept)
 // whose time is up: no watch event will. The caller holds the lock.
-func (v *view) endRestKept(now time.Time) {
+func (v *View) endRestKept(now time.Time) {
 	for a := range v.restKept {
 		if until, ok := v.quarantined[a]; ok && until.After(now) {
 			continue
@@ -437,21 +481,21 @@ func (v *view) endRestKept(now time.Time) {
 	}
 }
 
-// markHost records what a failed transaction learned: a node publishes addr as its own.
-func (v *view) markHost(key string, a netip.Addr) {
+// MarkHost records what a failed transaction learned: a node publishes addr as its own.
+func (v *View) MarkHost(key string, a netip.Addr) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.addHost(key, a)
 }
 
-func (v *view) addHost(key string, a netip.Addr) {
+func (v *View) addHost(key string, a netip.Addr) {
 	if _, ok := v.hosts[key]; !ok {
 		v.hosts[key] = a
 		v.hostCount[a]++
 	}
 }
 
-func (v *view) removeHost(key string) {
+func (v *View) removeHost(key string) {
 	if a, ok := v.hosts[key]; ok {
 		delete(v.hosts, key)
 		if v.hostCount[a]--; v.hostCount[a] <= 0 {
@@ -460,11 +504,11 @@ func (v *view) removeHost(key string) {
 	}
 }
 
-// free reports whether an ADD could find an address in every range set now. In the block
+// Free reports whether an ADD could find an address in every range set now. In the block
 // layout, with no room in this node's blocks and no unclaimed block known, it asks the
 // borrowing snapshot, read again when older than snapshotFresh: STATUS must not call a pool
 // exhausted on stale knowledge, nor read the whole pool at every poll.
-func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
+func (v *View) Free(ctx context.Context, spec *allocator.PoolSpec) error {
 	for set := range spec.Ranges {
 		v.mu.Lock()
 		var err error
@@ -501,7 +545,7 @@ func (v *view) free(ctx context.Context, spec *allocator.PoolSpec) error {
 
 // roomIn reports whether one of this node's blocks has a free address of set; the caller
 // holds the lock.
-func (v *view) roomIn(spec *allocator.PoolSpec, set int) bool {
+func (v *View) roomIn(spec *allocator.PoolSpec, set int) bool {
 	for _, b := range v.sorted() {
 		if v.spans[b].leaving {
 			continue
@@ -514,14 +558,14 @@ func (v *view) roomIn(spec *allocator.PoolSpec, set int) bool {
 }
 
 // isClaimed reports whether block is claimed, as last read; the caller holds the lock.
-func (v *view) isClaimed(block netip.Prefix) bool {
+func (v *View) isClaimed(block netip.Prefix) bool {
 	_, ok := v.claims[block]
 	return ok || v.spans[block] != nil
 }
 
-// counts returns how many addresses the view holds as allocated and quarantined, and the
+// Counts returns how many addresses the view holds as allocated and quarantined, and the
 // key ranges they were listed from (the recheck compares them with etcd's counts there).
-func (v *view) counts() (allocated, quarantined int, ipPrefixes, qPrefixes []string) {
+func (v *View) Counts() (allocated, quarantined int, ipPrefixes, qPrefixes []string) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.endRestKept(time.Now())
@@ -539,7 +583,7 @@ func (v *view) counts() (allocated, quarantined int, ipPrefixes, qPrefixes []str
 
 // restartKeeping is restart after etcd went back in time: until keep, the new listing does
 // not free the addresses the view knew allocated (view.kept).
-func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
+func (v *View) restartKeeping(keep time.Time) <-chan struct{} {
 	v.mu.Lock()
 	if keep.After(v.keepUntil) {
 		v.keepUntil = keep
@@ -555,12 +599,12 @@ func (v *view) restartKeeping(keep time.Time) <-chan struct{} {
 		}
 	}
 	v.mu.Unlock()
-	return v.restart()
+	return v.Restart()
 }
 
-// markRestored has the view pass over block for the keep time, as over a block the backup
+// MarkRestored has the view pass over block for the keep time, as over a block the backup
 // gave back.
-func (v *view) markRestored(block netip.Prefix) {
+func (v *View) MarkRestored(block netip.Prefix) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if sp := v.spans[block]; sp != nil && time.Now().Before(v.keepUntil) {
@@ -573,9 +617,9 @@ func (v *view) markRestored(block netip.Prefix) {
 // listing of a compacted watch a little before.
 const droppedRecall = time.Minute
 
-// settleKnowledge is what the view passes over for the settle time: the addresses it keeps,
+// SettleKnowledge is what the view passes over for the settle time: the addresses it keeps,
 // and the blocks a restore gave back to this node.
-func (v *view) settleKnowledge() (kept []netip.Addr, restored []netip.Prefix) {
+func (v *View) SettleKnowledge() (kept []netip.Addr, restored []netip.Prefix) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if !time.Now().Before(v.keepUntil) {
@@ -592,9 +636,9 @@ func (v *view) settleKnowledge() (kept []netip.Addr, restored []netip.Prefix) {
 	return kept, restored
 }
 
-// claimsHeld is the blocks this node holds in the pool, with the lease each claim is on, but
+// ClaimsHeld is the blocks this node holds in the pool, with the lease each claim is on, but
 // those being given back.
-func (v *view) claimsHeld() map[netip.Prefix]clientv3.LeaseID {
+func (v *View) ClaimsHeld() map[netip.Prefix]clientv3.LeaseID {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	out := make(map[netip.Prefix]clientv3.LeaseID)
@@ -606,19 +650,19 @@ func (v *view) claimsHeld() map[netip.Prefix]clientv3.LeaseID {
 	return out
 }
 
-// holdsClaim tells whether claimsHeld would still list block on lease.
-func (v *view) holdsClaim(block netip.Prefix, lease clientv3.LeaseID) bool {
+// HoldsClaim tells whether claimsHeld would still list block on lease.
+func (v *View) HoldsClaim(block netip.Prefix, lease clientv3.LeaseID) bool {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	s, ok := v.spans[block]
 	return ok && !s.leaving && s.lease == lease
 }
 
-// restart makes run drop its watches and list the pool again, for a view that may be stale
+// Restart makes run drop its watches and list the pool again, for a view that may be stale
 // in a way no watch reports: etcd's data was replaced, and a watch resumed at a revision the
 // new etcd has not reached delivers nothing and no error. The returned channel is closed once
 // the new listing is in.
-func (v *view) restart() <-chan struct{} {
+func (v *View) Restart() <-chan struct{} {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.relisted == nil {
