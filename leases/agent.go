@@ -386,7 +386,7 @@ func (a *Agent) blockLeaseLost(id clientv3.LeaseID) bool {
 	if !a.blockLeases.lost(id) {
 		return false
 	}
-	a.pools.ForEachView(func(v *poolview.View) { v.BlockLeaseLost(id) })
+	a.pools.ForEachView(func(v *poolview.View) { v.Claims().LeaseLost(id) })
 	return true
 }
 

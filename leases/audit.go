@@ -332,9 +332,9 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 			func() bool { return a.nodeLease() == node && a.keeper.Holds(node) }, nil})
 	}
 	a.pools.ForEachView(func(v *poolview.View) {
-		for b, lease := range v.ClaimsHeld() {
+		for b, lease := range v.Claims().Held() {
 			owns = append(owns, own{keyspace.BlockKey(v.Pool(), b), lease, fmt.Sprintf("the claim of block %s of pool %s", b, v.Pool()),
-				func() bool { return v.HoldsClaim(b, lease) },
+				func() bool { return v.Claims().Holds(b, lease) },
 				func() {
 					// The claim went with its lease. The keeper would say so only at the
 					// lease's next renewal, a third of the block lease's TTL away (a TTL that
@@ -348,7 +348,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 							"lease", keyspace.LeaseHex(lease))
 						return
 					}
-					v.BlockLeaseLost(lease)
+					v.Claims().LeaseLost(lease)
 				}})
 		}
 	})
@@ -568,14 +568,14 @@ func (a *Agent) reclaimBlocks(ctx context.Context) error {
 				continue
 			}
 			tried[b] = true
-			claimed, err := v.ClaimBlock(ctx, b)
+			claimed, err := v.Claims().Claim(ctx, b)
 			if err != nil {
 				return err
 			}
 			if claimed {
 				// Another node may have borrowed in it since the backup, its pod's key gone
 				// with the restore: no new ADD chooses in it for the keep time.
-				v.MarkRestored(b)
+				v.Claims().MarkRestored(b)
 				a.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
 					"pool", pool, "block", b)
 			}

@@ -370,7 +370,7 @@ func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
 	ip := addrs(res)[0]
 	v := a.pools.ViewOf(pool.Name)
 	block := pool.Blocks.Of(ip)
-	old := v.ClaimsHeld()[block]
+	old := v.Claims().Held()[block]
 	if old == 0 || !a.keeper.Holds(old) || !a.blockLeases.mine(old) {
 		t.Fatalf("the view holds %s on %s, renewed by the keeper: %v, a block lease of the node: %v",
 			block, keyspace.LeaseHex(old), a.keeper.Holds(old), a.blockLeases.mine(old))
@@ -391,7 +391,7 @@ func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
 	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
 		t.Fatal(err)
 	}
-	for b, lease := range v.ClaimsHeld() {
+	for b, lease := range v.Claims().Held() {
 		if lease == old {
 			t.Errorf("block %s claimed again on the revoked lease %s", b, keyspace.LeaseHex(old))
 		}

@@ -92,7 +92,7 @@ func TestAddsLandInTheNodesOwnBlock(t *testing.T) {
 	}
 	for _, ag := range []*Agent{a, b} {
 		v := ag.pools.ViewOf(pool.Name)
-		if n := v.HeldBlocks(); n != 1 {
+		if n := v.Claims().Count(); n != 1 {
 			t.Errorf("%s follows %d blocks, want 1", ag.cfg.Node, n)
 		}
 		if allocated, _, _, _ := v.Counts(); allocated != 6 {
@@ -204,7 +204,7 @@ func TestUnreadableBlockClaimsLeaveTheADDToBorrowing(t *testing.T) {
 		t.Fatalf("n2 claimed no block of its own (n1's is %s)", aBlock)
 	}
 	v := b.pools.ViewOf(pool.Name)
-	v.StaleClaims() // the claims n2 knows are old: the next ADD reads them again
+	v.Claims().Stale() // the claims n2 knows are old: the next ADD reads them again
 	failing.Store(true)
 
 	res, err = b.Add(ctx, addReq(pool, "x0", "eth0", "x0"))
@@ -286,7 +286,7 @@ func TestEmptyBlockIsGivenBackAndRestartKeepsBlocks(t *testing.T) {
 	etcdtest.Eventually(t, "the empty block given back", func() error {
 		c := blockClaims(t, cli, pool.Name)
 		n := metricValue(t, b, "leasehold_blocks_given_back_total")
-		held := b.pools.ViewOf(pool.Name).HeldBlocks()
+		held := b.pools.ViewOf(pool.Name).Claims().Count()
 		return etcdtest.Saw(len(c) == 0 && n == 1 && held == 0,
 			"claims %v, blocks given back %v (want 1), blocks the view follows %d", c, n, held)
 	})
@@ -465,7 +465,7 @@ func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	held := a.pools.ViewOf(pool.Name).HeldBlocks()
+	held := a.pools.ViewOf(pool.Name).Claims().Count()
 	if held <= maxTxnOps/2 {
 		t.Fatalf("the node holds %d blocks; the test needs more than %d", held, maxTxnOps/2)
 	}
@@ -475,7 +475,7 @@ func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ADD after a restart with %d blocks: %v", held, err)
 	}
-	if n := b.pools.ViewOf(pool.Name).HeldBlocks(); n < held {
+	if n := b.pools.ViewOf(pool.Name).Claims().Count(); n < held {
 		t.Errorf("after the restart the node follows %d blocks, want its %d", n, held)
 	}
 	if allocated, _, _, _ := b.pools.ViewOf(pool.Name).Counts(); allocated != 301 {
@@ -697,7 +697,7 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 	hold := keyspace.LeaseOf(held.Kvs[0])
 	v := a.pools.ViewOf(pool.Name)
 	etcdtest.Eventually(t, "the view holding "+x.String()+" back until its hold's lease ends", func() error {
-		st := v.Addr(x)
+		st := v.Inspect().Addr(x)
 		until, ok := st.HeldUntil, st.HeldBack
 		return etcdtest.Saw(ok && until.After(time.Now().Add(time.Minute)), "%s held back %v until %s", x, ok, until)
 	})
@@ -708,7 +708,7 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 	// time, still this node's.
 	var tried time.Time
 	etcdtest.Eventually(t, "a give-back of the block tried while "+x.String()+"'s held key stands", func() error {
-		s, ok := v.Followed()[block]
+		s, ok := v.Inspect().Blocks[block]
 		since := s.EmptySince
 		if !ok {
 			t.Fatalf("the block was given back with the held key of %s standing: claims %v", x, blockClaims(t, cli, pool.Name))
@@ -728,7 +728,7 @@ func TestABlockIsGivenBackOnceAHoldEndsEarly(t *testing.T) {
 	etcdtest.Eventually(t, "the empty block given back once the held key of "+x.String()+" is gone", func() error {
 		c := blockClaims(t, cli, pool.Name)
 		n := metricValue(t, a, "leasehold_blocks_given_back_total")
-		follows := v.HeldBlocks()
+		follows := v.Claims().Count()
 		return etcdtest.Saw(len(c) == 0 && n == 1 && follows == 0,
 			"claims %v, blocks given back %v (want 1), blocks the view follows %d", c, n, follows)
 	})

@@ -361,7 +361,7 @@ func TestNoAddGetsAnAddressOfTheNodesOwnExpiredPods(t *testing.T) {
 		// Gone, and found on this node's own block lease: nothing of another node holds them.
 		v := a.pools.ViewOf(pool.Name)
 		for ip := range mine {
-			if ok, held := v.Addr(ip).Allocated, v.HeldBackNow(ip); ok || held {
+			if ok, held := v.Inspect().Addr(ip).Allocated, v.Inspect().Addr(ip).Passed(); ok || held {
 				return fmt.Errorf("%s allocated %v, held back %v", ip, ok, held)
 			}
 		}

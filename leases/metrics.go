@@ -161,7 +161,7 @@ func newMetrics(a *Agent) *metrics {
 			Help: "Blocks this node holds, over every pool it serves.",
 		}, func() float64 {
 			n := 0
-			a.pools.ForEachView(func(v *poolview.View) { n += v.HeldBlocks() })
+			a.pools.ForEachView(func(v *poolview.View) { n += v.Claims().Count() })
 			return float64(n)
 		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{

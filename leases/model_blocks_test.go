@@ -525,13 +525,12 @@ func (m *model) viewProblems() []string {
 		if v == nil {
 			continue
 		}
-		select {
-		case <-v.Synced():
-		default:
+		in := v.Inspect()
+		if !in.Listed {
 			continue // not listed yet: it knows no block
 		}
 		spans := map[netip.Prefix]clientv3.LeaseID{}
-		for b, s := range v.Followed() {
+		for b, s := range in.Blocks {
 			if b.IsValid() {
 				spans[b] = s.Lease
 			}
@@ -585,7 +584,7 @@ func (m *model) blocksDump() string {
 		}
 		var held []string
 		if v := n.agent.pools.ViewOf(m.pool.Name); v != nil {
-			for blk, s := range v.Followed() {
+			for blk, s := range v.Inspect().Blocks {
 				// What keeps the block this node's in the view (idleBlocks), and what it passes over.
 				held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.Lease),
 					s.Leaving, s.EmptySince.Format(time.TimeOnly), s.Restored, s.Why))

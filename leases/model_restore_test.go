@@ -501,7 +501,7 @@ func (m *model) refusedForRepair(a *Agent, err error, start time.Time) bool {
 		if err != nil {
 			return false
 		}
-		if keep := p.View.KeepUntil(); keep.After(until) {
+		if keep := p.View.Inspect().KeepUntil; keep.After(until) {
 			until = keep
 		}
 	}

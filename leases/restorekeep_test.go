@@ -70,7 +70,7 @@ func TestAnAddressHeldBackForAnotherNodeStaysKeptAcrossARestore(t *testing.T) {
 		// once it read the held key, until the hold ends. One way restores in the first
 		// state, the other in the second.
 		etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
-			st := v.Addr(x)
+			st := v.Inspect().Addr(x)
 			held, suspect := st.HeldBack, st.Suspect
 			return etcdtest.Saw(held || suspect && b.bump != 0, "%s held back %v, suspect %v", x, held, suspect)
 		})
@@ -101,7 +101,7 @@ func TestNoHeldBackAddressIsReusedWhileSettling(t *testing.T) {
 	expiredBorrower(t, cli, cluster, pool, x)
 	v := a.pools.ViewOf(pool.Name)
 	etcdtest.Eventually(t, "the view holding "+x.String()+" back", func() error {
-		held := v.Addr(x).HeldBack
+		held := v.Inspect().Addr(x).HeldBack
 		return etcdtest.Saw(held, "%s held back %v", x, held)
 	})
 	// The settle time as an agent restarted during it resumes it: nothing of the pool kept.
@@ -206,9 +206,9 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 	}
 	v := a.pools.ViewOf(pool.Name)
 	block := pool.Blocks.Of(resultAddrs(res)[0])
-	old := v.ClaimsHeld()[block]
+	old := v.Claims().Held()[block]
 	if old == 0 {
-		t.Fatalf("the view holds no claim of %s: %v", block, v.ClaimsHeld())
+		t.Fatalf("the view holds no claim of %s: %v", block, v.Claims().Held())
 	}
 	backup := filepath.Join(t.TempDir(), "backup.db")
 	if err := member.Snapshot(ctx, backup); err != nil {
@@ -220,7 +220,7 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdtest.Eventually(t, "the agent off the revoked block lease", func() error {
-		return etcdtest.Saw(v.ClaimsHeld()[block] != old, "the view holds %s on %s", block, keyspace.LeaseHex(old))
+		return etcdtest.Saw(v.Claims().Held()[block] != old, "the view holds %s on %s", block, keyspace.LeaseHex(old))
 	})
 	// A pod after the backup: the agent has seen etcd's history past it, and notices the
 	// restore at its next answer.
@@ -369,7 +369,7 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 		}
 		v := a.pools.ViewOf(pool.Name)
 		etcdtest.Eventually(t, "the view knowing x allocated to the running pod", func() error {
-			rev := v.Addr(x).Rev
+			rev := v.Inspect().Addr(x).Rev
 			return etcdtest.Saw(rev == put.Header.Revision, "x allocated at %d, want %d", rev, put.Header.Revision)
 		})
 		if err := member.Restore(backup, b.bump); err != nil {
@@ -383,7 +383,7 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 					return err
 				}
 			}
-			st := v.Addr(x)
+			st := v.Inspect().Addr(x)
 			rev, ok := st.Rev, st.Allocated
 			return etcdtest.Saw(ok && rev != put.Header.Revision, "x allocated %v at %d (the running pod's key: %d)", ok, rev, put.Header.Revision)
 		})
@@ -393,7 +393,7 @@ func TestAnAddressARestoreGaveToADeletedPodStaysKept(t *testing.T) {
 		// Its deletion, no release explaining it, holds x back until the view reads that
 		// no held key stands for it: the ADDs come after that.
 		etcdtest.Eventually(t, "the view done with the deleted pod's key", func() error {
-			st := v.Addr(x)
+			st := v.Inspect().Addr(x)
 			alloc, suspect, held := st.Allocated, st.Suspect, st.HeldBack
 			return etcdtest.Saw(!alloc && !suspect && !held, "x allocated %v, suspect %v, held back %v", alloc, suspect, held)
 		})
@@ -585,8 +585,8 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 		if a.hold.settling() == nil {
 			return errors.New("the agent has not found etcd restored")
 		}
-		listed := v.ListedAt().After(restored)
-		q := v.Addr(x).Quarantined
+		listed := v.Inspect().ListedAt.After(restored)
+		q := v.Inspect().Addr(x).Quarantined
 		if !listed {
 			return errors.New("the view has not listed the pool since the restore")
 		}
@@ -603,9 +603,9 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcdtest.Eventually(t, "the quarantine of "+x.String()+" over in the view, and the empty block given back", func() error {
-		q := v.Addr(x).Quarantined
+		q := v.Inspect().Addr(x).Quarantined
 		c := blockClaims(t, cli, pool.Name)
-		held := v.HeldBlocks()
+		held := v.Claims().Count()
 		return etcdtest.Saw(!q && len(c) == 0 && held == 0,
 			"%s quarantined in the view: %v; claims %v; blocks the view follows %d", x, q, c, held)
 	})
@@ -734,7 +734,7 @@ func eachRestoreWay(t *testing.T, subnet string, f func(t *testing.T, b restoreB
 
 // claimsAsHeld tells whether every block claim v holds is in etcd, on the lease v holds it on.
 func claimsAsHeld(ctx context.Context, cli *clientv3.Client, pool allocator.PoolSpec, v *poolview.View) error {
-	for b, lease := range v.ClaimsHeld() {
+	for b, lease := range v.Claims().Held() {
 		resp, err := cli.Get(ctx, keyspace.BlockKey(pool.Name, b))
 		if err != nil {
 			return err

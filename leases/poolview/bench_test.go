@@ -95,7 +95,7 @@ func BenchmarkViewMemory(b *testing.B) {
 			for b.Loop() {
 				before := heapInUse()
 				v := benchView()
-				v.apply(resp)
+				v.sync.apply(resp)
 				after := heapInUse()
 				perAlloc = float64(int64(after)-int64(before)) / float64(n)
 				runtime.KeepAlive(v)
@@ -120,7 +120,7 @@ func BenchmarkViewApply(b *testing.B) {
 	v := benchView()
 	k := 0
 	for b.Loop() {
-		v.apply(resps[k])
+		v.sync.apply(resps[k])
 		if k++; k == len(resps) {
 			k, v = 0, benchView()
 		}

@@ -42,7 +42,7 @@ func (s *snapshot) take(b allocator.Blocks, a netip.Addr) {
 	delete(s.expired, a)
 }
 
-// Free records a as released, with its quarantine until until (zero: none).
+// free records a as released, with its quarantine until until (zero: none).
 func (s *snapshot) free(b allocator.Blocks, a netip.Addr, until time.Time) {
 	if s.allocated[a] {
 		delete(s.allocated, a)
@@ -64,53 +64,60 @@ func (s *snapshot) Quarantined(a netip.Addr) (time.Time, bool) {
 // the rest as the snapshot read them, and host addresses everywhere; with strict, also the
 // addresses held back after an expiry. The view's lock is held.
 type borrowTaken struct {
-	v      *View
+	lk     locked
 	s      *snapshot
 	strict bool
 }
 
 func (t borrowTaken) Allocated(a netip.Addr) bool {
-	if t.v.follows(a) {
-		return unlocked{t.v}.Allocated(a)
+	if t.lk.follows(a) {
+		return t.lk.Allocated(a)
 	}
 	if _, held := t.s.expired[a]; held && t.strict {
 		return true
 	}
-	return t.s.allocated[a] || t.v.hostCount[a] > 0
+	return t.s.allocated[a] || t.lk.hostCount[a] > 0
 }
 
 func (t borrowTaken) Quarantined(a netip.Addr) (time.Time, bool) {
-	if t.v.follows(a) {
-		return unlocked{t.v}.Quarantined(a)
+	if t.lk.follows(a) {
+		return t.lk.Quarantined(a)
 	}
 	return t.s.Quarantined(a)
+}
+
+// borrower finds free addresses outside this node's blocks, in a snapshot of the whole pool
+// (core.borrowed, under the view's lock) read when it has none fresh enough.
+type borrower struct {
+	*core
+	owner *Owner // nil in the flat layout
 }
 
 // borrow picks a free address of set anywhere in the pool, outside this node's blocks (full,
 // or the caller would not be here), and marks it pending. It reuses the last snapshot while
 // younger than snapshotFresh and reads the pool again once when that offers nothing, so
 // "exhausted" is said only after a fresh read.
-func (v *View) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
+func (bw *borrower) borrow(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool) (netip.Addr, error) {
 	for fresh := false; ; fresh = true {
-		v.mu.Lock()
-		s := v.borrowed
-		stale := time.Since(v.borrowedAt) >= snapshotFresh
-		v.mu.Unlock()
+		lk := bw.lock()
+		s := bw.borrowed
+		stale := time.Since(bw.borrowedAt) >= snapshotFresh
+		lk.unlock()
 		if s == nil || fresh || stale {
 			var err error
-			if s, err = v.readPool(ctx); err != nil {
+			if s, err = bw.readPool(ctx); err != nil {
 				return netip.Addr{}, err
 			}
 			fresh = true
 		}
-		v.mu.Lock()
-		addr, err := pickSpread(spec, set, borrowTaken{v, s, true}, v.busy(skip))
+		lk = bw.lock()
+		addr, err := pickSpread(spec, set, borrowTaken{lk, s, true}, lk.busy(skip))
 		if err == nil {
-			v.pending[addr] = struct{}{}
+			bw.pending[addr] = struct{}{}
 		}
-		v.mu.Unlock()
+		lk.unlock()
 		if err == nil {
-			v.own.Metrics.Borrowed.Inc()
+			bw.owner.Metrics.Borrowed.Inc()
 			return addr, nil
 		}
 		if fresh {
@@ -151,47 +158,54 @@ func pickSpread(spec *allocator.PoolSpec, set int, taken allocator.Taken, busy f
 
 // readPool reads every allocation key (keys only) and quarantine key of the pool, and keeps
 // the result as the borrowing snapshot.
-func (v *View) readPool(ctx context.Context) (*snapshot, error) {
+func (bw *borrower) readPool(ctx context.Context) (*snapshot, error) {
 	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
 	defer cancel()
-	resp, err := v.cli.Txn(octx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(v.pool), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.HeldPrefix(v.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+	resp, err := bw.cli.Txn(octx).Then(
+		clientv3.OpGet(keyspace.IPsPrefix(bw.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+		clientv3.OpGet(keyspace.QuarantinePrefix(bw.pool), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.HeldPrefix(bw.pool), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
 	).Commit()
 	if err != nil {
-		return nil, fmt.Errorf("%w: read pool %s to borrow an address: %w", allocator.ErrUnavailable, v.pool, err)
+		return nil, fmt.Errorf("%w: read pool %s to borrow an address: %w", allocator.ErrUnavailable, bw.pool, err)
 	}
 	s := &snapshot{allocated: make(map[netip.Addr]bool), quarantined: make(map[netip.Addr]time.Time),
 		used: make(map[netip.Prefix]int), expired: make(map[netip.Addr]clientv3.LeaseID)}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
 		if _, _, ip, err := keyspace.ParseIPKey(string(kv.Key)); err == nil {
-			s.take(v.blocks, ip)
+			s.take(bw.blocks, ip)
 		}
 	}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
-		v.applyQuarantine(s.quarantined, kv.Key, kv.Value)
+		applyQuarantine(s.quarantined, kv.Key, kv.Value)
 	}
 	for a := range s.quarantined {
 		if !s.allocated[a] {
-			s.used[v.blocks.Of(a)]++
+			s.used[bw.blocks.Of(a)]++
 		}
 	}
-	if v.holding() {
+	if bw.holding() {
 		for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
 			_, _, ip, err := keyspace.ParseHeldKey(string(kv.Key))
 			id := clientv3.LeaseID(kv.Lease)
-			if err != nil || s.allocated[ip] || v.mine(id) {
+			if err != nil || s.allocated[ip] || bw.mine(id) {
 				continue
 			}
 			if _, q := s.quarantined[ip]; !q {
-				s.used[v.blocks.Of(ip)]++
+				s.used[bw.blocks.Of(ip)]++
 			}
 			s.expired[ip] = id
 		}
 	}
-	v.mu.Lock()
-	v.borrowed, v.borrowedAt = s, time.Now()
-	v.mu.Unlock()
+	lk := bw.lock()
+	bw.borrowed, bw.borrowedAt = s, time.Now()
+	lk.unlock()
 	return s, nil
+}
+
+// fresh reports whether the borrowing snapshot was read within snapshotFresh.
+func (bw *borrower) fresh() bool {
+	lk := bw.lock()
+	defer lk.unlock()
+	return bw.borrowed != nil && time.Since(bw.borrowedAt) < snapshotFresh
 }

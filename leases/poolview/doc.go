@@ -4,15 +4,30 @@
 // claims, kept and given back. It is a hint, never the authority: every claim is a
 // create-if-absent transaction, so a stale view costs a retry, never a duplicate.
 //
-// Pools (pools.go) caches the checked pool definitions, one View each. A View owns its
-// goroutines (the listing and watches, viewsync.go; the look-ups of held-back addresses,
-// reuse.go; the give-back of empty blocks, blocks.go), all ended with the context the
-// View runs on.
+// Pools (pools.go) caches the checked pool definitions, one View each. A View (view.go) is
+// the surface the agent calls; its work is done by parts with one job each, sharing the
+// view's state under its one lock:
+//   - the watch sync (syncer, viewsync.go): the listing, the watches, listing again;
+//   - the reuse order (reuseOrder, reuse.go): addresses held back after an expiry, looked up
+//     when due, reused last;
+//   - borrowing (borrower, borrow.go): free addresses in other nodes' blocks, from a snapshot;
+//   - this node's block claims (BlockClaims, blocks.go): claimed one at a time, given back
+//     once empty.
 //
-// Lock order, for every View: claimMu (block claims one at a time, blocks.go) is taken
-// before mu (the view's maps); neither is held across a call into the agent but the
-// non-blocking Hooks. What the agent needs to give (its block leases, its restore hold, its
-// ear for its pods' keys) is handed in at start (Owner, Hooks); the package never calls up.
+// Their goroutines (the listing and watches, the look-ups of held keys, the give-back of
+// empty blocks) run on the context the View runs on, and end with it.
+//
+// Locks, in the order they are taken: a view's BlockClaims.claimMu (one block claim at a
+// time, held across the claim's transaction and the Owner funcs it calls), then Pools.mu (the
+// cache: RestartAll holds it, and a lost block lease reaches every view through it), then a
+// view's mu (core.mu, its maps). The view's mu is taken only by core.lock, which returns the
+// locked handle: a method that assumes the lock is a method of locked (state.go, and the
+// parts' files), so code without the handle cannot call one. With mu held nothing is called
+// but the non-blocking Hooks (Put, Deleted, Listed).
+//
+// What the agent gives a view is handed in at start (Owner: the node's identity, its block
+// leases and counters; Hooks: its restore hold and its ear for its pods' keys); the package
+// never imports the agent and never calls up but through them.
 package poolview
 
 import (

@@ -134,7 +134,7 @@ func (ps *Pools) ForEachView(f func(*View)) {
 // without it (the transaction decides), but candidates are better with it.
 func (p *Pool) Await(ctx context.Context) {
 	select {
-	case <-p.View.synced:
+	case <-p.View.sync.synced:
 	case <-ctx.Done():
 	}
 }

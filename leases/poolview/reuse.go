@@ -45,52 +45,13 @@ type suspectDel struct {
 	at  time.Time
 }
 
-// holding reports whether the view applies the reuse order; the caller holds the lock or
-// reads it before the view runs.
-func (v *View) holding() bool { return v.mine != nil }
-
-// heldBackLocked reports whether a is held back from ADDs while the pool has other room: its
-// holder expired without a release, or its allocation went and no release explains it yet.
-// The caller holds the lock.
-func (v *View) heldBackLocked(a netip.Addr) bool {
-	if _, ok := v.heldBack[a]; ok {
-		return true
-	}
-	_, ok := v.suspect[a]
-	return ok
-}
-
-// allocDeleted notes that a's allocation key was deleted at rev (a watch event); the caller
-// holds the lock.
-func (v *View) allocDeleted(a netip.Addr, rev int64) {
-	if r, ok := v.relRev[a]; ok && r == rev {
-		delete(v.relRev, a) // a release
-		return
-	}
-	v.hooks.deleted(v.pool, a)
-	if !v.holding() {
-		return
-	}
-	v.suspect[a] = suspectDel{rev: rev, at: time.Now().Add(SuspectGrace)}
-	v.kickHeld()
-}
-
-// releaseSeen notes a release of a at rev: a quarantine put (a watch event) or this agent's own
-// release. The caller holds the lock.
-func (v *View) releaseSeen(a netip.Addr, rev int64) {
-	if s, ok := v.suspect[a]; ok && s.rev == rev {
-		delete(v.suspect, a)
-		return
-	}
-	v.relRev[a] = rev
-}
-
-// allocPut notes that a is allocated again: nothing of its past holder matters. The caller
-// holds the lock.
-func (v *View) allocPut(a netip.Addr) {
-	delete(v.suspect, a)
-	delete(v.heldBack, a)
-	delete(v.relRev, a)
+// reuseOrder looks up the held keys of the addresses the view holds back (heldLoop), and
+// picks one of them for an ADD when the pool has no other room (reuseExpired). What it
+// knows is the view's (core.heldBack, suspect, relRev), written under the view's lock by
+// the locked methods below as watch events and listings come in.
+type reuseOrder struct {
+	*core
+	metrics *Metrics // nil unless holding
 }
 
 // MarkHeld records what a failed claim learned: a's held key, on lease, stands with no
@@ -99,10 +60,10 @@ func (v *View) MarkHeld(a netip.Addr, lease clientv3.LeaseID) {
 	if !v.holding() || v.mine(lease) {
 		return
 	}
-	v.mu.Lock()
-	defer v.mu.Unlock()
+	lk := v.lock()
+	defer lk.unlock()
 	switch {
-	case v.follows(a):
+	case lk.follows(a):
 		if _, ok := v.heldBack[a]; !ok {
 			v.heldBack[a] = time.Time{}
 			v.kickHeld()
@@ -115,11 +76,52 @@ func (v *View) MarkHeld(a netip.Addr, lease clientv3.LeaseID) {
 	}
 }
 
+// isHeldBack reports whether a is held back from ADDs while the pool has other room: its
+// holder expired without a release, or its allocation went and no release explains it yet.
+func (lk locked) isHeldBack(a netip.Addr) bool {
+	if _, ok := lk.heldBack[a]; ok {
+		return true
+	}
+	_, ok := lk.suspect[a]
+	return ok
+}
+
+// allocDeleted notes that a's allocation key was deleted at rev (a watch event).
+func (lk locked) allocDeleted(a netip.Addr, rev int64) {
+	if r, ok := lk.relRev[a]; ok && r == rev {
+		delete(lk.relRev, a) // a release
+		return
+	}
+	lk.hooks.deleted(lk.pool, a)
+	if !lk.holding() {
+		return
+	}
+	lk.suspect[a] = suspectDel{rev: rev, at: time.Now().Add(SuspectGrace)}
+	lk.kickHeld()
+}
+
+// releaseSeen notes a release of a at rev: a quarantine put (a watch event) or this agent's own
+// release.
+func (lk locked) releaseSeen(a netip.Addr, rev int64) {
+	if s, ok := lk.suspect[a]; ok && s.rev == rev {
+		delete(lk.suspect, a)
+		return
+	}
+	lk.relRev[a] = rev
+}
+
+// allocPut notes that a is allocated again: nothing of its past holder matters.
+func (lk locked) allocPut(a netip.Addr) {
+	delete(lk.suspect, a)
+	delete(lk.heldBack, a)
+	delete(lk.relRev, a)
+}
+
 // heldListed installs what a listing found of held keys in its spans: those of another node
 // with no allocation at their address are held back, to be looked up (their hold's end) at
-// once. The caller holds the lock.
-func (v *View) heldListed(kvs []*mvccpb.KeyValue) {
-	if !v.holding() {
+// once.
+func (lk locked) heldListed(kvs []*mvccpb.KeyValue) {
+	if !lk.holding() {
 		return
 	}
 	for _, kv := range kvs {
@@ -127,29 +129,22 @@ func (v *View) heldListed(kvs []*mvccpb.KeyValue) {
 		if err != nil {
 			continue
 		}
-		if _, alloc := v.allocated[ip]; alloc || v.mine(clientv3.LeaseID(kv.Lease)) {
+		if _, alloc := lk.allocated[ip]; alloc || lk.mine(clientv3.LeaseID(kv.Lease)) {
 			continue
 		}
-		if _, ok := v.heldBack[ip]; !ok {
-			v.heldBack[ip] = time.Time{}
+		if _, ok := lk.heldBack[ip]; !ok {
+			lk.heldBack[ip] = time.Time{}
 		}
 	}
-	v.kickHeld()
-}
-
-func (v *View) kickHeld() {
-	select {
-	case v.heldKick <- struct{}{}:
-	default:
-	}
+	lk.kickHeld()
 }
 
 // heldLoop looks up the held keys of suspect and held-back addresses when due, until ctx ends.
-func (v *View) heldLoop(ctx context.Context) {
+func (ro *reuseOrder) heldLoop(ctx context.Context) {
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
-		next := v.checkHeld(ctx)
+		next := ro.checkHeld(ctx)
 		wait := time.Hour
 		if !next.IsZero() {
 			wait = max(time.Until(next), 10*time.Millisecond)
@@ -158,7 +153,7 @@ func (v *View) heldLoop(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-v.heldKick:
+		case <-ro.heldKick:
 		case <-t.C:
 		}
 	}
@@ -167,7 +162,7 @@ func (v *View) heldLoop(ctx context.Context) {
 // checkHeld reads the held keys of the addresses due for a look: a suspect deletion is an
 // expiry if its held key (of another node) stays, and a held-back address is free once its
 // held key is gone. It returns when the next look is due (zero: none).
-func (v *View) checkHeld(ctx context.Context) time.Time {
+func (ro *reuseOrder) checkHeld(ctx context.Context) time.Time {
 	now := time.Now()
 	var due []netip.Addr
 	var next time.Time
@@ -176,34 +171,34 @@ func (v *View) checkHeld(ctx context.Context) time.Time {
 			next = t
 		}
 	}
-	v.mu.Lock()
-	for a, s := range v.suspect {
+	lk := ro.lock()
+	for a, s := range ro.suspect {
 		if s.at.After(now) {
 			soonest(s.at)
 		} else {
 			due = append(due, a)
 		}
 	}
-	for a, until := range v.heldBack {
+	for a, until := range ro.heldBack {
 		if until.After(now) {
 			soonest(until)
-		} else if _, ok := v.suspect[a]; !ok {
+		} else if _, ok := ro.suspect[a]; !ok {
 			due = append(due, a)
 		}
 	}
-	v.mu.Unlock()
+	lk.unlock()
 	if len(due) == 0 {
 		return next
 	}
 	ops := make([]clientv3.Op, len(due))
 	for i, a := range due {
-		ops[i] = clientv3.OpGet(keyspace.HeldKey(v.pool, v.blocks, a), clientv3.WithKeysOnly())
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(ro.pool, ro.blocks, a), clientv3.WithKeysOnly())
 	}
-	gen := v.hooks.generation()
+	gen := ro.hooks.generation()
 	octx, cancel := context.WithTimeout(ctx, viewListTimeout)
-	resps, _, err := ReadChunked(octx, v.cli, ops)
+	resps, _, err := ReadChunked(octx, ro.cli, ops)
 	cancel()
-	if err == nil && v.hooks.generation() != gen {
+	if err == nil && ro.hooks.generation() != gen {
 		// The answer proved etcd went back in time: a held key it lacks may be one the
 		// backup lacked, of a pod still running on a node cut off. The listing that follows
 		// keeps these addresses for the keep time (replace).
@@ -212,39 +207,39 @@ func (v *View) checkHeld(ctx context.Context) time.Time {
 	}
 	if err != nil {
 		if ctx.Err() == nil {
-			v.log.Info("reading held keys failed; the addresses stay held back", "count", len(due), "err", err)
+			ro.log.Info("reading held keys failed; the addresses stay held back", "count", len(due), "err", err)
 		}
 		soonest(now.Add(retryMax))
 		return next
 	}
 	leases := map[clientv3.LeaseID]time.Time{}
 	for _, r := range resps {
-		if kvs := r.GetResponseRange().Kvs; len(kvs) > 0 && !v.mine(clientv3.LeaseID(kvs[0].Lease)) {
+		if kvs := r.GetResponseRange().Kvs; len(kvs) > 0 && !ro.mine(clientv3.LeaseID(kvs[0].Lease)) {
 			leases[clientv3.LeaseID(kvs[0].Lease)] = time.Time{}
 		}
 	}
-	v.holdEnds(ctx, leases)
-	v.mu.Lock()
-	defer v.mu.Unlock()
+	ro.holdEnds(ctx, leases)
+	lk = ro.lock()
+	defer lk.unlock()
 	for i, a := range due {
-		_, suspect := v.suspect[a]
-		_, held := v.heldBack[a]
+		_, suspect := ro.suspect[a]
+		_, held := ro.heldBack[a]
 		if !suspect && !held {
 			continue // allocated again meanwhile
 		}
-		delete(v.suspect, a)
+		delete(ro.suspect, a)
 		kvs := resps[i].GetResponseRange().Kvs
-		_, alloc := v.allocated[a]
-		if alloc || len(kvs) == 0 || v.mine(clientv3.LeaseID(kvs[0].Lease)) {
-			delete(v.heldBack, a)
-			v.roomAt(a)
+		_, alloc := ro.allocated[a]
+		if alloc || len(kvs) == 0 || ro.mine(clientv3.LeaseID(kvs[0].Lease)) {
+			delete(ro.heldBack, a)
+			lk.roomAt(a)
 			continue
 		}
 		until := leases[clientv3.LeaseID(kvs[0].Lease)]
 		if until.IsZero() {
 			until = now.Add(retryMax) // its TTL could not be read: look again soon
 		}
-		v.heldBack[a] = until
+		ro.heldBack[a] = until
 		soonest(until)
 	}
 	return next
@@ -253,7 +248,7 @@ func (v *View) checkHeld(ctx context.Context) time.Time {
 // holdEnds fills in when each lease of ends expires, as etcd says now: now when the lease is
 // gone, zero when it could not be read. A hold ends with the block lease of the node that held
 // the address: the reuse delay after its pods' leases expired, unless it comes back.
-func (v *View) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time) {
+func (ro *reuseOrder) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 16)
@@ -264,7 +259,7 @@ func (v *View) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time
 			defer func() { <-sem }()
 			octx, cancel := context.WithTimeout(ctx, probeTimeout)
 			defer cancel()
-			resp, err := v.cli.TimeToLive(octx, id)
+			resp, err := ro.cli.TimeToLive(octx, id)
 			if err != nil {
 				return
 			}
@@ -284,8 +279,8 @@ func (v *View) holdEnds(ctx context.Context, ends map[clientv3.LeaseID]time.Time
 // (this node's blocks, an unclaimed block, borrowing from a snapshot read just now), an
 // address whose holder expired without a release: the one whose hold ends first. It marks it
 // pending, or returns exhausted, the error the search without them ended with.
-func (v *View) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool, exhausted error) (netip.Addr, error) {
-	if !v.holding() || !errors.Is(exhausted, allocator.ErrPoolExhausted) {
+func (ro *reuseOrder) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set int, skip func(netip.Addr) bool, exhausted error) (netip.Addr, error) {
+	if !ro.holding() || !errors.Is(exhausted, allocator.ErrPoolExhausted) {
 		return netip.Addr{}, exhausted
 	}
 	type cand struct {
@@ -293,50 +288,51 @@ func (v *View) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 		lease clientv3.LeaseID
 		until time.Time
 	}
+	var lk locked // held while usable is called
 	usable := func(a netip.Addr) bool {
 		if s, ok := spec.SetOf(a); !ok || s != set || spec.Allocatable(a) != nil {
 			return false
 		}
-		if _, ok := v.pending[a]; ok || v.hostCount[a] > 0 || skip != nil && skip(a) {
+		if _, ok := ro.pending[a]; ok || ro.hostCount[a] > 0 || skip != nil && skip(a) {
 			return false
 		}
-		if v.follows(a) {
-			_, alloc := v.allocated[a]
-			_, q := v.quarantined[a]
+		if lk.follows(a) {
+			_, alloc := ro.allocated[a]
+			_, q := ro.quarantined[a]
 			return !alloc && !q
 		}
-		if v.borrowed == nil {
+		if ro.borrowed == nil {
 			return false
 		}
-		_, q := v.borrowed.quarantined[a]
-		return !v.borrowed.allocated[a] && !q
+		_, q := ro.borrowed.quarantined[a]
+		return !ro.borrowed.allocated[a] && !q
 	}
-	v.mu.Lock()
+	lk = ro.lock()
 	var cands []cand
-	for a, until := range v.heldBack {
+	for a, until := range ro.heldBack {
 		if usable(a) {
 			cands = append(cands, cand{a: a, until: until})
 		}
 	}
-	for a := range v.suspect { // gone just now, not looked up yet: last
+	for a := range ro.suspect { // gone just now, not looked up yet: last
 		if usable(a) {
 			cands = append(cands, cand{a: a})
 		}
 	}
 	leases := map[clientv3.LeaseID]time.Time{}
-	if s := v.borrowed; s != nil {
+	if s := ro.borrowed; s != nil {
 		for a, id := range s.expired {
-			if !v.follows(a) && usable(a) {
+			if !lk.follows(a) && usable(a) {
 				cands = append(cands, cand{a: a, lease: id})
 				leases[id] = time.Time{}
 			}
 		}
 	}
-	v.mu.Unlock()
+	lk.unlock()
 	if len(cands) == 0 {
 		return netip.Addr{}, exhausted
 	}
-	v.holdEnds(ctx, leases)
+	ro.holdEnds(ctx, leases)
 	for i := range cands {
 		if cands[i].lease != 0 {
 			cands[i].until = leases[cands[i].lease]
@@ -360,16 +356,16 @@ func (v *View) reuseExpired(ctx context.Context, spec *allocator.PoolSpec, set i
 	for _, c := range cands[:min(len(cands), maxRunningLookups)] {
 		look = append(look, c.a)
 	}
-	running := v.holdersRunning(ctx, look)
-	v.mu.Lock()
-	defer v.mu.Unlock()
+	running := ro.holdersRunning(ctx, look)
+	lk = ro.lock()
+	defer lk.unlock()
 	for i, c := range cands {
 		if !usable(c.a) || i >= maxRunningLookups || running[c.a] {
 			continue
 		}
-		v.pending[c.a] = struct{}{}
-		v.metrics.ExpiredReused.Inc()
-		v.log.Info("reusing an address whose holder expired without a release: the pool has no other room",
+		ro.pending[c.a] = struct{}{}
+		ro.metrics.ExpiredReused.Inc()
+		ro.log.Info("reusing an address whose holder expired without a release: the pool has no other room",
 			"ip", c.a, "held_until", c.until, "held_on_lease", keyspace.LeaseHex(c.lease))
 		return c.a, nil
 	}
@@ -390,7 +386,7 @@ const maxRunningLookups = 32
 // hand, or overwritten), and the node's audit puts it back. A lease that runs out takes the
 // pod record with the allocation: that is the expired holder the reuse order is for. A failed
 // read leaves the answer to the claim, which compares the allocation absent.
-func (v *View) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip.Addr]bool {
+func (ro *reuseOrder) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip.Addr]bool {
 	out := map[netip.Addr]bool{}
 	if len(addrs) == 0 {
 		return out
@@ -399,9 +395,9 @@ func (v *View) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip
 	defer cancel()
 	ops := make([]clientv3.Op, len(addrs))
 	for i, a := range addrs {
-		ops[i] = clientv3.OpGet(keyspace.HeldKey(v.pool, v.blocks, a))
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(ro.pool, ro.blocks, a))
 	}
-	resp, err := v.cli.Txn(octx).Then(ops...).Commit()
+	resp, err := ro.cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
 		return out
 	}
@@ -422,7 +418,7 @@ func (v *View) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip
 	if len(pods) == 0 {
 		return out
 	}
-	if resp, err = v.cli.Txn(octx).Then(pods...).Commit(); err != nil {
+	if resp, err = ro.cli.Txn(octx).Then(pods...).Commit(); err != nil {
 		return out
 	}
 	for i, a := range of {
@@ -431,38 +427,8 @@ func (v *View) holdersRunning(ctx context.Context, addrs []netip.Addr) map[netip
 		}
 	}
 	if len(out) > 0 {
-		v.log.Info("held-back addresses whose pod record stands are not reused: their nodes put their allocations back",
+		ro.log.Info("held-back addresses whose pod record stands are not reused: their nodes put their allocations back",
 			"ips", slices.Collect(maps.Keys(out)))
 	}
 	return out
-}
-
-// HeldBackCount is how many addresses the view holds back, and when the first hold it knows
-// ends (zero: none known).
-func (v *View) HeldBackCount() (n int, first time.Time) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	seen := map[netip.Addr]bool{}
-	note := func(a netip.Addr, until time.Time) {
-		if seen[a] {
-			return
-		}
-		seen[a] = true
-		n++
-		if !until.IsZero() && (first.IsZero() || until.Before(first)) {
-			first = until
-		}
-	}
-	for a, until := range v.heldBack {
-		note(a, until)
-	}
-	for a := range v.suspect {
-		note(a, time.Time{})
-	}
-	if s := v.borrowed; s != nil && time.Since(v.borrowedAt) < snapshotFresh {
-		for a := range s.expired {
-			note(a, time.Time{})
-		}
-	}
-	return n, first
 }
