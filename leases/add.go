@@ -15,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
@@ -242,30 +243,26 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 		return allocator.Result{}, false, err
 	}
 	now := a.wall()
-	c := &claim{add: true, lease: lease, pool: p.Spec.Name, blocks: p.Spec.Blocks, poolRev: p.Rev, addrs: addrs,
-		heldLease: heldLease, held: held, notHeld: notHeld,
-		ownerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.Spec.Name),
-		podKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known,
-		alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
-		pod: a.podRecord(req, owner, lease, now)}
+	c := &txn.Claim{Add: true, Lease: lease, Pool: p.Spec.Name, Blocks: p.Spec.Blocks, PoolRev: p.Rev, Addrs: addrs,
+		HeldLease: heldLease, Held: held, NotHeld: notHeld,
+		OwnerKey: keyspace.OwnerKey(a.cfg.Cluster, owner, req.IfName, p.Spec.Name),
+		PodKey:   keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), NewPod: !known,
+		Alloc: a.allocation(req, owner, lease, now), Index: a.ownerRecord(req, addrs, lease, now),
+		Pod: a.podRecord(req, owner, lease, now)}
 	if st.sticky != nil {
 		if err := a.stickyClaim(octx, st, c, now); err != nil {
 			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, err
 		}
 	}
-	out, again, err := st.claims.commit(ctx, c, func() (claimOutcome, error) {
+	out, again, err := st.claims.commit(ctx, c, func() (txn.ClaimOutcome, error) {
 		start := time.Now()
 		defer a.metrics.rtt("claim", start)
-		if c.claimKey != "" {
+		if c.ClaimKey != "" {
 			// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
-			return c.commit(octx, a.cli)
+			return c.Commit(octx, a.cli)
 		}
-		resp, err := a.claims.commit(octx, c)
-		if err != nil {
-			return claimOutcome{}, err
-		}
-		return c.outcome(resp), nil
+		return a.claims.Commit(octx, c)
 	})
 	if err != nil || again {
 		// An unanswered claim sent again finds the owner index (the lost one applied: its
@@ -356,7 +353,7 @@ func (a *Agent) addPolicy(st *addState) claimPolicy {
 				"they are being re-claimed: retry", allocator.ErrUnavailable, keyspace.LeaseHex(lease), st.owner)
 		},
 		refused: func(err error) error {
-			if noSpace(err) {
+			if txn.NoSpace(err) {
 				return fmt.Errorf("%w: etcd is out of space (its NOSPACE alarm is raised) and takes no new "+
 					"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
 			}
@@ -406,7 +403,7 @@ func (a *Agent) heldLeaseGone(ctx context.Context, id clientv3.LeaseID) bool {
 // ADD), the pool definition may have changed, the pod record may not be where the agent
 // thought, or some addresses were taken. It returns done=false for the caller to try again.
 func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr,
-	lease clientv3.LeaseID, out claimOutcome) (allocator.Result, bool, error) {
+	lease clientv3.LeaseID, out txn.ClaimOutcome) (allocator.Result, bool, error) {
 	if out.Existing != nil {
 		return a.existing(ctx, p, st, out.Existing)
 	}
@@ -414,20 +411,20 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 		a.pools.Invalidate(p.Spec.Name)
 		return allocator.Result{}, false, nil
 	}
-	if s := st.sticky; s != nil && (out.ClaimChanged || slices.ContainsFunc(out.Addrs, addrFound.taken)) {
+	if s := st.sticky; s != nil && (out.ClaimChanged || slices.ContainsFunc(out.Addrs, txn.AddrFound.Taken)) {
 		// The claim moved, or its addresses were taken, since the ADD read it: read it again
 		// (and wait, if another holder has them).
 		s.stale = true
 		return allocator.Result{}, false, nil
 	}
 	switch out.Pod {
-	case podExists:
+	case txn.PodExists:
 		// The pod has keys on another interface already, from before this agent's memory.
 		if err := a.resumePod(ctx, st.own, out.PodKV); err != nil {
 			return allocator.Result{}, false, err
 		}
 		return allocator.Result{}, false, nil
-	case podGone, podMoved:
+	case txn.PodGone, txn.PodMoved:
 		// The lease this agent holds for the pod no longer carries its pod record: deleted or
 		// changed by hand, or lost with a restored backup. The pod's other attachments run:
 		// they are re-claimed, as the audit would, before this ADD adds to them.
@@ -440,7 +437,7 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 			"re-claimed: retry", allocator.ErrUnavailable, st.owner)
 	}
 	for i, f := range out.Addrs {
-		if !f.taken() {
+		if !f.Taken() {
 			continue
 		}
 		st.lost[f.Addr] = true

@@ -22,6 +22,7 @@ import (
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // Agent is the node agent's service: it allocates, checks and releases addresses for the
@@ -35,7 +36,7 @@ type Agent struct {
 	pools  *poolview.Pools
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
-	claims      *claimBatcher
+	claims      *txn.Batcher
 	locks       ownerlock.Locks
 
 	ctx    context.Context
@@ -134,7 +135,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		a.stickyKept.resume(rel)
 	}
 	a.metrics = newMetrics(a)
-	a.claims = &claimBatcher{cli: a.cli, timeout: cfg.OpTimeout, m: a.metrics}
+	a.claims = txn.NewBatcher(a.cli, txn.BatcherConfig{Timeout: cfg.OpTimeout, OnBatch: a.metrics.batched})
 	k, err := keeper.New(a.cli, keeper.Config{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
 		Log: a.log, OnLost: a.leaseLost, OnHeard: gate.Heard})
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // The claim loop. ADD (tryAdd), import (importAttachment) and re-claim (reclaimAttachment)
@@ -95,26 +96,26 @@ func (l *claimLoop) done() {
 // etcd's answer (out), a claim the caller builds and sends again (again), or the caller's
 // answer (err). ctx bounds what follows: the look at the block lease, the wait before the
 // next claim.
-func (l *claimLoop) commit(ctx context.Context, c *claim, send func() (claimOutcome, error)) (out claimOutcome, again bool, err error) {
+func (l *claimLoop) commit(ctx context.Context, c *txn.Claim, send func() (txn.ClaimOutcome, error)) (out txn.ClaimOutcome, again bool, err error) {
 	out, err = send()
 	switch {
 	case err == nil:
 		return out, false, nil
-	case refused(err) && leaseGone(err) && l.a.heldLeaseGone(ctx, c.heldLease):
+	case txn.Refused(err) && txn.LeaseGone(err) && l.a.heldLeaseGone(ctx, c.HeldLease):
 		return out, true, nil // claimed again on a new block lease
-	case refused(err) && leaseGone(err) && l.fresh != 0 && c.lease == l.fresh:
+	case txn.Refused(err) && txn.LeaseGone(err) && l.fresh != 0 && c.Lease == l.fresh:
 		l.a.keeper.Forget(l.fresh)
 		l.fresh = 0
-		l.a.log.Warn("a spare lease was gone from etcd; claiming on another", "owner", l.own.Owner(), "lease", keyspace.LeaseHex(c.lease))
+		l.a.log.Warn("a spare lease was gone from etcd; claiming on another", "owner", l.own.Owner(), "lease", keyspace.LeaseHex(c.Lease))
 		return out, true, nil
-	case refused(err) && leaseGone(err) && l.policy.ownLeaseGone != nil:
-		return out, false, l.policy.ownLeaseGone(c.lease, err)
-	case refused(err):
+	case txn.Refused(err) && txn.LeaseGone(err) && l.policy.ownLeaseGone != nil:
+		return out, false, l.policy.ownLeaseGone(c.Lease, err)
+	case txn.Refused(err):
 		return out, false, l.policy.refused(err)
 	case l.policy.unanswered == nil:
 		return out, false, l.a.unavailable(l.policy.what, err)
 	}
-	if l.fresh != 0 && c.lease == l.fresh {
+	if l.fresh != 0 && c.Lease == l.fresh {
 		l.a.claimedOn(ctx, l.req, l.own, l.fresh)
 		l.fresh = 0
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // Del releases one attachment's addresses. It deletes only keys this attachment holds: the
@@ -254,13 +255,13 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 	if err != nil {
 		return -1, err
 	}
-	r := &release{pool: pool, blocks: blocks, ownerKey: string(kv.Key), ownerRev: kv.ModRevision, lease: keyspace.LeaseOf(kv),
-		addrs: rec.IPs, ownerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
-		podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
-	if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
-		r.conflictKey = keyspace.ConflictKey(a.cfg.Cluster, owner, ifName, pool)
+	r := &txn.Release{Pool: pool, Blocks: blocks, OwnerKey: string(kv.Key), OwnerRev: kv.ModRevision, Lease: keyspace.LeaseOf(kv),
+		Addrs: rec.IPs, OwnerPrefix: keyspace.OwnerPrefix(a.cfg.Cluster, owner),
+		PodKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner)}
+	if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.OwnerKey); err == nil {
+		r.ConflictKey = keyspace.ConflictKey(a.cfg.Cluster, owner, ifName, pool)
 		for _, ip := range rec.IPs {
-			r.wanted = append(r.wanted, keyspace.WantedKey(pool, blocks, ip, a.cfg.Cluster, owner))
+			r.Wanted = append(r.Wanted, keyspace.WantedKey(pool, blocks, ip, a.cfg.Cluster, owner))
 		}
 	}
 	quarantine := a.cfg.Quarantine >= 0
@@ -268,28 +269,28 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 	var claimLease clientv3.LeaseID
 	if rec.Claim != "" {
 		claimLease, _ = keyspace.ParseLeaseHex(rec.ClaimLease)
-		r.claimLease = claimLease
+		r.ClaimLease = claimLease
 	}
 	for attempt := 0; attempt < 3; attempt++ {
 		octx, cancel := a.opCtx(ctx)
 		var until time.Time
-		r.qLease, r.holdLease = 0, 0
-		if rec.Claim != "" && !outOfSpace && len(r.addrs) > 0 {
+		r.QLease, r.HoldLease = 0, 0
+		if rec.Claim != "" && !outOfSpace && len(r.Addrs) > 0 {
 			// The claim and its addresses' quarantine keys outlive the release by the hold.
-			at := attachment{Claim: rec.Claim, IPs: r.addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
+			at := attachment{Claim: rec.Claim, IPs: r.Addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
 			key, crec, lease, err := a.releaseSticky(octx, pool, owner, at)
 			if err != nil {
 				cancel()
 				return -1, err
 			}
 			until = time.Now().Add(time.Duration(crec.HoldSeconds) * time.Second).UTC()
-			r.claimKey, r.claimRec, r.holdLease = key, crec, lease
-			r.claimQ = keyspace.QuarantineRecord{ReleasedBy: owner, Until: until, Claim: rec.Claim}
+			r.ClaimKey, r.ClaimRec, r.HoldLease = key, crec, lease
+			r.ClaimQ = keyspace.QuarantineRecord{ReleasedBy: owner, Until: until, Claim: rec.Claim}
 		}
-		if quarantine && len(r.addrs) > 0 {
+		if quarantine && len(r.Addrs) > 0 {
 			lease, u, err := a.keeper.QuarantineLease(octx, a.cfg.Quarantine)
 			switch {
-			case noSpace(err):
+			case txn.NoSpace(err):
 				quarantine, outOfSpace = false, true
 				a.withoutQuarantine(r, owner, err)
 			case err != nil:
@@ -299,15 +300,14 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 				if until.IsZero() {
 					until = u.UTC()
 				}
-				r.qLease, r.qRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: u.UTC()}
+				r.QLease, r.QRecord = lease, keyspace.QuarantineRecord{ReleasedBy: owner, Until: u.UTC()}
 			}
 		}
-		cmps, then, els := r.txn()
 		start := time.Now()
-		resp, err := a.cli.Txn(octx).If(cmps...).Then(then...).Else(els...).Commit()
+		out, err := r.Commit(octx, a.cli)
 		a.metrics.rtt("release", start)
 		cancel()
-		if noSpace(err) && (r.qLease != 0 || r.holdLease != 0) {
+		if txn.NoSpace(err) && (r.QLease != 0 || r.HoldLease != 0) {
 			// The quarantine keys are the release's only puts, and etcd takes no put under
 			// its NOSPACE alarm: release without them, or the pod could never be deleted.
 			quarantine, outOfSpace = false, true
@@ -316,19 +316,18 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 			continue
 		}
 		if err != nil {
-			return -1, a.unavailable("release "+r.ownerKey, err)
+			return -1, a.unavailable("release "+r.OwnerKey, err)
 		}
-		out := r.outcome(resp)
 		switch {
 		case out.Applied:
-			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.ownerKey); err == nil {
+			if _, _, ifName, _, err := keyspace.ParseOwnerKey(r.OwnerKey); err == nil {
 				a.pods.Change(own).DropAttachment(ifName, pool)
 			}
 			if v := a.pools.ViewOf(pool); v != nil {
-				v.Released(r.addrs, out.Revision, until)
+				v.Released(r.Addrs, out.Revision, until)
 			}
 			if out.ClaimKept {
-				a.stickyKept.released(r.claimKey, pool, rec.Claim, r.claimRec, r.claimQ,
+				a.stickyKept.released(r.ClaimKey, pool, rec.Claim, r.ClaimRec, r.ClaimQ,
 					a.claimReleaseTTL(attachment{ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}))
 			}
 			if claimLease != 0 {
@@ -337,20 +336,20 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 					a.log.Warn("revoking a released claim's lease failed; it expires by itself", "lease", keyspace.LeaseHex(claimLease), "err", err)
 				}
 			}
-			a.log.Debug("released", "owner", owner, "pool", pool, "ips", r.addrs)
+			a.log.Debug("released", "owner", owner, "pool", pool, "ips", r.Addrs)
 			return out.Left, nil
 		case out.IndexChanged && remembered:
 			return -1, errStale
 		case out.IndexChanged:
 			return -1, nil // the owner index changed or went away meanwhile: not ours to release any more
 		}
-		for _, addr := range r.addrs {
+		for _, addr := range r.Addrs {
 			if !slices.Contains(out.OnLease, addr) {
 				a.log.Warn("address of the attachment is not on its lease; leaving it alone",
-					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(r.lease))
+					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(r.Lease))
 			}
 		}
-		r.addrs = out.OnLease
+		r.Addrs = out.OnLease
 	}
 	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
 }
@@ -358,11 +357,11 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 // withoutQuarantine records that r's addresses go back without quarantine: etcd is out of
 // space, takes no put and no lease grant, and a DEL that waited for it would block the very
 // pod deletions an operator makes to free space.
-func (a *Agent) withoutQuarantine(r *release, owner string, err error) {
+func (a *Agent) withoutQuarantine(r *txn.Release, owner string, err error) {
 	a.metrics.unquarantined.Inc()
 	a.metrics.noSpace.Inc()
 	a.log.Warn("etcd is out of space (NOSPACE alarm): releasing without quarantine; the addresses may be handed out again at once",
-		"owner", owner, "pool", r.pool, "ips", r.addrs, "err", err)
+		"owner", owner, "pool", r.Pool, "ips", r.Addrs, "err", err)
 }
 
 // dropPodIfEmpty gives up the owner's pod lease once the owner has no attachment left in this

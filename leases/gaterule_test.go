@@ -18,7 +18,7 @@ import (
 func TestEveryEtcdCallPassesTheGate(t *testing.T) {
 	fset := token.NewFileSet()
 	var sawStart, sawRenew bool
-	for _, src := range agentSource(t, fset, ".", "adopt", "kernel", "keeper") {
+	for _, src := range agentSource(t, fset, ".", "adopt", "kernel", "keeper", "txn") {
 		name, f := src.name, src.f
 		etcd := importName(f, "go.etcd.io/etcd/client/v3")
 		for _, d := range f.Decls {

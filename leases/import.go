@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/leases/adopt"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // Import is what one import claims: the attachments another IPAM plugin (host-local,
@@ -63,7 +64,7 @@ const maxImportAttempts = 16
 
 // Import claims, for each attachment, the addresses another IPAM plugin gave a container
 // that still runs on this node, so that no ADD hands them out again and the container's DEL,
-// or GC, releases them. Each attachment is one claim (claim.go) on the owner's pod lease,
+// or GC, releases them. Each attachment is one claim (txn.Claim) on the owner's pod lease,
 // which this agent renews: allocations, owner index and pod record in one create-if-absent
 // transaction, then the journal. The owner is the pod UID when the attachment has one (a
 // whereabouts allocation of a pod in the pods list), else the container ID (host-local);
@@ -183,11 +184,11 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 			return err
 		}
 		now := a.wall()
-		c := &claim{lease: lease, pool: p.Spec.Name, blocks: p.Spec.Blocks, addrs: slices.Clone(addrs), ownerKey: ownerKey,
-			heldLease: heldLease, held: held,
-			alloc: a.allocation(req, owner, lease, now), index: a.ownerRecord(req, addrs, lease, now),
-			podKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), newPod: !known, pod: a.podRecord(req, owner, lease, now)}
-		out, again, err := claims.commit(ctx, c, func() (claimOutcome, error) { return c.commit(octx, a.cli) })
+		c := &txn.Claim{Lease: lease, Pool: p.Spec.Name, Blocks: p.Spec.Blocks, Addrs: slices.Clone(addrs), OwnerKey: ownerKey,
+			HeldLease: heldLease, Held: held,
+			Alloc: a.allocation(req, owner, lease, now), Index: a.ownerRecord(req, addrs, lease, now),
+			PodKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), NewPod: !known, Pod: a.podRecord(req, owner, lease, now)}
+		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(octx, a.cli) })
 		cancel()
 		if err != nil {
 			return err
@@ -211,7 +212,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 			return a.importFound(ctx, req, own, addrs, out.Existing, rep, entry)
 		}
 		switch out.Pod {
-		case podExists:
+		case txn.PodExists:
 			if rec, derr := keyspace.Decode[keyspace.PodRecord](string(out.PodKV.Key), out.PodKV.Value); derr == nil && rec.NodeUID != a.cfg.NodeUID {
 				for _, ip := range addrs {
 					rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("owner %s has a pod record of node identity %s, not this agent's %s",
@@ -223,9 +224,9 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 				return err
 			}
 			continue
-		case podGone, podMoved:
+		case txn.PodGone, txn.PodMoved:
 			a.pods.Change(own).Drop()
-			if out.Pod == podGone {
+			if out.Pod == txn.PodGone {
 				claims.reuse(lease)
 			}
 			continue

@@ -11,6 +11,7 @@ import (
 
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // metrics is the agent's Prometheus instrumentation, on a registry of its own so that
@@ -210,11 +211,20 @@ func (m *metrics) observe(op string, start time.Time, err *error) {
 	result := "ok"
 	if *err != nil {
 		result = "error"
-		if noSpace(*err) {
+		if txn.NoSpace(*err) {
 			m.noSpace.Inc()
 		}
 	}
 	m.ops.WithLabelValues(op, result).Observe(time.Since(start).Seconds())
+}
+
+// batched counts what came of a transaction that carried n claims of concurrent ADDs
+// (txn.BatcherConfig.OnBatch).
+func (m *metrics) batched(result string, n int) {
+	m.claimBatches.WithLabelValues(result).Inc()
+	if result == "committed" {
+		m.claimsBatched.Add(float64(n))
+	}
 }
 
 // rtt records an etcd round trip that started at start.

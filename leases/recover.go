@@ -21,6 +21,7 @@ import (
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -409,7 +410,7 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 			freed = append(freed, key)
 		}
 		for len(ops) > 0 {
-			n := min(len(ops), maxTxnOps/2)
+			n := min(len(ops), txn.MaxOps/2)
 			octx, cancel := a.opCtx(ctx)
 			_, err := a.cli.Txn(octx).Then(ops[:n]...).Commit()
 			cancel()
@@ -524,18 +525,18 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 // It also returns the ModRevisions of those held keys, and the addresses with no held key at
 // all: their hold ran out (the node was away longer than the reuse delay), and another pod
 // may have had them meanwhile.
-func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
-	ops := make([]clientv3.Op, len(c.addrs))
-	for i, ip := range c.addrs {
-		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.pool, c.blocks, ip))
+func (a *Agent) heldByOthers(ctx context.Context, c *txn.Claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
+	ops := make([]clientv3.Op, len(c.Addrs))
+	for i, ip := range c.Addrs {
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.Pool, c.Blocks, ip))
 	}
 	resp, err := a.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
-		return nil, nil, nil, a.unavailable("read the held keys of "+c.ownerKey, err)
+		return nil, nil, nil, a.unavailable("read the held keys of "+c.OwnerKey, err)
 	}
 	holds = map[netip.Addr]int64{}
 	var still []netip.Addr
-	for i, ip := range c.addrs {
+	for i, ip := range c.Addrs {
 		kvs := resp.Responses[i].GetResponseRange().Kvs
 		if len(kvs) == 0 {
 			still, unheld = append(still, ip), append(unheld, ip)
@@ -546,14 +547,14 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.Ta
 			continue
 		}
 		rec, _ := keyspace.Decode[keyspace.HeldRecord](string(kvs[0].Key), kvs[0].Value)
-		if rec.Owner == c.alloc.Owner && rec.Cluster == c.alloc.Cluster && rec.Node == c.alloc.Node {
+		if rec.Owner == c.Alloc.Owner && rec.Cluster == c.Alloc.Cluster && rec.Node == c.Alloc.Node {
 			still = append(still, ip) // this pod's own, on a block lease of before a restart
 			continue
 		}
 		taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: rec.Owner, Cluster: rec.Cluster, Node: rec.Node})
 		holds[ip] = kvs[0].ModRevision
 	}
-	c.addrs = still
+	c.Addrs = still
 	return taken, holds, unheld, nil
 }
 
@@ -562,10 +563,10 @@ func (a *Agent) heldByOthers(ctx context.Context, c *claim) (taken []keyspace.Ta
 // re-claim (at rev): another owner that held one meanwhile, and let it go before the
 // re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
 // the conflict it was.
-func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, c *claim, unheld []netip.Addr, rev int64) {
+func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, c *txn.Claim, unheld []netip.Addr, rev int64) {
 	var look []netip.Addr
 	for _, ip := range unheld {
-		if slices.Contains(c.addrs, ip) {
+		if slices.Contains(c.Addrs, ip) {
 			look = append(look, ip)
 		}
 	}
@@ -580,7 +581,7 @@ func (a *Agent) usedMeanwhile(ctx context.Context, owner string, at attachment, 
 // it go meanwhile ran with this pod's address too (a node away across a restore, its hold
 // gone). The record names only the holder now, which the address comes back from, and the
 // address is counted once, as that conflict.
-func (a *Agent) heldBefore(owner string, at attachment, c *claim, taken []keyspace.TakenByOther, rev int64) {
+func (a *Agent) heldBefore(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther, rev int64) {
 	if at.OwnerRev <= 0 || a.ctx.Err() != nil {
 		return
 	}
@@ -602,16 +603,16 @@ func (a *Agent) heldBefore(owner string, at attachment, c *claim, taken []keyspa
 // attachment's last write and rev: the owners other than owner that held it, less the one
 // holding it now (now, if named there). had counts the addresses with any such owner. A
 // history etcd no longer has is logged.
-func (a *Agent) holdersBetween(ctx context.Context, owner string, at attachment, c *claim, addrs []netip.Addr,
+func (a *Agent) holdersBetween(ctx context.Context, owner string, at attachment, c *txn.Claim, addrs []netip.Addr,
 	now map[netip.Addr]keyspace.TakenByOther, rev int64) (taken []keyspace.TakenByOther, had int) {
 	if at.OwnerRev <= 0 {
 		return nil, 0
 	}
 	for _, ip := range addrs {
-		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.pool, c.blocks, ip), ip, at.OwnerRev, rev, time.Time{})
+		others, known := a.othersSince(ctx, owner, keyspace.IPKey(c.Pool, c.Blocks, ip), ip, at.OwnerRev, rev, time.Time{})
 		if !known {
 			a.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
-				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.pool)
+				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.Pool)
 		}
 		n := len(taken)
 		for _, o := range others {
@@ -628,9 +629,9 @@ func (a *Agent) holdersBetween(ctx context.Context, owner string, at attachment,
 
 // logHeldMeanwhile logs owners that held this pod's addresses and let them go before the
 // re-claim.
-func (a *Agent) logHeldMeanwhile(owner string, at attachment, c *claim, taken []keyspace.TakenByOther) {
+func (a *Agent) logHeldMeanwhile(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther) {
 	a.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
-		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.pool, "taken", taken)
+		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.Pool, "taken", taken)
 }
 
 // historyIdle is how long othersSince waits, once a watch of a key's history is created,
@@ -701,13 +702,13 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 	if err != nil {
 		return 0, nil, err
 	}
-	c := &claim{lease: lease, pool: at.Pool, blocks: p.Spec.Blocks, alsoFlat: p.Migrating != nil, addrs: slices.Clone(at.IPs),
-		heldLease: heldLease, held: held,
-		ownerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
-		alloc:       a.allocation(req, ps.Owner, lease, at.Created),
-		index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
-		conflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
-		wantCluster: a.cfg.Cluster, wantOwner: ps.Owner}
+	c := &txn.Claim{Lease: lease, Pool: at.Pool, Blocks: p.Spec.Blocks, AlsoFlat: p.Migrating != nil, Addrs: slices.Clone(at.IPs),
+		HeldLease: heldLease, Held: held,
+		OwnerKey:    keyspace.OwnerKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
+		Alloc:       a.allocation(req, ps.Owner, lease, at.Created),
+		Index:       ownerIndexOf(at, a.cfg.Node, a.cfg.NodeUID, lease),
+		ConflictKey: keyspace.ConflictKey(a.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
+		WantCluster: a.cfg.Cluster, WantOwner: ps.Owner}
 	taken, holds, unheld, err := a.heldByOthers(ctx, c)
 	if err != nil {
 		return 0, nil, err
@@ -715,19 +716,19 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 	a.noteRestoredHolds(ps.Owner, at, holds)
 	// The re-claim's lease is the owner's new one, never a spare; any refusal and a lost
 	// answer are its answer: reclaimAll tries again.
-	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{what: "re-claim " + c.ownerKey,
-		refused: func(err error) error { return a.unavailable("re-claim "+c.ownerKey, err) }}}
+	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{what: "re-claim " + c.OwnerKey,
+		refused: func(err error) error { return a.unavailable("re-claim "+c.OwnerKey, err) }}}
 	for range 5 {
 		if len(taken) > 0 {
-			c.conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
+			c.Conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
 				Taken: taken, Detected: a.wall()}
 		}
-		out, again, err := claims.commit(ctx, c, func() (claimOutcome, error) { return c.commit(ctx, a.cli) })
+		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(ctx, a.cli) })
 		if err != nil {
 			return 0, nil, err
 		}
 		if again {
-			if c.heldLease, _, err = a.heldFor(ctx, ps.Owner); err != nil {
+			if c.HeldLease, _, err = a.heldFor(ctx, ps.Owner); err != nil {
 				return 0, nil, err
 			}
 			continue
@@ -740,7 +741,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 			if len(taken) > 0 {
 				a.conflicts.Add(int64(len(taken)))
 				a.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
-					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken, "record", c.conflictKey)
+					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken, "record", c.ConflictKey)
 				for _, t := range taken {
 					lost = append(lost, t.IP)
 				}
@@ -750,7 +751,7 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 			return out.Revision, lost, nil
 		}
 		if kv := out.Existing; kv != nil {
-			rec, _ := keyspace.Decode[keyspace.OwnerRecord](c.ownerKey, kv.Value)
+			rec, _ := keyspace.Decode[keyspace.OwnerRecord](c.OwnerKey, kv.Value)
 			if rec.NodeUID == a.cfg.NodeUID && rec.ContainerID == at.ContainerID {
 				if keyspace.HeldOn(kv, lease) {
 					return kv.ModRevision, nil, nil // already re-claimed
@@ -758,10 +759,10 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 				// Written by an earlier attempt whose lease is being revoked or expires: the
 				// attachment must end up on this attempt's lease, so wait for those keys to go.
 				return 0, nil, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s of an earlier attempt",
-					allocator.ErrUnavailable, c.ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(kv)))
+					allocator.ErrUnavailable, c.OwnerKey, keyspace.LeaseHex(keyspace.LeaseOf(kv)))
 			}
 			return 0, nil, fmt.Errorf("%w: re-claim %s: the owner index now belongs to node identity %s container %s",
-				allocator.ErrConflict, c.ownerKey, rec.NodeUID, rec.ContainerID)
+				allocator.ErrConflict, c.OwnerKey, rec.NodeUID, rec.ContainerID)
 		}
 		var still []netip.Addr
 		var copies []*mvccpb.KeyValue
@@ -783,9 +784,9 @@ func (a *Agent) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps 
 		if err := a.dropCopies(ctx, copies); err != nil {
 			return 0, nil, err
 		}
-		c.addrs = still
+		c.Addrs = still
 	}
-	return 0, nil, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.ownerKey)
+	return 0, nil, fmt.Errorf("%w: re-claim %s: its keys kept changing", allocator.ErrUnavailable, c.OwnerKey)
 }
 
 // sandboxGone reports whether the sandbox behind netns certainly no longer exists: its

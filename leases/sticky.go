@@ -12,6 +12,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // Sticky claims (issue 19; docs/proposals/sticky.md). An attachment that names a claim keeps
@@ -151,7 +152,7 @@ func (a *Agent) readClaim(ctx context.Context, p *poolview.Pool, st *addState, k
 // stickyClaim adds st's claim to the ADD's claim transaction c: the record with this
 // attachment as holder, and a quarantine key per address marked with the claim, on the claim
 // lease (granted here at first use and renewed by the keeper).
-func (a *Agent) stickyClaim(ctx context.Context, st *addState, c *claim, now time.Time) error {
+func (a *Agent) stickyClaim(ctx context.Context, st *addState, c *txn.Claim, now time.Time) error {
 	s := st.sticky
 	if s.lease == 0 {
 		resp, err := a.cli.Grant(ctx, int64((s.hold+time.Second-1)/time.Second))
@@ -163,12 +164,12 @@ func (a *Agent) stickyClaim(ctx context.Context, st *addState, c *claim, now tim
 		}
 		s.lease = resp.ID
 	}
-	c.claimKey, c.claimRev, c.claimLease, c.resting = s.key, s.rev, s.lease, s.resting
-	c.claimQ = keyspace.Encode(keyspace.QuarantineRecord{Claim: s.name})
-	c.claimRec = keyspace.ClaimRecord{IPs: c.addrs, HoldSeconds: int64(s.hold / time.Second), Since: now,
+	c.ClaimKey, c.ClaimRev, c.ClaimLease, c.Resting = s.key, s.rev, s.lease, s.resting
+	c.ClaimQ = keyspace.Encode(keyspace.QuarantineRecord{Claim: s.name})
+	c.ClaimRec = keyspace.ClaimRecord{IPs: c.Addrs, HoldSeconds: int64(s.hold / time.Second), Since: now,
 		Holder: &keyspace.ClaimHolder{Owner: st.owner, Pod: st.req.Pod, Node: a.cfg.Node, NodeUID: a.cfg.NodeUID,
-			ContainerID: st.req.ContainerID, IfName: st.req.IfName, LeaseID: keyspace.LeaseHex(c.lease)}}
-	c.index.Claim, c.index.ClaimLease, c.index.ClaimHoldSeconds = s.name, keyspace.LeaseHex(s.lease), int64(s.hold/time.Second)
+			ContainerID: st.req.ContainerID, IfName: st.req.IfName, LeaseID: keyspace.LeaseHex(c.Lease)}}
+	c.Index.Claim, c.Index.ClaimLease, c.Index.ClaimHoldSeconds = s.name, keyspace.LeaseHex(s.lease), int64(s.hold/time.Second)
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // Keeping the sticky claims of running attachments (issue 32). The claim record and its
@@ -588,7 +589,7 @@ func (a *Agent) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podS
 		return true, nil
 	}
 	tresp, err := a.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
-	if err != nil && refused(err) && leaseGone(err) && lease == at.ClaimLease && !a.leaseAlive(ctx, lease) {
+	if err != nil && txn.Refused(err) && txn.LeaseGone(err) && lease == at.ClaimLease && !a.leaseAlive(ctx, lease) {
 		// Revoked or expired before the keeper's next renewal would have said so: the next
 		// attempt puts the claim on a new one.
 		a.keeper.Forget(lease)

@@ -1,4 +1,4 @@
-package leases
+package txn
 
 import (
 	"context"
@@ -9,11 +9,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// maxTxnOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
-// on its success and failure operations.
-const maxTxnOps = 128
-
-// claimBatcher commits the agent's claim transactions. A claim that finds no transaction in
+// Batcher commits the agent's claim transactions. A claim that finds no transaction in
 // flight goes to etcd at once, alone: a sequential ADD waits for nothing. Claims that arrive
 // while one is in flight queue up and then go to etcd together, as one transaction holding
 // all their compares and all their puts. Each transaction costs etcd a proposal, a WAL write
@@ -22,13 +18,13 @@ const maxTxnOps = 128
 // All of a batch's compares must hold for it to commit. If one does not (an address another
 // agent took, a pool changed), each claim of the batch runs again alone, with its own else
 // branch, and learns what it would have learned. If the batch's answer is lost, every claim of
-// it is ambiguous, and each ADD handles that as it handles its own lost answer (add.go): the
-// lease stays with the owner and the claim is sent again, which finds the owner index if the
-// lost one applied (TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown).
-type claimBatcher struct {
-	cli     *clientv3.Client
-	timeout time.Duration // bounds each transaction the batcher runs for queued claims
-	m       *metrics
+// it is ambiguous, and each ADD handles that as it handles its own lost answer (the claim
+// loop, leases/claimloop.go): the lease stays with the owner and the claim is sent again,
+// which finds the owner index if the lost one applied
+// (TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown).
+type Batcher struct {
+	cli *clientv3.Client
+	cfg BatcherConfig
 
 	mu    sync.Mutex
 	busy  bool
@@ -45,11 +41,38 @@ type queued struct {
 	done       chan struct{}
 }
 
+// BatcherConfig is what a Batcher needs from the agent, its signal included.
+type BatcherConfig struct {
+	// Timeout bounds each transaction the batcher runs for queued claims.
+	Timeout time.Duration
+	// OnBatch, if not nil, is told what came of each transaction that carried the claims of
+	// several callers: "committed" (with the claims it carried), "split" (a compare failed, or
+	// etcd refused the batch: each claim ran again alone) or "lost" (no answer). It is called
+	// on the batch's goroutine, before its claims are answered: it must not block.
+	OnBatch func(result string, claims int)
+}
+
+// NewBatcher returns the batcher of the claims sent to etcd through cli.
+func NewBatcher(cli *clientv3.Client, cfg BatcherConfig) *Batcher {
+	return &Batcher{cli: cli, cfg: cfg}
+}
+
+// Commit sends cl, alone or in a batch, and returns its outcome as its own transaction would
+// have: a batch that commits applies every claim in it, at its revision. An error is as
+// Claim.Commit's, and also ctx's when cl's caller gave up while cl waited in the queue.
+func (b *Batcher) Commit(ctx context.Context, cl *Claim) (ClaimOutcome, error) {
+	resp, err := b.commit(ctx, cl)
+	if err != nil {
+		return ClaimOutcome{}, err
+	}
+	return cl.outcome(resp), nil
+}
+
 // commit runs cl's transaction, alone or in a batch, and returns what that transaction alone
 // would have: on success a response with the batch's header and no operation results (a claim
 // reads none), otherwise its own response.
-func (b *claimBatcher) commit(ctx context.Context, cl *claim) (*clientv3.TxnResponse, error) {
-	cmps, puts, gets := cl.txn()
+func (b *Batcher) commit(ctx context.Context, cl *Claim) (*clientv3.TxnResponse, error) {
+	cmps, puts, gets := cl.ops()
 	c := &queued{cmps: cmps, puts: puts, gets: gets, done: make(chan struct{})}
 	for _, op := range puts {
 		c.keys = append(c.keys, string(op.KeyBytes()))
@@ -79,12 +102,12 @@ func (b *claimBatcher) commit(ctx context.Context, cl *claim) (*clientv3.TxnResp
 }
 
 // alone commits one claim as its own transaction, else branch included.
-func (b *claimBatcher) alone(ctx context.Context, c *queued) {
+func (b *Batcher) alone(ctx context.Context, c *queued) {
 	c.resp, c.err = b.cli.Txn(ctx).If(c.cmps...).Then(c.puts...).Else(c.gets...).Commit()
 }
 
 // next runs the queued claims in the background, or marks the batcher idle.
-func (b *claimBatcher) next() {
+func (b *Batcher) next() {
 	b.mu.Lock()
 	if len(b.queue) == 0 {
 		b.busy = false
@@ -102,12 +125,12 @@ func (b *claimBatcher) next() {
 // take removes from the queue, in order, the claims that fit one transaction: within etcd's
 // operation limit and no key put twice. The first always fits (it fits alone). The caller
 // holds mu.
-func (b *claimBatcher) take() []*queued {
+func (b *Batcher) take() []*queued {
 	var batch, rest []*queued
 	ncmp, nput := 0, 0
 	seen := map[string]bool{}
 	for _, c := range b.queue {
-		fits := len(batch) == 0 || ncmp+len(c.cmps) <= maxTxnOps && nput+len(c.puts) <= maxTxnOps
+		fits := len(batch) == 0 || ncmp+len(c.cmps) <= MaxOps && nput+len(c.puts) <= MaxOps
 		for _, k := range c.keys {
 			fits = fits && !seen[k]
 		}
@@ -126,13 +149,13 @@ func (b *claimBatcher) take() []*queued {
 }
 
 // run commits a batch and answers each of its claims.
-func (b *claimBatcher) run(batch []*queued) {
+func (b *Batcher) run(batch []*queued) {
 	defer func() {
 		for _, c := range batch {
 			close(c.done)
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.Timeout)
 	defer cancel()
 	if len(batch) == 1 {
 		b.alone(ctx, batch[0])
@@ -145,14 +168,13 @@ func (b *claimBatcher) run(batch []*queued) {
 	}
 	resp, err := b.cli.Txn(ctx).If(cmps...).Then(puts...).Commit()
 	switch {
-	case err != nil && !refused(err):
-		b.m.claimBatches.WithLabelValues("lost").Inc()
+	case err != nil && !Refused(err):
+		b.batched("lost", len(batch))
 		for _, c := range batch {
 			c.err = err
 		}
 	case err == nil && resp.Succeeded:
-		b.m.claimBatches.WithLabelValues("committed").Inc()
-		b.m.claimsBatched.Add(float64(len(batch)))
+		b.batched("committed", len(batch))
 		for _, c := range batch {
 			c.resp = &clientv3.TxnResponse{Header: resp.Header, Succeeded: true}
 		}
@@ -160,7 +182,7 @@ func (b *claimBatcher) run(batch []*queued) {
 		// Some compare failed, or etcd refused the batch outright and applied nothing (a
 		// --max-txn-ops below the default, or one claim's lease gone): each claim alone, so
 		// that each learns its own outcome.
-		b.m.claimBatches.WithLabelValues("split").Inc()
+		b.batched("split", len(batch))
 		var wg sync.WaitGroup
 		for _, c := range batch {
 			wg.Go(func() {
@@ -168,5 +190,12 @@ func (b *claimBatcher) run(batch []*queued) {
 			})
 		}
 		wg.Wait()
+	}
+}
+
+// batched tells OnBatch what came of a batch of n claims.
+func (b *Batcher) batched(result string, n int) {
+	if b.cfg.OnBatch != nil {
+		b.cfg.OnBatch(result, n)
 	}
 }

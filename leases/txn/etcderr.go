@@ -1,4 +1,4 @@
-package leases
+package txn
 
 import (
 	"errors"
@@ -11,17 +11,21 @@ import (
 )
 
 // What an etcd error proves. A request whose answer was lost (a timeout, a connection or a
-// leader lost) may still be applied, and the agent must act as if it were (add.go). A request
+// leader lost) may still be applied, and the agent must act as if it were (leases/claimloop.go). A request
 // etcd answered with a refusal was certainly not applied, and retrying it as if its answer
 // were lost would only mark a lease as unsure and delay the caller.
 
-// refused tells whether etcd answered err by refusing the request, so that it applied none of
+// MaxOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
+// on its success and failure operations.
+const MaxOps = 128
+
+// Refused tells whether etcd answered err by refusing the request, so that it applied none of
 // it: an invalid request (too many operations, too large, a key put twice), a lease it does
 // not have, no space left (the NOSPACE alarm) or too many requests, a missing permission, or
 // a failed precondition. Only etcd's own errors prove that, and a status the gRPC client made
 // itself proves it only for a request it never sent (invalid): its "resource exhausted" may
 // be an answer too large to receive, of a request etcd applied.
-func refused(err error) bool {
+func Refused(err error) bool {
 	var ee rpctypes.EtcdError
 	if !errors.As(err, &ee) {
 		// etcd's own error as the server words it, before the client converts it.
@@ -38,12 +42,12 @@ func refused(err error) bool {
 	return status.Code(err) == codes.InvalidArgument
 }
 
-// noSpace tells whether etcd refused a write because its database is full: the NOSPACE alarm
+// NoSpace tells whether etcd refused a write because its database is full: the NOSPACE alarm
 // is raised, and etcd takes deletes and revokes but no put and no lease grant until an
 // operator frees space and disarms it.
-func noSpace(err error) bool {
+func NoSpace(err error) bool {
 	return errors.Is(err, rpctypes.ErrNoSpace) || errors.Is(err, rpctypes.ErrGRPCNoSpace)
 }
 
-// leaseGone tells whether etcd refused a request because a lease it names does not exist.
-func leaseGone(err error) bool { return keyspace.IsLeaseNotFound(err) }
+// LeaseGone tells whether etcd refused a request because a lease it names does not exist.
+func LeaseGone(err error) bool { return keyspace.IsLeaseNotFound(err) }
