@@ -88,7 +88,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	defer own.Unlock()
 	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
 	st.claims = claimLoop{a: a, own: own, req: req, policy: a.addPolicy(st)}
-	defer a.dropSticky(st)
+	defer a.sticky.dropSticky(st)
 	defer func() {
 		st.claims.done()
 		a.keeper.Refill()
@@ -108,7 +108,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		}
 		p.Await(ctx)
 		if req.Claim != "" && (st.sticky == nil || st.sticky.stale) {
-			if err := a.readSticky(ctx, p, st); err != nil {
+			if err := a.sticky.readSticky(ctx, p.Spec, st); err != nil {
 				return allocator.Result{}, err
 			}
 		}
@@ -250,7 +250,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 		Alloc: a.allocation(req, owner, lease, now), Index: a.ownerRecord(req, addrs, lease, now),
 		Pod: a.podRecord(req, owner, lease, now)}
 	if st.sticky != nil {
-		if err := a.stickyClaim(octx, st, c, now); err != nil {
+		if err := a.sticky.stickyClaim(octx, st, c, now); err != nil {
 			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, err
 		}

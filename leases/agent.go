@@ -76,8 +76,8 @@ type Agent struct {
 	// swept is the restoreHold generation sweepLeases last ran for.
 	swept   atomic.Uint64
 	suspect atomic.Bool
-	// stickyKept is what the agent knows of the sticky claims it keeps (stickykeep.go).
-	stickyKept stickyKept
+	// sticky holds the sticky claims (sticky.go, stickykeep.go).
+	sticky *stickyClaims
 
 	metrics   *metrics
 	started   time.Time    // when the agent started (del.go)
@@ -127,13 +127,6 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		stopped:         make(chan struct{}),
 	}
 	a.pods = podbook.New(cfg.NodeUID, a.jw)
-	a.stickyKept.dir, a.stickyKept.log = cfg.StateDir, a.log
-	if rel, err := loadReleased(cfg.StateDir, time.Now()); err != nil {
-		a.log.Warn("the saved sticky claims this node released are unreadable; a restore of etcd from a backup older than "+
-			"their release loses them", "err", err)
-	} else {
-		a.stickyKept.resume(rel)
-	}
 	a.metrics = newMetrics(a)
 	a.claims = txn.NewBatcher(a.cli, txn.BatcherConfig{Timeout: cfg.OpTimeout, OnBatch: a.metrics.batched})
 	k, err := keeper.New(a.cli, keeper.Config{TTL: cfg.LeaseTTL, Spares: cfg.SpareLeases, OpTimeout: cfg.OpTimeout,
@@ -144,6 +137,19 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
+	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
+		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
+		cli: a.cli, keeper: k, log: a.log, pods: a.pods, locks: &a.locks,
+		layout: func(ctx context.Context, name string) (allocator.Blocks, bool, error) {
+			p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: name})
+			if err != nil {
+				return allocator.Blocks{}, false, err
+			}
+			return p.Spec.Blocks, p.Migrating != nil, nil
+		},
+		restoreGen: a.hold.pending, auditDue: func() { a.auditDue.Store(true) }, leaseAlive: a.leaseAlive,
+		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
+	a.sticky.resumeReleases()
 	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, a.checkNow)
 	hooks := poolview.Hooks{Settling: a.hold.settling, Generation: a.hold.generation,
 		Put: a.keys.put, Deleted: a.keys.deleted, Listed: a.keys.listed}
@@ -200,7 +206,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	// started during the settle time (a node replaced, a state directory lost) settles too.
 	restoredRev := a.readRestored(ctx)
 	a.resumeBlocks(ctx)
-	a.resumeClaims(ctx)
+	a.sticky.resumeClaims(ctx)
 	a.wg.Add(4)
 	go a.reclaimLoop()
 	go a.livenessLoop()

@@ -124,7 +124,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 			}
 		}
 	}
-	if err := a.auditClaims(ctx, layouts); err != nil {
+	if err := a.sticky.auditClaims(ctx, layouts); err != nil {
 		return lost, err
 	}
 	a.metrics.audits.Inc()

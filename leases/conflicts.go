@@ -218,7 +218,7 @@ func (a *Agent) resolveConflict(ctx context.Context, ref conflictRef) (key strin
 		"conflicts_left", len(left))
 	if at.Claim != "" {
 		// The pod's sticky claim, left to the other holder while it held the address.
-		if err := a.keepClaimLocked(ctx, own, stickyRef{ref.Owner, ref.IfName, ref.Pool}); err != nil {
+		if err := a.sticky.keepClaimLocked(ctx, own, stickyRef{ref.Owner, ref.IfName, ref.Pool}); err != nil {
 			a.log.Warn("checking the sticky claim of a pod whose conflict was resolved failed; the next audit checks it",
 				"owner", ref.Owner, "claim", at.Claim, "err", err)
 		}

@@ -278,7 +278,7 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 		if rec.Claim != "" && !outOfSpace && len(r.Addrs) > 0 {
 			// The claim and its addresses' quarantine keys outlive the release by the hold.
 			at := attachment{Claim: rec.Claim, IPs: r.Addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
-			key, crec, lease, err := a.releaseSticky(octx, pool, owner, at)
+			key, crec, lease, err := a.sticky.releaseSticky(octx, pool, owner, at)
 			if err != nil {
 				cancel()
 				return -1, err
@@ -327,8 +327,8 @@ func (a *Agent) releaseRecord(ctx context.Context, pool string, own *ownerlock.O
 				v.Released(r.Addrs, out.Revision, until)
 			}
 			if out.ClaimKept {
-				a.stickyKept.released(r.ClaimKey, pool, rec.Claim, r.ClaimRec, r.ClaimQ,
-					a.claimReleaseTTL(attachment{ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}))
+				a.sticky.released(r.ClaimKey, pool, rec.Claim, r.ClaimRec, r.ClaimQ,
+					a.sticky.claimReleaseTTL(attachment{ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}))
 			}
 			if claimLease != 0 {
 				// The claim moved onto the release's lease: its old one carries nothing now.

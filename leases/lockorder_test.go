@@ -8,11 +8,19 @@ import (
 )
 
 // TestOwnerLockOrder checks the lock order ownerlock/ownerlock.go states, on the agent's code:
-// a method of Agent that holds an owner lock (it is handed an ownerlock.Owned, or takes one) never calls,
-// directly or through other methods of Agent, a method that takes an owner lock (a second
-// owner's, or its own again: a deadlock) or Agent.importMu (taken before an owner lock, never
-// after). Calls in a goroutine the method starts do not hold its lock and are not followed.
+// a method of Agent (or of a part of it in package leases, lockParts) that holds an owner lock
+// (it is handed an ownerlock.Owned, or takes one) never calls, directly or through other
+// methods, a method that takes an owner lock (a second owner's, or its own again: a deadlock)
+// or Agent.importMu (taken before an owner lock, never after). Calls in a goroutine the method
+// starts do not hold its lock and are not followed.
 func TestOwnerLockOrder(t *testing.T) {
+	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
+	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked.
+	lockParts := map[string]string{"sticky": "stickyClaims"}
+	types := map[string]bool{"Agent": true}
+	for _, typ := range lockParts {
+		types[typ] = true
+	}
 	type method struct {
 		pos                   token.Position
 		holds, owner, importM bool
@@ -26,9 +34,11 @@ func TestOwnerLockOrder(t *testing.T) {
 			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
 				continue
 			}
-			if star, ok := fn.Recv.List[0].Type.(*ast.StarExpr); !ok || star.X.(*ast.Ident).Name != "Agent" {
+			star, ok := fn.Recv.List[0].Type.(*ast.StarExpr)
+			if !ok || !types[star.X.(*ast.Ident).Name] {
 				continue
 			}
+			typ := star.X.(*ast.Ident).Name
 			recv := fn.Recv.List[0].Names[0].Name
 			m := &method{pos: fset.Position(fn.Pos()), calls: map[string]bool{}}
 			for _, p := range fn.Type.Params.List {
@@ -57,14 +67,18 @@ func TestOwnerLockOrder(t *testing.T) {
 					m.owner, m.holds = true, true
 				case inner != nil && inner.Sel.Name == "importMu" && sel.Sel.Name == "Lock":
 					m.importM = true
+				case inner != nil && lockParts[inner.Sel.Name] != "":
+					if x, ok := inner.X.(*ast.Ident); ok && x.Name == recv {
+						m.calls[lockParts[inner.Sel.Name]+"."+sel.Sel.Name] = true
+					}
 				default:
 					if x, ok := sel.X.(*ast.Ident); ok && x.Name == recv {
-						m.calls[sel.Sel.Name] = true
+						m.calls[typ+"."+sel.Sel.Name] = true
 					}
 				}
 				return true
 			})
-			methods[fn.Name.Name] = m
+			methods[typ+"."+fn.Name.Name] = m
 		}
 	}
 	// takes reports whether name, or a method it calls, takes an owner lock or importMu.
@@ -99,15 +113,15 @@ func TestOwnerLockOrder(t *testing.T) {
 		}
 		checked++
 		if m.importM {
-			t.Errorf("%s: Agent.%s holds an owner lock and takes importMu; take importMu first, in a caller", m.pos, name)
+			t.Errorf("%s: %s holds an owner lock and takes importMu; take importMu first, in a caller", m.pos, name)
 		}
 		for c := range m.calls {
 			if takes(c, map[string]bool{}) {
-				t.Errorf("%s: Agent.%s holds an owner lock and calls %s, which takes an owner lock or importMu", m.pos, name, c)
+				t.Errorf("%s: %s holds an owner lock and calls %s, which takes an owner lock or importMu", m.pos, name, c)
 			}
 		}
 	}
 	if checked < 10 {
-		t.Errorf("only %d methods of Agent hold an owner lock: the test no longer finds them", checked)
+		t.Errorf("only %d methods of Agent and its parts hold an owner lock: the test no longer finds them", checked)
 	}
 }

@@ -516,7 +516,7 @@ func (a *Agent) reclaim(ctx context.Context, owner string) error {
 	a.claimedOn(ctx, req, own, lease, snap.Attachments...)
 	a.metrics.reclaims.Inc()
 	a.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
-	return a.keepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
+	return a.sticky.keepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
 }
 
 // heldByOthers reads the held keys of c's addresses and takes out of c those held back for

@@ -8,11 +8,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"slices"
-	"strings"
 	"time"
 
-	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
 )
 
@@ -97,65 +94,6 @@ func (a *Agent) saveSettle(relisted []<-chan struct{}) {
 		a.log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
 			"err", err)
 	}
-}
-
-// releasedFile keeps, in the state directory, the sticky claims this agent released whose hold
-// has not ended (stickyKept.releases): etcd restored from a backup older than a release loses
-// the released claim, and only the agent that released it can put it back
-// (restoreReleasedClaims), also after a restart. Times are the machine's clock.
-const releasedFile = "released-claims"
-
-// savedRelease is one released claim in the file.
-type savedRelease struct {
-	Key   string                    `json:"key"`
-	Pool  string                    `json:"pool"`
-	Name  string                    `json:"name"`
-	Rec   keyspace.ClaimRecord      `json:"record"`
-	Q     keyspace.QuarantineRecord `json:"quarantine"`
-	Until time.Time                 `json:"until"`
-}
-
-// saveReleased writes the releases of m whose hold has not ended at now into dir atomically
-// (aside, synced, then renamed); with no directory it does nothing.
-func saveReleased(dir string, m map[string]releasedClaim, now time.Time) error {
-	if dir == "" {
-		return nil
-	}
-	out := make([]savedRelease, 0, len(m))
-	for k, r := range m {
-		out = append(out, savedRelease{Key: k, Pool: r.pool, Name: r.name, Rec: r.rec, Q: r.q, Until: now.Add(r.ends.Sub(now))})
-	}
-	slices.SortFunc(out, func(a, b savedRelease) int { return strings.Compare(a.Key, b.Key) })
-	b, err := json.Marshal(out)
-	if err != nil {
-		return err
-	}
-	return writeAside(dir, releasedFile, b)
-}
-
-// loadReleased reads the releases dir keeps whose hold has not ended at now.
-func loadReleased(dir string, now time.Time) (map[string]releasedClaim, error) {
-	if dir == "" {
-		return nil, nil
-	}
-	b, err := os.ReadFile(filepath.Join(dir, releasedFile))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var in []savedRelease
-	if err := json.Unmarshal(b, &in); err != nil {
-		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, releasedFile), err)
-	}
-	m := map[string]releasedClaim{}
-	for _, r := range in {
-		if r.Until.After(now) {
-			m[r.Key] = releasedClaim{pool: r.Pool, name: r.Name, rec: r.Rec, q: r.Q, ends: time.Now().Add(r.Until.Sub(now))}
-		}
-	}
-	return m, nil
 }
 
 // writeAside writes b as dir/name atomically: into a file aside, synced, then renamed.
