@@ -38,3 +38,8 @@ func HeldOn(kv *mvccpb.KeyValue, lease clientv3.LeaseID) bool {
 
 // LeaseOf is the lease kv is bound to; 0 for none.
 func LeaseOf(kv *mvccpb.KeyValue) clientv3.LeaseID { return clientv3.LeaseID(kv.Lease) }
+
+// MaxTxnOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
+// on its success and failure operations: every writer and reader that batches keys into one
+// transaction stays within it.
+const MaxTxnOps = 128

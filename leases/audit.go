@@ -17,7 +17,6 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
-	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // A live lease is not proof that the keys on it exist: an etcd restored from a backup has
@@ -154,10 +153,10 @@ func (a *Agent) markWatched(pods []auditPod) {
 }
 
 // nextChunk is how many of items, taken from the front, one transaction carries: as many as
-// fit txn.MaxOps by size, and always the first.
+// fit keyspace.MaxTxnOps by size, and always the first.
 func nextChunk[T any](items []T, size func(T) int) int {
 	n, total := 0, 0
-	for n < len(items) && (n == 0 || total+size(items[n]) <= txn.MaxOps) {
+	for n < len(items) && (n == 0 || total+size(items[n]) <= keyspace.MaxTxnOps) {
 		total += size(items[n])
 		n++
 	}
@@ -354,7 +353,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 		}
 	})
 	for len(owns) > 0 {
-		n := min(len(owns), txn.MaxOps)
+		n := min(len(owns), keyspace.MaxTxnOps)
 		chunk := owns[:n]
 		owns = owns[n:]
 		cmps := make([]clientv3.Cmp, 0, n)

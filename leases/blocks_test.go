@@ -20,7 +20,6 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
-	"github.com/leasehold/leasehold/leases/txn"
 )
 
 func v4Pool(name, subnet string, blockBits int) allocator.PoolSpec {
@@ -467,8 +466,8 @@ func TestRestartWithManyBlocksListsThemAll(t *testing.T) {
 		}
 	}
 	held := a.pools.ViewOf(pool.Name).Claims().Count()
-	if held <= txn.MaxOps/2 {
-		t.Fatalf("the node holds %d blocks; the test needs more than %d", held, txn.MaxOps/2)
+	if held <= keyspace.MaxTxnOps/2 {
+		t.Fatalf("the node holds %d blocks; the test needs more than %d", held, keyspace.MaxTxnOps/2)
 	}
 	a.Close()
 	b := startAgent(t, cluster, "n1", "uid1")

@@ -410,7 +410,7 @@ func (a *Agent) settleHeld(ctx context.Context) error {
 			freed = append(freed, key)
 		}
 		for len(ops) > 0 {
-			n := min(len(ops), txn.MaxOps/2)
+			n := min(len(ops), keyspace.MaxTxnOps/2)
 			octx, cancel := a.opCtx(ctx)
 			_, err := a.cli.Txn(octx).Then(ops[:n]...).Commit()
 			cancel()

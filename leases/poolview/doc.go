@@ -61,8 +61,6 @@ const (
 	// probeTimeout bounds a read of held keys' leases and holders (reuse.go), as the agent's
 	// probe of etcd for STATUS.
 	probeTimeout = 2 * time.Second
-	// maxTxnOps is etcd's default limit (--max-txn-ops) on a transaction's operations.
-	maxTxnOps = 128
 )
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {

@@ -22,7 +22,7 @@ func blockReads(pool string, b netip.Prefix) []clientv3.Op {
 	}
 }
 
-// readChunked runs read-only ops in transactions of at most maxTxnOps each (etcd refuses
+// readChunked runs read-only ops in transactions of at most keyspace.MaxTxnOps each (etcd refuses
 // larger ones: a node holding many blocks lists them in several), and returns each op's
 // response with the header of the transaction that read it. A chunk holds a multiple of 3
 // ops, so that one block's reads (blockReads) are read at one revision.
@@ -30,7 +30,7 @@ func ReadChunked(ctx context.Context, cli *clientv3.Client, ops []clientv3.Op) (
 	resps := make([]*pb.ResponseOp, 0, len(ops))
 	hdrs := make([]*pb.ResponseHeader, 0, len(ops))
 	for len(ops) > 0 {
-		n := min(len(ops), maxTxnOps/3*3)
+		n := min(len(ops), keyspace.MaxTxnOps/3*3)
 		resp, err := cli.Txn(ctx).Then(ops[:n]...).Commit()
 		if err != nil {
 			return nil, nil, err

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
 )
 
 // Batcher commits the agent's claim transactions. A claim that finds no transaction in
@@ -130,7 +132,7 @@ func (b *Batcher) take() []*queued {
 	ncmp, nput := 0, 0
 	seen := map[string]bool{}
 	for _, c := range b.queue {
-		fits := len(batch) == 0 || ncmp+len(c.cmps) <= MaxOps && nput+len(c.puts) <= MaxOps
+		fits := len(batch) == 0 || ncmp+len(c.cmps) <= keyspace.MaxTxnOps && nput+len(c.puts) <= keyspace.MaxTxnOps
 		for _, k := range c.keys {
 			fits = fits && !seen[k]
 		}

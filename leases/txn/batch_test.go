@@ -67,12 +67,12 @@ func TestTakeFitsABatchToOneTransaction(t *testing.T) {
 	a, b, dup, big, d := mk(6, "a1", "a2", "a3"), mk(6, "b1", "b2", "b3"), mk(6, "a2", "x", "y"), mk(120, "z"), mk(6, "d1")
 	q := &Batcher{queue: []*queued{a, b, dup, big, d}}
 	if got := q.take(); len(got) != 3 || got[0] != a || got[1] != b || got[2] != d {
-		t.Fatalf("first batch: got %d claims, want a, b, d (dup puts a2 again, big exceeds %d compares)", len(got), MaxOps)
+		t.Fatalf("first batch: got %d claims, want a, b, d (dup puts a2 again, big exceeds %d compares)", len(got), keyspace.MaxTxnOps)
 	}
 	if got := q.take(); len(got) != 2 || got[0] != dup || got[1] != big {
 		t.Fatalf("second batch: want dup and big, got %d", len(got))
 	}
-	alone := &Batcher{queue: []*queued{mk(MaxOps+10, "k")}}
+	alone := &Batcher{queue: []*queued{mk(keyspace.MaxTxnOps+10, "k")}}
 	if got := alone.take(); len(got) != 1 {
 		t.Fatal("a claim too large for a batch is still taken, alone")
 	}

@@ -15,10 +15,6 @@ import (
 // etcd answered with a refusal was certainly not applied, and retrying it as if its answer
 // were lost would only mark a lease as unsure and delay the caller.
 
-// MaxOps is etcd's default limit (--max-txn-ops) on a transaction's compares, and apart
-// on its success and failure operations.
-const MaxOps = 128
-
 // Refused tells whether etcd answered err by refusing the request, so that it applied none of
 // it: an invalid request (too many operations, too large, a key put twice), a lease it does
 // not have, no space left (the NOSPACE alarm) or too many requests, a missing permission, or
