@@ -7,11 +7,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -19,60 +16,11 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/smalldisk"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/podbook"
 )
-
-// smallDisk is a 64 KiB tmpfs, so that the journal meets a real ENOSPC: fill takes its
-// last free byte, free gives the room back.
-type smallDisk struct{ dir, filler string }
-
-func newSmallDisk(t *testing.T) *smallDisk {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("mounting a tmpfs needs root")
-	}
-	dir := t.TempDir()
-	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=64k,mode=0700"); err != nil {
-		t.Skipf("mount a tmpfs on %s: %v", dir, err)
-	}
-	t.Cleanup(func() { // after the agents' and writers' cleanups, registered later
-		if err := syscall.Unmount(dir, syscall.MNT_DETACH); err != nil {
-			t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-	// The filler lives outside the state directory: the journal must not see it.
-	state := filepath.Join(dir, "state")
-	if err := os.Mkdir(state, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	return &smallDisk{dir: state, filler: filepath.Join(dir, "filler")}
-}
-
-func (d *smallDisk) fill(t *testing.T) {
-	t.Helper()
-	f, err := os.OpenFile(d.filler, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	buf := make([]byte, 4096)
-	for {
-		if _, err := f.Write(buf); errors.Is(err, syscall.ENOSPC) {
-			return
-		} else if err != nil {
-			t.Fatalf("fill the disk: %v", err)
-		}
-	}
-}
-
-func (d *smallDisk) free(t *testing.T) {
-	t.Helper()
-	if err := os.Remove(d.filler); err != nil {
-		t.Fatal(err)
-	}
-}
 
 // journalIs is a condition for etcdtest.Eventually: that the journal in dir lists owners want.
 func journalIs(dir string, want []string) func() error {
@@ -80,17 +28,6 @@ func journalIs(dir string, want []string) func() error {
 		got, errs := journalOwners(dir)
 		return etcdtest.Saw(slices.Equal(got, want), "the journal lists %v (load errors %v), want %v", got, errs, want)
 	}
-}
-
-// logLines is a slog handler's output, safe to read while the writer logs.
-type logLines struct{ syncbuf.Buffer }
-
-func (l *logLines) count(msg string) int {
-	return strings.Count(l.String(), fmt.Sprintf("msg=%q", msg))
-}
-
-func (l *logLines) logger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
 const journalFailedMsg = "journal write failed; re-claim after a lease loss may miss pods"
@@ -132,22 +69,22 @@ func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
 // leases were lost re-claims them (before, they were missing and their addresses stayed free
 // in etcd while the pods used them).
 func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
-	disk := newSmallDisk(t)
+	disk := smalldisk.New(t)
 	cluster := etcdtest.Uniq("c")
-	var logs logLines
-	withState := func(c *Config) { c.StateDir, c.Logger = disk.dir, logs.logger() }
+	var logs syncbuf.Log
+	withState := func(c *Config) { c.StateDir, c.Logger = disk.Dir, logs.Logger(slog.LevelWarn) }
 	pool := allocator.PoolSpec{Name: etcdtest.Uniq("p"), Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.17.0.0/24")}}}}
 	ctx := ctxT(t)
 	a := startAgent(t, cluster, "n1", "uid1", withState)
 	if _, err := a.Add(ctx, addReq(pool, "ctr-before", "eth0", "uid-before")); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, "the first pod is journaled", journalIs(disk.dir, []string{"uid-before"}))
+	etcdtest.Eventually(t, "the first pod is journaled", journalIs(disk.Dir, []string{"uid-before"}))
 	if err := a.Ready(ctx); err != nil {
 		t.Fatalf("ready before the disk fills: %v", err)
 	}
 
-	disk.fill(t)
+	disk.Fill(t)
 	want := []string{"uid-before"}
 	for i := range 20 {
 		owner := fmt.Sprintf("uid-full-%02d", i)
@@ -169,20 +106,20 @@ func TestPodsAddedWhileTheStateDiskWasFullAreReclaimed(t *testing.T) {
 	if n := gauge(t, a.Metrics(), "leasehold_journal_write_failures_total"); n < 1 {
 		t.Errorf("leasehold_journal_write_failures_total while the disk is full: %v, want at least 1", n)
 	}
-	if got, errs := journalOwners(disk.dir); len(errs) > 0 || slices.Equal(got, want) {
+	if got, errs := journalOwners(disk.Dir); len(errs) > 0 || slices.Equal(got, want) {
 		t.Errorf("journal while the disk is full: %v, load reported %v; want some pods missing and nothing reported", got, errs)
 	}
 
-	disk.free(t) // and no ADD after it
-	etcdtest.Eventually(t, "the pods added while the disk was full reach the journal", journalIs(disk.dir, want))
+	disk.Free(t) // and no ADD after it
+	etcdtest.Eventually(t, "the pods added while the disk was full reach the journal", journalIs(disk.Dir, want))
 	etcdtest.Eventually(t, "/readyz passes again", func() error { return a.Ready(ctx) })
 	if g := gauge(t, a.Metrics(), "leasehold_journal_healthy"); g != 1 {
 		t.Errorf("leasehold_journal_healthy after the recovery: %v, want 1", g)
 	}
-	if _, errs := journalOwners(disk.dir); len(errs) > 0 {
+	if _, errs := journalOwners(disk.Dir); len(errs) > 0 {
 		t.Errorf("load after the recovery reported %v", errs)
 	}
-	if n := logs.count(journalFailedMsg); n != 1 {
+	if n := logs.Count(journalFailedMsg); n != 1 {
 		t.Errorf("the failure logged %d lines; want 1", n)
 	}
 

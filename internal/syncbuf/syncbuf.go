@@ -5,6 +5,9 @@ package syncbuf
 
 import (
 	"bytes"
+	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 )
 
@@ -26,4 +29,17 @@ func (s *Buffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// Log is a logger's output, safe to read while the logger writes.
+type Log struct{ Buffer }
+
+// Logger is a text logger of level and above writing to l.
+func (l *Log) Logger(level slog.Level) *slog.Logger {
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: level}))
+}
+
+// Count is how many lines with message msg were logged.
+func (l *Log) Count(msg string) int {
+	return strings.Count(l.String(), fmt.Sprintf("msg=%q", msg))
 }

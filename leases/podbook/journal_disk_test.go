@@ -9,65 +9,15 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"syscall"
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/smalldisk"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 )
-
-// smallDisk is a 64 KiB tmpfs, so that the journal meets a real ENOSPC: fill takes its
-// last free byte, free gives the room back.
-type smallDisk struct{ dir, filler string }
-
-func newSmallDisk(t *testing.T) *smallDisk {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("mounting a tmpfs needs root")
-	}
-	dir := t.TempDir()
-	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=64k,mode=0700"); err != nil {
-		t.Skipf("mount a tmpfs on %s: %v", dir, err)
-	}
-	t.Cleanup(func() { // after the agents' and writers' cleanups, registered later
-		if err := syscall.Unmount(dir, syscall.MNT_DETACH); err != nil {
-			t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-	// The filler lives outside the state directory: the journal must not see it.
-	state := filepath.Join(dir, "state")
-	if err := os.Mkdir(state, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	return &smallDisk{dir: state, filler: filepath.Join(dir, "filler")}
-}
-
-func (d *smallDisk) fill(t *testing.T) {
-	t.Helper()
-	f, err := os.OpenFile(d.filler, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	buf := make([]byte, 4096)
-	for {
-		if _, err := f.Write(buf); errors.Is(err, syscall.ENOSPC) {
-			return
-		} else if err != nil {
-			t.Fatalf("fill the disk: %v", err)
-		}
-	}
-}
-
-func (d *smallDisk) free(t *testing.T) {
-	t.Helper()
-	if err := os.Remove(d.filler); err != nil {
-		t.Fatal(err)
-	}
-}
 
 // journalIs is a condition for etcdtest.Eventually: that the journal in dir lists owners want.
 func journalIs(dir string, want []string) func() error {
@@ -75,17 +25,6 @@ func journalIs(dir string, want []string) func() error {
 		got, errs := journalOwners(dir)
 		return etcdtest.Saw(slices.Equal(got, want), "the journal lists %v (load errors %v), want %v", got, errs, want)
 	}
-}
-
-// logLines is a slog handler's output, safe to read while the writer logs.
-type logLines struct{ syncbuf.Buffer }
-
-func (l *logLines) count(msg string) int {
-	return strings.Count(l.String(), fmt.Sprintf("msg=%q", msg))
-}
-
-func (l *logLines) logger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelWarn}))
 }
 
 const (
@@ -119,9 +58,9 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 		{"rewrite", 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			disk := newSmallDisk(t)
-			var logs logLines
-			w := NewWriter(disk.dir, logs.logger())
+			disk := smalldisk.New(t)
+			var logs syncbuf.Log
+			w := NewWriter(disk.Dir, logs.Logger(slog.LevelWarn))
 			w.Start(Loaded{})
 			t.Cleanup(w.Close)
 			var want []string
@@ -129,10 +68,10 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 				want = append(want, fmt.Sprintf("before-%d", i))
 				w.save(testPod(want[i], clientv3.LeaseID(i+1), fmt.Sprintf("10.3.0.%d", i+1)))
 			}
-			etcdtest.Eventually(t, "the pods saved before the disk fills are journaled", journalIs(disk.dir, want))
+			etcdtest.Eventually(t, "the pods saved before the disk fills are journaled", journalIs(disk.Dir, want))
 			journaled := slices.Clone(want)
 
-			disk.fill(t)
+			disk.Fill(t)
 			for i := range 40 {
 				owner := fmt.Sprintf("full-%02d", i)
 				want = append(want, owner)
@@ -145,28 +84,28 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 			if err := w.Health(); !errors.Is(err, ErrJournalUnwritable) || !errors.Is(err, syscall.ENOSPC) {
 				t.Errorf("health while the disk is full: want ErrJournalUnwritable wrapping ENOSPC, got %v", err)
 			}
-			got, errs := journalOwners(disk.dir)
+			got, errs := journalOwners(disk.Dir)
 			if len(errs) > 0 || !slices.Equal(got, journaled) {
 				t.Errorf("journal while the disk is full: %v, load reported %v; want %v and nothing reported (no partial line)", got, errs, journaled)
 			}
-			if _, err := os.Stat(filepath.Join(disk.dir, JournalFile+".tmp")); !errors.Is(err, os.ErrNotExist) {
+			if _, err := os.Stat(filepath.Join(disk.Dir, JournalFile+".tmp")); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("a failed rewrite left its partial copy: %v", err)
 			}
 
-			disk.free(t) // no further change: the writer's own retry must write them
-			etcdtest.Eventually(t, "the pods saved while the disk was full reach the journal", journalIs(disk.dir, want))
+			disk.Free(t) // no further change: the writer's own retry must write them
+			etcdtest.Eventually(t, "the pods saved while the disk was full reach the journal", journalIs(disk.Dir, want))
 			// The writer reports itself healthy before it logs the recovery: wait for the line too.
 			etcdtest.Eventually(t, "the journal reports itself healthy", func() error {
 				if err := w.Health(); err != nil {
 					return err
 				}
-				n := logs.count(journalRecoveredMsg)
+				n := logs.Count(journalRecoveredMsg)
 				return etcdtest.Saw(n == 1, "the recovery logged %d lines; want 1", n)
 			})
-			if _, errs := journalOwners(disk.dir); len(errs) > 0 {
+			if _, errs := journalOwners(disk.Dir); len(errs) > 0 {
 				t.Errorf("load after the recovery reported %v", errs)
 			}
-			if n := logs.count(journalFailedMsg); n != 1 {
+			if n := logs.Count(journalFailedMsg); n != 1 {
 				t.Errorf("%d failed attempts logged %d lines; want 1 (the first; then one a minute)", w.Failures(), n)
 			}
 
@@ -174,7 +113,7 @@ func TestJournalWriterRecoversFromAFullDisk(t *testing.T) {
 			w.save(testPod("after", 999, "10.3.2.1"))
 			want = append(want, "after")
 			slices.Sort(want)
-			etcdtest.Eventually(t, "a pod saved after the recovery is journaled", journalIs(disk.dir, want))
+			etcdtest.Eventually(t, "a pod saved after the recovery is journaled", journalIs(disk.Dir, want))
 		})
 	}
 }
