@@ -43,9 +43,12 @@ type Agent struct {
 	cancel context.CancelFunc
 
 	jw     *podbook.Writer
-	unlock func()        // releases the state directory's lock
-	lost   chan struct{} // wakes the recovery loop (wake)
+	unlock func() // releases the state directory's lock
 	wg     sync.WaitGroup
+	// recovery re-claims what was lost and releases gone sandboxes (reclaimer.go); notices
+	// acts on etcd going back in time (wentback.go).
+	recovery *reclaimer
+	notices  *restoreNotices
 
 	pods        *podbook.Book
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
@@ -73,9 +76,7 @@ type Agent struct {
 	hold     *restoreHold
 	keys     *ownKeys
 	auditDue atomic.Bool
-	// swept is the restoreHold generation sweepLeases last ran for.
-	swept   atomic.Uint64
-	suspect atomic.Bool
+	suspect  atomic.Bool
 	// sticky holds the sticky claims (sticky.go, stickykeep.go).
 	sticky *stickyClaims
 
@@ -108,7 +109,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	actx, cancel := context.WithCancel(context.Background())
 	var a *Agent // the gate's signals reach it once made, before any request passes the gate
 	gate := etcdgate.New(actx, cli, etcdgate.Config{Probe: keyspace.NodeKey(cfg.Cluster, cfg.Node), ProbeTimeout: probeTimeout,
-		WentBack: func(why string, from time.Time) { a.etcdWentBackFrom(why, from) }, MayHaveGoneBack: func(why string) { a.etcdMayHaveGoneBack(why) }})
+		WentBack:        func(why string, from time.Time) { a.notices.etcdWentBackFrom(why, from) },
+		MayHaveGoneBack: func(why string) { a.notices.etcdMayHaveGoneBack(why) }})
 	a = &Agent{
 		unlock:          unlock,
 		cfg:             cfg,
@@ -119,7 +121,6 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		ctx:             actx,
 		cancel:          cancel,
 		jw:              podbook.NewWriter(cfg.StateDir, cfg.Logger),
-		lost:            make(chan struct{}, 1),
 		cwatch:          make(map[conflictRef]context.CancelFunc),
 		restoredHolds:   make(map[conflictRef]int64),
 		importConflicts: map[importConflictRef][]netip.Addr{},
@@ -150,7 +151,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		restoreGen: a.hold.pending, auditDue: func() { a.auditDue.Store(true) }, leaseAlive: a.leaseAlive,
 		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
 	a.sticky.resumeReleases()
-	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, a.checkNow)
+	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, func() { a.recovery.checkNow() })
 	hooks := poolview.Hooks{Settling: a.hold.settling, Generation: a.hold.generation,
 		Put: a.keys.put, Deleted: a.keys.deleted, Listed: a.keys.listed}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
@@ -169,7 +170,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
 			a.log.Warn("new block lease; the node record will be written again, naming it", "lease", keyspace.LeaseHex(id))
 			a.keeper.Forget(node)
-			a.wake()
+			a.recovery.wake()
 		}
 	}
 	own := &poolview.Owner{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID,
@@ -186,6 +187,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
 		Owner: own, Hooks: hooks})
+	a.recovery, a.notices = a.newRecovery()
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())
 	ocancel()
@@ -204,14 +206,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	// Another agent's word that etcd went back in time is read before the first ADD: an agent
 	// started during the settle time (a node replaced, a state directory lost) settles too.
-	restoredRev := a.readRestored(ctx)
+	restoredRev := a.notices.readRestored(ctx)
 	a.resumeBlocks(ctx)
 	a.sticky.resumeClaims(ctx)
-	a.wg.Add(4)
-	go a.reclaimLoop()
-	go a.livenessLoop()
+	a.recovery.start()
+	a.wg.Add(1)
 	go a.goneLoop()
-	go a.restoredLoop(restoredRev)
+	a.notices.start(restoredRev)
 	if cfg.PublishHostAddrs {
 		hosts := node.Hosts{KV: a.cli, ID: a.identity(), Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,
 			Lease: a.nodeLease, Wall: a.wall, Log: a.log}
@@ -254,6 +255,8 @@ func (a *Agent) Close() {
 	a.closeOnce.Do(func() {
 		a.cancel()
 		a.wg.Wait()
+		a.recovery.wait()
+		a.notices.wait()
 		if a.pods.Count() == 0 && a.Err() == nil {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
@@ -370,7 +373,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		// A sticky claim's: the audit puts the claim back, on the lease if etcd still has it.
 		a.log.Error("the claim lease of a running pod's sticky claim stopped being renewed; checking the claim",
 			"lease", keyspace.LeaseHex(id))
-		a.checkNow()
+		a.recovery.checkNow()
 		return
 	}
 	node := a.nodeLease() == id
@@ -383,7 +386,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		a.log.Error("node lease lost; the node record will be written again", "lease", keyspace.LeaseHex(id))
 	}
 	if node || n > 0 {
-		a.wake()
+		a.recovery.wake()
 	}
 }
 

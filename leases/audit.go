@@ -26,7 +26,7 @@ import (
 // record, the block claims its views hold, and for each running pod its pod record, owner
 // indexes and allocations. A key missing, on another lease or with a value this agent did not
 // write is a lost key: the pod's lease is revoked and the pod re-claimed, exactly as after a
-// lost lease (recover.go), a conflict recorded for an address another owner holds meanwhile.
+// lost lease (reclaim.go), a conflict recorded for an address another owner holds meanwhile.
 //
 // The audit costs one compare per key: the ModRevision each key had when the agent last read
 // it. Any write to the key changes it, and so does a delete (to 0), a put without the lease,
@@ -128,7 +128,7 @@ func (a *Agent) audit(ctx context.Context) (lost int, err error) {
 	}
 	a.metrics.audits.Inc()
 	if lost > 0 {
-		a.wake()
+		a.recovery.wake()
 	}
 	return lost, nil
 }
@@ -386,7 +386,7 @@ func (a *Agent) auditOwn(ctx context.Context) error {
 			if len(kvs) > 0 {
 				found = "on lease " + keyspace.LeaseHex(keyspace.LeaseOf(kvs[0]))
 			}
-			a.etcdWentBack(fmt.Sprintf("%s (%s) is %s, not on lease %s as this agent wrote it", o.what, o.key, found, keyspace.LeaseHex(o.lease)))
+			a.notices.etcdWentBack(fmt.Sprintf("%s (%s) is %s, not on lease %s as this agent wrote it", o.what, o.key, found, keyspace.LeaseHex(o.lease)))
 			return nil
 		}
 	}
@@ -550,40 +550,6 @@ func (h *restoreHold) repairing() bool {
 	return h.gen != h.recovered
 }
 
-// reclaimBlocks claims again, while the agent repairs what etcd going back in time took, the
-// blocks its running pods' addresses are in that no node claims: a claim made after the
-// backup is gone with it, and another node that claimed the block would follow this node's
-// pods' keys (invariant 11) and take their addresses for free once their holds end. A block
-// another node claims (a borrowed address) stays that node's.
-func (a *Agent) reclaimBlocks(ctx context.Context) error {
-	for pool, addrs := range a.pods.AddrsByPool() {
-		v := a.pools.ViewOf(pool)
-		if v == nil || v.Blocks().Flat() {
-			continue // the flat layout: no blocks
-		}
-		tried := map[netip.Prefix]bool{}
-		for _, addr := range addrs {
-			b := v.Blocks().Of(addr)
-			if tried[b] || !b.IsValid() || v.FollowsAddr(addr) {
-				continue
-			}
-			tried[b] = true
-			claimed, err := v.Claims().Claim(ctx, b)
-			if err != nil {
-				return err
-			}
-			if claimed {
-				// Another node may have borrowed in it since the backup, its pod's key gone
-				// with the restore: no new ADD chooses in it for the keep time.
-				v.Claims().MarkRestored(b)
-				a.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
-					"pool", pool, "block", b)
-			}
-		}
-	}
-	return nil
-}
-
 // errSettling marks an ADD refused for the settle time after etcd went back in time.
 var errSettling = errors.New("settling after a restore")
 
@@ -598,65 +564,6 @@ func (h *restoreHold) settling() error {
 	return fmt.Errorf("%w: %w: etcd went back in time at %s (%s): until %s this node claims no new block and borrows no "+
 		"address, so that every node first re-claims what its pods held", allocator.ErrUnavailable, errSettling,
 		h.noticed.UTC().Format(time.RFC3339), h.why, h.until.UTC().Format(time.RFC3339))
-}
-
-// etcdWentBack is the gate's proof, or an audit's finding, that etcd went back in time. The
-// pods are checked, the views listed again (keeping what they knew allocated for the settle
-// time), the node registered again and the spare leases revoked with whatever a backup put
-// back on them; ADDs wait for the repair (restoreHold).
-func (a *Agent) etcdWentBack(why string) { a.etcdWentBackFrom(why, time.Now()) }
-
-// etcdWentBackFrom is etcdWentBack for the gate's proof, which dates the new history from
-// the first answer of it the gate heard (from): a pod lease the keeper found lost on such an
-// answer before the proof was lost to the restore, and its pod held its addresses until then.
-func (a *Agent) etcdWentBackFrom(why string, from time.Time) {
-	until := a.wentBackFrom(why, from)
-	go a.announceRestore(until, why)
-}
-
-// wentBack is etcdWentBack without telling the other agents (restored.go), for a restore
-// they told this agent of. It returns the end of the settle time.
-func (a *Agent) wentBack(why string) time.Time { return a.wentBackFrom(why, time.Now()) }
-
-// wentBackFrom is wentBack with the new history dated from from (etcdWentBackFrom).
-func (a *Agent) wentBackFrom(why string, from time.Time) time.Time {
-	held := a.pods.HeldAddrs(from) // before the audit takes the pods whose keys went
-	until := a.hold.notice(why)
-	a.rmu.Lock()
-	// A notice before the repair of an earlier one is done (another sign of the same restore,
-	// found by the audit a moment later) adds to what the pods held at the first: a pod whose
-	// lease the restore took in between held its addresses then.
-	if a.backHeld == nil {
-		a.backHeld = map[conflictRef]bool{}
-	}
-	maps.Copy(a.backHeld, held)
-	a.backGen = a.hold.generation()
-	a.rmu.Unlock()
-	a.metrics.wentBack.Inc()
-	_, settled, _ := a.hold.settleEnds()
-	a.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
-		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
-		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))
-	go a.saveSettle(a.pools.RestartAll(until))
-	if node := a.nodeLease(); node != 0 {
-		a.keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
-	}
-	a.keeper.DropSpares()
-	a.checkNow()
-	// The backup's leases of pods deleted since live out their TTL, and their allocations
-	// keep the held keys of their addresses from being freed (settleHeld) until then.
-	time.AfterFunc(a.cfg.LeaseTTL*3/2, a.wake)
-	return until
-}
-
-// etcdMayHaveGoneBack is the gate's suspicion that etcd went back in time without a sign in
-// its revisions (a compacted watch): the pods are checked at once, and keys found lost then
-// count as the proof.
-func (a *Agent) etcdMayHaveGoneBack(why string) {
-	if !a.suspect.Swap(true) {
-		a.log.Info("etcd may have gone back in time; checking every key of this node's pods", "why", why)
-	}
-	a.checkNow()
 }
 
 // errAuditFailed marks an audit that could not finish: it runs again on the next retry.
@@ -682,7 +589,7 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 		return lost, fmt.Errorf("%w: %w", errAuditFailed, err)
 	}
 	if suspected && lost > 0 {
-		a.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
+		a.notices.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
 		a.rmu.Lock()
 		if a.backHeld == nil {
 			a.backHeld = map[conflictRef]bool{}
@@ -777,7 +684,7 @@ func (a *Agent) goneLoop() {
 		if err == nil {
 			var lost bool
 			if lost, err = a.recheckPod(a.ctx, owner, layouts); lost {
-				a.wake()
+				a.recovery.wake()
 			}
 		}
 		if err != nil {

@@ -472,7 +472,7 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 			return err == nil && gerr == nil && len(resp.Kvs) == 0
 		})
 	}()
-	found.etcdWentBack("a test's restore")
+	found.notices.etcdWentBack("a test's restore")
 	// The told agent starts settling (wentBack) from the word its watch brought, and counts it
 	// only after: wait for the count too.
 	etcdtest.Eventually(t, "the other agent settling", func() error {

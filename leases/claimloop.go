@@ -144,7 +144,7 @@ func (a *Agent) claimedOn(ctx context.Context, req allocator.Request, o *ownerlo
 		a.log.Warn("the lease a claim applied on had stopped being renewed, and cannot be resumed; the pod is re-claimed",
 			"owner", owner, "lease", keyspace.LeaseHex(lease), "err", err)
 		a.pods.Lose(lease)
-		a.wake()
+		a.recovery.wake()
 		return
 	}
 	a.log.Warn("the lease a claim applied on had stopped being renewed; resumed", "owner", owner, "lease", keyspace.LeaseHex(lease))

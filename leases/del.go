@@ -84,7 +84,7 @@ func (a *Agent) deferRelease(ctx context.Context, req allocator.Request, own *ow
 	a.metrics.releasesDeferred.Inc()
 	a.log.Warn("etcd cannot be reached: the DEL is recorded and answered; its addresses are released once etcd answers",
 		"owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", req.Pool.Name, "cause", cause)
-	a.wake()
+	a.recovery.wake()
 	return nil
 }
 
@@ -163,7 +163,7 @@ func (a *Agent) forgetLost(ctx context.Context, own *ownerlock.Owned, req alloca
 	a.log.Info("DEL of a pod whose lease was lost: its keys are gone, and it is not re-claimed",
 		"owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", req.Pool.Name)
 	a.reportTakenAtDel(ctx, owner, at)
-	a.wake()
+	a.recovery.wake()
 	return true
 }
 
@@ -205,7 +205,7 @@ func (a *Agent) takenAtDel(ctx context.Context, owner string, at attachment, upT
 	var taken []keyspace.TakenByOther
 	for _, ip := range at.IPs {
 		key := keyspace.IPKey(at.Pool, blocks, ip)
-		others, known := a.othersSince(ctx, owner, key, ip, at.OwnerRev, upTo, at.ReleasedAt)
+		others, known := a.recovery.othersSince(ctx, owner, key, ip, at.OwnerRev, upTo, at.ReleasedAt)
 		if !known {
 			// A compaction (or a restore marked compacted) took the history, not the key: one
 			// that holds the address now and got it before the release had it while this pod ran.
@@ -397,7 +397,7 @@ func (a *Agent) dropPodIfEmpty(ctx context.Context, own *ownerlock.Owned, left i
 		// with the lease, which expired before the keeper noticed (or with a restore). They
 		// are re-claimed.
 		a.keysGone(lease)
-		a.wake()
+		a.recovery.wake()
 		return nil
 	}
 	recycled := false

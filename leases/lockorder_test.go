@@ -12,11 +12,13 @@ import (
 // (it is handed an ownerlock.Owned, or takes one) never calls, directly or through other
 // methods, a method that takes an owner lock (a second owner's, or its own again: a deadlock)
 // or Agent.importMu (taken before an owner lock, never after). Calls in a goroutine the method
-// starts do not hold its lock and are not followed.
+// starts do not hold its lock and are not followed. A call of a part's func field is followed
+// into what the agent wires into it (a method value a.releaseOwner, or the calls of a func
+// literal), wherever a composite literal of the part's type sets the field.
 func TestOwnerLockOrder(t *testing.T) {
 	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
 	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked.
-	lockParts := map[string]string{"sticky": "stickyClaims"}
+	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices"}
 	types := map[string]bool{"Agent": true}
 	for _, typ := range lockParts {
 		types[typ] = true
@@ -79,6 +81,74 @@ func TestOwnerLockOrder(t *testing.T) {
 				return true
 			})
 			methods[typ+"."+fn.Name.Name] = m
+		}
+	}
+	// The func fields of the parts, as methods calling what the agent's methods wire into them.
+	for _, src := range agentSource(t, fset, ".") {
+		for _, d := range src.f.Decls {
+			fn, ok := d.(*ast.FuncDecl)
+			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
+				continue
+			}
+			if star, ok := fn.Recv.List[0].Type.(*ast.StarExpr); !ok || star.X.(*ast.Ident).Name != "Agent" {
+				continue
+			}
+			recv := fn.Recv.List[0].Names[0].Name
+			ast.Inspect(fn.Body, func(n ast.Node) bool {
+				lit, ok := n.(*ast.CompositeLit)
+				if !ok {
+					return true
+				}
+				typ, ok := lit.Type.(*ast.Ident)
+				if !ok || typ.Name == "Agent" || !types[typ.Name] {
+					return true
+				}
+				for _, e := range lit.Elts {
+					kv, ok := e.(*ast.KeyValueExpr)
+					if !ok {
+						continue
+					}
+					key, ok := kv.Key.(*ast.Ident)
+					if !ok {
+						continue
+					}
+					m := &method{pos: fset.Position(kv.Pos()), calls: map[string]bool{}}
+					ast.Inspect(kv.Value, func(n ast.Node) bool {
+						if _, ok := n.(*ast.GoStmt); ok {
+							return false
+						}
+						sel, ok := n.(*ast.SelectorExpr)
+						if !ok {
+							return true
+						}
+						switch inner, _ := sel.X.(*ast.SelectorExpr); {
+						case inner != nil && inner.Sel.Name == "locks" && sel.Sel.Name == "Lock":
+							m.owner = true
+						case inner != nil && inner.Sel.Name == "importMu" && sel.Sel.Name == "Lock":
+							m.importM = true
+						case inner != nil && lockParts[inner.Sel.Name] != "":
+							if x, ok := inner.X.(*ast.Ident); ok && x.Name == recv {
+								m.calls[lockParts[inner.Sel.Name]+"."+sel.Sel.Name] = true
+							}
+						default:
+							if x, ok := sel.X.(*ast.Ident); ok && x.Name == recv {
+								m.calls["Agent."+sel.Sel.Name] = true
+							}
+						}
+						return true
+					})
+					name := typ.Name + "." + key.Name
+					if old, ok := methods[name]; ok {
+						for c := range m.calls {
+							old.calls[c] = true
+						}
+						old.owner, old.importM = old.owner || m.owner, old.importM || m.importM
+					} else {
+						methods[name] = m
+					}
+				}
+				return true
+			})
 		}
 	}
 	// takes reports whether name, or a method it calls, takes an owner lock or importMu.

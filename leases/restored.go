@@ -19,60 +19,59 @@ import (
 
 // announceRestore writes the restored key for the other agents: what this agent found, and
 // the end of its settle time, which the key's lease ends with.
-func (a *Agent) announceRestore(until time.Time, why string) {
-	ctx, cancel := a.opCtx(a.ctx)
+func (w *restoreNotices) announceRestore(until time.Time, why string) {
+	ctx, cancel := w.opCtx(w.ctx)
 	defer cancel()
 	left := time.Until(until)
-	lease, err := a.cli.Grant(ctx, int64((left+time.Second-1)/time.Second))
+	lease, err := w.cli.Grant(ctx, int64((left+time.Second-1)/time.Second))
 	if err == nil {
 		now := time.Now()
-		rec := keyspace.RestoredRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Noticed: now.UTC(), Until: now.Add(left).UTC(), Why: why}
-		_, err = a.cli.Put(ctx, keyspace.RestoredKey, keyspace.Encode(rec), clientv3.WithLease(lease.ID))
+		rec := keyspace.RestoredRecord{Cluster: w.cfg.Cluster, Node: w.cfg.Node, Noticed: now.UTC(), Until: now.Add(left).UTC(), Why: why}
+		_, err = w.cli.Put(ctx, keyspace.RestoredKey, keyspace.Encode(rec), clientv3.WithLease(lease.ID))
 	}
-	if err != nil && a.ctx.Err() == nil {
-		a.log.Warn("could not tell the other agents that etcd went back in time; each finds it by itself", "err", err)
+	if err != nil && w.ctx.Err() == nil {
+		w.log.Warn("could not tell the other agents that etcd went back in time; each finds it by itself", "err", err)
 	}
 }
 
 // readRestored reads the restored key and acts on it; it returns the revision read at, or 0
 // when etcd did not answer.
-func (a *Agent) readRestored(ctx context.Context) int64 {
-	octx, cancel := a.opCtx(ctx)
+func (w *restoreNotices) readRestored(ctx context.Context) int64 {
+	octx, cancel := w.opCtx(ctx)
 	defer cancel()
-	resp, err := a.cli.Get(octx, keyspace.RestoredKey)
+	resp, err := w.cli.Get(octx, keyspace.RestoredKey)
 	if err != nil {
 		return 0
 	}
 	if len(resp.Kvs) > 0 {
-		a.toldOfRestore(resp.Kvs[0])
+		w.toldOfRestore(resp.Kvs[0])
 	}
 	return resp.Header.Revision
 }
 
 // restoredLoop follows the restored key from rev, the revision Start read it at (0: read it
 // first), watching it and reading it again whenever the watch breaks.
-func (a *Agent) restoredLoop(rev int64) {
-	defer a.wg.Done()
+func (w *restoreNotices) restoredLoop(rev int64) {
 	backoff := retryFirst
-	for a.ctx.Err() == nil {
+	for w.ctx.Err() == nil {
 		if rev == 0 {
-			rev = a.readRestored(a.ctx)
+			rev = w.readRestored(w.ctx)
 		}
 		if rev != 0 {
-			wctx, stop := context.WithCancel(clientv3.WithRequireLeader(a.ctx))
-			for wr := range a.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(rev+1), clientv3.WithFilterDelete()) {
+			wctx, stop := context.WithCancel(clientv3.WithRequireLeader(w.ctx))
+			for wr := range w.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(rev+1), clientv3.WithFilterDelete()) {
 				if wr.Err() != nil {
 					break
 				}
 				for _, ev := range wr.Events {
-					a.toldOfRestore(ev.Kv)
+					w.toldOfRestore(ev.Kv)
 				}
 				backoff = retryFirst
 			}
 			stop()
 			rev = 0
 		}
-		if !sleepCtx(a.ctx, backoff) {
+		if !sleepCtx(w.ctx, backoff) {
 			return
 		}
 		backoff = min(2*backoff, retryMax)
@@ -81,14 +80,14 @@ func (a *Agent) restoredLoop(rev int64) {
 
 // toldOfRestore acts on another agent's word that etcd went back in time, unless this agent
 // is settling after it already.
-func (a *Agent) toldOfRestore(kv *mvccpb.KeyValue) {
+func (w *restoreNotices) toldOfRestore(kv *mvccpb.KeyValue) {
 	rec, err := keyspace.Decode[keyspace.RestoredRecord](string(kv.Key), kv.Value)
-	if err != nil || rec.Cluster == a.cfg.Cluster && rec.Node == a.cfg.Node || !time.Now().Before(rec.Until) {
+	if err != nil || rec.Cluster == w.cfg.Cluster && rec.Node == w.cfg.Node || !time.Now().Before(rec.Until) {
 		return
 	}
-	if _, until, _ := a.hold.settleTimes(); !until.IsZero() && until.Add(a.cfg.LeaseTTL).After(rec.Until) {
+	if _, until, _ := w.hold.settleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
 		return // this agent noticed it too, or was told already
 	}
-	a.wentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
+	w.wentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
 		rec.Node, rec.Cluster, rec.Noticed.Format(time.RFC3339), rec.Why))
 }

@@ -61,41 +61,6 @@ func loadSettle(dir string, now time.Time) (s settleState, ok bool, err error) {
 	return s, now.Before(s.Until), nil
 }
 
-// saveSettle writes what the agent's views keep for the settle time, once they have listed
-// their pools again after etcd went back (or a bound later), so that a restart within the
-// settle time keeps it too.
-func (a *Agent) saveSettle(relisted []<-chan struct{}) {
-	bound := time.NewTimer(a.cfg.OpTimeout)
-	defer bound.Stop()
-	for _, ch := range relisted {
-		select {
-		case <-ch:
-		case <-bound.C:
-		case <-a.ctx.Done():
-			return
-		}
-	}
-	noticed, until, why := a.hold.settleTimes()
-	if until.IsZero() {
-		return
-	}
-	s := settleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
-		Kept: map[string][]netip.Addr{}, Restored: map[string][]netip.Prefix{}}
-	a.pools.ForEachView(func(v *poolview.View) {
-		kept, restored := v.SettleKnowledge()
-		if len(kept) > 0 {
-			s.Kept[v.Pool()] = kept
-		}
-		if len(restored) > 0 {
-			s.Restored[v.Pool()] = restored
-		}
-	})
-	if err := saveSettle(a.cfg.StateDir, s); err != nil {
-		a.log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
-			"err", err)
-	}
-}
-
 // writeAside writes b as dir/name atomically: into a file aside, synced, then renamed.
 func writeAside(dir, name string, b []byte) error {
 	tmp := filepath.Join(dir, name+".tmp")
@@ -114,4 +79,39 @@ func writeAside(dir, name string, b []byte) error {
 		return fmt.Errorf("write %s: %w", tmp, err)
 	}
 	return os.Rename(tmp, filepath.Join(dir, name))
+}
+
+// saveSettle writes what the agent's views keep for the settle time, once they have listed
+// their pools again after etcd went back (or a bound later), so that a restart within the
+// settle time keeps it too.
+func (w *restoreNotices) saveSettle(relisted []<-chan struct{}) {
+	bound := time.NewTimer(w.cfg.OpTimeout)
+	defer bound.Stop()
+	for _, ch := range relisted {
+		select {
+		case <-ch:
+		case <-bound.C:
+		case <-w.ctx.Done():
+			return
+		}
+	}
+	noticed, until, why := w.hold.settleTimes()
+	if until.IsZero() {
+		return
+	}
+	s := settleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
+		Kept: map[string][]netip.Addr{}, Restored: map[string][]netip.Prefix{}}
+	w.pools.ForEachView(func(v *poolview.View) {
+		kept, restored := v.SettleKnowledge()
+		if len(kept) > 0 {
+			s.Kept[v.Pool()] = kept
+		}
+		if len(restored) > 0 {
+			s.Restored[v.Pool()] = restored
+		}
+	})
+	if err := saveSettle(w.cfg.StateDir, s); err != nil {
+		w.log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
+			"err", err)
+	}
 }

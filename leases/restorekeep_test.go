@@ -291,7 +291,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		return len(resp.Kvs) == 1
 	}
 	ghosts := put(pod, "ghost", own.Next().Next())
-	a.wentBack("a test's restore") // not told to the package's other agents (restored.go)
+	a.notices.wentBack("a test's restore") // not told to the package's other agents (restored.go)
 	etcdtest.Eventually(t, "the deleted pod's keys gone from the running pod's lease", func() error {
 		for _, k := range ghosts {
 			if exists(k) {
@@ -307,7 +307,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		return n != node && n != 0 && a.keeper.Holds(n)
 	})
 	ghosts = put(a.nodeLease(), "ghost2", own.Next().Next().Next())
-	if err := a.sweepLeases(ctx); err != nil {
+	if err := a.recovery.sweepLeases(ctx); err != nil {
 		t.Fatal(err)
 	}
 	for _, k := range ghosts {

@@ -1,0 +1,182 @@
+package leases
+
+import (
+	"context"
+	"net/netip"
+	"slices"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/txn"
+)
+
+// heldByOthers reads the held keys of c's addresses and takes out of c those held back for
+// another node's pod (its lease expired without a release, while it may run): a re-claim no
+// more takes such an address than an ADD does; it is a conflict until that holder lets it go.
+// It also returns the ModRevisions of those held keys, and the addresses with no held key at
+// all: their hold ran out (the node was away longer than the reuse delay), and another pod
+// may have had them meanwhile.
+func (r *reclaimer) heldByOthers(ctx context.Context, c *txn.Claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
+	ops := make([]clientv3.Op, len(c.Addrs))
+	for i, ip := range c.Addrs {
+		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.Pool, c.Blocks, ip))
+	}
+	resp, err := r.cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return nil, nil, nil, r.unavailable("read the held keys of "+c.OwnerKey, err)
+	}
+	holds = map[netip.Addr]int64{}
+	var still []netip.Addr
+	for i, ip := range c.Addrs {
+		kvs := resp.Responses[i].GetResponseRange().Kvs
+		if len(kvs) == 0 {
+			still, unheld = append(still, ip), append(unheld, ip)
+			continue
+		}
+		if r.blocks.mine(clientv3.LeaseID(kvs[0].Lease)) {
+			still = append(still, ip)
+			continue
+		}
+		rec, _ := keyspace.Decode[keyspace.HeldRecord](string(kvs[0].Key), kvs[0].Value)
+		if rec.Owner == c.Alloc.Owner && rec.Cluster == c.Alloc.Cluster && rec.Node == c.Alloc.Node {
+			still = append(still, ip) // this pod's own, on a block lease of before a restart
+			continue
+		}
+		taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: rec.Owner, Cluster: rec.Cluster, Node: rec.Node})
+		holds[ip] = kvs[0].ModRevision
+	}
+	c.Addrs = still
+	return taken, holds, unheld, nil
+}
+
+// usedMeanwhile looks, for the addresses just re-claimed whose hold had run out (unheld),
+// in etcd's history of their allocation keys between the attachment's last write and the
+// re-claim (at rev): another owner that held one meanwhile, and let it go before the
+// re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
+// the conflict it was.
+func (r *reclaimer) usedMeanwhile(ctx context.Context, owner string, at attachment, c *txn.Claim, unheld []netip.Addr, rev int64) {
+	var look []netip.Addr
+	for _, ip := range unheld {
+		if slices.Contains(c.Addrs, ip) {
+			look = append(look, ip)
+		}
+	}
+	if taken, had := r.holdersBetween(ctx, owner, at, c, look, nil, rev); had > 0 {
+		r.conflictsFound(int64(had))
+		r.logHeldMeanwhile(owner, at, c, taken)
+	}
+}
+
+// heldBefore is usedMeanwhile for the addresses the re-claim found another owner holding
+// (taken), in the background: an owner other than the one holding it now that had it and let
+// it go meanwhile ran with this pod's address too (a node away across a restore, its hold
+// gone). The record names only the holder now, which the address comes back from, and the
+// address is counted once, as that conflict.
+func (r *reclaimer) heldBefore(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther, rev int64) {
+	if at.OwnerRev <= 0 || r.ctx.Err() != nil {
+		return
+	}
+	look := make([]netip.Addr, 0, len(taken))
+	now := make(map[netip.Addr]keyspace.TakenByOther, len(taken))
+	for _, t := range taken {
+		look, now[t.IP] = append(look, t.IP), t
+	}
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		if before, _ := r.holdersBetween(r.ctx, owner, at, c, look, now, rev); len(before) > 0 {
+			r.logHeldMeanwhile(owner, at, c, before)
+		}
+	}()
+}
+
+// holdersBetween reads etcd's history of the allocation key of each of addrs between the
+// attachment's last write and rev: the owners other than owner that held it, less the one
+// holding it now (now, if named there). had counts the addresses with any such owner. A
+// history etcd no longer has is logged.
+func (r *reclaimer) holdersBetween(ctx context.Context, owner string, at attachment, c *txn.Claim, addrs []netip.Addr,
+	now map[netip.Addr]keyspace.TakenByOther, rev int64) (taken []keyspace.TakenByOther, had int) {
+	if at.OwnerRev <= 0 {
+		return nil, 0
+	}
+	for _, ip := range addrs {
+		others, known := r.othersSince(ctx, owner, keyspace.IPKey(c.Pool, c.Blocks, ip), ip, at.OwnerRev, rev, time.Time{})
+		if !known {
+			r.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
+				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.Pool)
+		}
+		n := len(taken)
+		for _, o := range others {
+			if t, ok := now[ip]; !ok || o.Holder != t.Holder || o.Cluster != t.Cluster {
+				taken = append(taken, o)
+			}
+		}
+		if len(taken) > n {
+			had++
+		}
+	}
+	return taken, had
+}
+
+// logHeldMeanwhile logs owners that held this pod's addresses and let them go before the
+// re-claim.
+func (r *reclaimer) logHeldMeanwhile(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther) {
+	r.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
+		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.Pool, "taken", taken)
+}
+
+// historyIdle is how long othersSince waits, once a watch of a key's history is created,
+// for an event after the last: etcd sends a watch's past events at once (its sync loop runs
+// every 100 ms), so a quiet second means the history is all there. A miss costs a conflict
+// not logged, never an address.
+const historyIdle = time.Second
+
+// othersSince reads etcd's history of the allocation key of ip from revision from+1 up to to
+// (exclusive; 0: up to now), or up to its last event before a quiet historyIdle: the owners other than owner that held the address, since owner
+// last did (an owner writing it again resets the list: who had it before was dealt with
+// then). known is false when the history was compacted away or could not be read.
+func (r *reclaimer) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) (taken []keyspace.TakenByOther, known bool) {
+	octx, cancel := r.opCtx(ctx)
+	defer cancel()
+	// Past the gate: a history compacted away is an answer here, not a sign of a restore.
+	wch := r.gate.History(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
+		clientv3.WithCreatedNotify())
+	idle := time.NewTimer(historyIdle)
+	defer idle.Stop()
+	created := false
+	for {
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case resp, ok = <-wch:
+		case <-idle.C:
+			if created {
+				return taken, true
+			}
+			idle.Reset(historyIdle)
+			continue
+		}
+		if !ok || resp.CompactRevision != 0 || resp.Err() != nil {
+			return nil, false
+		}
+		created = created || resp.Created
+		idle.Reset(historyIdle)
+		for _, ev := range resp.Events {
+			if to > 0 && ev.Kv.ModRevision >= to {
+				return taken, true
+			}
+			holder, err := keyspace.Decode[keyspace.Allocation](key, ev.Kv.Value)
+			switch {
+			case err != nil:
+			case holder.Owner == owner:
+				taken = taken[:0]
+			case !before.IsZero() && !holder.Created.Before(before):
+			default:
+				taken = append(taken, keyspace.TakenByOther{IP: ip, Holder: holder.Owner, Cluster: holder.Cluster,
+					Node: holder.Node, ContainerID: holder.ContainerID})
+			}
+		}
+	}
+}
