@@ -53,17 +53,8 @@ type Agent struct {
 	pods        *podbook.Book
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
-	cmu    sync.Mutex
-	cwatch map[conflictRef]context.CancelFunc
-	// backHeld are the addresses this node's pods held when the agent last found etcd gone
-	// back in time (of notice backGen), until the repair after it is done; restoredHolds the
-	// held keys of other owners a restore brought back that the re-claim found on such
-	// addresses, by ModRevision (conflicts.go).
-	rmu           sync.Mutex
-	backHeld      map[conflictRef]bool
-	backGen       uint64
-	restoredHolds map[conflictRef]int64
-	importMu      sync.Mutex // one Import at a time (import.go)
+	cwatch   *conflictWatch
+	importMu sync.Mutex // one Import at a time (import.go)
 	// importConflicts lists the addresses imports left to another owner, by attachment, until
 	// its container's DEL (importreport.go).
 	icmu            sync.Mutex
@@ -121,8 +112,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		ctx:             actx,
 		cancel:          cancel,
 		jw:              podbook.NewWriter(cfg.StateDir, cfg.Logger),
-		cwatch:          make(map[conflictRef]context.CancelFunc),
-		restoredHolds:   make(map[conflictRef]int64),
+		cwatch:          newConflictWatch(),
 		importConflicts: map[importConflictRef][]netip.Addr{},
 		started:         time.Now(),
 		stopped:         make(chan struct{}),
@@ -187,6 +177,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
 		Owner: own, Hooks: hooks})
+	// The conflict watch was made with the agent, for the gate's signals; the rest of what it
+	// uses is handed in now that the pools are made.
+	cw := a.cwatch
+	cw.cfg, cw.ctx, cw.cli, cw.log = conflictConfig{Cluster: cfg.Cluster, OpTimeout: cfg.OpTimeout}, actx, a.cli, a.log
+	cw.pods, cw.locks, cw.pools = a.pods, &a.locks, a.pools
+	cw.heldFor, cw.allocation, cw.mine = a.heldFor, a.allocation, a.blockLeases.mine
+	cw.keepClaim = func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error {
+		return a.sticky.keepClaimLocked(ctx, own, stickyRef{owner, ifName, pool})
+	}
+	cw.open, cw.resolved = a.metrics.conflictsOpen, a.metrics.conflictsResolved
 	a.recovery, a.notices = a.newRecovery()
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())
@@ -257,6 +257,7 @@ func (a *Agent) Close() {
 		a.wg.Wait()
 		a.recovery.wait()
 		a.notices.wait()
+		a.cwatch.wait()
 		if a.pods.Count() == 0 && a.Err() == nil {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)

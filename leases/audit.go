@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"maps"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -590,12 +589,7 @@ func (a *Agent) auditIfDue(ctx context.Context) (lost int, err error) {
 	}
 	if suspected && lost > 0 {
 		a.notices.etcdWentBack(fmt.Sprintf("after a compacted watch, keys of %d running pods were missing or changed", lost))
-		a.rmu.Lock()
-		if a.backHeld == nil {
-			a.backHeld = map[conflictRef]bool{}
-		}
-		maps.Copy(a.backHeld, held)
-		a.rmu.Unlock()
+		a.cwatch.heldAlso(held)
 	}
 	return lost, nil
 }

@@ -59,7 +59,7 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 		}
 		return err
 	}
-	a.stopConflicts(owner)
+	a.cwatch.stop(owner)
 	return a.durable(ctx, "DEL", owner)
 }
 

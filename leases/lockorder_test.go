@@ -4,6 +4,7 @@ import (
 	"go/ast"
 	"go/token"
 	"sort"
+	"strings"
 	"testing"
 )
 
@@ -17,8 +18,11 @@ import (
 // literal), wherever a composite literal of the part's type sets the field.
 func TestOwnerLockOrder(t *testing.T) {
 	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
-	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked.
-	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices"}
+	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked. A part's call of
+	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
+	// that method.
+	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices",
+		"cwatch": "conflictWatch"}
 	types := map[string]bool{"Agent": true}
 	for _, typ := range lockParts {
 		types[typ] = true
@@ -159,6 +163,9 @@ func TestOwnerLockOrder(t *testing.T) {
 			return v
 		}
 		m, ok := methods[name]
+		if _, field, _ := strings.Cut(name, "."); !ok {
+			m, ok = methods["Agent."+field] // a func field of a part
+		}
 		if !ok || seen[name] {
 			return false
 		}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"maps"
 	"os"
 	"path/filepath"
 	"time"
@@ -200,14 +199,7 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 		ctx: a.ctx, cli: a.cli, gate: a.gate, keeper: a.keeper, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools,
 		hold: a.hold, blocks: a.blockLeases,
 		auditIfDue: a.auditIfDue, auditDue: func() { a.auditDue.Store(true) },
-		watchConflicts: a.watchConflicts, noteRestoredHolds: a.noteRestoredHolds,
-		repaired: func(gen uint64) {
-			a.rmu.Lock()
-			if gen >= a.backGen {
-				a.backHeld = nil
-			}
-			a.rmu.Unlock()
-		},
+		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
 		dropCopies: a.dropCopies, register: a.register, nodeLease: a.nodeLease,
 		releaseOwner: a.releaseOwner, releaseAttachment: a.releaseAttachment, dropPodIfEmpty: a.dropPodIfEmpty,
 		reportTakenAtDel: a.reportTakenAtDel, claimedOn: a.claimedOn, heldFor: a.heldFor, allocation: a.allocation,
@@ -219,16 +211,8 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 	n := &restoreNotices{cfg: noticeConfig{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL, OpTimeout: cfg.OpTimeout,
 		StateDir: cfg.StateDir},
 		ctx: a.ctx, cli: a.cli, log: a.log, hold: a.hold, keeper: a.keeper, pools: a.pools, heldAddrs: a.pods.HeldAddrs,
-		noteBackHeld: func(held map[conflictRef]bool, gen uint64) {
-			a.rmu.Lock()
-			if a.backHeld == nil {
-				a.backHeld = map[conflictRef]bool{}
-			}
-			maps.Copy(a.backHeld, held)
-			a.backGen = gen
-			a.rmu.Unlock()
-		},
-		nodeLease: a.nodeLease, checkNow: r.checkNow, wake: r.wake, suspect: func() bool { return a.suspect.Swap(true) },
+		noteBackHeld: a.cwatch.wentBack,
+		nodeLease:    a.nodeLease, checkNow: r.checkNow, wake: r.wake, suspect: func() bool { return a.suspect.Swap(true) },
 		wentBackCount: a.metrics.wentBack}
 	return r, n
 }

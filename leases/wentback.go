@@ -31,9 +31,10 @@ type restoreNotices struct {
 	keeper *keeper.Keeper
 	pools  *poolview.Pools
 	// heldAddrs are the addresses the pods held at a time (podbook.Book.HeldAddrs);
-	// noteBackHeld keeps them, as of notice gen, for the repair (conflicts.go).
+	// noteBackHeld keeps them, as of the notice generation gen gives, read under its own
+	// lock so that two notices close together leave the later one (conflictWatch.wentBack).
 	heldAddrs    func(lostSince time.Time) map[conflictRef]bool
-	noteBackHeld func(held map[conflictRef]bool, gen uint64)
+	noteBackHeld func(held map[conflictRef]bool, gen func() uint64)
 	// nodeLease is the node record's lease (0: none yet).
 	nodeLease func() clientv3.LeaseID
 	// checkNow and wake are the recovery's (reclaimer): check every key and run a whole
@@ -99,7 +100,7 @@ func (w *restoreNotices) wentBackFrom(why string, from time.Time) time.Time {
 	// A notice before the repair of an earlier one is done (another sign of the same restore,
 	// found by the audit a moment later) adds to what the pods held at the first: a pod whose
 	// lease the restore took in between held its addresses then.
-	w.noteBackHeld(held, w.hold.generation())
+	w.noteBackHeld(held, w.hold.generation)
 	w.wentBackCount.Inc()
 	_, settled, _ := w.hold.settleEnds()
 	w.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
