@@ -53,12 +53,9 @@ type Agent struct {
 	pods        *podbook.Book
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
-	cwatch   *conflictWatch
-	importMu sync.Mutex // one Import at a time (import.go)
-	// importConflicts lists the addresses imports left to another owner, by attachment, until
-	// its container's DEL (importreport.go).
-	icmu            sync.Mutex
-	importConflicts map[importConflictRef][]netip.Addr
+	cwatch *conflictWatch
+	// imports claims what other IPAM plugins gave running containers (import.go).
+	imports *importer
 
 	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
 	// it repairs what etcd going back in time took; auditDue asks the recovery loop to check
@@ -103,19 +100,18 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		WentBack:        func(why string, from time.Time) { a.notices.etcdWentBackFrom(why, from) },
 		MayHaveGoneBack: func(why string) { a.notices.etcdMayHaveGoneBack(why) }})
 	a = &Agent{
-		unlock:          unlock,
-		cfg:             cfg,
-		cli:             gate.Client(),
-		gate:            gate,
-		hold:            newRestoreHold(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
-		log:             cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
-		ctx:             actx,
-		cancel:          cancel,
-		jw:              podbook.NewWriter(cfg.StateDir, cfg.Logger),
-		cwatch:          newConflictWatch(),
-		importConflicts: map[importConflictRef][]netip.Addr{},
-		started:         time.Now(),
-		stopped:         make(chan struct{}),
+		unlock:  unlock,
+		cfg:     cfg,
+		cli:     gate.Client(),
+		gate:    gate,
+		hold:    newRestoreHold(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
+		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
+		ctx:     actx,
+		cancel:  cancel,
+		jw:      podbook.NewWriter(cfg.StateDir, cfg.Logger),
+		cwatch:  newConflictWatch(),
+		started: time.Now(),
+		stopped: make(chan struct{}),
 	}
 	a.pods = podbook.New(cfg.NodeUID, a.jw)
 	a.metrics = newMetrics(a)
@@ -187,6 +183,15 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return a.sticky.keepClaimLocked(ctx, own, stickyRef{owner, ifName, pool})
 	}
 	cw.open, cw.resolved = a.metrics.conflictsOpen, a.metrics.conflictsResolved
+	a.imports = &importer{cfg: importConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
+		WallClock: cfg.WallClock, StateDir: cfg.StateDir},
+		cli: a.cli, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools, keeper: k, stopped: a.Err,
+		claimLoop: func(own *ownerlock.Owned, req allocator.Request, policy claimPolicy) claimLoop {
+			return claimLoop{a: a, own: own, req: req, policy: policy}
+		},
+		claimedOn: a.claimedOn, heldFor: a.heldFor, resumePod: a.resumePod,
+		allocation: a.allocation, ownerRecord: a.ownerRecord, podRecord: a.podRecord,
+		imported: a.metrics.imports, importConflicts: map[importConflictRef][]netip.Addr{}}
 	a.recovery, a.notices = a.newRecovery()
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())

@@ -43,7 +43,7 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
-	if err := a.importConflictDeleted(req); err != nil {
+	if err := a.imports.conflictDeleted(req); err != nil {
 		return err
 	}
 	if err := a.reachable(ctx); err != nil {

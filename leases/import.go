@@ -4,17 +4,22 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"slices"
+	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/adopt"
+	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/txn"
 )
@@ -62,6 +67,73 @@ type ImportReport struct {
 // maxImportAttempts bounds the claims of one attachment's import, as maxAddAttempts an ADD's.
 const maxImportAttempts = 16
 
+// importer is the agent's part that imports: it claims for running containers the addresses
+// another IPAM plugin gave them (Agent.Import), one import at a time, keeps the ledger of what
+// imports did in the state directory, and records the DEL of a container whose address an
+// import left to another owner (conflictDeleted). It owns importMu and the conflicts imports
+// left. It claims through the agent's claim loop and records what it claimed in the pod book;
+// what it needs of the agent is handed in when Start makes it.
+type importer struct {
+	cfg    importConfig
+	cli    *clientv3.Client // the gate's
+	log    *slog.Logger
+	pods   importBook
+	locks  *ownerlock.Locks
+	pools  *poolview.Pools
+	keeper *keeper.Keeper // renews the pod leases, hands out spares
+	// stopped is why the agent stopped itself, nil while it serves (Agent.Err).
+	stopped func() error
+	// claimLoop makes the agent's claim loop for one attachment of the owner whose lock own
+	// is, with the import's policy (claimloop.go).
+	claimLoop func(own *ownerlock.Owned, req allocator.Request, policy claimPolicy) claimLoop
+	// claimedOn, heldFor, resumePod, allocation, ownerRecord and podRecord are the agent's
+	// (claimloop.go, add.go): what an ADD records and writes for an attachment.
+	claimedOn   func(ctx context.Context, req allocator.Request, o *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment)
+	heldFor     func(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error)
+	resumePod   func(ctx context.Context, own *ownerlock.Owned, podKV *mvccpb.KeyValue) error
+	allocation  func(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) keyspace.Allocation
+	ownerRecord func(req allocator.Request, addrs []netip.Addr, lease clientv3.LeaseID, now time.Time) keyspace.OwnerRecord
+	podRecord   func(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) keyspace.PodRecord
+	// imported counts the addresses of imports by what became of them.
+	imported *prometheus.CounterVec
+
+	importMu sync.Mutex // one Import at a time; taken before an owner lock
+	// importConflicts lists the addresses imports left to another owner, by attachment, until
+	// its container's DEL (importreport.go).
+	icmu            sync.Mutex
+	importConflicts map[importConflictRef][]netip.Addr
+}
+
+// importConfig is what the importer uses of the agent's Config.
+type importConfig struct {
+	Cluster, Node, NodeUID string
+	OpTimeout              time.Duration
+	WallClock              func() time.Time
+	// StateDir keeps the ledger (ledgerFile); "" keeps none.
+	StateDir string
+}
+
+// importBook is what the importer asks of the pod book (podbook.Book): whether an owner's
+// attachment holds an address, an owner's lease, and of a change Drop.
+type importBook interface {
+	HoldsAddr(owner, ifName, pool string, addr netip.Addr) bool
+	Lease(owner string) (clientv3.LeaseID, bool)
+	Change(o *ownerlock.Owned) podbook.Change
+}
+
+// opCtx bounds one etcd request by the operation timeout.
+func (im *importer) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, im.cfg.OpTimeout)
+}
+
+// wall is the time written into records; see Config.WallClock.
+func (im *importer) wall() time.Time { return im.cfg.WallClock().UTC() }
+
+// unavailable wraps an etcd error so that the runtime retries (as Agent.unavailable).
+func (im *importer) unavailable(what string, err error) error {
+	return fmt.Errorf("%w: %s: %w", allocator.ErrUnavailable, what, err)
+}
+
 // Import claims, for each attachment, the addresses another IPAM plugin gave a container
 // that still runs on this node, so that no ADD hands them out again and the container's DEL,
 // or GC, releases them. Each attachment is one claim (txn.Claim) on the owner's pod lease,
@@ -76,8 +148,13 @@ const maxImportAttempts = 16
 // as already imported, and those released since it imported them (the ledger in the state
 // directory) as released. The error is for what must stop the agent from serving: the pool
 // is not defined, or etcd did not answer.
-func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err error) {
-	if err := a.Err(); err != nil {
+func (a *Agent) Import(ctx context.Context, imp Import) (ImportReport, error) {
+	return a.imports.run(ctx, imp)
+}
+
+// run is Agent.Import.
+func (im *importer) run(ctx context.Context, imp Import) (rep ImportReport, err error) {
+	if err := im.stopped(); err != nil {
 		return rep, fmt.Errorf("%w: the agent has stopped: %w", allocator.ErrUnavailable, err)
 	}
 	if imp.Pool == "" {
@@ -86,9 +163,9 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 	if err := keyspace.ValidateNames("network", imp.Network, "pool", imp.Pool); err != nil {
 		return rep, err
 	}
-	a.importMu.Lock()
-	defer a.importMu.Unlock()
-	p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: imp.Pool})
+	im.importMu.Lock()
+	defer im.importMu.Unlock()
+	p, err := im.pools.Ensure(ctx, allocator.PoolSpec{Name: imp.Pool})
 	if errors.Is(err, allocator.ErrInvalidConfig) {
 		return rep, fmt.Errorf("import %s into pool %q: the pool is not defined in etcd, and the import needs its ranges to tell "+
 			"which addresses are its own: create it with leaseholdctl pool create %s --range ... with the ranges of network %s's "+
@@ -101,12 +178,12 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 		return rep, fmt.Errorf("%w: import %s: pool %q is being moved to the block layout; run leaseholdctl pool migrate %s to its end first",
 			allocator.ErrUnavailable, imp.Source, imp.Pool, imp.Pool)
 	}
-	ledger, lerr := a.loadLedger()
+	ledger, lerr := im.loadLedger()
 	if lerr != nil {
-		a.log.Warn("the import ledger is unreadable; addresses released since an earlier import may be imported again", "err", lerr)
+		im.log.Warn("the import ledger is unreadable; addresses released since an earlier import may be imported again", "err", lerr)
 	}
-	defer a.keeper.Refill()
-	defer func() { a.reportImport(imp, rep, ledger) }()
+	defer im.keeper.Refill()
+	defer func() { im.reportImport(imp, rep, ledger) }()
 	for _, at := range imp.Attachments {
 		owner := at.Owner()
 		if err := keyspace.ValidateNames("container ID", at.ContainerID, "interface name", at.IfName, "owner", owner); err != nil {
@@ -119,7 +196,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 			case err != nil:
 				e.Detail = err.Error()
 				rep.OutsidePool = append(rep.OutsidePool, e)
-			case a.pods.HoldsAddr(owner, at.IfName, imp.Pool, ip):
+			case im.pods.HoldsAddr(owner, at.IfName, imp.Pool, ip):
 				rep.Already = append(rep.Already, e)
 			case ledger[ledgerEntry{imp.Pool, at.ContainerID, at.IfName, ip}].imported:
 				e.Detail = "imported before and released since (DEL or GC)"
@@ -132,7 +209,7 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 			}
 		}
 		if len(claim) > 0 {
-			if err := a.importAttachment(ctx, p, imp, at, claim, &rep); err != nil {
+			if err := im.importAttachment(ctx, p, imp, at, claim, &rep); err != nil {
 				return rep, err
 			}
 		}
@@ -143,52 +220,52 @@ func (a *Agent) Import(ctx context.Context, imp Import) (rep ImportReport, err e
 // importAttachment claims addrs for one attachment, as an ADD claims (add.go's tryAdd and
 // learn) but with the import's addresses: a claim whose answer was lost keeps its lease with
 // the owner and is sent again; an address found held is reported and dropped.
-func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
+func (im *importer) importAttachment(ctx context.Context, p *poolview.Pool, imp Import, at adopt.Attachment, addrs []netip.Addr, rep *ImportReport) error {
 	owner := at.Owner()
-	own := a.locks.Lock(owner)
+	own := im.locks.Lock(owner)
 	defer own.Unlock()
 	req := allocator.Request{Network: imp.Network, Pool: allocator.PoolSpec{Name: imp.Pool}, ContainerID: at.ContainerID,
 		IfName: at.IfName, Pod: at.Pod}
-	ownerKey := keyspace.OwnerKey(a.cfg.Cluster, owner, at.IfName, imp.Pool)
+	ownerKey := keyspace.OwnerKey(im.cfg.Cluster, owner, at.IfName, imp.Pool)
 	entry := func(ip netip.Addr, detail string) ImportedAddr {
 		return ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName, Detail: detail}
 	}
 	unanswered := 0
-	claims := claimLoop{a: a, own: own, req: req, policy: claimPolicy{
+	claims := im.claimLoop(own, req, claimPolicy{
 		// A refusal, of the owner's own lease gone too, is the import's answer.
 		refused: func(err error) error {
 			return fmt.Errorf("%w: import %s: etcd refused the claim: %w", allocator.ErrUnavailable, ownerKey, err)
 		},
 		unanswered: func(ctx context.Context, err error) error {
 			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
-				return a.unavailable("import "+ownerKey, err)
+				return im.unavailable("import "+ownerKey, err)
 			}
 			return nil
 		},
-	}}
+	})
 	defer claims.done()
 	for range maxImportAttempts {
-		octx, cancel := a.opCtx(ctx)
-		lease, known := a.pods.Lease(owner)
+		octx, cancel := im.opCtx(ctx)
+		lease, known := im.pods.Lease(owner)
 		if !known {
 			id, err := claims.spare(octx)
 			if err != nil {
 				cancel()
-				return a.unavailable("grant a pod lease for the import of "+ownerKey, err)
+				return im.unavailable("grant a pod lease for the import of "+ownerKey, err)
 			}
 			lease = id
 		}
-		heldLease, held, err := a.heldFor(octx, owner)
+		heldLease, held, err := im.heldFor(octx, owner)
 		if err != nil {
 			cancel()
 			return err
 		}
-		now := a.wall()
+		now := im.wall()
 		c := &txn.Claim{Lease: lease, Pool: p.Spec.Name, Blocks: p.Spec.Blocks, Addrs: slices.Clone(addrs), OwnerKey: ownerKey,
 			HeldLease: heldLease, Held: held,
-			Alloc: a.allocation(req, owner, lease, now), Index: a.ownerRecord(req, addrs, lease, now),
-			PodKey: keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, owner), NewPod: !known, Pod: a.podRecord(req, owner, lease, now)}
-		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(octx, a.cli) })
+			Alloc: im.allocation(req, owner, lease, now), Index: im.ownerRecord(req, addrs, lease, now),
+			PodKey: keyspace.PodKey(im.cfg.Cluster, im.cfg.Node, owner), NewPod: !known, Pod: im.podRecord(req, owner, lease, now)}
+		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(octx, im.cli) })
 		cancel()
 		if err != nil {
 			return err
@@ -201,31 +278,31 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 				p.View.MarkAllocated(ip, out.Revision)
 				rep.Imported = append(rep.Imported, entry(ip, ""))
 			}
-			a.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
+			im.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
 				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
 			claims.bound()
-			a.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
+			im.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
 				"pool", imp.Pool, "ips", addrs, "lease", keyspace.LeaseHex(lease))
 			return nil
 		}
 		if out.Existing != nil {
-			return a.importFound(ctx, req, own, addrs, out.Existing, rep, entry)
+			return im.importFound(ctx, req, own, addrs, out.Existing, rep, entry)
 		}
 		switch out.Pod {
 		case txn.PodExists:
-			if rec, derr := keyspace.Decode[keyspace.PodRecord](string(out.PodKV.Key), out.PodKV.Value); derr == nil && rec.NodeUID != a.cfg.NodeUID {
+			if rec, derr := keyspace.Decode[keyspace.PodRecord](string(out.PodKV.Key), out.PodKV.Value); derr == nil && rec.NodeUID != im.cfg.NodeUID {
 				for _, ip := range addrs {
 					rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("owner %s has a pod record of node identity %s, not this agent's %s",
-						owner, rec.NodeUID, a.cfg.NodeUID)))
+						owner, rec.NodeUID, im.cfg.NodeUID)))
 				}
 				return nil
 			}
-			if err := a.resumePod(ctx, own, out.PodKV); err != nil {
+			if err := im.resumePod(ctx, own, out.PodKV); err != nil {
 				return err
 			}
 			continue
 		case txn.PodGone, txn.PodMoved:
-			a.pods.Change(own).Drop()
+			im.pods.Change(own).Drop()
 			if out.Pod == txn.PodGone {
 				claims.reuse(lease)
 			}
@@ -238,7 +315,7 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 				continue
 			}
 			h, _ := keyspace.Decode[keyspace.Allocation](string(f.Holder.Key), f.Holder.Value)
-			if h.NodeUID == a.cfg.NodeUID && h.ContainerID == at.ContainerID && h.IfName == at.IfName {
+			if h.NodeUID == im.cfg.NodeUID && h.ContainerID == at.ContainerID && h.IfName == at.IfName {
 				rep.Already = append(rep.Already, entry(f.Addr, "held for the same container by owner "+h.Owner))
 				continue
 			}
@@ -254,13 +331,13 @@ func (a *Agent) importAttachment(ctx context.Context, p *poolview.Pool, imp Impo
 // importFound handles an owner index that exists already: of this node identity and
 // container, the import was done before and its lease is renewed here; anything else is
 // another attachment's, and the addresses are conflicts.
-func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *ownerlock.Owned, addrs []netip.Addr, kv *mvccpb.KeyValue,
+func (im *importer) importFound(ctx context.Context, req allocator.Request, own *ownerlock.Owned, addrs []netip.Addr, kv *mvccpb.KeyValue,
 	rep *ImportReport, entry func(netip.Addr, string) ImportedAddr) error {
 	rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 	if err != nil {
 		return err
 	}
-	if rec.NodeUID != a.cfg.NodeUID || rec.ContainerID != req.ContainerID {
+	if rec.NodeUID != im.cfg.NodeUID || rec.ContainerID != req.ContainerID {
 		for _, ip := range addrs {
 			rep.Conflicts = append(rep.Conflicts, entry(ip, fmt.Sprintf("owner index %s names container %s of node %s (identity %s)",
 				kv.Key, rec.ContainerID, rec.Node, rec.NodeUID)))
@@ -268,14 +345,14 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *own
 		return nil
 	}
 	lease := keyspace.LeaseOf(kv)
-	if !a.keeper.Holds(lease) {
-		octx, cancel := a.opCtx(ctx)
+	if !im.keeper.Holds(lease) {
+		octx, cancel := im.opCtx(ctx)
 		defer cancel()
-		if err := a.keeper.Adopt(octx, lease); err != nil {
-			return a.unavailable("resume the pod lease of "+string(kv.Key), err)
+		if err := im.keeper.Adopt(octx, lease); err != nil {
+			return im.unavailable("resume the pod lease of "+string(kv.Key), err)
 		}
 	}
-	a.claimedOn(ctx, req, own, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
+	im.claimedOn(ctx, req, own, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
 		ContainerID: rec.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
 	var missing []netip.Addr
 	for _, ip := range addrs {
@@ -290,7 +367,7 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *own
 	}
 	// Imported before without them (they were held by another owner then): say who holds
 	// them now. The attachment is not changed; its DEL or GC ends it.
-	p, err := a.pools.Ensure(ctx, req.Pool)
+	p, err := im.pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return err
 	}
@@ -298,11 +375,11 @@ func (a *Agent) importFound(ctx context.Context, req allocator.Request, own *own
 	for i, ip := range missing {
 		ops[i] = clientv3.OpGet(keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, ip))
 	}
-	octx, cancel := a.opCtx(ctx)
+	octx, cancel := im.opCtx(ctx)
 	defer cancel()
-	resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+	resp, err := im.cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
-		return a.unavailable("read the addresses of "+string(kv.Key), err)
+		return im.unavailable("read the addresses of "+string(kv.Key), err)
 	}
 	for i, ip := range missing {
 		detail := "free now"

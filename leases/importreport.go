@@ -45,12 +45,12 @@ type importConflictRef struct{ pool, containerID, ifName string }
 
 // loadLedger reads the ledger; without a state directory it is empty. An unreadable line is
 // skipped (its address may be imported again, which GC or the container's DEL undoes).
-func (a *Agent) loadLedger() (map[ledgerEntry]ledgerMark, error) {
+func (im *importer) loadLedger() (map[ledgerEntry]ledgerMark, error) {
 	out := map[ledgerEntry]ledgerMark{}
-	if a.cfg.StateDir == "" {
+	if im.cfg.StateDir == "" {
 		return out, nil
 	}
-	f, err := os.Open(filepath.Join(a.cfg.StateDir, ledgerFile))
+	f, err := os.Open(filepath.Join(im.cfg.StateDir, ledgerFile))
 	if errors.Is(err, fs.ErrNotExist) {
 		return out, nil
 	}
@@ -79,11 +79,11 @@ func (a *Agent) loadLedger() (map[ledgerEntry]ledgerMark, error) {
 }
 
 // appendLedger adds entries to the ledger and syncs it.
-func (a *Agent) appendLedger(entries []ledgerLine) error {
-	if a.cfg.StateDir == "" || len(entries) == 0 {
+func (im *importer) appendLedger(entries []ledgerLine) error {
+	if im.cfg.StateDir == "" || len(entries) == 0 {
 		return nil
 	}
-	f, err := os.OpenFile(filepath.Join(a.cfg.StateDir, ledgerFile), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	f, err := os.OpenFile(filepath.Join(im.cfg.StateDir, ledgerFile), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
 	if err != nil {
 		return err
 	}
@@ -98,14 +98,14 @@ func (a *Agent) appendLedger(entries []ledgerLine) error {
 
 // reportImport logs what an import did, counts it in leasehold_import_addresses_total and
 // adds what the agent now holds to the ledger.
-func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]ledgerMark) {
+func (im *importer) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]ledgerMark) {
 	for _, e := range rep.Conflicts {
-		a.log.Error("IMPORT CONFLICT: an address another IPAM plugin gave a running container is held by another owner in etcd; "+
+		im.log.Error("IMPORT CONFLICT: an address another IPAM plugin gave a running container is held by another owner in etcd; "+
 			"it is not taken, and two containers may use it", "source", imp.Source, "pool", imp.Pool, "ip", e.IP,
 			"container", e.ContainerID, "ifname", e.IfName, "detail", e.Detail)
 	}
 	for _, e := range rep.OutsidePool {
-		a.log.Warn("import: the address is not one the pool hands out; not imported", "source", imp.Source, "pool", imp.Pool,
+		im.log.Warn("import: the address is not one the pool hands out; not imported", "source", imp.Source, "pool", imp.Pool,
 			"ip", e.IP, "container", e.ContainerID, "ifname", e.IfName, "detail", e.Detail)
 	}
 	var add []ledgerLine
@@ -116,24 +116,24 @@ func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntr
 			}
 		}
 	}
-	a.icmu.Lock()
+	im.icmu.Lock()
 	for _, e := range rep.Conflicts {
 		le := ledgerEntry{imp.Pool, e.ContainerID, e.IfName, e.IP}
 		if !ledger[le].conflict {
 			add = append(add, ledgerLine{ledgerEntry: le, Conflict: true})
 		}
 		ref := importConflictRef{imp.Pool, e.ContainerID, e.IfName}
-		a.importConflicts[ref] = append(a.importConflicts[ref], e.IP)
+		im.importConflicts[ref] = append(im.importConflicts[ref], e.IP)
 	}
-	a.icmu.Unlock()
-	if err := a.appendLedger(add); err != nil {
-		a.log.Warn("could not write the import ledger; an import run again may claim addresses released since", "err", err)
+	im.icmu.Unlock()
+	if err := im.appendLedger(add); err != nil {
+		im.log.Warn("could not write the import ledger; an import run again may claim addresses released since", "err", err)
 	}
 	for result, n := range map[string]int{"imported": len(rep.Imported), "already": len(rep.Already), "released": len(rep.Released),
 		"conflict": len(rep.Conflicts), "outside_pool": len(rep.OutsidePool)} {
-		a.metrics.imports.WithLabelValues(result).Add(float64(n))
+		im.imported.WithLabelValues(result).Add(float64(n))
 	}
-	a.log.Info("import done", "source", imp.Source, "network", imp.Network, "pool", imp.Pool, "imported", len(rep.Imported),
+	im.log.Info("import done", "source", imp.Source, "network", imp.Network, "pool", imp.Pool, "imported", len(rep.Imported),
 		"already_imported", len(rep.Already), "released_since_imported", len(rep.Released), "conflicts", len(rep.Conflicts),
 		"outside_pool", len(rep.OutsidePool))
 }
@@ -141,11 +141,11 @@ func (a *Agent) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntr
 // importConflictDeleted records, before a DEL answers, that the container of an import
 // conflict was deleted: the address it was using is not imported again by a later import
 // with the same flags, once its other holder is gone. Only a DEL of such a container writes.
-func (a *Agent) importConflictDeleted(req allocator.Request) error {
+func (im *importer) conflictDeleted(req allocator.Request) error {
 	ref := importConflictRef{req.Pool.Name, req.ContainerID, req.IfName}
-	a.icmu.Lock()
-	defer a.icmu.Unlock()
-	ips, ok := a.importConflicts[ref]
+	im.icmu.Lock()
+	defer im.icmu.Unlock()
+	ips, ok := im.importConflicts[ref]
 	if !ok {
 		return nil
 	}
@@ -153,11 +153,11 @@ func (a *Agent) importConflictDeleted(req allocator.Request) error {
 	for i, ip := range ips {
 		lines[i] = ledgerLine{ledgerEntry: ledgerEntry{ref.pool, ref.containerID, ref.ifName, ip}, Deleted: true}
 	}
-	if err := a.appendLedger(lines); err != nil {
+	if err := im.appendLedger(lines); err != nil {
 		return fmt.Errorf("%w: the import ledger in %s cannot record the DEL of container %s, whose address an import left to "+
 			"another owner, and a restart could import it again: %w; free the state directory's disk, then retry",
-			allocator.ErrUnavailable, a.cfg.StateDir, req.ContainerID, err)
+			allocator.ErrUnavailable, im.cfg.StateDir, req.ContainerID, err)
 	}
-	delete(a.importConflicts, ref)
+	delete(im.importConflicts, ref)
 	return nil
 }

@@ -12,17 +12,17 @@ import (
 // a method of Agent (or of a part of it in package leases, lockParts) that holds an owner lock
 // (it is handed an ownerlock.Owned, or takes one) never calls, directly or through other
 // methods, a method that takes an owner lock (a second owner's, or its own again: a deadlock)
-// or Agent.importMu (taken before an owner lock, never after). Calls in a goroutine the method
-// starts do not hold its lock and are not followed. A call of a part's func field is followed
-// into what the agent wires into it (a method value a.releaseOwner, or the calls of a func
-// literal), wherever a composite literal of the part's type sets the field.
+// or importer.importMu (taken before an owner lock, never after). Calls in a goroutine the
+// method starts do not hold its lock and are not followed. A call of a part's func field is
+// followed into what the agent wires into it (a method value a.releaseOwner, or the calls of a
+// func literal), wherever a composite literal of the part's type sets the field.
 func TestOwnerLockOrder(t *testing.T) {
 	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
 	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked. A part's call of
 	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
 	// that method.
 	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices",
-		"cwatch": "conflictWatch"}
+		"cwatch": "conflictWatch", "imports": "importer"}
 	types := map[string]bool{"Agent": true}
 	for _, typ := range lockParts {
 		types[typ] = true
