@@ -259,13 +259,23 @@ func parsePoolAddr(dir, key string) (string, netip.Prefix, netip.Addr, error) {
 
 // ParseOwnerKey splits an owner index key into its parts.
 func ParseOwnerKey(key string) (cluster, owner, ifName, pool string, err error) {
-	rest, ok := strings.CutPrefix(key, ownersDir)
+	return parseAttachmentKey(key, ownersDir)
+}
+
+// ParseConflictKey splits a conflict record's key into its parts.
+func ParseConflictKey(key string) (cluster, owner, ifName, pool string, err error) {
+	return parseAttachmentKey(key, conflictsDir)
+}
+
+// parseAttachmentKey splits key, dir<cluster>/<owner>/<ifname>/<pool>, into its parts.
+func parseAttachmentKey(key, dir string) (cluster, owner, ifName, pool string, err error) {
+	rest, ok := strings.CutPrefix(key, dir)
 	if !ok {
-		return "", "", "", "", fmt.Errorf("key %q is not under %s", key, ownersDir)
+		return "", "", "", "", fmt.Errorf("key %q is not under %s", key, dir)
 	}
 	parts := strings.Split(rest, "/")
 	if len(parts) != 4 {
-		return "", "", "", "", fmt.Errorf("key %q: want %s<cluster>/<owner>/<ifname>/<pool>", key, ownersDir)
+		return "", "", "", "", fmt.Errorf("key %q: want %s<cluster>/<owner>/<ifname>/<pool>", key, dir)
 	}
 	return parts[0], parts[1], parts[2], parts[3], nil
 }

@@ -21,7 +21,7 @@ import (
 //   - the Parse*Key functions invert the builders in both layouts:
 //     ParseIPKey(IPKey(p, b, ip)) == (p, b.Of(ip), ip), ParseQuarantineKey likewise,
 //     ParseBlockKey(BlockKey(p, blk)) == (p, blk), ParseBlockName(BlockName(blk)) == blk,
-//     ParseOwnerKey(OwnerKey(c, o, i, p)) == (c, o, i, p),
+//     ParseOwnerKey(OwnerKey(c, o, i, p)) == (c, o, i, p), ParseConflictKey likewise,
 //     ParseHostIPKey(HostIPKey(ip, c, n)) == ip;
 //   - a block key's block contains its address, and is the address's block (b.Of);
 //   - no confusion between names: a key built from a second set of names falls under a
@@ -170,6 +170,13 @@ func FuzzKeys(f *testing.F) {
 		}
 		if _, _, _, _, err := ParseOwnerKey(ConflictKey(cluster, owner, ifName, pool)); err == nil {
 			t.Errorf("ParseOwnerKey accepted conflict key %q", ConflictKey(cluster, owner, ifName, pool))
+		}
+		if c, o, i, p, err := ParseConflictKey(ConflictKey(cluster, owner, ifName, pool)); err != nil ||
+			c != cluster || o != owner || i != ifName || p != pool {
+			t.Errorf("ParseConflictKey(ConflictKey(%q, %q, %q, %q)) = %q, %q, %q, %q, %v", cluster, owner, ifName, pool, c, o, i, p, err)
+		}
+		if _, _, _, _, err := ParseConflictKey(OwnerKey(cluster, owner, ifName, pool)); err == nil {
+			t.Errorf("ParseConflictKey accepted owner key %q", OwnerKey(cluster, owner, ifName, pool))
 		}
 
 		under := func(what, key, prefix string, want bool) {

@@ -247,8 +247,8 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 // TestKeysOfADeletedPodARestorePutOnATakenLeaseGo: a recycled lease a restore filled again
 // with a deleted pod's keys, taken meanwhile by the node record or by another pod, would be
 // renewed for ever with them. After etcd goes back, the agent deletes from its node's and
-// pods' leases every pod record, owner index and allocation of another owner, and nothing of
-// the pod the lease is for.
+// pods' leases every pod record, owner index, allocation and conflict record of another
+// owner, and nothing of the pod the lease is for.
 func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.81.0.0/26", 28)
@@ -269,11 +269,14 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		alloc := keyspace.Allocation{Owner: owner, Cluster: cluster, Node: "n1", NodeUID: "uid-n1", ContainerID: "c-" + owner,
 			IfName: "eth0", Network: pool.Name, LeaseID: keyspace.LeaseHex(lease)}
 		keys := []string{keyspace.PodKey(cluster, "n1", owner), keyspace.OwnerKey(cluster, owner, "eth0", pool.Name),
-			keyspace.IPKey(pool.Name, pool.Blocks, ip)}
+			keyspace.IPKey(pool.Name, pool.Blocks, ip), keyspace.ConflictKey(cluster, owner, "eth0", pool.Name)}
 		vals := []string{keyspace.Encode(keyspace.PodRecord{Owner: owner, NodeUID: "uid-n1", LeaseID: keyspace.LeaseHex(lease)}),
 			keyspace.Encode(keyspace.OwnerRecord{IPs: []netip.Addr{ip}, ContainerID: "c-" + owner, Network: pool.Name, Node: "n1",
 				NodeUID: "uid-n1", LeaseID: keyspace.LeaseHex(lease)}),
-			keyspace.Encode(alloc)}
+			keyspace.Encode(alloc),
+			// The deleted pod had an address of its own taken while its lease was lost.
+			keyspace.Encode(keyspace.ConflictRecord{ContainerID: "c-" + owner, Node: "n1", NodeUID: "uid-n1",
+				Taken: []keyspace.TakenByOther{{IP: ip.Next(), Holder: "other", Cluster: cluster, Node: "n2"}}})}
 		var ops []clientv3.Op
 		for i := range keys {
 			ops = append(ops, clientv3.OpPut(keys[i], vals[i], clientv3.WithLease(lease)))
@@ -488,6 +491,77 @@ func TestARestoredAttachmentDeletedAfterTheBackupIsSwept(t *testing.T) {
 			return fmt.Errorf("net1 (deleted): %d allocations, %d owner indexes; eth0 (kept): %d, %d", ga, go_, ka, ko)
 		}
 		return nil
+	})
+}
+
+// TestAConflictRecordOfAnAttachmentDeletedAfterTheBackupIsSwept: when the backup was taken,
+// a pod's attachment was in conflict (another owner took its address while the pod's lease
+// was lost); since then the conflict was resolved and the attachment deleted, while the pod
+// keeps another attachment on the same lease. The restore puts the attachment's conflict
+// record back on that lease, which the agent renews, and which the audit keeps (the pod's
+// other keys are as they were): the sweep deletes the record with the attachment's other
+// keys, else it would report for good a conflict of an attachment that no longer exists.
+// Found by the model (LEASEHOLD_MODEL_SEED=1795818077658053670, a GC after the resolution).
+func TestAConflictRecordOfAnAttachmentDeletedAfterTheBackupIsSwept(t *testing.T) {
+	eachRestoreWay(t, "10.86.0.0/26", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		a := startAgentAt(t, member.ClientURL, cluster, "a", "uid-a", withHold(t.TempDir()), auditFast)
+		o := startAgentAt(t, member.ClientURL, cluster, "b", "uid-b", withHold(t.TempDir()))
+		if _, err := a.Add(ctx, addReq(pool, "run", "net1", "run")); err != nil {
+			t.Fatal(err)
+		}
+		res, err := a.Add(ctx, addReq(pool, "run", "eth0", "run"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ip := addrs(res)[0]
+		// The pod's lease lost, and its eth0 address taken meanwhile on node b.
+		own := a.locks.Lock("run")
+		expire(t, cli, a, "run")
+		thief := addReq(pool, "thief", "eth0", "thief")
+		thief.RequestedIPs = []netip.Addr{ip}
+		if _, err := o.Add(ctx, thief); err != nil {
+			t.Fatalf("another node asks for the expired address: %v", err)
+		}
+		own.Unlock()
+		record := keyspace.ConflictKey(cluster, "run", "eth0", pool.Name)
+		var lease clientv3.LeaseID
+		etcdtest.Eventually(t, "the re-claim records the conflict, the pod on its new lease", func() error {
+			var ok bool
+			if lease, ok = a.pods.Lease("run"); !ok {
+				return fmt.Errorf("the agent holds no lease of the pod")
+			}
+			return etcdtest.Keys(t, cli, record, 1)()
+		})
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		if err := o.Del(ctx, thief); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "the running pod holds its address again", func() error {
+			if err := ownerIs(t, cli, pool, ip, "run"); err != nil {
+				return err
+			}
+			return etcdtest.Keys(t, cli, record, 0)()
+		})
+		if err := a.Del(ctx, addReq(pool, "run", "eth0", "run")); err != nil {
+			t.Fatal(err)
+		}
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "the deleted attachment's restored conflict record gone, the pod on its lease", func() error {
+			if err := etcdtest.Keys(t, cli, record, 0)(); err != nil {
+				return err
+			}
+			if now, ok := a.pods.Lease("run"); !ok || now != lease {
+				return fmt.Errorf("the pod is on lease %s (held %v), was on %s: the restore should have left it alone",
+					keyspace.LeaseHex(now), ok, keyspace.LeaseHex(lease))
+			}
+			return nil
+		})
 	})
 }
 

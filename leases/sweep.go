@@ -15,15 +15,18 @@ import (
 )
 
 // sweepLeases deletes, from the leases the agent renews for its node and its pods, the pod
-// records, owner indexes and allocations of any other owner, and those of an attachment of
-// the lease's own pod that the agent no longer lists. Keeper.Recycle makes a deleted pod's
-// lease a spare once etcd says no key is left on it; etcd restored from a backup older than
-// that DEL puts the pod's keys back on the lease, and whoever took it since (the node record,
-// a new pod) would renew them for ever: an address no pod runs with, held. The same goes for
-// an attachment deleted after the backup of a pod that keeps another: its keys come back on
-// the pod's lease. It runs once for each time the agent finds etcd gone back, after the
-// repair (reclaimAll), and costs one lease listing per pod then; each pod's lease is swept
-// under the pod's lock, so that an ADD of a new attachment is not taken for a stale one.
+// records, owner indexes, allocations and conflict records of any other owner, and those of
+// an attachment of the lease's own pod that the agent no longer lists. Keeper.Recycle makes
+// a deleted pod's lease a spare once etcd says no key is left on it; etcd restored from a
+// backup older than that DEL puts the pod's keys back on the lease, and whoever took it since
+// (the node record, a new pod) would renew them for ever: an address no pod runs with, held.
+// The same goes for an attachment deleted after the backup of a pod that keeps another: its
+// keys come back on the pod's lease. Its conflict record among them: the audit does not check
+// one (no address hangs on it), so nothing else takes it away, and it would report for good
+// a conflict of an attachment that no longer exists. It runs once for each time the agent
+// finds etcd gone back, after the repair (reclaimAll), and costs one lease listing per pod
+// then; each pod's lease is swept under the pod's lock, so that an ADD of a new attachment is
+// not taken for a stale one.
 func (r *reclaimer) sweepLeases(ctx context.Context) error {
 	owners := r.pods.LeaseOwners()
 	if node := r.nodeLease(); node != 0 && r.keeper.Holds(node) {
@@ -87,9 +90,9 @@ func (r *reclaimer) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ow
 }
 
 // foreignKey tells whether key, on the lease of owner ("": the node's), is a pod record, an
-// owner index or an allocation of another owner, or an owner index or allocation of an
-// attachment of owner that ps, what the agent knows of owner, does not list. Any other key is
-// left alone.
+// owner index, a conflict record or an allocation of another owner, or an owner index,
+// conflict record or allocation of an attachment of owner that ps, what the agent knows of
+// owner, does not list. Any other key is left alone.
 func (r *reclaimer) foreignKey(ctx context.Context, key, owner string, ps podState) (bool, error) {
 	listed := func(ifName, pool string) bool {
 		return slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ifName && at.Pool == pool })
@@ -98,6 +101,9 @@ func (r *reclaimer) foreignKey(ctx context.Context, key, owner string, ps podSta
 		return o != owner, nil
 	}
 	if cluster, o, ifName, pool, err := keyspace.ParseOwnerKey(key); err == nil {
+		return cluster != r.cfg.Cluster || o != owner || !listed(ifName, pool), nil
+	}
+	if cluster, o, ifName, pool, err := keyspace.ParseConflictKey(key); err == nil {
 		return cluster != r.cfg.Cluster || o != owner || !listed(ifName, pool), nil
 	}
 	pool, _, _, err := keyspace.ParseIPKey(key)
