@@ -15,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -81,7 +82,7 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 	if err := a.reachable(ctx); err != nil {
 		return allocator.Result{}, err // a node cut off from etcd says so at once
 	}
-	if err := a.hold.wait(ctx, a.cfg.OpTimeout); err != nil {
+	if err := a.hold.Wait(ctx, a.cfg.OpTimeout); err != nil {
 		return allocator.Result{}, err // etcd went back in time: this node's pods first
 	}
 	own := a.locks.Lock(owner)
@@ -174,7 +175,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 			// crash, a cut-off) looks free until its re-claim writes it back.
 			return st.skip(x) || a.pods.OwnsAddr(p.Spec.Name, x)
 		}, st.sticky == nil)
-		if errors.Is(err, errSettling) {
+		if errors.Is(err, restorehold.ErrSettling) {
 			p.View.Settle(reserved, 0)
 			return allocator.Result{}, false, err // no retry: the settle time lasts minutes
 		}
@@ -300,7 +301,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 // restore undid, where a block or an address another node's pod holds (its key gone with the
 // backup) looked free. A new pod's lease is revoked with every key on it; an attachment of a
 // known pod is released. The ADD fails with code 11, and is tried again once the agent has
-// repaired (restoreHold).
+// repaired (leases/restorehold).
 func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease clientv3.LeaseID, pool string) error {
 	var err error
 	if known {
@@ -631,7 +632,7 @@ func (a *Agent) resumePod(ctx context.Context, own *ownerlock.Owned, podKV *mvcc
 	}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
-	if a.hold.pending() > 0 {
+	if a.hold.Pending() > 0 {
 		// Since its start the agent knows every pod of its node: a record it does not know,
 		// once etcd went back in time, is one the backup brought back of a pod deleted since.
 		// Its keys go (what a restore brings back that is gone stays gone); a lease the agent

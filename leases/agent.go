@@ -22,6 +22,7 @@ import (
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -61,7 +62,7 @@ type Agent struct {
 	// it repairs what etcd going back in time took; auditDue asks the recovery loop to check
 	// every key the agent keeps, suspect says that etcd may have gone back (audit.go).
 	gate     *etcdgate.Gate
-	hold     *restoreHold
+	hold     *restorehold.Hold
 	keys     *ownKeys
 	auditDue atomic.Bool
 	suspect  atomic.Bool
@@ -104,7 +105,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		cfg:     cfg,
 		cli:     gate.Client(),
 		gate:    gate,
-		hold:    newRestoreHold(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
+		hold:    restorehold.New(cfg.LeaseTTL, 2*cfg.LeaseTTL, cfg.LeaseTTL+cfg.ReuseDelay),
 		log:     cfg.Logger.With("cluster", cfg.Cluster, "node", cfg.Node),
 		ctx:     actx,
 		cancel:  cancel,
@@ -134,16 +135,16 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			}
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
-		restoreGen: a.hold.pending, auditDue: func() { a.auditDue.Store(true) }, leaseAlive: a.leaseAlive,
+		restoreGen: a.hold.Pending, auditDue: func() { a.auditDue.Store(true) }, leaseAlive: a.leaseAlive,
 		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
 	a.sticky.resumeReleases()
 	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, func() { a.recovery.checkNow() })
-	hooks := poolview.Hooks{Settling: a.hold.settling, Generation: a.hold.generation,
+	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,
 		Put: a.keys.put, Deleted: a.keys.deleted, Listed: a.keys.listed}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
 	} else if ok {
-		a.hold.resumeSettle(st.Noticed, st.Until, st.Why)
+		a.hold.ResumeSettle(st.Noticed, st.Until, st.Why)
 		hooks.Settled = &poolview.Settled{Until: st.Until, Kept: st.Kept, Restored: st.Restored}
 		a.log.Warn("resuming the settle time after etcd went back in time: no new block, no borrowing, and the "+
 			"addresses kept before the restart stay kept", "until", st.Until.UTC().Format(time.RFC3339), "why", st.Why)

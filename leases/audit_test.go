@@ -18,6 +18,7 @@ import (
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/restorehold"
 )
 
 // Issue 32: a live lease is not proof. The agent checks what it wrote and puts back what an
@@ -476,11 +477,11 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 	// The told agent starts settling (wentBack) from the word its watch brought, and counts it
 	// only after: wait for the count too.
 	etcdtest.Eventually(t, "the other agent settling", func() error {
-		settling, n := told.hold.settling(), counterValue(told.metrics.wentBack)
+		settling, n := told.hold.Settling(), counterValue(told.metrics.wentBack)
 		return etcdtest.Saw(settling != nil && n == 1, "settling: %v; the told agent counted etcd going back %v times, want 1", settling, n)
 	})
 	_, err := told.Add(ctx, addReq(pool, "c2", "eth0", "u2")) // it holds no block: it needs one
-	if !errors.Is(err, errSettling) {
+	if !errors.Is(err, restorehold.ErrSettling) {
 		t.Errorf("an ADD needing a new block on the told agent: %v, want refused for the settle time", err)
 	}
 	// Its own word does not start a second repair of the agent that found it.
@@ -490,7 +491,7 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 	// An agent started during the settle time (a node replaced, an agent restarted) settles
 	// too, before it answers its first ADD.
 	late := startAgent(t, cluster, "n3", "uid-n3", withHold(t.TempDir()))
-	if _, err := late.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, errSettling) {
+	if _, err := late.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, restorehold.ErrSettling) {
 		t.Errorf("the first ADD needing a new block on an agent started during the settle time: %v, want refused for it", err)
 	}
 }

@@ -465,17 +465,7 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 }
 
 // holdOpen tells whether a's ADDs go on: no repair after etcd went back in time is pending.
-func holdOpen(a *Agent) bool {
-	a.hold.mu.Lock()
-	open := a.hold.open
-	a.hold.mu.Unlock()
-	select {
-	case <-open:
-		return true
-	default:
-		return false
-	}
-}
+func holdOpen(a *Agent) bool { return !a.hold.Repairing() }
 
 // refusedForRepair tells whether an ADD of a's node, started at start, was refused as it may
 // be while the node repairs what etcd going back in time took: while the model's ADDs run
@@ -491,9 +481,7 @@ func (m *model) refusedForRepair(a *Agent, err error, start time.Time) bool {
 	if !strings.Contains(err.Error(), "etcd went back in time") {
 		return false
 	}
-	a.hold.mu.Lock()
-	until := a.hold.until
-	a.hold.mu.Unlock()
+	_, until, _ := a.hold.SettleEnds()
 	if strings.Contains(err.Error(), "leaves free the addresses it knew taken") {
 		// The keep time after the settle time: with no other free address, the node hands out
 		// none held back for an expired pod (poolview/blocks.go, choose).

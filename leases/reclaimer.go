@@ -22,6 +22,7 @@ import (
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
 )
 
 // reclaimer is the agent's recovery: the loop that, whenever woken (wake, checkNow), checks
@@ -43,7 +44,7 @@ type reclaimer struct {
 	pods   reclaimBook
 	locks  *ownerlock.Locks
 	pools  *poolview.Pools
-	hold   *restoreHold
+	hold   *restorehold.Hold
 	blocks *blockLeases
 
 	// auditIfDue runs the audit if one is due (Agent.auditIfDue); auditDue makes one due.
@@ -80,7 +81,7 @@ type reclaimer struct {
 	reclaims       prometheus.Counter
 
 	lost  chan struct{} // wakes the recovery loop (wake)
-	swept atomic.Uint64 // the restoreHold generation sweepLeases last ran for
+	swept atomic.Uint64 // the restore hold's generation sweepLeases last ran for
 	wg    sync.WaitGroup
 }
 
@@ -208,12 +209,12 @@ func (r *reclaimer) auditEvery() time.Duration {
 // reclaimAll is one pass of the recovery loop. A pass only for the periodic audit (full
 // false) stops after it unless it found lost keys.
 func (r *reclaimer) reclaimAll(ctx context.Context, full bool) error {
-	gen := r.hold.pending()
+	gen := r.hold.Pending()
 	lost, err := r.auditIfDue(ctx)
 	if err != nil {
 		return err
 	}
-	if !full && lost == 0 && r.hold.pending() == gen {
+	if !full && lost == 0 && r.hold.Pending() == gen {
 		return nil
 	}
 	node := r.nodeLease()
@@ -232,12 +233,12 @@ func (r *reclaimer) reclaimAll(ctx context.Context, full bool) error {
 		errs = append(errs, r.releasePending(ctx, owner))
 	}
 	r.watchConflicts()
-	if r.hold.repairing() {
+	if r.hold.Repairing() {
 		errs = append(errs, r.reclaimBlocks(ctx))
 	}
 	// The held keys of pods still being re-claimed stay: the pods list their addresses.
 	errs = append(errs, r.settleHeld(ctx))
-	if g := r.hold.generation(); g != r.swept.Load() {
+	if g := r.hold.Generation(); g != r.swept.Load() {
 		err := r.sweepLeases(ctx)
 		if err == nil {
 			r.swept.Store(g)
@@ -248,7 +249,7 @@ func (r *reclaimer) reclaimAll(ctx context.Context, full bool) error {
 		return err
 	}
 	if len(r.pods.Lost()) == 0 {
-		r.hold.done(gen) // every running pod holds its keys again: ADDs go on
+		r.hold.Done(gen) // every running pod holds its keys again: ADDs go on
 		r.repaired(gen)  // re-claimed since: what the pods held at the notice tells nothing more
 	}
 	return nil

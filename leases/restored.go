@@ -85,7 +85,7 @@ func (w *restoreNotices) toldOfRestore(kv *mvccpb.KeyValue) {
 	if err != nil || rec.Cluster == w.cfg.Cluster && rec.Node == w.cfg.Node || !time.Now().Before(rec.Until) {
 		return
 	}
-	if _, until, _ := w.hold.settleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
+	if _, until, _ := w.hold.SettleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
 		return // this agent noticed it too, or was told already
 	}
 	w.wentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",

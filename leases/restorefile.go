@@ -14,7 +14,7 @@ import (
 )
 
 // settleFile keeps, in the state directory, what the agent does for the settle time after
-// etcd went back in time (restoreHold), so that an agent restarted within it goes on doing it:
+// etcd went back in time (leases/restorehold), so that an agent restarted within it goes on doing it:
 // its views' knowledge of the history the restore undid (which addresses they knew allocated,
 // which blocks the backup gave back to this node) is in memory only, and a restarted agent
 // would otherwise hand those addresses out. Times are the machine's clock: no monotonic clock
@@ -95,7 +95,7 @@ func (w *restoreNotices) saveSettle(relisted []<-chan struct{}) {
 			return
 		}
 	}
-	noticed, until, why := w.hold.settleTimes()
+	noticed, until, why := w.hold.SettleTimes()
 	if until.IsZero() {
 		return
 	}

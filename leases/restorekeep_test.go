@@ -17,6 +17,7 @@ import (
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
 )
 
 // expiredBorrower makes x the address of another node's pod that borrowed it (its allocation
@@ -105,11 +106,11 @@ func TestNoHeldBackAddressIsReusedWhileSettling(t *testing.T) {
 		return etcdtest.Saw(held, "%s held back %v", x, held)
 	})
 	// The settle time as an agent restarted during it resumes it: nothing of the pool kept.
-	a.hold.resumeSettle(time.Now(), time.Now().Add(etcdtest.Patience), "a test's restore")
+	a.hold.ResumeSettle(time.Now(), time.Now().Add(etcdtest.Patience), "a test's restore")
 	for i := range 20 {
 		res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("f%d", i), "eth0", fmt.Sprintf("uf%d", i)))
 		if err != nil {
-			if !errors.Is(err, errSettling) {
+			if !errors.Is(err, restorehold.ErrSettling) {
 				t.Errorf("the ADD that found no free address: %v, want refused for the settle time", err)
 			}
 			return
@@ -144,10 +145,10 @@ func TestAnAgentStartedAfterARestoreSettles(t *testing.T) {
 	}
 	etcdtest.Eventually(t, "the first agent settling", func() error {
 		_, err := a.Add(ctx, addReq(pool, "c2", "eth0", "u2"))
-		return etcdtest.Saw(a.hold.settling() != nil, "not settling; ADD: %v", err)
+		return etcdtest.Saw(a.hold.Settling() != nil, "not settling; ADD: %v", err)
 	})
 	b := startAgentAt(t, member.ClientURL, cluster, "n2", "uid-n2", withHold(t.TempDir()), auditFast)
-	if _, err := b.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, errSettling) {
+	if _, err := b.Add(ctx, addReq(pool, "c3", "eth0", "u3")); !errors.Is(err, restorehold.ErrSettling) {
 		t.Errorf("the first ADD needing a new block on an agent started during the settle time: %v, want refused for it", err)
 	}
 }
@@ -181,7 +182,7 @@ func TestARestoreNoRevisionShowsIsSeenByTheRaftTerm(t *testing.T) {
 	}
 	etcdtest.Eventually(t, "the agent settling after the restore, by the raft term", func() error {
 		_, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-		settling := a.hold.settling()
+		settling := a.hold.Settling()
 		return etcdtest.Saw(settling != nil && strings.Contains(settling.Error(), "raft term"), "settling: %v; ADD: %v", settling, err)
 	})
 }
@@ -237,7 +238,7 @@ func TestABlockClaimARestoreBroughtBackIsLetGoWithItsLease(t *testing.T) {
 	}
 	etcdtest.Eventually(t, "the agent noticing the restore", func() error {
 		_, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-		return etcdtest.Saw(a.hold.settling() != nil, "not settling; ADD: %v", err)
+		return etcdtest.Saw(a.hold.Settling() != nil, "not settling; ADD: %v", err)
 	})
 	etcdtest.Eventually(t, "every claim the view holds in etcd as held", func() error {
 		return claimsAsHeld(ctx, cli, pool, v)
@@ -420,7 +421,7 @@ func addsNeverGet(t *testing.T, a *Agent, pool allocator.PoolSpec, x netip.Addr,
 			case err == nil:
 				res = resultAddrs(r)
 				return nil
-			case errors.Is(err, errSettling) || errors.Is(err, allocator.ErrPoolExhausted):
+			case errors.Is(err, restorehold.ErrSettling) || errors.Is(err, allocator.ErrPoolExhausted):
 				res = nil // the block has nothing more to give, and no other is claimed now
 				return nil
 			}
@@ -596,7 +597,7 @@ func TestARestoreDoesNotShortenAQuarantine(t *testing.T) {
 	}
 	etcdtest.Eventually(t, "the agent finding etcd restored", func() error {
 		_, err := a.Add(ctx, addReq(pool, "c-probe", "eth0", "u-probe"))
-		return etcdtest.Saw(a.hold.settling() != nil, "not settling; ADD: %v", err)
+		return etcdtest.Saw(a.hold.Settling() != nil, "not settling; ADD: %v", err)
 	})
 	for i := range 20 {
 		res, err := a.Add(ctx, addReq(pool, fmt.Sprintf("f%d", i), "eth0", fmt.Sprintf("uf%d", i)))
@@ -656,7 +657,7 @@ func TestAQuarantineKeptAcrossARestoreEndsAndTheBlockIsGivenBack(t *testing.T) {
 	v := a.pools.ViewOf(pool.Name)
 	// The view lists the restored pool, which has no quarantine key of x, and keeps x's end.
 	etcdtest.Eventually(t, "the view listed again after the restore, keeping "+x.String()+" quarantined", func() error {
-		if a.hold.settling() == nil {
+		if a.hold.Settling() == nil {
 			return errors.New("the agent has not found etcd restored")
 		}
 		listed := v.Inspect().ListedAt.After(restored)

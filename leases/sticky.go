@@ -48,7 +48,7 @@ type stickyClaims struct {
 	// layout is the stored block layout of a pool, and whether leaseholdctl pool migrate is
 	// moving the pool to it (its keys then move under the migration's freeze).
 	layout func(ctx context.Context, pool string) (blocks allocator.Blocks, migrating bool, err error)
-	// restoreGen is the last notice of etcd going back in time (restoreHold.pending).
+	// restoreGen is the last notice of etcd going back in time (restorehold.Hold.Pending).
 	restoreGen func() uint64
 	// auditDue asks the recovery loop for an audit: a repair failed.
 	auditDue func()

@@ -51,7 +51,7 @@ type stickyKept struct {
 	mu     sync.Mutex
 	revs   map[stickyRef]stickyRevs
 	logged map[string]string // claim key -> the conflict last logged of it
-	// swept is the last notice of etcd going back in time (restoreHold's) after which the
+	// swept is the last notice of etcd going back in time (the restore hold's) after which the
 	// claims naming attachments of this node deleted since were released.
 	swept atomic.Uint64
 	// releases are the claims this agent released, by claim key, until their hold ends: a

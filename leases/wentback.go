@@ -11,12 +11,13 @@ import (
 
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
 )
 
 // restoreNotices is what the agent does when it finds etcd gone back in time (restored from
 // a backup, or replaced): by the gate's proof or suspicion, an audit's finding, or another
 // agent's word under keyspace.RestoredKey (restored.go). It starts the repair and the settle
-// time (restoreHold), lists the views' pools again, has the recovery check every key and
+// time (leases/restorehold), lists the views' pools again, has the recovery check every key and
 // register the node again, tells the other agents, and saves the settle time for a restart
 // (restorefile.go). It owns the loop that follows the other agents' word (restoredLoop) and
 // the goroutines that tell them and save the settle time. The gate calls it (etcdWentBackFrom,
@@ -27,7 +28,7 @@ type restoreNotices struct {
 	ctx    context.Context // the agent's: its loop ends with it
 	cli    *clientv3.Client
 	log    *slog.Logger
-	hold   *restoreHold
+	hold   *restorehold.Hold
 	keeper *keeper.Keeper
 	pools  *poolview.Pools
 	// heldAddrs are the addresses the pods held at a time (podbook.Book.HeldAddrs);
@@ -78,7 +79,7 @@ func (w *restoreNotices) opCtx(ctx context.Context) (context.Context, context.Ca
 // etcdWentBack is the gate's proof, or an audit's finding, that etcd went back in time. The
 // pods are checked, the views listed again (keeping what they knew allocated for the settle
 // time), the node registered again and the spare leases revoked with whatever a backup put
-// back on them; ADDs wait for the repair (restoreHold).
+// back on them; ADDs wait for the repair (leases/restorehold).
 func (w *restoreNotices) etcdWentBack(why string) { w.etcdWentBackFrom(why, time.Now()) }
 
 // etcdWentBackFrom is etcdWentBack for the gate's proof, which dates the new history from
@@ -96,13 +97,13 @@ func (w *restoreNotices) wentBack(why string) time.Time { return w.wentBackFrom(
 // wentBackFrom is wentBack with the new history dated from from (etcdWentBackFrom).
 func (w *restoreNotices) wentBackFrom(why string, from time.Time) time.Time {
 	held := w.heldAddrs(from) // before the audit takes the pods whose keys went
-	until := w.hold.notice(why)
+	until := w.hold.Notice(why)
 	// A notice before the repair of an earlier one is done (another sign of the same restore,
 	// found by the audit a moment later) adds to what the pods held at the first: a pod whose
 	// lease the restore took in between held its addresses then.
-	w.noteBackHeld(held, w.hold.generation)
+	w.noteBackHeld(held, w.hold.Generation)
 	w.wentBackCount.Inc()
-	_, settled, _ := w.hold.settleEnds()
+	_, settled, _ := w.hold.SettleEnds()
 	w.log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
 		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))

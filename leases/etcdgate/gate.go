@@ -40,7 +40,7 @@ import (
 //
 // Both signals are wired at start and called on the goroutine that got the answer, before
 // the request returns: a decision that reads what the agent knows after such an answer must
-// find the agent already repairing (restoreHold). So they must not block, nor take a lock that
+// find the agent already repairing (leases/restorehold). So they must not block, nor take a lock that
 // a caller of etcd may hold: they set state and wake the recovery loop.
 type Gate struct {
 	raw     *clientv3.Client

@@ -47,7 +47,7 @@ func (v *View) chooseFree(ctx context.Context, spec *allocator.PoolSpec, set int
 	addr, err := v.reserve(spec, set, skip)
 	if errors.Is(err, errNoBlock) || errors.Is(err, allocator.ErrPoolExhausted) && v.keeping() {
 		// Right after etcd went back in time, another node's pod may hold any unclaimed block
-		// or borrowed address (restoreHold).
+		// or borrowed address (leases/restorehold).
 		if herr := v.hooks.settling(); herr != nil {
 			return netip.Addr{}, herr
 		}
