@@ -59,13 +59,11 @@ type Agent struct {
 	imports *importer
 
 	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
-	// it repairs what etcd going back in time took; auditDue asks the recovery loop to check
-	// every key the agent keeps, suspect says that etcd may have gone back (audit.go).
-	gate     *etcdgate.Gate
-	hold     *restorehold.Hold
-	keys     *ownKeys
-	auditDue atomic.Bool
-	suspect  atomic.Bool
+	// it repairs what etcd going back in time took (leases/restorehold); audit checks every
+	// key the agent keeps (audit.go).
+	gate  *etcdgate.Gate
+	hold  *restorehold.Hold
+	audit *auditor
 	// sticky holds the sticky claims (sticky.go, stickykeep.go).
 	sticky *stickyClaims
 
@@ -125,6 +123,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
+	a.audit = a.newAuditor()
 	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
 		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
 		cli: a.cli, keeper: k, log: a.log, pods: a.pods, locks: &a.locks,
@@ -135,12 +134,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			}
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
-		restoreGen: a.hold.Pending, auditDue: func() { a.auditDue.Store(true) }, leaseAlive: a.leaseAlive,
+		restoreGen: a.hold.Pending, auditDue: a.audit.markDue, leaseAlive: a.audit.leaseAlive,
 		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
 	a.sticky.resumeReleases()
-	a.keys = newOwnKeys(cfg.Cluster, cfg.NodeUID, a.pods.OwnsAddr, func() { a.recovery.checkNow() })
 	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,
-		Put: a.keys.put, Deleted: a.keys.deleted, Listed: a.keys.listed}
+		Put: a.audit.keys.put, Deleted: a.audit.keys.deleted, Listed: a.audit.keys.listed}
 	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
 	} else if ok {
@@ -174,6 +172,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
 		Owner: own, Hooks: hooks})
+	a.audit.pools = a.pools // made after the audit, whose ownKeys the views are handed
 	// The conflict watch was made with the agent, for the gate's signals; the rest of what it
 	// uses is handed in now that the pools are made.
 	cw := a.cwatch
@@ -216,8 +215,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.resumeBlocks(ctx)
 	a.sticky.resumeClaims(ctx)
 	a.recovery.start()
-	a.wg.Add(1)
-	go a.goneLoop()
+	a.wg.Go(func() { a.audit.goneLoop(actx) })
 	a.notices.start(restoredRev)
 	if cfg.PublishHostAddrs {
 		hosts := node.Hosts{KV: a.cli, ID: a.identity(), Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,

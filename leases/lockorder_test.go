@@ -22,7 +22,7 @@ func TestOwnerLockOrder(t *testing.T) {
 	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
 	// that method.
 	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices",
-		"cwatch": "conflictWatch", "imports": "importer"}
+		"cwatch": "conflictWatch", "imports": "importer", "audit": "auditor"}
 	types := map[string]bool{"Agent": true}
 	for _, typ := range lockParts {
 		types[typ] = true

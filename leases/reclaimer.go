@@ -47,7 +47,7 @@ type reclaimer struct {
 	hold   *restorehold.Hold
 	blocks *blockLeases
 
-	// auditIfDue runs the audit if one is due (Agent.auditIfDue); auditDue makes one due.
+	// auditIfDue runs the audit if one is due (auditor.ifDue); auditDue makes one due.
 	auditIfDue func(context.Context) (lost int, err error)
 	auditDue   func()
 	// watchConflicts follows the conflicted addresses the pods list (conflicts.go);
@@ -57,7 +57,7 @@ type reclaimer struct {
 	watchConflicts    func()
 	noteRestoredHolds func(owner string, at attachment, holds map[netip.Addr]int64)
 	repaired          func(gen uint64)
-	// dropCopies deletes a pod's own values on other leases (Agent.dropCopies).
+	// dropCopies deletes a pod's own values on other leases (auditor.dropCopies).
 	dropCopies func(context.Context, []*mvccpb.KeyValue) error
 	// register writes the node record again; nodeLease is its lease (0: none yet).
 	register  func(context.Context) error

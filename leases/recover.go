@@ -198,9 +198,9 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 		LivenessGrace: cfg.LivenessGrace, WallClock: cfg.WallClock},
 		ctx: a.ctx, cli: a.cli, gate: a.gate, keeper: a.keeper, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools,
 		hold: a.hold, blocks: a.blockLeases,
-		auditIfDue: a.auditIfDue, auditDue: func() { a.auditDue.Store(true) },
+		auditIfDue: a.audit.ifDue, auditDue: a.audit.markDue,
 		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
-		dropCopies: a.dropCopies, register: a.register, nodeLease: a.nodeLease,
+		dropCopies: a.audit.dropCopies, register: a.register, nodeLease: a.nodeLease,
 		releaseOwner: a.releaseOwner, releaseAttachment: a.releaseAttachment, dropPodIfEmpty: a.dropPodIfEmpty,
 		reportTakenAtDel: a.reportTakenAtDel, claimedOn: a.claimedOn, heldFor: a.heldFor, allocation: a.allocation,
 		claimLoop: func(own *ownerlock.Owned, req allocator.Request, p claimPolicy) claimLoop {
@@ -212,7 +212,7 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 		StateDir: cfg.StateDir},
 		ctx: a.ctx, cli: a.cli, log: a.log, hold: a.hold, keeper: a.keeper, pools: a.pools, heldAddrs: a.pods.HeldAddrs,
 		noteBackHeld: a.cwatch.wentBack,
-		nodeLease:    a.nodeLease, checkNow: r.checkNow, wake: r.wake, suspect: func() bool { return a.suspect.Swap(true) },
+		nodeLease:    a.nodeLease, checkNow: r.checkNow, wake: r.wake, suspect: a.audit.suspect,
 		wentBackCount: a.metrics.wentBack}
 	return r, n
 }
