@@ -416,14 +416,7 @@ func TestARunningPodGetsItsAddressBackWhenTheOtherHolderLetsItGo(t *testing.T) {
 		t.Fatal(err)
 	}
 	ip := addrs(res)[0]
-	own := a.locks.Lock("run")
-	expire(t, cli, a, "run")
-	thief := addReq(pool, "thief", "eth0", "thief")
-	thief.RequestedIPs = []netip.Addr{ip}
-	if _, err := b.Add(ctx, thief); err != nil {
-		t.Fatalf("another node asks for the expired address: %v", err)
-	}
-	own.Unlock()
+	thief := takenWhileLost(t, cli, a, b, pool, "run", "thief", ip)
 	etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", "eth0", pool.Name), 1))
 	if _, err := a.Check(ctx, addReq(pool, "run", "eth0", "run")); !errors.Is(err, allocator.ErrConflict) {
 		t.Errorf("CHECK of the conflicted pod: %v, want a conflict", err)
@@ -641,14 +634,7 @@ func TestAConflictOutlivesARepeatedAddAndLeavesWithItsAttachment(t *testing.T) {
 			t.Fatal(err)
 		}
 		ip := addrs(res)[0]
-		own := a.locks.Lock("run")
-		expire(t, cli, a, "run")
-		thief := addReq(pool, "thief-"+ifName, "eth0", "thief-"+ifName)
-		thief.RequestedIPs = []netip.Addr{ip}
-		if _, err := b.Add(ctx, thief); err != nil {
-			t.Fatal(err)
-		}
-		own.Unlock()
+		thief := takenWhileLost(t, cli, a, b, pool, "run", "thief-"+ifName, ip)
 		etcdtest.Eventually(t, "the re-claim records the conflict", etcdtest.Keys(t, cli, keyspace.ConflictKey(cluster, "run", ifName, pool.Name), 1))
 		return ip, thief
 	}
@@ -770,6 +756,23 @@ func journalsConflict(dir, owner string, ip netip.Addr) error {
 		return fmt.Errorf("the journal lists %s's attachments %+v without the conflict on %s (load errors %v)", owner, ps.Attachments, ip, errs)
 	}
 	return fmt.Errorf("the journal does not list %s (load errors %v)", owner, errs)
+}
+
+// takenWhileLost loses the lease of a's pod owner and has b's pod thief ask for ip, one of
+// owner's addresses, meanwhile; the re-claim that follows finds ip taken. It returns thief's
+// request.
+func takenWhileLost(t *testing.T, cli *clientv3.Client, a, b *Agent, pool allocator.PoolSpec, owner, thief string,
+	ip netip.Addr) allocator.Request {
+	t.Helper()
+	own := a.locks.Lock(owner)
+	defer own.Unlock()
+	expire(t, cli, a, owner)
+	req := addReq(pool, thief, "eth0", thief)
+	req.RequestedIPs = []netip.Addr{ip}
+	if _, err := b.Add(ctxT(t), req); err != nil {
+		t.Fatalf("another node asks for the expired address: %v", err)
+	}
+	return req
 }
 
 // hadAndLetGo has b's pod "thief" ask for ip, then deletes it.

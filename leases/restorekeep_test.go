@@ -517,14 +517,7 @@ func TestAConflictRecordOfAnAttachmentDeletedAfterTheBackupIsSwept(t *testing.T)
 		}
 		ip := addrs(res)[0]
 		// The pod's lease lost, and its eth0 address taken meanwhile on node b.
-		own := a.locks.Lock("run")
-		expire(t, cli, a, "run")
-		thief := addReq(pool, "thief", "eth0", "thief")
-		thief.RequestedIPs = []netip.Addr{ip}
-		if _, err := o.Add(ctx, thief); err != nil {
-			t.Fatalf("another node asks for the expired address: %v", err)
-		}
-		own.Unlock()
+		thief := takenWhileLost(t, cli, a, o, pool, "run", "thief", ip)
 		record := keyspace.ConflictKey(cluster, "run", "eth0", pool.Name)
 		var lease clientv3.LeaseID
 		etcdtest.Eventually(t, "the re-claim records the conflict, the pod on its new lease", func() error {
