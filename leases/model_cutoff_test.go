@@ -679,6 +679,7 @@ func (m *model) gotBackLocked(k attKey, a netip.Addr) {
 			m.claimIPs[ord] = slices.DeleteFunc(slices.Clone(m.claimIPs[ord]), func(x netip.Addr) bool { return x == a })
 			if len(m.claimIPs[ord]) == 0 {
 				delete(m.claimIPs, ord)
+				delete(m.claimTakers, ord)
 			}
 			m.count["claim gave up"]++
 		}

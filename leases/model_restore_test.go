@@ -36,7 +36,8 @@ import (
 //     with its pod record, owner index and allocations, and its sticky claim (record and
 //     quarantine keys on the claim lease the owner index names), and answers ADDs again (no
 //     lost pod, hold open); a claim the backup brought back naming a holder of a live node
-//     deleted since is released, and one it took that the model's ordinal has is back; an
+//     deleted since is released, and one it took that the model's ordinal has is back unless
+//     every agent that took it died since (claimKeptLocked: then it is lost, as documented); an
 //     address that another attachment of the model listed before the restore
 //     holds now is a conflict (the conflict record), resolved as any other;
 //   - what the restore brought back of pods deleted since goes, with their leases, which

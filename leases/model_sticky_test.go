@@ -227,6 +227,25 @@ func (m *model) stickyAdd(ctx context.Context, i int, node *modelNode, k attKey,
 	}
 	m.held[k], m.ctr[k] = got, container
 	m.claimIPs[ordinal] = got
+	if m.claimTakers[ordinal] == nil {
+		m.claimTakers[ordinal] = map[string]bool{}
+	}
+	m.claimTakers[ordinal][node.name+"/"+node.uid] = true
+}
+
+// claimKeptLocked tells whether a live agent knows ordinal's claim beyond its record, and so
+// puts it back when a restore of a backup older than the claim lost the record: the agent of
+// a node identity that took it for an incarnation, which keeps it while that incarnation runs
+// (the audit) and remembers its release within the hold (released-claims). A claim whose
+// takers' nodes all died is known to no agent: such a restore loses it (docs/operations.md,
+// "Restoring etcd from a backup"). m.mu is held.
+func (m *model) claimKeptLocked(ordinal string) bool {
+	for _, n := range m.nodes {
+		if n.agent != nil && m.claimTakers[ordinal][n.name+"/"+n.uid] {
+			return true
+		}
+	}
+	return false
 }
 
 func containsAll(s, sub []netip.Addr) bool {
@@ -422,6 +441,7 @@ func (m *model) endClaims(ctx context.Context, i int) {
 	}
 	m.mu.Lock()
 	clear(m.claimIPs)
+	clear(m.claimTakers)
 	m.mu.Unlock()
 	m.log("%d SETTLE: the holds of %d claims run out: %v", i, len(ended), ended)
 }
@@ -479,9 +499,19 @@ func (m *model) claimRepairProblemsLocked(claims, quarantine []*mvccpb.KeyValue,
 			}
 		}
 	}
-	for ord := range m.claimIPs {
-		if !seen[ord] {
+	for ord, ips := range m.claimIPs {
+		switch {
+		case seen[ord]:
+		case m.claimKeptLocked(ord):
 			out = append(out, fmt.Sprintf("the record of claim %s is gone", modelClaim(ord)))
+		default:
+			// Created after the backup by agents that all died since: no agent knows it, and
+			// the restore lost it. The ordinal's next incarnation makes a new claim.
+			delete(m.claimIPs, ord)
+			delete(m.claimTakers, ord)
+			m.history = append(m.history, fmt.Sprintf("  the record of claim %s (%v) is gone with the restore, and no live agent "+
+				"took it: lost (docs/operations.md, \"Restoring etcd from a backup\")", modelClaim(ord), ips))
+			m.count["claim lost with a restore"]++
 		}
 	}
 	return out

@@ -145,11 +145,12 @@ func TestModelRandomHistories(t *testing.T) {
 		tot["leasehold_conflicts_resolved_total"], m.count["crash after DEL"], m.count["del during re-claim"])
 	t.Logf("seed %d: keys of running pods changed by hand: %d (%d deleted, %d overwritten with the pod's value without its lease, "+
 		"%d with another owner's; agents counted %v keys lost); %d backups, %d restores (%d plain, %d bumped; agents noticed "+
-		"%v times), %d conflicts after a restore, %d block leases nobody renewed revoked after a restore; agents re-claimed pods %v times", seed,
+		"%v times), %d conflicts after a restore, %d block leases nobody renewed revoked after a restore, %d sticky claims lost with a restore (every agent that took one "+
+		"died since); agents re-claimed pods %v times", seed,
 		m.count["tamper"], m.count["tamper: "+tamperDeleted], m.count["tamper: "+tamperOwnValue], m.count["tamper: "+tamperOtherOwner],
 		tot["leasehold_pod_keys_lost_total"], m.count["backup"], m.count["restore"], m.count["restore plain"], m.count["restore bumped"],
 		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], m.count["unrenewed block lease after a restore"],
-		tot["leasehold_reclaims_total"])
+		m.count["claim lost with a restore"], tot["leasehold_reclaims_total"])
 	if m.count["tamper"] == 0 {
 		t.Errorf("seed %d: no key of a running pod was deleted or overwritten in %d steps: the history did not exercise the audit", seed, steps)
 	}
@@ -233,6 +234,10 @@ type model struct {
 	backupDir string
 	backups   []modelBackup
 	repairing bool
+
+	// The node identities ("name/uid") whose agents took each ordinal's claim for an
+	// incarnation, and so keep it or remember its release (model_sticky_test.go).
+	claimTakers map[string]map[string]bool
 }
 
 func newModel(t *testing.T, seed uint64) *model {
@@ -241,7 +246,8 @@ func newModel(t *testing.T, seed uint64) *model {
 		ctr: map[attKey]string{}, freed: map[netip.Addr]time.Time{}, count: map[string]int{}, errs: map[string]int{},
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
 		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
-		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}, revoked: map[clientv3.LeaseID]bool{}}
+		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}, revoked: map[clientv3.LeaseID]bool{},
+		claimTakers: map[string]map[string]bool{}}
 	// etcd of the model's own, which it backs up and restores (model_restore_test.go).
 	m.etcd = etcdtest.StartMember(t)
 	m.cli = etcdtest.ClientAt(t, m.etcd.ClientURL)
