@@ -412,9 +412,10 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 		a.pools.Invalidate(p.Spec.Name)
 		return allocator.Result{}, false, nil
 	}
-	if s := st.sticky; s != nil && (out.ClaimChanged || slices.ContainsFunc(out.Addrs, txn.AddrFound.Taken)) {
+	if s := st.sticky; s != nil && (out.ClaimChanged || s.rev != 0 && slices.ContainsFunc(out.Addrs, txn.AddrFound.Taken)) {
 		// The claim moved, or its addresses were taken, since the ADD read it: read it again
-		// (and wait, if another holder has them).
+		// (and wait, if another holder has them). A new claim's addresses are the view's
+		// choice: taken ones are learned below as for any ADD, or the view chooses them again.
 		s.stale = true
 		return allocator.Result{}, false, nil
 	}

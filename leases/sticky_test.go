@@ -241,3 +241,52 @@ func TestReleasedClaimLeavesOrdinaryQuarantine(t *testing.T) {
 		t.Errorf("quarantine after the DEL of a released claim: %+v, want ordinary (no claim, about 30 s)", q)
 	}
 }
+
+// TestANewClaimPassesOverAddressesHeldBackUnknownToTheView is an ADD making a new sticky
+// claim whose chosen addresses turn out taken: held back for another node's expired pods,
+// which the view does not watch (after a restore, say). The claim is no one's yet, so there
+// is nothing to read again: the ADD learns, as any ADD, that they are taken, and passes them
+// over, rather than choose them again until it gives up (seed 1795819823702537815).
+func TestANewClaimPassesOverAddressesHeldBackUnknownToTheView(t *testing.T) {
+	cluster := etcdtest.Uniq("c")
+	cli := etcdtest.Client(t)
+	a := startAgent(t, cluster, "n1", "uid1")
+	pool := v4Pool(etcdtest.Uniq("p"), "10.69.0.0/28", 29)
+	ctx := ctxT(t)
+	first, err := a.Add(ctx, addReq(pool, "c1", "eth0", "pod-uid-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine := resultAddrs(first)[0]
+	block := netip.PrefixFrom(mine, 29).Masked() // the node's block
+	// Every other address of the node's block held back for a gone node's pods, behind the
+	// view's back.
+	lease, err := cli.Grant(ctx, 3600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := map[netip.Addr]bool{}
+	for ip := block.Addr(); block.Contains(ip); ip = ip.Next() {
+		if ip == mine {
+			continue
+		}
+		rec := keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "gone", Owner: "gone-" + ip.String()})
+		if _, err := cli.Put(ctx, keyspace.HeldKey(pool.Name, pool.Blocks, ip), rec, clientv3.WithLease(lease.ID)); err != nil {
+			t.Fatal(err)
+		}
+		held[ip] = true
+	}
+	res, err := a.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-0"))
+	if err != nil {
+		t.Fatalf("ADD making a new claim, its first choices held back: %v", err)
+	}
+	for _, ip := range resultAddrs(res) {
+		if held[ip] {
+			t.Errorf("ADD making a new claim got %s, held back for another node's pod", ip)
+		}
+	}
+	rec, ok := readClaimRecord(t, cli, keyspace.ClaimKey(cluster, pool.Name, "default.web-0"))
+	if !ok || rec.Holder == nil || rec.Holder.Owner != "pod-uid-2" {
+		t.Errorf("claim record after the ADD: %+v (present %v)", rec, ok)
+	}
+}
