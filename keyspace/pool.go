@@ -27,6 +27,13 @@ type PoolRecord struct {
 	// Migrating is set while `leaseholdctl pool migrate` moves the pool's keys from the flat
 	// layout to blocks: agents refuse its ADDs until the tool clears it.
 	Migrating *Migration `json:"migrating,omitempty"`
+	// Closed: no new address comes from the pool (`leaseholdctl pool close`); its allocations
+	// stay valid and renewable, and re-claims and sticky claims still take their own addresses
+	// from it. An agent that predates it ignores it.
+	Closed bool `json:"closed,omitempty"`
+	// Namespaces are the only namespaces whose pods may get new addresses from the pool
+	// (`leaseholdctl pool lock`); empty: any.
+	Namespaces []string `json:"namespaces,omitempty"`
 }
 
 // Migration says who moves a pool to the block layout, and since when.
