@@ -149,7 +149,7 @@ func MigratePool(ctx context.Context, cli *clientv3.Client, pool, by string, opt
 			return rep, err
 		}
 		spec := p.Value
-		m := &mover{cli: cli, pool: pool, blocks: spec.Blocks, rep: &rep, seen: map[string]bool{}}
+		m := &mover{cli: cli, pool: pool, access: p.Access, blocks: spec.Blocks, rep: &rep, seen: map[string]bool{}}
 		switch {
 		case !spec.Blocks.Flat():
 			rep.Blocks = spec.Blocks
@@ -176,6 +176,7 @@ func MigratePool(ctx context.Context, cli *clientv3.Client, pool, by string, opt
 				return rep, err
 			}
 			rec := keyspace.NewPoolRecord(spec)
+			rec.PoolAccess = p.Access
 			rec.Migrating = &keyspace.Migration{By: by, Since: time.Now().UTC()}
 			resp, err := cli.Txn(ctx).If(keyspace.Unchanged(p.Key, p.ModRevision)).Then(clientv3.OpPut(p.Key, keyspace.Encode(rec))).Commit()
 			if err != nil {

@@ -20,6 +20,7 @@ import (
 type mover struct {
 	cli    *clientv3.Client
 	pool   string
+	access keyspace.PoolAccess // kept through the move
 	blocks allocator.Blocks
 	rep    *MigrateReport
 	seen   map[string]bool // conflicts already reported, by old key
@@ -279,7 +280,7 @@ func (m *mover) unfreeze(ctx context.Context, poolKey string, spec allocator.Poo
 	}
 	resp, err := m.cli.Txn(ctx).If(keyspace.Unchanged(poolKey, m.rep.FrozenRevision),
 		created(keyspace.IPsPrefix(m.pool)), created(keyspace.QuarantinePrefix(m.pool)), created(keyspace.HeldPrefix(m.pool))).
-		Then(clientv3.OpPut(poolKey, keyspace.EncodePool(spec))).Else(clientv3.OpGet(poolKey)).Commit()
+		Then(clientv3.OpPut(poolKey, keyspace.EncodePoolWith(spec, m.access))).Else(clientv3.OpGet(poolKey)).Commit()
 	if err != nil {
 		return false, fmt.Errorf("unfreeze pool %s: %w", m.pool, err)
 	}

@@ -153,7 +153,7 @@ func AddRange(ctx context.Context, cli *clientv3.Client, pool string, set int, r
 				cmps = append(cmps, keyspace.Absent(keyspace.IPKey(pool, allocator.Blocks{}, gw)))
 			}
 		}
-		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.EncodePool(next))).Commit()
+		resp, err := cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(p.Key, keyspace.EncodePoolWith(next, p.Access))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}
@@ -235,7 +235,7 @@ func RemoveRange(ctx context.Context, cli *clientv3.Client, pool string, set int
 		resp, err := cli.Txn(ctx).If(
 			keyspace.Unchanged(p.Key, p.ModRevision),
 			clientv3.Compare(clientv3.CreateRevision(keyspace.IPsPrefix(pool)), "<", rev+1).WithPrefix(),
-		).Then(clientv3.OpPut(p.Key, keyspace.EncodePool(next))).Commit()
+		).Then(clientv3.OpPut(p.Key, keyspace.EncodePoolWith(next, p.Access))).Commit()
 		if err != nil {
 			return PoolChange{}, fmt.Errorf("write pool %s: %w", pool, err)
 		}

@@ -62,6 +62,8 @@ type PoolEntry struct {
 	// Migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
 	// agents refuse its ADDs meanwhile.
 	Migrating *keyspace.Migration
+	// Access is who may get new addresses from the pool (pool close, pool lock).
+	Access keyspace.PoolAccess
 }
 
 // Usable reports whether the definition can be read and used: not unreadable, not invalid.
@@ -318,7 +320,7 @@ func poolEntry(kv *mvccpb.KeyValue, name string) PoolEntry {
 		return e
 	}
 	spec, err := rec.Spec()
-	e.Value, e.Migrating = spec, rec.Migrating
+	e.Value, e.Migrating, e.Access = spec, rec.Migrating, rec.PoolAccess
 	switch {
 	case err != nil:
 		e.Invalid = err.Error()

@@ -27,9 +27,17 @@ type PoolRecord struct {
 	// Migrating is set while `leaseholdctl pool migrate` moves the pool's keys from the flat
 	// layout to blocks: agents refuse its ADDs until the tool clears it.
 	Migrating *Migration `json:"migrating,omitempty"`
+	// Access is who may get new addresses from the pool, kept apart from its definition:
+	// a change of ranges or layout keeps it.
+	PoolAccess
+}
+
+// PoolAccess is who may get new addresses from a pool (package selection). An agent that
+// predates it ignores it.
+type PoolAccess struct {
 	// Closed: no new address comes from the pool (`leaseholdctl pool close`); its allocations
 	// stay valid and renewable, and re-claims and sticky claims still take their own addresses
-	// from it. An agent that predates it ignores it.
+	// from it.
 	Closed bool `json:"closed,omitempty"`
 	// Namespaces are the only namespaces whose pods may get new addresses from the pool
 	// (`leaseholdctl pool lock`); empty: any.
@@ -76,6 +84,24 @@ func (r PoolRecord) Spec() (allocator.PoolSpec, error) {
 
 // EncodePool is the stored value of spec (see PoolRecord).
 func EncodePool(spec allocator.PoolSpec) string { return Encode(NewPoolRecord(spec)) }
+
+// EncodePoolWith is EncodePool for a pool whose access is set: a writer that changes a stored
+// pool's definition keeps what it read of its access.
+func EncodePoolWith(spec allocator.PoolSpec, access PoolAccess) string {
+	r := NewPoolRecord(spec)
+	r.PoolAccess = access
+	return Encode(r)
+}
+
+// DecodePoolAccess reads the access of the pool stored as value; ok is false when value is
+// unreadable (DecodePool says why).
+func DecodePoolAccess(value []byte) (PoolAccess, bool) {
+	var r PoolRecord
+	if err := json.Unmarshal(value, &r); err != nil {
+		return PoolAccess{}, false
+	}
+	return r.PoolAccess, true
+}
 
 // DecodePool reads the definition stored at key, canonicalized, with its migration state.
 // The error names the key and the etcdctl command that shows it.
