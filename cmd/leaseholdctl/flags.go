@@ -21,6 +21,22 @@ func (l *listFlag) Set(v string) error {
 	return nil
 }
 
+// csvFlag collects the comma-separated values of a repeatable flag, in order; empty values
+// are dropped.
+type csvFlag []string
+
+func (l *csvFlag) String() string { return strings.Join(*l, ",") }
+
+// Set appends each comma-separated value.
+func (l *csvFlag) Set(v string) error {
+	for s := range strings.SplitSeq(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			*l = append(*l, s)
+		}
+	}
+	return nil
+}
+
 // rangeFlag is one parsed --range (or --subnet) value: a range and the set it names (-1: none).
 type rangeFlag struct {
 	r    allocator.Range

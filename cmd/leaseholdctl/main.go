@@ -70,6 +70,28 @@ pools:
                                   add a range to a range set; every allocation is kept
   pool remove-range NAME --subnet SUBNET[,start=ADDR] [--set N]
                                   remove a range; refused while it has allocations, listing each holder
+  pool close NAME, pool open NAME close a pool to new addresses (to drain it) or open it again; its
+                                  allocations stay valid and renewable, and re-claims and sticky claims
+                                  still get their own addresses from it. Idempotent
+  pool lock NAME --namespaces NS[,NS...], pool unlock NAME
+                                  only pods of these namespaces may get new addresses from the pool
+selection rules (which pools a namespace's or a node's pods get addresses from, in order; per
+cluster and CNI network; every agent follows a change from its next ADD):
+  selection set-namespace NS --cluster C --network N --pools P[,P...]
+                                  the pools of namespace NS's pods, in order; a pod may ask only for these
+  selection set-node RULE --cluster C --network N --pools P[,P...] [--names PATTERN,...] [--labels K=V,...]
+                  [--order N]     the pools of the nodes whose name matches a pattern and that have every
+                                  label (as their agent is given with --node-label); such pools serve only
+                                  nodes a rule naming them matches
+  selection delete-namespace NS --cluster C --network N, selection delete-node RULE --cluster C --network N
+  selection list [--cluster C] [--network N]
+                                  every rule: cluster, network, kind, name, pools, match, order
+  selection explain --cluster C --network N --node X [--labels K=V,...] [--namespace NS] [--ask P,...]
+                  [--pool P] [--family 4,6]
+                                  the pools an ADD of such a pod would try, per family, where the list
+                                  comes from (the pod's request, its namespace's rule, its node's rules, the
+                                  network configuration's pool --pool), and each pool passed over and why.
+                                  A rule naming a pool that does not exist is refused (exit 4)
 allocations:
   alloc list                      allocations; filters --pool --cluster --node --owner --namespace
   alloc show IP [--pool P]        who holds IP (in every pool holding it): its key (in either layout) and the
@@ -150,6 +172,10 @@ type globals struct {
 	subnet                                       string
 	force, blocks                                bool
 	quarantine                                   time.Duration
+	// Selection rules.
+	network                                         string
+	pools, names, labels, ask, families, namespaces csvFlag
+	order                                           int
 }
 
 // env is what a command runs with.
@@ -190,6 +216,21 @@ var commands = []command{
 	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
 	{words: []string{"pool", "conflicts"}, flags: []string{"pool"}, run: poolConflictList},
 	{words: []string{"doctor"}, flags: []string{"cluster"}, run: doctor},
+	{words: []string{"pool", "close"}, args: []string{"NAME"}, run: poolClose},
+	{words: []string{"pool", "open"}, args: []string{"NAME"}, run: poolOpen},
+	{words: []string{"pool", "lock"}, args: []string{"NAME"}, flags: []string{"namespaces"}, run: poolLock},
+	{words: []string{"pool", "unlock"}, args: []string{"NAME"}, run: poolUnlock},
+	{words: []string{"selection", "set-namespace"}, args: []string{"NAMESPACE"}, flags: []string{"cluster", "network", "pools"},
+		run: selectionSetNamespace},
+	{words: []string{"selection", "set-node"}, args: []string{"RULE"},
+		flags: []string{"cluster", "network", "pools", "names", "labels", "order"}, run: selectionSetNode},
+	{words: []string{"selection", "delete-namespace"}, args: []string{"NAMESPACE"}, flags: []string{"cluster", "network"},
+		run: selectionDelete(keyspace.RuleNamespace)},
+	{words: []string{"selection", "delete-node"}, args: []string{"RULE"}, flags: []string{"cluster", "network"},
+		run: selectionDelete(keyspace.RuleNode)},
+	{words: []string{"selection", "list"}, flags: []string{"cluster", "network"}, run: selectionList},
+	{words: []string{"selection", "explain"}, flags: []string{"cluster", "network", "namespace", "node", "labels", "ask", "pool", "family"},
+		run: selectionExplain},
 }
 
 // connFlags may be given with any command; each reads its default from ETCDCTL_<NAME>.
@@ -212,10 +253,10 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&g.output, "w", "table", "same as -o")
 	fs.StringVar(&g.output, "write-out", "table", "same as -o")
 	fs.StringVar(&g.cluster, "cluster", "", "only this cluster's records (default: all clusters); claim release, node forget: the cluster")
-	fs.StringVar(&g.pool, "pool", "", "alloc list/show, claim list/show: only this pool; alloc release, claim release: the pool (required)")
-	fs.StringVar(&g.node, "node", "", "alloc list: only this node")
+	fs.StringVar(&g.pool, "pool", "", "alloc list/show, claim list/show: only this pool; alloc release, claim release: the pool (required); selection explain: the network configuration's pool (default: the network's name)")
+	fs.StringVar(&g.node, "node", "", "alloc list: only this node; selection explain: the node the pod runs on")
 	fs.StringVar(&g.owner, "owner", "", "alloc list: only this owner (pod UID or container ID)")
-	fs.StringVar(&g.ns, "namespace", "", "alloc list: only pods of this namespace")
+	fs.StringVar(&g.ns, "namespace", "", "alloc list: only pods of this namespace; selection explain: the pod's namespace")
 	fs.Var(&g.ranges, "range", "pool create/add-range: a range, SUBNET[,start=A][,end=B][,gw=G][,set=N]; repeatable")
 	fs.Var(&g.excludes, "exclude", "pool create: addresses or CIDRs never handed out; repeatable or comma-separated")
 	fs.IntVar(&g.set, "set", -1, "pool create/add-range/remove-range: range set index; -1 picks the set by address family")
@@ -225,6 +266,14 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check")
 	fs.BoolVar(&g.blocks, "blocks", false, "pool show: draw the pool's blocks as a map, one cell per block")
 	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release, claim release: how long released addresses rest (0s: none)")
+	fs.StringVar(&g.network, "network", "", "selection: the CNI network name the rule is for")
+	fs.Var(&g.pools, "pools", "selection set-namespace/set-node: the pools, in the order to try them; comma-separated or repeated")
+	fs.Var(&g.names, "names", "selection set-node: node name patterns (shell patterns such as rack1-*); comma-separated or repeated")
+	fs.Var(&g.labels, "labels", "selection set-node: node labels KEY=VALUE a node must all have; selection explain: the node's labels")
+	fs.IntVar(&g.order, "order", 0, "selection set-node: the rule's place among the rules a node matches, lower first")
+	fs.Var(&g.ask, "ask", "selection explain: the pools the pod asks for (LEASEHOLD_POOL, args.cni.pool)")
+	fs.Var(&g.families, "family", "selection explain: the address families the network needs (4, 6 or 4,6), when its pool is not stored yet")
+	fs.Var(&g.namespaces, "namespaces", "pool lock: the only namespaces whose pods may get new addresses from the pool")
 	return fs
 }
 
