@@ -61,6 +61,10 @@ type Request struct {
 	// ClaimHold is how long a claim outlives its holder's release (ipam "stickyHold"); zero
 	// uses the agent's default.
 	ClaimHold time.Duration `json:"claimHold,omitempty"`
+	// Pools are the pools the pod asks for, in order (CNI_ARGS LEASEHOLD_POOL, args.cni.pool):
+	// among those its namespace may use (package selection). Empty: the selection rules, or
+	// the network configuration's pool, decide. Only an ADD reads them.
+	Pools []string `json:"pools,omitempty"`
 }
 
 // OwnerID is the identity that holds the attachment's addresses and lease: the pod UID

@@ -1,6 +1,7 @@
 package cniplugin
 
 import (
+	"cmp"
 	"fmt"
 	"net/netip"
 	"strings"
@@ -17,16 +18,21 @@ type CNIArgs struct {
 	// Claim is LEASEHOLD_CLAIM, the sticky claim the runtime names for the attachment;
 	// empty when not given (or given empty). ParseConfig validates it, not ParseCNIArgs.
 	Claim string
+	// Pools is LEASEHOLD_POOL, the pools the pod asks for, in order (comma-separated);
+	// ParseConfig validates them.
+	Pools []string
 
 	// claimErr is set by parseCNIArgs, instead of failing, when LEASEHOLD_CLAIM is given
 	// twice with different values: a DEL needs no claim (the agent finds it in its own
 	// records), so only the commands that use one refuse it (see ParseConfig).
 	claimErr error
+	// poolErr is claimErr for LEASEHOLD_POOL: only an ADD uses the pools asked for.
+	poolErr error
 }
 
 // ParseCNIArgs parses CNI_ARGS: ';'-separated KEY=VALUE pairs. Keys are case-sensitive;
-// keys other than IP, K8S_POD_UID, K8S_POD_NAMESPACE, K8S_POD_NAME and LEASEHOLD_CLAIM
-// are ignored (runtimes pass many, IgnoreUnknown among them). Empty segments (a trailing
+// keys other than IP, K8S_POD_UID, K8S_POD_NAMESPACE, K8S_POD_NAME, LEASEHOLD_CLAIM and
+// LEASEHOLD_POOL are ignored (runtimes pass many, IgnoreUnknown among them). Empty segments (a trailing
 // ';') are skipped. A VALUE may contain '='. IP= may be empty (no request) and empty
 // entries in its list are skipped; an empty LEASEHOLD_CLAIM= names no claim.
 //
@@ -36,8 +42,8 @@ type CNIArgs struct {
 // ParseConfig, not here.
 func ParseCNIArgs(s string) (CNIArgs, error) {
 	out, err := parseCNIArgs(s)
-	if err == nil && out.claimErr != nil {
-		err = out.claimErr
+	if err == nil {
+		err = cmp.Or(out.claimErr, out.poolErr)
 	}
 	if err != nil {
 		return CNIArgs{}, err
@@ -60,18 +66,20 @@ func parseCNIArgs(s string) (CNIArgs, error) {
 				allocator.ErrInvalidConfig, seg)
 		}
 		switch key {
-		case "IP", "K8S_POD_UID", "K8S_POD_NAMESPACE", "K8S_POD_NAME", "LEASEHOLD_CLAIM":
+		case "IP", "K8S_POD_UID", "K8S_POD_NAMESPACE", "K8S_POD_NAME", "LEASEHOLD_CLAIM", "LEASEHOLD_POOL":
 		default:
 			continue
 		}
 		if prev, dup := seen[key]; dup && prev != val {
 			err := fmt.Errorf("%w: CNI_ARGS gives %s twice (%q and %q); give it once",
 				allocator.ErrInvalidConfig, key, prev, val)
-			if key != "LEASEHOLD_CLAIM" {
+			switch {
+			case key == "LEASEHOLD_CLAIM":
+				out.claimErr = cmp.Or(out.claimErr, err)
+			case key == "LEASEHOLD_POOL":
+				out.poolErr = cmp.Or(out.poolErr, err)
+			default:
 				return CNIArgs{}, err
-			}
-			if out.claimErr == nil {
-				out.claimErr = err
 			}
 			continue
 		}
@@ -97,12 +105,28 @@ func parseCNIArgs(s string) (CNIArgs, error) {
 			out.Pod.Name = val
 		case "LEASEHOLD_CLAIM":
 			out.Claim = val
+		case "LEASEHOLD_POOL":
+			out.Pools = splitList(val)
 		}
 	}
 	if out.claimErr != nil {
 		out.Claim = ""
 	}
+	if out.poolErr != nil {
+		out.Pools = nil
+	}
 	return out, nil
+}
+
+// splitList splits a comma-separated list, dropping empty entries and spaces around each.
+func splitList(s string) []string {
+	var out []string
+	for item := range strings.SplitSeq(s, ",") {
+		if item = strings.TrimSpace(item); item != "" {
+			out = append(out, item)
+		}
+	}
+	return out
 }
 
 // ParseRequestedIP parses one requested address as host-local does: "10.1.2.3" or

@@ -59,6 +59,9 @@ type rawNetConf struct {
 			// Claim is decoded by ParseConfig: of a wrong type, it must not stop
 			// ParseReleaseConfig's own decoding (a DEL needs no claim).
 			Claim json.RawMessage `json:"claim"`
+			// Pool is decoded by ParseConfig, as Claim: the pools the pod asks for, a
+			// string (one pool, or a comma-separated list) or a list of strings.
+			Pool json.RawMessage `json:"pool"`
 		} `json:"cni"`
 	} `json:"args"`
 	RuntimeConfig *struct {
@@ -136,9 +139,9 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		return nil, err
 	}
 	var argsIPs, runtimeIPs []string
-	var argsClaim json.RawMessage
+	var argsClaim, argsPool json.RawMessage
 	if nc.Args != nil && nc.Args.CNI != nil {
-		argsIPs, argsClaim = nc.Args.CNI.IPs, nc.Args.CNI.Claim
+		argsIPs, argsClaim, argsPool = nc.Args.CNI.IPs, nc.Args.CNI.Claim, nc.Args.CNI.Pool
 	}
 	if nc.RuntimeConfig != nil {
 		runtimeIPs = nc.RuntimeConfig.IPs
@@ -154,8 +157,12 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 	}
 	var claim string
 	var hold time.Duration
+	var asked []string
 	if containerID != "" || ifName != "" {
 		if claim, hold, err = resolveClaim(ipam, args, argsClaim); err != nil {
+			return nil, err
+		}
+		if asked, err = askedPools(args, argsPool); err != nil {
 			return nil, err
 		}
 	}
@@ -175,6 +182,7 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 			RequestedIPs: ips,
 			Claim:        claim,
 			ClaimHold:    hold,
+			Pools:        asked,
 		},
 		ValidAttachments: nc.ValidAttachments,
 	}
@@ -219,6 +227,46 @@ func (c *Config) GCRequest() (allocator.GCRequest, error) {
 // StatusRequest is the agent request for CNI STATUS.
 func (c *Config) StatusRequest() allocator.StatusRequest {
 	return allocator.StatusRequest{Network: c.Name, Pool: c.Request.Pool}
+}
+
+// askedPools returns the pools the pod asks for, in order: CNI_ARGS LEASEHOLD_POOL, else
+// args.cni.pool (where Multus puts a pod's cni-args), each a valid pool name. rawArgsPool is
+// args.cni.pool as written (nil when absent): a string, one pool or a comma-separated list,
+// or a list of strings. The two given differently is refused, as for a claim. Errors wrap
+// allocator.ErrInvalidConfig or allocator.ErrInvalidName.
+func askedPools(args CNIArgs, rawArgsPool json.RawMessage) ([]string, error) {
+	if args.poolErr != nil {
+		return nil, args.poolErr
+	}
+	var fromArgs []string
+	if rawArgsPool != nil {
+		var one string
+		if err := json.Unmarshal(rawArgsPool, &one); err == nil {
+			fromArgs = splitList(one)
+		} else if err := json.Unmarshal(rawArgsPool, &fromArgs); err != nil {
+			return nil, fmt.Errorf("%w: args.cni.pool: want a pool name, a comma-separated list of them or a JSON list of "+
+				"them, got %s", allocator.ErrInvalidConfig, rawArgsPool)
+		}
+		fromArgs = slices.DeleteFunc(fromArgs, func(s string) bool { return strings.TrimSpace(s) == "" })
+	}
+	pools, source := args.Pools, "CNI_ARGS LEASEHOLD_POOL"
+	switch {
+	case len(pools) > 0 && len(fromArgs) > 0 && !slices.Equal(pools, fromArgs):
+		return nil, fmt.Errorf("%w: CNI_ARGS LEASEHOLD_POOL %q and args.cni.pool %q ask for different pools; ask once, "+
+			"or for the same pools in both", allocator.ErrInvalidConfig, strings.Join(pools, ","), strings.Join(fromArgs, ","))
+	case len(pools) == 0:
+		pools, source = fromArgs, "args.cni.pool"
+	}
+	for i, p := range pools {
+		if err := allocator.ValidateName("pool", p); err != nil {
+			return nil, fmt.Errorf("%w: %s: %w", allocator.ErrInvalidConfig, source, err)
+		}
+		if slices.Contains(pools[:i], p) {
+			return nil, fmt.Errorf("%w: %s asks for pool %q twice; name each pool once, in the order to try them",
+				allocator.ErrInvalidConfig, source, p)
+		}
+	}
+	return pools, nil
 }
 
 // claimHint tells how to name a claim explicitly.
