@@ -50,15 +50,11 @@ func SetPoolAccess(ctx context.Context, cli *clientv3.Client, pool string, set f
 
 // RuleEntry is one stored selection rule.
 type RuleEntry struct {
-	Key, Cluster, Network string
-	// Kind is keyspace.RuleNamespace or keyspace.RuleNode; Name the namespace or the rule's name.
-	Kind, Name  string
+	keyspace.Rule
+	Key         string
 	ModRevision int64
-	// Pools are the rule's pools, in order; Node is the node rule's match and order.
-	Pools []string
-	Node  *keyspace.NodeRule
-	// Unreadable says why the value cannot be read (agents pass the rule over).
-	Unreadable string
+	// Unreadable says why the value cannot be used (agents pass the rule over).
+	Unreadable string `json:",omitempty"`
 }
 
 // SetNamespaceRule stores the pools of namespace's pods on network of cluster, in order.
@@ -139,57 +135,31 @@ func DeleteRule(ctx context.Context, cli *clientv3.Client, cluster, network, kin
 // ListRules returns the selection rules of cluster (every cluster's when cluster is ""),
 // sorted by key.
 func ListRules(ctx context.Context, cli *clientv3.Client, cluster string) ([]RuleEntry, error) {
-	prefix := keyspace.SelectionPrefix("", "")
-	if cluster != "" {
-		prefix = keyspace.SelectionPrefix(cluster, "")
-	}
-	resp, err := cli.Get(ctx, prefix, clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, keyspace.SelectionPrefix(cluster, ""), clientv3.WithPrefix())
 	if err != nil {
 		return nil, fmt.Errorf("list selection rules: %w", err)
 	}
 	out := make([]RuleEntry, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
-		key := string(kv.Key)
-		c, network, kind, name, err := keyspace.ParseSelectionKey(key)
-		e := RuleEntry{Key: key, Cluster: c, Network: network, Kind: kind, Name: name, ModRevision: kv.ModRevision}
-		switch {
-		case err != nil:
+		r, err := keyspace.DecodeRule(string(kv.Key), kv.Value)
+		e := RuleEntry{Rule: r, Key: string(kv.Key), ModRevision: kv.ModRevision}
+		if err != nil {
 			e.Unreadable = err.Error()
-		case kind == keyspace.RuleNamespace:
-			r, err := keyspace.Decode[keyspace.NamespaceRule](key, kv.Value)
-			e.Pools, e.Unreadable = r.Pools, errText(err, keyspace.ValidatePools(r.Pools))
-		default:
-			r, err := keyspace.Decode[keyspace.NodeRule](key, kv.Value)
-			e.Pools, e.Node, e.Unreadable = r.Pools, &r, errText(err, r.Validate())
 		}
 		out = append(out, e)
 	}
 	return out, nil
 }
 
-func errText(errs ...error) string {
-	for _, err := range errs {
-		if err != nil {
-			return err.Error()
-		}
-	}
-	return ""
-}
-
 // Rules gathers the readable rules of one cluster's network as package selection takes them.
 func Rules(entries []RuleEntry, cluster, network string) selection.Rules {
-	r := selection.Rules{Namespaces: map[string]keyspace.NamespaceRule{}, Nodes: map[string]keyspace.NodeRule{}}
+	rs := make([]keyspace.Rule, 0, len(entries))
 	for _, e := range entries {
-		if e.Cluster != cluster || e.Network != network || e.Unreadable != "" {
-			continue
-		}
-		if e.Kind == keyspace.RuleNamespace {
-			r.Namespaces[e.Name] = keyspace.NamespaceRule{Pools: e.Pools}
-		} else {
-			r.Nodes[e.Name] = *e.Node
+		if e.Unreadable == "" {
+			rs = append(rs, e.Rule)
 		}
 	}
-	return r
+	return selection.Gather(rs, cluster, network)
 }
 
 // SelectionPool is what package selection needs of a stored pool.

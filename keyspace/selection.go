@@ -21,9 +21,13 @@ const (
 	RuleNode      = "nodes"
 )
 
-// SelectionPrefix is the prefix of cluster's selection rules; with network, of one network's.
+// SelectionPrefix is the prefix of cluster's selection rules; with network, of one network's;
+// with neither, of every cluster's.
 func SelectionPrefix(cluster, network string) string {
-	if network == "" {
+	switch {
+	case cluster == "":
+		return selectionDir
+	case network == "":
 		return selectionDir + cluster + "/"
 	}
 	return selectionDir + cluster + "/" + network + "/"
@@ -120,4 +124,46 @@ func (r NodeRule) Validate() error {
 		}
 	}
 	return ValidatePools(r.Pools)
+}
+
+// Rule is one stored selection rule, decoded: a namespace's or a node rule's pools.
+type Rule struct {
+	Cluster, Network string
+	// Kind is RuleNamespace or RuleNode; Name the namespace or the node rule's name.
+	Kind, Name string
+	Pools      []string
+	// Node is the node rule (its match and order); nil for a namespace's rule.
+	Node *NodeRule `json:",omitempty"`
+}
+
+// DecodeRule reads the selection rule stored at key. A rule that does not decode or does not
+// validate is an error naming the key: readers pass it over (an agent keeps its ADDs on the
+// other rules), and leaseholdctl shows it.
+func DecodeRule(key string, value []byte) (Rule, error) {
+	var r Rule
+	var err error
+	if r.Cluster, r.Network, r.Kind, r.Name, err = ParseSelectionKey(key); err != nil {
+		return r, err
+	}
+	if r.Kind == RuleNamespace {
+		ns, err := Decode[NamespaceRule](key, value)
+		r.Pools = ns.Pools
+		if err == nil {
+			err = ValidatePools(ns.Pools)
+		}
+		return r, ruleError(key, err)
+	}
+	node, err := Decode[NodeRule](key, value)
+	r.Pools, r.Node = node.Pools, &node
+	if err == nil {
+		err = node.Validate()
+	}
+	return r, ruleError(key, err)
+}
+
+func ruleError(key string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("selection rule %s: %w; fix it with leaseholdctl selection set-*, or delete it", key, err)
 }

@@ -25,6 +25,21 @@ type Rules struct {
 	Nodes      map[string]keyspace.NodeRule      // by rule name
 }
 
+// Gather collects the rules of one cluster's network, from rules as stored (readable ones).
+func Gather(rules []keyspace.Rule, cluster, network string) Rules {
+	out := Rules{Namespaces: map[string]keyspace.NamespaceRule{}, Nodes: map[string]keyspace.NodeRule{}}
+	for _, r := range rules {
+		switch {
+		case r.Cluster != cluster || r.Network != network:
+		case r.Kind == keyspace.RuleNamespace:
+			out.Namespaces[r.Name] = keyspace.NamespaceRule{Pools: r.Pools}
+		case r.Node != nil:
+			out.Nodes[r.Name] = *r.Node
+		}
+	}
+	return out
+}
+
 // Node is the node the ADD runs on: its name and the labels the agent was given at start.
 type Node struct {
 	Name   string

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"slices"
 	"strings"
 	"testing"
 
@@ -52,6 +53,11 @@ func TestSelectionCommands(t *testing.T) {
 	jsonOf(t, ctl(append([]string{"selection", "list", "-o", "json"}, scope...)...), &rules)
 	if len(rules) != 2 || strings.Join(rules[0].Pools, ",") != b+","+a || rules[1].Node == nil || rules[1].Node.Order != 3 {
 		t.Fatalf("rules listed: %+v", rules)
+	}
+	var all []admin.RuleEntry // without --cluster: every cluster's
+	jsonOf(t, ctl("selection", "list", "-o", "json"), &all)
+	if !slices.ContainsFunc(all, func(e admin.RuleEntry) bool { return e.Cluster == cluster && e.Name == "r1" }) {
+		t.Fatalf("selection list without --cluster misses cluster %s's rules: %+v", cluster, all)
 	}
 	r := ctl(append([]string{"selection", "explain", "--node", "rack1-n1", "--labels", "zone=a", "--namespace", "ns1", "--pool", a}, scope...)...)
 	if r.code != exitOK || !strings.Contains(r.stdout, "from namespace rule ns1") || !strings.Contains(r.stdout, b+" (closed)") ||
