@@ -162,17 +162,6 @@ func Rules(entries []RuleEntry, cluster, network string) selection.Rules {
 	return selection.Gather(rs, cluster, network)
 }
 
-// SelectionPool is what package selection needs of a stored pool.
-func SelectionPool(spec allocator.PoolSpec, access keyspace.PoolAccess) selection.Pool {
-	p := selection.Pool{Closed: access.Closed, Namespaces: access.Namespaces}
-	for _, set := range spec.Ranges {
-		if f := set.Family(); f != 0 && !slices.Contains(p.Families, f) {
-			p.Families = append(p.Families, f)
-		}
-	}
-	return p
-}
-
 // Explain reads the rules of cluster's network and every pool, and says which pools an ADD
 // of pod on node would try, per family, and why each other pool of its list is passed over
 // (selection.Choose). dflt is the network configuration's pool; the families are its range
@@ -189,7 +178,7 @@ func Explain(ctx context.Context, cli *clientv3.Client, cluster, network, dflt s
 	pools := map[string]selection.Pool{}
 	for _, p := range st.Pools {
 		if p.Usable() {
-			pools[p.Name] = SelectionPool(p.Value, p.Access)
+			pools[p.Name] = selection.PoolOf(p.Value, p.Access)
 		}
 	}
 	if d, ok := pools[dflt]; ok && len(families) == 0 {

@@ -65,6 +65,17 @@ type Pool struct {
 	Unstored bool
 }
 
+// PoolOf is what selection needs of a stored pool: its families and its access.
+func PoolOf(spec allocator.PoolSpec, access keyspace.PoolAccess) Pool {
+	p := Pool{Closed: access.Closed, Namespaces: access.Namespaces}
+	for _, set := range spec.Ranges {
+		if f := set.Family(); f != 0 && !slices.Contains(p.Families, f) {
+			p.Families = append(p.Families, f)
+		}
+	}
+	return p
+}
+
 // Choice is the pools an ADD tries and why.
 type Choice struct {
 	// Source says where the list comes from: "the pod's request", "namespace rule <ns>",

@@ -1,16 +1,19 @@
-// Package rules follows one cluster's selection rules (package selection) as etcd has them:
-// a listing, then a watch from the listing's revision; a watch that breaks (compaction, etcd
-// restarted or restored) lists again. An ADD reads the rules it holds without asking etcd, so
-// a rule change reaches the next ADD on every node within one watch round-trip, and costs an
-// ADD nothing when no rule exists.
+// Package rules follows what an ADD needs to choose its pools (package selection): one
+// cluster's selection rules, and every pool's definition and access. Each is a listing, then
+// a watch from the listing's revision; a watch that breaks (compaction, etcd restarted or
+// restored) lists again. An ADD reads what is held without asking etcd, so a rule change, or
+// a pool closed or opened, reaches the next ADD on every node within one watch round-trip.
+// Both are written rarely: the two watches cost etcd nothing per ADD.
 package rules
 
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/keyspace"
@@ -23,34 +26,48 @@ const (
 	retryMax   = 5 * time.Second
 )
 
-// Follower holds one cluster's selection rules. Its goroutine is Run's.
-type Follower struct {
-	cli     *clientv3.Client
-	cluster string
-	log     *slog.Logger
+// Config is what a Follower is handed when made.
+type Config struct {
+	Cluster string
+	Log     *slog.Logger
+	// PoolChanged is called, without a lock held, when a pool's stored definition or access
+	// changed or went: the agent reads it again before its next ADD there.
+	PoolChanged func(pool string)
+}
 
-	// listed is closed once the first listing is in.
-	listed chan struct{}
+// Follower holds one cluster's selection rules and the pools. Its goroutines are Run's.
+type Follower struct {
+	cli *clientv3.Client
+	cfg Config
+
+	// listed is closed once both first listings are in.
+	listed       chan struct{}
+	rulesListed  chan struct{}
+	poolsListed  chan struct{}
+	listedCloser sync.Once
 
 	mu sync.Mutex
-	// rules are the readable rules by key; bad the keys of unreadable ones, with why.
+	// rules are the readable rules by key; bad the keys of unreadable rules and pools, with why.
 	rules map[string]keyspace.Rule
+	pools map[string]selection.Pool
 	bad   map[string]string
 }
 
-// New returns a follower of cluster's rules through cli (the gate's client); Run follows them.
-func New(cli *clientv3.Client, cluster string, log *slog.Logger) *Follower {
-	return &Follower{cli: cli, cluster: cluster, log: log, listed: make(chan struct{}),
-		rules: map[string]keyspace.Rule{}, bad: map[string]string{}}
+// New returns a follower through cli (the gate's client); Run follows.
+func New(cli *clientv3.Client, cfg Config) *Follower {
+	return &Follower{cli: cli, cfg: cfg, listed: make(chan struct{}), rulesListed: make(chan struct{}),
+		poolsListed: make(chan struct{}), rules: map[string]keyspace.Rule{}, pools: map[string]selection.Pool{},
+		bad: map[string]string{}}
 }
 
-// Rules returns network's rules, and whether it has any. Before the first listing it waits
-// for it, as long as ctx allows: an ADD must not choose by rules it has not read.
-func (f *Follower) Rules(ctx context.Context, network string) (selection.Rules, bool, error) {
+// Choice is what an ADD of network chooses by: its rules (any is false when it has none)
+// and the stored pools. Before the first listings it waits for them, as long as ctx allows:
+// an ADD must not choose by rules it has not read.
+func (f *Follower) Choice(ctx context.Context, network string) (rules selection.Rules, any bool, pools map[string]selection.Pool, err error) {
 	select {
 	case <-f.listed:
 	case <-ctx.Done():
-		return selection.Rules{}, false, ctx.Err()
+		return selection.Rules{}, false, nil, ctx.Err()
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -60,17 +77,43 @@ func (f *Follower) Rules(ctx context.Context, network string) (selection.Rules, 
 			rs = append(rs, r)
 		}
 	}
-	return selection.Gather(rs, f.cluster, network), len(rs) > 0, nil
+	pools = make(map[string]selection.Pool, len(f.pools))
+	for k, v := range f.pools {
+		pools[k] = v
+	}
+	return selection.Gather(rs, f.cfg.Cluster, network), len(rs) > 0, pools, nil
 }
 
-// Run lists the rules and follows them until ctx ends.
+// Run lists and follows the rules and the pools until ctx ends.
 func (f *Follower) Run(ctx context.Context) {
-	prefix := keyspace.SelectionPrefix(f.cluster, "")
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		f.follow(ctx, "selection rules", keyspace.SelectionPrefix(f.cfg.Cluster, ""), f.rulesListed, f.resetRules, f.rule)
+	})
+	wg.Go(func() { f.follow(ctx, "pool definitions", keyspace.PoolsPrefix(), f.poolsListed, f.resetPools, f.pool) })
+	wg.Go(func() {
+		for _, ch := range []chan struct{}{f.rulesListed, f.poolsListed} {
+			select {
+			case <-ch:
+			case <-ctx.Done():
+				return
+			}
+		}
+		close(f.listed)
+	})
+	wg.Wait()
+}
+
+// follow lists prefix, then applies its watch's events from the listing's revision on; a
+// broken watch lists again. reset starts a listing's state, apply takes one key (a nil
+// value: deleted).
+func (f *Follower) follow(ctx context.Context, what, prefix string, listed chan struct{}, reset func() []string,
+	apply func(key string, value []byte) string) {
 	backoff := retryFirst
 	for ctx.Err() == nil {
 		resp, err := f.cli.Get(ctx, prefix, clientv3.WithPrefix())
 		if err != nil {
-			f.log.Warn("listing the selection rules failed; ADDs choose by the rules last read", "err", err, "retry_in", backoff)
+			f.cfg.Log.Warn("listing failed; ADDs choose by what was last read", "what", what, "err", err, "retry_in", backoff)
 			select {
 			case <-ctx.Done():
 				return
@@ -81,57 +124,114 @@ func (f *Follower) Run(ctx context.Context) {
 		}
 		backoff = retryFirst
 		f.mu.Lock()
-		f.rules, f.bad = map[string]keyspace.Rule{}, map[string]string{}
+		changed := reset()
 		for _, kv := range resp.Kvs {
-			f.putLocked(string(kv.Key), kv.Value)
+			changed = append(changed, apply(string(kv.Key), kv.Value))
 		}
 		f.mu.Unlock()
+		f.changed(changed)
 		select {
-		case <-f.listed:
+		case <-listed:
 		default:
-			close(f.listed)
+			close(listed)
 		}
-		f.follow(ctx, prefix, resp.Header.Revision+1)
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		for wresp := range f.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1)) {
+			if err := wresp.Err(); err != nil {
+				if ctx.Err() == nil {
+					f.cfg.Log.Info("a watch broke; listing again", "what", what, "err", err)
+				}
+				break
+			}
+			changed = changed[:0]
+			f.mu.Lock()
+			for _, ev := range wresp.Events {
+				var value []byte
+				if ev.Type == mvccpb.PUT {
+					value = ev.Kv.Value
+				}
+				changed = append(changed, apply(string(ev.Kv.Key), value))
+			}
+			f.mu.Unlock()
+			f.changed(changed)
+		}
+		cancel()
 	}
 }
 
-// follow applies the watch's events from rev on until it breaks or ctx ends.
-func (f *Follower) follow(ctx context.Context, prefix string, rev int64) {
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer cancel()
-	for resp := range f.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev)) {
-		if err := resp.Err(); err != nil {
-			if ctx.Err() == nil {
-				f.log.Info("the watch of the selection rules broke; listing them again", "err", err)
-			}
-			return
-		}
-		f.mu.Lock()
-		for _, ev := range resp.Events {
-			key := string(ev.Kv.Key)
-			if ev.Type == clientv3.EventTypeDelete {
-				delete(f.rules, key)
-				delete(f.bad, key)
-				continue
-			}
-			f.putLocked(key, ev.Kv.Value)
-		}
-		f.mu.Unlock()
-	}
-}
-
-// putLocked records the rule stored at key; one that cannot be read is passed over, with a
-// warning once per value. The caller holds mu.
-func (f *Follower) putLocked(key string, value []byte) {
-	r, err := keyspace.DecodeRule(key, value)
-	if err != nil {
-		delete(f.rules, key)
-		if f.bad[key] != err.Error() {
-			f.log.Warn("a selection rule cannot be read; ADDs pass it over", "err", err)
-		}
-		f.bad[key] = err.Error()
+// changed tells the agent of the pools whose record changed ("" entries are not pools).
+func (f *Follower) changed(pools []string) {
+	if f.cfg.PoolChanged == nil {
 		return
 	}
-	delete(f.bad, key)
+	slices.Sort(pools)
+	for _, p := range slices.Compact(pools) {
+		if p != "" {
+			f.cfg.PoolChanged(p)
+		}
+	}
+}
+
+// resetRules forgets the rules before a listing. The caller holds mu.
+func (f *Follower) resetRules() []string {
+	f.rules = map[string]keyspace.Rule{}
+	return nil
+}
+
+// resetPools forgets the pools before a listing, returning them: each may have changed. The
+// caller holds mu.
+func (f *Follower) resetPools() []string {
+	var names []string
+	for name := range f.pools {
+		names = append(names, name)
+	}
+	f.pools = map[string]selection.Pool{}
+	return names
+}
+
+// rule records the rule stored at key (deleted when value is nil); an unreadable one is
+// passed over, with a warning once per value. The caller holds mu.
+func (f *Follower) rule(key string, value []byte) string {
+	delete(f.rules, key)
+	if value == nil {
+		delete(f.bad, key)
+		return ""
+	}
+	r, err := keyspace.DecodeRule(key, value)
+	if f.unreadable(key, err) {
+		return ""
+	}
 	f.rules[key] = r
+	return ""
+}
+
+// pool records the pool stored at key (gone when value is nil), as selection needs it; an
+// unreadable definition is passed over. The caller holds mu.
+func (f *Follower) pool(key string, value []byte) string {
+	name := key[len(keyspace.PoolsPrefix()):]
+	delete(f.pools, name)
+	if value == nil {
+		delete(f.bad, key)
+		return name
+	}
+	spec, _, err := keyspace.DecodePool(key, value)
+	if f.unreadable(key, err) {
+		return name
+	}
+	access, _ := keyspace.DecodePoolAccess(value)
+	f.pools[name] = selection.PoolOf(spec, access)
+	return name
+}
+
+// unreadable logs err once per key and value; it tells whether there was one.
+func (f *Follower) unreadable(key string, err error) bool {
+	if err == nil {
+		delete(f.bad, key)
+		return false
+	}
+	if f.bad[key] != err.Error() {
+		f.cfg.Log.Warn("a stored record cannot be read; ADDs pass it over", "key", key, "err", err)
+	}
+	f.bad[key] = err.Error()
+	return true
 }
