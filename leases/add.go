@@ -56,17 +56,8 @@ const maxUnanswered = 5
 
 func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
 
-// Add allocates one address from every range set of the request's pool for the attachment
-// (container ID + interface), or returns the addresses it already has. All addresses, the
-// owner index and the pod record are created in one transaction on the pod's lease, guarded
-// by create-if-absent on every address, its quarantine key and the owner index.
-//
-// Errors wrap allocator.ErrInvalidConfig or ErrInvalidName (bad request), ErrPoolMismatch,
-// ErrNotInRange or ErrAddressInUse (requested addresses), ErrPoolExhausted (no free address;
-// also ErrOnlyQuarantined when only resting addresses are free), or ErrUnavailable (etcd
-// unreachable, or the owner's keys are held by another node identity until they expire).
-func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
-	defer a.metrics.observe("add", time.Now(), &err)
+// addIn is an ADD in the one pool req names (Add chose it).
+func (a *Agent) addIn(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
 	defer func() {
 		if errors.Is(err, allocator.ErrPoolExhausted) {
 			if v := a.pools.ViewOf(req.Pool.Name); v != nil {
@@ -112,6 +103,9 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 			if err := a.sticky.readSticky(ctx, p.Spec, st); err != nil {
 				return allocator.Result{}, err
 			}
+		}
+		if err := a.closedTo(p, st); err != nil {
+			return allocator.Result{}, err
 		}
 		requested, err := p.Spec.MatchRequested(st.req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {

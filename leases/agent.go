@@ -23,6 +23,7 @@ import (
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/restorehold"
+	"github.com/leasehold/leasehold/leases/rules"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -35,6 +36,8 @@ type Agent struct {
 	log    *slog.Logger
 	keeper *keeper.Keeper
 	pools  *poolview.Pools
+	// rules are the selection rules and the pools an ADD chooses by (choose.go).
+	rules *rules.Follower
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
 	claims      *txn.Batcher
@@ -193,6 +196,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		allocation: a.allocation, ownerRecord: a.ownerRecord, podRecord: a.podRecord,
 		imported: a.metrics.imports, importConflicts: map[importConflictRef][]netip.Addr{}}
 	a.recovery, a.notices = a.newRecovery()
+	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})
+	a.wg.Go(func() { a.rules.Run(actx) })
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())
 	ocancel()

@@ -31,6 +31,7 @@ func (a *Agent) Check(ctx context.Context, req allocator.Request) (_ allocator.R
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
+	req.Pool = a.attachedPool(owner, req)
 	p, err := a.pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return allocator.Result{}, err

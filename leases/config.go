@@ -18,6 +18,9 @@ type Config struct {
 	Cluster string
 	Node    string
 	NodeUID string
+	// NodeLabels are the node's labels as the agent is given them at start (--node-label):
+	// selection rules choose a node's pools by them, without a Kubernetes API client.
+	NodeLabels map[string]string
 	// LeaseTTL is the TTL of pod leases and of the node lease; default DefaultLeaseTTL.
 	LeaseTTL time.Duration
 	// Quarantine is how long a released address rests before reuse; 0 uses DefaultQuarantine,

@@ -43,6 +43,7 @@ func (a *Agent) Del(ctx context.Context, req allocator.Request) (err error) {
 	owner = a.attachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
+	req.Pool = a.attachedPool(owner, req)
 	if err := a.imports.conflictDeleted(req); err != nil {
 		return err
 	}
@@ -477,7 +478,9 @@ func (a *Agent) gcOwner(ctx context.Context, req allocator.GCRequest, owner stri
 	defer own.Unlock()
 	young := a.addedWithinGrace(owner)
 	return a.releaseWhere(ctx, own, func(ifName, pool string, rec keyspace.OwnerRecord) bool {
-		collect := pool == req.Pool.Name && rec.Network == req.Network && !young(rec) &&
+		// The network's attachments in any pool: selection may have put one outside the
+		// configuration's pool.
+		collect := rec.Network == req.Network && !young(rec) &&
 			!valid[allocator.Attachment{ContainerID: rec.ContainerID, IfName: ifName}]
 		if collect {
 			a.log.Info("GC releases an attachment the runtime no longer lists",

@@ -25,6 +25,9 @@ type Pool struct {
 	// Migrating is set while leaseholdctl pool migrate moves the pool to the block layout:
 	// ADDs are refused until it finishes.
 	Migrating *keyspace.Migration
+	// Access is who may get new addresses from the pool, as stored with the definition: a
+	// closed pool gives none (package selection).
+	Access keyspace.PoolAccess
 }
 
 // Config is what Pools needs besides etcd's client, handed in by the agent at start.
@@ -68,7 +71,7 @@ func (ps *Pools) Ensure(ctx context.Context, spec allocator.PoolSpec) (*Pool, er
 	if ok && p.Rev > 0 && p.Migrating == nil && (len(spec.Ranges) == 0 || p.Spec.Equal(configured(spec, p.Spec))) {
 		return p, nil
 	}
-	stored, migrating, rev, err := ps.load(ctx, spec)
+	stored, migrating, access, rev, err := ps.load(ctx, spec)
 	if err != nil {
 		return nil, err
 	}
@@ -83,13 +86,13 @@ func (ps *Pools) Ensure(ctx context.Context, spec allocator.PoolSpec) (*Pool, er
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if old, ok := ps.m[spec.Name]; ok && old.View.blocks == stored.Blocks {
-		p = &Pool{Spec: stored, Rev: rev, View: old.View, Migrating: migrating}
+		p = &Pool{Spec: stored, Rev: rev, View: old.View, Migrating: migrating, Access: access}
 	} else {
 		if stop := ps.stops[spec.Name]; stop != nil {
 			stop() // the pool's layout changed (pool migrate): follow it anew
 		}
 		vctx, stop := context.WithCancel(ps.ctx)
-		p = &Pool{Spec: stored, Rev: rev, Migrating: migrating,
+		p = &Pool{Spec: stored, Rev: rev, Migrating: migrating, Access: access,
 			View: newView(spec.Name, stored.Blocks, ps.cli, ps.log, ps.cfg.Seed, ps.cfg.Owner, ps.cfg.Hooks)}
 		ps.stops[spec.Name] = stop
 		go p.View.run(vctx)
@@ -157,7 +160,7 @@ func (ps *Pools) RestartAll(keep time.Time) (relisted []<-chan struct{}) {
 	defer ps.mu.Unlock()
 	for name, p := range ps.m {
 		relisted = append(relisted, p.View.restartKeeping(keep))
-		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating}
+		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating, Access: p.Access}
 	}
 	return relisted
 }
@@ -167,13 +170,13 @@ func (ps *Pools) Invalidate(name string) {
 	ps.mu.Lock()
 	defer ps.mu.Unlock()
 	if p, ok := ps.m[name]; ok {
-		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating}
+		ps.m[name] = &Pool{Spec: p.Spec, Rev: -1, View: p.View, Migrating: p.Migrating, Access: p.Access}
 	}
 }
 
 // load reads the stored definition, creating it from spec when absent: in the block layout,
 // with allocator.DefaultBlocks unless the configuration names block sizes.
-func (ps *Pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, *keyspace.Migration, int64, error) {
+func (ps *Pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.PoolSpec, *keyspace.Migration, keyspace.PoolAccess, int64, error) {
 	key := keyspace.PoolKey(spec.Name)
 	var txn clientv3.Txn
 	if len(spec.Ranges) > 0 {
@@ -188,23 +191,24 @@ func (ps *Pools) load(ctx context.Context, spec allocator.PoolSpec) (allocator.P
 	}
 	resp, err := txn.Commit()
 	if err != nil {
-		return allocator.PoolSpec{}, nil, 0, fmt.Errorf("%w: read pool %q from etcd: %w", allocator.ErrUnavailable, spec.Name, err)
+		return allocator.PoolSpec{}, nil, keyspace.PoolAccess{}, 0, fmt.Errorf("%w: read pool %q from etcd: %w", allocator.ErrUnavailable, spec.Name, err)
 	}
 	if resp.Succeeded && len(spec.Ranges) > 0 {
 		ps.log.Info("pool defined", "pool", spec.Name, "spec", spec.String())
-		return spec, nil, resp.Header.Revision, nil
+		return spec, nil, keyspace.PoolAccess{}, resp.Header.Revision, nil
 	}
 	kvs := resp.Responses[0].GetResponseRange().Kvs
 	if len(kvs) == 0 {
-		return allocator.PoolSpec{}, nil, 0, fmt.Errorf("%w: pool %q is not defined in etcd (%s) and the configuration gives no ranges; "+
+		return allocator.PoolSpec{}, nil, keyspace.PoolAccess{}, 0, fmt.Errorf("%w: pool %q is not defined in etcd (%s) and the configuration gives no ranges; "+
 			"add \"ranges\" to the ipam configuration or create the pool with leaseholdctl pool create",
 			allocator.ErrInvalidConfig, spec.Name, key)
 	}
 	stored, migrating, err := keyspace.DecodePool(key, kvs[0].Value)
 	if err != nil {
-		return allocator.PoolSpec{}, nil, 0, err
+		return allocator.PoolSpec{}, nil, keyspace.PoolAccess{}, 0, err
 	}
-	return stored, migrating, kvs[0].ModRevision, nil
+	access, _ := keyspace.DecodePoolAccess(kvs[0].Value)
+	return stored, migrating, access, kvs[0].ModRevision, nil
 }
 
 // Served is every pool served, as last ensured.
