@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -48,6 +49,34 @@ type options struct {
 	logLevel                               string
 	showVersion                            bool
 	imports                                importOptions
+	nodeLabels                             labelFlag
+}
+
+// labelFlag collects --node-label KEY=VALUE, repeatable or comma-separated.
+type labelFlag map[string]string
+
+func (l *labelFlag) String() string {
+	var out []string
+	for k, v := range *l {
+		out = append(out, k+"="+v)
+	}
+	slices.Sort(out)
+	return strings.Join(out, ",")
+}
+
+// Set adds each KEY=VALUE of v.
+func (l *labelFlag) Set(v string) error {
+	for item := range strings.SplitSeq(v, ",") {
+		k, val, ok := strings.Cut(strings.TrimSpace(item), "=")
+		if !ok || k == "" {
+			return fmt.Errorf("%q: want KEY=VALUE (a label of this node, as selection rules match it)", item)
+		}
+		if *l == nil {
+			*l = labelFlag{}
+		}
+		(*l)[k] = val
+	}
+	return nil
 }
 
 func parse(args []string, stderr io.Writer) (*options, error) {
@@ -76,6 +105,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/leasehold", "local journal of this node's pods, for re-claim after a lease loss")
 	fs.DurationVar(&o.livenessInterval, "liveness-interval", 10*time.Second, "how often to look for sandboxes whose netns is gone (0s disables)")
 	fs.DurationVar(&o.livenessGrace, "liveness-grace", 30*time.Second, "a pod is never released for a missing netns this soon after an ADD")
+	fs.Var(&o.nodeLabels, "node-label", "a label of this node, KEY=VALUE (repeatable or comma-separated): selection rules give a node its pools by them (leaseholdctl selection set-node --labels)")
 	fs.BoolVar(&o.publishHosts, "publish-host-addresses", true, "publish this node's own addresses so that no pool hands them out")
 	fs.StringVar(&o.hostNetns, "host-netns", "", "network namespace whose addresses are the node's (default: the agent's own)")
 	fs.DurationVar(&o.hostResync, "host-resync", 15*time.Second, "how often host addresses are listed again besides netlink events")
@@ -168,7 +198,7 @@ func serve(o *options, log *slog.Logger) error {
 
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	agent, err := leases.Start(sctx, cli, leases.Config{
-		Cluster: o.cluster, Node: o.node, NodeUID: uid, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine), BlockIdle: disabledIfZero(o.blockIdle), ClaimHold: o.claimHold,
+		Cluster: o.cluster, Node: o.node, NodeUID: uid, NodeLabels: o.nodeLabels, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine), BlockIdle: disabledIfZero(o.blockIdle), ClaimHold: o.claimHold,
 		ReuseDelay:  disabledIfZero(o.reuseDelay),
 		SpareLeases: o.spare, GCGrace: disabledIfZero(o.gcGrace), Version: version, Logger: log,
 		PublishHostAddrs: o.publishHosts, HostNetns: o.hostNetns, HostResync: o.hostResync,
