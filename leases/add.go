@@ -13,6 +13,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/restorehold"
@@ -28,9 +29,9 @@ type addState struct {
 	req   allocator.Request
 	owner string
 	own   *ownerlock.Owned // the owner's lock, held for the whole ADD
-	// claims are the ADD's claim loop (claimloop.go): the spare lease taken for a pod that
+	// claims are the ADD's claim loop (leases/claimloop): the spare lease taken for a pod that
 	// has none yet, and what a refused or unanswered claim means to an ADD (addPolicy).
-	claims claimLoop
+	claims *claimloop.Loop
 	// lost are addresses this ADD found taken since its view was built.
 	lost map[netip.Addr]bool
 	// unanswered counts claims whose answer did not come (see tryAdd).
@@ -79,10 +80,10 @@ func (a *Agent) addIn(ctx context.Context, req allocator.Request) (_ allocator.R
 	own := a.locks.Lock(owner)
 	defer own.Unlock()
 	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool), origRequested: req.RequestedIPs}
-	st.claims = claimLoop{a: a, own: own, req: req, policy: a.addPolicy(st)}
+	st.claims = a.loops.For(own, req, a.addPolicy(st))
 	defer a.sticky.dropSticky(st)
 	defer func() {
-		st.claims.done()
+		st.claims.Done()
 		a.keeper.Refill()
 	}()
 	for attempt := range maxAddAttempts {
@@ -149,7 +150,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 		return a.repeated(ctx, p, st, lease)
 	}
 	if !known {
-		id, err := st.claims.spare(octx)
+		id, err := st.claims.Spare(octx)
 		if err != nil {
 			return allocator.Result{}, false, a.unavailable("grant pod lease", err)
 		}
@@ -250,7 +251,7 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 			return allocator.Result{}, false, err
 		}
 	}
-	out, again, err := st.claims.commit(ctx, c, func() (txn.ClaimOutcome, error) {
+	out, again, err := st.claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) {
 		start := time.Now()
 		defer a.metrics.rtt("claim", start)
 		if c.ClaimKey != "" {
@@ -280,8 +281,8 @@ func (a *Agent) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requ
 				a.log.Info("claim handed over", "claim", s.name, "owner", owner, "pool", p.Spec.Name, "ips", addrs)
 			}
 		}
-		a.claimedOn(ctx, req, st.own, lease, at)
-		st.claims.bound()
+		a.loops.ClaimedOn(ctx, req, st.own, lease, at)
+		st.claims.Bound()
 		a.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.Spec.Name, "ips", addrs)
 		res, err := result(&p.Spec, addrs)
 		return res, true, err
@@ -304,7 +305,7 @@ func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease c
 		_, err = a.releaseAttachment(ctx, req, st.own)
 	} else {
 		err = a.keeper.Revoke(lease)
-		st.claims.bound() // revoked: neither the owner's nor a spare
+		st.claims.Bound() // revoked: neither the owner's nor a spare
 	}
 	a.log.Warn("etcd went back in time while an ADD chose its addresses; what it claimed is given back",
 		"owner", st.owner, "container", st.req.ContainerID, "pool", pool, "err", err)
@@ -335,26 +336,26 @@ func (a *Agent) waitUnanswered(ctx context.Context, st *addState, owner string, 
 }
 
 // addPolicy is what a claim etcd refused or did not answer means to the ADD st (the claim
-// loop, claimloop.go). A known pod's lease that is gone takes the pod's keys with it: the pod
+// loop, leases/claimloop). A known pod's lease that is gone takes the pod's keys with it: the pod
 // is queued for re-claim, and the runtime's retry finds it re-claimed. Any other refusal (the
 // NOSPACE alarm, a missing permission, too many requests) is the ADD's answer, naming the
 // cause. An unanswered claim is sent again after a wait (waitUnanswered).
-func (a *Agent) addPolicy(st *addState) claimPolicy {
-	return claimPolicy{
-		ownLeaseGone: func(lease clientv3.LeaseID, _ error) error {
+func (a *Agent) addPolicy(st *addState) claimloop.Policy {
+	return claimloop.Policy{
+		OwnLeaseGone: func(lease clientv3.LeaseID, _ error) error {
 			a.keeper.Forget(lease)
 			a.leaseLost(lease)
 			return fmt.Errorf("%w: the lease %s of owner %s is gone from etcd, and its addresses with it; "+
 				"they are being re-claimed: retry", allocator.ErrUnavailable, keyspace.LeaseHex(lease), st.owner)
 		},
-		refused: func(err error) error {
+		Refused: func(err error) error {
 			if txn.NoSpace(err) {
 				return fmt.Errorf("%w: etcd is out of space (its NOSPACE alarm is raised) and takes no new "+
 					"allocation until an operator frees space (etcdctl compact, defrag, alarm disarm): %w", allocator.ErrUnavailable, err)
 			}
 			return a.unavailable("etcd refused the claim", err)
 		},
-		unanswered: func(ctx context.Context, err error) error {
+		Unanswered: func(ctx context.Context, err error) error {
 			return a.waitUnanswered(ctx, st, st.owner, a.unavailable("claim addresses", err))
 		},
 	}
@@ -576,7 +577,7 @@ func (a *Agent) existing(ctx context.Context, p *poolview.Pool, st *addState, kv
 			return allocator.Result{}, false, err
 		}
 	}
-	a.claimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.Spec.Name, st.req.ContainerID, rev))
+	a.loops.ClaimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.Spec.Name, st.req.ContainerID, rev))
 	res, err := result(&p.Spec, rec.IPs)
 	return res, true, err
 }
@@ -649,7 +650,7 @@ func (a *Agent) resumePod(ctx context.Context, own *ownerlock.Owned, podKV *mvcc
 	if err := a.keeper.Adopt(octx, lease); err != nil {
 		return a.unavailable("resume the pod lease", err)
 	}
-	a.claimedOn(ctx, allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, own, lease)
+	a.loops.ClaimedOn(ctx, allocator.Request{Pod: rec.Pod, Netns: rec.Netns}, own, lease)
 	return nil
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/node"
@@ -41,7 +42,9 @@ type Agent struct {
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
 	claims      *txn.Batcher
-	locks       ownerlock.Locks
+	// loops makes the claim loops of ADD, import and re-claim (leases/claimloop).
+	loops *claimloop.Claims
+	locks ownerlock.Locks
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -126,6 +129,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
+	a.loops = claimloop.New(claimloop.Config{Keeper: k, Pods: a.pods, Log: a.log, OpTimeout: cfg.OpTimeout,
+		HeldLeaseGone: a.heldLeaseGone, Lost: func() { a.recovery.wake() }})
 	a.audit = a.newAuditor()
 	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
 		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
@@ -189,10 +194,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.imports = &importer{cfg: importConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
 		WallClock: cfg.WallClock, StateDir: cfg.StateDir},
 		cli: a.cli, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools, keeper: k, stopped: a.Err,
-		claimLoop: func(own *ownerlock.Owned, req allocator.Request, policy claimPolicy) claimLoop {
-			return claimLoop{a: a, own: own, req: req, policy: policy}
-		},
-		claimedOn: a.claimedOn, heldFor: a.heldFor, resumePod: a.resumePod,
+		loops: a.loops, heldFor: a.heldFor, resumePod: a.resumePod,
 		allocation: a.allocation, ownerRecord: a.ownerRecord, podRecord: a.podRecord,
 		imported: a.metrics.imports, importConflicts: map[importConflictRef][]netip.Addr{}}
 	a.recovery, a.notices = a.newRecovery()

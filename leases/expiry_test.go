@@ -561,7 +561,7 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 	}
 	a.keeper.Forget(alive) // reported lost: no longer renewed
 	own := a.locks.Lock("alive")
-	a.claimedOn(ctx, allocator.Request{}, own, alive)
+	a.loops.ClaimedOn(ctx, allocator.Request{}, own, alive)
 	own.Unlock()
 	if !a.keeper.Holds(alive) {
 		t.Errorf("a pod's lease that etcd still has is not renewed")
@@ -575,7 +575,7 @@ func TestAClaimOnALeaseReportedLostIsRenewedOrReclaimed(t *testing.T) {
 		t.Fatal(err)
 	}
 	own = a.locks.Lock("gone") // keep the re-claim from running before the look
-	a.claimedOn(ctx, allocator.Request{}, own, gone)
+	a.loops.ClaimedOn(ctx, allocator.Request{}, own, gone)
 	if _, lost := a.pods.LostPod("gone"); !lost {
 		t.Errorf("a pod whose lease etcd no longer has is not queued for re-claim")
 	}

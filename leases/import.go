@@ -16,6 +16,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/adopt"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
@@ -83,12 +84,11 @@ type importer struct {
 	keeper *keeper.Keeper // renews the pod leases, hands out spares
 	// stopped is why the agent stopped itself, nil while it serves (Agent.Err).
 	stopped func() error
-	// claimLoop makes the agent's claim loop for one attachment of the owner whose lock own
-	// is, with the import's policy (claimloop.go).
-	claimLoop func(own *ownerlock.Owned, req allocator.Request, policy claimPolicy) claimLoop
-	// claimedOn, heldFor, resumePod, allocation, ownerRecord and podRecord are the agent's
-	// (claimloop.go, add.go): what an ADD records and writes for an attachment.
-	claimedOn   func(ctx context.Context, req allocator.Request, o *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment)
+	// loops makes the claim loop for one attachment, with the import's policy, and records
+	// what a claim applied (leases/claimloop).
+	loops *claimloop.Claims
+	// heldFor, resumePod, allocation, ownerRecord and podRecord are the agent's (add.go):
+	// what an ADD records and writes for an attachment.
 	heldFor     func(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error)
 	resumePod   func(ctx context.Context, own *ownerlock.Owned, podKV *mvccpb.KeyValue) error
 	allocation  func(req allocator.Request, owner string, lease clientv3.LeaseID, now time.Time) keyspace.Allocation
@@ -231,24 +231,24 @@ func (im *importer) importAttachment(ctx context.Context, p *poolview.Pool, imp 
 		return ImportedAddr{IP: ip, Owner: owner, ContainerID: at.ContainerID, IfName: at.IfName, Detail: detail}
 	}
 	unanswered := 0
-	claims := im.claimLoop(own, req, claimPolicy{
+	claims := im.loops.For(own, req, claimloop.Policy{
 		// A refusal, of the owner's own lease gone too, is the import's answer.
-		refused: func(err error) error {
+		Refused: func(err error) error {
 			return fmt.Errorf("%w: import %s: etcd refused the claim: %w", allocator.ErrUnavailable, ownerKey, err)
 		},
-		unanswered: func(ctx context.Context, err error) error {
+		Unanswered: func(ctx context.Context, err error) error {
 			if unanswered++; unanswered > maxUnanswered || !sleepCtx(ctx, 50*time.Millisecond<<(unanswered-1)) {
 				return im.unavailable("import "+ownerKey, err)
 			}
 			return nil
 		},
 	})
-	defer claims.done()
+	defer claims.Done()
 	for range maxImportAttempts {
 		octx, cancel := im.opCtx(ctx)
 		lease, known := im.pods.Lease(owner)
 		if !known {
-			id, err := claims.spare(octx)
+			id, err := claims.Spare(octx)
 			if err != nil {
 				cancel()
 				return im.unavailable("grant a pod lease for the import of "+ownerKey, err)
@@ -265,7 +265,7 @@ func (im *importer) importAttachment(ctx context.Context, p *poolview.Pool, imp 
 			HeldLease: heldLease, Held: held,
 			Alloc: im.allocation(req, owner, lease, now), Index: im.ownerRecord(req, addrs, lease, now),
 			PodKey: keyspace.PodKey(im.cfg.Cluster, im.cfg.Node, owner), NewPod: !known, Pod: im.podRecord(req, owner, lease, now)}
-		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(octx, im.cli) })
+		out, again, err := claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(octx, im.cli) })
 		cancel()
 		if err != nil {
 			return err
@@ -278,9 +278,9 @@ func (im *importer) importAttachment(ctx context.Context, p *poolview.Pool, imp 
 				p.View.MarkAllocated(ip, out.Revision)
 				rep.Imported = append(rep.Imported, entry(ip, ""))
 			}
-			im.claimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
+			im.loops.ClaimedOn(ctx, req, own, lease, attachment{IfName: at.IfName, Pool: imp.Pool, Network: imp.Network,
 				ContainerID: at.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision})
-			claims.bound()
+			claims.Bound()
 			im.log.Info("imported", "source", imp.Source, "owner", owner, "container", at.ContainerID, "ifname", at.IfName,
 				"pool", imp.Pool, "ips", addrs, "lease", keyspace.LeaseHex(lease))
 			return nil
@@ -304,7 +304,7 @@ func (im *importer) importAttachment(ctx context.Context, p *poolview.Pool, imp 
 		case txn.PodGone, txn.PodMoved:
 			im.pods.Change(own).Drop()
 			if out.Pod == txn.PodGone {
-				claims.reuse(lease)
+				claims.Reuse(lease)
 			}
 			continue
 		}
@@ -352,7 +352,7 @@ func (im *importer) importFound(ctx context.Context, req allocator.Request, own 
 			return im.unavailable("resume the pod lease of "+string(kv.Key), err)
 		}
 	}
-	im.claimedOn(ctx, req, own, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
+	im.loops.ClaimedOn(ctx, req, own, lease, attachment{IfName: req.IfName, Pool: req.Pool.Name, Network: rec.Network,
 		ContainerID: rec.ContainerID, IPs: rec.IPs, Created: rec.Created, OwnerRev: kv.ModRevision})
 	var missing []netip.Addr
 	for _, ip := range addrs {

@@ -12,6 +12,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/txn"
 )
@@ -104,7 +105,7 @@ func (r *reclaimer) reclaim(ctx context.Context, owner string) error {
 		}
 		return r.unavailable("write the pod record", err)
 	}
-	r.claimedOn(ctx, req, own, lease, snap.Attachments...)
+	r.loops.ClaimedOn(ctx, req, own, lease, snap.Attachments...)
 	r.reclaims.Inc()
 	r.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
 	return r.keepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
@@ -138,14 +139,14 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 	r.noteRestoredHolds(ps.Owner, at, holds)
 	// The re-claim's lease is the owner's new one, never a spare; any refusal and a lost
 	// answer are its answer: reclaimAll tries again.
-	claims := r.claimLoop(own, req, claimPolicy{what: "re-claim " + c.OwnerKey,
-		refused: func(err error) error { return r.unavailable("re-claim "+c.OwnerKey, err) }})
+	claims := r.loops.For(own, req, claimloop.Policy{What: "re-claim " + c.OwnerKey,
+		Refused: func(err error) error { return r.unavailable("re-claim "+c.OwnerKey, err) }})
 	for range 5 {
 		if len(taken) > 0 {
 			c.Conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: r.cfg.Node, NodeUID: r.cfg.NodeUID,
 				Taken: taken, Detected: r.wall()}
 		}
-		out, again, err := claims.commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(ctx, r.cli) })
+		out, again, err := claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(ctx, r.cli) })
 		if err != nil {
 			return 0, nil, err
 		}

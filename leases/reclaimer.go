@@ -17,6 +17,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
@@ -67,10 +68,11 @@ type reclaimer struct {
 	releaseAttachment func(context.Context, allocator.Request, *ownerlock.Owned) (int64, error)
 	dropPodIfEmpty    func(ctx context.Context, own *ownerlock.Owned, left int64) error
 	reportTakenAtDel  func(ctx context.Context, owner string, at attachment)
-	claimedOn         func(ctx context.Context, req allocator.Request, own *ownerlock.Owned, lease clientv3.LeaseID, ats ...attachment)
 	heldFor           func(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error)
 	allocation        func(req allocator.Request, owner string, lease clientv3.LeaseID, created time.Time) keyspace.Allocation
-	claimLoop         func(own *ownerlock.Owned, req allocator.Request, p claimPolicy) claimLoop
+	// loops makes the claim loop of a re-claim and records what a claim applied
+	// (leases/claimloop).
+	loops *claimloop.Claims
 	// keepClaimsOf puts a re-claimed pod's sticky claims back (stickyClaims.keepClaimsOf).
 	keepClaimsOf func(context.Context, *ownerlock.Owned) error
 	// fail stops the agent: another host took its node identity.

@@ -11,7 +11,6 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/parallel"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
@@ -202,10 +201,8 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
 		dropCopies: a.audit.dropCopies, register: a.register, nodeLease: a.nodeLease,
 		releaseOwner: a.releaseOwner, releaseAttachment: a.releaseAttachment, dropPodIfEmpty: a.dropPodIfEmpty,
-		reportTakenAtDel: a.reportTakenAtDel, claimedOn: a.claimedOn, heldFor: a.heldFor, allocation: a.allocation,
-		claimLoop: func(own *ownerlock.Owned, req allocator.Request, p claimPolicy) claimLoop {
-			return claimLoop{a: a, own: own, req: req, policy: p}
-		},
+		reportTakenAtDel: a.reportTakenAtDel, heldFor: a.heldFor, allocation: a.allocation,
+		loops:        a.loops,
 		keepClaimsOf: a.sticky.keepClaimsOf, fail: a.fail, conflictsFound: a.conflicts.Add, reclaims: a.metrics.reclaims,
 		lost: make(chan struct{}, 1)}
 	n := &restoreNotices{cfg: noticeConfig{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL, OpTimeout: cfg.OpTimeout,

@@ -21,7 +21,7 @@ import (
 // agent took, a pool changed), each claim of the batch runs again alone, with its own else
 // branch, and learns what it would have learned. If the batch's answer is lost, every claim of
 // it is ambiguous, and each ADD handles that as it handles its own lost answer (the claim
-// loop, leases/claimloop.go): the lease stays with the owner and the claim is sent again,
+// loop, leases/claimloop): the lease stays with the owner and the claim is sent again,
 // which finds the owner index if the lost one applied
 // (TestEtcdLeaderKilledDuringABurstAndTheWholeClusterDown).
 type Batcher struct {

@@ -11,7 +11,7 @@ import (
 )
 
 // What an etcd error proves. A request whose answer was lost (a timeout, a connection or a
-// leader lost) may still be applied, and the agent must act as if it were (leases/claimloop.go). A request
+// leader lost) may still be applied, and the agent must act as if it were (leases/claimloop). A request
 // etcd answered with a refusal was certainly not applied, and retrying it as if its answer
 // were lost would only mark a lease as unsure and delay the caller.
 
