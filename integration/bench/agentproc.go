@@ -26,15 +26,15 @@ type agentProc struct {
 // startLeaseholdd starts leaseholdd for node (identity uid-<node>) with the flags the bench
 // always gives (no metrics server unless metricsAddr is set, no host address publication)
 // and waits at most 30 s for its socket. stateDir is kept across restarts of one node.
-func startLeaseholdd(ctx context.Context, env *env, endpoint, node, stateDir, metricsAddr string) (*agentProc, error) {
+func startLeaseholdd(ctx context.Context, env *env, endpoint, node, stateDir, metricsAddr string, extra ...string) (*agentProc, error) {
 	dir, err := env.tempDir("agent-" + node)
 	if err != nil {
 		return nil, err
 	}
 	a := &agentProc{Socket: filepath.Join(dir, "leaseholdd.sock"), logs: newTailBuffer(64 << 10), done: make(chan struct{})}
-	a.cmd = exec.Command(filepath.Join(env.bin, "leaseholdd"),
-		"--etcd-endpoints", endpoint, "--metrics-addr", metricsAddr, "--publish-host-addresses=false",
-		"--state-dir", stateDir, "--socket", a.Socket, "--node", node, "--node-uid", "uid-"+node)
+	args := []string{"--etcd-endpoints", endpoint, "--metrics-addr", metricsAddr, "--publish-host-addresses=false",
+		"--state-dir", stateDir, "--socket", a.Socket, "--node", node, "--node-uid", "uid-" + node}
+	a.cmd = exec.Command(filepath.Join(env.bin, "leaseholdd"), append(args, extra...)...)
 	a.cmd.Stdout, a.cmd.Stderr = a.logs, a.logs
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := a.cmd.Start(); err != nil {

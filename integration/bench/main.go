@@ -71,7 +71,7 @@ func parseFlags(args []string) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.StringVar(&c.out, "out", "../../bench/results", "directory for results.md, results.csv and latency_vs_occupancy.png")
 	fs.StringVar(&c.bin, "bin", "../../bin", "directory holding leasehold, leaseholdd, etcd and cni/host-local (make build tools)")
-	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,expiry,keepalive,holdback,exactfit,audit,scale (add includes exhaustion and rss); empty runs all but scale")
+	fs.StringVar(&c.only, "only", "", "comma-separated subset of figures to run: version,add,tput,parts,burst,restart,fanout,churn,rules,expiry,keepalive,holdback,exactfit,audit,scale (add includes exhaustion and rss); empty runs all but scale")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of the bench process (in-process agents included) to `file`")
 	fs.StringVar(&c.memProfile, "memprofile", "", "write an allocation profile of the bench process (every allocation sampled: slower) to `file`")
 	fs.StringVar(&c.mutexProfile, "mutexprofile", "", "write a mutex contention profile to `file`")
@@ -278,6 +278,7 @@ func bench(ctx context.Context, cfg *config, argv string) error {
 		{"restart", figRestart},
 		{"fanout", figFanout},
 		{"churn", figChurn},
+		{"rules", figRules},
 		{"expiry", figExpiry},
 		{"keepalive", figKeepalive},
 		{"holdback", figHoldback},
