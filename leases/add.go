@@ -302,7 +302,7 @@ func (a *Agent) undoClaim(ctx context.Context, st *addState, known bool, lease c
 	if known {
 		req := st.req
 		req.Pool = allocator.PoolSpec{Name: pool}
-		_, err = a.releaseAttachment(ctx, req, st.own)
+		_, err = a.release.ReleaseAttachment(ctx, req, st.own)
 	} else {
 		err = a.keeper.Revoke(lease)
 		st.claims.Bound() // revoked: neither the owner's nor a spare

@@ -23,6 +23,7 @@ import (
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/release"
 	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/rules"
 	"github.com/leasehold/leasehold/leases/txn"
@@ -63,6 +64,8 @@ type Agent struct {
 	cwatch *conflictWatch
 	// imports claims what other IPAM plugins gave running containers (import.go).
 	imports *importer
+	// release is the agent's DEL, GC and CHECK (leases/release).
+	release *release.Releaser
 
 	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
 	// it repairs what etcd going back in time took (leases/restorehold); audit checks every
@@ -74,7 +77,7 @@ type Agent struct {
 	sticky *stickyClaims
 
 	metrics   *metrics
-	started   time.Time    // when the agent started (del.go)
+	started   time.Time    // when the agent started (release.Config.Started)
 	conflicts atomic.Int64 // addresses found taken by another owner on re-claim
 
 	stopped   chan struct{} // closed when the agent stops itself (fail)
@@ -197,6 +200,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		loops: a.loops, heldFor: a.heldFor, resumePod: a.resumePod,
 		allocation: a.allocation, ownerRecord: a.ownerRecord, podRecord: a.podRecord,
 		imported: a.metrics.imports, importConflicts: map[importConflictRef][]netip.Addr{}}
+	a.release = a.newReleaser()
 	a.recovery, a.notices = a.newRecovery()
 	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})
 	a.wg.Go(func() { a.rules.Run(actx) })

@@ -14,7 +14,6 @@ import (
 	"github.com/leasehold/leasehold/internal/parallel"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
-	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 )
 
@@ -105,7 +104,7 @@ func (a *Agent) recover(ctx context.Context) error {
 		if sandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
 			own := a.locks.Lock(ps.Owner)
-			err := a.releaseOwner(ctx, own)
+			err := a.release.ReleaseOwner(ctx, own)
 			own.Unlock()
 			if err != nil {
 				return err
@@ -170,12 +169,6 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 	return out, nil
 }
 
-// releaseOwner releases every attachment this node identity made for owner and revokes the
-// owner's lease, under own.
-func (a *Agent) releaseOwner(ctx context.Context, own *ownerlock.Owned) error {
-	return a.releaseWhere(ctx, own, func(string, string, keyspace.OwnerRecord) bool { return true })
-}
-
 // sandboxGone reports whether the sandbox behind netns certainly no longer exists: its
 // network namespace path is gone. Any other answer (no path, a read error) counts as alive,
 // so a failed look never releases a running pod's addresses.
@@ -189,7 +182,7 @@ func sandboxGone(netns string) bool {
 
 // newRecovery makes the recovery (reclaimer) and the restore notices (restoreNotices), handing
 // in what they use of the agent. The parts they call into are made before: the views, the
-// keeper, the pod book, the sticky claims, the block leases.
+// keeper, the pod book, the sticky claims, the block leases, the release.
 func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 	cfg := a.cfg
 	r := &reclaimer{cfg: reclaimConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
@@ -200,8 +193,9 @@ func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
 		auditIfDue: a.audit.ifDue, auditDue: a.audit.markDue,
 		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
 		dropCopies: a.audit.dropCopies, register: a.register, nodeLease: a.nodeLease,
-		releaseOwner: a.releaseOwner, releaseAttachment: a.releaseAttachment, dropPodIfEmpty: a.dropPodIfEmpty,
-		reportTakenAtDel: a.reportTakenAtDel, heldFor: a.heldFor, allocation: a.allocation,
+		releaseOwner: a.release.ReleaseOwner, releaseAttachment: a.release.ReleaseAttachment,
+		dropPodIfEmpty: a.release.DropPodIfEmpty, reportTakenAtDel: a.release.ReportTakenAtDel,
+		heldFor: a.heldFor, allocation: a.allocation,
 		loops:        a.loops,
 		keepClaimsOf: a.sticky.keepClaimsOf, fail: a.fail, conflictsFound: a.conflicts.Add, reclaims: a.metrics.reclaims,
 		lost: make(chan struct{}, 1)}
