@@ -43,3 +43,14 @@ func LeaseOf(kv *mvccpb.KeyValue) clientv3.LeaseID { return clientv3.LeaseID(kv.
 // on its success and failure operations: every writer and reader that batches keys into one
 // transaction stays within it.
 const MaxTxnOps = 128
+
+// TxnChunk is how many of items, taken from the front, one transaction carries: as many as
+// fit MaxTxnOps by size, and always the first.
+func TxnChunk[T any](items []T, size func(T) int) int {
+	n, total := 0, 0
+	for n < len(items) && (n == 0 || total+size(items[n]) <= MaxTxnOps) {
+		total += size(items[n])
+		n++
+	}
+	return n
+}

@@ -426,7 +426,7 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 		// changed by hand, or lost with a restored backup. The pod's other attachments run:
 		// they are re-claimed, as the audit would, before this ADD adds to them.
 		p := auditPod{Owner: st.owner, Lease: lease}
-		if err := a.audit.keysLost(ctx, p, []string{keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner) + ": missing or on another lease"}, nil); err != nil {
+		if err := a.audit.KeysLost(ctx, p, []string{keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner) + ": missing or on another lease"}, nil); err != nil {
 			return allocator.Result{}, false, err
 		}
 		a.recovery.wake()
@@ -543,7 +543,7 @@ func (a *Agent) repeated(ctx context.Context, p *poolview.Pool, st *addState, le
 	if len(resp.Kvs) > 0 {
 		return a.existing(ctx, p, st, resp.Kvs[0])
 	}
-	if err := a.audit.keysLost(ctx, auditPod{Owner: st.owner, Lease: lease}, []string{key + ": missing"}, nil); err != nil {
+	if err := a.audit.KeysLost(ctx, auditPod{Owner: st.owner, Lease: lease}, []string{key + ": missing"}, nil); err != nil {
 		return allocator.Result{}, false, err
 	}
 	a.recovery.wake()

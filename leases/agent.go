@@ -15,7 +15,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/pause"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/audit"
 	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/keeper"
@@ -25,6 +27,7 @@ import (
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/release"
 	"github.com/leasehold/leasehold/leases/restorehold"
+	"github.com/leasehold/leasehold/leases/restorenotice"
 	"github.com/leasehold/leasehold/leases/rules"
 	"github.com/leasehold/leasehold/leases/txn"
 )
@@ -54,9 +57,9 @@ type Agent struct {
 	unlock func() // releases the state directory's lock
 	wg     sync.WaitGroup
 	// recovery re-claims what was lost and releases gone sandboxes (reclaimer.go); notices
-	// acts on etcd going back in time (wentback.go).
+	// acts on etcd going back in time (leases/restorenotice).
 	recovery *reclaimer
-	notices  *restoreNotices
+	notices  *restorenotice.Notices
 
 	pods        *podbook.Book
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
@@ -69,10 +72,10 @@ type Agent struct {
 
 	// gate sees every answer of etcd (cli is its client); hold is what the agent does while
 	// it repairs what etcd going back in time took (leases/restorehold); audit checks every
-	// key the agent keeps (audit.go).
+	// key the agent keeps (leases/audit).
 	gate  *etcdgate.Gate
 	hold  *restorehold.Hold
-	audit *auditor
+	audit *audit.Auditor
 	// sticky holds the sticky claims (sticky.go, stickykeep.go).
 	sticky *stickyClaims
 
@@ -105,8 +108,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	actx, cancel := context.WithCancel(context.Background())
 	var a *Agent // the gate's signals reach it once made, before any request passes the gate
 	gate := etcdgate.New(actx, cli, etcdgate.Config{Probe: keyspace.NodeKey(cfg.Cluster, cfg.Node), ProbeTimeout: probeTimeout,
-		WentBack:        func(why string, from time.Time) { a.notices.etcdWentBackFrom(why, from) },
-		MayHaveGoneBack: func(why string) { a.notices.etcdMayHaveGoneBack(why) }})
+		WentBack:        func(why string, from time.Time) { a.notices.EtcdWentBackFrom(why, from) },
+		MayHaveGoneBack: func(why string) { a.notices.EtcdMayHaveGoneBack(why) }})
 	a = &Agent{
 		unlock:  unlock,
 		cfg:     cfg,
@@ -145,12 +148,12 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			}
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
-		restoreGen: a.hold.Pending, auditDue: a.audit.markDue, leaseAlive: a.audit.leaseAlive,
+		restoreGen: a.hold.Pending, auditDue: a.audit.MarkDue, leaseAlive: a.audit.LeaseAlive,
 		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
 	a.sticky.resumeReleases()
 	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,
-		Put: a.audit.keys.put, Deleted: a.audit.keys.deleted, Listed: a.audit.keys.listed}
-	if st, ok, err := loadSettle(cfg.StateDir, time.Now()); err != nil {
+		Put: a.audit.Keys().Put, Deleted: a.audit.Keys().Deleted, Listed: a.audit.Keys().Listed}
+	if st, ok, err := restorenotice.LoadSettle(cfg.StateDir, time.Now()); err != nil {
 		a.log.Warn("the saved settle time after etcd went back in time is unreadable; it is not resumed", "err", err)
 	} else if ok {
 		a.hold.ResumeSettle(st.Noticed, st.Until, st.Why)
@@ -183,7 +186,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	fmt.Fprintf(h, "%s/%s/%s", cfg.Cluster, cfg.Node, cfg.NodeUID)
 	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
 		Owner: own, Hooks: hooks})
-	a.audit.pools = a.pools // made after the audit, whose ownKeys the views are handed
+	a.audit.SetPools(a.pools) // made after the audit, whose OwnKeys the views are handed
 	// The conflict watch was made with the agent, for the gate's signals; the rest of what it
 	// uses is handed in now that the pools are made.
 	cw := a.cwatch
@@ -222,12 +225,12 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	// Another agent's word that etcd went back in time is read before the first ADD: an agent
 	// started during the settle time (a node replaced, a state directory lost) settles too.
-	restoredRev := a.notices.readRestored(ctx)
+	restoredRev := a.notices.ReadRestored(ctx)
 	a.resumeBlocks(ctx)
 	a.sticky.resumeClaims(ctx)
 	a.recovery.start()
-	a.wg.Go(func() { a.audit.goneLoop(actx) })
-	a.notices.start(restoredRev)
+	a.wg.Go(func() { a.audit.GoneLoop(actx) })
+	a.notices.Start(restoredRev)
 	if cfg.PublishHostAddrs {
 		hosts := node.Hosts{KV: a.cli, ID: a.identity(), Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,
 			Lease: a.nodeLease, Wall: a.wall, Log: a.log}
@@ -271,7 +274,7 @@ func (a *Agent) Close() {
 		a.cancel()
 		a.wg.Wait()
 		a.recovery.wait()
-		a.notices.wait()
+		a.notices.Wait()
 		a.cwatch.wait()
 		if a.pods.Count() == 0 && a.Err() == nil {
 			if err := a.blockLeases.revokeAll(); err != nil {
@@ -441,10 +444,5 @@ func (a *Agent) validate(req *allocator.Request) (string, error) {
 
 // sleepCtx waits d, or until ctx ends: it reports whether d passed.
 func sleepCtx(ctx context.Context, d time.Duration) bool {
-	select {
-	case <-ctx.Done():
-		return false
-	case <-time.After(d):
-		return true
-	}
+	return pause.For(ctx, d)
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/restorehold"
+	"github.com/leasehold/leasehold/leases/restorenotice"
 )
 
 // Issue 32: a live lease is not proof. The agent checks what it wrote and puts back what an
@@ -325,7 +326,7 @@ func TestAnOwnerThatHadTheAddressBeforeItsHolderIsLogged(t *testing.T) {
 
 // TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce: an allocation of a running pod
 // deleted in its node's own block is put back without waiting for the audit: the node's view
-// sees the delete, which no release explains (ownKeys). In a full pool, another node could
+// sees the delete, which no release explains (audit.OwnKeys). In a full pool, another node could
 // otherwise take the address while its key is missing.
 func TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
@@ -403,7 +404,7 @@ func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
 }
 
 // TestASettleTimeSurvivesARestart: an agent restarted within the settle time after etcd went
-// back in time goes on passing over what its earlier process kept (settleFile): an address
+// back in time goes on passing over what its earlier process kept (restorenotice.SaveSettle): an address
 // another node's pod may hold with its key gone with the backup is not handed out, and no new
 // block is claimed; an ADD that finds no other room says why.
 func TestASettleTimeSurvivesARestart(t *testing.T) {
@@ -419,7 +420,7 @@ func TestASettleTimeSurvivesARestart(t *testing.T) {
 	crash(first) // its pod, its block and its block lease stay
 	block := netip.PrefixFrom(got[0], 28).Masked()
 	kept := got[0].Next() // in the block the restarted agent adopts
-	if err := saveSettle(dir, settleState{Noticed: time.Now(), Until: time.Now().Add(time.Hour), Why: "a test",
+	if err := restorenotice.SaveSettle(dir, restorenotice.SettleState{Noticed: time.Now(), Until: time.Now().Add(time.Hour), Why: "a test",
 		Kept: map[string][]netip.Addr{pool.Name: {kept}}}); err != nil {
 		t.Fatal(err)
 	}
@@ -473,7 +474,7 @@ func TestAnAgentToldOfARestoreSettles(t *testing.T) {
 			return err == nil && gerr == nil && len(resp.Kvs) == 0
 		})
 	}()
-	found.notices.etcdWentBack("a test's restore")
+	found.notices.EtcdWentBack("a test's restore")
 	// The told agent starts settling (wentBack) from the word its watch brought, and counts it
 	// only after: wait for the count too.
 	etcdtest.Eventually(t, "the other agent settling", func() error {

@@ -9,24 +9,30 @@ import (
 )
 
 // TestOwnerLockOrder checks the lock order ownerlock/ownerlock.go states, on the agent's code:
-// a method of Agent (or of a part of it, lockParts, in package leases or in partDirs) that
-// holds an owner lock (it is handed an ownerlock.Owned, or takes one) never calls, directly or
-// through other methods, a method that takes an owner lock (a second owner's, or its own
-// again: a deadlock) or importer.importMu (taken before an owner lock, never after). Calls in
-// a goroutine the method starts do not hold its lock and are not followed. A call of a part's
-// func field is followed into what the agent wires into it (a method value
-// a.release.ReleaseOwner, or the calls of a func literal), wherever a composite literal of the
-// part's type sets the field.
+// a method of Agent (or of a part of it, lockParts) that holds an owner lock (it is handed
+// an ownerlock.Owned, or takes one) never calls, directly or through other methods, a method
+// that takes an owner lock (a second owner's, or its own again: a deadlock) or
+// importer.importMu (taken before an owner lock, never after). Calls in a goroutine the
+// method starts do not hold its lock and are not followed. A call of a part's func field is
+// followed into what the agent wires into it (a method value a.release.ReleaseOwner, or the
+// calls of a func literal), wherever a composite literal of the part's type sets the field,
+// or of its package's Config for a part cut out as a package (partPkgs), whose methods call
+// them as recv.cfg.Field.
 func TestOwnerLockOrder(t *testing.T) {
 	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
 	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked. A part's call of
 	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
 	// that method; a call of a part's func field that the agent sets by name is followed into
-	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake). partDirs are
-	// the packages under leases/ whose parts take owner locks (Locks.Lock).
-	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "restoreNotices",
-		"cwatch": "conflictWatch", "imports": "importer", "audit": "auditor", "release": "Releaser"}
-	partDirs := []string{"release"}
+	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake).
+	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "Notices",
+		"cwatch": "conflictWatch", "imports": "importer", "audit": "Auditor", "release": "Releaser"}
+	// partPkgs are the parts cut out as packages under leases/: their directory and package
+	// name, and their type.
+	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser"}
+	dirs := []string{"."}
+	for dir := range partPkgs {
+		dirs = append(dirs, dir)
+	}
 	types := map[string]bool{"Agent": true}
 	for _, typ := range lockParts {
 		types[typ] = true
@@ -38,7 +44,7 @@ func TestOwnerLockOrder(t *testing.T) {
 	}
 	methods := map[string]*method{}
 	fset := token.NewFileSet()
-	for _, src := range agentSource(t, fset, append([]string{"."}, partDirs...)...) {
+	for _, src := range agentSource(t, fset, dirs...) {
 		for _, d := range src.f.Decls {
 			fn, ok := d.(*ast.FuncDecl)
 			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
@@ -81,6 +87,10 @@ func TestOwnerLockOrder(t *testing.T) {
 					if x, ok := inner.X.(*ast.Ident); ok && x.Name == recv {
 						m.calls[lockParts[inner.Sel.Name]+"."+sel.Sel.Name] = true
 					}
+				case inner != nil && inner.Sel.Name == "cfg":
+					if x, ok := inner.X.(*ast.Ident); ok && x.Name == recv {
+						m.calls[typ+"."+sel.Sel.Name] = true // a func field handed in by Config
+					}
 				default:
 					if x, ok := sel.X.(*ast.Ident); ok && x.Name == recv {
 						m.calls[typ+"."+sel.Sel.Name] = true
@@ -107,11 +117,18 @@ func TestOwnerLockOrder(t *testing.T) {
 				if !ok {
 					return true
 				}
-				typ, ok := lit.Type.(*ast.Ident)
-				if sel, isSel := lit.Type.(*ast.SelectorExpr); isSel {
-					typ, ok = sel.Sel, true // a part of another package: release.Releaser
+				var typ string
+				switch lt := lit.Type.(type) {
+				case *ast.Ident:
+					typ = lt.Name
+				case *ast.SelectorExpr: // a part of another package (release.Releaser), or its Config
+					if pkg, ok := lt.X.(*ast.Ident); ok && lt.Sel.Name == "Config" {
+						typ = partPkgs[pkg.Name]
+					} else {
+						typ = lt.Sel.Name
+					}
 				}
-				if !ok || typ.Name == "Agent" || !types[typ.Name] {
+				if typ == "" || typ == "Agent" || !types[typ] {
 					return true
 				}
 				for _, e := range lit.Elts {
@@ -148,7 +165,7 @@ func TestOwnerLockOrder(t *testing.T) {
 						}
 						return true
 					})
-					name := typ.Name + "." + key.Name
+					name := typ + "." + key.Name
 					if old, ok := methods[name]; ok {
 						for c := range m.calls {
 							old.calls[c] = true
@@ -203,6 +220,15 @@ func TestOwnerLockOrder(t *testing.T) {
 			if takes(c, map[string]bool{}) {
 				t.Errorf("%s: %s holds an owner lock and calls %s, which takes an owner lock or importMu", m.pos, name, c)
 			}
+		}
+	}
+	for dir, typ := range partPkgs {
+		found := false
+		for name := range methods {
+			found = found || strings.HasPrefix(name, typ+".")
+		}
+		if !found {
+			t.Errorf("found no method of %s in leases/%s: update partPkgs", typ, dir)
 		}
 	}
 	if checked < 10 {

@@ -40,7 +40,7 @@ type metrics struct {
 	// resolved, and open.
 	expiredReused, releasesDeferred, reclaimsCancelled, conflictsResolved prometheus.Counter
 	conflictsOpen                                                         prometheus.Gauge
-	// A live lease is not proof (audit.go): keys of running pods found missing or changed,
+	// A live lease is not proof (leases/audit): keys of running pods found missing or changed,
 	// and the times etcd was found to have gone back in time.
 	podKeysLost, wentBack, audits prometheus.Counter
 }

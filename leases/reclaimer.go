@@ -48,7 +48,7 @@ type reclaimer struct {
 	hold   *restorehold.Hold
 	blocks *blockLeases
 
-	// auditIfDue runs the audit if one is due (auditor.ifDue); auditDue makes one due.
+	// auditIfDue runs the audit if one is due (audit.Auditor.IfDue); auditDue makes one due.
 	auditIfDue func(context.Context) (lost int, err error)
 	auditDue   func()
 	// watchConflicts follows the conflicted addresses the pods list (conflicts.go);
@@ -58,7 +58,7 @@ type reclaimer struct {
 	watchConflicts    func()
 	noteRestoredHolds func(owner string, at attachment, holds map[netip.Addr]int64)
 	repaired          func(gen uint64)
-	// dropCopies deletes a pod's own values on other leases (auditor.dropCopies).
+	// dropCopies deletes a pod's own values on other leases (audit.Auditor.DropCopies).
 	dropCopies func(context.Context, []*mvccpb.KeyValue) error
 	// register writes the node record again; nodeLease is its lease (0: none yet).
 	register  func(context.Context) error
@@ -161,7 +161,7 @@ func (r *reclaimer) wake() {
 // etcd was away or of a pod being re-claimed, a start, etcd gone back in time) it checks the
 // keys it keeps if that is due, re-claims lost leases, finishes recorded releases and frees
 // the held keys no pod of this node holds any more, retrying with backoff until etcd answers.
-// Every Config.AuditInterval it checks the keys it keeps (audit.go), and does the rest only
+// Every Config.AuditInterval it checks the keys it keeps (leases/audit), and does the rest only
 // if that found something.
 func (r *reclaimer) reclaimLoop() {
 	audits := time.NewTimer(r.auditEvery())

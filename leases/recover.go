@@ -15,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/restorenotice"
 )
 
 // recover runs once when the agent starts, before it serves. For each pod record of this node
@@ -61,9 +62,9 @@ func (a *Agent) recover(ctx context.Context) error {
 	// Restored from a backup while this agent was away: its gate has seen nothing yet.
 	switch since := time.Since(journaledAt); {
 	case written > resp.Header.Revision:
-		a.notices.etcdWentBack(fmt.Sprintf("this node's journal names revision %d, and etcd is at %d", written, resp.Header.Revision))
+		a.notices.EtcdWentBack(fmt.Sprintf("this node's journal names revision %d, and etcd is at %d", written, resp.Header.Revision))
 	case written > 0 && !journaledAt.IsZero() && etcdgate.Jumped(written, resp.Header.Revision, since):
-		a.notices.etcdWentBack(fmt.Sprintf("etcd is at revision %d, %d after this node's journal written %s ago: faster than etcd writes",
+		a.notices.EtcdWentBack(fmt.Sprintf("etcd is at revision %d, %d after this node's journal written %s ago: faster than etcd writes",
 			resp.Header.Revision, resp.Header.Revision-written, since.Round(time.Second)))
 	}
 	var resumed, released, foreign int
@@ -180,30 +181,30 @@ func sandboxGone(netns string) bool {
 	return errors.Is(err, fs.ErrNotExist)
 }
 
-// newRecovery makes the recovery (reclaimer) and the restore notices (restoreNotices), handing
+// newRecovery makes the recovery (reclaimer) and the restore notices (leases/restorenotice), handing
 // in what they use of the agent. The parts they call into are made before: the views, the
 // keeper, the pod book, the sticky claims, the block leases, the release.
-func (a *Agent) newRecovery() (*reclaimer, *restoreNotices) {
+func (a *Agent) newRecovery() (*reclaimer, *restorenotice.Notices) {
 	cfg := a.cfg
 	r := &reclaimer{cfg: reclaimConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
 		ReuseDelay: cfg.ReuseDelay, AuditInterval: cfg.AuditInterval, LivenessInterval: cfg.LivenessInterval,
 		LivenessGrace: cfg.LivenessGrace, WallClock: cfg.WallClock},
 		ctx: a.ctx, cli: a.cli, gate: a.gate, keeper: a.keeper, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools,
 		hold: a.hold, blocks: a.blockLeases,
-		auditIfDue: a.audit.ifDue, auditDue: a.audit.markDue,
+		auditIfDue: a.audit.IfDue, auditDue: a.audit.MarkDue,
 		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
-		dropCopies: a.audit.dropCopies, register: a.register, nodeLease: a.nodeLease,
+		dropCopies: a.audit.DropCopies, register: a.register, nodeLease: a.nodeLease,
 		releaseOwner: a.release.ReleaseOwner, releaseAttachment: a.release.ReleaseAttachment,
 		dropPodIfEmpty: a.release.DropPodIfEmpty, reportTakenAtDel: a.release.ReportTakenAtDel,
 		heldFor: a.heldFor, allocation: a.allocation,
 		loops:        a.loops,
 		keepClaimsOf: a.sticky.keepClaimsOf, fail: a.fail, conflictsFound: a.conflicts.Add, reclaims: a.metrics.reclaims,
 		lost: make(chan struct{}, 1)}
-	n := &restoreNotices{cfg: noticeConfig{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL, OpTimeout: cfg.OpTimeout,
-		StateDir: cfg.StateDir},
-		ctx: a.ctx, cli: a.cli, log: a.log, hold: a.hold, keeper: a.keeper, pools: a.pools, heldAddrs: a.pods.HeldAddrs,
-		noteBackHeld: a.cwatch.wentBack,
-		nodeLease:    a.nodeLease, checkNow: r.checkNow, wake: r.wake, suspect: a.audit.suspect,
-		wentBackCount: a.metrics.wentBack}
+	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
+		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
+		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,
+		NoteBackHeld: a.cwatch.wentBack,
+		NodeLease:    a.nodeLease, CheckNow: r.checkNow, Wake: r.wake, Suspect: a.audit.Suspect,
+		WentBackCount: a.metrics.wentBack})
 	return r, n
 }

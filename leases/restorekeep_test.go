@@ -295,7 +295,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		return len(resp.Kvs) == 1
 	}
 	ghosts := put(pod, "ghost", own.Next().Next())
-	a.notices.wentBack("a test's restore") // not told to the package's other agents (restored.go)
+	a.notices.WentBack("a test's restore") // not told to the package's other agents (restorenotice/restored.go)
 	etcdtest.Eventually(t, "the deleted pod's keys gone from the running pod's lease", func() error {
 		for _, k := range ghosts {
 			if exists(k) {

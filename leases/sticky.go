@@ -52,7 +52,7 @@ type stickyClaims struct {
 	restoreGen func() uint64
 	// auditDue asks the recovery loop for an audit: a repair failed.
 	auditDue func()
-	// leaseAlive tells whether etcd still has a lease (auditor.leaseAlive).
+	// leaseAlive tells whether etcd still has a lease (audit.Auditor.LeaseAlive).
 	leaseAlive func(context.Context, clientv3.LeaseID) bool
 	// refused counts the ADDs refused because another owner holds a claim's addresses;
 	// keysLost the keys found missing or changed in etcd and put back.

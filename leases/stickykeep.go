@@ -160,7 +160,7 @@ func (sc *stickyClaims) auditClaims(ctx context.Context, layouts map[string]allo
 	}
 	size := func(c stickyCheck) int { return len(c.keys) }
 	for len(verified) > 0 {
-		n := nextChunk(verified, size)
+		n := keyspace.TxnChunk(verified, size)
 		chunk := verified[:n]
 		verified = verified[n:]
 		var cmps []clientv3.Cmp
@@ -181,7 +181,7 @@ func (sc *stickyClaims) auditClaims(ctx context.Context, layouts map[string]allo
 	}
 	var errs []error
 	for len(unverified) > 0 {
-		n := nextChunk(unverified, size)
+		n := keyspace.TxnChunk(unverified, size)
 		chunk := unverified[:n]
 		unverified = unverified[n:]
 		var ops []clientv3.Op

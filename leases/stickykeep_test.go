@@ -255,7 +255,7 @@ func TestAClaimOfADeletedPodBroughtBackByARestoreIsReleased(t *testing.T) {
 	if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
 		t.Fatal(err)
 	}
-	a.notices.wentBack("a test's restore") // not told to the package's other agents (restored.go)
+	a.notices.WentBack("a test's restore") // not told to the package's other agents (restorenotice/restored.go)
 	etcdtest.EventuallyTrue(t, "the claim of the deleted pod released", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero()
@@ -323,7 +323,7 @@ func testAReleasedClaimARestoreTookIsPutBack(t *testing.T, restarted bool) {
 	if _, err := cli.Revoke(ctx, released); err != nil {
 		t.Fatal(err)
 	}
-	a.notices.wentBack("a test's restore") // not told to the package's other agents (restored.go)
+	a.notices.WentBack("a test's restore") // not told to the package's other agents (restorenotice/restored.go)
 	etcdtest.EventuallyTrue(t, "the released claim put back", func() bool {
 		rec, ok := readClaimRecord(t, cli, key)
 		return ok && rec.Holder == nil && !rec.Released.IsZero() && slices.Equal(rec.IPs, ips)

@@ -16,6 +16,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/node"
 )
 
 // Sticky claims after etcd went back in time: the claims this agent released are kept until
@@ -293,7 +294,7 @@ func saveReleased(dir string, m map[string]releasedClaim, now time.Time) error {
 	if err != nil {
 		return err
 	}
-	return writeAside(dir, releasedFile, b)
+	return node.WriteAside(dir, releasedFile, b)
 }
 
 // loadReleased reads the releases dir keeps whose hold has not ended at now.

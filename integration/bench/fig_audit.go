@@ -10,7 +10,7 @@ import (
 	"github.com/leasehold/leasehold/leases"
 )
 
-// figAudit: what the agents' check of their keys (leases/audit.go) costs etcd. Agents with
+// figAudit: what the agents' check of their keys (leases/audit) costs etcd. Agents with
 // 110 dual-stack pods each (a full node: four keys a pod, two of them compared: the
 // allocations are in blocks the agent's view watches) run their audit every second
 // instead of every half TTL, and etcd's CPU over a window is compared with the same agents

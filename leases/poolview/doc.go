@@ -30,10 +30,7 @@
 // never imports the agent and never calls up but through them.
 package poolview
 
-import (
-	"context"
-	"time"
-)
+import "time"
 
 // Bounds of the view's own work. Every other wait is Owner.OpTimeout.
 const (
@@ -62,12 +59,3 @@ const (
 	// probe of etcd for STATUS.
 	probeTimeout = 2 * time.Second
 )
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	select {
-	case <-ctx.Done():
-		return false
-	case <-time.After(d):
-		return true
-	}
-}

@@ -11,6 +11,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/internal/pause"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -48,7 +49,7 @@ func (sy *syncer) run(ctx context.Context) {
 		listed, err := sy.list(ctx)
 		if err != nil {
 			sy.log.Warn("listing pool failed; candidates come from the last known view", "err", err, "retry_in", backoff)
-			if !sleepCtx(ctx, backoff) {
+			if !pause.For(ctx, backoff) {
 				return
 			}
 			backoff = min(2*backoff, retryMax)
@@ -81,7 +82,7 @@ func (sy *syncer) run(ctx context.Context) {
 		// A watch that ends at once (permission denied, an etcd going down) must not turn
 		// into a tight loop of lists: back off unless it ran for a while.
 		if time.Since(started) < watchHealthy {
-			if !sleepCtx(ctx, backoff) {
+			if !pause.For(ctx, backoff) {
 				return
 			}
 			backoff = min(2*backoff, retryMax)

@@ -1,4 +1,4 @@
-package leases
+package restorenotice
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/internal/pause"
 	"github.com/leasehold/leasehold/keyspace"
 )
 
@@ -19,27 +20,27 @@ import (
 
 // announceRestore writes the restored key for the other agents: what this agent found, and
 // the end of its settle time, which the key's lease ends with.
-func (w *restoreNotices) announceRestore(until time.Time, why string) {
+func (w *Notices) announceRestore(until time.Time, why string) {
 	ctx, cancel := w.opCtx(w.ctx)
 	defer cancel()
 	left := time.Until(until)
-	lease, err := w.cli.Grant(ctx, int64((left+time.Second-1)/time.Second))
+	lease, err := w.cfg.Client.Grant(ctx, int64((left+time.Second-1)/time.Second))
 	if err == nil {
 		now := time.Now()
 		rec := keyspace.RestoredRecord{Cluster: w.cfg.Cluster, Node: w.cfg.Node, Noticed: now.UTC(), Until: now.Add(left).UTC(), Why: why}
-		_, err = w.cli.Put(ctx, keyspace.RestoredKey, keyspace.Encode(rec), clientv3.WithLease(lease.ID))
+		_, err = w.cfg.Client.Put(ctx, keyspace.RestoredKey, keyspace.Encode(rec), clientv3.WithLease(lease.ID))
 	}
 	if err != nil && w.ctx.Err() == nil {
-		w.log.Warn("could not tell the other agents that etcd went back in time; each finds it by itself", "err", err)
+		w.cfg.Log.Warn("could not tell the other agents that etcd went back in time; each finds it by itself", "err", err)
 	}
 }
 
-// readRestored reads the restored key and acts on it; it returns the revision read at, or 0
+// ReadRestored reads the restored key and acts on it; it returns the revision read at, or 0
 // when etcd did not answer.
-func (w *restoreNotices) readRestored(ctx context.Context) int64 {
+func (w *Notices) ReadRestored(ctx context.Context) int64 {
 	octx, cancel := w.opCtx(ctx)
 	defer cancel()
-	resp, err := w.cli.Get(octx, keyspace.RestoredKey)
+	resp, err := w.cfg.Client.Get(octx, keyspace.RestoredKey)
 	if err != nil {
 		return 0
 	}
@@ -49,45 +50,45 @@ func (w *restoreNotices) readRestored(ctx context.Context) int64 {
 	return resp.Header.Revision
 }
 
-// restoredLoop follows the restored key from rev, the revision Start read it at (0: read it
-// first), watching it and reading it again whenever the watch breaks.
-func (w *restoreNotices) restoredLoop(rev int64) {
-	backoff := retryFirst
+// restoredLoop follows the restored key from rev, the revision the agent's start read it at
+// (0: read it first), watching it and reading it again whenever the watch breaks.
+func (w *Notices) restoredLoop(rev int64) {
+	backoff := w.cfg.RetryFirst
 	for w.ctx.Err() == nil {
 		if rev == 0 {
-			rev = w.readRestored(w.ctx)
+			rev = w.ReadRestored(w.ctx)
 		}
 		if rev != 0 {
 			wctx, stop := context.WithCancel(clientv3.WithRequireLeader(w.ctx))
-			for wr := range w.cli.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(rev+1), clientv3.WithFilterDelete()) {
+			for wr := range w.cfg.Client.Watch(wctx, keyspace.RestoredKey, clientv3.WithRev(rev+1), clientv3.WithFilterDelete()) {
 				if wr.Err() != nil {
 					break
 				}
 				for _, ev := range wr.Events {
 					w.toldOfRestore(ev.Kv)
 				}
-				backoff = retryFirst
+				backoff = w.cfg.RetryFirst
 			}
 			stop()
 			rev = 0
 		}
-		if !sleepCtx(w.ctx, backoff) {
+		if !pause.For(w.ctx, backoff) {
 			return
 		}
-		backoff = min(2*backoff, retryMax)
+		backoff = min(2*backoff, w.cfg.RetryMax)
 	}
 }
 
 // toldOfRestore acts on another agent's word that etcd went back in time, unless this agent
 // is settling after it already.
-func (w *restoreNotices) toldOfRestore(kv *mvccpb.KeyValue) {
+func (w *Notices) toldOfRestore(kv *mvccpb.KeyValue) {
 	rec, err := keyspace.Decode[keyspace.RestoredRecord](string(kv.Key), kv.Value)
 	if err != nil || rec.Cluster == w.cfg.Cluster && rec.Node == w.cfg.Node || !time.Now().Before(rec.Until) {
 		return
 	}
-	if _, until, _ := w.hold.SettleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
+	if _, until, _ := w.cfg.Hold.SettleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
 		return // this agent noticed it too, or was told already
 	}
-	w.wentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
+	w.WentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
 		rec.Node, rec.Cluster, rec.Noticed.Format(time.RFC3339), rec.Why))
 }

@@ -1,4 +1,4 @@
-package leases
+package audit
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 
 // readKeys reads the keys of pods in one transaction: per pod, one answer per key (nil: no
 // such key).
-func (au *auditor) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.KeyValue, error) {
+func (au *Auditor) readKeys(ctx context.Context, pods []podbook.AuditPod) ([][]*mvccpb.KeyValue, error) {
 	var ops []clientv3.Op
 	for _, p := range pods {
 		for _, k := range p.Keys {
@@ -23,7 +23,7 @@ func (au *auditor) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.K
 	}
 	octx, cancel := au.opCtx(ctx)
 	defer cancel()
-	resp, err := au.cli.Txn(octx).Then(ops...).Commit()
+	resp, err := au.cfg.Client.Txn(octx).Then(ops...).Commit()
 	if err != nil {
 		return nil, au.unavailable("read the keys of this node's pods", err)
 	}
@@ -44,7 +44,7 @@ func (au *auditor) readKeys(ctx context.Context, pods []auditPod) ([][]*mvccpb.K
 // judge says what is wrong with the keys read for p (kvs, in p.Keys' order): one line per
 // key; and which keys hold a value this agent wrote for p but sit on another lease or none
 // (an admin's copy): they must go before the re-claim, which creates each key only if absent.
-func (au *auditor) judge(p auditPod, kvs []*mvccpb.KeyValue) (problems []string, copies []*mvccpb.KeyValue) {
+func (au *Auditor) judge(p podbook.AuditPod, kvs []*mvccpb.KeyValue) (problems []string, copies []*mvccpb.KeyValue) {
 	for i, k := range p.Keys {
 		kv := kvs[i]
 		if kv == nil {
@@ -67,7 +67,7 @@ func (au *auditor) judge(p auditPod, kvs []*mvccpb.KeyValue) (problems []string,
 }
 
 // writtenFor tells whether kv's value is one this agent writes for owner at key k.
-func (au *auditor) writtenFor(owner string, k podbook.AuditKey, kv *mvccpb.KeyValue) bool {
+func (au *Auditor) writtenFor(owner string, k podbook.AuditKey, kv *mvccpb.KeyValue) bool {
 	switch k.Kind {
 	case podbook.AuditPodRecord:
 		rec, err := keyspace.Decode[keyspace.PodRecord](k.Key, kv.Value)
@@ -84,47 +84,47 @@ func (au *auditor) writtenFor(owner string, k podbook.AuditKey, kv *mvccpb.KeyVa
 // recheckPod judges owner's keys again under its lock, from what the agent knows of it now
 // (a DEL or ADD may have changed it since the audit's read), and, if they are still wrong,
 // gives its lease up for the re-claim. It reports whether it did.
-func (au *auditor) recheckPod(ctx context.Context, owner string, layouts map[string]allocator.Blocks) (bool, error) {
-	own := au.locks.Lock(owner)
+func (au *Auditor) recheckPod(ctx context.Context, owner string, layouts map[string]allocator.Blocks) (bool, error) {
+	own := au.cfg.Locks.Lock(owner)
 	defer own.Unlock()
-	p, ok := au.pods.Audit().One(owner, au.cfg.Cluster, au.cfg.Node, layouts)
+	p, ok := au.cfg.Pods.Audit().One(owner, au.cfg.Cluster, au.cfg.Node, layouts)
 	if !ok {
 		return false, nil
 	}
-	kvs, err := au.readKeys(ctx, []auditPod{p})
+	kvs, err := au.readKeys(ctx, []podbook.AuditPod{p})
 	if err != nil {
 		return false, err
 	}
 	problems, copies := au.judge(p, kvs[0])
 	if len(problems) == 0 {
-		au.pods.Audit().Verified(p, kvs[0])
+		au.cfg.Pods.Audit().Verified(p, kvs[0])
 		return false, nil
 	}
-	return true, au.keysLost(ctx, p, problems, copies)
+	return true, au.KeysLost(ctx, p, problems, copies)
 }
 
-// keysLost gives up the lease of a running pod whose keys are not as the agent wrote them,
+// KeysLost gives up the lease of a running pod whose keys are not as the agent wrote them,
 // so that the re-claim restores them on a new lease as after a lost lease. Its copies on
 // other leases go first, each only if unchanged since read; the revoke deletes the rest. Until
 // the re-claim, the pod's addresses are held back by their held keys, as after any lost
 // lease. The caller holds the owner lock.
-func (au *auditor) keysLost(ctx context.Context, p auditPod, problems []string, copies []*mvccpb.KeyValue) error {
-	au.podKeysLost.Add(float64(len(problems)))
-	au.log.Error("keys of a running pod were deleted or changed in etcd; re-claiming its addresses",
+func (au *Auditor) KeysLost(ctx context.Context, p podbook.AuditPod, problems []string, copies []*mvccpb.KeyValue) error {
+	au.cfg.PodKeysLost.Add(float64(len(problems)))
+	au.cfg.Log.Error("keys of a running pod were deleted or changed in etcd; re-claiming its addresses",
 		"owner", p.Owner, "lease", keyspace.LeaseHex(p.Lease), "keys", problems)
-	if err := au.dropCopies(ctx, copies); err != nil {
+	if err := au.DropCopies(ctx, copies); err != nil {
 		return err
 	}
-	if err := au.keeper.Revoke(p.Lease); err != nil {
+	if err := au.cfg.Keeper.Revoke(p.Lease); err != nil {
 		return au.unavailable("revoke the lease of a pod whose keys were lost", err)
 	}
-	au.pods.Lose(p.Lease)
+	au.cfg.Pods.Lose(p.Lease)
 	return nil
 }
 
-// dropCopies deletes keys of a running pod that carry its own value on a lease not its own
+// DropCopies deletes keys of a running pod that carry its own value on a lease not its own
 // (or none), each only if unchanged since read: left, one would outlive the pod.
-func (au *auditor) dropCopies(ctx context.Context, copies []*mvccpb.KeyValue) error {
+func (au *Auditor) DropCopies(ctx context.Context, copies []*mvccpb.KeyValue) error {
 	if len(copies) == 0 {
 		return nil
 	}
@@ -134,7 +134,7 @@ func (au *auditor) dropCopies(ctx context.Context, copies []*mvccpb.KeyValue) er
 			[]clientv3.Op{clientv3.OpDelete(string(kv.Key))}, nil))
 	}
 	octx, cancel := au.opCtx(ctx)
-	_, err := au.cli.Txn(octx).Then(ops...).Commit()
+	_, err := au.cfg.Client.Txn(octx).Then(ops...).Commit()
 	cancel()
 	if err != nil {
 		return au.unavailable("delete the copies of a pod's keys on other leases", err)

@@ -1,4 +1,4 @@
-package leases
+package audit
 
 import (
 	"context"
@@ -13,7 +13,7 @@ import (
 // auditOwn checks the node record and the block claims of the views: each on the lease the
 // agent holds it on. One that is not means etcd went back in time (or an admin deleted it):
 // the node registers again, every view lists its pool again, and the pods are checked.
-func (au *auditor) auditOwn(ctx context.Context) error {
+func (au *Auditor) auditOwn(ctx context.Context) error {
 	type own struct {
 		key   string
 		lease clientv3.LeaseID
@@ -22,9 +22,9 @@ func (au *auditor) auditOwn(ctx context.Context) error {
 		gone  func()      // what to do once its lease is gone, before the keeper says it, if it ever does
 	}
 	var owns []own
-	if node := au.nodeLease(); node != 0 && au.keeper.Holds(node) {
+	if node := au.cfg.NodeLease(); node != 0 && au.cfg.Keeper.Holds(node) {
 		owns = append(owns, own{keyspace.NodeKey(au.cfg.Cluster, au.cfg.Node), node, "the node record",
-			func() bool { return au.nodeLease() == node && au.keeper.Holds(node) }, nil})
+			func() bool { return au.cfg.NodeLease() == node && au.cfg.Keeper.Holds(node) }, nil})
 	}
 	au.pools.ForEachView(func(v *poolview.View) {
 		for b, lease := range v.Claims().Held() {
@@ -37,9 +37,9 @@ func (au *auditor) auditOwn(ctx context.Context) error {
 					// claim a restore brought back, on a block lease of this node the agent
 					// never took up again); meanwhile the view would hold blocks any node may
 					// claim. So the lease is lost now, as the keeper would report it.
-					au.keeper.Forget(lease)
-					if au.blockLeaseLost(lease) {
-						au.log.Warn("this node's block lease is gone from etcd, and its block claims and held keys with it",
+					au.cfg.Keeper.Forget(lease)
+					if au.cfg.BlockLeaseLost(lease) {
+						au.cfg.Log.Warn("this node's block lease is gone from etcd, and its block claims and held keys with it",
 							"lease", keyspace.LeaseHex(lease))
 						return
 					}
@@ -58,7 +58,7 @@ func (au *auditor) auditOwn(ctx context.Context) error {
 			gets = append(gets, clientv3.OpGet(o.key, clientv3.WithKeysOnly()))
 		}
 		octx, cancel := au.opCtx(ctx)
-		resp, err := au.cli.Txn(octx).If(cmps...).Else(gets...).Commit()
+		resp, err := au.cfg.Client.Txn(octx).If(cmps...).Else(gets...).Commit()
 		cancel()
 		if err != nil {
 			return au.unavailable("check the node record and the block claims", err)
@@ -81,24 +81,24 @@ func (au *auditor) auditOwn(ctx context.Context) error {
 			if len(kvs) > 0 {
 				found = "on lease " + keyspace.LeaseHex(keyspace.LeaseOf(kvs[0]))
 			}
-			au.wentBack(fmt.Sprintf("%s (%s) is %s, not on lease %s as this agent wrote it", o.what, o.key, found, keyspace.LeaseHex(o.lease)), nil)
+			au.cfg.WentBack(fmt.Sprintf("%s (%s) is %s, not on lease %s as this agent wrote it", o.what, o.key, found, keyspace.LeaseHex(o.lease)), nil)
 			return nil
 		}
 	}
 	return nil
 }
 
-// leaseAlive tells whether etcd answers that it still has lease id; without an answer the
+// LeaseAlive tells whether etcd answers that it still has lease id; without an answer the
 // next audit looks again.
-func (au *auditor) leaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
+func (au *Auditor) LeaseAlive(ctx context.Context, id clientv3.LeaseID) bool {
 	alive, _ := au.leaseState(ctx, id)
 	return alive
 }
 
-// leaseState is leaseAlive, and whether etcd answered.
-func (au *auditor) leaseState(ctx context.Context, id clientv3.LeaseID) (alive, known bool) {
+// leaseState is LeaseAlive, and whether etcd answered.
+func (au *Auditor) leaseState(ctx context.Context, id clientv3.LeaseID) (alive, known bool) {
 	octx, cancel := au.opCtx(ctx)
 	defer cancel()
-	ttl, err := au.cli.TimeToLive(octx, id)
+	ttl, err := au.cfg.Client.TimeToLive(octx, id)
 	return err == nil && ttl.TTL > 0, err == nil
 }

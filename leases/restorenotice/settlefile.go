@@ -1,4 +1,4 @@
-package leases
+package restorenotice
 
 import (
 	"encoding/json"
@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/leasehold/leasehold/leases/node"
 	"github.com/leasehold/leasehold/leases/poolview"
 )
 
@@ -21,8 +22,8 @@ import (
 // spans a restart.
 const settleFile = "settle"
 
-// settleState is the file's content.
-type settleState struct {
+// SettleState is the file's content.
+type SettleState struct {
 	Noticed  time.Time                 `json:"noticed"`
 	Until    time.Time                 `json:"until"`
 	Why      string                    `json:"why"`
@@ -30,9 +31,9 @@ type settleState struct {
 	Restored map[string][]netip.Prefix `json:"restored,omitempty"` // pool -> blocks restored
 }
 
-// saveSettle writes s into dir atomically (aside, synced, then renamed); with no directory it does
+// SaveSettle writes s into dir atomically (aside, synced, then renamed); with no directory it does
 // nothing.
-func saveSettle(dir string, s settleState) error {
+func SaveSettle(dir string, s SettleState) error {
 	if dir == "" {
 		return nil
 	}
@@ -40,11 +41,11 @@ func saveSettle(dir string, s settleState) error {
 	if err != nil {
 		return err
 	}
-	return writeAside(dir, settleFile, b)
+	return node.WriteAside(dir, settleFile, b)
 }
 
-// loadSettle reads the settle state of dir; ok is false when there is none, or it has ended.
-func loadSettle(dir string, now time.Time) (s settleState, ok bool, err error) {
+// LoadSettle reads the settle state of dir; ok is false when there is none, or it has ended.
+func LoadSettle(dir string, now time.Time) (s SettleState, ok bool, err error) {
 	if dir == "" {
 		return s, false, nil
 	}
@@ -61,30 +62,10 @@ func loadSettle(dir string, now time.Time) (s settleState, ok bool, err error) {
 	return s, now.Before(s.Until), nil
 }
 
-// writeAside writes b as dir/name atomically: into a file aside, synced, then renamed.
-func writeAside(dir, name string, b []byte) error {
-	tmp := filepath.Join(dir, name+".tmp")
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
-	if err != nil {
-		return fmt.Errorf("write %s: %w", tmp, err)
-	}
-	_, err = f.Write(b)
-	if serr := f.Sync(); err == nil {
-		err = serr
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return fmt.Errorf("write %s: %w", tmp, err)
-	}
-	return os.Rename(tmp, filepath.Join(dir, name))
-}
-
 // saveSettle writes what the agent's views keep for the settle time, once they have listed
 // their pools again after etcd went back (or a bound later), so that a restart within the
 // settle time keeps it too.
-func (w *restoreNotices) saveSettle(relisted []<-chan struct{}) {
+func (w *Notices) saveSettle(relisted []<-chan struct{}) {
 	bound := time.NewTimer(w.cfg.OpTimeout)
 	defer bound.Stop()
 	for _, ch := range relisted {
@@ -95,13 +76,13 @@ func (w *restoreNotices) saveSettle(relisted []<-chan struct{}) {
 			return
 		}
 	}
-	noticed, until, why := w.hold.SettleTimes()
+	noticed, until, why := w.cfg.Hold.SettleTimes()
 	if until.IsZero() {
 		return
 	}
-	s := settleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
+	s := SettleState{Noticed: time.Now().Add(-time.Since(noticed)), Until: time.Now().Add(time.Until(until)), Why: why,
 		Kept: map[string][]netip.Addr{}, Restored: map[string][]netip.Prefix{}}
-	w.pools.ForEachView(func(v *poolview.View) {
+	w.cfg.Pools.ForEachView(func(v *poolview.View) {
 		kept, restored := v.SettleKnowledge()
 		if len(kept) > 0 {
 			s.Kept[v.Pool()] = kept
@@ -110,8 +91,8 @@ func (w *restoreNotices) saveSettle(relisted []<-chan struct{}) {
 			s.Restored[v.Pool()] = restored
 		}
 	})
-	if err := saveSettle(w.cfg.StateDir, s); err != nil {
-		w.log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
+	if err := SaveSettle(w.cfg.StateDir, s); err != nil {
+		w.cfg.Log.Warn("the settle time after etcd went back in time could not be saved; a restart within it forgets it",
 			"err", err)
 	}
 }

@@ -1,4 +1,4 @@
-package leases
+package audit
 
 import (
 	"context"
@@ -8,18 +8,19 @@ import (
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 
+	"github.com/leasehold/leasehold/internal/pause"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
 )
 
-// ownKeys hears from the views of changes to this node's pods' allocations in its own blocks
+// OwnKeys hears from the views of changes to this node's pods' allocations in its own blocks
 // that the agent did not make: a delete no release explains (after the view's own check of
 // releases it knows of), or a put without a lease or with another node identity's value.
 // The audit would find them within its interval; a view sees them at once, and in a full
 // pool another node may take an address whose key is missing (the reuse order) within that
 // interval. Its methods run under the view's lock: they never block, and a queue that is full
 // makes a whole audit due instead.
-type ownKeys struct {
+type OwnKeys struct {
 	cluster, nodeUID string
 	owns             func(pool string, a netip.Addr) bool
 	overflow         func()
@@ -36,26 +37,26 @@ type goneAddr struct {
 	at   time.Time
 }
 
-func newOwnKeys(cluster, nodeUID string, owns func(string, netip.Addr) bool, overflow func()) *ownKeys {
-	return &ownKeys{cluster: cluster, nodeUID: nodeUID, owns: owns, overflow: overflow, gone: make(chan goneAddr, 256)}
+func newOwnKeys(cluster, nodeUID string, owns func(string, netip.Addr) bool, overflow func()) *OwnKeys {
+	return &OwnKeys{cluster: cluster, nodeUID: nodeUID, owns: owns, overflow: overflow, gone: make(chan goneAddr, 256)}
 }
 
-// deleted notes that a's allocation in pool was deleted, by no release the view knows of.
-func (k *ownKeys) deleted(pool string, a netip.Addr) {
+// Deleted notes that a's allocation in pool was deleted, by no release the view knows of.
+func (k *OwnKeys) Deleted(pool string, a netip.Addr) {
 	if k != nil && k.owns(pool, a) {
 		k.queue(pool, a)
 	}
 }
 
-// listed notes that a view listed its pool.
-func (k *ownKeys) listed() {
+// Listed notes that a view listed its pool.
+func (k *OwnKeys) Listed() {
 	if k != nil {
 		k.relisted.Store(true)
 	}
 }
 
-// put notes that a's allocation in pool was written as kv.
-func (k *ownKeys) put(pool string, a netip.Addr, kv *mvccpb.KeyValue) {
+// Put notes that a's allocation in pool was written as kv.
+func (k *OwnKeys) Put(pool string, a netip.Addr, kv *mvccpb.KeyValue) {
 	if k == nil || !k.owns(pool, a) {
 		return
 	}
@@ -65,7 +66,7 @@ func (k *ownKeys) put(pool string, a netip.Addr, kv *mvccpb.KeyValue) {
 	}
 }
 
-func (k *ownKeys) queue(pool string, a netip.Addr) {
+func (k *OwnKeys) queue(pool string, a netip.Addr) {
 	select {
 	case k.gone <- goneAddr{pool: pool, addr: a, at: time.Now()}:
 	default:
@@ -73,11 +74,11 @@ func (k *ownKeys) queue(pool string, a netip.Addr) {
 	}
 }
 
-// goneLoop checks the pod that lists each address the views reported (ownKeys), once a
+// GoneLoop checks the pod that lists each address the views reported (OwnKeys), once a
 // release in flight had the time to change what the agent knows (poolview.SuspectGrace): the check of
 // one pod under its lock (recheckPod), re-claimed at once if its keys are lost. It runs until
 // ctx ends.
-func (au *auditor) goneLoop(ctx context.Context) {
+func (au *Auditor) GoneLoop(ctx context.Context) {
 	for {
 		var g goneAddr
 		select {
@@ -85,10 +86,10 @@ func (au *auditor) goneLoop(ctx context.Context) {
 			return
 		case g = <-au.keys.gone:
 		}
-		if !sleepCtx(ctx, time.Until(g.at.Add(poolview.SuspectGrace))) {
+		if !pause.For(ctx, time.Until(g.at.Add(poolview.SuspectGrace))) {
 			return
 		}
-		owner, ok := au.pods.OwnerOf(g.pool, g.addr)
+		owner, ok := au.cfg.Pods.OwnerOf(g.pool, g.addr)
 		if !ok {
 			continue // released meanwhile
 		}
@@ -96,12 +97,12 @@ func (au *auditor) goneLoop(ctx context.Context) {
 		if err == nil {
 			var lost bool
 			if lost, err = au.recheckPod(ctx, owner, layouts); lost {
-				au.wake()
+				au.cfg.Wake()
 			}
 		}
 		if err != nil {
-			au.log.Warn("checking a pod whose address changed in etcd failed; the next audit checks it", "owner", owner, "err", err)
-			au.markDue()
+			au.cfg.Log.Warn("checking a pod whose address changed in etcd failed; the next audit checks it", "owner", owner, "err", err)
+			au.MarkDue()
 		}
 	}
 }
