@@ -92,7 +92,8 @@ exit 0
 }
 
 // TestDeployEtcdRBACScript: etcd-rbac.sh grants each cluster's role exactly
-// keyspace.RolePrefixes (the prefixes the agent uses), readwrite, by prefix; makes the user
+// keyspace.RolePrefixes (the prefixes the agent writes), readwrite, and keyspace.ReadPrefixes
+// (the selection rules it follows), read, by prefix; makes the user
 // whose name the client certificate carries; never puts a password on a command line; and
 // turns authentication on only when root could still log in.
 func TestDeployEtcdRBACScript(t *testing.T) {
@@ -103,20 +104,23 @@ func TestDeployEtcdRBACScript(t *testing.T) {
 	}
 	for _, c := range []string{"cluster-x", "cluster-y"} {
 		role := "leasehold-" + c
-		var got []string
+		got := map[string][]string{}
 		for _, call := range calls {
 			if m := grant.FindStringSubmatch(call); m != nil && m[1] == role {
-				if m[2] != "readwrite" {
-					t.Errorf("%s: %s is granted %s, want readwrite", role, m[3], m[2])
-				}
-				got = append(got, m[3])
+				got[m[2]] = append(got[m[2]], m[3])
 			}
 		}
-		want := keyspace.RolePrefixes(c)
-		slices.Sort(got)
-		slices.Sort(want)
-		if !slices.Equal(got, want) {
-			t.Errorf("role %s is granted %q, the agent uses exactly %q (keyspace.RolePrefixes)", role, got, want)
+		want := map[string][]string{"readwrite": keyspace.RolePrefixes(c), "read": keyspace.ReadPrefixes(c)}
+		for perm, w := range want {
+			slices.Sort(got[perm])
+			slices.Sort(w)
+			if !slices.Equal(got[perm], w) {
+				t.Errorf("role %s is granted %s on %q, the agent needs exactly %q (keyspace.RolePrefixes, ReadPrefixes)", role, perm, got[perm], w)
+			}
+			delete(got, perm)
+		}
+		for perm, ps := range got {
+			t.Errorf("role %s is granted %s on %q; the agent needs only read and readwrite", role, perm, ps)
 		}
 		for _, call := range []string{"role add " + role, "user add " + role + " --no-password", "user grant-role " + role + " " + role} {
 			if !slices.Contains(calls, call) {

@@ -11,6 +11,7 @@ import (
 	"encoding/pem"
 	"math/big"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,6 +22,8 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/etcdserver"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
@@ -209,9 +212,10 @@ func TestMutualTLSToEtcd(t *testing.T) {
 }
 
 // TestAgentUnderAnEtcdRoleLimitedToItsPrefixes: etcd with authentication on, a user whose
-// role grants only the prefixes deploy/etcd documents for one cluster. The agent serves ADD,
-// CHECK and DEL with it, its password never appears in its logs, and the same user cannot
-// write outside those prefixes.
+// role grants only the prefixes deploy/etcd documents for one cluster (readwrite on
+// keyspace.RolePrefixes, read on keyspace.ReadPrefixes). With a selection rule stored, the
+// agent serves ADD (from the rule's pool), CHECK and DEL with it, its password never appears
+// in its logs, and the same user cannot write outside those prefixes, nor a selection rule.
 func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	p := newPKI(t)
 	f := newFixture(t, withTLSEtcd(p), withoutAgent())
@@ -231,6 +235,18 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 		end := clientv3.GetPrefixRangeEnd(prefix)
 		must(root.RoleGrantPermission(f.Ctx, user, prefix, end, clientv3.PermissionType(clientv3.PermReadWrite)))
 	}
+	for _, prefix := range keyspace.ReadPrefixes(cluster) {
+		end := clientv3.GetPrefixRangeEnd(prefix)
+		must(root.RoleGrantPermission(f.Ctx, user, prefix, end, clientv3.PermissionType(clientv3.PermRead)))
+	}
+	// The namespace's pods get their addresses from a pool of their own.
+	team := uniq("team")
+	teamSpec := allocator.PoolSpec{Name: team, Ranges: []allocator.RangeSet{
+		{{Subnet: netip.MustParsePrefix("10.62.0.0/24")}}, {{Subnet: netip.MustParsePrefix("fd62::/64")}}}}
+	must(admin.CreatePool(f.Ctx, root, teamSpec))
+	if err := admin.SetNamespaceRule(f.Ctx, root, cluster, f.Pool, "team-a", keyspace.NamespaceRule{Pools: []string{team}}); err != nil {
+		t.Fatal(err)
+	}
 	must(root.UserAdd(f.Ctx, user, pass))
 	must(root.UserGrantRole(f.Ctx, user, user))
 	must(root.AuthEnable(f.Ctx))
@@ -244,6 +260,13 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	conf := netconf(f.Pool, agent.Socket, dualStackIPAM("10.61.0.0/24", "fd61::/64"))
 	if _, err := f.add(conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Fatalf("ADD under the limited role: %v", err)
+	}
+	const teamPod = "K8S_POD_UID=u2;K8S_POD_NAMESPACE=team-a;K8S_POD_NAME=p2"
+	if ip := f.ipv4(conf, "c2", teamPod); !netip.MustParsePrefix("10.62.0.0/24").Contains(ip) {
+		t.Errorf("ADD of a team-a pod under the limited role got %s, want one of its rule's pool %s (10.62.0.0/24)", ip, team)
+	}
+	if err := f.del(conf, "c2", "eth0", teamPod); err != nil {
+		t.Errorf("DEL of the team-a pod under the limited role: %v", err)
 	}
 	if err := f.check(conf, "c1", "eth0", "K8S_POD_UID=u1"); err != nil {
 		t.Errorf("CHECK under the limited role: %v", err)
@@ -260,6 +283,12 @@ func TestAgentUnderAnEtcdRoleLimitedToItsPrefixes(t *testing.T) {
 	}
 	if _, err := limited.Put(f.Ctx, keyspace.OwnerKey("other-cluster", "o", "eth0", "p"), "y"); err == nil {
 		t.Errorf("the role must not write another cluster's owner index")
+	}
+	if _, err := limited.Put(f.Ctx, keyspace.NamespaceRuleKey(cluster, f.Pool, "team-b"), `{"pools":["`+team+`"]}`); err == nil {
+		t.Errorf("the role must not write its cluster's selection rules (admins do)")
+	}
+	if _, err := limited.Get(f.Ctx, keyspace.SelectionPrefix("other-cluster", ""), clientv3.WithPrefix()); err == nil {
+		t.Errorf("the role must not read another cluster's selection rules")
 	}
 }
 

@@ -296,10 +296,18 @@ func ValidateNames(pairs ...string) error {
 // addresses, pool conflicts: one address
 // has one owner across clusters, so every cluster must see them) and the cluster's own
 // owners, nodes and conflicts. An etcd role per cluster granting readwrite on exactly
-// these keeps a cluster's credentials away from other clusters' owners (deploy/etcd).
+// these, and read on ReadPrefixes, keeps a cluster's credentials away from other clusters'
+// owners (deploy/etcd).
 func RolePrefixes(cluster string) []string {
 	return []string{
 		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir, heldDir, wantedDir,
 		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster), ClaimsPrefix(cluster),
 	}
+}
+
+// ReadPrefixes are the key prefixes one cluster's agents only read: the cluster's selection
+// rules, which admins write (leaseholdctl selection) and every agent follows. Read-only, so
+// a node's credentials cannot change which pools other nodes' pods get.
+func ReadPrefixes(cluster string) []string {
+	return []string{SelectionPrefix(cluster, "")}
 }

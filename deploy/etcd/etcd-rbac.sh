@@ -20,6 +20,7 @@
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
 #   readwrite  /leasehold/v1/claims/<CLUSTER>/       this cluster's sticky claims
+#   read       /leasehold/v1/selection/<CLUSTER>/    this cluster's selection rules (admins write them)
 #
 # Why the first eight are shared: pools are shared across clusters by design. An address is
 # taken by creating ips/<pool>/<block>/<ip> only if it, its quarantine/ key and every
@@ -103,10 +104,13 @@ exists() { ctl "$1" get "$2" >/dev/null 2>&1; }
 for c in "${clusters[@]}"; do
   name="leasehold-$c"
   exists role "$name" || ctl role add "$name"
-  # Keep in step with leases.RolePrefixes (integration/deploy_test.go compares them).
+  # Keep in step with keyspace.RolePrefixes and keyspace.ReadPrefixes
+  # (integration/deploy_scripts_test.go compares them).
   for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ wanted/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
+  # The agents follow the selection rules; leaseholdctl, with an admin's credentials, writes them.
+  ctl role grant-permission --prefix=true "$name" read "${PREFIX}selection/$c/"
   if ! exists user "$name"; then
     if [ -n "${LEASEHOLD_ETCD_PASSWORD:-}" ]; then
       # On stdin, not on the command line, where every local user could read it.
