@@ -4,11 +4,14 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 )
 
@@ -115,5 +118,53 @@ func TestMetricsAndHealth(t *testing.T) {
 	}
 	if code, _ := httpGet(t, "http://"+addr+"/healthz"); code != 200 {
 		t.Errorf("/healthz must stay up while etcd is away, got %d", code)
+	}
+}
+
+// TestMetricsCountFallbacksAndRefusals: a pod that asks for two pools in order, each of one
+// address. The second ADD finds the first pool full and passes to the next (a fallback); the
+// third finds both full and is refused with code 102, counted once, for the last pool.
+func TestMetricsCountFallbacksAndRefusals(t *testing.T) {
+	addr := strings.TrimPrefix(freeURL(t), "http://")
+	f := newFixture(t, withAgentFlags("--metrics-addr", addr))
+	first, next := f.Pool, uniq("next")
+	conf := v4conf(first, f.Agent.Socket, "10.39.2.0/30")
+	if _, err := admin.CreatePool(f.Ctx, f.Cli, allocator.PoolSpec{Name: next,
+		Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix("10.39.3.0/30")}}}}); err != nil {
+		t.Fatal(err)
+	}
+	pod := func(n int) string {
+		return fmt.Sprintf("K8S_POD_UID=fb%d;K8S_POD_NAMESPACE=ns;K8S_POD_NAME=fb%d;LEASEHOLD_POOL=%s,%s", n, n, first, next)
+	}
+	// Refused (code 7, nothing written) until the agent has read pool next.
+	var ip1 netip.Addr
+	eventually(t, "the first ADD, into the first pool", func() error {
+		res, err := f.add(conf, "fb1", "eth0", pod(1))
+		if err == nil {
+			ip1 = netip.MustParseAddr(res.IPs[0].Address.IP.String())
+		}
+		return err
+	})
+	if ip2 := f.ipv4(conf, "fb2", pod(2)); !netip.MustParsePrefix("10.39.2.0/30").Contains(ip1) || !netip.MustParsePrefix("10.39.3.0/30").Contains(ip2) {
+		t.Fatalf("ADDs got %s and %s; want one of %s (10.39.2.0/30), then one of %s (10.39.3.0/30)", ip1, ip2, first, next)
+	}
+	_, err := f.add(conf, "fb3", "eth0", pod(3))
+	if code := cniCode(err); code != 102 || !strings.Contains(err.Error(), first) || !strings.Contains(err.Error(), next) {
+		t.Fatalf("ADD with both pools full: code %d, %v; want 102 naming both pools", code, err)
+	}
+	_, text := httpGet(t, "http://"+addr+"/metrics")
+	for _, c := range []struct {
+		name, labels string
+		want         float64
+	}{
+		{"leasehold_pool_fallbacks_total", `from="` + first + `",to="` + next + `"`, 2},
+		{"leasehold_pool_exhausted_refusals_total", `pool="` + next + `"`, 1},
+		{"leasehold_pool_exhausted_refusals_total", `pool="` + first + `"`, 0}, // passed on, never refused
+		{"leasehold_pool_exhausted_total", `pool="` + first + `"`, 2},
+		{"leasehold_pool_exhausted_total", `pool="` + next + `"`, 1},
+	} {
+		if got := metricValue(t, text, c.name, c.labels); got != c.want {
+			t.Errorf("%s{%s} = %v, want %v", c.name, c.labels, got, c.want)
+		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +19,9 @@ import (
 
 	"github.com/prometheus/common/expfmt"
 	"sigs.k8s.io/yaml"
+
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
 )
 
 const (
@@ -106,7 +110,8 @@ func TestMonitoringAlertsAreDocumentedAndTested(t *testing.T) {
 }
 
 // TestMonitoringQueriesNameExportedMetrics scrapes a real agent that served ADDs and a DEL
-// (so that its histograms and pool gauges have series) and checks, with Prometheus's own
+// (so that its histograms and pool gauges have series), one of them asking for two pools
+// in order (so that the fallback counter has its series), and checks, with Prometheus's own
 // PromQL parser, that every query of the dashboard (panel targets and template variables)
 // and every rule expression names only metrics the agent exports (histograms by their
 // _bucket, _sum and _count series; the rules may also read the scrape's own `up`). promtool
@@ -124,6 +129,16 @@ func TestMonitoringQueriesNameExportedMetrics(t *testing.T) {
 	if err := f.del(conf, "mon0", "eth0", ""); err != nil {
 		t.Fatal(err)
 	}
+	next := uniq("mon-next")
+	if _, err := admin.CreatePool(f.Ctx, f.Cli, allocator.PoolSpec{Name: next, Ranges: []allocator.RangeSet{
+		{{Subnet: netip.MustParsePrefix("10.43.1.0/28")}}, {{Subnet: netip.MustParsePrefix("fd43:1::/64")}}}}); err != nil {
+		t.Fatal(err)
+	}
+	// Refused (code 7, nothing written) until the agent has read the new pool.
+	eventually(t, "an ADD asking for two pools in order", func() error {
+		_, err := f.add(conf, "mon2", "eth0", "K8S_POD_UID=mon2;K8S_POD_NAMESPACE=mon;K8S_POD_NAME=mon2;LEASEHOLD_POOL="+f.Pool+","+next)
+		return err
+	})
 	_, text := httpGet(t, "http://"+addr+"/metrics")
 	exported := exportedSeries(t, text)
 

@@ -37,10 +37,11 @@ func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Res
 		return allocator.Result{}, err
 	}
 	var full []string
-	for _, spec := range pools {
+	for i, spec := range pools {
 		r := req
 		r.Pool = spec
 		res, err := a.addIn(ctx, r)
+		a.metrics.tried(pools, i, err)
 		if !errors.Is(err, allocator.ErrPoolExhausted) || len(pools) == 1 && len(passed) == 0 {
 			return res, err
 		}

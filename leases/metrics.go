@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/txn"
@@ -43,6 +44,9 @@ type metrics struct {
 	// A live lease is not proof (leases/audit): keys of running pods found missing or changed,
 	// and the times etcd was found to have gone back in time.
 	podKeysLost, wentBack, audits prometheus.Counter
+	// Selection (Agent.Add): ADDs passed from a full pool to the next of their list, by both
+	// pools; ADDs refused as exhausted, by the pool their list ended at.
+	fallbacks, exhaustedRefusals *prometheus.CounterVec
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -142,6 +146,14 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_etcd_went_back_total",
 			Help: "Times the agent found etcd gone back in time (restored from a backup, or replaced): an answer of another cluster or below a revision already seen, or a node record, block claim or pod keys lost after a compacted watch.",
 		}),
+		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_pool_fallbacks_total",
+			Help: "ADDs that found pool `from` full and passed to pool `to`, the next of the list their selection rules or request gave.",
+		}, []string{"from", "to"}),
+		exhaustedRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_pool_exhausted_refusals_total",
+			Help: "ADDs refused as exhausted (CNI code 102) by the last pool they tried: it was full, and so was every pool before it in their list. Given from the pool's first ADD on, at 0.",
+		}, []string{"pool"}),
 	}
 	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
 	// nothing, and an alert on increase() sees the first one.
@@ -152,7 +164,7 @@ func newMetrics(a *Agent) *metrics {
 		m.claimBatches.WithLabelValues(r)
 	}
 	m.reg.MustRegister(m.ops, m.expiredReused, m.releasesDeferred, m.reclaimsCancelled, m.conflictsResolved, m.conflictsOpen, m.podKeysLost, m.wentBack, m.audits, m.casRetries, m.leaseLost, m.reclaims, m.etcdRTT, m.claimBatches, m.claimsBatched, m.unquarantined, m.noSpace,
-		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused,
+		m.blockClaims, m.blocksGivenBack, m.borrowed, m.claimHandovers, m.claimsRefused, m.fallbacks, m.exhaustedRefusals,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_claims_held",
 			Help: "Sticky claims held by attachments of this node.",
@@ -227,6 +239,28 @@ func (m *metrics) batched(result string, n int) {
 	}
 }
 
+// tried counts what came of an ADD's try of pools[i], the pools it was given in order
+// (Agent.Add): found full, it passed to pools[i+1], or, the last, the ADD was refused. At the
+// first try, every series this list can count is made at 0, so that an alert on increase()
+// sees the first.
+func (m *metrics) tried(pools []allocator.PoolSpec, i int, err error) {
+	if i == 0 {
+		for j, p := range pools {
+			m.exhaustedRefusals.WithLabelValues(p.Name)
+			if j+1 < len(pools) {
+				m.fallbacks.WithLabelValues(p.Name, pools[j+1].Name)
+			}
+		}
+	}
+	switch {
+	case !errors.Is(err, allocator.ErrPoolExhausted):
+	case i+1 < len(pools):
+		m.fallbacks.WithLabelValues(pools[i].Name, pools[i+1].Name).Inc()
+	default:
+		m.exhaustedRefusals.WithLabelValues(pools[i].Name).Inc()
+	}
+}
+
 // rtt records an etcd round trip that started at start.
 func (m *metrics) rtt(kind string, start time.Time) {
 	m.etcdRTT.WithLabelValues(kind).Observe(time.Since(start).Seconds())
@@ -243,7 +277,7 @@ var poolDesc = prometheus.NewDesc("leasehold_pool_addresses",
 
 var (
 	exhaustedDesc = prometheus.NewDesc("leasehold_pool_exhausted_total",
-		"ADDs this agent refused because the pool had no free address in a range set (only resting or held-back addresses, or none at all).",
+		"ADDs that found the pool with no free address in a range set (only resting or held-back addresses, or none at all): refused (leasehold_pool_exhausted_refusals_total), or passed to the next pool of their list (leasehold_pool_fallbacks_total).",
 		[]string{"pool"}, nil)
 	heldBackDesc = prometheus.NewDesc("leasehold_held_back_addresses",
 		"Addresses this agent passes over because their holder expired without a release (its node cut off from etcd or dead): in its own blocks, and in the pool as its last borrowing read saw it. They go to other pods only when the pool has no other room, or when the hold ends.",
