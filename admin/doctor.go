@@ -49,6 +49,10 @@ const (
 	// Keys of running pods deleted by hand (issue 32). An owner index on a live lease naming an
 	// address without allocation is owner-index-without-allocation.
 	KindPodAddrMissing = "running-pod-address-missing" // a held key without allocation or owner index, of a pod whose pod record or owner index is on a live lease
+
+	// Selection rules (issue 34; docs/proposals/pool-selection.md). Malformed rule keys are
+	// bad-key findings; an unreadable rule is an unreadable warning (agents pass it over).
+	KindOutsideSelection = "pod-outside-selection" // info: an attachment in a pool its pod's rules, or the pool's lock, no longer give; it keeps it
 )
 
 // What doctor tells of a running pod's key that etcd no longer holds (issue 32): the agent of

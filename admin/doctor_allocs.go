@@ -106,6 +106,7 @@ func check(st *State) *checker {
 	c.unclaimedBlocks()
 	c.heldKeys()
 	c.claims()
+	c.selectionRules()
 	for k, i := range c.heldTold {
 		c.byHeld[k] = c.out[i]
 	}

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -141,14 +142,20 @@ func ListRules(ctx context.Context, cli *clientv3.Client, cluster string) ([]Rul
 	}
 	out := make([]RuleEntry, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
-		r, err := keyspace.DecodeRule(string(kv.Key), kv.Value)
-		e := RuleEntry{Rule: r, Key: string(kv.Key), ModRevision: kv.ModRevision}
-		if err != nil {
-			e.Unreadable = err.Error()
-		}
-		out = append(out, e)
+		out = append(out, ruleEntry(kv))
 	}
 	return out, nil
+}
+
+// ruleEntry decodes one stored selection rule; one that does not decode or validate is kept
+// with Unreadable set.
+func ruleEntry(kv *mvccpb.KeyValue) RuleEntry {
+	r, err := keyspace.DecodeRule(string(kv.Key), kv.Value)
+	e := RuleEntry{Rule: r, Key: string(kv.Key), ModRevision: kv.ModRevision}
+	if err != nil {
+		e.Unreadable = err.Error()
+	}
+	return e
 }
 
 // Rules gathers the readable rules of one cluster's network as package selection takes them.

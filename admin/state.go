@@ -161,7 +161,9 @@ type State struct {
 	Blocks      []BlockEntry
 	Held        []HeldEntry
 	Claims      []ClaimEntry
-	BadKeys     []BadKey
+	// Rules are the selection rules (selection/), readable or not.
+	Rules   []RuleEntry
+	BadKeys []BadKey
 	// prefixes are the key ranges read (nil: all of Prefix). A check relating two families
 	// runs only where the state holds both, so a narrow read reports no false absence.
 	prefixes []string
@@ -299,6 +301,12 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 		}
 		st.Conflicts = append(st.Conflicts, ConflictEntry{Record: record[keyspace.ConflictRecord](kv),
 			Cluster: parts[0], Owner: parts[1], IfName: parts[2], Pool: parts[3]})
+	case "selection":
+		if _, _, _, _, err := keyspace.ParseSelectionKey(key); err != nil {
+			bad(err.Error())
+			return
+		}
+		st.Rules = append(st.Rules, ruleEntry(kv))
 	case "hostips":
 		ip, err := netip.ParseAddr(parts[0])
 		if err != nil || len(parts) != 3 {
