@@ -468,6 +468,21 @@ agent:
 				t.Errorf("pod template annotation checksum/config %q does not change with the agent's flags", a)
 			}
 		},
+	}, {
+		// Node labels for selection rules: one --node-label, KEY=VALUE comma-separated, sorted.
+		name: "node labels", secret: "leasehold-etcd", deviations: []string{noNAD},
+		values: []string{`
+agent:
+  nodeLabels: {topology.kubernetes.io/zone: zone-a, rack: 7}
+`},
+		check: func(t *testing.T, d *deployment, args map[string]string) {
+			if got, want := args["node-label"], "rack=7,topology.kubernetes.io/zone=zone-a"; got != want {
+				t.Errorf("--node-label=%q, want %q", got, want)
+			}
+			if _, ok := helmAgentArgs(t, helmWithUserObjects(t, helmRender(t, helmRequired), "leasehold-etcd"))["node-label"]; ok {
+				t.Error("--node-label without agent.nodeLabels")
+			}
+		},
 	}}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -609,6 +624,12 @@ func TestHelmChartRefusesInvalidValues(t *testing.T) {
 		// extraArgs: only --flag=value, never a flag the chart sets.
 		{"extra arg the chart sets", `agent: {extraArgs: [--lease-ttl=2m]}`, []string{"--lease-ttl is set by the chart"}},
 		{"extra arg as two items", `agent: {extraArgs: [--reuse-delay, 30m]}`, []string{`"--reuse-delay" is not of the form --flag=value`}},
+		// nodeLabels: Kubernetes label syntax, so nothing breaks --node-label's KEY=VALUE,...
+		// or is expanded by the kubelet; never also in extraArgs.
+		{"node label key with =", `agent: {nodeLabels: {"a=b": x}}`, []string{`key "a=b" is not a Kubernetes label key`}},
+		{"node label value with a comma", `agent: {nodeLabels: {zone: "a,b"}}`, []string{`the value "a,b" of zone is not a Kubernetes label value`}},
+		{"node label value expanded by the kubelet", `agent: {nodeLabels: {zone: "$(NODE_NAME)"}}`, []string{"not a Kubernetes label value"}},
+		{"node label as an extra arg", `agent: {extraArgs: [--node-label=zone=a]}`, []string{"--node-label is set by the chart"}},
 		// CNI configurations.
 		{"CNI file without extension", `cni: {files: [{name: leasehold, config: {cniVersion: 1.0.0, name: a, type: bridge}}]}`, []string{`cni.files[0].name "leasehold"`, ".conflist"}},
 		{"CNI file twice", `cni: {files: [{name: a.conf, config: {cniVersion: 1.0.0, name: a, type: bridge}}, {name: a.conf, config: {cniVersion: 1.0.0, name: a, type: bridge}}]}`, []string{`cni.files[1].name "a.conf" is given twice`}},
@@ -667,7 +688,8 @@ func TestHelmChartReadmeListsEveryValue(t *testing.T) {
 		t.Fatal(err)
 	}
 	readme := deployReadFile(t, filepath.Join(helmChartDir, "README.md"))
-	opaque := map[string]bool{"resources": true, "installerResources": true, "nodeSelector": true, "monitoring.labels": true}
+	opaque := map[string]bool{"resources": true, "installerResources": true, "nodeSelector": true, "monitoring.labels": true,
+		"agent.nodeLabels": true}
 	var walk func(prefix string, m map[string]any)
 	n := 0
 	walk = func(prefix string, m map[string]any) {

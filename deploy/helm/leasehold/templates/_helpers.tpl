@@ -84,7 +84,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* The flags the chart sets itself; agent.extraArgs may not repeat them. */}}
 {{- define "leasehold.chartFlags" -}}
-node cluster node-uid etcd-endpoints etcd-cacert etcd-cert etcd-key etcd-username socket state-dir lease-ttl quarantine gc-grace liveness-interval liveness-grace publish-host-addresses host-netns host-resync spare-leases log-level metrics-addr
+node cluster node-uid etcd-endpoints etcd-cacert etcd-cert etcd-key etcd-username socket state-dir lease-ttl quarantine gc-grace liveness-interval liveness-grace publish-host-addresses host-netns host-resync spare-leases log-level metrics-addr node-label
+{{- end }}
+
+{{/*
+agent.nodeLabels as leaseholdd --node-label takes them, KEY=VALUE comma-separated, sorted by
+key; empty without any. Keys and values are Kubernetes label keys and values, so none holds
+the "=" or "," of the flag's syntax, nor the "$(" the kubelet would expand.
+*/}}
+{{- define "leasehold.nodeLabels" -}}
+{{- $out := list -}}
+{{- range $k, $v := .Values.agent.nodeLabels -}}
+{{- $v = toString $v -}}
+{{- if not (regexMatch "^([A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" $k) -}}
+{{- fail (printf "agent.nodeLabels: key %q is not a Kubernetes label key (such as topology.kubernetes.io/zone or rack)" $k) -}}
+{{- end -}}
+{{- if not (regexMatch "^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$" $v) -}}
+{{- fail (printf "agent.nodeLabels: the value %q of %s is not a Kubernetes label value (letters, digits, - _ . inside)" $v $k) -}}
+{{- end -}}
+{{- $out = append $out (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- end }}
 
 {{- define "leasehold.extraArgs" -}}
