@@ -1,0 +1,147 @@
+package integration
+
+import (
+	"fmt"
+	"maps"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/leasehold/leasehold/admin"
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// TestSelectionRulesOnRealAgents (issue 34): two agents (the leaseholdd binary) on nodes
+// labelled zone=a and zone=b, the real plugin, rules in etcd. Pods of three namespaces get
+// the pools their rules give: ns-a its namespace's list, whose first pool (one address) is
+// full at the second pod, which passes to the next; ns-b its node's pool by label; ns-c its
+// namespace's list, whose first pool is then closed: a new pod gets the next pool, the
+// running pod's repeated ADD its own address, a pod asking for the closed pool nothing. A
+// pod asking for a pool it may not use gets code 7 and etcd is unchanged. Every DEL releases.
+func TestSelectionRulesOnRealAgents(t *testing.T) {
+	f := newFixture(t, withoutAgent())
+	pools := map[string]string{} // name -> IPv4 subnet
+	pool := func(name, subnet string) string {
+		t.Helper()
+		name = uniq(name)
+		if _, err := admin.CreatePool(f.Ctx, f.Cli, allocator.PoolSpec{Name: name,
+			Ranges: []allocator.RangeSet{{{Subnet: netip.MustParsePrefix(subnet)}}}}); err != nil {
+			t.Fatal(err)
+		}
+		pools[name] = subnet
+		return name
+	}
+	alpha, alpha2 := pool("alpha", "10.51.1.0/30"), pool("alpha2", "10.51.2.0/28") // alpha: one address
+	zoneA, zoneB := pool("zone-a", "10.51.3.0/28"), pool("zone-b", "10.51.4.0/28")
+	closing, gamma := pool("closing", "10.51.5.0/28"), pool("gamma", "10.51.6.0/28")
+	network := f.Pool
+	for ns, list := range map[string][]string{"ns-a": {alpha, alpha2}, "ns-c": {closing, gamma}} {
+		if err := admin.SetNamespaceRule(f.Ctx, f.Cli, f.Cluster, network, ns, keyspace.NamespaceRule{Pools: list}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for name, r := range map[string]keyspace.NodeRule{
+		"za": {Labels: map[string]string{"zone": "a"}, Pools: []string{zoneA}},
+		"zb": {Labels: map[string]string{"zone": "b"}, Pools: []string{zoneB}},
+	} {
+		if err := admin.SetNodeRule(f.Ctx, f.Cli, f.Cluster, network, name, r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, _, _, err := admin.SetPoolAccess(f.Ctx, f.Cli, alpha, func(a *keyspace.PoolAccess) { a.Namespaces = []string{"ns-a"} }); err != nil {
+		t.Fatal(err)
+	}
+	// The agents start after the rules: their first listing holds them.
+	n1 := f.startAgent("--node", uniq("rack1-"), "--node-label", "zone=a")
+	n2 := f.startAgent("--node", uniq("rack2-"), "--node-label", "zone=b,rack=2")
+	conf := map[*agentProc][]byte{
+		n1: v4conf(network, n1.Socket, "10.51.0.0/24"),
+		n2: v4conf(network, n2.Socket, "10.51.0.0/24"),
+	}
+	type pod struct {
+		node      *agentProc
+		container string
+		args      string
+	}
+	podOf := func(node *agentProc, ns, name string, asked ...string) pod {
+		args := fmt.Sprintf("K8S_POD_UID=%s;K8S_POD_NAMESPACE=%s;K8S_POD_NAME=%s", uniq("uid-"), ns, name)
+		if len(asked) > 0 {
+			args += ";LEASEHOLD_POOL=" + strings.Join(asked, ",")
+		}
+		return pod{node, uniq("ctr-"), args}
+	}
+	in := func(ip netip.Addr, name string) bool { return netip.MustParsePrefix(pools[name]).Contains(ip) }
+	var made []pod
+	add := func(p pod, want string) netip.Addr {
+		t.Helper()
+		ip := f.ipv4(conf[p.node], p.container, p.args)
+		if !in(ip, want) {
+			t.Errorf("pod %s (%s) on %s got %s, want one of pool %s (%s)", p.container, p.args, p.node.Node, ip, want, pools[want])
+		}
+		made = append(made, p)
+		return ip
+	}
+
+	// Three namespaces, two nodes.
+	add(podOf(n1, "ns-a", "a1"), alpha)
+	add(podOf(n2, "ns-a", "a2"), alpha2) // alpha is full: the ADD passes to the next pool
+	add(podOf(n1, "ns-b", "b1"), zoneA)  // no namespace rule: its node's, by label
+	add(podOf(n2, "ns-b", "b2"), zoneB)
+	c1 := podOf(n2, "ns-c", "c1")
+	c1IP := add(c1, closing)
+
+	// Refused with code 7, etcd unchanged: a pool locked to another namespace, one outside the
+	// namespace's rule, one that does not exist.
+	before := snapshot(t, f.Cli, keyspace.Prefix)
+	for _, p := range []pod{
+		podOf(n1, "ns-b", "x1", alpha),
+		podOf(n2, "ns-a", "x2", zoneB),
+		podOf(n1, "ns-b", "x3", "no-such-pool"),
+	} {
+		_, err := f.add(conf[p.node], p.container, "eth0", p.args)
+		if code := cniCode(err); code != 7 || !strings.Contains(err.Error(), "pool") {
+			t.Errorf("pod %s asking for a pool it may not use: code %d, %v; want 7 naming the pool", p.args, code, err)
+		}
+	}
+	if after := snapshot(t, f.Cli, keyspace.Prefix); !maps.Equal(before, after) {
+		t.Errorf("refused ADDs changed etcd:\nbefore %v\nafter  %v", before, after)
+	}
+
+	// Closed: no new address from it, the running pod keeps its own.
+	if _, _, _, err := admin.SetPoolAccess(f.Ctx, f.Cli, closing, func(a *keyspace.PoolAccess) { a.Closed = true }); err != nil {
+		t.Fatal(err)
+	}
+	c2 := podOf(n1, "ns-c", "c2")
+	var c2IP netip.Addr
+	eventually(t, "an ADD of ns-c after the close", func() error { // an ADD that chose the pool before the close is refused
+		res, err := f.add(conf[n1], c2.container, "eth0", c2.args)
+		if err == nil {
+			c2IP = netip.MustParseAddr(res.IPs[0].Address.IP.String())
+		}
+		return err
+	})
+	made = append(made, c2)
+	if !in(c2IP, gamma) {
+		t.Errorf("a new ns-c pod got %s with pool %s closed, want one of %s (%s)", c2IP, closing, gamma, pools[gamma])
+	}
+	if ip := f.ipv4(conf[n2], c1.container, c1.args); ip != c1IP {
+		t.Errorf("the running pod's repeated ADD got %s, want its own %s from the closed pool", ip, c1IP)
+	}
+	asks := podOf(n2, "ns-c", "c3", closing)
+	if _, err := f.add(conf[n2], asks.container, "eth0", asks.args); cniCode(err) != 7 || !strings.Contains(err.Error(), closing) {
+		t.Errorf("a pod asking for the closed pool: %v; want code 7 naming it", err)
+	}
+
+	// Every DEL releases, whatever the rules say now.
+	for _, p := range made {
+		if err := f.del(conf[p.node], p.container, "eth0", p.args); err != nil {
+			t.Errorf("DEL %s: %v", p.container, err)
+		}
+	}
+	for name := range pools {
+		if list, err := admin.ListAllocations(f.Ctx, f.Cli, name); err != nil || len(list) != 0 {
+			t.Errorf("pool %s after every DEL: %d allocations, %v", name, len(list), err)
+		}
+	}
+}
