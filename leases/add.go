@@ -106,7 +106,15 @@ func (a *Agent) addIn(ctx context.Context, req allocator.Request) (_ allocator.R
 			}
 		}
 		if err := a.closedTo(p, st); err != nil {
-			return allocator.Result{}, err
+			// Refused by what etcd says now, not by a definition read before the pool
+			// was opened.
+			a.pools.Invalidate(p.Spec.Name)
+			if p, err = a.pools.Ensure(ctx, req.Pool); err != nil {
+				return allocator.Result{}, err
+			}
+			if err := a.closedTo(p, st); err != nil {
+				return allocator.Result{}, err
+			}
 		}
 		requested, err := p.Spec.MatchRequested(st.req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {

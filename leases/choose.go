@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
@@ -81,6 +84,21 @@ func (a *Agent) choosePools(ctx context.Context, req allocator.Request, owner st
 		return nil, nil, fmt.Errorf("%w: the selection rules are not read yet: %w", allocator.ErrUnavailable, err)
 	}
 	dflt, stored := pools[req.Pool.Name]
+	if req.Claim != "" && (any || len(pools) > 1 || stored && (dflt.Closed || len(dflt.Namespaces) > 0)) {
+		// A sticky claim is found where it was made, as an attachment is: the rules of
+		// that time chose its pool, and a claim with addresses gets them back there,
+		// closed or locked (its addresses are not new: the ADD's claim checks that).
+		name, err := a.claimedPool(ctx, req, pools)
+		if err != nil {
+			return nil, nil, err
+		}
+		if name == req.Pool.Name {
+			return []allocator.PoolSpec{req.Pool}, nil, nil
+		}
+		if name != "" {
+			return []allocator.PoolSpec{{Name: name}}, nil, nil
+		}
+	}
 	if !any && len(req.Pools) == 0 && (!stored || !dflt.Closed && len(dflt.Namespaces) == 0) {
 		return []allocator.PoolSpec{req.Pool}, nil, nil
 	}
@@ -92,8 +110,27 @@ func (a *Agent) choosePools(ctx context.Context, req allocator.Request, owner st
 		dflt.Unstored = true
 		pools[req.Pool.Name] = dflt
 	}
-	c, err := selection.Choose(rules, pools, selection.Node{Name: a.cfg.Node, Labels: a.cfg.NodeLabels},
-		selection.Pod{Namespace: req.Pod.Namespace, Name: req.Pod.Name, Asked: req.Pools}, req.Pool.Name, dflt.Families)
+	node := selection.Node{Name: a.cfg.Node, Labels: a.cfg.NodeLabels}
+	pod := selection.Pod{Namespace: req.Pod.Namespace, Name: req.Pod.Name, Asked: req.Pools}
+	c, err := selection.Choose(rules, pools, node, pod, req.Pool.Name, dflt.Families)
+	if limited := accessLimited(pools); (err != nil || len(c.Passed) > 0) && len(limited) > 0 {
+		// A refusal, or a pool passed over, by a closed or locked pool is judged by what
+		// etcd says now: one opened a moment ago is open to this ADD.
+		octx, cancel := a.opCtx(ctx)
+		fresh, rerr := a.rules.Reread(octx, limited)
+		cancel()
+		if rerr != nil {
+			return nil, nil, a.unavailable("read pools "+strings.Join(limited, ", "), rerr)
+		}
+		for _, name := range limited {
+			if p, ok := fresh[name]; ok {
+				pools[name] = p
+			} else if name != req.Pool.Name || !dflt.Unstored {
+				delete(pools, name)
+			}
+		}
+		c, err = selection.Choose(rules, pools, node, pod, req.Pool.Name, dflt.Families)
+	}
 	if err != nil {
 		return nil, nil, err
 	}
@@ -132,6 +169,48 @@ func (a *Agent) attachedPool(owner string, req allocator.Request) allocator.Pool
 		}
 	}
 	return req.Pool
+}
+
+// claimedPool returns the pool where the sticky claim req names was made, "" if none: the
+// pool configured, else the first by name among the others the agent knows (a claim is made
+// in one pool; two are the work of rules changed between two incarnations that both found
+// none). Its claim keys are read in one transaction per keyspace.MaxTxnOps pools.
+func (a *Agent) claimedPool(ctx context.Context, req allocator.Request, pools map[string]selection.Pool) (string, error) {
+	names := []string{req.Pool.Name}
+	for _, name := range slices.Sorted(maps.Keys(pools)) {
+		if name != req.Pool.Name {
+			names = append(names, name)
+		}
+	}
+	for chunk := range slices.Chunk(names, keyspace.MaxTxnOps) {
+		ops := make([]clientv3.Op, len(chunk))
+		for i, name := range chunk {
+			ops[i] = clientv3.OpGet(keyspace.ClaimKey(a.cfg.Cluster, name, req.Claim), clientv3.WithCountOnly())
+		}
+		octx, cancel := a.opCtx(ctx)
+		resp, err := a.cli.Txn(octx).Then(ops...).Commit()
+		cancel()
+		if err != nil {
+			return "", a.unavailable("read where claim "+req.Claim+" was made", err)
+		}
+		for i, r := range resp.Responses {
+			if r.GetResponseRange().Count > 0 {
+				return chunk[i], nil
+			}
+		}
+	}
+	return "", nil
+}
+
+// accessLimited names the pools closed, or locked to some namespaces, in pools, in order.
+func accessLimited(pools map[string]selection.Pool) []string {
+	var out []string
+	for _, name := range slices.Sorted(maps.Keys(pools)) {
+		if p := pools[name]; p.Closed || len(p.Namespaces) > 0 {
+			out = append(out, name)
+		}
+	}
+	return out
 }
 
 // servesAll tells whether pool p has a range set of every family.

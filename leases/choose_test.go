@@ -2,6 +2,7 @@ package leases
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"reflect"
 	"strings"
@@ -114,5 +115,80 @@ func TestPoolsChosenByRulesFallBackAndClose(t *testing.T) {
 	}
 	if after := etcdtest.Dump(t, cli, keyspace.Prefix); !reflect.DeepEqual(before, after) {
 		t.Fatalf("a refused ADD changed etcd")
+	}
+}
+
+// TestAStickyClaimIsFoundWhereItWasMade: a StatefulSet pod's claim is made in the pool its
+// namespace's rule gave. When the rule later names another pool, and when the claim's pool is
+// closed, the pod's next incarnation still gets the claim's addresses there, while a new
+// claim goes where the rule says now, and none comes from the closed pool. A pool opened
+// is open to the very next ADD, whatever the agent's watch has delivered.
+func TestAStickyClaimIsFoundWhereItWasMade(t *testing.T) {
+	ctx, cli := ctxT(t), etcdtest.Client(t)
+	cluster := etcdtest.Uniq("c")
+	net := rangePool(etcdtest.Uniq("net"), "10.98.0.0/24", "10.98.0.10", "10.98.0.200")
+	first := rangePool(etcdtest.Uniq("first"), "10.98.1.0/24", "10.98.1.10", "10.98.1.20")
+	then := rangePool(etcdtest.Uniq("then"), "10.98.2.0/24", "10.98.2.10", "10.98.2.20")
+	storePool(t, cli, first, keyspace.PoolAccess{})
+	storePool(t, cli, then, keyspace.PoolAccess{})
+	rule := func(p allocator.PoolSpec) {
+		t.Helper()
+		if _, err := cli.Put(ctx, keyspace.NamespaceRuleKey(cluster, net.Name, "tenant"),
+			keyspace.Encode(keyspace.NamespaceRule{Pools: []string{p.Name}})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rule(first)
+	a := startAgent(t, cluster, "n1", "uid1")
+	req := func(uid, claim string) allocator.Request {
+		r := stickyReq(net, uid+"-c", uid, claim)
+		r.Network, r.Pod.Namespace = net.Name, "tenant"
+		return r
+	}
+	in := func(res allocator.Result, p allocator.PoolSpec) bool {
+		ips := resultAddrs(res)
+		return len(ips) == 1 && p.Ranges[0][0].Subnet.Contains(ips[0])
+	}
+	g1, err := a.Add(ctx, req("g1", "tenant.web-0"))
+	if err != nil || !in(g1, first) {
+		t.Fatalf("the first incarnation: %v, %v; want an address of %s", g1, err, first.Name)
+	}
+	if err := a.Del(ctx, req("g1", "tenant.web-0")); err != nil {
+		t.Fatal(err)
+	}
+
+	// The rule now names another pool: new claims go there, the claim made stays.
+	rule(then)
+	tries := 0
+	etcdtest.Eventually(t, "a new claim goes to the pool the rule names now", func() error {
+		tries++ // a new pod and claim each time: one made before the agent saw the rule stays
+		res, err := a.Add(ctx, req(fmt.Sprintf("other-%d", tries), fmt.Sprintf("tenant.web-1-%d", tries)))
+		return etcdtest.Saw(err == nil && in(res, then), "ADD of a new claim: %v, %v", res, err)
+	})
+	g2, err := a.Add(ctx, req("g2", "tenant.web-0"))
+	if err != nil || !reflect.DeepEqual(resultAddrs(g2), resultAddrs(g1)) {
+		t.Fatalf("the next incarnation after the rule changed: %v, %v; want the claim's %v", resultAddrs(g2), err, resultAddrs(g1))
+	}
+	if err := a.Del(ctx, req("g2", "tenant.web-0")); err != nil {
+		t.Fatal(err)
+	}
+
+	// The claim's pool closed, and named by the rule again: no new claim gets an address
+	// from it, the claim made gets its own.
+	storePool(t, cli, first, keyspace.PoolAccess{Closed: true})
+	rule(first)
+	etcdtest.Eventually(t, "a new claim is refused by the closed pool", func() error {
+		_, err := a.Add(ctx, req("new", "tenant.web-2"))
+		return etcdtest.Saw(errors.Is(err, allocator.ErrInvalidConfig) && strings.Contains(err.Error(), first.Name), "ADD of a new claim: %v", err)
+	})
+	g3, err := a.Add(ctx, req("g3", "tenant.web-0"))
+	if err != nil || !reflect.DeepEqual(resultAddrs(g3), resultAddrs(g1)) {
+		t.Fatalf("the next incarnation in the closed pool: %v, %v; want the claim's %v", resultAddrs(g3), err, resultAddrs(g1))
+	}
+
+	// Opened: the next ADD gets an address, without waiting for the watch.
+	storePool(t, cli, first, keyspace.PoolAccess{})
+	if res, err := a.Add(ctx, req("new", "tenant.web-2")); err != nil || !in(res, first) {
+		t.Fatalf("ADD right after the pool was opened: %v, %v; want an address of %s", res, err, first.Name)
 	}
 }

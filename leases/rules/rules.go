@@ -84,6 +84,35 @@ func (f *Follower) Choice(ctx context.Context, network string) (rules selection.
 	return selection.Gather(rs, f.cfg.Cluster, network), len(rs) > 0, pools, nil
 }
 
+// Reread reads the named pools from etcd now, for an ADD that the pools held would refuse,
+// or pass some over: a pool opened a moment ago, whose watch event is still on its way, is
+// open to it. What the follower holds is left to its watch. A pool gone, or unreadable, is
+// not in the answer.
+func (f *Follower) Reread(ctx context.Context, names []string) (map[string]selection.Pool, error) {
+	out := make(map[string]selection.Pool, len(names))
+	for chunk := range slices.Chunk(names, keyspace.MaxTxnOps) {
+		ops := make([]clientv3.Op, len(chunk))
+		for i, name := range chunk {
+			ops[i] = clientv3.OpGet(keyspace.PoolKey(name))
+		}
+		resp, err := f.cli.Txn(ctx).Then(ops...).Commit()
+		if err != nil {
+			return nil, err
+		}
+		for _, r := range resp.Responses {
+			for _, kv := range r.GetResponseRange().Kvs {
+				spec, _, err := keyspace.DecodePool(string(kv.Key), kv.Value)
+				if err != nil {
+					continue
+				}
+				access, _ := keyspace.DecodePoolAccess(kv.Value)
+				out[spec.Name] = selection.PoolOf(spec, access)
+			}
+		}
+	}
+	return out, nil
+}
+
 // Run lists and follows the rules and the pools until ctx ends.
 func (f *Follower) Run(ctx context.Context) {
 	var wg sync.WaitGroup
