@@ -178,7 +178,8 @@ func TestAStickyClaimIsFoundWhereItWasMade(t *testing.T) {
 	storePool(t, cli, first, keyspace.PoolAccess{Closed: true})
 	rule(first)
 	etcdtest.Eventually(t, "a new claim is refused by the closed pool", func() error {
-		_, err := a.Add(ctx, req("new", "tenant.web-2"))
+		tries++
+		_, err := a.Add(ctx, req(fmt.Sprintf("new-%d", tries), fmt.Sprintf("tenant.web-2-%d", tries)))
 		return etcdtest.Saw(errors.Is(err, allocator.ErrInvalidConfig) && strings.Contains(err.Error(), first.Name), "ADD of a new claim: %v", err)
 	})
 	g3, err := a.Add(ctx, req("g3", "tenant.web-0"))
@@ -188,7 +189,7 @@ func TestAStickyClaimIsFoundWhereItWasMade(t *testing.T) {
 
 	// Opened: the next ADD gets an address, without waiting for the watch.
 	storePool(t, cli, first, keyspace.PoolAccess{})
-	if res, err := a.Add(ctx, req("new", "tenant.web-2")); err != nil || !in(res, first) {
+	if res, err := a.Add(ctx, req("opened", "tenant.web-3")); err != nil || !in(res, first) {
 		t.Fatalf("ADD right after the pool was opened: %v, %v; want an address of %s", res, err, first.Name)
 	}
 }

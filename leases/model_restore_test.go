@@ -73,11 +73,15 @@ const (
 type modelBackup struct {
 	path string
 	step int
+	// access is the pool's access and rules at the backup (model_access_test.go).
+	access modelAccess
 }
 
 // backup saves etcd as `etcdctl snapshot save` does, at the quiet point at the start of step i.
 func (m *model) backup(ctx context.Context, i int) {
-	b := modelBackup{path: filepath.Join(m.backupDir, fmt.Sprintf("step%d.db", i)), step: i}
+	m.mu.Lock()
+	b := modelBackup{path: filepath.Join(m.backupDir, fmt.Sprintf("step%d.db", i)), step: i, access: m.access}
+	m.mu.Unlock()
 	if err := m.etcd.Snapshot(ctx, b.path); err != nil {
 		m.t.Fatalf("step %d: %v", i, err)
 	}
@@ -131,6 +135,9 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 		m.t.Fatalf("step %d: %v", i, err)
 	}
 	m.awaitEtcd(i)
+	m.mu.Lock()
+	m.access = b.access // the pool record and the rules are keys: they went back too
+	m.mu.Unlock()
 	m.log("%d etcd RESTORED from the backup of step %d, %s (revision bump %d), in %s", i, b.step, how, bump, time.Since(start).Round(time.Millisecond))
 	m.count["restore"]++
 	m.count["restore "+how]++

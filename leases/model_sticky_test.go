@@ -192,6 +192,9 @@ func (m *model) stickyAdd(ctx context.Context, i int, node *modelNode, k attKey,
 		m.inc("sticky refused")
 		return
 	case err != nil:
+		if (gaveUp || !recOK) && m.refusedClosed(err) {
+			return // new addresses from a closed pool (model_access_test.go)
+		}
 		if (gaveUp || !recOK && want == nil) && errors.Is(err, allocator.ErrPoolExhausted) {
 			m.refused(err) // the ordinal's first incarnation, or a new address for one given up, in a full pool
 			return
@@ -201,6 +204,9 @@ func (m *model) stickyAdd(ctx context.Context, i int, node *modelNode, k attKey,
 		return
 	}
 	got := addrs(res)
+	if !recOK && want == nil && m.closedToNew() {
+		m.t.Errorf("step %d: the first incarnation %v of claim %s got %v from pool %s, closed to new addresses", i, k, modelClaim(ordinal), got, m.pool.Name)
+	}
 	switch {
 	case recOK && !containsAll(got, recKept):
 		m.t.Errorf("step %d: ADD of %v naming claim %s got %v, the claim record held %v", i, k, modelClaim(ordinal), got, rec.IPs)

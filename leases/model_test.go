@@ -146,11 +146,14 @@ func TestModelRandomHistories(t *testing.T) {
 	t.Logf("seed %d: keys of running pods changed by hand: %d (%d deleted, %d overwritten with the pod's value without its lease, "+
 		"%d with another owner's; agents counted %v keys lost); %d backups, %d restores (%d plain, %d bumped; agents noticed "+
 		"%v times), %d conflicts after a restore, %d block leases nobody renewed revoked after a restore, %d sticky claims lost with a restore (every agent that took one "+
-		"died since); agents re-claimed pods %v times", seed,
+		"died since); agents re-claimed pods %v times; %d changes of the pool's access or rules, %d ADDs refused by a closed pool", seed,
 		m.count["tamper"], m.count["tamper: "+tamperDeleted], m.count["tamper: "+tamperOwnValue], m.count["tamper: "+tamperOtherOwner],
 		tot["leasehold_pod_keys_lost_total"], m.count["backup"], m.count["restore"], m.count["restore plain"], m.count["restore bumped"],
 		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], m.count["unrenewed block lease after a restore"],
-		m.count["claim lost with a restore"], tot["leasehold_reclaims_total"])
+		m.count["claim lost with a restore"], tot["leasehold_reclaims_total"], m.count["access"], m.count["add refused: pool closed"])
+	if m.count["access"] == 0 {
+		t.Errorf("seed %d: the pool's access and rules never changed in %d steps: the history did not exercise closed pools", seed, steps)
+	}
 	if m.count["tamper"] == 0 {
 		t.Errorf("seed %d: no key of a running pod was deleted or overwritten in %d steps: the history did not exercise the audit", seed, steps)
 	}
@@ -238,6 +241,11 @@ type model struct {
 	// The node identities ("name/uid") whose agents took each ordinal's claim for an
 	// incarnation, and so keep it or remember its release (model_sticky_test.go).
 	claimTakers map[string]map[string]bool
+
+	// The pool's access and the selection rules, as last written, and the step the pool
+	// opens again at (model_access_test.go).
+	access   modelAccess
+	reopenAt int
 }
 
 func newModel(t *testing.T, seed uint64) *model {
@@ -322,6 +330,7 @@ func (m *model) step(i int) {
 	m.revive(i)
 	m.returns(ctx, i, false)
 	m.evict(ctx, i, false)
+	m.reopen(ctx, i)
 	switch r := m.rng.IntN(100); {
 	case r < 4:
 		m.restart(i)
@@ -361,6 +370,8 @@ func (m *model) step(i int) {
 		}
 	case r < 41:
 		m.backup(ctx, i) // then the step's operations
+	case r < 44:
+		m.changeAccess(ctx, i) // then the step's operations (model_access_test.go)
 	}
 	free := m.neverHeldFree(ctx)
 	// Plan the whole step first: its operations run at once on distinct owners (and
@@ -422,6 +433,8 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			case m.refusedForRepair(node.agent, err, start):
 				// etcd went back in time: the node answers once its pods hold their
 				// addresses again, and claims no block meanwhile (model_restore_test.go).
+			case !have && m.refusedClosed(err):
+				return // the pool is closed to new addresses (model_access_test.go)
 			case have:
 				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
 			case !errors.Is(err, allocator.ErrPoolExhausted):
@@ -432,6 +445,9 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			return
 		}
 		got := addrs(res)
+		if !have && m.closedToNew() {
+			m.t.Errorf("step %d: ADD of new %v got %v from pool %s, closed to new addresses", i, k, got, m.pool.Name)
+		}
 		if have && fmt.Sprint(got) != fmt.Sprint(held) {
 			m.t.Errorf("step %d: ADD of %v is not idempotent: had %v, got %v", i, k, held, got)
 		}
