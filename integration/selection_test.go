@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net/netip"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/leasehold/leasehold/admin"
@@ -144,4 +145,116 @@ func TestSelectionRulesOnRealAgents(t *testing.T) {
 			t.Errorf("pool %s after every DEL: %d allocations, %v", name, len(list), err)
 		}
 	}
+}
+
+// TestARuleChangedUnderLoadStrandsNobody (issue 34): two agents ADD new pods of one namespace
+// without pause while its rule is changed from one pool to another. The change reaches every
+// node without a restart: each node's ADDs come from the new pool, and once a node gave one
+// from it, never again from the old. Nobody is stranded or moved: a pod from before the change
+// gets its own address on a repeated ADD, no address goes to two pods, and every DEL
+// releases, so that no allocation is left in either pool.
+func TestARuleChangedUnderLoadStrandsNobody(t *testing.T) {
+	f := newFixture(t, withoutAgent())
+	before, after := uniq("before"), uniq("after")
+	subnets := map[string]netip.Prefix{before: netip.MustParsePrefix("10.52.0.0/24"), after: netip.MustParsePrefix("10.52.1.0/24")}
+	for name, subnet := range subnets {
+		if _, err := admin.CreatePool(f.Ctx, f.Cli, allocator.PoolSpec{Name: name, Ranges: []allocator.RangeSet{{{Subnet: subnet}}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	network := f.Pool
+	rule := func(pool string) {
+		t.Helper()
+		if err := admin.SetNamespaceRule(f.Ctx, f.Cli, f.Cluster, network, "ns-l", keyspace.NamespaceRule{Pools: []string{pool}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rule(before)
+	nodes := []*agentProc{f.startAgent("--node", uniq("l1-")), f.startAgent("--node", uniq("l2-"))}
+	type pod struct {
+		node            int
+		container, args string
+		ip              netip.Addr
+	}
+	var (
+		mu      sync.Mutex
+		made    []pod
+		errs    []error
+		changed bool
+		sawNew  = map[int]bool{} // nodes that gave an address of the new pool after the change
+	)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := range 4 { // two workers per node
+		node := w % 2
+		conf := v4conf(network, nodes[node].Socket, "10.52.9.0/24")
+		wg.Go(func() {
+			for i := 0; i < 100; i++ { // bounded: 400 pods at most, far below the pools' room
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				p := pod{node: node, container: uniq("ctr-"),
+					args: fmt.Sprintf("K8S_POD_UID=%s;K8S_POD_NAMESPACE=ns-l;K8S_POD_NAME=p%d-%d", uniq("uid-"), w, i)}
+				res, err := f.add(conf, p.container, "eth0", p.args)
+				mu.Lock()
+				if err != nil {
+					errs = append(errs, fmt.Errorf("ADD %s on node %d: %w", p.container, node, err))
+					mu.Unlock()
+					return
+				}
+				p.ip = netip.MustParseAddr(res.IPs[0].Address.IP.String())
+				made = append(made, p)
+				switch {
+				case subnets[after].Contains(p.ip) && !changed:
+					errs = append(errs, fmt.Errorf("pod %s got %s of %s before the rule named it", p.container, p.ip, after))
+				case subnets[after].Contains(p.ip):
+					sawNew[node] = true
+				case sawNew[node]:
+					errs = append(errs, fmt.Errorf("node %d gave %s of %s after it had given addresses of %s", node, p.ip, before, after))
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	count := func() int { mu.Lock(); defer mu.Unlock(); return len(made) }
+	eventually(t, "ADDs under way", func() error { return saw(count() >= 10, "%d pods", count()) })
+	mu.Lock()
+	early := made[0]
+	changed = true // set before the write: an ADD of the new pool may answer right after it
+	mu.Unlock()
+	rule(after)
+	eventually(t, "both nodes give addresses of the new pool", func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		return saw(sawNew[0] && sawNew[1] || len(errs) > 0, "nodes that did: %v; errors %v", sawNew, errs)
+	})
+	close(stop)
+	wg.Wait()
+	for _, err := range errs {
+		t.Error(err)
+	}
+	conf := func(p pod) []byte { return v4conf(network, nodes[p.node].Socket, "10.52.9.0/24") }
+	if ip := f.ipv4(conf(early), early.container, early.args); ip != early.ip {
+		t.Errorf("a pod from before the change got %s on a repeated ADD, want its own %s", ip, early.ip)
+	}
+	seen := map[netip.Addr]string{}
+	for _, p := range made {
+		if other, dup := seen[p.ip]; dup {
+			t.Errorf("%s went to %s and to %s", p.ip, other, p.container)
+		}
+		seen[p.ip] = p.container
+	}
+	for _, p := range made {
+		if err := f.del(conf(p), p.container, "eth0", p.args); err != nil {
+			t.Errorf("DEL %s: %v", p.container, err)
+		}
+	}
+	for name := range subnets {
+		if list, err := admin.ListAllocations(f.Ctx, f.Cli, name); err != nil || len(list) != 0 {
+			t.Errorf("pool %s after every DEL: %d allocations, %v", name, len(list), err)
+		}
+	}
+	t.Logf("%d pods ADDed while the rule changed, every one released", len(made))
 }
