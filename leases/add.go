@@ -15,6 +15,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/txn"
@@ -585,7 +586,7 @@ func (a *Agent) existing(ctx context.Context, p *poolview.Pool, st *addState, kv
 			return allocator.Result{}, false, err
 		}
 	}
-	a.loops.ClaimedOn(ctx, st.req, st.own, lease, attachmentOf(rec, st.req.IfName, p.Spec.Name, st.req.ContainerID, rev))
+	a.loops.ClaimedOn(ctx, st.req, st.own, lease, podbook.AttachmentOf(rec, st.req.IfName, p.Spec.Name, st.req.ContainerID, rev))
 	res, err := result(&p.Spec, rec.IPs)
 	return res, true, err
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -129,7 +130,7 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 		HeldLease: heldLease, Held: held,
 		OwnerKey:    keyspace.OwnerKey(r.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		Alloc:       r.allocation(req, ps.Owner, lease, at.Created),
-		Index:       ownerIndexOf(at, r.cfg.Node, r.cfg.NodeUID, lease),
+		Index:       podbook.OwnerIndexOf(at, r.cfg.Node, r.cfg.NodeUID, lease),
 		ConflictKey: keyspace.ConflictKey(r.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		WantCluster: r.cfg.Cluster, WantOwner: ps.Owner}
 	taken, holds, unheld, err := r.heldByOthers(ctx, c)

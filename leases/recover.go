@@ -165,7 +165,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 		if err != nil || rec.NodeUID != a.cfg.NodeUID {
 			continue
 		}
-		out = append(out, attachmentOf(rec, ifName, pool, rec.ContainerID, kv.ModRevision))
+		out = append(out, podbook.AttachmentOf(rec, ifName, pool, rec.ContainerID, kv.ModRevision))
 	}
 	return out, nil
 }
