@@ -27,7 +27,8 @@ func goList(t *testing.T, deps bool, pkg string) []string {
 // gRPC, netlink, CNI library, net, encoding/json, fmt or reflect: in a process that lives for
 // one call each of them costs startup time), allocator is standard library only, only
 // leases/kernel talks netlink, leaseholdctl links neither the agent, netlink nor the
-// Prometheus client, and no part of the agent under leases/ depends on package leases.
+// Prometheus client, no part of the agent under leases/ depends on package leases, and none
+// depends on the parts only the orchestrator calls (the recovery).
 func TestDependencyRule(t *testing.T) {
 	const mod = "github.com/leasehold/leasehold/"
 	for _, dep := range goList(t, true, "./cmd/leasehold") {
@@ -60,6 +61,9 @@ func TestDependencyRule(t *testing.T) {
 	if err != nil {
 		t.Fatalf("go list ../leases/...: %v", err)
 	}
+	// The recovery (leases/reclaim) sits right under it, above the parts it is handed (the
+	// claim loop, the pod book, the views, ...): only the orchestrator calls it.
+	top := map[string]bool{mod + "leases/reclaim": true}
 	parts := 0
 	for _, pkg := range strings.Fields(string(out)) {
 		if pkg == mod+"leases" {
@@ -69,6 +73,9 @@ func TestDependencyRule(t *testing.T) {
 		for _, dep := range goList(t, true, pkg) {
 			if dep == mod+"leases" {
 				t.Errorf("%s depends on package leases; the agent's parts sit below the orchestrator", pkg)
+			}
+			if top[dep] && dep != pkg {
+				t.Errorf("%s depends on %s, which only the orchestrator calls", pkg, dep)
 			}
 		}
 	}

@@ -438,7 +438,7 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 		if err := a.audit.KeysLost(ctx, p, []string{keyspace.PodKey(a.cfg.Cluster, a.cfg.Node, st.owner) + ": missing or on another lease"}, nil); err != nil {
 			return allocator.Result{}, false, err
 		}
-		a.recovery.wake()
+		a.recovery.Wake()
 		return allocator.Result{}, false, fmt.Errorf("%w: the pod record of %s was gone from etcd; its addresses are being "+
 			"re-claimed: retry", allocator.ErrUnavailable, st.owner)
 	}
@@ -480,7 +480,7 @@ func (a *Agent) learn(ctx context.Context, p *poolview.Pool, st *addState, reque
 			// snapshot took it for free: the search passes it over from now on.
 			p.View.MarkHeld(f.Addr, clientv3.LeaseID(f.Held.Lease))
 			if a.blockLeases.mine(clientv3.LeaseID(f.Held.Lease)) {
-				a.recovery.wake() // this node's own held key no pod of it lists: settleHeld frees it
+				a.recovery.Wake() // this node's own held key no pod of it lists: settleHeld frees it
 			}
 		}
 		if f.Wanted != nil && f.Holder == nil {
@@ -555,7 +555,7 @@ func (a *Agent) repeated(ctx context.Context, p *poolview.Pool, st *addState, le
 	if err := a.audit.KeysLost(ctx, auditPod{Owner: st.owner, Lease: lease}, []string{key + ": missing"}, nil); err != nil {
 		return allocator.Result{}, false, err
 	}
-	a.recovery.wake()
+	a.recovery.Wake()
 	return allocator.Result{}, false, fmt.Errorf("%w: the owner index %s was gone from etcd; the pod's addresses are being "+
 		"re-claimed: retry", allocator.ErrUnavailable, key)
 }

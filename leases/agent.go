@@ -25,6 +25,7 @@ import (
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/reclaim"
 	"github.com/leasehold/leasehold/leases/release"
 	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/restorenotice"
@@ -56,9 +57,9 @@ type Agent struct {
 	jw     *podbook.Writer
 	unlock func() // releases the state directory's lock
 	wg     sync.WaitGroup
-	// recovery re-claims what was lost and releases gone sandboxes (reclaimer.go); notices
+	// recovery re-claims what was lost and releases gone sandboxes (leases/reclaim); notices
 	// acts on etcd going back in time (leases/restorenotice).
-	recovery *reclaimer
+	recovery *reclaim.Reclaimer
 	notices  *restorenotice.Notices
 
 	pods        *podbook.Book
@@ -136,7 +137,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.keeper = k
 	a.loops = claimloop.New(claimloop.Config{Keeper: k, Pods: a.pods, Log: a.log, OpTimeout: cfg.OpTimeout,
-		HeldLeaseGone: a.heldLeaseGone, Lost: func() { a.recovery.wake() }})
+		HeldLeaseGone: a.heldLeaseGone, Lost: func() { a.recovery.Wake() }})
 	a.audit = a.newAuditor()
 	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
 		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
@@ -169,7 +170,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
 			a.log.Warn("new block lease; the node record will be written again, naming it", "lease", keyspace.LeaseHex(id))
 			a.keeper.Forget(node)
-			a.recovery.wake()
+			a.recovery.Wake()
 		}
 	}
 	own := &poolview.Owner{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID,
@@ -228,7 +229,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	restoredRev := a.notices.ReadRestored(ctx)
 	a.resumeBlocks(ctx)
 	a.sticky.resumeClaims(ctx)
-	a.recovery.start()
+	a.recovery.Start()
 	a.wg.Go(func() { a.audit.GoneLoop(actx) })
 	a.notices.Start(restoredRev)
 	if cfg.PublishHostAddrs {
@@ -273,7 +274,7 @@ func (a *Agent) Close() {
 	a.closeOnce.Do(func() {
 		a.cancel()
 		a.wg.Wait()
-		a.recovery.wait()
+		a.recovery.Wait()
 		a.notices.Wait()
 		a.cwatch.wait()
 		if a.pods.Count() == 0 && a.Err() == nil {
@@ -392,7 +393,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		// A sticky claim's: the audit puts the claim back, on the lease if etcd still has it.
 		a.log.Error("the claim lease of a running pod's sticky claim stopped being renewed; checking the claim",
 			"lease", keyspace.LeaseHex(id))
-		a.recovery.checkNow()
+		a.recovery.CheckNow()
 		return
 	}
 	node := a.nodeLease() == id
@@ -405,7 +406,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		a.log.Error("node lease lost; the node record will be written again", "lease", keyspace.LeaseHex(id))
 	}
 	if node || n > 0 {
-		a.recovery.wake()
+		a.recovery.Wake()
 	}
 }
 

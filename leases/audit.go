@@ -20,11 +20,11 @@ func (a *Agent) newAuditor() *audit.Auditor {
 		AuditClaims: func(ctx context.Context, layouts map[string]allocator.Blocks) error {
 			return a.sticky.auditClaims(ctx, layouts)
 		},
-		Wake: func() { a.recovery.wake() },
+		Wake: func() { a.recovery.Wake() },
 		WentBack: func(why string, heldBefore map[podbook.ConflictRef]bool) {
 			a.notices.EtcdWentBack(why)
 			a.cwatch.heldAlso(heldBefore)
 		},
-		CheckNow: func() { a.recovery.checkNow() },
+		CheckNow: func() { a.recovery.CheckNow() },
 		Audits:   a.metrics.audits, PodKeysLost: a.metrics.podKeysLost})
 }

@@ -118,12 +118,9 @@ const (
 	// to learn that the node is cut off.
 	reachAfter = 2 * time.Second
 	// retryFirst and retryMax bound the backoff of the agent's background retries (view
-	// lists, spare grants); reclaimRetryFirst and reclaimRetryMax the re-claim's, which
-	// waits for etcd to come back.
-	retryFirst        = 100 * time.Millisecond
-	retryMax          = 5 * time.Second
-	reclaimRetryFirst = 200 * time.Millisecond
-	reclaimRetryMax   = 10 * time.Second
+	// lists, spare grants); the re-claim's are leases/reclaim's.
+	retryFirst = 100 * time.Millisecond
+	retryMax   = 5 * time.Second
 )
 
 // validate checks c and fills in its defaults. It does no I/O: Start creates the state

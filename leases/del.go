@@ -45,9 +45,9 @@ func (a *Agent) newReleaser() *release.Releaser {
 		Ctx: a.ctx, Go: a.wg.Go,
 		Validate: a.validate, AttachmentOwner: a.attachmentOwner, AttachedPool: a.attachedPool, Reachable: a.reachable,
 		Stopped: a.Err, ConflictDeleted: a.imports.conflictDeleted, StopWatch: a.cwatch.stop,
-		Wake: func() { a.recovery.wake() },
+		Wake: func() { a.recovery.Wake() },
 		OthersSince: func(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) ([]keyspace.TakenByOther, bool) {
-			return a.recovery.othersSince(ctx, owner, key, ip, from, to, before)
+			return a.recovery.OthersSince(ctx, owner, key, ip, from, to, before)
 		},
 		ReleaseSticky: a.sticky.releaseSticky, StickyReleased: a.sticky.released, ClaimReleaseTTL: a.sticky.claimReleaseTTL,
 		Result: result}

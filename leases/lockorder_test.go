@@ -24,11 +24,12 @@ func TestOwnerLockOrder(t *testing.T) {
 	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
 	// that method; a call of a part's func field that the agent sets by name is followed into
 	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake).
-	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "reclaimer", "notices": "Notices",
+	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "Reclaimer", "notices": "Notices",
 		"cwatch": "conflictWatch", "imports": "importer", "audit": "Auditor", "release": "Releaser"}
 	// partPkgs are the parts cut out as packages under leases/: their directory and package
 	// name, and their type.
-	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser"}
+	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser",
+		"reclaim": "Reclaimer"}
 	dirs := []string{"."}
 	for dir := range partPkgs {
 		dirs = append(dirs, dir)

@@ -2,9 +2,7 @@ package leases
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"time"
@@ -15,6 +13,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/reclaim"
 	"github.com/leasehold/leasehold/leases/restorenotice"
 )
 
@@ -102,7 +101,7 @@ func (a *Agent) recover(ctx context.Context) error {
 			ps.Netns = rec.Netns
 		}
 		a.pods.Restore(ps, lease, true, ok)
-		if sandboxGone(ps.Netns) {
+		if reclaim.SandboxGone(ps.Netns) {
 			a.log.Info("sandbox gone while the agent was away; releasing", "owner", ps.Owner, "netns", ps.Netns)
 			own := a.locks.Lock(ps.Owner)
 			err := a.release.ReleaseOwner(ctx, own)
@@ -131,7 +130,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	}
 	var lost int
 	for _, ps := range fromJournal {
-		if ps.NodeUID != a.cfg.NodeUID || sandboxGone(ps.Netns) {
+		if ps.NodeUID != a.cfg.NodeUID || reclaim.SandboxGone(ps.Netns) {
 			// A previous boot's pod, or one whose sandbox is gone: nothing to keep.
 			a.jw.Remove(ps.Owner)
 			continue
@@ -141,7 +140,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	}
 	// The pod records were read, their other keys not yet; then re-claims, the releases
 	// recorded while etcd was away, and the held keys no pod holds any more.
-	a.recovery.checkNow()
+	a.recovery.CheckNow()
 	a.log.Info("recovered this node's pods", "resumed", resumed, "released", released, "to_reclaim", lost,
 		"other_identities_left_to_expire", foreign)
 	return nil
@@ -170,41 +169,30 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 	return out, nil
 }
 
-// sandboxGone reports whether the sandbox behind netns certainly no longer exists: its
-// network namespace path is gone. Any other answer (no path, a read error) counts as alive,
-// so a failed look never releases a running pod's addresses.
-func sandboxGone(netns string) bool {
-	if netns == "" {
-		return false
-	}
-	_, err := os.Stat(netns)
-	return errors.Is(err, fs.ErrNotExist)
-}
-
-// newRecovery makes the recovery (reclaimer) and the restore notices (leases/restorenotice), handing
-// in what they use of the agent. The parts they call into are made before: the views, the
-// keeper, the pod book, the sticky claims, the block leases, the release.
-func (a *Agent) newRecovery() (*reclaimer, *restorenotice.Notices) {
+// newRecovery makes the recovery (leases/reclaim) and the restore notices
+// (leases/restorenotice), handing in what they use of the agent. The parts they call into are
+// made before: the views, the keeper, the pod book, the sticky claims, the block leases, the
+// release.
+func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 	cfg := a.cfg
-	r := &reclaimer{cfg: reclaimConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
+	r := reclaim.New(a.ctx, reclaim.Config{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
 		ReuseDelay: cfg.ReuseDelay, AuditInterval: cfg.AuditInterval, LivenessInterval: cfg.LivenessInterval,
-		LivenessGrace: cfg.LivenessGrace, WallClock: cfg.WallClock},
-		ctx: a.ctx, cli: a.cli, gate: a.gate, keeper: a.keeper, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools,
-		hold: a.hold, blocks: a.blockLeases,
-		auditIfDue: a.audit.IfDue, auditDue: a.audit.MarkDue,
-		watchConflicts: a.cwatch.watch, noteRestoredHolds: a.cwatch.noteRestoredHolds, repaired: a.cwatch.repaired,
-		dropCopies: a.audit.DropCopies, register: a.register, nodeLease: a.nodeLease,
-		releaseOwner: a.release.ReleaseOwner, releaseAttachment: a.release.ReleaseAttachment,
-		dropPodIfEmpty: a.release.DropPodIfEmpty, reportTakenAtDel: a.release.ReportTakenAtDel,
-		heldFor: a.heldFor, allocation: a.allocation,
-		loops:        a.loops,
-		keepClaimsOf: a.sticky.keepClaimsOf, fail: a.fail, conflictsFound: a.conflicts.Add, reclaims: a.metrics.reclaims,
-		lost: make(chan struct{}, 1)}
+		LivenessGrace: cfg.LivenessGrace, WallClock: cfg.WallClock,
+		Client: a.cli, Gate: a.gate, Keeper: a.keeper, Log: a.log, Pods: a.pods, Locks: &a.locks, Pools: a.pools,
+		Hold: a.hold, BlockLeases: a.blockLeases.all, MineBlockLease: a.blockLeases.mine,
+		AuditIfDue: a.audit.IfDue, AuditDue: a.audit.MarkDue,
+		WatchConflicts: a.cwatch.watch, NoteRestoredHolds: a.cwatch.noteRestoredHolds, Repaired: a.cwatch.repaired,
+		DropCopies: a.audit.DropCopies, Register: a.register, NodeLease: a.nodeLease,
+		ReleaseOwner: a.release.ReleaseOwner, ReleaseAttachment: a.release.ReleaseAttachment,
+		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
+		HeldFor: a.heldFor, Allocation: a.allocation,
+		Loops:        a.loops,
+		KeepClaimsOf: a.sticky.keepClaimsOf, Fail: a.fail, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,
 		NoteBackHeld: a.cwatch.wentBack,
-		NodeLease:    a.nodeLease, CheckNow: r.checkNow, Wake: r.wake, Suspect: a.audit.Suspect,
+		NodeLease:    a.nodeLease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
 		WentBackCount: a.metrics.wentBack})
 	return r, n
 }

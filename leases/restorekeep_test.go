@@ -311,7 +311,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 		return n != node && n != 0 && a.keeper.Holds(n)
 	})
 	ghosts = put(a.nodeLease(), "ghost2", own.Next().Next().Next())
-	if err := a.recovery.sweepLeases(ctx); err != nil {
+	if err := a.recovery.SweepLeases(ctx); err != nil {
 		t.Fatal(err)
 	}
 	for _, k := range ghosts {

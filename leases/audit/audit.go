@@ -29,7 +29,7 @@ import (
 // record, the block claims its views hold, and for each running pod its pod record, owner
 // indexes and allocations. A key missing, on another lease or with a value this agent did not
 // write is a lost key: the pod's lease is revoked and the pod re-claimed, exactly as after a
-// lost lease (leases/reclaim.go), a conflict recorded for an address another owner holds meanwhile.
+// lost lease (leases/reclaim), a conflict recorded for an address another owner holds meanwhile.
 //
 // The audit costs one compare per key: the ModRevision each key had when the agent last read
 // it. Any write to the key changes it, and so does a delete (to 0), a put without the lease,

@@ -1,4 +1,4 @@
-package leases
+package reclaim
 
 import (
 	"context"
@@ -22,16 +22,16 @@ import (
 // with create-if-absent on a fresh lease, attachment by attachment. An address another owner
 // took meanwhile is a conflict: logged at error level, counted, recorded under
 // /leasehold/v1/conflicts/, and reported by CHECK. It is never taken back.
-func (r *reclaimer) reclaim(ctx context.Context, owner string) error {
-	own := r.locks.Lock(owner)
+func (r *Reclaimer) reclaim(ctx context.Context, owner string) error {
+	own := r.cfg.Locks.Lock(owner)
 	defer own.Unlock()
-	snap, ok := r.pods.LostPod(owner)
+	snap, ok := r.cfg.Pods.LostPod(owner)
 	if !ok {
 		return nil
 	}
-	if sandboxGone(snap.Netns) {
-		r.log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
-		r.pods.Change(own).Drop()
+	if SandboxGone(snap.Netns) {
+		r.cfg.Log.Info("sandbox of a lost pod is gone; nothing to re-claim", "owner", owner)
+		r.cfg.Pods.Change(own).Drop()
 		return nil
 	}
 	octx, cancel := r.opCtx(ctx)
@@ -39,31 +39,31 @@ func (r *reclaimer) reclaim(ctx context.Context, owner string) error {
 	// The client gives up on a lease after one TTL without an answer; etcd may not have
 	// expired it yet. Then the old lease is simply resumed.
 	if id := snap.Lease(); id != 0 {
-		ttl, err := r.cli.TimeToLive(octx, id)
+		ttl, err := r.cfg.Client.TimeToLive(octx, id)
 		if err != nil {
 			return r.unavailable("look up the lost lease", err)
 		}
 		if ttl.TTL > 0 {
-			if err := r.keeper.Resume(id); err != nil {
+			if err := r.cfg.Keeper.Resume(id); err != nil {
 				return err
 			}
-			r.pods.Change(own).Resumed(id)
-			r.log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(id))
+			r.cfg.Pods.Change(own).Resumed(id)
+			r.cfg.Log.Warn("lost pod lease was still alive in etcd; resumed", "owner", owner, "lease", keyspace.LeaseHex(id))
 			return nil
 		}
 	}
-	if !slices.ContainsFunc(snap.Attachments, func(at attachment) bool { return !at.Released }) {
+	if !slices.ContainsFunc(snap.Attachments, func(at podbook.Attachment) bool { return !at.Released }) {
 		// Every attachment's DEL was answered meanwhile: nothing to re-claim, and nothing in
 		// etcd to release (the lease is gone). Its held keys are freed by settleHeld.
-		r.log.Info("every attachment of a lost pod was deleted meanwhile; nothing to re-claim", "owner", owner)
+		r.cfg.Log.Info("every attachment of a lost pod was deleted meanwhile; nothing to re-claim", "owner", owner)
 		for _, at := range snap.Attachments {
-			r.reportTakenAtDel(octx, owner, at) // another pod may have had its addresses meanwhile
+			r.cfg.ReportTakenAtDel(octx, owner, at) // another pod may have had its addresses meanwhile
 		}
-		r.pods.Change(own).Drop()
+		r.cfg.Pods.Change(own).Drop()
 		return nil
 	}
-	defer r.keeper.Refill()
-	lease, err := r.keeper.Take(octx)
+	defer r.cfg.Keeper.Refill()
+	lease, err := r.cfg.Keeper.Take(octx)
 	if err != nil {
 		return r.unavailable("grant a lease for re-claim", err)
 	}
@@ -76,14 +76,14 @@ func (r *reclaimer) reclaim(ctx context.Context, owner string) error {
 		rev, taken, err := r.reclaimAttachment(octx, own, snap, at, lease)
 		if err != nil {
 			if !wrote && !errors.Is(err, allocator.ErrUnavailable) {
-				r.keeper.Return(lease) // etcd answered and nothing is on it
+				r.cfg.Keeper.Return(lease) // etcd answered and nothing is on it
 			} else {
 				// An earlier attachment is on it, or this one may be (a claim whose answer was
 				// lost can still apply): the lease must go, keys and all, and never become
 				// another pod's spare. The next attempt re-claims on a new lease, once the
 				// keys of this one are gone (reclaimAttachment).
-				if rerr := r.keeper.Revoke(lease); rerr != nil {
-					r.log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
+				if rerr := r.cfg.Keeper.Revoke(lease); rerr != nil {
+					r.cfg.Log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
 						"owner", owner, "lease", keyspace.LeaseHex(lease), "err", rerr)
 				}
 			}
@@ -96,40 +96,40 @@ func (r *reclaimer) reclaim(ctx context.Context, owner string) error {
 	if len(snap.Attachments) > 0 {
 		pr.ContainerID = snap.Attachments[0].ContainerID
 	}
-	if _, err := r.cli.Put(octx, keyspace.PodKey(r.cfg.Cluster, r.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
+	if _, err := r.cfg.Client.Put(octx, keyspace.PodKey(r.cfg.Cluster, r.cfg.Node, owner), keyspace.Encode(pr), clientv3.WithLease(lease)); err != nil {
 		// The attachments are on the lease, which no pod of the agent names: held, it would
 		// be renewed for good with them (and with whatever a restore put back on a spare).
 		// The next attempt re-claims on a new lease once these keys are gone.
-		if rerr := r.keeper.Revoke(lease); rerr != nil {
-			r.log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
+		if rerr := r.cfg.Keeper.Revoke(lease); rerr != nil {
+			r.cfg.Log.Warn("revoking the lease of an incomplete re-claim failed; it expires within its TTL",
 				"owner", owner, "lease", keyspace.LeaseHex(lease), "err", rerr)
 		}
 		return r.unavailable("write the pod record", err)
 	}
-	r.loops.ClaimedOn(ctx, req, own, lease, snap.Attachments...)
-	r.reclaims.Inc()
-	r.log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
-	return r.keepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
+	r.cfg.Loops.ClaimedOn(ctx, req, own, lease, snap.Attachments...)
+	r.cfg.Reclaims.Inc()
+	r.cfg.Log.Warn("pod re-claimed after its lease was lost", "owner", owner, "lease", keyspace.LeaseHex(lease), "attachments", len(snap.Attachments))
+	return r.cfg.KeepClaimsOf(ctx, own) // on the claim lease, which a restore may have taken too
 }
 
 // reclaimAttachment writes one attachment's keys on lease and returns the owner index's
 // ModRevision, so that its DEL needs no read first, and the addresses another owner took
 // meanwhile: they are left to that owner, recorded in the attachment's conflict record, and
-// taken back when that owner lets them go (conflicts.go).
-func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podState, at attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
+// taken back when that owner lets them go (Config.WatchConflicts).
+func (r *Reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	p, err := r.pools.Ensure(ctx, allocator.PoolSpec{Name: at.Pool})
+	p, err := r.cfg.Pools.Ensure(ctx, allocator.PoolSpec{Name: at.Pool})
 	if err != nil {
 		return 0, nil, err
 	}
-	heldLease, held, err := r.heldFor(ctx, ps.Owner)
+	heldLease, held, err := r.cfg.HeldFor(ctx, ps.Owner)
 	if err != nil {
 		return 0, nil, err
 	}
 	c := &txn.Claim{Lease: lease, Pool: at.Pool, Blocks: p.Spec.Blocks, AlsoFlat: p.Migrating != nil, Addrs: slices.Clone(at.IPs),
 		HeldLease: heldLease, Held: held,
 		OwnerKey:    keyspace.OwnerKey(r.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
-		Alloc:       r.allocation(req, ps.Owner, lease, at.Created),
+		Alloc:       r.cfg.Allocation(req, ps.Owner, lease, at.Created),
 		Index:       podbook.OwnerIndexOf(at, r.cfg.Node, r.cfg.NodeUID, lease),
 		ConflictKey: keyspace.ConflictKey(r.cfg.Cluster, ps.Owner, at.IfName, at.Pool),
 		WantCluster: r.cfg.Cluster, WantOwner: ps.Owner}
@@ -137,22 +137,22 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 	if err != nil {
 		return 0, nil, err
 	}
-	r.noteRestoredHolds(ps.Owner, at, holds)
+	r.cfg.NoteRestoredHolds(ps.Owner, at, holds)
 	// The re-claim's lease is the owner's new one, never a spare; any refusal and a lost
 	// answer are its answer: reclaimAll tries again.
-	claims := r.loops.For(own, req, claimloop.Policy{What: "re-claim " + c.OwnerKey,
+	claims := r.cfg.Loops.For(own, req, claimloop.Policy{What: "re-claim " + c.OwnerKey,
 		Refused: func(err error) error { return r.unavailable("re-claim "+c.OwnerKey, err) }})
 	for range 5 {
 		if len(taken) > 0 {
 			c.Conflict = &keyspace.ConflictRecord{ContainerID: at.ContainerID, Node: r.cfg.Node, NodeUID: r.cfg.NodeUID,
 				Taken: taken, Detected: r.wall()}
 		}
-		out, again, err := claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(ctx, r.cli) })
+		out, again, err := claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) { return c.Commit(ctx, r.cfg.Client) })
 		if err != nil {
 			return 0, nil, err
 		}
 		if again {
-			if c.HeldLease, _, err = r.heldFor(ctx, ps.Owner); err != nil {
+			if c.HeldLease, _, err = r.cfg.HeldFor(ctx, ps.Owner); err != nil {
 				return 0, nil, err
 			}
 			continue
@@ -163,8 +163,8 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 			// old ones (a crash right after a resolution leaves them in the journal).
 			lost := []netip.Addr{}
 			if len(taken) > 0 {
-				r.conflictsFound(int64(len(taken)))
-				r.log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
+				r.cfg.ConflictsFound(int64(len(taken)))
+				r.cfg.Log.Error("CONFLICT: addresses of a running pod were taken by another owner while its lease was lost",
 					"owner", ps.Owner, "ifname", at.IfName, "pool", at.Pool, "taken", taken, "record", c.ConflictKey)
 				for _, t := range taken {
 					lost = append(lost, t.IP)
@@ -205,7 +205,7 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 			taken = append(taken, keyspace.TakenByOther{IP: f.Addr, Holder: holder.Owner, Cluster: holder.Cluster,
 				Node: holder.Node, ContainerID: holder.ContainerID})
 		}
-		if err := r.dropCopies(ctx, copies); err != nil {
+		if err := r.cfg.DropCopies(ctx, copies); err != nil {
 			return 0, nil, err
 		}
 		c.Addrs = still
@@ -215,13 +215,13 @@ func (r *reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 
 // releasePending releases owner's attachments whose DEL was answered while etcd could not be
 // reached (deferRelease), and gives the pod's lease up with the last.
-func (r *reclaimer) releasePending(ctx context.Context, owner string) error {
-	own := r.locks.Lock(owner)
+func (r *Reclaimer) releasePending(ctx context.Context, owner string) error {
+	own := r.cfg.Locks.Lock(owner)
 	defer own.Unlock()
 	var errs []error
-	for _, at := range r.pods.ReleasedAttachments(owner) {
+	for _, at := range r.cfg.Pods.ReleasedAttachments(owner) {
 		req := allocator.Request{Pool: allocator.PoolSpec{Name: at.Pool}, Network: at.Network, IfName: at.IfName, ContainerID: at.ContainerID}
-		left, err := r.releaseAttachment(ctx, req, own)
+		left, err := r.cfg.ReleaseAttachment(ctx, req, own)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -229,12 +229,12 @@ func (r *reclaimer) releasePending(ctx context.Context, owner string) error {
 		// Released, or nothing of it was left in etcd: either way it is done. Nothing left (and
 		// not taken by forgetLost, which reports as below): its keys expired while etcd was
 		// away, and another pod may have had its addresses meanwhile.
-		if r.pods.Change(own).ForgetAttachment(at.IfName, at.Pool, at.ContainerID) && left < 0 {
-			r.reportTakenAtDel(ctx, owner, at)
+		if r.cfg.Pods.Change(own).ForgetAttachment(at.IfName, at.Pool, at.ContainerID) && left < 0 {
+			r.cfg.ReportTakenAtDel(ctx, owner, at)
 		}
-		r.log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
+		r.cfg.Log.Info("release recorded while etcd was away done", "owner", owner, "container", at.ContainerID,
 			"ifname", at.IfName, "pool", at.Pool)
-		if err := r.dropPodIfEmpty(ctx, own, left); err != nil {
+		if err := r.cfg.DropPodIfEmpty(ctx, own, left); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -1,4 +1,4 @@
-package leases
+package reclaim
 
 import (
 	"context"
@@ -12,9 +12,10 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
-// sweepLeases deletes, from the leases the agent renews for its node and its pods, the pod
+// SweepLeases deletes, from the leases the agent renews for its node and its pods, the pod
 // records, owner indexes, allocations and conflict records of any other owner, and those of
 // an attachment of the lease's own pod that the agent no longer lists. Keeper.Recycle makes
 // a deleted pod's lease a spare once etcd says no key is left on it; etcd restored from a
@@ -26,17 +27,17 @@ import (
 // a conflict of an attachment that no longer exists. It runs once for each time the agent
 // finds etcd gone back, after the repair (reclaimAll), and costs one lease listing per pod
 // then; each pod's lease is swept under the pod's lock, so that an ADD of a new attachment is
-// not taken for a stale one.
-func (r *reclaimer) sweepLeases(ctx context.Context) error {
-	owners := r.pods.LeaseOwners()
-	if node := r.nodeLease(); node != 0 && r.keeper.Holds(node) {
+// not taken for a stale one. The recovery loop runs it; the agent's tests call it too.
+func (r *Reclaimer) SweepLeases(ctx context.Context) error {
+	owners := r.cfg.Pods.LeaseOwners()
+	if node := r.cfg.NodeLease(); node != 0 && r.cfg.Keeper.Holds(node) {
 		owners[node] = "" // no pod's key belongs on the node's lease
 	}
 	var swept []string
 	for id, owner := range owners {
 		var own *ownerlock.Owned
 		if owner != "" {
-			own = r.locks.Lock(owner)
+			own = r.cfg.Locks.Lock(owner)
 		}
 		keys, err := r.sweepLease(ctx, id, own)
 		if own != nil {
@@ -48,7 +49,7 @@ func (r *reclaimer) sweepLeases(ctx context.Context) error {
 		}
 	}
 	if len(swept) > 0 {
-		r.log.Warn("keys of pods deleted before were back on leases this agent renews (etcd restored from a backup older "+
+		r.cfg.Log.Warn("keys of pods deleted before were back on leases this agent renews (etcd restored from a backup older "+
 			"than their DEL); deleted", "keys", swept)
 	}
 	return nil
@@ -56,18 +57,18 @@ func (r *reclaimer) sweepLeases(ctx context.Context) error {
 
 // sweepLease deletes the keys on lease id that are not own's (nil: the node's lease, which
 // carries none of a pod) and returns them.
-func (r *reclaimer) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ownerlock.Owned) (swept []string, _ error) {
+func (r *Reclaimer) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ownerlock.Owned) (swept []string, _ error) {
 	octx, cancel := r.opCtx(ctx)
-	ttl, err := r.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
+	ttl, err := r.cfg.Client.TimeToLive(octx, id, clientv3.WithAttachedKeys())
 	cancel()
 	if err != nil {
 		return nil, r.unavailable("list the keys on lease "+keyspace.LeaseHex(id), err)
 	}
 	owner := ""
-	var ps podState
+	var ps podbook.PodState
 	if own != nil {
 		owner = own.Owner()
-		ps, _ = r.pods.Snapshot(owner)
+		ps, _ = r.cfg.Pods.Snapshot(owner)
 	}
 	for _, k := range ttl.Keys {
 		key := string(k)
@@ -79,7 +80,7 @@ func (r *reclaimer) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ow
 			continue
 		}
 		octx, cancel := r.opCtx(ctx)
-		_, err = r.cli.Txn(octx).If(keyspace.OnLease(key, id)).Then(clientv3.OpDelete(key)).Commit()
+		_, err = r.cfg.Client.Txn(octx).If(keyspace.OnLease(key, id)).Then(clientv3.OpDelete(key)).Commit()
 		cancel()
 		if err != nil {
 			return swept, r.unavailable("delete "+key, err)
@@ -93,9 +94,9 @@ func (r *reclaimer) sweepLease(ctx context.Context, id clientv3.LeaseID, own *ow
 // owner index, a conflict record or an allocation of another owner, or an owner index,
 // conflict record or allocation of an attachment of owner that ps, what the agent knows of
 // owner, does not list. Any other key is left alone.
-func (r *reclaimer) foreignKey(ctx context.Context, key, owner string, ps podState) (bool, error) {
+func (r *Reclaimer) foreignKey(ctx context.Context, key, owner string, ps podbook.PodState) (bool, error) {
 	listed := func(ifName, pool string) bool {
-		return slices.ContainsFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ifName && at.Pool == pool })
+		return slices.ContainsFunc(ps.Attachments, func(at podbook.Attachment) bool { return at.IfName == ifName && at.Pool == pool })
 	}
 	if o, ok := strings.CutPrefix(key, keyspace.PodsPrefix(r.cfg.Cluster, r.cfg.Node)); ok {
 		return o != owner, nil
@@ -111,7 +112,7 @@ func (r *reclaimer) foreignKey(ctx context.Context, key, owner string, ps podSta
 		return false, nil
 	}
 	octx, cancel := r.opCtx(ctx)
-	resp, err := r.cli.Get(octx, key)
+	resp, err := r.cfg.Client.Get(octx, key)
 	cancel()
 	if err != nil {
 		return false, r.unavailable("read "+key, err)
@@ -132,14 +133,14 @@ func (r *reclaimer) foreignKey(ctx context.Context, key, owner string, ps podSta
 // deleted only if no allocation stands at its address, so an ADD in flight keeps its own. So
 // go the wanted keys no conflict of its pods names any more (its DEL lost with a crash, or an
 // admin's release).
-func (r *reclaimer) settleHeld(ctx context.Context) error {
+func (r *Reclaimer) settleHeld(ctx context.Context) error {
 	if r.cfg.ReuseDelay <= 0 {
 		return nil
 	}
 	var errs []error
-	for _, id := range r.blocks.all() {
+	for _, id := range r.cfg.BlockLeases() {
 		octx, cancel := r.opCtx(ctx)
-		ttl, err := r.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
+		ttl, err := r.cfg.Client.TimeToLive(octx, id, clientv3.WithAttachedKeys())
 		cancel()
 		if err != nil {
 			errs = append(errs, r.unavailable("list the keys of block lease "+keyspace.LeaseHex(id), err))
@@ -147,7 +148,7 @@ func (r *reclaimer) settleHeld(ctx context.Context) error {
 		}
 		var ops []clientv3.Op
 		var freed []string
-		wants := r.pods.Wanted(r.cfg.Cluster)
+		wants := r.cfg.Pods.Wanted(r.cfg.Cluster)
 		for _, k := range ttl.Keys {
 			key := string(k)
 			if pool, _, ip, cluster, owner, err := keyspace.ParseWantedKey(key); err == nil {
@@ -159,7 +160,7 @@ func (r *reclaimer) settleHeld(ctx context.Context) error {
 				continue
 			}
 			pool, _, ip, err := keyspace.ParseHeldKey(key)
-			if err != nil || r.pods.OwnsAddr(pool, ip) {
+			if err != nil || r.cfg.Pods.OwnsAddr(pool, ip) {
 				continue
 			}
 			ops = append(ops, clientv3.OpTxn([]clientv3.Cmp{keyspace.OnLease(key, id), keyspace.Absent(keyspace.IPKeyOfHeld(key))},
@@ -169,13 +170,13 @@ func (r *reclaimer) settleHeld(ctx context.Context) error {
 		for len(ops) > 0 {
 			n := min(len(ops), keyspace.MaxTxnOps/2)
 			octx, cancel := r.opCtx(ctx)
-			_, err := r.cli.Txn(octx).Then(ops[:n]...).Commit()
+			_, err := r.cfg.Client.Txn(octx).Then(ops[:n]...).Commit()
 			cancel()
 			if err != nil {
 				errs = append(errs, r.unavailable("free held keys no pod holds", err))
 				break
 			}
-			r.log.Info("held keys of addresses no pod of this node holds any more freed", "keys", freed[:n])
+			r.cfg.Log.Info("held keys of addresses no pod of this node holds any more freed", "keys", freed[:n])
 			ops, freed = ops[n:], freed[n:]
 		}
 	}
@@ -187,9 +188,9 @@ func (r *reclaimer) settleHeld(ctx context.Context) error {
 // backup is gone with it, and another node that claimed the block would follow this node's
 // pods' keys (invariant 11) and take their addresses for free once their holds end. A block
 // another node claims (a borrowed address) stays that node's.
-func (r *reclaimer) reclaimBlocks(ctx context.Context) error {
-	for pool, addrs := range r.pods.AddrsByPool() {
-		v := r.pools.ViewOf(pool)
+func (r *Reclaimer) reclaimBlocks(ctx context.Context) error {
+	for pool, addrs := range r.cfg.Pods.AddrsByPool() {
+		v := r.cfg.Pools.ViewOf(pool)
 		if v == nil || v.Blocks().Flat() {
 			continue // the flat layout: no blocks
 		}
@@ -208,7 +209,7 @@ func (r *reclaimer) reclaimBlocks(ctx context.Context) error {
 				// Another node may have borrowed in it since the backup, its pod's key gone
 				// with the restore: no new ADD chooses in it for the keep time.
 				v.Claims().MarkRestored(b)
-				r.log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
+				r.cfg.Log.Warn("a block of this node's running pods had no claim after etcd went back in time; claimed again",
 					"pool", pool, "block", b)
 			}
 		}

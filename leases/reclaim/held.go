@@ -1,4 +1,4 @@
-package leases
+package reclaim
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -18,12 +19,12 @@ import (
 // It also returns the ModRevisions of those held keys, and the addresses with no held key at
 // all: their hold ran out (the node was away longer than the reuse delay), and another pod
 // may have had them meanwhile.
-func (r *reclaimer) heldByOthers(ctx context.Context, c *txn.Claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
+func (r *Reclaimer) heldByOthers(ctx context.Context, c *txn.Claim) (taken []keyspace.TakenByOther, holds map[netip.Addr]int64, unheld []netip.Addr, _ error) {
 	ops := make([]clientv3.Op, len(c.Addrs))
 	for i, ip := range c.Addrs {
 		ops[i] = clientv3.OpGet(keyspace.HeldKey(c.Pool, c.Blocks, ip))
 	}
-	resp, err := r.cli.Txn(ctx).Then(ops...).Commit()
+	resp, err := r.cfg.Client.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		return nil, nil, nil, r.unavailable("read the held keys of "+c.OwnerKey, err)
 	}
@@ -35,7 +36,7 @@ func (r *reclaimer) heldByOthers(ctx context.Context, c *txn.Claim) (taken []key
 			still, unheld = append(still, ip), append(unheld, ip)
 			continue
 		}
-		if r.blocks.mine(clientv3.LeaseID(kvs[0].Lease)) {
+		if r.cfg.MineBlockLease(clientv3.LeaseID(kvs[0].Lease)) {
 			still = append(still, ip)
 			continue
 		}
@@ -56,7 +57,7 @@ func (r *reclaimer) heldByOthers(ctx context.Context, c *txn.Claim) (taken []key
 // re-claim (at rev): another owner that held one meanwhile, and let it go before the
 // re-claim, ran with the same address as this pod. Nothing is to be done; it is logged as
 // the conflict it was.
-func (r *reclaimer) usedMeanwhile(ctx context.Context, owner string, at attachment, c *txn.Claim, unheld []netip.Addr, rev int64) {
+func (r *Reclaimer) usedMeanwhile(ctx context.Context, owner string, at podbook.Attachment, c *txn.Claim, unheld []netip.Addr, rev int64) {
 	var look []netip.Addr
 	for _, ip := range unheld {
 		if slices.Contains(c.Addrs, ip) {
@@ -64,7 +65,7 @@ func (r *reclaimer) usedMeanwhile(ctx context.Context, owner string, at attachme
 		}
 	}
 	if taken, had := r.holdersBetween(ctx, owner, at, c, look, nil, rev); had > 0 {
-		r.conflictsFound(int64(had))
+		r.cfg.ConflictsFound(int64(had))
 		r.logHeldMeanwhile(owner, at, c, taken)
 	}
 }
@@ -74,7 +75,7 @@ func (r *reclaimer) usedMeanwhile(ctx context.Context, owner string, at attachme
 // it go meanwhile ran with this pod's address too (a node away across a restore, its hold
 // gone). The record names only the holder now, which the address comes back from, and the
 // address is counted once, as that conflict.
-func (r *reclaimer) heldBefore(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther, rev int64) {
+func (r *Reclaimer) heldBefore(owner string, at podbook.Attachment, c *txn.Claim, taken []keyspace.TakenByOther, rev int64) {
 	if at.OwnerRev <= 0 || r.ctx.Err() != nil {
 		return
 	}
@@ -96,15 +97,15 @@ func (r *reclaimer) heldBefore(owner string, at attachment, c *txn.Claim, taken 
 // attachment's last write and rev: the owners other than owner that held it, less the one
 // holding it now (now, if named there). had counts the addresses with any such owner. A
 // history etcd no longer has is logged.
-func (r *reclaimer) holdersBetween(ctx context.Context, owner string, at attachment, c *txn.Claim, addrs []netip.Addr,
+func (r *Reclaimer) holdersBetween(ctx context.Context, owner string, at podbook.Attachment, c *txn.Claim, addrs []netip.Addr,
 	now map[netip.Addr]keyspace.TakenByOther, rev int64) (taken []keyspace.TakenByOther, had int) {
 	if at.OwnerRev <= 0 {
 		return nil, 0
 	}
 	for _, ip := range addrs {
-		others, known := r.othersSince(ctx, owner, keyspace.IPKey(c.Pool, c.Blocks, ip), ip, at.OwnerRev, rev, time.Time{})
+		others, known := r.OthersSince(ctx, owner, keyspace.IPKey(c.Pool, c.Blocks, ip), ip, at.OwnerRev, rev, time.Time{})
 		if !known {
-			r.log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
+			r.cfg.Log.Warn("the hold of an address ran out while this node was away, and etcd's history no longer tells "+
 				"whether another pod had it meanwhile", "owner", owner, "ip", ip, "pool", c.Pool)
 		}
 		n := len(taken)
@@ -122,26 +123,26 @@ func (r *reclaimer) holdersBetween(ctx context.Context, owner string, at attachm
 
 // logHeldMeanwhile logs owners that held this pod's addresses and let them go before the
 // re-claim.
-func (r *reclaimer) logHeldMeanwhile(owner string, at attachment, c *txn.Claim, taken []keyspace.TakenByOther) {
-	r.log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
+func (r *Reclaimer) logHeldMeanwhile(owner string, at podbook.Attachment, c *txn.Claim, taken []keyspace.TakenByOther) {
+	r.cfg.Log.Error("CONFLICT: addresses of a running pod were held by another owner while its node was away longer than "+
 		"the reuse delay; they were let go before the re-claim", "owner", owner, "ifname", at.IfName, "pool", c.Pool, "taken", taken)
 }
 
-// historyIdle is how long othersSince waits, once a watch of a key's history is created,
+// historyIdle is how long OthersSince waits, once a watch of a key's history is created,
 // for an event after the last: etcd sends a watch's past events at once (its sync loop runs
 // every 100 ms), so a quiet second means the history is all there. A miss costs a conflict
 // not logged, never an address.
 const historyIdle = time.Second
 
-// othersSince reads etcd's history of the allocation key of ip from revision from+1 up to to
+// OthersSince reads etcd's history of the allocation key of ip from revision from+1 up to to
 // (exclusive; 0: up to now), or up to its last event before a quiet historyIdle: the owners other than owner that held the address, since owner
 // last did (an owner writing it again resets the list: who had it before was dealt with
 // then). known is false when the history was compacted away or could not be read.
-func (r *reclaimer) othersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) (taken []keyspace.TakenByOther, known bool) {
+func (r *Reclaimer) OthersSince(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) (taken []keyspace.TakenByOther, known bool) {
 	octx, cancel := r.opCtx(ctx)
 	defer cancel()
 	// Past the gate: a history compacted away is an answer here, not a sign of a restore.
-	wch := r.gate.History(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
+	wch := r.cfg.Gate.History(clientv3.WithRequireLeader(octx), key, clientv3.WithRev(from+1), clientv3.WithFilterDelete(),
 		clientv3.WithCreatedNotify())
 	idle := time.NewTimer(historyIdle)
 	defer idle.Stop()
