@@ -28,7 +28,7 @@ func goList(t *testing.T, deps bool, pkg string) []string {
 // one call each of them costs startup time), allocator is standard library only, only
 // leases/kernel talks netlink, leaseholdctl links neither the agent, netlink nor the
 // Prometheus client, no part of the agent under leases/ depends on package leases, and none
-// depends on the parts only the orchestrator calls (the recovery).
+// depends on the parts only the orchestrator calls (the recovery, the import).
 func TestDependencyRule(t *testing.T) {
 	const mod = "github.com/leasehold/leasehold/"
 	for _, dep := range goList(t, true, "./cmd/leasehold") {
@@ -61,9 +61,10 @@ func TestDependencyRule(t *testing.T) {
 	if err != nil {
 		t.Fatalf("go list ../leases/...: %v", err)
 	}
-	// The recovery (leases/reclaim) sits right under it, above the parts it is handed (the
-	// claim loop, the pod book, the views, ...): only the orchestrator calls it.
-	top := map[string]bool{mod + "leases/reclaim": true}
+	// The recovery (leases/reclaim) and the import (leases/imports) sit right under it, above
+	// the parts they are handed (the claim loop, the pod book, the views, ...): only the
+	// orchestrator calls them.
+	top := map[string]bool{mod + "leases/reclaim": true, mod + "leases/imports": true}
 	parts := 0
 	for _, pkg := range strings.Fields(string(out)) {
 		if pkg == mod+"leases" {

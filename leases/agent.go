@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
-	"net/netip"
 	"os"
 	"slices"
 	"sync"
@@ -20,6 +19,7 @@ import (
 	"github.com/leasehold/leasehold/leases/audit"
 	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/etcdgate"
+	"github.com/leasehold/leasehold/leases/imports"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/node"
 	"github.com/leasehold/leasehold/leases/ownerlock"
@@ -66,8 +66,8 @@ type Agent struct {
 	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
 	cwatch *conflictWatch
-	// imports claims what other IPAM plugins gave running containers (import.go).
-	imports *importer
+	// imports claims what other IPAM plugins gave running containers (leases/imports).
+	imports *imports.Importer
 	// release is the agent's DEL, GC and CHECK (leases/release).
 	release *release.Releaser
 
@@ -198,12 +198,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return a.sticky.keepClaimLocked(ctx, own, stickyRef{owner, ifName, pool})
 	}
 	cw.open, cw.resolved = a.metrics.conflictsOpen, a.metrics.conflictsResolved
-	a.imports = &importer{cfg: importConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
-		WallClock: cfg.WallClock, StateDir: cfg.StateDir},
-		cli: a.cli, log: a.log, pods: a.pods, locks: &a.locks, pools: a.pools, keeper: k, stopped: a.Err,
-		loops: a.loops, heldFor: a.heldFor, resumePod: a.resumePod,
-		allocation: a.allocation, ownerRecord: a.ownerRecord, podRecord: a.podRecord,
-		imported: a.metrics.imports, importConflicts: map[importConflictRef][]netip.Addr{}}
+	a.imports = a.newImporter()
 	a.release = a.newReleaser()
 	a.recovery, a.notices = a.newRecovery()
 	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})

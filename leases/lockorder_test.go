@@ -12,7 +12,7 @@ import (
 // a method of Agent (or of a part of it, lockParts) that holds an owner lock (it is handed
 // an ownerlock.Owned, or takes one) never calls, directly or through other methods, a method
 // that takes an owner lock (a second owner's, or its own again: a deadlock) or
-// importer.importMu (taken before an owner lock, never after). Calls in a goroutine the
+// the import's importMu (taken before an owner lock, never after). Calls in a goroutine the
 // method starts do not hold its lock and are not followed. A call of a part's func field is
 // followed into what the agent wires into it (a method value a.release.ReleaseOwner, or the
 // calls of a func literal), wherever a composite literal of the part's type sets the field,
@@ -25,11 +25,11 @@ func TestOwnerLockOrder(t *testing.T) {
 	// that method; a call of a part's func field that the agent sets by name is followed into
 	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake).
 	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "Reclaimer", "notices": "Notices",
-		"cwatch": "conflictWatch", "imports": "importer", "audit": "Auditor", "release": "Releaser"}
+		"cwatch": "conflictWatch", "imports": "Importer", "audit": "Auditor", "release": "Releaser"}
 	// partPkgs are the parts cut out as packages under leases/: their directory and package
 	// name, and their type.
 	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser",
-		"reclaim": "Reclaimer"}
+		"reclaim": "Reclaimer", "imports": "Importer"}
 	dirs := []string{"."}
 	for dir := range partPkgs {
 		dirs = append(dirs, dir)

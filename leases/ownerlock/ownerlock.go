@@ -15,10 +15,10 @@ import "sync"
 // without its lock does so by design, named at each method: the start, before any request is
 // served (Restore), and a lost lease, which a request must not be able to delay (Lose).
 //
-// Lock order, where more than one lock is held: the importer's importMu, then an owner lock,
-// then a view's claimMu, then that view's mu. No owner lock is taken while another is held
-// (TestOwnerLockOrder in package leases reads the agent's code for it). The zero value is
-// ready to use.
+// Lock order, where more than one lock is held: the import's importMu (leases/imports), then
+// an owner lock, then a view's claimMu, then that view's mu. No owner lock is taken while
+// another is held (TestOwnerLockOrder in package leases reads the agent's code for it). The
+// zero value is ready to use.
 type Locks struct {
 	mu sync.Mutex
 	m  map[string]*ownerLock

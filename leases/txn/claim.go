@@ -30,7 +30,7 @@ import (
 // An ADD claims addresses the view chose; a re-claim restores a running pod's own addresses
 // after its lease was lost, so it does not compare the pool definition (the addresses were
 // the pod's under whatever definition was current) and writes the pod record separately,
-// once every attachment is back. An import (leases/import.go) claims the addresses another IPAM
+// once every attachment is back. An import (leases/imports) claims the addresses another IPAM
 // plugin gave a running container: like a re-claim it compares neither the definition nor
 // quarantine and host keys (the container uses the address already), and like an ADD it
 // writes the pod record with the attachment. The else branch reads exactly what decides the

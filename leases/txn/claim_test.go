@@ -140,7 +140,7 @@ func TestClaimOutcomeNamesWhatTheElseBranchFound(t *testing.T) {
 	}
 }
 
-// TestImportClaimHasThePodRecordAndNoADDCompares checks an import's claim (import.go): the
+// TestImportClaimHasThePodRecordAndNoADDCompares checks an import's claim (leases/imports): the
 // pod record is created with the attachment (or compared on the lease), and neither the pool
 // definition nor quarantine or host keys are compared: the container uses its addresses already.
 func TestImportClaimHasThePodRecordAndNoADDCompares(t *testing.T) {

@@ -1,4 +1,4 @@
-package leases
+package imports
 
 import (
 	"bufio"
@@ -45,7 +45,7 @@ type importConflictRef struct{ pool, containerID, ifName string }
 
 // loadLedger reads the ledger; without a state directory it is empty. An unreadable line is
 // skipped (its address may be imported again, which GC or the container's DEL undoes).
-func (im *importer) loadLedger() (map[ledgerEntry]ledgerMark, error) {
+func (im *Importer) loadLedger() (map[ledgerEntry]ledgerMark, error) {
 	out := map[ledgerEntry]ledgerMark{}
 	if im.cfg.StateDir == "" {
 		return out, nil
@@ -79,7 +79,7 @@ func (im *importer) loadLedger() (map[ledgerEntry]ledgerMark, error) {
 }
 
 // appendLedger adds entries to the ledger and syncs it.
-func (im *importer) appendLedger(entries []ledgerLine) error {
+func (im *Importer) appendLedger(entries []ledgerLine) error {
 	if im.cfg.StateDir == "" || len(entries) == 0 {
 		return nil
 	}
@@ -98,14 +98,14 @@ func (im *importer) appendLedger(entries []ledgerLine) error {
 
 // reportImport logs what an import did, counts it in leasehold_import_addresses_total and
 // adds what the agent now holds to the ledger.
-func (im *importer) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]ledgerMark) {
+func (im *Importer) reportImport(imp Import, rep ImportReport, ledger map[ledgerEntry]ledgerMark) {
 	for _, e := range rep.Conflicts {
-		im.log.Error("IMPORT CONFLICT: an address another IPAM plugin gave a running container is held by another owner in etcd; "+
+		im.cfg.Log.Error("IMPORT CONFLICT: an address another IPAM plugin gave a running container is held by another owner in etcd; "+
 			"it is not taken, and two containers may use it", "source", imp.Source, "pool", imp.Pool, "ip", e.IP,
 			"container", e.ContainerID, "ifname", e.IfName, "detail", e.Detail)
 	}
 	for _, e := range rep.OutsidePool {
-		im.log.Warn("import: the address is not one the pool hands out; not imported", "source", imp.Source, "pool", imp.Pool,
+		im.cfg.Log.Warn("import: the address is not one the pool hands out; not imported", "source", imp.Source, "pool", imp.Pool,
 			"ip", e.IP, "container", e.ContainerID, "ifname", e.IfName, "detail", e.Detail)
 	}
 	var add []ledgerLine
@@ -127,21 +127,21 @@ func (im *importer) reportImport(imp Import, rep ImportReport, ledger map[ledger
 	}
 	im.icmu.Unlock()
 	if err := im.appendLedger(add); err != nil {
-		im.log.Warn("could not write the import ledger; an import run again may claim addresses released since", "err", err)
+		im.cfg.Log.Warn("could not write the import ledger; an import run again may claim addresses released since", "err", err)
 	}
 	for result, n := range map[string]int{"imported": len(rep.Imported), "already": len(rep.Already), "released": len(rep.Released),
 		"conflict": len(rep.Conflicts), "outside_pool": len(rep.OutsidePool)} {
-		im.imported.WithLabelValues(result).Add(float64(n))
+		im.cfg.Imported.WithLabelValues(result).Add(float64(n))
 	}
-	im.log.Info("import done", "source", imp.Source, "network", imp.Network, "pool", imp.Pool, "imported", len(rep.Imported),
+	im.cfg.Log.Info("import done", "source", imp.Source, "network", imp.Network, "pool", imp.Pool, "imported", len(rep.Imported),
 		"already_imported", len(rep.Already), "released_since_imported", len(rep.Released), "conflicts", len(rep.Conflicts),
 		"outside_pool", len(rep.OutsidePool))
 }
 
-// importConflictDeleted records, before a DEL answers, that the container of an import
+// ConflictDeleted records, before a DEL answers, that the container of an import
 // conflict was deleted: the address it was using is not imported again by a later import
 // with the same flags, once its other holder is gone. Only a DEL of such a container writes.
-func (im *importer) conflictDeleted(req allocator.Request) error {
+func (im *Importer) ConflictDeleted(req allocator.Request) error {
 	ref := importConflictRef{req.Pool.Name, req.ContainerID, req.IfName}
 	im.icmu.Lock()
 	defer im.icmu.Unlock()
