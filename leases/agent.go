@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/pause"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/attach"
 	"github.com/leasehold/leasehold/leases/audit"
 	"github.com/leasehold/leasehold/leases/claimloop"
 	"github.com/leasehold/leasehold/leases/etcdgate"
@@ -42,8 +43,10 @@ type Agent struct {
 	log    *slog.Logger
 	keeper *keeper.Keeper
 	pools  *poolview.Pools
-	// rules are the selection rules and the pools an ADD chooses by (choose.go).
-	rules *rules.Follower
+	// rules are the selection rules and the pools an ADD chooses by; attach makes the ADDs
+	// (leases/attach).
+	rules  *rules.Follower
+	attach *attach.Attachments
 	// blockLeases hold this node's block claims (blocks.go).
 	blockLeases *blockLeases
 	claims      *txn.Batcher
@@ -137,7 +140,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	}
 	a.keeper = k
 	a.loops = claimloop.New(claimloop.Config{Keeper: k, Pods: a.pods, Log: a.log, OpTimeout: cfg.OpTimeout,
-		HeldLeaseGone: a.heldLeaseGone, Lost: func() { a.recovery.Wake() }})
+		HeldLeaseGone: func(ctx context.Context, id clientv3.LeaseID) bool { return a.attach.HeldLeaseGone(ctx, id) },
+		Lost:          func() { a.recovery.Wake() }})
 	a.audit = a.newAuditor()
 	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
 		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
@@ -188,12 +192,14 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.pools = poolview.NewPools(actx, a.cli, a.log, poolview.Config{Seed: h.Sum64(), OnMismatch: a.recordPoolConflict,
 		Owner: own, Hooks: hooks})
 	a.audit.SetPools(a.pools) // made after the audit, whose OwnKeys the views are handed
+	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})
+	a.attach = a.newAttachments()
 	// The conflict watch was made with the agent, for the gate's signals; the rest of what it
 	// uses is handed in now that the pools are made.
 	cw := a.cwatch
 	cw.cfg, cw.ctx, cw.cli, cw.log = conflictConfig{Cluster: cfg.Cluster, OpTimeout: cfg.OpTimeout}, actx, a.cli, a.log
 	cw.pods, cw.locks, cw.pools = a.pods, &a.locks, a.pools
-	cw.heldFor, cw.allocation, cw.mine = a.heldFor, a.allocation, a.blockLeases.mine
+	cw.heldFor, cw.allocation, cw.mine = a.attach.HeldFor, a.attach.Allocation, a.blockLeases.mine
 	cw.keepClaim = func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error {
 		return a.sticky.keepClaimLocked(ctx, own, stickyRef{owner, ifName, pool})
 	}
@@ -201,7 +207,6 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.imports = a.newImporter()
 	a.release = a.newReleaser()
 	a.recovery, a.notices = a.newRecovery()
-	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})
 	a.wg.Go(func() { a.rules.Run(actx) })
 	octx, ocancel := a.opCtx(ctx)
 	release, err := node.LockIdentity(octx, a.cli, a.identity())

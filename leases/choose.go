@@ -2,24 +2,19 @@ package leases
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"maps"
+	"net/netip"
 	"slices"
-	"strings"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
 	"github.com/leasehold/leasehold/allocator"
-	"github.com/leasehold/leasehold/keyspace"
-	"github.com/leasehold/leasehold/leases/poolview"
-	"github.com/leasehold/leasehold/selection"
+	"github.com/leasehold/leasehold/leases/attach"
+	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Add allocates one address from every range set of a pool for the attachment (container ID
 // + interface), or returns the addresses it already has. The pool is the one the selection
-// rules, the pod's request or the network configuration give (choosePools); a full one
+// rules, the pod's request or the network configuration give (leases/attach); a full one
 // passes the ADD to the next of the list. All addresses, the owner index and the pod record
 // are created in one transaction on the pod's lease, guarded by create-if-absent on every
 // address, its quarantine key and the owner index.
@@ -31,126 +26,7 @@ import (
 // are held by another node identity until they expire).
 func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
 	defer a.metrics.observe("add", time.Now(), &err)
-	owner, err := a.validate(&req)
-	if err != nil {
-		return allocator.Result{}, err
-	}
-	pools, passed, err := a.choosePools(ctx, req, owner)
-	if err != nil {
-		return allocator.Result{}, err
-	}
-	var full []string
-	for i, spec := range pools {
-		r := req
-		r.Pool = spec
-		res, err := a.addIn(ctx, r)
-		a.metrics.tried(pools, i, err)
-		if !errors.Is(err, allocator.ErrPoolExhausted) || len(pools) == 1 && len(passed) == 0 {
-			return res, err
-		}
-		full = append(full, spec.Name+": "+err.Error())
-	}
-	for _, p := range passed {
-		full = append(full, p.String())
-	}
-	return allocator.Result{}, fmt.Errorf("%w: no pool the pod may use has a free address; tried in order: %s", allocator.ErrPoolExhausted,
-		strings.Join(full, "; "))
-}
-
-// choosePools returns the pools an ADD tries, in order. An interface that has an attachment
-// on this network already keeps its pool, whatever the rules say now: a repeated ADD returns
-// its addresses. Otherwise the selection rules, the pod's request and the pools' access
-// decide (package selection); with no rule, no request and the configuration's pool open to
-// all, that pool alone, as before rules existed.
-//
-// Each pool tried gives every address family the network needs: an interface's IPv4 and
-// IPv6 from two pools (two attachments in one transaction) is not built yet, and is refused
-// naming the pools.
-func (a *Agent) choosePools(ctx context.Context, req allocator.Request, owner string) ([]allocator.PoolSpec, []selection.Passed, error) {
-	if ps, ok := a.pods.Snapshot(owner); ok {
-		for _, at := range ps.Attachments {
-			if at.IfName == req.IfName && at.Network == req.Network && !at.Released {
-				if at.Pool == req.Pool.Name {
-					return []allocator.PoolSpec{req.Pool}, nil, nil
-				}
-				return []allocator.PoolSpec{{Name: at.Pool}}, nil, nil
-			}
-		}
-	}
-	octx, cancel := a.opCtx(ctx)
-	rules, any, pools, err := a.rules.Choice(octx, req.Network)
-	cancel()
-	if err != nil {
-		return nil, nil, fmt.Errorf("%w: the selection rules are not read yet: %w", allocator.ErrUnavailable, err)
-	}
-	dflt, stored := pools[req.Pool.Name]
-	if req.Claim != "" && (any || len(pools) > 1 || stored && (dflt.Closed || len(dflt.Namespaces) > 0)) {
-		// A sticky claim is found where it was made, as an attachment is: the rules of
-		// that time chose its pool, and a claim with addresses gets them back there,
-		// closed or locked (its addresses are not new: the ADD's claim checks that).
-		name, err := a.claimedPool(ctx, req, pools)
-		if err != nil {
-			return nil, nil, err
-		}
-		if name == req.Pool.Name {
-			return []allocator.PoolSpec{req.Pool}, nil, nil
-		}
-		if name != "" {
-			return []allocator.PoolSpec{{Name: name}}, nil, nil
-		}
-	}
-	if !any && len(req.Pools) == 0 && (!stored || !dflt.Closed && len(dflt.Namespaces) == 0) {
-		return []allocator.PoolSpec{req.Pool}, nil, nil
-	}
-	if !stored {
-		if len(req.Pool.Ranges) == 0 {
-			return []allocator.PoolSpec{req.Pool}, nil, nil // the ADD says the pool is not defined
-		}
-		dflt = selection.PoolOf(req.Pool, keyspace.PoolAccess{})
-		dflt.Unstored = true
-		pools[req.Pool.Name] = dflt
-	}
-	node := selection.Node{Name: a.cfg.Node, Labels: a.cfg.NodeLabels}
-	pod := selection.Pod{Namespace: req.Pod.Namespace, Name: req.Pod.Name, Asked: req.Pools}
-	c, err := selection.Choose(rules, pools, node, pod, req.Pool.Name, dflt.Families)
-	if limited := accessLimited(pools); (err != nil || len(c.Passed) > 0) && len(limited) > 0 {
-		// A refusal, or a pool passed over, by a closed or locked pool is judged by what
-		// etcd says now: one opened a moment ago is open to this ADD.
-		octx, cancel := a.opCtx(ctx)
-		fresh, rerr := a.rules.Reread(octx, limited)
-		cancel()
-		if rerr != nil {
-			return nil, nil, a.unavailable("read pools "+strings.Join(limited, ", "), rerr)
-		}
-		for _, name := range limited {
-			if p, ok := fresh[name]; ok {
-				pools[name] = p
-			} else if name != req.Pool.Name || !dflt.Unstored {
-				delete(pools, name)
-			}
-		}
-		c, err = selection.Choose(rules, pools, node, pod, req.Pool.Name, dflt.Families)
-	}
-	if err != nil {
-		return nil, nil, err
-	}
-	var out []allocator.PoolSpec
-	for _, name := range c.Pools {
-		if !servesAll(pools[name], dflt.Families) {
-			continue
-		}
-		if name == req.Pool.Name {
-			out = append(out, req.Pool)
-		} else {
-			out = append(out, allocator.PoolSpec{Name: name})
-		}
-	}
-	if len(out) == 0 {
-		return nil, nil, fmt.Errorf("%w: %s gives IPv%d and IPv%d from different pools (%v); one interface's addresses from two "+
-			"pools are not supported yet: give the rule a pool with ranges of both families", allocator.ErrInvalidConfig,
-			c.Source, dflt.Families[0], dflt.Families[len(dflt.Families)-1], c.PerFamily)
-	}
-	return out, c.Passed, nil
+	return a.attach.Add(ctx, req)
 }
 
 // attachedPool is the pool of the interface's attachment on req's network as the pod book
@@ -171,74 +47,31 @@ func (a *Agent) attachedPool(owner string, req allocator.Request) allocator.Pool
 	return req.Pool
 }
 
-// claimedPool returns the pool where the sticky claim req names was made, "" if none: the
-// pool configured, else the first by name among the others the agent knows (a claim is made
-// in one pool; two are the work of rules changed between two incarnations that both found
-// none). Its claim keys are read in one transaction per keyspace.MaxTxnOps pools.
-func (a *Agent) claimedPool(ctx context.Context, req allocator.Request, pools map[string]selection.Pool) (string, error) {
-	names := []string{req.Pool.Name}
-	for _, name := range slices.Sorted(maps.Keys(pools)) {
-		if name != req.Pool.Name {
-			names = append(names, name)
-		}
-	}
-	for chunk := range slices.Chunk(names, keyspace.MaxTxnOps) {
-		ops := make([]clientv3.Op, len(chunk))
-		for i, name := range chunk {
-			ops[i] = clientv3.OpGet(keyspace.ClaimKey(a.cfg.Cluster, name, req.Claim), clientv3.WithCountOnly())
-		}
-		octx, cancel := a.opCtx(ctx)
-		resp, err := a.cli.Txn(octx).Then(ops...).Commit()
-		cancel()
-		if err != nil {
-			return "", a.unavailable("read where claim "+req.Claim+" was made", err)
-		}
-		for i, r := range resp.Responses {
-			if r.GetResponseRange().Count > 0 {
-				return chunk[i], nil
-			}
-		}
-	}
-	return "", nil
+// result is the answer giving addrs of the pool spec (attach.Result).
+func result(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, error) {
+	return attach.Result(spec, addrs)
 }
 
-// accessLimited names the pools closed, or locked to some namespaces, in pools, in order.
-func accessLimited(pools map[string]selection.Pool) []string {
-	var out []string
-	for _, name := range slices.Sorted(maps.Keys(pools)) {
-		if p := pools[name]; p.Closed || len(p.Namespaces) > 0 {
-			out = append(out, name)
-		}
-	}
-	return out
-}
-
-// servesAll tells whether pool p has a range set of every family.
-func servesAll(p selection.Pool, families []int) bool {
-	for _, f := range families {
-		if !slices.Contains(p.Families, f) {
-			return false
-		}
-	}
-	return true
-}
-
-// closedTo refuses new addresses from a pool closed, or locked to other namespaces, since
-// the ADD chose it: the claim compares the definition read, so one closed after that read is
-// read again and refused here. The attachment's own addresses are not new: a repeated ADD
-// (the pod book lists the attachment) and a sticky claim returning its addresses go on.
-func (a *Agent) closedTo(p *poolview.Pool, st *addState) error {
-	acc := p.Access
-	locked := len(acc.Namespaces) > 0 && !slices.Contains(acc.Namespaces, st.req.Pod.Namespace)
-	if !acc.Closed && !locked {
-		return nil
-	}
-	if a.pods.Lists(st.owner, st.req.IfName, p.Spec.Name, st.req.ContainerID) || st.sticky != nil && st.sticky.rev > 0 {
-		return nil
-	}
-	why := "is closed to new addresses (leaseholdctl pool open " + p.Spec.Name + " opens it)"
-	if !acc.Closed {
-		why = fmt.Sprintf("is locked to namespaces %s, not %q", strings.Join(acc.Namespaces, ", "), st.req.Pod.Namespace)
-	}
-	return fmt.Errorf("%w: pool %s %s", allocator.ErrInvalidConfig, p.Spec.Name, why)
+// newAttachments makes the agent's ADDs (leases/attach), handing in what they use of the
+// agent. The parts they call into are made before: the views, the rules, the keeper, the
+// claim loops, the pod book, the audit, the sticky claims, the block leases; the release and
+// the recovery, made after them, are reached through closures.
+func (a *Agent) newAttachments() *attach.Attachments {
+	cfg := a.cfg
+	return attach.New(attach.Config{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, NodeLabels: cfg.NodeLabels,
+		OpTimeout: cfg.OpTimeout, LeaseTTL: cfg.LeaseTTL, ReuseDelay: cfg.ReuseDelay, ProbeAfter: probeAfter, WallClock: cfg.WallClock,
+		Log: a.log, Client: a.cli, Gate: a.gate, Keeper: a.keeper, Pools: a.pools, Rules: a.rules, Batcher: a.claims,
+		Loops: a.loops, Locks: &a.locks, Pods: a.pods, Journal: a.jw, Hold: a.hold,
+		Validate: a.validate, Reachable: a.reachable, AttachmentOwner: a.attachmentOwner, LeaseLost: a.leaseLost,
+		BlockLeaseLost: a.blockLeaseLost, BlockLease: a.blockLeases.get, MineBlockLease: a.blockLeases.mine,
+		Wake: func() { a.recovery.Wake() },
+		ReleaseAttachment: func(ctx context.Context, req allocator.Request, own *ownerlock.Owned) (int64, error) {
+			return a.release.ReleaseAttachment(ctx, req, own)
+		},
+		KeysLost: func(ctx context.Context, p podbook.AuditPod, problems []string) error {
+			return a.audit.KeysLost(ctx, p, problems, nil)
+		},
+		Sticky: stickyAddOf(a.sticky),
+		Metrics: attach.Metrics{Retried: a.metrics.casRetries.Inc, RTT: a.metrics.rtt, Handover: a.metrics.claimHandovers.Inc,
+			Tried: a.metrics.tried}})
 }

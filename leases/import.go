@@ -39,8 +39,8 @@ func (a *Agent) newImporter() *imports.Importer {
 	return imports.New(imports.Config{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
 		WallClock: cfg.WallClock, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Pods: a.pods, Locks: &a.locks, Pools: a.pools, Keeper: a.keeper, Loops: a.loops,
-		Stopped: a.Err, HeldFor: a.heldFor, ResumePod: a.resumePod,
-		Allocation: a.allocation, OwnerRecord: a.ownerRecord, PodRecord: a.podRecord,
+		Stopped: a.Err, HeldFor: a.attach.HeldFor, ResumePod: a.attach.ResumePod,
+		Allocation: a.attach.Allocation, OwnerRecord: a.attach.OwnerRecord, PodRecord: a.attach.PodRecord,
 		Imported: a.metrics.imports})
 }
 

@@ -185,7 +185,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		DropCopies: a.audit.DropCopies, Register: a.register, NodeLease: a.nodeLease,
 		ReleaseOwner: a.release.ReleaseOwner, ReleaseAttachment: a.release.ReleaseAttachment,
 		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
-		HeldFor: a.heldFor, Allocation: a.allocation,
+		HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
 		Loops:        a.loops,
 		KeepClaimsOf: a.sticky.keepClaimsOf, Fail: a.fail, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,

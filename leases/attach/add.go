@@ -1,0 +1,295 @@
+package attach
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/claimloop"
+	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/restorehold"
+	"github.com/leasehold/leasehold/leases/txn"
+)
+
+// maxAddAttempts bounds the transactions one ADD tries before it gives up on a pool whose
+// free addresses keep being taken by others between view and commit.
+const maxAddAttempts = 16
+
+// addState is what one ADD carries across its attempts.
+type addState struct {
+	req   allocator.Request
+	owner string
+	own   *ownerlock.Owned // the owner's lock, held for the whole ADD
+	// claims are the ADD's claim loop (leases/claimloop): the spare lease taken for a pod that
+	// has none yet, and what a refused or unanswered claim means to an ADD (addPolicy).
+	claims *claimloop.Loop
+	// lost are addresses this ADD found taken since its view was built.
+	lost map[netip.Addr]bool
+	// unanswered counts claims whose answer did not come (see tryAdd).
+	unanswered int
+	// relisted: the pool's view was found stale and listed again once in this ADD.
+	relisted bool
+	// borrowLost counts the borrowed addresses this ADD found taken: the borrowing snapshot
+	// is read again at the first and then at every rereadEvery-th.
+	borrowLost int
+	// sticky is the claim the ADD names (Config.Sticky); nil: it names none.
+	sticky Sticky
+}
+
+// rereadEvery is how many borrowed addresses an ADD finds taken before it reads the pool
+// again (the first loss reads it at once): at most four reads in an ADD's 16 attempts.
+const rereadEvery = 4
+
+// maxUnanswered bounds the claims an ADD sends again after losing their answers; the waits
+// between them (50 ms doubling) span an etcd leader election.
+const maxUnanswered = 5
+
+func (s *addState) skip(a netip.Addr) bool { return s.lost[a] }
+
+// addIn is an ADD in the one pool req names (Add chose it).
+func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
+	defer func() {
+		if errors.Is(err, allocator.ErrPoolExhausted) {
+			if v := x.pools.ViewOf(req.Pool.Name); v != nil {
+				v.NoteExhausted()
+			}
+		}
+	}()
+	owner, err := x.cfg.Validate(&req)
+	if err != nil {
+		return allocator.Result{}, err
+	}
+	owner = x.cfg.AttachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
+	if err := x.cfg.Reachable(ctx); err != nil {
+		return allocator.Result{}, err // a node cut off from etcd says so at once
+	}
+	if err := x.hold.Wait(ctx, x.cfg.OpTimeout); err != nil {
+		return allocator.Result{}, err // etcd went back in time: this node's pods first
+	}
+	own := x.locks.Lock(owner)
+	defer own.Unlock()
+	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool)}
+	st.claims = x.loops.For(own, req, x.addPolicy(st))
+	if req.Claim != "" {
+		st.sticky = x.cfg.Sticky(req, owner)
+		defer st.sticky.Drop()
+	}
+	defer func() {
+		st.claims.Done()
+		x.keeper.Refill()
+	}()
+	for attempt := range maxAddAttempts {
+		if attempt > 0 {
+			x.cfg.Metrics.Retried()
+		}
+		p, err := x.pools.Ensure(ctx, req.Pool)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		if m := p.Migrating; m != nil {
+			return allocator.Result{}, fmt.Errorf("%w: pool %q is being moved to the block layout by leaseholdctl pool migrate "+
+				"(%s, since %s): ADDs resume when it finishes; if it was interrupted, run leaseholdctl pool migrate %s again",
+				allocator.ErrUnavailable, p.Spec.Name, m.By, m.Since.Format(time.RFC3339), p.Spec.Name)
+		}
+		p.Await(ctx)
+		if st.sticky != nil && st.sticky.Stale() {
+			if err := st.sticky.Read(ctx, p.Spec, &st.req); err != nil {
+				return allocator.Result{}, err
+			}
+		}
+		if err := x.closedTo(p, st); err != nil {
+			// Refused by what etcd says now, not by a definition read before the pool
+			// was opened.
+			x.pools.Invalidate(p.Spec.Name)
+			if p, err = x.pools.Ensure(ctx, req.Pool); err != nil {
+				return allocator.Result{}, err
+			}
+			if err := x.closedTo(p, st); err != nil {
+				return allocator.Result{}, err
+			}
+		}
+		requested, err := p.Spec.MatchRequested(st.req.RequestedIPs)
+		if errors.Is(err, allocator.ErrNotInRange) {
+			// The address may lie in a range added since the definition was read.
+			octx, cancel := x.opCtx(ctx)
+			_, changed, _, rerr := x.recheck(octx, ownerKeyOf(x, st, p), p)
+			cancel()
+			if rerr == nil && changed {
+				x.pools.Invalidate(p.Spec.Name)
+				continue
+			}
+		}
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		res, done, err := x.tryAdd(ctx, p, st, requested)
+		if done && err == nil {
+			// Answered once the journal has the pod: a crash right after the answer followed
+			// by an outage past the TTL still re-claims it. A journal that cannot be written
+			// fails /readyz, not the ADD (the pod record in etcd outlives a restart).
+			_ = x.journal.Sync(ctx)
+		}
+		if done || err != nil {
+			return res, err
+		}
+	}
+	return allocator.Result{}, fmt.Errorf("%w: pool %q: gave up after %d transactions because other owners kept taking the chosen addresses first; retry",
+		allocator.ErrUnavailable, req.Pool.Name, maxAddAttempts)
+}
+
+// tryAdd runs one claim transaction. It returns done=false when the caller should try again
+// with what the failed transaction taught the view.
+func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr) (allocator.Result, bool, error) {
+	req, owner := st.req, st.owner
+	octx, cancel := x.opCtx(ctx)
+	defer cancel()
+	epoch := x.gate.Epoch() // what the view and the snapshots know is of this history
+
+	lease, known := x.pods.Lease(owner)
+	if at, _, ok := x.pods.Attachment(owner, req.IfName, p.Spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
+		return x.repeated(ctx, p, st, lease)
+	}
+	if !known {
+		id, err := st.claims.Spare(octx)
+		if err != nil {
+			return allocator.Result{}, false, unavailable("grant pod lease", err)
+		}
+		lease = id
+	}
+
+	addrs := make([]netip.Addr, len(p.Spec.Ranges))
+	var reserved []netip.Addr
+	notHeld := map[netip.Addr]bool{}
+	for i := range p.Spec.Ranges {
+		if requested[i].IsValid() {
+			addrs[i] = requested[i]
+			continue
+		}
+		addr, expired, err := p.View.Choose(ctx, &p.Spec, i, func(ip netip.Addr) bool {
+			// Never an address of this node's own pods: one whose lease expired (a freeze, a
+			// crash, a cut-off) looks free until its re-claim writes it back.
+			return st.skip(ip) || x.pods.OwnsAddr(p.Spec.Name, ip)
+		}, st.sticky == nil)
+		if errors.Is(err, restorehold.ErrSettling) {
+			p.View.Settle(reserved, 0)
+			return allocator.Result{}, false, err // no retry: the settle time lasts minutes
+		}
+		if errors.Is(err, allocator.ErrUnavailable) {
+			// A block claim or a borrowing read etcd did not answer (a leader election):
+			// wait and try again, as for an unanswered claim.
+			p.View.Settle(reserved, 0)
+			return allocator.Result{}, false, x.waitUnanswered(ctx, st, owner, err)
+		}
+		if err != nil {
+			p.View.Settle(reserved, 0)
+			// No free address in the cached view. A repeated ADD needs none, and the pool may
+			// have grown since the definition was read: only on this path does the agent read
+			// the owner index and the definition's revision first (the hot path learns both
+			// from the claim's else branch).
+			kv, changed, stale, rerr := x.recheck(octx, ownerKeyOf(x, st, p), p)
+			switch {
+			case rerr != nil:
+				return allocator.Result{}, false, rerr
+			case kv != nil:
+				return x.existing(ctx, p, st, kv)
+			case changed:
+				x.pools.Invalidate(p.Spec.Name)
+				return allocator.Result{}, false, nil
+			case stale && !st.relisted:
+				st.relisted = true
+				x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.Spec.Name)
+				select {
+				case <-p.View.Restart():
+				case <-ctx.Done():
+					return allocator.Result{}, false, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
+				}
+				return allocator.Result{}, false, nil
+			}
+			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
+		}
+		addrs[i] = addr
+		reserved = append(reserved, addr)
+		if !expired {
+			notHeld[addr] = true
+			continue
+		}
+		// A held-back address goes to another pod only when the pool has nothing else free,
+		// and a view whose watches are behind etcd (an agent paused, or starved of CPU) may
+		// still hold addresses released since: the recheck before code 102 judges this too.
+		if st.relisted {
+			continue
+		}
+		if _, _, stale, err := x.recheck(octx, ownerKeyOf(x, st, p), p); err == nil && stale {
+			p.View.Settle(reserved, 0)
+			st.relisted = true
+			x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before reusing a held-back address",
+				"pool", p.Spec.Name, "ip", addr)
+			select {
+			case <-p.View.Restart():
+			case <-ctx.Done():
+				return allocator.Result{}, false, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
+			}
+			return allocator.Result{}, false, nil
+		}
+	}
+
+	heldLease, held, err := x.HeldFor(octx, owner)
+	if err != nil {
+		p.View.Settle(reserved, 0)
+		return allocator.Result{}, false, err
+	}
+	now := x.wall()
+	c := &txn.Claim{Add: true, Lease: lease, Pool: p.Spec.Name, Blocks: p.Spec.Blocks, PoolRev: p.Rev, Addrs: addrs,
+		HeldLease: heldLease, Held: held, NotHeld: notHeld,
+		OwnerKey: keyspace.OwnerKey(x.cfg.Cluster, owner, req.IfName, p.Spec.Name),
+		PodKey:   keyspace.PodKey(x.cfg.Cluster, x.cfg.Node, owner), NewPod: !known,
+		Alloc: x.Allocation(req, owner, lease, now), Index: x.OwnerRecord(req, addrs, lease, now),
+		Pod: x.PodRecord(req, owner, lease, now)}
+	if st.sticky != nil {
+		if err := st.sticky.Claim(octx, c, now); err != nil {
+			p.View.Settle(reserved, 0)
+			return allocator.Result{}, false, err
+		}
+	}
+	out, again, err := st.claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) {
+		start := time.Now()
+		defer x.cfg.Metrics.RTT("claim", start)
+		if c.ClaimKey != "" {
+			// A sticky claim goes alone: its quarantine puts and claim compare are not for a batch.
+			return c.Commit(octx, x.cli)
+		}
+		return x.batcher.Commit(octx, c)
+	})
+	if err != nil || again {
+		// An unanswered claim sent again finds the owner index (the lost one applied: its
+		// addresses are returned) or claims afresh on the same lease.
+		p.View.Settle(reserved, 0)
+		return allocator.Result{}, false, err
+	}
+	if out.Applied && st.sticky == nil && x.gate.Epoch() != epoch {
+		p.View.Settle(reserved, 0)
+		return allocator.Result{}, false, x.undoClaim(ctx, st, known, lease, p.Spec.Name)
+	}
+	if out.Applied {
+		p.View.Settle(addrs, out.Revision)
+		at := podbook.Attachment{IfName: req.IfName, Pool: p.Spec.Name, Network: req.Network,
+			ContainerID: req.ContainerID, IPs: addrs, Created: now, OwnerRev: out.Revision}
+		if s := st.sticky; s != nil && s.Bound(&at) {
+			x.cfg.Metrics.Handover()
+			x.log.Info("claim handed over", "claim", at.Claim, "owner", owner, "pool", p.Spec.Name, "ips", addrs)
+		}
+		x.loops.ClaimedOn(ctx, req, st.own, lease, at)
+		st.claims.Bound()
+		x.log.Debug("allocated", "owner", owner, "container", req.ContainerID, "ifname", req.IfName, "pool", p.Spec.Name, "ips", addrs)
+		res, err := Result(&p.Spec, addrs)
+		return res, true, err
+	}
+	p.View.Settle(reserved, 0)
+	return x.learn(ctx, p, st, requested, lease, out)
+}
