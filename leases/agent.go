@@ -65,8 +65,9 @@ type Agent struct {
 	recovery *reclaim.Reclaimer
 	notices  *restorenotice.Notices
 
-	pods        *podbook.Book
-	nodeLeaseID atomic.Int64 // the node record's lease; 0 before registration
+	pods *podbook.Book
+	// self is this node: its identity, its record and the record's lease (leases/node).
+	self *node.Self
 	// cwatch follows each conflicted address of this node's pods (conflicts.go).
 	cwatch *conflictWatch
 	// imports claims what other IPAM plugins gave running containers (leases/imports).
@@ -139,6 +140,13 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		return nil, err
 	}
 	a.keeper = k
+	a.self = &node.Self{Record: node.Record{KV: a.cli,
+		ID:   node.Identity{Cluster: cfg.Cluster, Node: cfg.Node, UID: cfg.NodeUID, Host: cfg.Host, Version: cfg.Version},
+		Take: k.Take, Return: k.Return, Refill: k.Refill,
+		// The block leases are made below; the node record names the block lease.
+		AdoptBlockLease: func(ctx context.Context, id clientv3.LeaseID) error { return a.blockLeases.adopt(ctx, id) },
+		BlockLease:      func(ctx context.Context) (clientv3.LeaseID, error) { return a.blockLeases.get(ctx) },
+		OpTimeout:       cfg.OpTimeout, Wall: a.wall, Log: a.log}}
 	a.loops = claimloop.New(claimloop.Config{Keeper: k, Pods: a.pods, Log: a.log, OpTimeout: cfg.OpTimeout,
 		HeldLeaseGone: func(ctx context.Context, id clientv3.LeaseID) bool { return a.attach.HeldLeaseGone(ctx, id) },
 		Lost:          func() { a.recovery.Wake() }})
@@ -171,7 +179,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		// The node record names the block lease a restart adopts: once the claims and held
 		// keys go on a new one (the last was lost: a cut-off longer than its TTL, or a
 		// restore of a backup from before its grant), the record is written again.
-		if node := a.nodeLease(); node != 0 && a.keeper.Holds(node) {
+		if node := a.self.Lease(); node != 0 && a.keeper.Holds(node) {
 			a.log.Warn("new block lease; the node record will be written again, naming it", "lease", keyspace.LeaseHex(id))
 			a.keeper.Forget(node)
 			a.recovery.Wake()
@@ -209,14 +217,14 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.recovery, a.notices = a.newRecovery()
 	a.wg.Go(func() { a.rules.Run(actx) })
 	octx, ocancel := a.opCtx(ctx)
-	release, err := node.LockIdentity(octx, a.cli, a.identity())
+	release, err := node.LockIdentity(octx, a.cli, a.self.Record.ID)
 	ocancel()
 	if err != nil {
 		a.Close()
 		return nil, err
 	}
 	a.unlock = func() { release(); unlock() }
-	if err := a.register(ctx); err != nil {
+	if err := a.self.Register(ctx); err != nil {
 		a.Close()
 		return nil, err
 	}
@@ -233,8 +241,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.wg.Go(func() { a.audit.GoneLoop(actx) })
 	a.notices.Start(restoredRev)
 	if cfg.PublishHostAddrs {
-		hosts := node.Hosts{KV: a.cli, ID: a.identity(), Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,
-			Lease: a.nodeLease, Wall: a.wall, Log: a.log}
+		hosts := node.Hosts{KV: a.cli, ID: a.self.Record.ID, Netns: cfg.HostNetns, Resync: cfg.HostResync, OpTimeout: cfg.OpTimeout,
+			Lease: a.self.Lease, Wall: a.wall, Log: a.log}
 		a.wg.Go(func() { hosts.Publish(actx) })
 	}
 	return a, nil
@@ -281,7 +289,7 @@ func (a *Agent) Close() {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)
 			}
-			if node := a.nodeLease(); node != 0 {
+			if node := a.self.Lease(); node != 0 {
 				if err := a.keeper.Revoke(node); err != nil {
 					a.log.Warn("revoke node lease", "err", err)
 				}
@@ -296,70 +304,24 @@ func (a *Agent) Close() {
 // LeasesHeld is the number of leases this agent keeps alive (pods, node, spares).
 func (a *Agent) LeasesHeld() int { return a.keeper.Held() }
 
-// identity is the node identity the agent serves (package node).
-func (a *Agent) identity() node.Identity {
-	return node.Identity{Cluster: a.cfg.Cluster, Node: a.cfg.Node, UID: a.cfg.NodeUID, Host: a.cfg.Host, Version: a.cfg.Version}
-}
-
-// register writes the node record on a fresh node lease (node.Record.Register), naming the
-// node's block lease.
-func (a *Agent) register(ctx context.Context) error {
-	id, err := node.Record{KV: a.cli, ID: a.identity(), Take: a.keeper.Take, Return: a.keeper.Return, Refill: a.keeper.Refill,
-		AdoptBlockLease: a.blockLeases.adopt, BlockLease: a.blockLeases.get, OpTimeout: a.cfg.OpTimeout, Wall: a.wall,
-		Log: a.log}.Register(ctx)
-	if err != nil {
-		return err
-	}
-	a.nodeLeaseID.Store(int64(id))
-	return nil
-}
-
-// nodeLease is the node record's lease; 0 before the node is registered.
-func (a *Agent) nodeLease() clientv3.LeaseID { return clientv3.LeaseID(a.nodeLeaseID.Load()) }
-
 func (a *Agent) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, a.cfg.OpTimeout)
 }
 
-// reachable tells whether etcd answers: an ADD or DEL asks it first when etcd was silent for
-// reachAfter, so that a node cut off from etcd answers them at once instead of after the
-// plugin's timeout. Renewals count as answers: a node with pods seldom asks.
+// reachable tells whether etcd answers, asking it when it was silent for reachAfter
+// (etcdgate.Gate.Answers): an ADD or DEL asks it first.
 func (a *Agent) reachable(ctx context.Context) error {
-	if a.silentFor() <= reachAfter {
-		return nil
-	}
-	if err := a.ask(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
-		return fmt.Errorf("%w: etcd does not answer (no answer since %s): %w", allocator.ErrUnavailable,
-			a.gate.LastAnswer().UTC().Format(time.RFC3339), err)
+	if err := a.gate.Answers(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), reachAfter); err != nil {
+		return fmt.Errorf("%w: %w", allocator.ErrUnavailable, err)
 	}
 	return nil
-}
-
-// probe tells whether etcd answers: at no cost when it answered within probeAfter, else by a
-// count-only read of key bounded by probeTimeout. STATUS and /readyz ask it.
-func (a *Agent) probe(ctx context.Context, key string) error {
-	if a.silentFor() <= probeAfter {
-		return nil
-	}
-	return a.ask(ctx, key)
-}
-
-// silentFor is how long ago etcd last answered the agent.
-func (a *Agent) silentFor() time.Duration { return a.gate.SilentFor() }
-
-// ask is probe's question: a count-only read of key, bounded by probeTimeout.
-func (a *Agent) ask(ctx context.Context, key string) error {
-	octx, cancel := context.WithTimeout(ctx, probeTimeout)
-	defer cancel()
-	_, err := a.cli.Get(octx, key, clientv3.WithCountOnly())
-	return err
 }
 
 // wall is the time written into records; see Config.WallClock.
 func (a *Agent) wall() time.Time { return a.cfg.WallClock().UTC() }
 
 // unavailable wraps an etcd error so that the runtime retries.
-func (a *Agent) unavailable(what string, err error) error {
+func unavailable(what string, err error) error {
 	return fmt.Errorf("%w: %s: %w", allocator.ErrUnavailable, what, err)
 }
 
@@ -367,7 +329,7 @@ func (a *Agent) unavailable(what string, err error) error {
 // on the node lease, so that the clusters already using the pool hear of it (their agents
 // log it) and leaseholdctl lists it; it leaves with this node.
 func (a *Agent) recordPoolConflict(ctx context.Context, wanted, stored allocator.PoolSpec) {
-	lease := a.nodeLease()
+	lease := a.self.Lease()
 	rec := keyspace.PoolConflictRecord{Cluster: a.cfg.Cluster, Node: a.cfg.Node, Wanted: wanted, Stored: stored, Detected: a.wall()}
 	octx, cancel := a.opCtx(ctx)
 	defer cancel()
@@ -396,7 +358,7 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 		a.recovery.CheckNow()
 		return
 	}
-	node := a.nodeLease() == id
+	node := a.self.Lease() == id
 	owners := a.pods.Lose(id)
 	for _, owner := range owners {
 		a.log.Error("pod lease lost; its addresses will be re-claimed", "owner", owner, "lease", keyspace.LeaseHex(id))

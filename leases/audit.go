@@ -16,7 +16,7 @@ func (a *Agent) newAuditor() *audit.Auditor {
 	cfg := a.cfg
 	return audit.New(audit.Config{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, OpTimeout: cfg.OpTimeout,
 		Client: a.cli, Keeper: a.keeper, Log: a.log, Pods: a.pods, Locks: &a.locks,
-		NodeLease: a.nodeLease, BlockLeaseLost: a.blockLeaseLost,
+		NodeLease: a.self.Lease, BlockLeaseLost: a.blockLeaseLost,
 		AuditClaims: func(ctx context.Context, layouts map[string]allocator.Blocks) error {
 			return a.sticky.auditClaims(ctx, layouts)
 		},

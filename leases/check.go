@@ -37,8 +37,8 @@ func (a *Agent) Status(ctx context.Context, req allocator.StatusRequest) (err er
 			return err
 		}
 	}
-	if err := a.probe(ctx, keyspace.PoolKey(req.Pool.Name)); err != nil {
-		return a.unavailable("etcd does not answer", err)
+	if err := a.gate.Answers(ctx, keyspace.PoolKey(req.Pool.Name), probeAfter); err != nil {
+		return fmt.Errorf("%w: %w", allocator.ErrUnavailable, err)
 	}
 	p, err := a.pools.Ensure(ctx, req.Pool)
 	if err != nil {

@@ -3,7 +3,6 @@ package leases
 import (
 	"context"
 	"net/netip"
-	"slices"
 	"time"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -27,24 +26,6 @@ import (
 func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
 	defer a.metrics.observe("add", time.Now(), &err)
 	return a.attach.Add(ctx, req)
-}
-
-// attachedPool is the pool of the interface's attachment on req's network as the pod book
-// has it, for a DEL or CHECK: selection may have put it in another pool than the
-// configuration names, and a rule changed since never moves it. Unknown to the book: the
-// configuration's pool.
-func (a *Agent) attachedPool(owner string, req allocator.Request) allocator.PoolSpec {
-	if ps, ok := a.pods.Snapshot(owner); ok {
-		for _, at := range ps.Attachments {
-			if at.IfName == req.IfName && at.Network == req.Network && at.Pool != req.Pool.Name {
-				if slices.ContainsFunc(ps.Attachments, func(o attachment) bool { return o.IfName == req.IfName && o.Pool == req.Pool.Name }) {
-					break // the configuration's pool has one too
-				}
-				return allocator.PoolSpec{Name: at.Pool}
-			}
-		}
-	}
-	return req.Pool
 }
 
 // result is the answer giving addrs of the pool spec (attach.Result).

@@ -43,7 +43,7 @@ func (a *Agent) newReleaser() *release.Releaser {
 		Metrics: release.Metrics{ReleasesDeferred: a.metrics.releasesDeferred, ReclaimsCancelled: a.metrics.reclaimsCancelled,
 			Unquarantined: a.metrics.unquarantined, NoSpace: a.metrics.noSpace, RTT: a.metrics.rtt, Conflicts: a.conflicts.Add},
 		Ctx: a.ctx, Go: a.wg.Go,
-		Validate: a.validate, AttachmentOwner: a.attachmentOwner, AttachedPool: a.attachedPool, Reachable: a.reachable,
+		Validate: a.validate, AttachmentOwner: a.attachmentOwner, Reachable: a.reachable,
 		Stopped: a.Err, ConflictDeleted: a.imports.ConflictDeleted, StopWatch: a.cwatch.stop,
 		Wake: func() { a.recovery.Wake() },
 		OthersSince: func(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) ([]keyspace.TakenByOther, bool) {

@@ -339,8 +339,8 @@ func (a *Agent) Ready(ctx context.Context) error {
 	if a.ctx.Err() != nil {
 		return fmt.Errorf("%w: shutting down", ErrNotReady)
 	}
-	if err := a.probe(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node)); err != nil {
-		return fmt.Errorf("%w: etcd does not answer: %w", ErrNotReady, err)
+	if err := a.gate.Answers(ctx, keyspace.NodeKey(a.cfg.Cluster, a.cfg.Node), probeAfter); err != nil {
+		return fmt.Errorf("%w: %w", ErrNotReady, err)
 	}
 	if err := a.jw.Health(); err != nil {
 		return fmt.Errorf("%w: %w", ErrNotReady, err)

@@ -43,7 +43,7 @@ func (a *Agent) recover(ctx context.Context) error {
 	cancel()
 	disk := <-fromDisk
 	if err != nil {
-		return a.unavailable("list this node's pod records", err)
+		return unavailable("list this node's pod records", err)
 	}
 	a.jw.Start(disk.Loaded)
 	journaled, errs := disk.Pods, disk.errs
@@ -113,7 +113,7 @@ func (a *Agent) recover(ctx context.Context) error {
 			continue
 		}
 		if err := a.keeper.Resume(lease); err != nil {
-			return a.unavailable("resume pod lease", err)
+			return unavailable("resume pod lease", err)
 		}
 		resumedIDs = append(resumedIDs, lease)
 		resumed++
@@ -152,7 +152,7 @@ func (a *Agent) attachmentsOf(ctx context.Context, owner string) ([]attachment, 
 	defer cancel()
 	resp, err := a.cli.Get(octx, keyspace.OwnerPrefix(a.cfg.Cluster, owner), clientv3.WithPrefix())
 	if err != nil {
-		return nil, a.unavailable("list attachments of "+owner, err)
+		return nil, unavailable("list attachments of "+owner, err)
 	}
 	var out []attachment
 	for _, kv := range resp.Kvs {
@@ -182,7 +182,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		Hold: a.hold, BlockLeases: a.blockLeases.all, MineBlockLease: a.blockLeases.mine,
 		AuditIfDue: a.audit.IfDue, AuditDue: a.audit.MarkDue,
 		WatchConflicts: a.cwatch.watch, NoteRestoredHolds: a.cwatch.noteRestoredHolds, Repaired: a.cwatch.repaired,
-		DropCopies: a.audit.DropCopies, Register: a.register, NodeLease: a.nodeLease,
+		DropCopies: a.audit.DropCopies, Register: a.self.Register, NodeLease: a.self.Lease,
 		ReleaseOwner: a.release.ReleaseOwner, ReleaseAttachment: a.release.ReleaseAttachment,
 		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
 		HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
@@ -192,7 +192,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,
 		NoteBackHeld: a.cwatch.wentBack,
-		NodeLease:    a.nodeLease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
+		NodeLease:    a.self.Lease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
 		WentBackCount: a.metrics.wentBack})
 	return r, n
 }

@@ -262,7 +262,7 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 	if !ok {
 		t.Fatal("no lease of u1")
 	}
-	node := a.nodeLease()
+	node := a.self.Lease()
 	own := resultAddrs(res)[0]
 	// What a backup older than the DELs of "ghost" and "ghost2" brings back on the leases
 	// their pods had, recycled since: one taken by u1, one by the node record.
@@ -307,10 +307,10 @@ func TestKeysOfADeletedPodARestorePutOnATakenLeaseGo(t *testing.T) {
 	// The node record's lease: the agent registers again after etcd went back; a spare it took
 	// for that just before it noticed is the case (the sweep itself, on the lease it holds).
 	etcdtest.EventuallyTrue(t, "the node registered again", func() bool {
-		n := a.nodeLease()
+		n := a.self.Lease()
 		return n != node && n != 0 && a.keeper.Holds(n)
 	})
-	ghosts = put(a.nodeLease(), "ghost2", own.Next().Next().Next())
+	ghosts = put(a.self.Lease(), "ghost2", own.Next().Next().Next())
 	if err := a.recovery.SweepLeases(ctx); err != nil {
 		t.Fatal(err)
 	}

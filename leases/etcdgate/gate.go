@@ -183,6 +183,23 @@ func (g *Gate) LastAnswer() time.Time {
 	return time.Now().Add(-g.SilentFor())
 }
 
+// Answers tells whether etcd answers: at no cost when it answered within the last within,
+// else by a count-only read of key bounded by Config.ProbeTimeout, whose error says since
+// when etcd has not answered. Renewals count as answers: a node with pods seldom asks. The
+// agent asks it before an ADD or DEL (so that a node cut off from etcd answers at once, not
+// after the plugin's timeout), and for STATUS and /readyz.
+func (g *Gate) Answers(ctx context.Context, key string, within time.Duration) error {
+	if g.SilentFor() <= within {
+		return nil
+	}
+	octx, cancel := context.WithTimeout(ctx, g.cfg.ProbeTimeout)
+	defer cancel()
+	if _, err := g.client.Get(octx, key, clientv3.WithCountOnly()); err != nil {
+		return fmt.Errorf("etcd does not answer (no answer since %s): %w", g.LastAnswer().UTC().Format(time.RFC3339), err)
+	}
+	return nil
+}
+
 // seen notes the header of an answer to a request sent at floor f. proof says that the
 // request was linearizable, so that an answer below f is proof that etcd went back.
 func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {

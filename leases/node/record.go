@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -108,3 +109,23 @@ func (r Record) Register(ctx context.Context) (clientv3.LeaseID, error) {
 	r.Log.Info("node registered", "uid", r.ID.UID, "host", r.ID.Host, "lease", keyspace.LeaseHex(id))
 	return id, nil
 }
+
+// Self is this agent's node: its record, registered again whenever its lease is lost, and the
+// lease of the record registered last.
+type Self struct {
+	Record Record
+	lease  atomic.Int64
+}
+
+// Register writes the node record on a fresh node lease (Record.Register) and keeps it.
+func (s *Self) Register(ctx context.Context) error {
+	id, err := s.Record.Register(ctx)
+	if err != nil {
+		return err
+	}
+	s.lease.Store(int64(id))
+	return nil
+}
+
+// Lease is the node record's lease; 0 before the node is registered.
+func (s *Self) Lease() clientv3.LeaseID { return clientv3.LeaseID(s.lease.Load()) }

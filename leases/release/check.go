@@ -29,7 +29,7 @@ func (r *Releaser) Check(ctx context.Context, req allocator.Request) (allocator.
 	owner = r.AttachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := r.Locks.Lock(owner)
 	defer own.Unlock()
-	req.Pool = r.AttachedPool(owner, req)
+	req.Pool = r.attachedPool(owner, req)
 	p, err := r.Pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return allocator.Result{}, err

@@ -3,6 +3,7 @@ package release
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -10,6 +11,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Del releases one attachment's addresses. It deletes only keys this attachment holds: the
@@ -37,7 +39,7 @@ func (r *Releaser) Del(ctx context.Context, req allocator.Request) error {
 	owner = r.AttachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := r.Locks.Lock(owner)
 	defer own.Unlock()
-	req.Pool = r.AttachedPool(owner, req)
+	req.Pool = r.attachedPool(owner, req)
 	if err := r.ConflictDeleted(req); err != nil {
 		return err
 	}
@@ -150,4 +152,22 @@ func (r *Releaser) forgetLost(ctx context.Context, own *ownerlock.Owned, req all
 	r.ReportTakenAtDel(ctx, owner, at)
 	r.Wake()
 	return true
+}
+
+// attachedPool is the pool of the interface's attachment on req's network as the pod book
+// has it (read under the owner lock), for a DEL or CHECK: selection may have put it in another pool than the
+// configuration names, and a rule changed since never moves it. Unknown to the book: the
+// configuration's pool.
+func (r *Releaser) attachedPool(owner string, req allocator.Request) allocator.PoolSpec {
+	if ps, ok := r.Pods.Snapshot(owner); ok {
+		for _, at := range ps.Attachments {
+			if at.IfName == req.IfName && at.Network == req.Network && at.Pool != req.Pool.Name {
+				if slices.ContainsFunc(ps.Attachments, func(o podbook.Attachment) bool { return o.IfName == req.IfName && o.Pool == req.Pool.Name }) {
+					break // the configuration's pool has one too
+				}
+				return allocator.PoolSpec{Name: at.Pool}
+			}
+		}
+	}
+	return req.Pool
 }

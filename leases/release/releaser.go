@@ -41,11 +41,10 @@ type Releaser struct {
 
 	// What a request asks of the agent before it releases: Validate canonicalises the request
 	// and names its owner; AttachmentOwner finds an imported attachment kept under its
-	// container ID; AttachedPool the pool the pod book has the attachment in (under the owner
-	// lock); Reachable whether etcd answers; Stopped why the agent stopped (nil while it serves).
+	// container ID; Reachable whether etcd answers; Stopped why the agent stopped (nil while it
+	// serves).
 	Validate        func(*allocator.Request) (string, error)
 	AttachmentOwner func(req allocator.Request, owner string) string
-	AttachedPool    func(owner string, req allocator.Request) allocator.PoolSpec
 	Reachable       func(context.Context) error
 	Stopped         func() error
 	// ConflictDeleted records, before a DEL answers, that the container of an import conflict
