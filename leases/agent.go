@@ -31,6 +31,7 @@ import (
 	"github.com/leasehold/leasehold/leases/restorehold"
 	"github.com/leasehold/leasehold/leases/restorenotice"
 	"github.com/leasehold/leasehold/leases/rules"
+	"github.com/leasehold/leasehold/leases/sticky"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -81,8 +82,8 @@ type Agent struct {
 	gate  *etcdgate.Gate
 	hold  *restorehold.Hold
 	audit *audit.Auditor
-	// sticky holds the sticky claims (sticky.go, stickykeep.go).
-	sticky *stickyClaims
+	// sticky holds the sticky claims (leases/sticky).
+	sticky *sticky.Claims
 
 	metrics   *metrics
 	started   time.Time    // when the agent started (release.Config.Started)
@@ -151,19 +152,19 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		HeldLeaseGone: func(ctx context.Context, id clientv3.LeaseID) bool { return a.attach.HeldLeaseGone(ctx, id) },
 		Lost:          func() { a.recovery.Wake() }})
 	a.audit = a.newAuditor()
-	a.sticky = &stickyClaims{cfg: stickyConfig{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID, ClaimHold: cfg.ClaimHold,
-		LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout, WallClock: cfg.WallClock, StateDir: cfg.StateDir},
-		cli: a.cli, keeper: k, log: a.log, pods: a.pods, locks: &a.locks,
-		layout: func(ctx context.Context, name string) (allocator.Blocks, bool, error) {
+	a.sticky = sticky.New(a.cli, k, a.pods, &a.locks, sticky.Config{Cluster: cfg.Cluster, Node: cfg.Node, NodeUID: cfg.NodeUID,
+		ClaimHold: cfg.ClaimHold, LeaseTTL: cfg.LeaseTTL, Quarantine: cfg.Quarantine, OpTimeout: cfg.OpTimeout,
+		WallClock: cfg.WallClock, StateDir: cfg.StateDir, Log: a.log,
+		Layout: func(ctx context.Context, name string) (allocator.Blocks, bool, error) {
 			p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: name})
 			if err != nil {
 				return allocator.Blocks{}, false, err
 			}
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
-		restoreGen: a.hold.Pending, auditDue: a.audit.MarkDue, leaseAlive: a.audit.LeaseAlive,
-		refused: a.metrics.claimsRefused, keysLost: a.metrics.podKeysLost}
-	a.sticky.resumeReleases()
+		RestoreGen: a.hold.Pending, AuditDue: a.audit.MarkDue, LeaseAlive: a.audit.LeaseAlive,
+		Refused: a.metrics.claimsRefused, KeysLost: a.metrics.podKeysLost})
+	a.sticky.ResumeReleases()
 	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,
 		Put: a.audit.Keys().Put, Deleted: a.audit.Keys().Deleted, Listed: a.audit.Keys().Listed}
 	if st, ok, err := restorenotice.LoadSettle(cfg.StateDir, time.Now()); err != nil {
@@ -209,7 +210,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	cw.pods, cw.locks, cw.pools = a.pods, &a.locks, a.pools
 	cw.heldFor, cw.allocation, cw.mine = a.attach.HeldFor, a.attach.Allocation, a.blockLeases.mine
 	cw.keepClaim = func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error {
-		return a.sticky.keepClaimLocked(ctx, own, stickyRef{owner, ifName, pool})
+		return a.sticky.KeepClaimLocked(ctx, own, owner, ifName, pool)
 	}
 	cw.open, cw.resolved = a.metrics.conflictsOpen, a.metrics.conflictsResolved
 	a.imports = a.newImporter()
@@ -236,7 +237,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	// started during the settle time (a node replaced, a state directory lost) settles too.
 	restoredRev := a.notices.ReadRestored(ctx)
 	a.resumeBlocks(ctx)
-	a.sticky.resumeClaims(ctx)
+	a.sticky.ResumeClaims(ctx)
 	a.recovery.Start()
 	a.wg.Go(func() { a.audit.GoneLoop(actx) })
 	a.notices.Start(restoredRev)

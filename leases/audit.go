@@ -18,7 +18,7 @@ func (a *Agent) newAuditor() *audit.Auditor {
 		Client: a.cli, Keeper: a.keeper, Log: a.log, Pods: a.pods, Locks: &a.locks,
 		NodeLease: a.self.Lease, BlockLeaseLost: a.blockLeaseLost,
 		AuditClaims: func(ctx context.Context, layouts map[string]allocator.Blocks) error {
-			return a.sticky.auditClaims(ctx, layouts)
+			return a.sticky.Audit(ctx, layouts)
 		},
 		Wake: func() { a.recovery.Wake() },
 		WentBack: func(why string, heldBefore map[podbook.ConflictRef]bool) {

@@ -145,7 +145,7 @@ func restsUnder(q *mvccpb.KeyValue, claim string, same bool) bool {
 // rests under that claim (q, its quarantine key) and held names an owner of cluster. Such a
 // key does not keep the address from the running pod, as it keeps it from others: an ADD
 // naming the claim takes the claim's addresses over it once no allocation stands
-// (readClaim), and a running pod of the claim takes them back as well. A restored backup
+// (sticky.Claims.Read), and a running pod of the claim takes them back as well. A restored backup
 // brings back the held keys of the claim's earlier holders, on block leases of nodes gone
 // since that stand for the reuse delay: waited for, they would keep the running pod from its
 // addresses, and its claim's quarantine keys off its claim lease, for that long.

@@ -53,7 +53,7 @@ type conflictWatch struct {
 	allocation func(req allocator.Request, owner string, lease clientv3.LeaseID, created time.Time) keyspace.Allocation
 	mine       func(clientv3.LeaseID) bool
 	// keepClaim checks the sticky claim of owner's attachment on ifName in pool, and puts
-	// back what is not as written, under the owner lock own (stickyClaims.keepClaimLocked).
+	// back what is not as written, under the owner lock own (sticky.Claims.KeepClaimLocked).
 	keepClaim func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error
 	// open is set to the number of addresses followed; resolved counts the resolutions.
 	open     prometheus.Gauge

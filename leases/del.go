@@ -49,6 +49,6 @@ func (a *Agent) newReleaser() *release.Releaser {
 		OthersSince: func(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) ([]keyspace.TakenByOther, bool) {
 			return a.recovery.OthersSince(ctx, owner, key, ip, from, to, before)
 		},
-		ReleaseSticky: a.sticky.releaseSticky, StickyReleased: a.sticky.released, ClaimReleaseTTL: a.sticky.claimReleaseTTL,
+		ReleaseSticky: a.sticky.Release, StickyReleased: a.sticky.Released, ClaimReleaseTTL: a.sticky.ReleaseTTL,
 		Result: result}
 }

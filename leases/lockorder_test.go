@@ -17,20 +17,20 @@ import (
 // followed into what the agent wires into it (a method value a.release.ReleaseOwner, or the
 // calls of a func literal), wherever a composite literal of the part's type sets the field,
 // or of its package's Config for a part cut out as a package (partPkgs), whose methods call
-// them as recv.cfg.Field.
+// them as recv.cfg.Field, in Start or a method of Agent.
 func TestOwnerLockOrder(t *testing.T) {
 	// lockParts are the fields of Agent whose type's methods are followed too, by type: a
-	// call a.sticky.keepClaimLocked is one of stickyClaims.keepClaimLocked. A part's call of
+	// call a.sticky.KeepClaimLocked is one of Claims.KeepClaimLocked. A part's call of
 	// a func field Start wired to the Agent's method of the same name (im.heldFor) is one of
 	// that method; a call of a part's func field that the agent sets by name is followed into
 	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake).
-	lockParts := map[string]string{"sticky": "stickyClaims", "recovery": "Reclaimer", "notices": "Notices",
+	lockParts := map[string]string{"sticky": "Claims", "recovery": "Reclaimer", "notices": "Notices",
 		"cwatch": "conflictWatch", "imports": "Importer", "audit": "Auditor", "release": "Releaser",
 		"attach": "Attachments"}
 	// partPkgs are the parts cut out as packages under leases/: their directory and package
 	// name, and their type.
 	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser",
-		"reclaim": "Reclaimer", "imports": "Importer", "attach": "Attachments"}
+		"reclaim": "Reclaimer", "imports": "Importer", "attach": "Attachments", "sticky": "Claims"}
 	dirs := []string{"."}
 	for dir := range partPkgs {
 		dirs = append(dirs, dir)
@@ -103,17 +103,27 @@ func TestOwnerLockOrder(t *testing.T) {
 			methods[typ+"."+fn.Name.Name] = m
 		}
 	}
-	// The func fields of the parts, as methods calling what the agent's methods wire into them.
+	// The func fields of the parts, as methods calling what Start and the agent's methods wire
+	// into them.
 	for _, src := range agentSource(t, fset, ".") {
 		for _, d := range src.f.Decls {
 			fn, ok := d.(*ast.FuncDecl)
-			if !ok || fn.Body == nil || fn.Recv == nil || len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
+			if !ok || fn.Body == nil {
 				continue
 			}
-			if star, ok := fn.Recv.List[0].Type.(*ast.StarExpr); !ok || star.X.(*ast.Ident).Name != "Agent" {
+			recv := "a" // Start's agent
+			if fn.Recv == nil && fn.Name.Name != "Start" {
 				continue
 			}
-			recv := fn.Recv.List[0].Names[0].Name
+			if fn.Recv != nil {
+				if len(fn.Recv.List) != 1 || len(fn.Recv.List[0].Names) != 1 {
+					continue
+				}
+				if star, ok := fn.Recv.List[0].Type.(*ast.StarExpr); !ok || star.X.(*ast.Ident).Name != "Agent" {
+					continue
+				}
+				recv = fn.Recv.List[0].Names[0].Name
+			}
 			ast.Inspect(fn.Body, func(n ast.Node) bool {
 				lit, ok := n.(*ast.CompositeLit)
 				if !ok {

@@ -187,7 +187,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
 		HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
 		Loops:        a.loops,
-		KeepClaimsOf: a.sticky.keepClaimsOf, Fail: a.fail, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
+		KeepClaimsOf: a.sticky.KeepClaimsOf, Fail: a.fail, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,

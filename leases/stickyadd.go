@@ -9,63 +9,64 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/leases/attach"
 	"github.com/leasehold/leasehold/leases/podbook"
+	"github.com/leasehold/leasehold/leases/sticky"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
-// addState is what the sticky claims (sticky.go) read and write of one ADD naming a claim.
-type addState struct {
-	req   allocator.Request
-	owner string
-	// sticky is the claim as read; origRequested the addresses the runtime asked for, before
-	// the claim's replaced them.
-	sticky        *stickyAdd
-	origRequested []netip.Addr
-}
-
 // stickyAddOf is the sticky claim an ADD of req names, as the attachments see it
 // (attach.Config.Sticky).
-func stickyAddOf(sc *stickyClaims) func(req allocator.Request, owner string) attach.Sticky {
+func stickyAddOf(sc *sticky.Claims) func(req allocator.Request, owner string) attach.Sticky {
 	return func(req allocator.Request, owner string) attach.Sticky {
-		return &addSticky{sc: sc, st: &addState{req: req, owner: owner, origRequested: req.RequestedIPs}}
+		return &addSticky{sc: sc, req: req, owner: owner, orig: req.RequestedIPs}
 	}
 }
 
-// addSticky is one ADD's sticky claim (attach.Sticky).
+// addSticky is one ADD's sticky claim (attach.Sticky), read and written by the sticky claims
+// (leases/sticky).
 type addSticky struct {
-	sc *stickyClaims
-	st *addState
+	sc    *sticky.Claims
+	req   allocator.Request
+	owner string
+	// read is the claim as read; orig the addresses the runtime asked for, before the claim's
+	// replaced them.
+	read *sticky.Add
+	orig []netip.Addr
 }
 
 var _ attach.Sticky = (*addSticky)(nil)
 
-func (s *addSticky) Stale() bool { return s.st.sticky == nil || s.st.sticky.stale }
+func (s *addSticky) Stale() bool { return s.read == nil || s.read.Stale }
 
 func (s *addSticky) Read(ctx context.Context, spec allocator.PoolSpec, req *allocator.Request) error {
-	s.st.req.RequestedIPs = req.RequestedIPs
-	err := s.sc.readSticky(ctx, spec, s.st)
-	req.RequestedIPs = s.st.req.RequestedIPs
-	return err
+	s.req.RequestedIPs = req.RequestedIPs
+	read, err := s.sc.Read(ctx, spec, &s.req, s.owner, s.orig, s.read)
+	req.RequestedIPs = s.req.RequestedIPs
+	if err != nil {
+		return err
+	}
+	s.read = read
+	return nil
 }
 
-func (s *addSticky) Returning() bool { return s.st.sticky != nil && s.st.sticky.rev > 0 }
+func (s *addSticky) Returning() bool { return s.read != nil && s.read.Rev > 0 }
 
 func (s *addSticky) Claim(ctx context.Context, c *txn.Claim, now time.Time) error {
-	return s.sc.stickyClaim(ctx, s.st, c, now)
+	return s.sc.Claim(ctx, s.read, s.owner, s.req, c, now)
 }
 
 func (s *addSticky) Found(out txn.ClaimOutcome) bool {
-	k := s.st.sticky
-	if !out.ClaimChanged && (k.rev == 0 || !slices.ContainsFunc(out.Addrs, txn.AddrFound.Taken)) {
+	k := s.read
+	if !out.ClaimChanged && (k.Rev == 0 || !slices.ContainsFunc(out.Addrs, txn.AddrFound.Taken)) {
 		return false
 	}
-	k.stale = true
+	k.Stale = true
 	return true
 }
 
 func (s *addSticky) Bound(at *podbook.Attachment) bool {
-	k := s.st.sticky
-	at.Claim, at.ClaimLease, at.ClaimHold, k.used = k.name, k.lease, k.hold, true
-	return k.handover
+	k := s.read
+	at.Claim, at.ClaimLease, at.ClaimHold, k.Used = k.Name, k.Lease, k.Hold, true
+	return k.Handover
 }
 
-func (s *addSticky) Drop() { s.sc.dropSticky(s.st) }
+func (s *addSticky) Drop() { s.sc.Drop(s.read) }

@@ -64,7 +64,7 @@ type Attachment struct {
 	// unknown). A DEL that finds it current needs no read before its transaction.
 	OwnerRev int64 `json:"ownerRev,omitempty"`
 	// Claim is the attachment's sticky claim, kept on ClaimLease, which this agent renews
-	// while the attachment holds it, and released with it for ClaimHold (leases/sticky.go).
+	// while the attachment holds it, and released with it for ClaimHold (leases/sticky).
 	Claim      string           `json:"claim,omitempty"`
 	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
 	ClaimHold  time.Duration    `json:"claimHold,omitempty"`

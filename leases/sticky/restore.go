@@ -1,4 +1,4 @@
-package leases
+package sticky
 
 import (
 	"context"
@@ -16,7 +16,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/node"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Sticky claims after etcd went back in time: the claims this agent released are kept until
@@ -68,7 +70,7 @@ func (s *stickyKept) releasedNow() map[string]releasedClaim {
 	defer s.mu.Unlock()
 	out := map[string]releasedClaim{}
 	for k, r := range s.releases {
-		if time.Until(r.ends) > minLeaseTTL {
+		if time.Until(r.ends) > keeper.MinTTL {
 			out[k] = r
 		}
 	}
@@ -77,10 +79,10 @@ func (s *stickyKept) releasedNow() map[string]releasedClaim {
 
 // releaseStaleClaims releases, after etcd went back in time, the claims naming as holder an
 // attachment of this node identity that it no longer has: the backup brought them back as
-// they were before the attachment's DEL. Each goes as the DEL released it (releaseSticky):
+// they were before the attachment's DEL. Each goes as the DEL released it (Release):
 // without a holder, with its addresses' claim-marked quarantine keys, onto a lease of the hold
 // plus quarantine that nobody renews, compared unchanged since read.
-func (sc *stickyClaims) releaseStaleClaims(ctx context.Context) error {
+func (sc *Claims) releaseStaleClaims(ctx context.Context) error {
 	octx, cancel := sc.opCtx(ctx)
 	resp, err := sc.cli.Get(octx, keyspace.ClaimsPrefix(sc.cfg.Cluster), clientv3.WithPrefix())
 	cancel()
@@ -108,8 +110,8 @@ func (sc *stickyClaims) releaseStaleClaims(ctx context.Context) error {
 }
 
 // releaseStaleClaim releases claim name of pool, read at kv as rec (releaseStaleClaims).
-func (sc *stickyClaims) releaseStaleClaim(ctx context.Context, pool, name string, kv *mvccpb.KeyValue, rec keyspace.ClaimRecord) error {
-	blocks, _, err := sc.layout(ctx, pool)
+func (sc *Claims) releaseStaleClaim(ctx context.Context, pool, name string, kv *mvccpb.KeyValue, rec keyspace.ClaimRecord) error {
+	blocks, _, err := sc.cfg.Layout(ctx, pool)
 	if err != nil {
 		return err
 	}
@@ -124,8 +126,8 @@ func (sc *stickyClaims) releaseStaleClaim(ctx context.Context, pool, name string
 	if err != nil {
 		return sc.unavailable("read the addresses of claim "+string(kv.Key), err)
 	}
-	at := attachment{Claim: name, IPs: rec.IPs, ClaimHold: time.Duration(rec.HoldSeconds) * time.Second}
-	key, crec, holdLease, err := sc.releaseSticky(octx, pool, owner, at)
+	at := podbook.Attachment{Claim: name, IPs: rec.IPs, ClaimHold: time.Duration(rec.HoldSeconds) * time.Second}
+	key, crec, holdLease, err := sc.Release(octx, pool, owner, at)
 	if err != nil {
 		return err
 	}
@@ -170,7 +172,7 @@ func (sc *stickyClaims) releaseStaleClaim(ctx context.Context, pool, name string
 	}
 	if tresp.Succeeded && len(crec.IPs) > 0 {
 		sc.kept.released(key, pool, name, crec, keyspace.QuarantineRecord{ReleasedBy: owner, Until: until, Claim: name},
-			sc.claimReleaseTTL(at))
+			sc.ReleaseTTL(at))
 		sc.log.Warn("a sticky claim etcd's restored backup brought back named an attachment of this node deleted since; released "+
 			"as its DEL did", "claim", name, "pool", pool, "holder", owner, "ips", crec.IPs, "until", until)
 	}
@@ -184,7 +186,7 @@ func (sc *stickyClaims) releaseStaleClaim(ctx context.Context, pool, name string
 // in any state, is left as it is: its holder's agent keeps it, or the release of the stale
 // record (releaseStaleClaims) did. The releases are kept in the state directory
 // (releasedFile), so an agent restarted since a release puts it back too.
-func (sc *stickyClaims) restoreReleasedClaims(ctx context.Context) error {
+func (sc *Claims) restoreReleasedClaims(ctx context.Context) error {
 	var errs []error
 	for key, r := range sc.kept.releasedNow() {
 		errs = append(errs, sc.restoreReleasedClaim(ctx, key, r))
@@ -193,8 +195,8 @@ func (sc *stickyClaims) restoreReleasedClaims(ctx context.Context) error {
 }
 
 // restoreReleasedClaim is restoreReleasedClaims for the claim at key, released as r.
-func (sc *stickyClaims) restoreReleasedClaim(ctx context.Context, key string, r releasedClaim) error {
-	blocks, _, err := sc.layout(ctx, r.pool)
+func (sc *Claims) restoreReleasedClaim(ctx context.Context, key string, r releasedClaim) error {
+	blocks, _, err := sc.cfg.Layout(ctx, r.pool)
 	if err != nil {
 		return err
 	}
@@ -256,7 +258,7 @@ func (sc *stickyClaims) restoreReleasedClaim(ctx context.Context, key string, r 
 		return sc.unavailable("put back the released claim "+key, err)
 	}
 	if tresp.Succeeded {
-		sc.keysLost.Add(float64(1 + len(qKeys)))
+		sc.cfg.KeysLost.Add(float64(1 + len(qKeys)))
 		sc.log.Warn("a sticky claim this node released was gone after etcd went back in time; put back as released until its hold ends",
 			"claim", r.name, "pool", r.pool, "ips", rec.IPs, "lease", keyspace.LeaseHex(g.ID), "ttl", left.Round(time.Second))
 	}

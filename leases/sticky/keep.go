@@ -1,4 +1,4 @@
-package leases
+package sticky
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // Keeping the sticky claims of running attachments (issue 32). The claim record and its
@@ -41,7 +42,7 @@ type stickyRef struct{ owner, ifName, pool string }
 // then the claim-marked quarantine key of each address not in conflict, on the claim lease.
 type stickyCheck struct {
 	ref  stickyRef
-	at   attachment
+	at   podbook.Attachment
 	keys []string
 	revs []int64 // per key, the ModRevision last found right; nil: not yet
 }
@@ -128,7 +129,7 @@ func (s *stickyKept) conflictGone(key string) {
 }
 
 // stickyKeys are the keys the audit expects of at's claim in a pool of layout blocks.
-func stickyKeys(cluster string, at attachment, blocks allocator.Blocks) (keys []string, addrs []netip.Addr) {
+func stickyKeys(cluster string, at podbook.Attachment, blocks allocator.Blocks) (keys []string, addrs []netip.Addr) {
 	keys = append(keys, keyspace.ClaimKey(cluster, at.Pool, at.Claim))
 	for _, ip := range at.IPs {
 		if !slices.Contains(at.Conflicts, ip) {
@@ -139,11 +140,11 @@ func stickyKeys(cluster string, at attachment, blocks allocator.Blocks) (keys []
 	return keys, addrs
 }
 
-// auditClaims is the audit of the running attachments' claims (see the top of this file): a
+// Audit is the audit of the running attachments' claims (see the top of this file): a
 // compare per key of those found right before, a read of the others and of those whose
 // compare failed, and the repair, under the owner's lock, of what is not right. After etcd
 // went back in time it also releases the claims naming this node's deleted attachments.
-func (sc *stickyClaims) auditClaims(ctx context.Context, layouts map[string]allocator.Blocks) error {
+func (sc *Claims) Audit(ctx context.Context, layouts map[string]allocator.Blocks) error {
 	var checks []stickyCheck
 	for _, h := range sc.pods.Audit().Sticky(layouts) {
 		keys, _ := stickyKeys(sc.cfg.Cluster, h.At, layouts[h.At.Pool])
@@ -215,7 +216,7 @@ func (sc *stickyClaims) auditClaims(ctx context.Context, layouts map[string]allo
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	if gen := sc.restoreGen(); gen != sc.kept.swept.Load() {
+	if gen := sc.cfg.RestoreGen(); gen != sc.kept.swept.Load() {
 		if err := sc.releaseStaleClaims(ctx); err != nil {
 			return err
 		}
@@ -228,13 +229,13 @@ func (sc *stickyClaims) auditClaims(ctx context.Context, layouts map[string]allo
 }
 
 // holderIs tells whether h names owner's attachment at on this node identity.
-func (sc *stickyClaims) holderIs(h *keyspace.ClaimHolder, owner string, at attachment) bool {
+func (sc *Claims) holderIs(h *keyspace.ClaimHolder, owner string, at podbook.Attachment) bool {
 	return h != nil && h.Owner == owner && h.IfName == at.IfName && h.ContainerID == at.ContainerID && h.NodeUID == sc.cfg.NodeUID
 }
 
 // claimRight tells whether kvs, read for owner's attachment at at the keys stickyKeys lists,
 // are as the agent writes them on at's claim lease, and returns their ModRevisions.
-func (sc *stickyClaims) claimRight(owner string, at attachment, kvs []*mvccpb.KeyValue) ([]int64, bool) {
+func (sc *Claims) claimRight(owner string, at podbook.Attachment, kvs []*mvccpb.KeyValue) ([]int64, bool) {
 	revs := make([]int64, len(kvs))
 	for i, kv := range kvs {
 		if kv == nil || at.ClaimLease == 0 || keyspace.LeaseOf(kv) != at.ClaimLease {
@@ -254,15 +255,15 @@ func (sc *stickyClaims) claimRight(owner string, at attachment, kvs []*mvccpb.Ke
 }
 
 // keepClaim checks and repairs ref's claim under its owner's lock.
-func (sc *stickyClaims) keepClaim(ctx context.Context, ref stickyRef) error {
+func (sc *Claims) keepClaim(ctx context.Context, ref stickyRef) error {
 	own := sc.locks.Lock(ref.owner)
 	defer own.Unlock()
-	return sc.keepClaimLocked(ctx, own, ref)
+	return sc.KeepClaimLocked(ctx, own, ref.owner, ref.ifName, ref.pool)
 }
 
-// keepClaimsOf checks and repairs the claims of own's attachments. One that cannot be
+// KeepClaimsOf checks and repairs the claims of own's attachments. One that cannot be
 // checked now is left to the next audit.
-func (sc *stickyClaims) keepClaimsOf(ctx context.Context, own *ownerlock.Owned) error {
+func (sc *Claims) KeepClaimsOf(ctx context.Context, own *ownerlock.Owned) error {
 	owner := own.Owner()
 	ps, ok := sc.pods.Snapshot(owner)
 	if !ok {
@@ -271,28 +272,30 @@ func (sc *stickyClaims) keepClaimsOf(ctx context.Context, own *ownerlock.Owned) 
 	var errs []error
 	for _, at := range ps.Attachments {
 		if at.Claim != "" && !at.Released {
-			errs = append(errs, sc.keepClaimLocked(ctx, own, stickyRef{owner, at.IfName, at.Pool}))
+			errs = append(errs, sc.KeepClaimLocked(ctx, own, owner, at.IfName, at.Pool))
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// keepClaimLocked checks ref's claim and puts back what is not as the agent wrote it, under
-// own, ref's owner's lock. A failure makes an audit due, which tries again.
-func (sc *stickyClaims) keepClaimLocked(ctx context.Context, own *ownerlock.Owned, ref stickyRef) (err error) {
+// KeepClaimLocked checks the claim of owner's attachment on ifName in pool and puts back what
+// is not as the agent wrote it, under own, owner's lock. A failure makes an audit due, which
+// tries again.
+func (sc *Claims) KeepClaimLocked(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) (err error) {
+	ref := stickyRef{owner, ifName, pool}
 	defer func() {
 		if err != nil {
-			sc.auditDue()
+			sc.cfg.AuditDue()
 		}
 	}()
 	for range 3 {
 		ps, ok := sc.pods.Snapshot(ref.owner)
 		podLease, held := ps.Held()
-		i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
+		i := slices.IndexFunc(ps.Attachments, func(at podbook.Attachment) bool { return at.IfName == ref.ifName && at.Pool == ref.pool })
 		if !ok || !held || i < 0 || ps.Attachments[i].Claim == "" || ps.Attachments[i].Released {
 			return nil // released, or being re-claimed: the re-claim checks it
 		}
-		blocks, migrating, err := sc.layout(ctx, ref.pool)
+		blocks, migrating, err := sc.cfg.Layout(ctx, ref.pool)
 		if err != nil {
 			return err
 		}

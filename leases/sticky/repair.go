@@ -1,4 +1,4 @@
-package leases
+package sticky
 
 import (
 	"context"
@@ -15,16 +15,17 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
+	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
 // The repair of one running attachment's sticky claim, under its owner's lock (keepClaimOnce):
 // what the audit, the re-claim or the resolution of a conflict found not as the agent wrote
-// it is put back, compared as read (see the top of stickykeep.go).
+// it is put back, compared as read (see the top of keep.go).
 
 // keepClaimOnce is one check and repair of at's claim; done is false when a compare failed
 // and it should run again.
-func (sc *stickyClaims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podState, podLease clientv3.LeaseID, at attachment, blocks allocator.Blocks) (done bool, _ error) {
+func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps podbook.PodState, podLease clientv3.LeaseID, at podbook.Attachment, blocks allocator.Blocks) (done bool, _ error) {
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
 	owner := ps.Owner
@@ -250,7 +251,7 @@ func (sc *stickyClaims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned,
 		return true, nil
 	}
 	tresp, err := sc.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
-	if err != nil && txn.Refused(err) && txn.LeaseGone(err) && lease == at.ClaimLease && !sc.leaseAlive(ctx, lease) {
+	if err != nil && txn.Refused(err) && txn.LeaseGone(err) && lease == at.ClaimLease && !sc.cfg.LeaseAlive(ctx, lease) {
 		// Revoked or expired before the keeper's next renewal would have said so: the next
 		// attempt puts the claim on a new one.
 		sc.keeper.Forget(lease)
@@ -271,7 +272,7 @@ func (sc *stickyClaims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned,
 	if lease != at.ClaimLease || indexed {
 		sc.pods.Change(own).SetClaim(at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
 	}
-	sc.keysLost.Add(float64(len(problems)))
+	sc.cfg.KeysLost.Add(float64(len(problems)))
 	sc.log.Error("the sticky claim of a running pod was missing or changed in etcd; put back", "owner", owner, "claim", at.Claim,
 		"pool", at.Pool, "lease", keyspace.LeaseHex(lease), "keys", problems)
 	return true, nil
@@ -279,7 +280,7 @@ func (sc *stickyClaims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned,
 
 // recordClaimRight reads owner's claim keys once more and records their ModRevisions if
 // they are right (a repair wrote only some of them).
-func (sc *stickyClaims) recordClaimRight(ctx context.Context, owner string, at attachment, keys []string) {
+func (sc *Claims) recordClaimRight(ctx context.Context, owner string, at podbook.Attachment, keys []string) {
 	ops := make([]clientv3.Op, len(keys))
 	for i, k := range keys {
 		ops[i] = clientv3.OpGet(k)
