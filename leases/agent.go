@@ -19,6 +19,7 @@ import (
 	"github.com/leasehold/leasehold/leases/attach"
 	"github.com/leasehold/leasehold/leases/audit"
 	"github.com/leasehold/leasehold/leases/claimloop"
+	"github.com/leasehold/leasehold/leases/conflicts"
 	"github.com/leasehold/leasehold/leases/etcdgate"
 	"github.com/leasehold/leasehold/leases/imports"
 	"github.com/leasehold/leasehold/leases/keeper"
@@ -69,8 +70,8 @@ type Agent struct {
 	pods *podbook.Book
 	// self is this node: its identity, its record and the record's lease (leases/node).
 	self *node.Self
-	// cwatch follows each conflicted address of this node's pods (conflicts.go).
-	cwatch *conflictWatch
+	// cwatch follows each conflicted address of this node's pods (leases/conflicts).
+	cwatch *conflicts.Watch
 	// imports claims what other IPAM plugins gave running containers (leases/imports).
 	imports *imports.Importer
 	// release is the agent's DEL, GC and CHECK (leases/release).
@@ -126,7 +127,6 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		ctx:     actx,
 		cancel:  cancel,
 		jw:      podbook.NewWriter(cfg.StateDir, cfg.Logger),
-		cwatch:  newConflictWatch(),
 		started: time.Now(),
 		stopped: make(chan struct{}),
 	}
@@ -203,16 +203,11 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.audit.SetPools(a.pools) // made after the audit, whose OwnKeys the views are handed
 	a.rules = rules.New(a.cli, rules.Config{Cluster: cfg.Cluster, Log: a.log, PoolChanged: a.pools.Invalidate})
 	a.attach = a.newAttachments()
-	// The conflict watch was made with the agent, for the gate's signals; the rest of what it
-	// uses is handed in now that the pools are made.
-	cw := a.cwatch
-	cw.cfg, cw.ctx, cw.cli, cw.log = conflictConfig{Cluster: cfg.Cluster, OpTimeout: cfg.OpTimeout}, actx, a.cli, a.log
-	cw.pods, cw.locks, cw.pools = a.pods, &a.locks, a.pools
-	cw.heldFor, cw.allocation, cw.mine = a.attach.HeldFor, a.attach.Allocation, a.blockLeases.mine
-	cw.keepClaim = func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error {
-		return a.sticky.KeepClaimLocked(ctx, own, owner, ifName, pool)
-	}
-	cw.open, cw.resolved = a.metrics.conflictsOpen, a.metrics.conflictsResolved
+	// The conflict watch is made once the pools are: it resolves a conflict in a pool's view.
+	a.cwatch = conflicts.New(actx, a.cli, a.pods, &a.locks, a.pools, conflicts.Config{Cluster: cfg.Cluster,
+		OpTimeout: cfg.OpTimeout, Log: a.log, HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
+		Mine: a.blockLeases.mine, KeepClaim: a.sticky.KeepClaimLocked, Open: a.metrics.conflictsOpen,
+		Resolved: a.metrics.conflictsResolved})
 	a.imports = a.newImporter()
 	a.release = a.newReleaser()
 	a.recovery, a.notices = a.newRecovery()
@@ -285,7 +280,7 @@ func (a *Agent) Close() {
 		a.wg.Wait()
 		a.recovery.Wait()
 		a.notices.Wait()
-		a.cwatch.wait()
+		a.cwatch.Wait()
 		if a.pods.Count() == 0 && a.Err() == nil {
 			if err := a.blockLeases.revokeAll(); err != nil {
 				a.log.Warn("giving this node's blocks back failed; they return to the pool when their lease expires", "err", err)

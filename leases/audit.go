@@ -23,7 +23,7 @@ func (a *Agent) newAuditor() *audit.Auditor {
 		Wake: func() { a.recovery.Wake() },
 		WentBack: func(why string, heldBefore map[podbook.ConflictRef]bool) {
 			a.notices.EtcdWentBack(why)
-			a.cwatch.heldAlso(heldBefore)
+			a.cwatch.HeldAlso(heldBefore)
 		},
 		CheckNow: func() { a.recovery.CheckNow() },
 		Audits:   a.metrics.audits, PodKeysLost: a.metrics.podKeysLost})

@@ -44,7 +44,7 @@ func (a *Agent) newReleaser() *release.Releaser {
 			Unquarantined: a.metrics.unquarantined, NoSpace: a.metrics.noSpace, RTT: a.metrics.rtt, Conflicts: a.conflicts.Add},
 		Ctx: a.ctx, Go: a.wg.Go,
 		Validate: a.validate, AttachmentOwner: a.attachmentOwner, Reachable: a.reachable,
-		Stopped: a.Err, ConflictDeleted: a.imports.ConflictDeleted, StopWatch: a.cwatch.stop,
+		Stopped: a.Err, ConflictDeleted: a.imports.ConflictDeleted, StopWatch: a.cwatch.Stop,
 		Wake: func() { a.recovery.Wake() },
 		OthersSince: func(ctx context.Context, owner, key string, ip netip.Addr, from, to int64, before time.Time) ([]keyspace.TakenByOther, bool) {
 			return a.recovery.OthersSince(ctx, owner, key, ip, from, to, before)

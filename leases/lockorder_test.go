@@ -25,12 +25,13 @@ func TestOwnerLockOrder(t *testing.T) {
 	// that method; a call of a part's func field that the agent sets by name is followed into
 	// what it sets there (r.Wake is what newReleaser wires into Releaser.Wake).
 	lockParts := map[string]string{"sticky": "Claims", "recovery": "Reclaimer", "notices": "Notices",
-		"cwatch": "conflictWatch", "imports": "Importer", "audit": "Auditor", "release": "Releaser",
+		"cwatch": "Watch", "imports": "Importer", "audit": "Auditor", "release": "Releaser",
 		"attach": "Attachments"}
 	// partPkgs are the parts cut out as packages under leases/: their directory and package
 	// name, and their type.
 	partPkgs := map[string]string{"audit": "Auditor", "restorenotice": "Notices", "release": "Releaser",
-		"reclaim": "Reclaimer", "imports": "Importer", "attach": "Attachments", "sticky": "Claims"}
+		"reclaim": "Reclaimer", "imports": "Importer", "attach": "Attachments", "sticky": "Claims",
+		"conflicts": "Watch"}
 	dirs := []string{"."}
 	for dir := range partPkgs {
 		dirs = append(dirs, dir)

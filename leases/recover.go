@@ -181,7 +181,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		Client: a.cli, Gate: a.gate, Keeper: a.keeper, Log: a.log, Pods: a.pods, Locks: &a.locks, Pools: a.pools,
 		Hold: a.hold, BlockLeases: a.blockLeases.all, MineBlockLease: a.blockLeases.mine,
 		AuditIfDue: a.audit.IfDue, AuditDue: a.audit.MarkDue,
-		WatchConflicts: a.cwatch.watch, NoteRestoredHolds: a.cwatch.noteRestoredHolds, Repaired: a.cwatch.repaired,
+		WatchConflicts: a.cwatch.Follow, NoteRestoredHolds: a.cwatch.NoteRestoredHolds, Repaired: a.cwatch.Repaired,
 		DropCopies: a.audit.DropCopies, Register: a.self.Register, NodeLease: a.self.Lease,
 		ReleaseOwner: a.release.ReleaseOwner, ReleaseAttachment: a.release.ReleaseAttachment,
 		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
@@ -191,7 +191,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,
-		NoteBackHeld: a.cwatch.wentBack,
+		NoteBackHeld: a.cwatch.WentBack,
 		NodeLease:    a.self.Lease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
 		WentBackCount: a.metrics.wentBack})
 	return r, n

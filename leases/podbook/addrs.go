@@ -18,7 +18,7 @@ type poolAddr struct {
 }
 
 // ConflictRef names one conflicted address of one attachment: the agent follows each
-// (leases/conflicts.go), and HeldAddrs lists the addresses of running pods by it.
+// (leases/conflicts), and HeldAddrs lists the addresses of running pods by it.
 type ConflictRef struct {
 	Owner, IfName, Pool string
 	Addr                netip.Addr

@@ -76,7 +76,7 @@ type Attachment struct {
 	ReleasedAt time.Time `json:"releasedAt,omitzero"`
 	// Conflicts are addresses of the attachment that another owner took while the pod's lease
 	// was lost (a re-claim found them held). The agent watches them and takes each back for
-	// the running pod as soon as its holder lets it go (leases/conflicts.go).
+	// the running pod as soon as its holder lets it go (leases/conflicts).
 	Conflicts []netip.Addr `json:"conflicts,omitempty"`
 }
 

@@ -1,4 +1,12 @@
-package leases
+// Package conflicts resolves the agent's conflicts. A conflict is an address of a running
+// pod that another owner took while the pod's lease was lost (a cut-off longer than the reuse
+// delay, or a pool with no other room). The re-claim leaves it to that owner and records it
+// (the conflict record, CHECK code 104, the attachment's Conflicts). It is resolved when it
+// can be: the agent watches the address's allocation key, and as soon as the other owner lets
+// it go (its DEL, or its lease's expiry) puts it back on the running pod's lease, before any
+// other ADD can take it (a release leaves the address in quarantine, which the resolution,
+// like every re-claim, does not compare). A running pod's address so never sits without a key.
+package conflicts
 
 import (
 	"context"
@@ -21,108 +29,110 @@ import (
 	"github.com/leasehold/leasehold/leases/poolview"
 )
 
-// A conflict is an address of a running pod that another owner took while the pod's lease was
-// lost (a cut-off longer than the reuse delay, or a pool with no other room). The re-claim
-// leaves it to that owner and records it (the conflict record, CHECK code 104, the
-// attachment's Conflicts). It is resolved when it can be: the agent watches the address's
-// allocation key, and as soon as the other owner lets it go (its DEL, or its lease's
-// expiry) puts it back on the running pod's lease, before any other ADD can take it (a
-// release leaves the address in quarantine, which the resolution, like every re-claim, does
-// not compare). A running pod's address so never sits without a key.
+// Retry bounds of a resolution that failed, as of the agent's other background retries.
+const (
+	retryFirst = 100 * time.Millisecond
+	retryMax   = 5 * time.Second
+)
 
-// conflictWatch is the agent's part that resolves conflicts: it follows each conflicted
-// address of the node's pods with a goroutine of its own, and puts the address back on the
-// running pod's lease once its other holder lets it go. It owns those goroutines and what it
-// knows of a restore's held keys on the pods' addresses (what the pods held when the agent
-// found etcd gone back, and the held keys of other owners the re-claim found on them). The
-// agent calls it from the re-claim pass (watch, noteRestoredHolds, repaired), DEL (stop), the
-// notices of etcd going back (wentBack, heldAlso) and Close (wait). What it needs of the agent
-// is handed in when Start makes it.
-type conflictWatch struct {
-	cfg   conflictConfig
+// Watch is the agent's part that resolves conflicts: it follows each conflicted address of
+// the node's pods with a goroutine of its own, and puts the address back on the running pod's
+// lease once its other holder lets it go. It owns those goroutines and what it knows of a
+// restore's held keys on the pods' addresses (what the pods held when the agent found etcd
+// gone back, and the held keys of other owners the re-claim found on them). The agent calls
+// it from the re-claim pass (Follow, NoteRestoredHolds, Repaired), DEL (Stop), the notices of
+// etcd going back (WentBack, HeldAlso) and Close (Wait). What it needs of the agent is handed
+// in when Start makes it (New).
+type Watch struct {
+	cfg   Config
 	ctx   context.Context  // the agent's: the watches end with it
 	cli   *clientv3.Client // the gate's
 	log   *slog.Logger
-	pods  conflictBook
+	pods  Book
 	locks *ownerlock.Locks
 	pools *poolview.Pools
-	// heldFor is the lease and record of the held keys of owner's addresses (Agent.heldFor);
-	// allocation the allocation record of an attachment (Agent.allocation); mine tells a
-	// block lease of this node's.
-	heldFor    func(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error)
-	allocation func(req allocator.Request, owner string, lease clientv3.LeaseID, created time.Time) keyspace.Allocation
-	mine       func(clientv3.LeaseID) bool
-	// keepClaim checks the sticky claim of owner's attachment on ifName in pool, and puts
-	// back what is not as written, under the owner lock own (sticky.Claims.KeepClaimLocked).
-	keepClaim func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error
-	// open is set to the number of addresses followed; resolved counts the resolutions.
-	open     prometheus.Gauge
-	resolved prometheus.Counter
 
 	wg sync.WaitGroup // the goroutines following an address
 	// mu is over following: the cancel of each address's goroutine.
 	mu        sync.Mutex
-	following map[conflictRef]context.CancelFunc
+	following map[podbook.ConflictRef]context.CancelFunc
 	// backHeld are the addresses this node's pods held when the agent last found etcd gone
 	// back in time (of notice backGen), until the repair after it is done; restoredHolds the
 	// held keys of other owners a restore brought back that the re-claim found on such
 	// addresses, by ModRevision.
 	rmu           sync.Mutex
-	backHeld      map[conflictRef]bool
+	backHeld      map[podbook.ConflictRef]bool
 	backGen       uint64
-	restoredHolds map[conflictRef]int64
+	restoredHolds map[podbook.ConflictRef]int64
 }
 
-// conflictConfig is what the conflict watch uses of the agent's Config.
-type conflictConfig struct {
+// Config is what the conflict watch uses of the agent's Config, and what it is handed of the
+// agent's other parts.
+type Config struct {
 	Cluster   string
 	OpTimeout time.Duration
+	Log       *slog.Logger
+	// HeldFor is the lease and record of the held keys of owner's addresses (the agent's
+	// heldFor); Allocation the allocation record of an attachment (the agent's allocation);
+	// Mine tells a block lease of this node's.
+	HeldFor    func(ctx context.Context, owner string) (clientv3.LeaseID, keyspace.HeldRecord, error)
+	Allocation func(req allocator.Request, owner string, lease clientv3.LeaseID, created time.Time) keyspace.Allocation
+	Mine       func(clientv3.LeaseID) bool
+	// KeepClaim checks the sticky claim of owner's attachment on ifName in pool, and puts
+	// back what is not as written, under the owner lock own (sticky.Claims.KeepClaimLocked).
+	KeepClaim func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error
+	// Open is set to the number of addresses followed; Resolved counts the resolutions.
+	Open     prometheus.Gauge
+	Resolved prometheus.Counter
 }
 
-// conflictBook is what the conflict watch asks of the pod book (podbook.Book): the conflicted
+// Book is what the conflict watch asks of the pod book (podbook.Book): the conflicted
 // attachments, a pod, and of a change SetConflicts.
-type conflictBook interface {
-	Conflicted() map[string][]attachment
-	Snapshot(owner string) (podState, bool)
+type Book interface {
+	Conflicted() map[string][]podbook.Attachment
+	Snapshot(owner string) (podbook.PodState, bool)
 	Change(o *ownerlock.Owned) podbook.Change
 }
 
-// newConflictWatch returns a conflict watch following nothing yet; Start fills in the rest.
-func newConflictWatch() *conflictWatch {
-	return &conflictWatch{following: map[conflictRef]context.CancelFunc{}, restoredHolds: map[conflictRef]int64{}}
+// New returns a conflict watch following nothing yet, whose goroutines end with ctx (the
+// agent's), of the agent whose etcd client (the gate's) is cli, whose pod book is pods, whose
+// owner locks are locks and whose pools are pools.
+func New(ctx context.Context, cli *clientv3.Client, pods Book, locks *ownerlock.Locks, pools *poolview.Pools, cfg Config) *Watch {
+	return &Watch{cfg: cfg, ctx: ctx, cli: cli, log: cfg.Log, pods: pods, locks: locks, pools: pools,
+		following: map[podbook.ConflictRef]context.CancelFunc{}, restoredHolds: map[podbook.ConflictRef]int64{}}
 }
 
-// wait returns once every goroutine following an address has ended; the agent's context is
+// Wait returns once every goroutine following an address has ended; the agent's context is
 // cancelled first, so that none starts after.
-func (cw *conflictWatch) wait() {
+func (cw *Watch) Wait() {
 	cw.mu.Lock() // a watch that started goroutines before the cancel is done adding them
 	cw.mu.Unlock()
 	cw.wg.Wait()
 }
 
 // opCtx bounds one etcd request by the operation timeout.
-func (cw *conflictWatch) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
+func (cw *Watch) opCtx(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, cw.cfg.OpTimeout)
 }
 
 // unavailable wraps an etcd error so that the runtime retries (as Agent.unavailable).
-func (cw *conflictWatch) unavailable(what string, err error) error {
+func (cw *Watch) unavailable(what string, err error) error {
 	return fmt.Errorf("%w: %s: %w", allocator.ErrUnavailable, what, err)
 }
 
-// watch starts following every conflicted address the agent's pods list, and stops
+// Follow starts following every conflicted address the agent's pods list, and stops
 // following those no pod lists any more.
-func (cw *conflictWatch) watch() {
-	want := map[conflictRef]bool{}
+func (cw *Watch) Follow() {
+	want := map[podbook.ConflictRef]bool{}
 	for owner, ats := range cw.pods.Conflicted() {
 		for _, at := range ats {
 			for _, addr := range at.Conflicts {
-				want[conflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: addr}] = true
+				want[podbook.ConflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: addr}] = true
 			}
 		}
 	}
 	cw.rmu.Lock()
-	maps.DeleteFunc(cw.restoredHolds, func(ref conflictRef, _ int64) bool { return !want[ref] })
+	maps.DeleteFunc(cw.restoredHolds, func(ref podbook.ConflictRef, _ int64) bool { return !want[ref] })
 	cw.rmu.Unlock()
 	cw.mu.Lock()
 	defer cw.mu.Unlock()
@@ -144,7 +154,7 @@ func (cw *conflictWatch) watch() {
 		cw.wg.Add(1)
 		go cw.followConflict(ctx, ref)
 	}
-	cw.open.Set(float64(len(cw.following)))
+	cw.cfg.Open.Set(float64(len(cw.following)))
 }
 
 // followConflict tries to resolve ref, and while the address is held by another owner waits
@@ -154,14 +164,14 @@ func (cw *conflictWatch) watch() {
 // the address stays held back until that hold ends too (but for another pod of the running
 // pod's own sticky claim, heldForClaim, and for a hold a restore brought back from before the
 // running pod had the address, restoredHold).
-func (cw *conflictWatch) followConflict(ctx context.Context, ref conflictRef) {
+func (cw *Watch) followConflict(ctx context.Context, ref podbook.ConflictRef) {
 	defer cw.wg.Done()
 	defer func() {
 		cw.mu.Lock()
 		if cw.following[ref] != nil && ctx.Err() == nil {
 			delete(cw.following, ref)
 		}
-		cw.open.Set(float64(len(cw.following)))
+		cw.cfg.Open.Set(float64(len(cw.following)))
 		cw.mu.Unlock()
 	}()
 	backoff := retryFirst
@@ -174,8 +184,12 @@ func (cw *conflictWatch) followConflict(ctx context.Context, ref conflictRef) {
 			if err != nil {
 				cw.log.Warn("resolving a conflict failed; retrying", "owner", ref.Owner, "ip", ref.Addr, "err", err, "retry_in", backoff)
 			}
-			if !sleepCtx(ctx, backoff) {
+			wait := time.NewTimer(backoff)
+			select {
+			case <-ctx.Done():
+				wait.Stop()
 				return
+			case <-wait.C:
 			}
 			backoff = min(2*backoff, retryMax)
 			continue
@@ -186,7 +200,7 @@ func (cw *conflictWatch) followConflict(ctx context.Context, ref conflictRef) {
 }
 
 // awaitDelete returns once key is deleted after revision rev, or the watch breaks, or ctx ends.
-func (cw *conflictWatch) awaitDelete(ctx context.Context, key string, rev int64) {
+func (cw *Watch) awaitDelete(ctx context.Context, key string, rev int64) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	for resp := range cw.cli.Watch(wctx, key, clientv3.WithRev(rev+1), clientv3.WithFilterPut()) {
@@ -196,9 +210,9 @@ func (cw *conflictWatch) awaitDelete(ctx context.Context, key string, rev int64)
 	}
 }
 
-// stop ends the conflict watches of owner's attachments that no longer list them
+// Stop ends the conflict watches of owner's attachments that no longer list them
 // (after its DEL).
-func (cw *conflictWatch) stop(owner string) {
+func (cw *Watch) Stop(owner string) {
 	cw.mu.Lock()
 	mine := false
 	for ref := range cw.following {
@@ -206,19 +220,19 @@ func (cw *conflictWatch) stop(owner string) {
 	}
 	cw.mu.Unlock()
 	if mine {
-		cw.watch()
+		cw.Follow()
 	}
 }
 
-// noteRestoredHolds records, for a re-claim of owner's attachment at after etcd went back in
+// NoteRestoredHolds records, for a re-claim of owner's attachment at after etcd went back in
 // time, the held keys of other owners (holds, by address) on addresses the pod held when the
 // agent found etcd gone back: keys the restore brought back, for their ModRevisions are of
 // etcd's history before the pod had these addresses (restoredHold).
-func (cw *conflictWatch) noteRestoredHolds(owner string, at attachment, holds map[netip.Addr]int64) {
+func (cw *Watch) NoteRestoredHolds(owner string, at podbook.Attachment, holds map[netip.Addr]int64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	for ip, rev := range holds {
-		ref := conflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}
+		ref := podbook.ConflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}
 		if cw.backHeld[ref] && !slices.Contains(at.Conflicts, ip) {
 			cw.restoredHolds[ref] = rev
 		}
@@ -233,45 +247,45 @@ func (cw *conflictWatch) noteRestoredHolds(owner string, at attachment, holds ma
 // gone since, or of an identity replaced since, which nobody renews and which stands for
 // 1.5 x (TTL + reuse delay): waited for, it would keep the running pod from its address for
 // that long. A hold written since (its ModRevision moved) is waited for.
-func (cw *conflictWatch) restoredHold(ref conflictRef, held *mvccpb.KeyValue) bool {
+func (cw *Watch) restoredHold(ref podbook.ConflictRef, held *mvccpb.KeyValue) bool {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	rev, ok := cw.restoredHolds[ref]
 	return ok && rev == held.ModRevision
 }
 
-// wentBack records held, the addresses the pods held when the agent found etcd gone back in
+// WentBack records held, the addresses the pods held when the agent found etcd gone back in
 // time, and that notice's generation (gen, read under rmu). A notice before the repair of an
 // earlier one is done (another sign of the same restore, found by the audit a moment later)
 // adds to what the pods held at the first: a pod whose lease the restore took in between
 // held its addresses then.
-func (cw *conflictWatch) wentBack(held map[conflictRef]bool, gen func() uint64) {
+func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, gen func() uint64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	cw.heldAlsoLocked(held)
 	cw.backGen = gen()
 }
 
-// heldAlso adds held to what the pods held when the agent last found etcd gone back: what
+// HeldAlso adds held to what the pods held when the agent last found etcd gone back: what
 // they held when the suspicion the audit proved arose.
-func (cw *conflictWatch) heldAlso(held map[conflictRef]bool) {
+func (cw *Watch) HeldAlso(held map[podbook.ConflictRef]bool) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	cw.heldAlsoLocked(held)
 }
 
-// heldAlsoLocked is heldAlso under rmu.
-func (cw *conflictWatch) heldAlsoLocked(held map[conflictRef]bool) {
+// heldAlsoLocked is HeldAlso under rmu.
+func (cw *Watch) heldAlsoLocked(held map[podbook.ConflictRef]bool) {
 	if cw.backHeld == nil {
-		cw.backHeld = map[conflictRef]bool{}
+		cw.backHeld = map[podbook.ConflictRef]bool{}
 	}
 	maps.Copy(cw.backHeld, held)
 }
 
-// repaired forgets what the pods held when etcd went back once the repair after notice gen
+// Repaired forgets what the pods held when etcd went back once the repair after notice gen
 // is done and no later notice came: the pods were re-claimed since, and what they held then
 // tells nothing more.
-func (cw *conflictWatch) repaired(gen uint64) {
+func (cw *Watch) Repaired(gen uint64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	if gen >= cw.backGen {

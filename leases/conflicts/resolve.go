@@ -1,4 +1,4 @@
-package leases
+package conflicts
 
 import (
 	"context"
@@ -10,18 +10,19 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // resolveConflict puts ref's address back on its running pod's lease if no allocation holds
 // it. It returns done when the conflict is resolved or is no longer the agent's (the pod was
 // deleted, re-claimed anew, or its lease is lost: the re-claim takes over); else the key
 // another owner holds the address with and the revision it was read at.
-func (cw *conflictWatch) resolveConflict(ctx context.Context, ref conflictRef) (key string, rev int64, done bool, err error) {
+func (cw *Watch) resolveConflict(ctx context.Context, ref podbook.ConflictRef) (key string, rev int64, done bool, err error) {
 	own := cw.locks.Lock(ref.Owner)
 	defer own.Unlock()
 	ps, ok := cw.pods.Snapshot(ref.Owner)
 	lease, held := ps.Held()
-	i := slices.IndexFunc(ps.Attachments, func(at attachment) bool { return at.IfName == ref.IfName && at.Pool == ref.Pool })
+	i := slices.IndexFunc(ps.Attachments, func(at podbook.Attachment) bool { return at.IfName == ref.IfName && at.Pool == ref.Pool })
 	if !ok || !held || i < 0 || ps.Attachments[i].Released || !slices.Contains(ps.Attachments[i].Conflicts, ref.Addr) {
 		return "", 0, true, nil
 	}
@@ -30,7 +31,7 @@ func (cw *conflictWatch) resolveConflict(ctx context.Context, ref conflictRef) (
 	if err != nil {
 		return "", 0, false, err
 	}
-	heldLease, heldRec, err := cw.heldFor(ctx, ref.Owner)
+	heldLease, heldRec, err := cw.cfg.HeldFor(ctx, ref.Owner)
 	if err != nil {
 		return "", 0, false, err
 	}
@@ -49,7 +50,7 @@ func (cw *conflictWatch) resolveConflict(ctx context.Context, ref conflictRef) (
 	q := cur.Responses[2].GetResponseRange().Kvs
 	ownClaim := false // held back for another pod of the pod's own claim
 	if held := cur.Responses[1].GetResponseRange().Kvs; len(held) > 0 {
-		if !cw.mine(clientv3.LeaseID(held[0].Lease)) {
+		if !cw.cfg.Mine(clientv3.LeaseID(held[0].Lease)) {
 			ownClaim = heldForClaim(held[0], q, at.Claim, cw.cfg.Cluster)
 			if !ownClaim && !cw.restoredHold(ref, held[0]) {
 				// Held back for the other owner, whose lease expired without a release.
@@ -65,7 +66,7 @@ func (cw *conflictWatch) resolveConflict(ctx context.Context, ref conflictRef) (
 	}
 	conflictKVs := cur.Responses[0].GetResponseRange().Kvs
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
-	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(cw.allocation(req, ref.Owner, lease, at.Created)), clientv3.WithLease(lease)),
+	puts := []clientv3.Op{clientv3.OpPut(ipKey, keyspace.Encode(cw.cfg.Allocation(req, ref.Owner, lease, at.Created)), clientv3.WithLease(lease)),
 		clientv3.OpDelete(keyspace.WantedKey(ref.Pool, p.Spec.Blocks, ref.Addr, cw.cfg.Cluster, ref.Owner))}
 	if heldLease != 0 {
 		puts = append(puts, clientv3.OpPut(keyspace.HeldKey(ref.Pool, p.Spec.Blocks, ref.Addr), keyspace.Encode(heldRec), clientv3.WithLease(heldLease)))
@@ -116,13 +117,13 @@ func (cw *conflictWatch) resolveConflict(ctx context.Context, ref conflictRef) (
 		cw.log.Warn("a released sticky claim gives up an address to the running pod that had it first: the claim's next pod "+
 			"is given a new one", "claim", gaveUp, "claim_cluster", claimCluster, "pool", ref.Pool, "ip", ref.Addr, "owner", ref.Owner)
 	}
-	cw.resolved.Inc()
+	cw.cfg.Resolved.Inc()
 	cw.log.Warn("conflict resolved: the other holder let the address go, and it is the running pod's again",
 		"owner", ref.Owner, "ifname", ref.IfName, "pool", ref.Pool, "ip", ref.Addr, "lease", keyspace.LeaseHex(lease),
 		"conflicts_left", len(left))
 	if at.Claim != "" {
 		// The pod's sticky claim, left to the other holder while it held the address.
-		if err := cw.keepClaim(ctx, own, ref.Owner, ref.IfName, ref.Pool); err != nil {
+		if err := cw.cfg.KeepClaim(ctx, own, ref.Owner, ref.IfName, ref.Pool); err != nil {
 			cw.log.Warn("checking the sticky claim of a pod whose conflict was resolved failed; the next audit checks it",
 				"owner", ref.Owner, "claim", at.Claim, "err", err)
 		}
@@ -164,7 +165,7 @@ func heldForClaim(held *mvccpb.KeyValue, q []*mvccpb.KeyValue, claim, cluster st
 // this pod runs. It returns what the resolution compares and writes for it, and the claim's
 // name; nothing for an ordinary release's quarantine key (a resolution does not compare it)
 // or a claim that names a holder.
-func (cw *conflictWatch) claimGivesUp(ctx context.Context, cluster string, ref conflictRef, q *mvccpb.KeyValue) ([]clientv3.Cmp, []clientv3.Op, string, error) {
+func (cw *Watch) claimGivesUp(ctx context.Context, cluster string, ref podbook.ConflictRef, q *mvccpb.KeyValue) ([]clientv3.Cmp, []clientv3.Op, string, error) {
 	qKey := string(q.Key)
 	rec, err := keyspace.Decode[keyspace.QuarantineRecord](qKey, q.Value)
 	if err != nil || rec.Claim == "" {
