@@ -31,6 +31,10 @@ type Notices struct {
 	cfg Config
 	ctx context.Context // the agent's: its loop ends with it
 	wg  sync.WaitGroup
+	// mu guards waiting: once Wait began, work for the background (a notice's announcement
+	// and its settle file) runs on the caller's goroutine, so that none outlives Wait.
+	mu      sync.Mutex
+	waiting bool
 }
 
 // Config is what the restore notices are handed of the agent.
@@ -74,11 +78,26 @@ func (w *Notices) Start(rev int64) {
 	w.wg.Go(func() { w.restoredLoop(rev) })
 }
 
-// Wait returns once the loop is done; a nil Notices has none.
+// Wait returns once the loop, and the work a notice left to the background, is done; a
+// nil Notices has none.
 func (w *Notices) Wait() {
 	if w != nil {
+		w.mu.Lock()
+		w.waiting = true
+		w.mu.Unlock()
 		w.wg.Wait()
 	}
+}
+
+// background runs f on a goroutine Wait waits for, or, once Wait began, at once.
+func (w *Notices) background(f func()) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.waiting {
+		f()
+		return
+	}
+	w.wg.Go(f)
 }
 
 // opCtx bounds one etcd request by the operation timeout.
@@ -97,7 +116,7 @@ func (w *Notices) EtcdWentBack(why string) { w.EtcdWentBackFrom(why, time.Now())
 // answer before the proof was lost to the restore, and its pod held its addresses until then.
 func (w *Notices) EtcdWentBackFrom(why string, from time.Time) {
 	until := w.wentBackFrom(why, from)
-	go w.announceRestore(until, why)
+	w.background(func() { w.announceRestore(until, why) })
 }
 
 // WentBack is EtcdWentBack without telling the other agents (restored.go), for a restore
@@ -117,7 +136,8 @@ func (w *Notices) wentBackFrom(why string, from time.Time) time.Time {
 	w.cfg.Log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
 		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))
-	go w.saveSettle(w.cfg.Pools.RestartAll(until))
+	kept := w.cfg.Pools.RestartAll(until)
+	w.background(func() { w.saveSettle(kept) })
 	if node := w.cfg.NodeLease(); node != 0 {
 		w.cfg.Keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds
 	}
