@@ -369,12 +369,14 @@ func (a *Agent) leaseLost(id clientv3.LeaseID) {
 }
 
 // blockLeaseLost drops, in every pool, the block claims on lease id if it is a block lease,
-// which etcd no longer has; it reports whether it was one.
+// which etcd no longer has, and has the recovery put back the held keys of the running pods
+// that went with it; it reports whether it was one.
 func (a *Agent) blockLeaseLost(id clientv3.LeaseID) bool {
 	if !a.blockLeases.lost(id) {
 		return false
 	}
 	a.pools.ForEachView(func(v *poolview.View) { v.Claims().LeaseLost(id) })
+	a.recovery.HeldLost()
 	return true
 }
 

@@ -403,6 +403,57 @@ func TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit(t *testing.T) {
 	}
 }
 
+// TestAHeldKeyGoneWithARevokedBlockLeaseIsPutBack: the block lease a running pod's held key
+// is on goes from outside while the agent renews it (as in
+// TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit; in the model, a lease a restore brought
+// back that a re-claim had just put the pod's held key on). The pod's lease lives, so no
+// re-claim writes the key again: the agent puts it back on a block lease it renews, naming the
+// pod, or a cut-off of the node would free the address with its pod's lease, not the reuse
+// delay after.
+func TestAHeldKeyGoneWithARevokedBlockLeaseIsPutBack(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.1.0/24", 28)
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) { c.ReuseDelay = time.Hour })
+	res, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	key := keyspace.HeldKey(pool.Name, pool.Blocks, ip)
+	resp, err := cli.Get(ctx, key)
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("no held key for %s after the ADD: %v", ip, err)
+	}
+	old := keyspace.LeaseOf(resp.Kvs[0])
+	if _, err := cli.Revoke(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "the pod's held key back on a block lease the agent renews", func() error {
+		resp, err := cli.Get(ctx, key)
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) == 0 {
+			return fmt.Errorf("%s has no held key", ip)
+		}
+		rec, err := keyspace.Decode[keyspace.HeldRecord](key, resp.Kvs[0].Value)
+		on := keyspace.LeaseOf(resp.Kvs[0])
+		switch {
+		case err != nil:
+			return err
+		case rec != keyspace.HeldRecord{Cluster: cluster, Node: "n1", Owner: "u0"}:
+			return fmt.Errorf("the held key of %s names %+v", ip, rec)
+		case on == old || !a.blockLeases.mine(on) || !a.keeper.Holds(on):
+			return fmt.Errorf("the held key of %s is on lease %s (revoked: %s), a block lease of the node: %v, renewed: %v",
+				ip, keyspace.LeaseHex(on), keyspace.LeaseHex(old), a.blockLeases.mine(on), a.keeper.Holds(on))
+		}
+		return nil
+	})
+	if got := allocOwner(t, cli, pool, ip); got != "u0" {
+		t.Errorf("%s allocated to %q; the pod keeps it on its own lease", ip, got)
+	}
+}
+
 // TestASettleTimeSurvivesARestart: an agent restarted within the settle time after etcd went
 // back in time goes on passing over what its earlier process kept (restorenotice.SaveSettle): an address
 // another node's pod may hold with its key gone with the backup is not handed out, and no new

@@ -8,6 +8,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/podbook"
 	"github.com/leasehold/leasehold/leases/txn"
@@ -180,4 +181,91 @@ func (r *Reclaimer) OthersSince(ctx context.Context, owner, key string, ip netip
 			}
 		}
 	}
+}
+
+// keepHeld puts back the held keys a block lease of this node took with it when etcd no
+// longer had it (HeldLost, from the agent's blockLeaseLost: a lease a restore brought back, taken up again, that
+// expired or was revoked; one revoked by hand). Only a claim writes a held key, and a pod
+// whose lease is held is not claimed again: without this, its addresses would be free for
+// any ADD as soon as its lease expires in a cut-off, not the reuse delay after (invariants 12
+// and 14). Each address of a pod whose lease the agent holds, but its conflicts and the
+// attachments being released, gets a held key on the current block lease if it has none and
+// its allocation is still on the pod's lease (a DEL since deletes both).
+func (r *Reclaimer) keepHeld(ctx context.Context) error {
+	if r.cfg.ReuseDelay <= 0 {
+		return nil
+	}
+	type addrKeys struct{ owner, ipKey, heldKey string }
+	var all []addrKeys
+	leases := map[string]clientv3.LeaseID{}
+	for lease, owner := range r.cfg.Pods.LeaseOwners() {
+		ps, ok := r.cfg.Pods.Snapshot(owner)
+		if !ok {
+			continue
+		}
+		leases[owner] = lease
+		for _, at := range ps.Attachments {
+			if at.Released {
+				continue
+			}
+			p, err := r.cfg.Pools.Ensure(ctx, allocator.PoolSpec{Name: at.Pool})
+			if err != nil {
+				return err
+			}
+			for _, ip := range at.IPs {
+				if !slices.Contains(at.Conflicts, ip) {
+					all = append(all, addrKeys{owner, keyspace.IPKey(at.Pool, p.Spec.Blocks, ip), keyspace.HeldKey(at.Pool, p.Spec.Blocks, ip)})
+				}
+			}
+		}
+	}
+	var ops []clientv3.Op
+	var put []string
+	for len(all) > 0 {
+		chunk := all[:min(len(all), keyspace.MaxTxnOps)]
+		all = all[len(chunk):]
+		gets := make([]clientv3.Op, len(chunk))
+		for i, a := range chunk {
+			gets[i] = clientv3.OpGet(a.heldKey, clientv3.WithKeysOnly())
+		}
+		octx, cancel := r.opCtx(ctx)
+		resp, err := r.cfg.Client.Txn(octx).Then(gets...).Commit()
+		cancel()
+		if err != nil {
+			return r.unavailable("read the held keys of this node's pods", err)
+		}
+		for i, a := range chunk {
+			if len(resp.Responses[i].GetResponseRange().Kvs) > 0 {
+				continue
+			}
+			heldLease, held, err := r.cfg.HeldFor(ctx, a.owner)
+			if err != nil {
+				return err
+			}
+			ops = append(ops, clientv3.OpTxn(
+				[]clientv3.Cmp{keyspace.OnLease(a.ipKey, leases[a.owner]), keyspace.Absent(a.heldKey)},
+				[]clientv3.Op{clientv3.OpPut(a.heldKey, keyspace.Encode(held), clientv3.WithLease(heldLease))}, nil))
+			put = append(put, a.heldKey)
+		}
+	}
+	var back []string
+	for len(ops) > 0 {
+		n := min(len(ops), keyspace.MaxTxnOps/2)
+		octx, cancel := r.opCtx(ctx)
+		resp, err := r.cfg.Client.Txn(octx).Then(ops[:n]...).Commit()
+		cancel()
+		if err != nil {
+			return r.unavailable("put back the held keys of this node's pods", err)
+		}
+		for i, rr := range resp.Responses {
+			if rr.GetResponseTxn().GetSucceeded() {
+				back = append(back, put[i])
+			}
+		}
+		ops, put = ops[n:], put[n:]
+	}
+	if len(back) > 0 {
+		r.cfg.Log.Warn("held keys of running pods were gone with a block lease of this node; put back", "keys", back)
+	}
+	return nil
 }

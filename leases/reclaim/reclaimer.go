@@ -30,8 +30,9 @@ import (
 // Reclaimer is the agent's recovery: the loop that, whenever woken (Wake, CheckNow), checks
 // the keys the agent keeps if that is due, re-claims the pods whose lease or keys were lost,
 // finishes the releases recorded while etcd was away, claims again the blocks of its running
-// pods after etcd went back in time, frees the held keys no pod holds and sweeps its leases
-// of keys a restore put back; and the liveness loop, which releases the pods whose sandbox
+// pods after etcd went back in time, puts back the held keys a lost block lease took
+// (keepHeld), frees the held keys no pod holds and sweeps its leases of keys a restore put
+// back; and the liveness loop, which releases the pods whose sandbox
 // is gone. It owns both loops and the goroutines they start (Wait), the wake channel and the
 // restore generation its last sweep ran for. The agent calls it from start (Start), the keeper's
 // and views' signals (Wake, CheckNow) and a DEL of a pod whose lease was lost (OthersSince);
@@ -43,6 +44,10 @@ type Reclaimer struct {
 	lost  chan struct{} // wakes the recovery loop (Wake)
 	swept atomic.Uint64 // the restore hold's generation SweepLeases last ran for
 	wg    sync.WaitGroup
+
+	// heldGone: a block lease of this node was lost, and with it held keys of its running
+	// pods; the next pass puts them back (keepHeld, HeldLost).
+	heldGone atomic.Bool
 }
 
 // Config is what the recovery is handed of the agent.
@@ -175,6 +180,13 @@ func (r *Reclaimer) Wake() {
 	}
 }
 
+// HeldLost makes the recovery loop put back the held keys of the running pods (keepHeld) in
+// its next pass: a block lease of this node is gone from etcd.
+func (r *Reclaimer) HeldLost() {
+	r.heldGone.Store(true)
+	r.Wake()
+}
+
 // reclaimLoop is the agent's recovery: whenever woken (a lease lost, a DEL recorded while
 // etcd was away or of a pod being re-claimed, a start, etcd gone back in time) it checks the
 // keys it keeps if that is due, re-claims lost leases, finishes recorded releases and frees
@@ -255,6 +267,12 @@ func (r *Reclaimer) reclaimAll(ctx context.Context, full bool) error {
 	r.cfg.WatchConflicts()
 	if r.cfg.Hold.Repairing() {
 		errs = append(errs, r.reclaimBlocks(ctx))
+	}
+	if r.heldGone.Swap(false) {
+		if err := r.keepHeld(ctx); err != nil {
+			r.heldGone.Store(true)
+			errs = append(errs, err)
+		}
 	}
 	// The held keys of pods still being re-claimed stay: the pods list their addresses.
 	errs = append(errs, r.settleHeld(ctx))
