@@ -3,9 +3,6 @@ package keeper
 import (
 	"context"
 	"fmt"
-	"slices"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -13,7 +10,7 @@ import (
 	"github.com/leasehold/leasehold/keyspace"
 )
 
-// How the Keeper renews the leases it holds and keeps its spares topped up.
+// How the Keeper renews the leases it holds.
 
 func (k *Keeper) grant(ctx context.Context) (clientv3.LeaseID, error) {
 	resp, err := k.cli.Grant(ctx, k.ttl)
@@ -23,10 +20,6 @@ func (k *Keeper) grant(ctx context.Context) (clientv3.LeaseID, error) {
 	k.keepAliveLater(resp.ID, time.Duration(resp.TTL)*time.Second)
 	return resp.ID, nil
 }
-
-// keepAliveTick is how often the client's keep-alive loop sends due renewals: a lease
-// registered with it is renewed within one tick.
-const keepAliveTick = 500 * time.Millisecond
 
 // keepAliveLater holds a lease granted just now with ttl and registers its keep-alive when
 // its first renewal is due: a third of the TTL from now (the client's own interval), less
@@ -40,56 +33,8 @@ func (k *Keeper) keepAliveLater(id clientv3.LeaseID, ttl time.Duration) {
 	due := time.Now().Add(ttl/3 - keepAliveTick)
 	k.mu.Lock()
 	k.held[id] = cancel
-	// In due order: pod leases are granted with one TTL, in grant order; a block lease's is
-	// longer (GrantKept).
-	i, _ := slices.BinarySearchFunc(k.fresh, due, func(f freshLease, t time.Time) int { return f.due.Compare(t) })
-	k.fresh = slices.Insert(k.fresh, i, freshLease{id: id, ctx: ctx, due: due})
 	k.mu.Unlock()
-	select {
-	case k.freshKick <- struct{}{}:
-	default:
-	}
-}
-
-// freshLease is a granted lease whose keep-alive starts at due.
-type freshLease struct {
-	id  clientv3.LeaseID
-	ctx context.Context
-	due time.Time
-}
-
-// freshLoop registers the keep-alive of each fresh lease when it is due, unless the lease
-// was forgotten or revoked meanwhile.
-func (k *Keeper) freshLoop() {
-	defer k.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	for {
-		now := time.Now()
-		k.mu.Lock()
-		var due []freshLease
-		for len(k.fresh) > 0 && !k.fresh[0].due.After(now) {
-			due = append(due, k.fresh[0])
-			k.fresh = k.fresh[1:]
-		}
-		wait := time.Hour
-		if len(k.fresh) > 0 {
-			wait = k.fresh[0].due.Sub(now)
-		}
-		k.mu.Unlock()
-		for _, f := range due {
-			if f.ctx.Err() == nil {
-				k.register(f.ctx, f.id)
-			}
-		}
-		timer.Reset(wait)
-		select {
-		case <-k.ctx.Done():
-			return
-		case <-k.freshKick:
-		case <-timer.C:
-		}
-	}
+	k.fresh.add(id, ctx, due)
 }
 
 // keepAlive holds id and renews it from now on (a lease adopted or resumed after a restart).
@@ -182,87 +127,14 @@ func (k *Keeper) lost(id clientv3.LeaseID) {
 		cancel()
 	}
 	delete(k.held, id)
-	delete(k.recycled, id)
-	for i, s := range k.spare {
-		if s == id {
-			k.spare = append(k.spare[:i], k.spare[i+1:]...)
-			break
-		}
-	}
 	k.mu.Unlock()
+	k.spares.lost(id)
 	if !ours {
 		return
 	}
 	k.log.Warn("lease stopped being renewed", "lease", keyspace.LeaseHex(id))
 	if k.onLost != nil {
 		k.onLost(id)
-	}
-}
-
-// refillBatch is how many grants the refill loop runs at once: under a burst of new pods
-// the spares run out, and one grant at a time would leave every ADD granting inline.
-const refillBatch = 8
-
-func (k *Keeper) refillLoop() {
-	defer k.wg.Done()
-	backoff := refillRetryFirst
-	for {
-		select {
-		case <-k.ctx.Done():
-			return
-		case <-k.refill:
-		}
-		k.mu.Lock()
-		low := len(k.spare) <= k.lowWater()
-		k.mu.Unlock()
-		for low {
-			k.mu.Lock()
-			need := min(k.spareN-len(k.spare), refillBatch)
-			k.mu.Unlock()
-			if need <= 0 {
-				break
-			}
-			var wg sync.WaitGroup
-			var failed atomic.Bool
-			for range need {
-				wg.Go(func() {
-					ctx, cancel := context.WithTimeout(k.ctx, k.timeout)
-					defer cancel()
-					id, err := k.grant(ctx)
-					if err != nil {
-						failed.Store(true)
-						if k.ctx.Err() == nil {
-							k.log.Debug("pre-grant lease failed", "err", err, "retry_in", backoff)
-						}
-						return
-					}
-					k.mu.Lock()
-					k.spare = append(k.spare, id)
-					k.mu.Unlock()
-				})
-			}
-			wg.Wait()
-			if k.ctx.Err() != nil {
-				return
-			}
-			if failed.Load() {
-				select {
-				case <-k.ctx.Done():
-					return
-				case <-time.After(backoff):
-				}
-				backoff = min(2*backoff, refillRetryMax)
-				continue
-			}
-			backoff = refillRetryFirst
-		}
-	}
-}
-
-func (k *Keeper) kick() {
-	select {
-	case k.refill <- struct{}{}:
-	default:
 	}
 }
 

@@ -1,7 +1,18 @@
 // Package keeper keeps the agent's etcd leases alive: the pods', the blocks' and the sticky
-// claims'. It is one part of the agent (docs/agent.md): it owns its goroutines (the refill of
-// spare leases and the start of due renewals) and its lock, and tells its owner of a lost
-// lease and of each renewal etcd answered through the callbacks it is given at start.
+// claims'. It is one part of the agent (docs/agent.md): it owns its goroutines and its locks,
+// and tells its owner of a lost lease and of each renewal etcd answered through the callbacks
+// it is given at start.
+//
+// A Keeper is made of parts that own their state, lock and goroutine, wired by New: the
+// Keeper itself holds the leases it renews (one drain goroutine per lease); spares keeps
+// pre-granted leases ready (the refill goroutine); fresh starts a granted lease's renewals
+// when its first one is due (one goroutine); quarantine hands out the shared quarantine lease.
+//
+// Lock order: spares.mu before Keeper.mu (spares asks whether the keeper holds a lease under
+// its own lock, so that a lease lost meanwhile leaves the spares after it joined them);
+// fresh.mu and quarantine.mu are taken alone. No lock is held while calling etcd, OnLost,
+// OnHeard, or the keeper from a part (a grant, a revoke, a registration), but quarantine.mu,
+// held across its grant so that concurrent releases share one lease.
 package keeper
 
 import (
@@ -25,13 +36,8 @@ import (
 // MinTTL is etcd's minimum lease TTL; a shorter one is raised by etcd, silently.
 const MinTTL = 2 * time.Second
 
-const (
-	// defaultOpTimeout bounds a grant or revoke when Config.OpTimeout is not set.
-	defaultOpTimeout = 10 * time.Second
-	// refillRetryFirst and refillRetryMax bound the wait between refills etcd refused.
-	refillRetryFirst = 100 * time.Millisecond
-	refillRetryMax   = 5 * time.Second
-)
+// defaultOpTimeout bounds a grant or revoke when Config.OpTimeout is not set.
+const defaultOpTimeout = 10 * time.Second
 
 // Keeper owns the agent's leases: it pre-grants a few so that an ADD for a new pod costs one
 // etcd transaction, takes back the lease of a pod that went as one of those spares when no
@@ -41,7 +47,6 @@ const (
 type Keeper struct {
 	cli     *clientv3.Client
 	ttl     int64
-	spareN  int
 	timeout time.Duration
 	log     *slog.Logger
 	onLost  func(clientv3.LeaseID)
@@ -49,25 +54,13 @@ type Keeper struct {
 
 	ctx    context.Context
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	refill chan struct{}
 
-	mu    sync.Mutex
-	spare []clientv3.LeaseID
-	// recycled are the spares that carried a pod's keys before (Recycle): a backup restored
-	// since may have put those keys back (CheckRecycled).
-	recycled map[clientv3.LeaseID]bool
-	held     map[clientv3.LeaseID]context.CancelFunc
-	// fresh are leases this keeper granted whose renewals have not started: a lease is
-	// granted with its whole TTL, so the client's keep-alive, which renews at once on
-	// registration, is registered only when its first renewal is due (see keepAliveLater).
-	// In due order.
-	fresh     []freshLease
-	freshKick chan struct{}
+	spares     *spares    // the spare leases, held ones
+	fresh      *fresh     // the held leases whose renewals start when due
+	quarantine quarantine // the shared lease of quarantine keys, not held
 
-	qmu      sync.Mutex
-	qLease   clientv3.LeaseID
-	qExpires time.Time
+	mu   sync.Mutex // taken after spares.mu, never before
+	held map[clientv3.LeaseID]context.CancelFunc
 }
 
 // ErrLeaseLost is returned for an operation on a lease etcd no longer has.
@@ -106,25 +99,31 @@ func New(cli *clientv3.Client, cfg Config) (*Keeper, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	k := &Keeper{
-		cli:      cli,
-		ttl:      int64(math.Ceil(cfg.TTL.Seconds())),
-		spareN:   max(cfg.Spares, 0),
-		timeout:  cfg.OpTimeout,
-		log:      cfg.Log,
-		onLost:   cfg.OnLost,
-		onHeard:  cfg.OnHeard,
-		ctx:      ctx,
-		cancel:   cancel,
-		refill:   make(chan struct{}, 1),
-		held:     make(map[clientv3.LeaseID]context.CancelFunc),
-		recycled: make(map[clientv3.LeaseID]bool),
-
-		freshKick: make(chan struct{}, 1),
+		cli:     cli,
+		ttl:     int64(math.Ceil(cfg.TTL.Seconds())),
+		timeout: cfg.OpTimeout,
+		log:     cfg.Log,
+		onLost:  cfg.OnLost,
+		onHeard: cfg.OnHeard,
+		ctx:     ctx,
+		cancel:  cancel,
+		held:    make(map[clientv3.LeaseID]context.CancelFunc),
 	}
-	k.wg.Add(2)
-	go k.refillLoop()
-	go k.freshLoop()
-	k.kick()
+	k.quarantine.grant = func(ctx context.Context, ttl int64) (*clientv3.LeaseGrantResponse, error) {
+		return k.cli.Grant(ctx, ttl)
+	}
+	k.fresh = &fresh{register: k.register, ctx: ctx, kick: make(chan struct{}, 1)}
+	k.spares = &spares{
+		n: max(cfg.Spares, 0), ttl: k.ttl, timeout: cfg.OpTimeout, log: cfg.Log, ctx: ctx,
+		grant: k.grant, holds: k.Holds, revoke: k.Revoke, revokeQuietly: k.RevokeQuietly,
+		attached: func(ctx context.Context, id clientv3.LeaseID) (*clientv3.LeaseTimeToLiveResponse, error) {
+			return k.cli.TimeToLive(ctx, id, clientv3.WithAttachedKeys())
+		},
+		refill:   make(chan struct{}, 1),
+		recycled: make(map[clientv3.LeaseID]bool),
+	}
+	k.spares.start()
+	k.fresh.start()
 	return k, nil
 }
 
@@ -221,12 +220,12 @@ func (k *Keeper) Held() int {
 // Forget stops renewing id without revoking it: its keys live until the TTL runs out.
 func (k *Keeper) Forget(id clientv3.LeaseID) {
 	k.mu.Lock()
-	defer k.mu.Unlock()
 	if cancel, ok := k.held[id]; ok {
 		cancel()
 		delete(k.held, id)
 	}
-	delete(k.recycled, id)
+	k.mu.Unlock()
+	k.spares.forget(id)
 }
 
 // Revoke stops renewing id and revokes it, deleting every key written with it. The revoke
@@ -245,34 +244,16 @@ func (k *Keeper) Revoke(id clientv3.LeaseID) error {
 // QuarantineLease returns a lease for quarantine keys that lives at least d from now and at
 // most d plus a small window: one grant serves every release within the window.
 func (k *Keeper) QuarantineLease(ctx context.Context, d time.Duration) (clientv3.LeaseID, time.Time, error) {
-	window := max(d/10, time.Second)
-	now := time.Now()
-	k.qmu.Lock()
-	defer k.qmu.Unlock()
-	if k.qLease != 0 && now.Add(d).Before(k.qExpires) {
-		return k.qLease, now.Add(d), nil
-	}
-	ttl := int64(math.Ceil((d + window).Seconds()))
-	resp, err := k.cli.Grant(ctx, ttl)
-	if err != nil {
-		return 0, time.Time{}, fmt.Errorf("grant quarantine lease: %w", err)
-	}
-	k.qLease = resp.ID
-	// etcd may have raised a too-short TTL to its minimum; it never lowers it.
-	k.qExpires = now.Add(time.Duration(resp.TTL) * time.Second)
-	return k.qLease, now.Add(d), nil
+	return k.quarantine.lease(ctx, d)
 }
 
 // Close stops the keeper: spare leases are revoked, every other lease stops being renewed
 // and lives out its TTL, so a restarted agent can adopt it.
 func (k *Keeper) Close() {
 	k.cancel()
-	k.wg.Wait()
-	k.mu.Lock()
-	spare := k.spare
-	k.spare = nil
-	k.mu.Unlock()
-	for _, id := range spare {
+	k.spares.wg.Wait()
+	k.fresh.wg.Wait()
+	for _, id := range k.spares.takeAll() {
 		k.RevokeQuietly(id)
 	}
 	k.mu.Lock()
@@ -300,12 +281,54 @@ func (k *Keeper) MarkLost(id clientv3.LeaseID) { k.lost(id) }
 // The agent's tests use it for a kill -9.
 func (k *Keeper) Abandon() {
 	k.cancel()
-	k.wg.Wait()
+	k.spares.wg.Wait()
+	k.fresh.wg.Wait()
+	k.spares.takeAll()
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	for id, stop := range k.held {
 		stop()
 		delete(k.held, id)
 	}
-	k.spare = nil
 }
+
+// The spare leases (spares.go): granted ahead so that an ADD of a new pod costs one
+// transaction (Take, Return, Refill), and a gone pod's keyless lease taken back as one
+// (Recycle), checked for keys a restore put back on it (CheckRecycled, DropSpares).
+
+// Take returns a kept-alive lease for a new pod: a spare one if ready, else a fresh grant.
+// The caller either binds it to keys or gives it back with Return, and calls Refill once
+// its own transaction is done. Taking a spare does not start the refill: a grant proposed
+// just before the caller's claim would make the claim wait for a second WAL fsync.
+func (k *Keeper) Take(ctx context.Context) (clientv3.LeaseID, error) { return k.spares.take(ctx) }
+
+// Refill tops the spare leases up in the background once half of them or more are taken.
+func (k *Keeper) Refill() { k.spares.kick() }
+
+// Return gives back a lease from Take that no key was written with. It is a spare again as
+// a recycled one is (Recycle): once etcd lists no key on it. A lease taken before etcd went
+// back in time may carry keys the restore put back on it (a deleted pod's, recycled since),
+// and one returned after DropSpares would otherwise be handed out again with them.
+func (k *Keeper) Return(id clientv3.LeaseID) { k.spares.giveBack(id) }
+
+// Recycle gives up a held lease whose pod is gone. A lease etcd says has no key left on it
+// and more than half its TTL to live goes back to the spares, if there is room, for the next
+// new pod: that pod then needs no grant, and this one no revoke. Any other lease is revoked,
+// deleting every key still on it. Recycle reports whether the lease became a spare; an error
+// is the revoke's.
+func (k *Keeper) Recycle(ctx context.Context, id clientv3.LeaseID) (bool, error) {
+	return k.spares.recycle(ctx, id)
+}
+
+// CheckRecycled asks etcd for the keys on each spare that carried a pod's keys before, and
+// revokes one that has any: an etcd restored from a backup taken while its pod lived has them
+// again, and a new pod on it would keep them alive. Spares granted fresh have no past.
+func (k *Keeper) CheckRecycled(ctx context.Context) error { return k.spares.checkRecycled(ctx) }
+
+// DropSpares revokes every spare lease, in the background, and grants new ones: after etcd
+// went back in time a spare may carry keys the backup had on it (a pod lease recycled since),
+// which a pod taking it would keep alive.
+func (k *Keeper) DropSpares() { k.spares.drop() }
+
+// Spares lists the spare leases ready now.
+func (k *Keeper) Spares() []clientv3.LeaseID { return k.spares.list() }

@@ -201,9 +201,9 @@ func TestSparesAreRefilledAtLowWaterAllAtOnce(t *testing.T) {
 	k := newKeeper(t, cli, Config{TTL: 30 * time.Second, Spares: 8})
 	defer k.Close()
 	spares := func() int {
-		k.mu.Lock()
-		defer k.mu.Unlock()
-		return len(k.spare)
+		k.spares.mu.Lock()
+		defer k.spares.mu.Unlock()
+		return len(k.spares.ids)
 	}
 	waitSpares := func(want int) {
 		t.Helper()
@@ -258,9 +258,9 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 	k := newKeeper(t, cli, Config{TTL: 30 * time.Second, Spares: 2})
 	defer k.Close()
 	etcdtest.EventuallyTrue(t, "two spares granted", func() bool {
-		k.mu.Lock()
-		defer k.mu.Unlock()
-		return len(k.spare) == 2
+		k.spares.mu.Lock()
+		defer k.spares.mu.Unlock()
+		return len(k.spares.ids) == 2
 	})
 	id, err := k.Take(ctx) // a spare; the refill waits for the low water
 	if err != nil {
@@ -276,9 +276,9 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 	if err := k.CheckRecycled(ctx); err != nil {
 		t.Fatal(err)
 	}
-	k.mu.Lock()
-	still := slices.Contains(k.spare, id)
-	k.mu.Unlock()
+	k.spares.mu.Lock()
+	still := slices.Contains(k.spares.ids, id)
+	k.spares.mu.Unlock()
 	if still {
 		t.Fatalf("lease %x is still a spare with a key on it", id)
 	}
@@ -287,9 +287,9 @@ func TestARecycledSpareWithKeysAgainIsRevoked(t *testing.T) {
 		return err == nil && len(resp.Kvs) == 0
 	})
 	// The other spares were granted fresh: never asked about, still there.
-	k.mu.Lock()
-	n := len(k.recycled)
-	k.mu.Unlock()
+	k.spares.mu.Lock()
+	n := len(k.spares.recycled)
+	k.spares.mu.Unlock()
 	if n != 0 {
 		t.Errorf("%d recycled spares left to check, want 0", n)
 	}
@@ -323,13 +323,13 @@ func TestALeaseReturnedWithKeysOnItIsNoSpare(t *testing.T) {
 		return err == nil && len(resp.Kvs) == 0
 	})
 	etcdtest.EventuallyTrue(t, "the clean lease a spare again", func() bool {
-		k.mu.Lock()
-		defer k.mu.Unlock()
-		return slices.Contains(k.spare, clean)
+		k.spares.mu.Lock()
+		defer k.spares.mu.Unlock()
+		return slices.Contains(k.spares.ids, clean)
 	})
-	k.mu.Lock()
-	dirtySpare := slices.Contains(k.spare, dirty)
-	k.mu.Unlock()
+	k.spares.mu.Lock()
+	dirtySpare := slices.Contains(k.spares.ids, dirty)
+	k.spares.mu.Unlock()
 	if dirtySpare {
 		t.Errorf("lease %x, with a key on it, is a spare", dirty)
 	}
