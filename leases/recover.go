@@ -191,8 +191,8 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, HeldAddrs: a.pods.HeldAddrs,
-		NoteBackHeld: a.cwatch.WentBack,
-		NodeLease:    a.self.Lease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
+		NoteBackHeld: a.cwatch.WentBack, FirstOfHistory: a.gate.FirstOfHistory,
+		NodeLease: a.self.Lease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
 		WentBackCount: a.metrics.wentBack})
 	return r, n
 }

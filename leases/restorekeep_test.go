@@ -2,8 +2,10 @@ package leases
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -15,6 +17,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/internal/syncbuf"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
 	"github.com/leasehold/leasehold/leases/restorehold"
@@ -771,6 +774,117 @@ func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing
 			return nil
 		})
 	})
+}
+
+// TestAHoldWrittenSinceARestoreIsWaitedFor: after a restore took a running pod's keys,
+// another node's pod re-claimed the pod's address, with a held key of its own, before this
+// node re-claimed the pod. The re-claim finds that hold on an address the pod held when the
+// agent found etcd gone back, but the hold was written in the new history (after the first
+// answer of it the agent heard), not brought back by the restore: once the other pod's
+// allocation expires with its node cut off, its hold keeps the address until it ends too.
+// Found by the model (LEASEHOLD_MODEL_SEED=1795828866357514496): the running pod took the
+// address over the other pod's hold, and the other pod's node came back to a second owner.
+func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
+	eachRestoreWay(t, "10.86.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		var logs syncbuf.Buffer
+		a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) {
+			c.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		})
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("n1's log:\n%s", logs.String())
+			}
+		})
+		if _, err := a1.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil { // the pool, in the backup
+			t.Fatal(err)
+		}
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		res, err := a1.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(res)[0]
+		ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
+		// u1's re-claim waits until the other pod's keys are written.
+		own := a1.locks.Lock("u1")
+		locked := true
+		defer func() {
+			if locked {
+				own.Unlock()
+			}
+		}()
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.EventuallyTrue(t, "n1 finding etcd gone back", func() bool {
+			return a1.gate.Epoch() > 0 && counterValue(a1.metrics.wentBack) > 0
+		})
+		// u2 of node n2 re-claims x: its allocation on its pod lease, its held key on n2's
+		// block lease.
+		podLease, err := cli.Grant(ctx, 600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		blockLease, err := cli.Grant(ctx, 600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		al := keyspace.Allocation{Owner: "u2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c2", IfName: "eth0", Network: pool.Name}
+		if _, err := cli.Txn(ctx).Then(clientv3.OpPut(ipKey, keyspace.Encode(al), clientv3.WithLease(podLease.ID)),
+			clientv3.OpPut(heldKey, keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u2"}), clientv3.WithLease(blockLease.ID))).Commit(); err != nil {
+			t.Fatal(err)
+		}
+		own.Unlock()
+		locked = false
+		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
+			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
+			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
+		})
+		// n2 cut off: u2's allocation expires with its pod lease, its hold stays.
+		if _, err := cli.Revoke(ctx, podLease.ID); err != nil {
+			t.Fatal(err)
+		}
+		var took bool
+		etcdtest.EventuallyTrue(t, "n1 waiting for u2's hold of "+x.String()+", or taking the address", func() bool {
+			waits, resolved := conflictLogs(t, logs.String(), x, heldKey)
+			took = resolved
+			return waits || resolved
+		})
+		if took {
+			t.Fatalf("u1 took %s back while u2's hold, written after the restore, stood", x)
+		}
+		// u2's hold ends: x is u1's again.
+		if _, err := cli.Revoke(ctx, blockLease.ID); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
+			lease, _ := a1.pods.Lease("u1")
+			resp, err := cli.Get(ctx, ipKey)
+			if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
+				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
+			}
+			return nil
+		})
+	})
+}
+
+// conflictLogs reads an agent's JSON log lines: whether its conflict watch waits for held,
+// the held key of ip, and whether it resolved the conflict over ip.
+func conflictLogs(t *testing.T, logs string, ip netip.Addr, held string) (waits, resolved bool) {
+	t.Helper()
+	for line := range strings.Lines(logs) {
+		var rec struct{ Msg, IP, Key string }
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		waits = waits || strings.HasPrefix(rec.Msg, "a conflicted address is held by another owner") && rec.Key == held
+		resolved = resolved || strings.HasPrefix(rec.Msg, "conflict resolved") && rec.IP == ip.String()
+	}
+	return waits, resolved
 }
 
 // restoreBed is what a test of a restore starts from, once per way etcd documents one: an

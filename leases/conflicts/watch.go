@@ -57,12 +57,14 @@ type Watch struct {
 	mu        sync.Mutex
 	following map[podbook.ConflictRef]context.CancelFunc
 	// backHeld are the addresses this node's pods held when the agent last found etcd gone
-	// back in time (of notice backGen), until the repair after it is done; restoredHolds the
+	// back in time (of notice backGen), until the repair after it is done; backSince the
+	// lowest revision the agent knows of etcd's history since (0: none); restoredHolds the
 	// held keys of other owners a restore brought back that the re-claim found on such
 	// addresses, by ModRevision.
 	rmu           sync.Mutex
 	backHeld      map[podbook.ConflictRef]bool
 	backGen       uint64
+	backSince     int64
 	restoredHolds map[podbook.ConflictRef]int64
 }
 
@@ -195,6 +197,7 @@ func (cw *Watch) followConflict(ctx context.Context, ref podbook.ConflictRef) {
 			continue
 		}
 		backoff = retryFirst
+		cw.log.Debug("a conflicted address is held by another owner; waiting for its key to go", "owner", ref.Owner, "ip", ref.Addr, "key", key)
 		cw.awaitDelete(ctx, key, rev)
 	}
 }
@@ -225,15 +228,20 @@ func (cw *Watch) Stop(owner string) {
 }
 
 // NoteRestoredHolds records, for a re-claim of owner's attachment at after etcd went back in
-// time, the held keys of other owners (holds, by address) on addresses the pod held when the
-// agent found etcd gone back: keys the restore brought back, for their ModRevisions are of
-// etcd's history before the pod had these addresses (restoredHold).
+// time, the held keys of other owners (holds, by address) that the restore brought back on
+// addresses the pod held when the agent found etcd gone back: their ModRevisions are of
+// etcd's history before the pod had these addresses (restoredHold). A hold is one the restore
+// brought back only if its ModRevision is at most the lowest revision the agent heard of the
+// new history (WentBack's since), so written before that answer: a hold written after it (by
+// another node's re-claim or ADD over an address this pod lost with the restore, whose pod
+// may run with it on a node cut off since) is waited for. With no such revision (an audit's
+// finding, a test's notice) every hold is.
 func (cw *Watch) NoteRestoredHolds(owner string, at podbook.Attachment, holds map[netip.Addr]int64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	for ip, rev := range holds {
 		ref := podbook.ConflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}
-		if cw.backHeld[ref] && !slices.Contains(at.Conflicts, ip) {
+		if cw.backHeld[ref] && !slices.Contains(at.Conflicts, ip) && rev <= cw.backSince && cw.backSince > 0 {
 			cw.restoredHolds[ref] = rev
 		}
 	}
@@ -255,13 +263,17 @@ func (cw *Watch) restoredHold(ref podbook.ConflictRef, held *mvccpb.KeyValue) bo
 }
 
 // WentBack records held, the addresses the pods held when the agent found etcd gone back in
-// time, and that notice's generation (gen, read under rmu). A notice before the repair of an
-// earlier one is done (another sign of the same restore, found by the audit a moment later)
-// adds to what the pods held at the first: a pod whose lease the restore took in between
-// held its addresses then.
-func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, gen func() uint64) {
+// time, since, the lowest revision the agent knows of etcd's history after it (0: none), and
+// that notice's generation (gen, read under rmu). A notice before the repair of an earlier
+// one is done (another sign of the same restore, found by the audit a moment later) adds to
+// what the pods held at the first: a pod whose lease the restore took in between held its
+// addresses then; and of the revisions known of the new history, the lowest stands.
+func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, since int64, gen func() uint64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
+	if cw.backHeld == nil || cw.backSince == 0 || since != 0 && since < cw.backSince {
+		cw.backSince = since
+	}
 	cw.heldAlsoLocked(held)
 	cw.backGen = gen()
 }
@@ -289,6 +301,6 @@ func (cw *Watch) Repaired(gen uint64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	if gen >= cw.backGen {
-		cw.backHeld = nil
+		cw.backHeld, cw.backSince = nil, 0
 	}
 }

@@ -72,6 +72,10 @@ type Gate struct {
 	// proof), of those since the last answer it took; zero: none. A proof that etcd went back
 	// dates the new history from it: the agent acted on answers from it before the proof.
 	doubted    time.Time
+	doubtedRev int64 // the lowest revision of those answers
+	// first is the lowest revision the gate heard of etcd's history since it last found etcd
+	// gone back in time (the doubted answers' and the proof's); 0: it never did.
+	first      int64
 	confirming bool
 	confirmed  time.Time // when the last confirmation read was sent
 }
@@ -234,9 +238,7 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 			g.termLow = now
 			time.AfterFunc(termConfirm, g.confirm)
 		}
-		if g.doubted.IsZero() {
-			g.doubted = now
-		}
+		g.doubt(now, h.Revision)
 		termBack = proof && now.Sub(g.termLow) >= termConfirm
 		if !termBack {
 			if h.Revision > g.rev {
@@ -258,14 +260,12 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 			g.term = h.RaftTerm
 		}
 		g.cluster = h.ClusterId
-		g.doubted = time.Time{}
+		g.doubted, g.doubtedRev = time.Time{}, 0
 		g.mu.Unlock()
 		return
 	}
 	if !proof && !jump {
-		if g.doubted.IsZero() {
-			g.doubted = time.Now()
-		}
+		g.doubt(time.Now(), h.Revision)
 		g.mu.Unlock()
 		g.confirm()
 		return
@@ -291,9 +291,33 @@ func (g *Gate) seen(h *pb.ResponseHeader, f floor, proof bool) {
 	if from.IsZero() {
 		from = time.Now()
 	}
-	g.doubted = time.Time{}
+	g.first = h.Revision
+	if g.doubtedRev != 0 {
+		g.first = min(g.first, g.doubtedRev)
+	}
+	g.doubted, g.doubtedRev = time.Time{}, 0
 	g.mu.Unlock()
 	g.cfg.WentBack(why, from)
+}
+
+// doubt notes an answer at rev, heard at now, that the gate doubted; under mu.
+func (g *Gate) doubt(now time.Time, rev int64) {
+	if g.doubted.IsZero() {
+		g.doubted = now
+	}
+	if g.doubtedRev == 0 || rev < g.doubtedRev {
+		g.doubtedRev = rev
+	}
+}
+
+// FirstOfHistory is the lowest revision the gate heard of etcd's history since it last found
+// etcd gone back in time (0: it never did): the answers it doubted before the proof, and the
+// proof's. Every key written after the agent heard that answer has a higher ModRevision;
+// one with a lower ModRevision was written before, the restore's or another writer's.
+func (g *Gate) FirstOfHistory() int64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.first
 }
 
 // Heard notes the header of an answer that is not linearizable: a keep-alive's.

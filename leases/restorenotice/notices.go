@@ -53,10 +53,14 @@ type Config struct {
 	Keeper *keeper.Keeper
 	Pools  *poolview.Pools
 	// HeldAddrs are the addresses the pods held at a time (podbook.Book.HeldAddrs);
-	// NoteBackHeld keeps them, as of the notice generation gen gives, read under its own
-	// lock so that two notices close together leave the later one (the agent's conflicts).
+	// NoteBackHeld keeps them, and since, the lowest revision known of etcd's new history
+	// (0: none), as of the notice generation gen gives, read under its own lock so that two
+	// notices close together leave the later one (the agent's conflicts).
 	HeldAddrs    func(lostSince time.Time) map[podbook.ConflictRef]bool
-	NoteBackHeld func(held map[podbook.ConflictRef]bool, gen func() uint64)
+	NoteBackHeld func(held map[podbook.ConflictRef]bool, since int64, gen func() uint64)
+	// FirstOfHistory is the gate's lowest revision of etcd's history since its proof
+	// (etcdgate.Gate.FirstOfHistory).
+	FirstOfHistory func() int64
 	// NodeLease is the node record's lease (0: none yet).
 	NodeLease func() clientv3.LeaseID
 	// CheckNow and Wake are the recovery's: check every key and run a whole pass, or run a
@@ -109,28 +113,34 @@ func (w *Notices) opCtx(ctx context.Context) (context.Context, context.CancelFun
 // pods are checked, the views listed again (keeping what they knew allocated for the settle
 // time), the node registered again and the spare leases revoked with whatever a backup put
 // back on them; ADDs wait for the repair (leases/restorehold).
-func (w *Notices) EtcdWentBack(why string) { w.EtcdWentBackFrom(why, time.Now()) }
+func (w *Notices) EtcdWentBack(why string) {
+	until := w.wentBackFrom(why, time.Now(), 0)
+	w.background(func() { w.announceRestore(until, why) })
+}
 
 // EtcdWentBackFrom is EtcdWentBack for the gate's proof, which dates the new history from
 // the first answer of it the gate heard (from): a pod lease the keeper found lost on such an
 // answer before the proof was lost to the restore, and its pod held its addresses until then.
+// The gate's lowest revision of the new history comes with it.
 func (w *Notices) EtcdWentBackFrom(why string, from time.Time) {
-	until := w.wentBackFrom(why, from)
+	until := w.wentBackFrom(why, from, w.cfg.FirstOfHistory())
 	w.background(func() { w.announceRestore(until, why) })
 }
 
 // WentBack is EtcdWentBack without telling the other agents (restored.go), for a restore
 // they told this agent of. It returns the end of the settle time.
-func (w *Notices) WentBack(why string) time.Time { return w.wentBackFrom(why, time.Now()) }
+func (w *Notices) WentBack(why string) time.Time { return w.wentBackFrom(why, time.Now(), 0) }
 
-// wentBackFrom is WentBack with the new history dated from from (EtcdWentBackFrom).
-func (w *Notices) wentBackFrom(why string, from time.Time) time.Time {
+// wentBackFrom is WentBack with the new history dated from from (EtcdWentBackFrom), and
+// since, the lowest revision known of it (0: none): a held key of another owner with a lower
+// ModRevision may be one the restore brought back (leases/conflicts).
+func (w *Notices) wentBackFrom(why string, from time.Time, since int64) time.Time {
 	held := w.cfg.HeldAddrs(from) // before the audit takes the pods whose keys went
 	until := w.cfg.Hold.Notice(why)
 	// A notice before the repair of an earlier one is done (another sign of the same restore,
 	// found by the audit a moment later) adds to what the pods held at the first: a pod whose
 	// lease the restore took in between held its addresses then.
-	w.cfg.NoteBackHeld(held, w.cfg.Hold.Generation)
+	w.cfg.NoteBackHeld(held, since, w.cfg.Hold.Generation)
 	w.cfg.WentBackCount.Inc()
 	_, settled, _ := w.cfg.Hold.SettleEnds()
 	w.cfg.Log.Error("etcd went back in time (restored from a backup, or replaced); checking every key of this node's pods, "+

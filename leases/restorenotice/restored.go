@@ -89,6 +89,8 @@ func (w *Notices) toldOfRestore(kv *mvccpb.KeyValue) {
 	if _, until, _ := w.cfg.Hold.SettleTimes(); !until.IsZero() && until.Add(w.cfg.LeaseTTL).After(rec.Until) {
 		return // this agent noticed it too, or was told already
 	}
-	w.WentBack(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
-		rec.Node, rec.Cluster, rec.Noticed.Format(time.RFC3339), rec.Why))
+	// The key was created in the new history, after the restore, unless the restore brought
+	// it back (lower still).
+	w.wentBackFrom(fmt.Sprintf("node %s of cluster %s found etcd gone back in time at %s (%s)",
+		rec.Node, rec.Cluster, rec.Noticed.Format(time.RFC3339), rec.Why), time.Now(), kv.CreateRevision)
 }
