@@ -573,18 +573,7 @@ func TestARestoreDoesNotShortenAQuarantine(t *testing.T) {
 	pool := v4Pool(etcdtest.Uniq("p"), "10.79.0.0/26", 28)
 	a := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast,
 		func(c *Config) { c.Quarantine = 10 * time.Minute })
-	if _, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
-		t.Fatal(err)
-	}
-	backup := filepath.Join(t.TempDir(), "backup.db")
-	if err := member.Snapshot(ctx, backup); err != nil {
-		t.Fatal(err)
-	}
-	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	x := resultAddrs(res)[0]
+	backup, x := backupThenAdd(t, ctx, a, member, pool)
 	if err := a.Del(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
 		t.Fatal(err)
 	}
@@ -796,18 +785,7 @@ func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
 				t.Logf("n1's log:\n%s", logs.String())
 			}
 		})
-		if _, err := a1.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil { // the pool, in the backup
-			t.Fatal(err)
-		}
-		backup := filepath.Join(t.TempDir(), "backup.db")
-		if err := member.Snapshot(ctx, backup); err != nil {
-			t.Fatal(err)
-		}
-		res, err := a1.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		x := resultAddrs(res)[0]
+		backup, x := backupThenAdd(t, ctx, a1, member, pool)
 		ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
 		// u1's re-claim waits until the other pod's keys are written.
 		own := a1.locks.Lock("u1")
@@ -870,6 +848,24 @@ func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
 			return nil
 		})
 	})
+}
+
+// backupThenAdd has a give u0 an address of pool (the pool in the backup), backs member up,
+// then has a give u1 an address: the backup's path and u1's address, which the backup lacks.
+func backupThenAdd(t *testing.T, ctx context.Context, a *Agent, member *etcdtest.Member, pool allocator.PoolSpec) (string, netip.Addr) {
+	t.Helper()
+	if _, err := a.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil {
+		t.Fatal(err)
+	}
+	backup := filepath.Join(t.TempDir(), "backup.db")
+	if err := member.Snapshot(ctx, backup); err != nil {
+		t.Fatal(err)
+	}
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return backup, resultAddrs(res)[0]
 }
 
 // conflictLogs reads an agent's JSON log lines: whether its conflict watch waits for held,
