@@ -120,7 +120,8 @@ func TestGateTellsEtcdGoingBack(t *testing.T) {
 // with when the gate first heard the new history: the first answer below its floor that it
 // doubted (a keep-alive's, a lease's) before a linearizable answer proved it. The agent acted
 // on that answer already (a lease the keeper then took for lost). An answer the gate took
-// between ends the doubt.
+// between ends the doubt. FirstOfHistory is the revision of the same answer: a key with a
+// higher ModRevision was written after the agent heard the new history.
 func TestGateDatesTheNewHistoryFromItsFirstDoubtedAnswer(t *testing.T) {
 	const cluster = 0xc1
 	hdr := func(c uint64, rev int64) *pb.ResponseHeader { return &pb.ResponseHeader{ClusterId: c, Revision: rev} }
@@ -156,6 +157,13 @@ func TestGateDatesTheNewHistoryFromItsFirstDoubtedAnswer(t *testing.T) {
 				t.Errorf("new history dated %v, want the doubted answer's time, between %v and %v", from, beforeDoubt, afterDoubt)
 			case c.settled && from.Before(proofAt):
 				t.Errorf("new history dated %v, before the proof at %v, though an answer in the known history came after the doubt", from, proofAt)
+			}
+			want := int64(40) // the doubted answer's
+			if c.settled {
+				want = 41 // the proof's
+			}
+			if got := g.FirstOfHistory(); got != want {
+				t.Errorf("FirstOfHistory %d, want %d", got, want)
 			}
 		})
 	}
