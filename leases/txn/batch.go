@@ -63,18 +63,47 @@ func NewBatcher(cli *clientv3.Client, cfg BatcherConfig) *Batcher {
 // have: a batch that commits applies every claim in it, at its revision. An error is as
 // Claim.Commit's, and also ctx's when cl's caller gave up while cl waited in the queue.
 func (b *Batcher) Commit(ctx context.Context, cl *Claim) (ClaimOutcome, error) {
-	resp, err := b.commit(ctx, cl)
+	cmps, puts, gets := cl.ops()
+	resp, err := b.commit(ctx, cmps, puts, gets)
 	if err != nil {
 		return ClaimOutcome{}, err
 	}
 	return cl.outcome(resp), nil
 }
 
-// commit runs cl's transaction, alone or in a batch, and returns what that transaction alone
-// would have: on success a response with the batch's header and no operation results (a claim
-// reads none), otherwise its own response.
-func (b *Batcher) commit(ctx context.Context, cl *Claim) (*clientv3.TxnResponse, error) {
-	cmps, puts, gets := cl.ops()
+// CommitJoint sends parts, the claims of one interface's attachments in several pools, as
+// one queued claim: they apply together or not at all. A batch that fails is split into its
+// queued claims, never into the parts of one; a refusal's else branch is read per part. It
+// returns each part's outcome, in order, as Commit does one claim's.
+func (b *Batcher) CommitJoint(ctx context.Context, parts []*Claim) ([]ClaimOutcome, error) {
+	var cmps []clientv3.Cmp
+	var puts, gets []clientv3.Op
+	nget := make([]int, len(parts))
+	for i, cl := range parts {
+		c, p, g := cl.ops()
+		cmps, puts, gets, nget[i] = append(cmps, c...), append(puts, p...), append(gets, g...), len(g)
+	}
+	resp, err := b.commit(ctx, cmps, puts, gets)
+	if err != nil {
+		return nil, err
+	}
+	outs := make([]ClaimOutcome, len(parts))
+	off := 0
+	for i, cl := range parts {
+		part := &clientv3.TxnResponse{Header: resp.Header, Succeeded: resp.Succeeded}
+		if !resp.Succeeded {
+			part.Responses = resp.Responses[off : off+nget[i]]
+		}
+		off += nget[i]
+		outs[i] = cl.outcome(part)
+	}
+	return outs, nil
+}
+
+// commit runs a claim's transaction (its compares, puts and else-branch reads), alone or in
+// a batch, and returns what that transaction alone would have: on success a response with the
+// batch's header and no operation results (a claim reads none), otherwise its own response.
+func (b *Batcher) commit(ctx context.Context, cmps []clientv3.Cmp, puts, gets []clientv3.Op) (*clientv3.TxnResponse, error) {
 	c := &queued{cmps: cmps, puts: puts, gets: gets, done: make(chan struct{})}
 	for _, op := range puts {
 		c.keys = append(c.keys, string(op.KeyBytes()))

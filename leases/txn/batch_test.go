@@ -3,11 +3,13 @@ package txn
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 )
@@ -85,11 +87,65 @@ func TestQueuedClaimLeavesWithItsDeadline(t *testing.T) {
 	b := &Batcher{busy: true}
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	resp, err := b.commit(ctx, &Claim{OwnerKey: "k", Lease: 1})
+	cmps, puts, gets := (&Claim{OwnerKey: "k", Lease: 1}).ops()
+	resp, err := b.commit(ctx, cmps, puts, gets)
 	if !errors.Is(err, context.DeadlineExceeded) || resp != nil {
 		t.Fatalf("queued claim past its deadline: got %v, %v", resp, err)
 	}
 	if len(b.queue) != 0 {
 		t.Errorf("the claim stayed queued after its ADD gave up: %d queued", len(b.queue))
+	}
+}
+
+// TestAJointClaimAppliesBothPartsOrNeither: one interface's claims in an IPv4 and an IPv6
+// pool, sent as one (CommitJoint). While the IPv6 address is held, nothing of either part
+// applies and the IPv6 part's outcome names the holder; once it is free both apply, at one
+// revision.
+func TestAJointClaimAppliesBothPartsOrNeither(t *testing.T) {
+	cli, ctx := etcdtest.Client(t), etcdtest.Ctx(t)
+	grant, err := cli.Grant(ctx, 60)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster, owner := etcdtest.Uniq("c"), "o"
+	v4, v6 := netip.MustParseAddr("10.1.0.5"), netip.MustParseAddr("fd01::5")
+	part := func(pool string, addr netip.Addr) *Claim {
+		put, err := cli.Put(ctx, keyspace.PoolKey(pool), "{}")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &Claim{Add: true, Lease: grant.ID, Pool: pool, Blocks: allocator.DefaultBlocks, PoolRev: put.Header.Revision,
+			Addrs: []netip.Addr{addr}, OwnerKey: keyspace.OwnerKey(cluster, owner, "eth0", pool), Index: keyspace.OwnerRecord{IPs: []netip.Addr{addr}}}
+	}
+	p4, p6 := part(etcdtest.Uniq("v4"), v4), part(etcdtest.Uniq("v6"), v6)
+	p4.PodKey, p4.NewPod = keyspace.PodKey(cluster, "n", owner), true
+	held := keyspace.IPKey(p6.Pool, p6.Blocks, v6)
+	if _, err := cli.Put(ctx, held, "{}"); err != nil {
+		t.Fatal(err)
+	}
+	b := NewBatcher(cli, BatcherConfig{Timeout: 10 * time.Second})
+	outs, err := b.CommitJoint(ctx, []*Claim{p4, p6})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if outs[0].Applied || outs[1].Applied || outs[0].Addrs[0].Taken() || outs[1].Addrs[0].Holder == nil {
+		t.Fatalf("with the IPv6 address held: %+v; want neither applied, the IPv6 part naming its holder", outs)
+	}
+	for _, key := range []string{p4.OwnerKey, p4.PodKey, keyspace.IPKey(p4.Pool, p4.Blocks, v4), p6.OwnerKey} {
+		if n := len(etcdtest.Dump(t, cli, key)); n != 0 {
+			t.Fatalf("a refused joint claim wrote %s", key)
+		}
+	}
+	if _, err := cli.Delete(ctx, held); err != nil {
+		t.Fatal(err)
+	}
+	outs, err = b.CommitJoint(ctx, []*Claim{p4, p6})
+	if err != nil || !outs[0].Applied || !outs[1].Applied || outs[0].Revision != outs[1].Revision {
+		t.Fatalf("with both addresses free: %+v, %v; want both applied at one revision", outs, err)
+	}
+	for _, key := range []string{p4.OwnerKey, p4.PodKey, p6.OwnerKey, held} {
+		if n := len(etcdtest.Dump(t, cli, key)); n != 1 {
+			t.Fatalf("an applied joint claim did not write %s", key)
+		}
 	}
 }
