@@ -193,3 +193,114 @@ func TestAStickyClaimIsFoundWhereItWasMade(t *testing.T) {
 		t.Fatalf("ADD right after the pool was opened: %v, %v; want an address of %s", res, err, first.Name)
 	}
 }
+
+// TestOneInterfaceGetsIPv4AndIPv6FromTwoPools: a namespace's rule for a dual-stack network
+// names IPv4 pools and an IPv6 pool, none with both families. One ADD claims an attachment in
+// each, an owner index per pool listing its family's address, in one transaction; a repeated
+// ADD and a CHECK return both; a full IPv4 pool passes IPv4 alone to the next; a full IPv6
+// pool refuses the ADD with nothing claimed in the IPv4 pool; a lost lease re-claims both
+// attachments; a DEL releases both.
+func TestOneInterfaceGetsIPv4AndIPv6FromTwoPools(t *testing.T) {
+	ctx, cli := ctxT(t), etcdtest.Client(t)
+	cluster := etcdtest.Uniq("c")
+	net := dualStack(etcdtest.Uniq("net"), "10.96.0.0/24", "fd96::/64")
+	stored := func(p allocator.PoolSpec) allocator.PoolSpec {
+		p.Blocks = allocator.DefaultBlocks
+		storePool(t, cli, p, keyspace.PoolAccess{})
+		return p
+	}
+	v4a := stored(rangePool(etcdtest.Uniq("v4a"), "10.96.1.0/24", "10.96.1.10", "10.96.1.11"))
+	v4b := stored(rangePool(etcdtest.Uniq("v4b"), "10.96.2.0/24", "10.96.2.10", "10.96.2.20"))
+	v6 := stored(rangePool(etcdtest.Uniq("v6"), "fd96:1::/64", "fd96:1::10", "fd96:1::12"))
+	if _, err := cli.Put(ctx, keyspace.NamespaceRuleKey(cluster, net.Name, "tenant"),
+		keyspace.Encode(keyspace.NamespaceRule{Pools: []string{v4a.Name, v6.Name, v4b.Name}})); err != nil {
+		t.Fatal(err)
+	}
+	a := startAgent(t, cluster, "n1", "uid1", withHold(t.TempDir()))
+	req := func(uid string) allocator.Request {
+		r := addReq(net, uid, "eth0", uid)
+		r.Pod.Namespace = "tenant"
+		return r
+	}
+	from := func(res allocator.Result, p4, p6 allocator.PoolSpec) error {
+		ips := addrs(res)
+		return etcdtest.Saw(len(ips) == 2 && p4.Ranges[0][0].Subnet.Contains(ips[0]) && p6.Ranges[0][0].Subnet.Contains(ips[1]),
+			"addresses %v, want IPv4 from %s and IPv6 from %s", ips, p4.Name, p6.Name)
+	}
+	index := func(owner string, p allocator.PoolSpec) []netip.Addr {
+		t.Helper()
+		resp, err := cli.Get(ctx, keyspace.OwnerKey(cluster, owner, "eth0", p.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kvs) == 0 {
+			return nil
+		}
+		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(resp.Kvs[0].Key), resp.Kvs[0].Value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rec.IPs
+	}
+
+	r1, err := a.Add(ctx, req("p1"))
+	if err != nil {
+		t.Fatalf("ADD of p1: %v", err)
+	}
+	if err := from(r1, v4a, v6); err != nil {
+		t.Fatal(err)
+	}
+	ip4, ip6 := addrs(r1)[0], addrs(r1)[1]
+	if got4, got6 := index("p1", v4a), index("p1", v6); !reflect.DeepEqual(got4, []netip.Addr{ip4}) || !reflect.DeepEqual(got6, []netip.Addr{ip6}) {
+		t.Fatalf("owner indexes of p1: %v in %s, %v in %s; want %v and %v", got4, v4a.Name, got6, v6.Name, ip4, ip6)
+	}
+	if again, err := a.Add(ctx, req("p1")); err != nil || !reflect.DeepEqual(again.IPs, r1.IPs) {
+		t.Fatalf("repeated ADD of p1: %v, %v; want %v", again, err, r1.IPs)
+	}
+	if checked, err := a.Check(ctx, req("p1")); err != nil || !reflect.DeepEqual(addrs(checked), addrs(r1)) {
+		t.Fatalf("CHECK of p1: %v, %v; want %v", checked, err, addrs(r1))
+	}
+
+	// The IPv4 pool full: IPv4 from the next, IPv6 still from its own.
+	r2, err := a.Add(ctx, req("p2"))
+	if err != nil || from(r2, v4a, v6) != nil {
+		t.Fatalf("ADD of p2: %v, %v; want the last IPv4 address of %s", r2, err, v4a.Name)
+	}
+	r3, err := a.Add(ctx, req("p3"))
+	if err != nil {
+		t.Fatalf("ADD of p3: %v", err)
+	}
+	if err := from(r3, v4b, v6); err != nil {
+		t.Fatalf("ADD of p3 once %s is full: %v", v4a.Name, err)
+	}
+
+	// The IPv6 pool full: neither family is claimed.
+	before := etcdtest.Dump(t, cli, keyspace.Prefix)
+	if _, err := a.Add(ctx, req("p4")); !errors.Is(err, allocator.ErrPoolExhausted) || !strings.Contains(err.Error(), v6.Name) {
+		t.Fatalf("ADD of p4 with %s full: %v; want exhausted naming it", v6.Name, err)
+	}
+	if after := etcdtest.Dump(t, cli, keyspace.Prefix); !reflect.DeepEqual(before, after) {
+		t.Fatalf("an ADD refused for want of an IPv6 address changed etcd")
+	}
+
+	// The pod's lease lost: both attachments come back.
+	expire(t, cli, a, "p1")
+	etcdtest.Eventually(t, "both attachments of p1 are re-claimed", func() error {
+		return errors.Join(ownerIs(t, cli, v4a, ip4, "p1"), ownerIs(t, cli, v6, ip6, "p1"),
+			etcdtest.Saw(len(index("p1", v4a)) == 1 && len(index("p1", v6)) == 1, "owner indexes of p1 not back"))
+	})
+
+	// DEL releases both, and the pod with them.
+	if err := a.Del(ctx, req("p1")); err != nil {
+		t.Fatal(err)
+	}
+	if o4, o6 := allocOwner(t, cli, v4a, ip4), allocOwner(t, cli, v6, ip6); o4 != "" || o6 != "" {
+		t.Fatalf("after p1's DEL %s is held by %q and %s by %q", ip4, o4, ip6, o6)
+	}
+	if index("p1", v4a) != nil || index("p1", v6) != nil {
+		t.Fatalf("an owner index of p1 outlived its DEL")
+	}
+	if keys := etcdtest.Dump(t, cli, keyspace.PodKey(cluster, "n1", "p1")); len(keys) != 0 {
+		t.Fatalf("p1's pod record outlived its DEL: %v", keys)
+	}
+}

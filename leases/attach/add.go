@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/claimloop"
@@ -88,31 +90,9 @@ func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ alloc
 		if attempt > 0 {
 			x.cfg.Metrics.Retried()
 		}
-		p, err := x.pools.Ensure(ctx, req.Pool)
+		p, err := x.ready(ctx, req.Pool, st)
 		if err != nil {
 			return allocator.Result{}, err
-		}
-		if m := p.Migrating; m != nil {
-			return allocator.Result{}, fmt.Errorf("%w: pool %q is being moved to the block layout by leaseholdctl pool migrate "+
-				"(%s, since %s): ADDs resume when it finishes; if it was interrupted, run leaseholdctl pool migrate %s again",
-				allocator.ErrUnavailable, p.Spec.Name, m.By, m.Since.Format(time.RFC3339), p.Spec.Name)
-		}
-		p.Await(ctx)
-		if st.sticky != nil && st.sticky.Stale() {
-			if err := st.sticky.Read(ctx, p.Spec, &st.req); err != nil {
-				return allocator.Result{}, err
-			}
-		}
-		if err := x.closedTo(p, st); err != nil {
-			// Refused by what etcd says now, not by a definition read before the pool
-			// was opened.
-			x.pools.Invalidate(p.Spec.Name)
-			if p, err = x.pools.Ensure(ctx, req.Pool); err != nil {
-				return allocator.Result{}, err
-			}
-			if err := x.closedTo(p, st); err != nil {
-				return allocator.Result{}, err
-			}
 		}
 		requested, err := p.Spec.MatchRequested(st.req.RequestedIPs)
 		if errors.Is(err, allocator.ErrNotInRange) {
@@ -143,6 +123,39 @@ func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ alloc
 		allocator.ErrUnavailable, req.Pool.Name, maxAddAttempts)
 }
 
+// ready returns pool spec, read, its view ready to choose from, for the attempt of ADD st: a
+// pool being moved to the block layout, or closed to st (closedTo), refuses it; a sticky
+// claim not read yet is read.
+func (x *Attachments) ready(ctx context.Context, spec allocator.PoolSpec, st *addState) (*poolview.Pool, error) {
+	p, err := x.pools.Ensure(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	if m := p.Migrating; m != nil {
+		return nil, fmt.Errorf("%w: pool %q is being moved to the block layout by leaseholdctl pool migrate "+
+			"(%s, since %s): ADDs resume when it finishes; if it was interrupted, run leaseholdctl pool migrate %s again",
+			allocator.ErrUnavailable, p.Spec.Name, m.By, m.Since.Format(time.RFC3339), p.Spec.Name)
+	}
+	p.Await(ctx)
+	if st.sticky != nil && st.sticky.Stale() {
+		if err := st.sticky.Read(ctx, p.Spec, &st.req); err != nil {
+			return nil, err
+		}
+	}
+	if err := x.closedTo(p, st); err != nil {
+		// Refused by what etcd says now, not by a definition read before the pool
+		// was opened.
+		x.pools.Invalidate(p.Spec.Name)
+		if p, err = x.pools.Ensure(ctx, spec); err != nil {
+			return nil, err
+		}
+		if err := x.closedTo(p, st); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
 // tryAdd runs one claim transaction. It returns done=false when the caller should try again
 // with what the failed transaction taught the view.
 func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr) (allocator.Result, bool, error) {
@@ -163,81 +176,14 @@ func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState
 		lease = id
 	}
 
-	addrs := make([]netip.Addr, len(p.Spec.Ranges))
-	var reserved []netip.Addr
-	notHeld := map[netip.Addr]bool{}
-	for i := range p.Spec.Ranges {
-		if requested[i].IsValid() {
-			addrs[i] = requested[i]
-			continue
-		}
-		addr, expired, err := p.View.Choose(ctx, &p.Spec, i, func(ip netip.Addr) bool {
-			// Never an address of this node's own pods: one whose lease expired (a freeze, a
-			// crash, a cut-off) looks free until its re-claim writes it back.
-			return st.skip(ip) || x.pods.OwnsAddr(p.Spec.Name, ip)
-		}, st.sticky == nil)
-		if errors.Is(err, restorehold.ErrSettling) {
-			p.View.Settle(reserved, 0)
-			return allocator.Result{}, false, err // no retry: the settle time lasts minutes
-		}
-		if errors.Is(err, allocator.ErrUnavailable) {
-			// A block claim or a borrowing read etcd did not answer (a leader election):
-			// wait and try again, as for an unanswered claim.
-			p.View.Settle(reserved, 0)
-			return allocator.Result{}, false, x.waitUnanswered(ctx, st, owner, err)
-		}
-		if err != nil {
-			p.View.Settle(reserved, 0)
-			// No free address in the cached view. A repeated ADD needs none, and the pool may
-			// have grown since the definition was read: only on this path does the agent read
-			// the owner index and the definition's revision first (the hot path learns both
-			// from the claim's else branch).
-			kv, changed, stale, rerr := x.recheck(octx, ownerKeyOf(x, st, p), p)
-			switch {
-			case rerr != nil:
-				return allocator.Result{}, false, rerr
-			case kv != nil:
-				return x.existing(ctx, p, st, kv)
-			case changed:
-				x.pools.Invalidate(p.Spec.Name)
-				return allocator.Result{}, false, nil
-			case stale && !st.relisted:
-				st.relisted = true
-				x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.Spec.Name)
-				select {
-				case <-p.View.Restart():
-				case <-ctx.Done():
-					return allocator.Result{}, false, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
-				}
-				return allocator.Result{}, false, nil
-			}
-			return allocator.Result{}, false, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
-		}
-		addrs[i] = addr
-		reserved = append(reserved, addr)
-		if !expired {
-			notHeld[addr] = true
-			continue
-		}
-		// A held-back address goes to another pod only when the pool has nothing else free,
-		// and a view whose watches are behind etcd (an agent paused, or starved of CPU) may
-		// still hold addresses released since: the recheck before code 102 judges this too.
-		if st.relisted {
-			continue
-		}
-		if _, _, stale, err := x.recheck(octx, ownerKeyOf(x, st, p), p); err == nil && stale {
-			p.View.Settle(reserved, 0)
-			st.relisted = true
-			x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before reusing a held-back address",
-				"pool", p.Spec.Name, "ip", addr)
-			select {
-			case <-p.View.Restart():
-			case <-ctx.Done():
-				return allocator.Result{}, false, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
-			}
-			return allocator.Result{}, false, nil
-		}
+	pk, stop, err := x.pick(ctx, octx, p, st, requested)
+	if stop {
+		return allocator.Result{}, false, err
 	}
+	if pk.existing != nil {
+		return x.existing(ctx, p, st, pk.existing)
+	}
+	addrs, reserved, notHeld := pk.addrs, pk.reserved, pk.notHeld
 
 	heldLease, held, err := x.HeldFor(octx, owner)
 	if err != nil {
@@ -292,4 +238,97 @@ func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState
 	}
 	p.View.Settle(reserved, 0)
 	return x.learn(ctx, p, st, requested, lease, out)
+}
+
+// picked is the addresses an attachment's claim is to take in one pool: addrs, one per range
+// set, of which reserved were chosen by the view (to be settled) and notHeld as free ones.
+// existing is the attachment's owner index, found while no address was free: then there is
+// nothing to claim.
+type picked struct {
+	addrs, reserved []netip.Addr
+	notHeld         map[netip.Addr]bool
+	existing        *mvccpb.KeyValue
+}
+
+// pick chooses the addresses of st's attachment in pool p, one per range set (requested ones
+// as given). stop says the ADD's attempt ends here, with err, or, err nil, to be tried again
+// with what the view has learned; the view's reservations are settled then.
+func (x *Attachments) pick(ctx, octx context.Context, p *poolview.Pool, st *addState, requested []netip.Addr) (_ picked, stop bool, _ error) {
+	addrs := make([]netip.Addr, len(p.Spec.Ranges))
+	var reserved []netip.Addr
+	notHeld := map[netip.Addr]bool{}
+	for i := range p.Spec.Ranges {
+		if requested[i].IsValid() {
+			addrs[i] = requested[i]
+			continue
+		}
+		addr, expired, err := p.View.Choose(ctx, &p.Spec, i, func(ip netip.Addr) bool {
+			// Never an address of this node's own pods: one whose lease expired (a freeze, a
+			// crash, a cut-off) looks free until its re-claim writes it back.
+			return st.skip(ip) || x.pods.OwnsAddr(p.Spec.Name, ip)
+		}, st.sticky == nil)
+		if errors.Is(err, restorehold.ErrSettling) {
+			p.View.Settle(reserved, 0)
+			return picked{}, true, err // no retry: the settle time lasts minutes
+		}
+		if errors.Is(err, allocator.ErrUnavailable) {
+			// A block claim or a borrowing read etcd did not answer (a leader election):
+			// wait and try again, as for an unanswered claim.
+			p.View.Settle(reserved, 0)
+			return picked{}, true, x.waitUnanswered(ctx, st, st.owner, err)
+		}
+		if err != nil {
+			p.View.Settle(reserved, 0)
+			// No free address in the cached view. A repeated ADD needs none, and the pool may
+			// have grown since the definition was read: only on this path does the agent read
+			// the owner index and the definition's revision first (the hot path learns both
+			// from the claim's else branch).
+			kv, changed, stale, rerr := x.recheck(octx, ownerKeyOf(x, st, p), p)
+			switch {
+			case rerr != nil:
+				return picked{}, true, rerr
+			case kv != nil:
+				return picked{existing: kv}, false, nil
+			case changed:
+				x.pools.Invalidate(p.Spec.Name)
+				return picked{}, true, nil
+			case stale && !st.relisted:
+				st.relisted = true
+				x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before answering", "pool", p.Spec.Name)
+				select {
+				case <-p.View.Restart():
+				case <-ctx.Done():
+					return picked{}, true, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
+				}
+				return picked{}, true, nil
+			}
+			return picked{}, true, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
+		}
+		addrs[i] = addr
+		reserved = append(reserved, addr)
+		if !expired {
+			notHeld[addr] = true
+			continue
+		}
+		// A held-back address goes to another pod only when the pool has nothing else free,
+		// and a view whose watches are behind etcd (an agent paused, or starved of CPU) may
+		// still hold addresses released since: the recheck before code 102 judges this too.
+		if st.relisted {
+			continue
+		}
+		if _, _, stale, err := x.recheck(octx, ownerKeyOf(x, st, p), p); err == nil && stale {
+			p.View.Settle(reserved, 0)
+			st.relisted = true
+			x.log.Info("the pool's view holds addresses etcd does not; listing the pool again before reusing a held-back address",
+				"pool", p.Spec.Name, "ip", addr)
+			select {
+			case <-p.View.Restart():
+			case <-ctx.Done():
+				return picked{}, true, unavailable("list pool "+p.Spec.Name+" again", ctx.Err())
+			}
+			return picked{}, true, nil
+		}
+	}
+
+	return picked{addrs: addrs, reserved: reserved, notHeld: notHeld}, false, nil
 }

@@ -18,15 +18,21 @@ import (
 
 // Add is an ADD (the agent's Add, whose doc names its errors): it validates req, chooses the
 // pools it may try (choosePools) and passes the ADD from a full one to the next of the list.
+// When no pool gives every family the network needs, each family comes from its own list
+// (addSplit), in one transaction.
 func (x *Attachments) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
 	owner, err := x.cfg.Validate(&req)
 	if err != nil {
 		return allocator.Result{}, err
 	}
-	pools, passed, err := x.choosePools(ctx, req, owner)
+	ch, err := x.choosePools(ctx, req, owner)
 	if err != nil {
 		return allocator.Result{}, err
 	}
+	if len(ch.split) > 0 {
+		return x.addSplit(ctx, req, ch)
+	}
+	pools, passed := ch.pools, ch.passed
 	var full []string
 	for i, spec := range pools {
 		r := req
@@ -38,38 +44,63 @@ func (x *Attachments) Add(ctx context.Context, req allocator.Request) (allocator
 		}
 		full = append(full, spec.Name+": "+err.Error())
 	}
+	return allocator.Result{}, exhausted(full, passed)
+}
+
+// exhausted is the answer of an ADD that found every pool it tried full (full: each with
+// why) and passed over the others.
+func exhausted(full []string, passed []selection.Passed) error {
 	for _, p := range passed {
 		full = append(full, p.String())
 	}
-	return allocator.Result{}, fmt.Errorf("%w: no pool the pod may use has a free address; tried in order: %s", allocator.ErrPoolExhausted,
+	return fmt.Errorf("%w: no pool the pod may use has a free address; tried in order: %s", allocator.ErrPoolExhausted,
 		strings.Join(full, "; "))
 }
 
-// choosePools returns the pools an ADD tries, in order. An interface that has an attachment
-// on this network already keeps its pool, whatever the rules say now: a repeated ADD returns
-// its addresses. Otherwise the selection rules, the pod's request and the pools' access
-// decide (package selection); with no rule, no request and the configuration's pool open to
-// all, that pool alone, as before rules existed.
+// chosen is the pools an ADD tries: pools, each giving every family the network needs, in
+// order; or, when none does, split: per family of the network, in the network's order, the
+// pools giving it, in order. passed are the pools of the list passed over.
+type chosen struct {
+	pools  []allocator.PoolSpec
+	split  [][]allocator.PoolSpec
+	passed []selection.Passed
+}
+
+// choosePools returns the pools an ADD tries. An interface that has attachments on this
+// network already keeps their pools, whatever the rules say now: a repeated ADD returns its
+// addresses. Otherwise the selection rules, the pod's request and the pools' access decide
+// (package selection); with no rule, no request and the configuration's pool open to all,
+// that pool alone, as before rules existed.
 //
-// Each pool tried gives every address family the network needs: an interface's IPv4 and
-// IPv6 from two pools (two attachments in one transaction) is not built yet, and is refused
-// naming the pools.
-func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, owner string) ([]allocator.PoolSpec, []selection.Passed, error) {
+// A pool with range sets of every family the network needs is preferred; only when the list
+// has none does each family take its own pool (two attachments in one transaction).
+func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, owner string) (chosen, error) {
+	specOf := func(name string) allocator.PoolSpec {
+		if name == req.Pool.Name {
+			return req.Pool
+		}
+		return allocator.PoolSpec{Name: name}
+	}
 	if ps, ok := x.pods.Snapshot(owner); ok {
+		var mine [][]allocator.PoolSpec
 		for _, at := range ps.Attachments {
 			if at.IfName == req.IfName && at.Network == req.Network && !at.Released {
-				if at.Pool == req.Pool.Name {
-					return []allocator.PoolSpec{req.Pool}, nil, nil
-				}
-				return []allocator.PoolSpec{{Name: at.Pool}}, nil, nil
+				mine = append(mine, []allocator.PoolSpec{specOf(at.Pool)})
 			}
 		}
+		if len(mine) == 1 {
+			return chosen{pools: mine[0]}, nil
+		}
+		if len(mine) > 1 {
+			return chosen{split: mine}, nil
+		}
 	}
+	one := func(spec allocator.PoolSpec) (chosen, error) { return chosen{pools: []allocator.PoolSpec{spec}}, nil }
 	octx, cancel := x.opCtx(ctx)
 	rules, any, pools, err := x.rules.Choice(octx, req.Network)
 	cancel()
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: the selection rules are not read yet: %w", allocator.ErrUnavailable, err)
+		return chosen{}, fmt.Errorf("%w: the selection rules are not read yet: %w", allocator.ErrUnavailable, err)
 	}
 	dflt, stored := pools[req.Pool.Name]
 	if req.Claim != "" && (any || len(pools) > 1 || stored && (dflt.Closed || len(dflt.Namespaces) > 0)) {
@@ -78,21 +109,18 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		// closed or locked (its addresses are not new: the ADD's claim checks that).
 		name, err := x.claimedPool(ctx, req, pools)
 		if err != nil {
-			return nil, nil, err
-		}
-		if name == req.Pool.Name {
-			return []allocator.PoolSpec{req.Pool}, nil, nil
+			return chosen{}, err
 		}
 		if name != "" {
-			return []allocator.PoolSpec{{Name: name}}, nil, nil
+			return one(specOf(name))
 		}
 	}
 	if !any && len(req.Pools) == 0 && (!stored || !dflt.Closed && len(dflt.Namespaces) == 0) {
-		return []allocator.PoolSpec{req.Pool}, nil, nil
+		return one(req.Pool)
 	}
 	if !stored {
 		if len(req.Pool.Ranges) == 0 {
-			return []allocator.PoolSpec{req.Pool}, nil, nil // the ADD says the pool is not defined
+			return one(req.Pool) // the ADD says the pool is not defined
 		}
 		dflt = selection.PoolOf(req.Pool, keyspace.PoolAccess{})
 		dflt.Unstored = true
@@ -108,7 +136,7 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		fresh, rerr := x.rules.Reread(octx, limited)
 		cancel()
 		if rerr != nil {
-			return nil, nil, unavailable("read pools "+strings.Join(limited, ", "), rerr)
+			return chosen{}, unavailable("read pools "+strings.Join(limited, ", "), rerr)
 		}
 		for _, name := range limited {
 			if p, ok := fresh[name]; ok {
@@ -120,25 +148,24 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		c, err = selection.Choose(rules, pools, node, pod, req.Pool.Name, dflt.Families)
 	}
 	if err != nil {
-		return nil, nil, err
+		return chosen{}, err
 	}
-	var out []allocator.PoolSpec
+	out := chosen{passed: c.Passed}
 	for _, name := range c.Pools {
-		if !servesAll(pools[name], dflt.Families) {
-			continue
-		}
-		if name == req.Pool.Name {
-			out = append(out, req.Pool)
-		} else {
-			out = append(out, allocator.PoolSpec{Name: name})
+		if servesAll(pools[name], dflt.Families) {
+			out.pools = append(out.pools, specOf(name))
 		}
 	}
-	if len(out) == 0 {
-		return nil, nil, fmt.Errorf("%w: %s gives IPv%d and IPv%d from different pools (%v); one interface's addresses from two "+
-			"pools are not supported yet: give the rule a pool with ranges of both families", allocator.ErrInvalidConfig,
-			c.Source, dflt.Families[0], dflt.Families[len(dflt.Families)-1], c.PerFamily)
+	if len(out.pools) == 0 {
+		for _, f := range dflt.Families {
+			var list []allocator.PoolSpec
+			for _, name := range c.PerFamily[f] {
+				list = append(list, specOf(name))
+			}
+			out.split = append(out.split, list)
+		}
 	}
-	return out, c.Passed, nil
+	return out, nil
 }
 
 // claimedPool returns the pool where the sticky claim req names was made, "" if none: the

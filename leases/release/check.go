@@ -29,7 +29,21 @@ func (r *Releaser) Check(ctx context.Context, req allocator.Request) (allocator.
 	owner = r.AttachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := r.Locks.Lock(owner)
 	defer own.Unlock()
-	req.Pool = r.attachedPool(owner, req)
+	var res allocator.Result
+	for _, pool := range r.attachedPools(owner, req) {
+		req.Pool = pool
+		one, err := r.checkIn(ctx, req, owner)
+		if err != nil {
+			return allocator.Result{}, err
+		}
+		res.IPs = append(res.IPs, one.IPs...)
+	}
+	return res, nil
+}
+
+// checkIn checks the interface's attachment in the pool req names (one of an interface with
+// addresses from two pools), for owner, whose lock the caller holds.
+func (r *Releaser) checkIn(ctx context.Context, req allocator.Request, owner string) (allocator.Result, error) {
 	p, err := r.Pools.Ensure(ctx, req.Pool)
 	if err != nil {
 		return allocator.Result{}, err

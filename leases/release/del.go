@@ -39,25 +39,40 @@ func (r *Releaser) Del(ctx context.Context, req allocator.Request) error {
 	owner = r.AttachmentOwner(req, owner) // an imported attachment is kept under its container ID
 	own := r.Locks.Lock(owner)
 	defer own.Unlock()
-	req.Pool = r.attachedPool(owner, req)
+	deferred := false
+	for _, pool := range r.attachedPools(owner, req) {
+		req.Pool = pool
+		d, err := r.delIn(ctx, req, own)
+		if err != nil {
+			return err
+		}
+		deferred = deferred || d
+	}
+	if deferred {
+		return nil
+	}
+	r.StopWatch(owner)
+	return r.durable(ctx, "DEL", owner)
+}
+
+// delIn releases the interface's attachment in the pool req names (one of an interface
+// with addresses from two pools). deferred: etcd could not be reached, and the release is
+// recorded for later (deferRelease).
+func (r *Releaser) delIn(ctx context.Context, req allocator.Request, own *ownerlock.Owned) (deferred bool, _ error) {
 	if err := r.ConflictDeleted(req); err != nil {
-		return err
+		return false, err
 	}
 	if err := r.Reachable(ctx); err != nil {
-		return r.deferRelease(ctx, req, own, err)
+		return true, r.deferRelease(ctx, req, own, err)
 	}
 	left, err := r.ReleaseAttachment(ctx, req, own)
 	if err == nil {
 		err = r.DropPodIfEmpty(ctx, own, left)
 	}
-	if err != nil {
-		if errors.Is(err, allocator.ErrUnavailable) && r.Reachable(ctx) != nil {
-			return r.deferRelease(ctx, req, own, err)
-		}
-		return err
+	if err != nil && errors.Is(err, allocator.ErrUnavailable) && r.Reachable(ctx) != nil {
+		return true, r.deferRelease(ctx, req, own, err)
 	}
-	r.StopWatch(owner)
-	return r.durable(ctx, "DEL", owner)
+	return false, err
 }
 
 // deferRelease answers a DEL that etcd could not take (cause): the attachment is recorded as
@@ -154,20 +169,29 @@ func (r *Releaser) forgetLost(ctx context.Context, own *ownerlock.Owned, req all
 	return true
 }
 
-// attachedPool is the pool of the interface's attachment on req's network as the pod book
-// has it (read under the owner lock), for a DEL or CHECK: selection may have put it in another pool than the
-// configuration names, and a rule changed since never moves it. Unknown to the book: the
-// configuration's pool.
-func (r *Releaser) attachedPool(owner string, req allocator.Request) allocator.PoolSpec {
-	if ps, ok := r.Pods.Snapshot(owner); ok {
-		for _, at := range ps.Attachments {
-			if at.IfName == req.IfName && at.Network == req.Network && at.Pool != req.Pool.Name {
-				if slices.ContainsFunc(ps.Attachments, func(o podbook.Attachment) bool { return o.IfName == req.IfName && o.Pool == req.Pool.Name }) {
-					break // the configuration's pool has one too
-				}
-				return allocator.PoolSpec{Name: at.Pool}
-			}
+// attachedPools are the pools of the interface's attachments on req's network as the pod book
+// has them (read under the owner lock), for a DEL or CHECK: selection may have put them in
+// other pools than the configuration names (two, when each family came from its own), and a
+// rule changed since never moves them. Unknown to the book: the configuration's pool.
+func (r *Releaser) attachedPools(owner string, req allocator.Request) []allocator.PoolSpec {
+	ps, ok := r.Pods.Snapshot(owner)
+	if !ok {
+		return []allocator.PoolSpec{req.Pool}
+	}
+	var out []allocator.PoolSpec
+	for _, at := range ps.Attachments {
+		if at.IfName != req.IfName || at.Network != req.Network || slices.ContainsFunc(out, func(p allocator.PoolSpec) bool { return p.Name == at.Pool }) {
+			continue
+		}
+		if at.Pool == req.Pool.Name {
+			out = append(out, req.Pool)
+		} else {
+			out = append(out, allocator.PoolSpec{Name: at.Pool})
 		}
 	}
-	return req.Pool
+	if len(out) == 0 || len(out) == 1 && out[0].Name != req.Pool.Name &&
+		slices.ContainsFunc(ps.Attachments, func(o podbook.Attachment) bool { return o.IfName == req.IfName && o.Pool == req.Pool.Name }) {
+		return []allocator.PoolSpec{req.Pool} // the configuration's pool has one too
+	}
+	return out
 }
