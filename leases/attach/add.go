@@ -63,29 +63,12 @@ func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ alloc
 			}
 		}
 	}()
-	owner, err := x.cfg.Validate(&req)
+	st, end, err := x.begin(ctx, req)
 	if err != nil {
 		return allocator.Result{}, err
 	}
-	owner = x.cfg.AttachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
-	if err := x.cfg.Reachable(ctx); err != nil {
-		return allocator.Result{}, err // a node cut off from etcd says so at once
-	}
-	if err := x.hold.Wait(ctx, x.cfg.OpTimeout); err != nil {
-		return allocator.Result{}, err // etcd went back in time: this node's pods first
-	}
-	own := x.locks.Lock(owner)
-	defer own.Unlock()
-	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool)}
-	st.claims = x.loops.For(own, req, x.addPolicy(st))
-	if req.Claim != "" {
-		st.sticky = x.cfg.Sticky(req, owner)
-		defer st.sticky.Drop()
-	}
-	defer func() {
-		st.claims.Done()
-		x.keeper.Refill()
-	}()
+	defer end()
+	req = st.req
 	for attempt := range maxAddAttempts {
 		if attempt > 0 {
 			x.cfg.Metrics.Retried()
@@ -121,6 +104,37 @@ func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ alloc
 	}
 	return allocator.Result{}, fmt.Errorf("%w: pool %q: gave up after %d transactions because other owners kept taking the chosen addresses first; retry",
 		allocator.ErrUnavailable, req.Pool.Name, maxAddAttempts)
+}
+
+// begin starts ADD req: it validates req, waits for etcd to answer and for a restore's
+// repair, and takes the owner lock. It returns the ADD's state and end, which gives back
+// what the ADD did not use (its spare lease, its sticky claim's lease) and the lock.
+func (x *Attachments) begin(ctx context.Context, req allocator.Request) (_ *addState, end func(), _ error) {
+	owner, err := x.cfg.Validate(&req)
+	if err != nil {
+		return nil, nil, err
+	}
+	owner = x.cfg.AttachmentOwner(req, owner) // an imported container's ADD, repeated: its addresses
+	if err := x.cfg.Reachable(ctx); err != nil {
+		return nil, nil, err // a node cut off from etcd says so at once
+	}
+	if err := x.hold.Wait(ctx, x.cfg.OpTimeout); err != nil {
+		return nil, nil, err // etcd went back in time: this node's pods first
+	}
+	own := x.locks.Lock(owner)
+	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool)}
+	st.claims = x.loops.For(own, req, x.addPolicy(st))
+	if req.Claim != "" {
+		st.sticky = x.cfg.Sticky(req, owner)
+	}
+	return st, func() {
+		st.claims.Done()
+		x.keeper.Refill()
+		if st.sticky != nil {
+			st.sticky.Drop()
+		}
+		own.Unlock()
+	}, nil
 }
 
 // ready returns pool spec, read, its view ready to choose from, for the attempt of ADD st: a

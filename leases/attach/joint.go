@@ -51,25 +51,11 @@ func (x *Attachments) addJoint(ctx context.Context, req allocator.Request, parts
 			"addresses with two pools for one interface are not supported; give the rule a pool with ranges of every family",
 			allocator.ErrInvalidConfig, req.IfName, poolNames(parts))
 	}
-	owner, err := x.cfg.Validate(&req)
+	st, end, err := x.begin(ctx, req)
 	if err != nil {
 		return allocator.Result{}, -1, err
 	}
-	owner = x.cfg.AttachmentOwner(req, owner)
-	if err := x.cfg.Reachable(ctx); err != nil {
-		return allocator.Result{}, -1, err
-	}
-	if err := x.hold.Wait(ctx, x.cfg.OpTimeout); err != nil {
-		return allocator.Result{}, -1, err
-	}
-	own := x.locks.Lock(owner)
-	defer own.Unlock()
-	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool)}
-	st.claims = x.loops.For(own, req, x.addPolicy(st))
-	defer func() {
-		st.claims.Done()
-		x.keeper.Refill()
-	}()
+	defer end()
 	for attempt := range maxAddAttempts {
 		if attempt > 0 {
 			x.cfg.Metrics.Retried()
