@@ -51,6 +51,9 @@ type ClaimRecord struct {
 	Since       time.Time `json:"since"`
 	// Released is when the last holder released it (zero while held).
 	Released time.Time `json:"released,omitzero"`
+	// Migratable lets a second pod of the claim, on another node, hold its addresses while
+	// the holder runs: a live migration's target (LiveMigrationKey; issue 35).
+	Migratable bool `json:"migratable,omitempty"`
 }
 
 // ClaimHolder names the attachment holding a claim.
