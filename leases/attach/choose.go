@@ -124,6 +124,7 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		}
 		dflt = selection.PoolOf(req.Pool, keyspace.PoolAccess{})
 		dflt.Unstored = true
+		pools = maps.Clone(pools) // the follower's, shared with other ADDs
 		pools[req.Pool.Name] = dflt
 	}
 	node := selection.Node{Name: x.cfg.Node, Labels: x.cfg.NodeLabels}
@@ -137,6 +138,9 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		cancel()
 		if rerr != nil {
 			return chosen{}, unavailable("read pools "+strings.Join(limited, ", "), rerr)
+		}
+		if stored {
+			pools = maps.Clone(pools) // else cloned above
 		}
 		for _, name := range limited {
 			if p, ok := fresh[name]; ok {

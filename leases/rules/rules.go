@@ -9,6 +9,7 @@ package rules
 import (
 	"context"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -51,6 +52,23 @@ type Follower struct {
 	rules map[string]keyspace.Rule
 	pools map[string]selection.Pool
 	bad   map[string]string
+	// snap is what ADDs choose by, built from rules and pools at the first Choice after a
+	// change (nil: none since), so that an ADD neither copies every pool nor reads every rule.
+	snap *snapshot
+}
+
+// snapshot is the rules and pools at one moment, never changed once built: Choice hands its
+// maps to every ADD until the next change.
+type snapshot struct {
+	pools map[string]selection.Pool
+	// rules are the gathered rules by network, filled as networks are asked for; any tells
+	// whether the network has a rule.
+	rules map[string]gathered
+}
+
+type gathered struct {
+	rules selection.Rules
+	any   bool
 }
 
 // New returns a follower through cli (the gate's client); Run follows.
@@ -62,7 +80,8 @@ func New(cli *clientv3.Client, cfg Config) *Follower {
 
 // Choice is what an ADD of network chooses by: its rules (any is false when it has none)
 // and the stored pools. Before the first listings it waits for them, as long as ctx allows:
-// an ADD must not choose by rules it has not read.
+// an ADD must not choose by rules it has not read. The answer is shared with other ADDs
+// until the next change: the caller must not change it (maps.Clone the pools to).
 func (f *Follower) Choice(ctx context.Context, network string) (rules selection.Rules, any bool, pools map[string]selection.Pool, err error) {
 	select {
 	case <-f.listed:
@@ -71,17 +90,21 @@ func (f *Follower) Choice(ctx context.Context, network string) (rules selection.
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	var rs []keyspace.Rule
-	for _, r := range f.rules {
-		if r.Network == network {
-			rs = append(rs, r)
+	if f.snap == nil {
+		f.snap = &snapshot{pools: maps.Clone(f.pools), rules: map[string]gathered{}}
+	}
+	g, ok := f.snap.rules[network]
+	if !ok {
+		var rs []keyspace.Rule
+		for _, r := range f.rules {
+			if r.Network == network {
+				rs = append(rs, r)
+			}
 		}
+		g = gathered{rules: selection.Gather(rs, f.cfg.Cluster, network), any: len(rs) > 0}
+		f.snap.rules[network] = g
 	}
-	pools = make(map[string]selection.Pool, len(f.pools))
-	for k, v := range f.pools {
-		pools[k] = v
-	}
-	return selection.Gather(rs, f.cfg.Cluster, network), len(rs) > 0, pools, nil
+	return g.rules, g.any, f.snap.pools, nil
 }
 
 // Reread reads the named pools from etcd now, for an ADD that the pools held would refuse,
@@ -203,6 +226,7 @@ func (f *Follower) changed(pools []string) {
 
 // resetRules forgets the rules before a listing. The caller holds mu.
 func (f *Follower) resetRules() []string {
+	f.snap = nil
 	f.rules = map[string]keyspace.Rule{}
 	return nil
 }
@@ -210,6 +234,7 @@ func (f *Follower) resetRules() []string {
 // resetPools forgets the pools before a listing, returning them: each may have changed. The
 // caller holds mu.
 func (f *Follower) resetPools() []string {
+	f.snap = nil
 	var names []string
 	for name := range f.pools {
 		names = append(names, name)
@@ -221,6 +246,7 @@ func (f *Follower) resetPools() []string {
 // rule records the rule stored at key (deleted when value is nil); an unreadable one is
 // passed over, with a warning once per value. The caller holds mu.
 func (f *Follower) rule(key string, value []byte) string {
+	f.snap = nil
 	delete(f.rules, key)
 	if value == nil {
 		delete(f.bad, key)
@@ -238,6 +264,7 @@ func (f *Follower) rule(key string, value []byte) string {
 // unreadable definition is passed over. The caller holds mu.
 func (f *Follower) pool(key string, value []byte) string {
 	name := key[len(keyspace.PoolsPrefix()):]
+	f.snap = nil
 	delete(f.pools, name)
 	if value == nil {
 		delete(f.bad, key)

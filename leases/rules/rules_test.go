@@ -127,13 +127,64 @@ func TestFollowerSeesPoolsClosedAndOpened(t *testing.T) {
 	etcdtest.Eventually(t, "the pool", poolIs(selection.Pool{Families: []int{4, 6}}, true))
 	put(keyspace.PoolAccess{Closed: true, Namespaces: []string{"a"}})
 	etcdtest.Eventually(t, "closed and locked", poolIs(selection.Pool{Families: []int{4, 6}, Closed: true, Namespaces: []string{"a"}}, true))
+	_, _, before, err := f.Choice(ctx, "net")
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := cli.Delete(ctx, keyspace.PoolKey(name)); err != nil {
 		t.Fatal(err)
 	}
 	etcdtest.Eventually(t, "gone", poolIs(selection.Pool{}, false))
-	mu.Lock()
-	defer mu.Unlock()
-	if told[name] < 3 {
-		t.Errorf("the agent was told of %d changes of pool %s, want 3", told[name], name)
+	// An answer is shared by ADDs until the next change, and a change never alters it.
+	if got := before[name]; !got.Closed {
+		t.Errorf("an answer handed out before the pool went changed under its holder: %+v", got)
+	}
+	// The agent is told after the follower's lock is let go, so after Choice may see the change.
+	etcdtest.Eventually(t, "the agent told of 3 changes", func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		return etcdtest.Saw(told[name] >= 3, "the agent was told of %d changes of pool %s, want 3", told[name], name)
+	})
+}
+
+// BenchmarkChoiceWithManyPools is an ADD's read of the rules and pools with 500 pools and
+// 50 rules stored: what every ADD pays once a cluster has rules.
+func BenchmarkChoiceWithManyPools(b *testing.B) {
+	ctx, cli := etcdtest.Ctx(b), etcdtest.Client(b)
+	cluster := etcdtest.Uniq("c")
+	f := New(cli, Config{Cluster: cluster, Log: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { f.Run(rctx); close(done) }()
+	b.Cleanup(func() { stop(); <-done })
+	prefix := etcdtest.Uniq("bp")
+	for i := range 500 {
+		spec := allocator.PoolSpec{Name: fmt.Sprintf("%s-%d", prefix, i),
+			Ranges: []allocator.RangeSet{{{Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i / 256), byte(i), 0}), 24)}}}}
+		if err := spec.Canonicalize(); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := cli.Put(ctx, keyspace.PoolKey(spec.Name), keyspace.EncodePoolWith(spec, keyspace.PoolAccess{})); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for i := range 50 {
+		r := keyspace.NamespaceRule{Pools: []string{fmt.Sprintf("%s-%d", prefix, i)}}
+		if _, err := cli.Put(ctx, keyspace.NamespaceRuleKey(cluster, "net", fmt.Sprintf("ns%d", i)), keyspace.Encode(r)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	etcdtest.Eventually(b, "every pool and rule", func() error {
+		r, _, pools, err := f.Choice(ctx, "net")
+		if err != nil {
+			return err
+		}
+		return etcdtest.Saw(len(pools) >= 500 && len(r.Namespaces) == 50, "%d pools, %d rules", len(pools), len(r.Namespaces))
+	})
+	b.ResetTimer()
+	for b.Loop() {
+		if _, _, _, err := f.Choice(ctx, "net"); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
