@@ -67,7 +67,7 @@ type chosen struct {
 }
 
 // choosePools returns the pools an ADD tries. An interface that has attachments on this
-// network already keeps their pools, whatever the rules say now: a repeated ADD returns its
+// network already (an imported one's under its container ID) keeps their pools, whatever the rules say now: a repeated ADD returns its
 // addresses. Otherwise the selection rules, the pod's request and the pools' access decide
 // (package selection); with no rule, no request and the configuration's pool open to all,
 // that pool alone, as before rules existed.
@@ -81,7 +81,9 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		}
 		return allocator.PoolSpec{Name: name}
 	}
-	if ps, ok := x.pods.Snapshot(owner); ok {
+	// An imported container's attachments are kept under its container ID (as begin finds
+	// them): its repeated ADD keeps the pool the import put them in.
+	if ps, ok := x.pods.Snapshot(x.cfg.AttachmentOwner(req, owner)); ok {
 		var mine [][]allocator.PoolSpec
 		for _, at := range ps.Attachments {
 			if at.IfName == req.IfName && at.Network == req.Network && !at.Released {
