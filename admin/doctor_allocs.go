@@ -185,6 +185,10 @@ func (c *checker) allocations() {
 		o := owners[ok]
 		names := o != nil && o.Unreadable == "" && slices.Contains(o.Value.IPs, a.IP)
 		who := fmt.Sprintf("%s in pool %s (owner %s, pod %s, node %s)", a.IP, a.Pool, dash(a.Owner), podName(a.Pod), dash(a.Node))
+		var other *OwnerEntry // the interface's owner index in another pool, when this pool's is gone
+		if o == nil && ok != "" {
+			other = c.otherHalf(a)
+		}
 		switch {
 		case a.BoundLease == 0 && names && o.Lease != 0:
 			c.add(KindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?), so it never expires; "+
@@ -193,6 +197,8 @@ func (c *checker) allocations() {
 		case a.BoundLease == 0:
 			c.add(KindNoLease, a.Cluster, fmt.Sprintf("allocation of %s has no lease (written with a plain etcdctl put?) and no owner index on a "+
 				"lease names it: it never expires and no DEL releases it", who), releaseFix(a.IP, a.Pool, 0), a.Key)
+		case other != nil:
+			c.halfAttached(a, ok, other)
 		case !names:
 			why := "there is no owner index " + ok
 			if ok == "" {
