@@ -81,12 +81,21 @@ type Choice struct {
 	// Source says where the list comes from: "the pod's request", "namespace rule <ns>",
 	// "node rules <a>, <b>" or "the network configuration".
 	Source string
-	// Pools are the pools of the list the ADD may use, in order; PerFamily the same per
-	// address family, for each family the network needs.
+	// Pools are the pools of the list the ADD may use, in order; PerFamily, for each family
+	// the network needs, the pools the ADD tries for it, in order: the pools of Pools with
+	// every family, each giving all of them, or, when none has, each pool of that family
+	// (Split).
 	Pools     []string
 	PerFamily map[int][]string
+	// Split: no pool of Pools has every family the network needs, so each family comes from
+	// the first pool of its own list with a free address, and the interface gets an
+	// attachment in each, claimed in one transaction.
+	Split bool
 	// Passed are the pools of the list passed over, each with why.
 	Passed []Passed
+	// Unused are the pools of Pools that lack a family the network needs while others have
+	// every one: an ADD uses those alone.
+	Unused []Passed
 }
 
 // Passed is a pool of the list that the ADD may not use, and why.
@@ -163,7 +172,41 @@ func Choose(rules Rules, pools map[string]Pool, node Node, pod Pod, dflt string,
 			return Choice{}, c.noPool(f, pod, list)
 		}
 	}
+	var whole []string
+	for _, name := range c.Pools {
+		if lacks := lacking(pools[name], families); len(lacks) == 0 {
+			whole = append(whole, name)
+		}
+	}
+	if len(whole) == 0 {
+		c.Split = len(families) > 1
+		return c, nil
+	}
+	for _, f := range families {
+		c.PerFamily[f] = whole
+	}
+	others := "pools " + strings.Join(whole, ", ") + " of the list have"
+	if len(whole) == 1 {
+		others = "pool " + whole[0] + " of the list has"
+	}
+	for _, name := range c.Pools {
+		if lacks := lacking(pools[name], families); len(lacks) > 0 {
+			c.Unused = append(c.Unused, Passed{Pool: name, Why: "has no " + strings.Join(lacks, " or ") + " range set, and " +
+				others + " every family the network needs"})
+		}
+	}
 	return c, nil
+}
+
+// lacking are the families of families ("IPv4", "IPv6") pool p has no range set of.
+func lacking(p Pool, families []int) []string {
+	var out []string
+	for _, f := range families {
+		if !slices.Contains(p.Families, f) {
+			out = append(out, fmt.Sprintf("IPv%d", f))
+		}
+	}
+	return out
 }
 
 // noPool is the error of a list that leaves family f without a pool.

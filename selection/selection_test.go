@@ -12,7 +12,8 @@ import (
 
 // TestPrecedenceAndFilters walks the precedence (the pod's request, its namespace's rule,
 // its node's rules, the network configuration) and each reason a pool of the list is passed
-// over, per address family.
+// over, per address family: every family from the pools that have all, the others unused, or,
+// when none has, each family from its own (split).
 func TestPrecedenceAndFilters(t *testing.T) {
 	pools := map[string]Pool{
 		"net":        {Families: []int{4, 6}},
@@ -24,12 +25,16 @@ func TestPrecedenceAndFilters(t *testing.T) {
 		"zone-a":     {Families: []int{4, 6}},
 		"draining":   {Families: []int{4}, Closed: true},
 		"a-on-rack1": {Families: []int{4}},
+		"s4a":        {Families: []int{4}},
+		"s4b":        {Families: []int{4}},
+		"s6":         {Families: []int{6}},
 	}
 	rules := Rules{
 		Namespaces: map[string]keyspace.NamespaceRule{
 			"a":     {Pools: []string{"draining", "tenant-a", "a-on-rack1", "tenant-a6", "shared"}},
 			"b":     {Pools: []string{"tenant-a", "shared"}},
 			"empty": {Pools: []string{"draining"}},
+			"split": {Pools: []string{"s4a", "s6", "draining", "s4b"}},
 		},
 		Nodes: map[string]keyspace.NodeRule{
 			"racks-1":  {Names: []string{"rack1-*"}, Pools: []string{"rack1", "a-on-rack1"}, Order: 20},
@@ -48,7 +53,9 @@ func TestPrecedenceAndFilters(t *testing.T) {
 		families   []int
 		source     string
 		perFamily  map[int][]string
+		split      bool
 		passed     []Passed
+		unused     []Passed
 		errHas     []string
 		invalidCfg bool
 	}{
@@ -60,10 +67,17 @@ func TestPrecedenceAndFilters(t *testing.T) {
 			source: "the network configuration", perFamily: map[int][]string{4: {"net"}, 6: {"net"}}},
 		{name: "namespace rule beats node rules; per family; pools given to other nodes and closed ones passed over",
 			node: rack2, pod: Pod{Namespace: "a"}, families: dual, source: "namespace rule a",
-			perFamily: map[int][]string{4: {"tenant-a", "shared"}, 6: {"tenant-a6", "shared"}},
-			passed:    []Passed{{"draining", "closed"}, {"a-on-rack1", "given to the nodes of rules racks-1"}}},
+			perFamily: map[int][]string{4: {"shared"}, 6: {"shared"}},
+			passed:    []Passed{{"draining", "closed"}, {"a-on-rack1", "given to the nodes of rules racks-1"}},
+			unused: []Passed{{"tenant-a", "has no IPv6 range set, and pool shared of the list has every family the network needs"},
+				{"tenant-a6", "has no IPv4 range set, and pool shared of the list has every family the network needs"}}},
 		{name: "namespace rule combined with the node's rack", node: rack1, pod: Pod{Namespace: "a"}, families: []int{4},
 			source: "namespace rule a", perFamily: map[int][]string{4: {"tenant-a", "a-on-rack1", "shared"}},
+			passed: []Passed{{"draining", "closed"}},
+			unused: []Passed{{"tenant-a6", "has no IPv4 range set, and pools tenant-a, a-on-rack1, shared of the list have every " +
+				"family the network needs"}}},
+		{name: "a rule of single-family pools: each family from its own", node: rack2, pod: Pod{Namespace: "split"}, families: dual,
+			source: "namespace rule split", perFamily: map[int][]string{4: {"s4a", "s4b"}, 6: {"s6"}}, split: true,
 			passed: []Passed{{"draining", "closed"}}},
 		{name: "a rule naming a pool locked to another namespace passes it over", node: rack2, pod: Pod{Namespace: "b"},
 			families: dual, source: "namespace rule b", perFamily: map[int][]string{4: {"shared"}, 6: {"shared"}},
@@ -107,6 +121,9 @@ func TestPrecedenceAndFilters(t *testing.T) {
 			}
 			if !reflect.DeepEqual(c.Passed, tt.passed) {
 				t.Errorf("passed over %v, want %v", c.Passed, tt.passed)
+			}
+			if c.Split != tt.split || !reflect.DeepEqual(c.Unused, tt.unused) {
+				t.Errorf("split %v, unused %v; want %v, %v", c.Split, c.Unused, tt.split, tt.unused)
 			}
 		})
 	}

@@ -188,8 +188,19 @@ func selectionExplain(ctx context.Context, e *env) error {
 	if err := t.flush(); err != nil {
 		return err
 	}
+	switch {
+	case c.Split:
+		fmt.Fprintln(e.stdout, "each family from its own pool: no pool of the list has every family the network needs, so the "+
+			"interface gets an attachment in the first pool of each family's list with a free address, both claimed in one "+
+			"transaction (both or neither); a full pool passes its family alone to the next")
+	case len(c.PerFamily) > 1:
+		fmt.Fprintln(e.stdout, "every family from one pool: the first of the list with a free address")
+	}
 	for _, p := range c.Passed {
 		fmt.Fprintf(e.stdout, "passed over: %s\n", p)
+	}
+	for _, p := range c.Unused {
+		fmt.Fprintf(e.stdout, "not used: %s\n", p)
 	}
 	return nil
 }

@@ -76,3 +76,54 @@ func TestSelectionCommands(t *testing.T) {
 		t.Fatalf("delete-node: %+v", r)
 	}
 }
+
+// TestSelectionExplainPerFamily: for a dual-stack network, explain says which pools give each
+// family and how: a rule naming IPv4 pools and an IPv6 pool gives each family its own, one
+// attachment per pool in one transaction; a rule mixing single-family pools with a dual-stack
+// one uses the dual-stack one alone, and says the others are not used and why.
+func TestSelectionExplainPerFamily(t *testing.T) {
+	cluster, v4a, v4b, v6, dual := etcdtest.Uniq("c"), etcdtest.Uniq("v4a"), etcdtest.Uniq("v4b"), etcdtest.Uniq("v6"), etcdtest.Uniq("dual")
+	for _, args := range [][]string{
+		{"pool", "create", v4a, "--range", "10.81.1.0/24"},
+		{"pool", "create", v4b, "--range", "10.81.2.0/24"},
+		{"pool", "create", v6, "--range", "fd81:1::/120"},
+		{"pool", "create", dual, "--range", "10.81.0.0/24", "--range", "fd81::/120"},
+		{"selection", "set-namespace", "split", "--pools", v4a + "," + v6 + "," + v4b, "--cluster", cluster, "--network", "net"},
+		{"selection", "set-namespace", "mixed", "--pools", v4a + "," + dual, "--cluster", cluster, "--network", "net"},
+	} {
+		if r := ctl(args...); r.code != exitOK {
+			t.Fatalf("%v: %+v", args, r)
+		}
+	}
+	explain := func(ns string, more ...string) result {
+		return ctl(append([]string{"selection", "explain", "--cluster", cluster, "--network", "net", "--node", "n1",
+			"--namespace", ns, "--pool", dual}, more...)...)
+	}
+	r := explain("split")
+	out := strings.Join(strings.Fields(r.stdout), " ")
+	for _, s := range []string{"from namespace rule split", "IPv4 " + v4a + ", " + v4b + " IPv6 " + v6, "each family from its own pool",
+		"one transaction"} {
+		if r.code != exitOK || !strings.Contains(out, s) {
+			t.Errorf("explain of a split rule does not say %q: %+v", s, r)
+		}
+	}
+	var c struct {
+		PerFamily map[int][]string
+		Split     bool
+	}
+	jsonOf(t, explain("split", "-o", "json"), &c)
+	if !c.Split || strings.Join(c.PerFamily[4], ",") != v4a+","+v4b || strings.Join(c.PerFamily[6], ",") != v6 {
+		t.Errorf("explain -o json of a split rule: %+v", c)
+	}
+	r = explain("mixed")
+	out = strings.Join(strings.Fields(r.stdout), " ")
+	for _, s := range []string{"IPv4 " + dual + " IPv6 " + dual, "every family from one pool",
+		"not used: " + v4a + " (has no IPv6 range set, and pool " + dual + " of the list has every family"} {
+		if r.code != exitOK || !strings.Contains(out, s) {
+			t.Errorf("explain of a mixed rule does not say %q: %+v", s, r)
+		}
+	}
+	if strings.Contains(out, "own pool") {
+		t.Errorf("explain of a mixed rule says the families are split: %s", out)
+	}
+}
