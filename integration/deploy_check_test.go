@@ -236,6 +236,15 @@ func deployCheck(t *testing.T, d *deployment, flags map[string]deployFlagKind, d
 	case m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer:
 		add("container %s: %s is mounted without mountPropagation HostToContainer: namespaces created later would be empty files", agent.Name, netns)
 	}
+	// --node-label: the labels selection rules match, KEY=VALUE comma-separated, or empty (none),
+	// as leaseholdd parses them; a label without '=' stops the agent at start.
+	if v := vals["node-label"]; strings.TrimSpace(v) != "" {
+		for item := range strings.SplitSeq(v, ",") {
+			if k, _, ok := strings.Cut(strings.TrimSpace(item), "="); !ok || k == "" {
+				add("container %s: --node-label=%s: %q is not KEY=VALUE", agent.Name, v, item)
+			}
+		}
+	}
 	if vals["node-uid"] == "" {
 		if hp, ok := deployHostPathOf(spec, agent, "/etc/machine-id"); !ok || hp != "/etc/machine-id" {
 			add("container %s: --node-uid is empty but the host's /etc/machine-id is not mounted: the node identity would be the image's", agent.Name)

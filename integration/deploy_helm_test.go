@@ -469,7 +469,8 @@ agent:
 			}
 		},
 	}, {
-		// Node labels for selection rules: one --node-label, KEY=VALUE comma-separated, sorted.
+		// Node labels for selection rules: one --node-label from the ConfigMap's NODE_LABELS,
+		// KEY=VALUE comma-separated, sorted; empty without any.
 		name: "node labels", secret: "leasehold-etcd", deviations: []string{noNAD},
 		values: []string{`
 agent:
@@ -479,8 +480,8 @@ agent:
 			if got, want := args["node-label"], "rack=7,topology.kubernetes.io/zone=zone-a"; got != want {
 				t.Errorf("--node-label=%q, want %q", got, want)
 			}
-			if _, ok := helmAgentArgs(t, helmWithUserObjects(t, helmRender(t, helmRequired), "leasehold-etcd"))["node-label"]; ok {
-				t.Error("--node-label without agent.nodeLabels")
+			if got, ok := helmAgentArgs(t, helmWithUserObjects(t, helmRender(t, helmRequired), "leasehold-etcd"))["node-label"]; !ok || got != "" {
+				t.Errorf("--node-label=%q (given: %v) without agent.nodeLabels; want it given empty (no labels)", got, ok)
 			}
 		},
 	}}

@@ -128,6 +128,7 @@ func TestDeployChecksCatchMistakes(t *testing.T) {
 			d.DaemonSets[0].Spec.UpdateStrategy.RollingUpdate.MaxSurge = &v
 		}, "two agents"},
 		{"--node from a ConfigMap", func(d *deployment) { setArg(agentOf(d), "node", "$(CLUSTER)") }, "spec.nodeName"},
+		{"a node label without a value", func(d *deployment) { setArg(agentOf(d), "node-label", "zone=a,rack") }, `"rack" is not KEY=VALUE`},
 		{"a flag leaseholdd does not have", func(d *deployment) {
 			a := agentOf(d)
 			a.Args = append(a.Args, "--lease-tll=90s")

@@ -52,7 +52,8 @@ type options struct {
 	nodeLabels                             labelFlag
 }
 
-// labelFlag collects --node-label KEY=VALUE, repeatable or comma-separated.
+// labelFlag collects --node-label KEY=VALUE, repeatable or comma-separated. An empty value
+// adds none: the deployment files pass the flag from a ConfigMap key that is empty by default.
 type labelFlag map[string]string
 
 func (l *labelFlag) String() string {
@@ -66,6 +67,9 @@ func (l *labelFlag) String() string {
 
 // Set adds each KEY=VALUE of v.
 func (l *labelFlag) Set(v string) error {
+	if strings.TrimSpace(v) == "" {
+		return nil
+	}
 	for item := range strings.SplitSeq(v, ",") {
 		k, val, ok := strings.Cut(strings.TrimSpace(item), "=")
 		if !ok || k == "" {
