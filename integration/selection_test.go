@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -257,4 +258,127 @@ func TestARuleChangedUnderLoadStrandsNobody(t *testing.T) {
 		}
 	}
 	t.Logf("%d pods ADDed while the rule changed, every one released", len(made))
+}
+
+// TestSplitFamiliesOnRealAgents (issue 34): a dual-stack network whose namespace rule names
+// an IPv4 pool v4a (one address), an IPv6 pool v6a and another IPv4 pool v4b, through the real
+// plugin and agent. Each pod's interface gets IPv4 and IPv6, one attachment per pool: the
+// first from v4a and v6a, the next, v4a full, IPv4 from v4b and IPv6 still from v6a. A
+// repeated ADD answers the same, CHECK passes, and both survive a restart of the agent (the
+// same lease, renewed by the new process: CHECK says so); DEL releases both, leaving etcd no
+// key of the pod. Each pod has a network namespace: the agent releases a pod whose sandbox
+// went while it was away.
+func TestSplitFamiliesOnRealAgents(t *testing.T) {
+	f := newFixture(t, withoutAgent(), withNetns()) // a sandbox gone at a restart is released: the pods have theirs
+	subnets := map[string]netip.Prefix{}
+	pool := func(name, subnet string) string {
+		t.Helper()
+		name = uniq(name)
+		subnets[name] = netip.MustParsePrefix(subnet)
+		if _, err := admin.CreatePool(f.Ctx, f.Cli, allocator.PoolSpec{Name: name,
+			Ranges: []allocator.RangeSet{{{Subnet: subnets[name]}}}}); err != nil {
+			t.Fatal(err)
+		}
+		return name
+	}
+	v4a, v6a, v4b := pool("v4a", "10.53.1.0/30"), pool("v6a", "fd53:1::/120"), pool("v4b", "10.53.2.0/28") // v4a: one address
+	network := f.Pool
+	if err := admin.SetNamespaceRule(f.Ctx, f.Cli, f.Cluster, network, "ns-d", keyspace.NamespaceRule{Pools: []string{v4a, v6a, v4b}}); err != nil {
+		t.Fatal(err)
+	}
+	n1 := f.startAgent()
+	conf := netconf(network, n1.Socket, dualStackIPAM("10.53.0.0/24", "fd53::/120"))
+	type pod struct {
+		uid, container, args string
+		ips                  []netip.Addr // IPv4, IPv6
+		pools                []string     // theirs
+	}
+	newPod := func(name string) *pod {
+		uid := uniq("uid-")
+		return &pod{uid: uid, container: f.sandbox("lh-split-"), args: fmt.Sprintf("K8S_POD_UID=%s;K8S_POD_NAMESPACE=ns-d;K8S_POD_NAME=%s", uid, name)}
+	}
+	add := func(p *pod) []netip.Addr {
+		t.Helper()
+		res, err := f.add(conf, p.container, "eth0", p.args)
+		if err != nil {
+			t.Fatalf("ADD %s: %v", p.args, err)
+		}
+		var ips []netip.Addr
+		for _, ip := range res.IPs {
+			a, _ := netip.AddrFromSlice(ip.Address.IP)
+			ips = append(ips, a.Unmap())
+		}
+		return ips
+	}
+	from := func(p *pod, p4, p6 string) {
+		t.Helper()
+		p.pools = []string{p4, p6}
+		if len(p.ips) != 2 || !p.ips[0].Is4() || !subnets[p4].Contains(p.ips[0]) || !subnets[p6].Contains(p.ips[1]) {
+			t.Fatalf("pod %s got %v, want IPv4 from %s (%s) and IPv6 from %s (%s)", p.args, p.ips, p4, subnets[p4], p6, subnets[p6])
+		}
+		for _, pl := range []string{p4, p6} {
+			if keys := snapshot(t, f.Cli, keyspace.OwnerKey(f.Cluster, p.uid, "eth0", pl)); len(keys) != 1 {
+				t.Errorf("pod %s: owner index in pool %s: %v, want one", p.args, pl, keys)
+			}
+		}
+	}
+	same := func(when string, pods ...*pod) {
+		t.Helper()
+		for _, p := range pods {
+			if got := add(p); !slices.Equal(got, p.ips) {
+				t.Errorf("%s: repeated ADD of %s got %v, want %v", when, p.args, got, p.ips)
+			}
+			if err := f.check(conf, p.container, "eth0", p.args); err != nil {
+				t.Errorf("%s: CHECK of %s: %v", when, p.args, err)
+			}
+		}
+	}
+
+	p1, p2 := newPod("d1"), newPod("d2")
+	p1.ips = add(p1)
+	from(p1, v4a, v6a)
+	p2.ips = add(p2) // v4a is full: IPv4 passes to v4b, IPv6 stays in v6a
+	from(p2, v4b, v6a)
+	same("before the restart", p1, p2)
+
+	leases := func() map[string]int64 {
+		out := map[string]int64{}
+		for _, p := range []*pod{p1, p2} {
+			for i, pl := range p.pools {
+				list, err := admin.ListAllocations(f.Ctx, f.Cli, pl)
+				if err != nil {
+					t.Fatal(err)
+				}
+				at := slices.IndexFunc(list, func(a admin.AllocationEntry) bool { return a.IP == p.ips[i] && a.Owner == p.uid })
+				if at < 0 {
+					t.Fatalf("pool %s holds no allocation of %s for %s: %+v", pl, p.ips[i], p.args, list)
+				}
+				out[p.ips[i].String()] = int64(list[at].BoundLease)
+			}
+		}
+		return out
+	}
+	before := leases()
+	n1.stop()
+	n1.restart(t)
+	if after := leases(); !maps.Equal(before, after) {
+		t.Errorf("allocations' leases across the restart: %v, then %v; want them kept", before, after)
+	}
+	same("after the restart", p1, p2)
+
+	for _, p := range []*pod{p1, p2} {
+		if err := f.del(conf, p.container, "eth0", p.args); err != nil {
+			t.Fatalf("DEL %s: %v", p.args, err)
+		}
+		for k, v := range snapshot(t, f.Cli, keyspace.Prefix) {
+			if strings.Contains(k, p.uid) || strings.Contains(v, p.uid) {
+				t.Errorf("after the DEL of %s etcd still has %s = %s", p.args, k, v)
+			}
+		}
+	}
+	for name := range subnets {
+		if list, err := admin.ListAllocations(f.Ctx, f.Cli, name); err != nil || len(list) != 0 {
+			t.Errorf("pool %s after every DEL: %d allocations, %v", name, len(list), err)
+		}
+	}
 }
