@@ -76,17 +76,38 @@ func (b *Batcher) Commit(ctx context.Context, cl *Claim) (ClaimOutcome, error) {
 // queued claims, never into the parts of one; a refusal's else branch is read per part. It
 // returns each part's outcome, in order, as Commit does one claim's.
 func (b *Batcher) CommitJoint(ctx context.Context, parts []*Claim) ([]ClaimOutcome, error) {
-	var cmps []clientv3.Cmp
-	var puts, gets []clientv3.Op
-	nget := make([]int, len(parts))
-	for i, cl := range parts {
-		c, p, g := cl.ops()
-		cmps, puts, gets, nget[i] = append(cmps, c...), append(puts, p...), append(gets, g...), len(g)
-	}
+	cmps, puts, gets, nget := jointOps(parts)
 	resp, err := b.commit(ctx, cmps, puts, gets)
 	if err != nil {
 		return nil, err
 	}
+	return jointOutcomes(parts, resp, nget), nil
+}
+
+// CommitParts runs parts, as CommitJoint sends them, as their own transaction: the parts of
+// an ADD naming a sticky claim, which goes alone as Claim.Commit says.
+func CommitParts(ctx context.Context, cli *clientv3.Client, parts []*Claim) ([]ClaimOutcome, error) {
+	cmps, puts, gets, nget := jointOps(parts)
+	resp, err := cli.Txn(ctx).If(cmps...).Then(puts...).Else(gets...).Commit()
+	if err != nil {
+		return nil, err
+	}
+	return jointOutcomes(parts, resp, nget), nil
+}
+
+// jointOps is the compares, puts and else-branch reads of parts as one transaction, and the
+// count of each part's reads.
+func jointOps(parts []*Claim) (cmps []clientv3.Cmp, puts, gets []clientv3.Op, nget []int) {
+	nget = make([]int, len(parts))
+	for i, cl := range parts {
+		c, p, g := cl.ops()
+		cmps, puts, gets, nget[i] = append(cmps, c...), append(puts, p...), append(gets, g...), len(g)
+	}
+	return cmps, puts, gets, nget
+}
+
+// jointOutcomes reads each part's outcome from resp, the answer to jointOps' transaction.
+func jointOutcomes(parts []*Claim, resp *clientv3.TxnResponse, nget []int) []ClaimOutcome {
 	outs := make([]ClaimOutcome, len(parts))
 	off := 0
 	for i, cl := range parts {
@@ -97,7 +118,7 @@ func (b *Batcher) CommitJoint(ctx context.Context, parts []*Claim) ([]ClaimOutco
 		off += nget[i]
 		outs[i] = cl.outcome(part)
 	}
-	return outs, nil
+	return outs
 }
 
 // commit runs a claim's transaction (its compares, puts and else-branch reads), alone or in

@@ -128,8 +128,9 @@ func TestAJointClaimAppliesBothPartsOrNeither(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if outs[0].Applied || outs[1].Applied || outs[0].Addrs[0].Taken() || outs[1].Addrs[0].Holder == nil {
-		t.Fatalf("with the IPv6 address held: %+v; want neither applied, the IPv6 part naming its holder", outs)
+	if outs[0].Applied || outs[1].Applied || outs[0].Addrs[0].Taken() || outs[1].Addrs[0].Holder == nil ||
+		outs[0].PoolChanged || outs[1].PoolChanged {
+		t.Fatalf("with the IPv6 address held: %+v; want neither applied, the IPv6 part naming its holder, no pool changed", outs)
 	}
 	for _, key := range []string{p4.OwnerKey, p4.PodKey, keyspace.IPKey(p4.Pool, p4.Blocks, v4), p6.OwnerKey} {
 		if n := len(etcdtest.Dump(t, cli, key)); n != 0 {

@@ -92,7 +92,7 @@ type Claim struct {
 const (
 	elseOwner = iota // every claim
 	elsePod          // ADD and import
-	elsePool         // ADD only
+	elsePool         // ADD only (one less without the pod record's read)
 )
 
 // readsPerAddr is the else branch's reads per address: the allocation, then for an ADD its
@@ -282,7 +282,11 @@ func (c *Claim) outcome(resp *clientv3.TxnResponse) ClaimOutcome {
 	}
 	out := ClaimOutcome{Existing: kv(elseOwner), Addrs: make([]AddrFound, len(c.Addrs))}
 	if c.Add {
-		pool := kv(elsePool)
+		at := elsePool
+		if c.PodKey == "" {
+			at-- // a joint claim's later part: the pod record goes with the first (Batcher.CommitJoint)
+		}
+		pool := kv(at)
 		out.PoolChanged = pool == nil || pool.ModRevision != c.PoolRev
 	}
 	if c.PodKey != "" {
