@@ -82,19 +82,19 @@ type Choice struct {
 	// "node rules <a>, <b>" or "the network configuration".
 	Source string
 	// Pools are the pools of the list the ADD may use, in order; PerFamily, for each family
-	// the network needs, the pools the ADD tries for it, in order: the pools of Pools with
-	// every family, each giving all of them, or, when none has, each pool of that family
-	// (Split).
+	// the network needs, the pools of Pools that have it, in order: the pools the ADD tries
+	// for it.
 	Pools     []string
 	PerFamily map[int][]string
-	// Split: no pool of Pools has every family the network needs, so each family comes from
-	// the first pool of its own list with a free address, and the interface gets an
-	// attachment in each, claimed in one transaction.
+	// Split: the network needs several families and a pool of Pools lacks one, so each
+	// family comes from the first pool of its own list with a free address: a pool first
+	// in several lists gives those families in one attachment, and the interface gets an
+	// attachment in each pool, all claimed in one transaction. Otherwise every pool of
+	// Pools gives every family, tried pool by pool.
 	Split bool
 	// Passed are the pools of the list passed over, each with why.
 	Passed []Passed
-	// Unused are the pools of Pools that lack a family the network needs while others have
-	// every one: an ADD uses those alone.
+	// Unused are the pools of Pools that lack the one family the network needs.
 	Unused []Passed
 }
 
@@ -178,12 +178,9 @@ func Choose(rules Rules, pools map[string]Pool, node Node, pod Pod, dflt string,
 			whole = append(whole, name)
 		}
 	}
-	if len(whole) == 0 {
-		c.Split = len(families) > 1
+	if len(families) > 1 && len(whole) < len(c.Pools) {
+		c.Split = true
 		return c, nil
-	}
-	for _, f := range families {
-		c.PerFamily[f] = whole
 	}
 	others := "pools " + strings.Join(whole, ", ") + " of the list have"
 	if len(whole) == 1 {

@@ -12,8 +12,9 @@ import (
 
 // TestPrecedenceAndFilters walks the precedence (the pod's request, its namespace's rule,
 // its node's rules, the network configuration) and each reason a pool of the list is passed
-// over, per address family: every family from the pools that have all, the others unused, or,
-// when none has, each family from its own (split).
+// over, per address family: every family from the pools that have all, or, when a pool lacks
+// one, each family from the pools that have it (split); a pool lacking the one family of a
+// network is unused.
 func TestPrecedenceAndFilters(t *testing.T) {
 	pools := map[string]Pool{
 		"net":        {Families: []int{4, 6}},
@@ -65,12 +66,10 @@ func TestPrecedenceAndFilters(t *testing.T) {
 			source: "node rules zone, racks-1", perFamily: map[int][]string{4: {"zone-a", "rack1", "a-on-rack1"}}},
 		{name: "a label and a name must both match", node: Node{Name: "rack9-x"}, pod: Pod{Namespace: "c"}, families: dual,
 			source: "the network configuration", perFamily: map[int][]string{4: {"net"}, 6: {"net"}}},
-		{name: "namespace rule beats node rules; per family; pools given to other nodes and closed ones passed over",
+		{name: "namespace rule beats node rules; a mixed list per family; pools given to other nodes and closed ones passed over",
 			node: rack2, pod: Pod{Namespace: "a"}, families: dual, source: "namespace rule a",
-			perFamily: map[int][]string{4: {"shared"}, 6: {"shared"}},
-			passed:    []Passed{{"draining", "closed"}, {"a-on-rack1", "given to the nodes of rules racks-1"}},
-			unused: []Passed{{"tenant-a", "has no IPv6 range set, and pool shared of the list has every family the network needs"},
-				{"tenant-a6", "has no IPv4 range set, and pool shared of the list has every family the network needs"}}},
+			perFamily: map[int][]string{4: {"tenant-a", "shared"}, 6: {"tenant-a6", "shared"}}, split: true,
+			passed: []Passed{{"draining", "closed"}, {"a-on-rack1", "given to the nodes of rules racks-1"}}},
 		{name: "namespace rule combined with the node's rack", node: rack1, pod: Pod{Namespace: "a"}, families: []int{4},
 			source: "namespace rule a", perFamily: map[int][]string{4: {"tenant-a", "a-on-rack1", "shared"}},
 			passed: []Passed{{"draining", "closed"}},

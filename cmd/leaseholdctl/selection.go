@@ -190,9 +190,10 @@ func selectionExplain(ctx context.Context, e *env) error {
 	}
 	switch {
 	case c.Split:
-		fmt.Fprintln(e.stdout, "each family from its own pool: no pool of the list has every family the network needs, so the "+
-			"interface gets an attachment in the first pool of each family's list with a free address, both claimed in one "+
-			"transaction (both or neither); a full pool passes its family alone to the next")
+		fmt.Fprintln(e.stdout, "each family from its own pool: a pool of the list lacks a family the network needs, so each "+
+			"family takes the first pool of its list with a free address (one first for both gives both in one attachment), "+
+			"and the interface gets an attachment in each pool, all claimed in one transaction (all or none); a full pool "+
+			"passes its family alone to the next")
 	case len(c.PerFamily) > 1:
 		fmt.Fprintln(e.stdout, "every family from one pool: the first of the list with a free address")
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -42,6 +43,9 @@ type addState struct {
 	borrowLost int
 	// sticky is the claim the ADD names (Config.Sticky); nil: it names none.
 	sticky Sticky
+	// families are the address families the attachment takes from its pool: its range sets
+	// of them (an interface whose other families come from other pools, joint.go); nil: all.
+	families []int
 }
 
 // rereadEvery is how many borrowed addresses an ADD finds taken before it reads the pool
@@ -255,13 +259,15 @@ func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState
 }
 
 // picked is the addresses an attachment's claim is to take in one pool: addrs, one per range
-// set, of which reserved were chosen by the view (to be settled) and notHeld as free ones.
-// existing is the attachment's owner index, found while no address was free: then there is
-// nothing to claim.
+// set (of the attachment's families), of which reserved were chosen by the view (to be
+// settled) and notHeld as free ones. existing is the attachment's owner index, found while no
+// address was free: then there is nothing to claim. full is the family of the range set that
+// had no free address, when pick stopped for want of one.
 type picked struct {
 	addrs, reserved []netip.Addr
 	notHeld         map[netip.Addr]bool
 	existing        *mvccpb.KeyValue
+	full            int
 }
 
 // pick chooses the addresses of st's attachment in pool p, one per range set (requested ones
@@ -272,6 +278,9 @@ func (x *Attachments) pick(ctx, octx context.Context, p *poolview.Pool, st *addS
 	var reserved []netip.Addr
 	notHeld := map[netip.Addr]bool{}
 	for i := range p.Spec.Ranges {
+		if st.families != nil && !slices.Contains(st.families, p.Spec.Ranges[i].Family()) {
+			continue // another pool gives the interface this family
+		}
 		if requested[i].IsValid() {
 			addrs[i] = requested[i]
 			continue
@@ -316,7 +325,7 @@ func (x *Attachments) pick(ctx, octx context.Context, p *poolview.Pool, st *addS
 				}
 				return picked{}, true, nil
 			}
-			return picked{}, true, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
+			return picked{full: p.Spec.Ranges[i].Family()}, true, fmt.Errorf("pool %q: %w", p.Spec.Name, err)
 		}
 		addrs[i] = addr
 		reserved = append(reserved, addr)
@@ -343,6 +352,8 @@ func (x *Attachments) pick(ctx, octx context.Context, p *poolview.Pool, st *addS
 			return picked{}, true, nil
 		}
 	}
-
+	if st.families != nil {
+		addrs = slices.DeleteFunc(addrs, func(a netip.Addr) bool { return !a.IsValid() })
+	}
 	return picked{addrs: addrs, reserved: reserved, notHeld: notHeld}, false, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/netip"
 	"slices"
 	"strings"
 
@@ -18,8 +19,8 @@ import (
 
 // Add is an ADD (the agent's Add, whose doc names its errors): it validates req, chooses the
 // pools it may try (choosePools) and passes the ADD from a full one to the next of the list.
-// When no pool gives every family the network needs, each family comes from its own list
-// (addSplit), in one transaction.
+// When a pool of the list lacks a family the network needs, each family comes from its own
+// list (addSplit), in one transaction.
 func (x *Attachments) Add(ctx context.Context, req allocator.Request) (allocator.Result, error) {
 	owner, err := x.cfg.Validate(&req)
 	if err != nil {
@@ -58,12 +59,14 @@ func exhausted(full []string, passed []selection.Passed) error {
 }
 
 // chosen is the pools an ADD tries: pools, each giving every family the network needs, in
-// order; or, when none does, split: per family of the network, in the network's order, the
-// pools giving it, in order. passed are the pools of the list passed over.
+// order; or, when a pool of the list lacks one, split: per family of the network, in the
+// network's order, the pools giving it, in order, families[i] being the families split[i]
+// gives (nil: every family of its pools). passed are the pools of the list passed over.
 type chosen struct {
-	pools  []allocator.PoolSpec
-	split  [][]allocator.PoolSpec
-	passed []selection.Passed
+	pools    []allocator.PoolSpec
+	split    [][]allocator.PoolSpec
+	families [][]int
+	passed   []selection.Passed
 }
 
 // choosePools returns the pools an ADD tries. An interface that has attachments on this
@@ -72,8 +75,10 @@ type chosen struct {
 // (package selection); with no rule, no request and the configuration's pool open to all,
 // that pool alone, as before rules existed.
 //
-// A pool with range sets of every family the network needs is preferred; only when the list
-// has none does each family take its own pool (two attachments in one transaction).
+// A list whose pools each have range sets of every family the network needs is tried pool
+// by pool; a list with a pool lacking one, per family (addSplit: an attachment per pool, in
+// one transaction). A sticky claim made per family, in two pools, is found in both; a family
+// whose record is gone takes its pool by the rules, as a new claim does.
 func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, owner string) (chosen, error) {
 	specOf := func(name string) allocator.PoolSpec {
 		if name == req.Pool.Name {
@@ -84,17 +89,18 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 	// An imported container's attachments are kept under its container ID (as begin finds
 	// them): its repeated ADD keeps the pool the import put them in.
 	if ps, ok := x.pods.Snapshot(x.cfg.AttachmentOwner(req, owner)); ok {
-		var mine [][]allocator.PoolSpec
+		var mine chosen
 		for _, at := range ps.Attachments {
 			if at.IfName == req.IfName && at.Network == req.Network && !at.Released {
-				mine = append(mine, []allocator.PoolSpec{specOf(at.Pool)})
+				mine.split = append(mine.split, []allocator.PoolSpec{specOf(at.Pool)})
+				mine.families = append(mine.families, familiesOf(at.IPs))
 			}
 		}
-		if len(mine) == 1 {
-			return chosen{pools: mine[0]}, nil
+		if len(mine.split) == 1 {
+			return chosen{pools: mine.split[0]}, nil
 		}
-		if len(mine) > 1 {
-			return chosen{split: mine}, nil
+		if len(mine.split) > 1 {
+			return mine, nil
 		}
 	}
 	one := func(spec allocator.PoolSpec) (chosen, error) { return chosen{pools: []allocator.PoolSpec{spec}}, nil }
@@ -105,19 +111,34 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 		return chosen{}, fmt.Errorf("%w: the selection rules are not read yet: %w", allocator.ErrUnavailable, err)
 	}
 	dflt, stored := pools[req.Pool.Name]
+	families := dflt.Families
+	if !stored {
+		families = selection.PoolOf(req.Pool, keyspace.PoolAccess{}).Families
+	}
+	var claimed map[int]string // a family's pool where the sticky claim was made
 	if req.Claim != "" && (any || len(pools) > 1 || stored && (dflt.Closed || len(dflt.Namespaces) > 0)) {
 		// A sticky claim is found where it was made, as an attachment is: the rules of
 		// that time chose its pool, and a claim with addresses gets them back there,
 		// closed or locked (its addresses are not new: the ADD's claim checks that).
-		name, err := x.claimedPool(ctx, req, pools)
+		found, err := x.claimedPools(ctx, req, pools)
 		if err != nil {
 			return chosen{}, err
 		}
-		if name != "" {
-			return one(specOf(name))
+		var whole string
+		whole, claimed = claimedFamilies(found, families)
+		if whole != "" {
+			return one(specOf(whole))
+		}
+		if len(claimed) > 0 && len(claimed) == len(families) {
+			var out chosen
+			for _, f := range families {
+				out.split = append(out.split, []allocator.PoolSpec{specOf(claimed[f])})
+				out.families = append(out.families, []int{f})
+			}
+			return out, nil
 		}
 	}
-	if !any && len(req.Pools) == 0 && (!stored || !dflt.Closed && len(dflt.Namespaces) == 0) {
+	if !any && len(req.Pools) == 0 && (!stored || !dflt.Closed && len(dflt.Namespaces) == 0) && len(claimed) == 0 {
 		return one(req.Pool)
 	}
 	if !stored {
@@ -156,53 +177,113 @@ func (x *Attachments) choosePools(ctx context.Context, req allocator.Request, ow
 	if err != nil {
 		return chosen{}, err
 	}
+	// A list of pools that each give every family is tried pool by pool. A list with a
+	// pool that lacks one (selection's Split), and a claim found for some families only, are
+	// tried per family: each family takes the first pool of its list, a pool heading several
+	// families' lists giving them in one attachment.
 	out := chosen{passed: c.Passed}
-	for _, name := range c.Pools {
-		if servesAll(pools[name], dflt.Families) {
-			out.pools = append(out.pools, specOf(name))
+	if !c.Split && len(claimed) == 0 {
+		for _, name := range c.Pools {
+			if servesAll(pools[name], dflt.Families) {
+				out.pools = append(out.pools, specOf(name))
+			}
 		}
+		return out, nil
 	}
-	if len(out.pools) == 0 {
-		for _, f := range dflt.Families {
-			var list []allocator.PoolSpec
+	for _, f := range dflt.Families {
+		var list []allocator.PoolSpec
+		if name, ok := claimed[f]; ok {
+			list = []allocator.PoolSpec{specOf(name)} // the claim's family stays where it was made
+		} else {
 			for _, name := range c.PerFamily[f] {
 				list = append(list, specOf(name))
 			}
-			out.split = append(out.split, list)
 		}
+		out.split = append(out.split, list)
+		out.families = append(out.families, []int{f})
 	}
 	return out, nil
 }
 
-// claimedPool returns the pool where the sticky claim req names was made, "" if none: the
-// pool configured, else the first by name among the others the agent knows (a claim is made
-// in one pool; two are the work of rules changed between two incarnations that both found
-// none). Its claim keys are read in one transaction per keyspace.MaxTxnOps pools.
-func (x *Attachments) claimedPool(ctx context.Context, req allocator.Request, pools map[string]selection.Pool) (string, error) {
+// familiesOf are the address families of addrs, in order.
+func familiesOf(addrs []netip.Addr) []int {
+	var out []int
+	for _, a := range addrs {
+		f := 4
+		if a.Is6() && !a.Is4In6() {
+			f = 6
+		}
+		if !slices.Contains(out, f) {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// claim is a sticky claim's record found in pool: families are those of its addresses
+// (nil: it has none).
+type claim struct {
+	pool     string
+	families []int
+}
+
+// claimedPools returns the pools where the sticky claim req names was made, in order: the
+// pool configured, then the others the agent knows by name (a claim is made in one pool, or
+// one per family when the interface's families came from two pools; more are the work of
+// rules changed between two incarnations that both found none). Its claim keys are read in
+// one transaction per keyspace.MaxTxnOps pools.
+func (x *Attachments) claimedPools(ctx context.Context, req allocator.Request, pools map[string]selection.Pool) ([]claim, error) {
 	names := []string{req.Pool.Name}
 	for _, name := range slices.Sorted(maps.Keys(pools)) {
 		if name != req.Pool.Name {
 			names = append(names, name)
 		}
 	}
+	var found []claim
 	for chunk := range slices.Chunk(names, keyspace.MaxTxnOps) {
 		ops := make([]clientv3.Op, len(chunk))
 		for i, name := range chunk {
-			ops[i] = clientv3.OpGet(keyspace.ClaimKey(x.cfg.Cluster, name, req.Claim), clientv3.WithCountOnly())
+			ops[i] = clientv3.OpGet(keyspace.ClaimKey(x.cfg.Cluster, name, req.Claim))
 		}
 		octx, cancel := x.opCtx(ctx)
 		resp, err := x.cli.Txn(octx).Then(ops...).Commit()
 		cancel()
 		if err != nil {
-			return "", unavailable("read where claim "+req.Claim+" was made", err)
+			return nil, unavailable("read where claim "+req.Claim+" was made", err)
 		}
 		for i, r := range resp.Responses {
-			if r.GetResponseRange().Count > 0 {
-				return chunk[i], nil
+			if kvs := r.GetResponseRange().Kvs; len(kvs) > 0 {
+				rec, _ := keyspace.Decode[keyspace.ClaimRecord](string(kvs[0].Key), kvs[0].Value)
+				found = append(found, claim{pool: chunk[i], families: familiesOf(rec.IPs)})
 			}
 		}
 	}
-	return "", nil
+	return found, nil
+}
+
+// claimedFamilies says where the claims found give the families a network needs: whole, the
+// first pool whose claim gives them all (or, for one family, the first found); else, per
+// family, the first pool whose claim gives it. A family no claim gives (its record deleted
+// by hand, or never made) is missing from the map: its pool is chosen as for a new claim.
+func claimedFamilies(found []claim, families []int) (whole string, byFamily map[int]string) {
+	if len(found) > 0 && len(families) < 2 {
+		return found[0].pool, nil
+	}
+	for _, c := range found {
+		if c.families == nil || !slices.ContainsFunc(families, func(f int) bool { return !slices.Contains(c.families, f) }) {
+			return c.pool, nil
+		}
+	}
+	byFamily = map[int]string{}
+	for _, f := range families {
+		for _, c := range found {
+			if slices.Contains(c.families, f) {
+				byFamily[f] = c.pool
+				break
+			}
+		}
+	}
+	return "", byFamily
 }
 
 // accessLimited names the pools closed, or locked to some namespaces, in pools, in order.
