@@ -44,7 +44,7 @@ func (c *checker) halfAttached(a *AllocationEntry, ok string, other *OwnerEntry)
 		a.IP, a.Pool, ok, a.IfName, podName(a.Pod), a.Owner, short(a.ContainerID), a.Cluster, dash(a.Node), other.Pool,
 		ipsText(other.Value.IPs), lease, a.Pool, a.IP, AgentPutsBack(a.Node))
 	fix := "etcdctl lease revoke " + lease
-	if ips := c.halfIPs(a); ips != nil {
+	if ips := c.halfIPs(a, other); ips != nil {
 		rec := keyspace.OwnerRecord{IPs: ips, ContainerID: a.ContainerID, Network: a.Network, Node: a.Node, NodeUID: a.NodeUID,
 			LeaseID: lease, Created: a.Created}
 		msg += fmt.Sprintf(". To put it back at once, restore the owner index on lease %s (the transaction changes nothing if the "+
@@ -57,10 +57,12 @@ func (c *checker) halfAttached(a *AllocationEntry, ok string, other *OwnerEntry)
 	c.add(KindOrphan, a.Cluster, msg, fix, a.Key, other.Key)
 }
 
-// halfIPs are the addresses of a's attachment in a's pool, one per range set of the pool in
-// order, as its owner index listed them; nil when the allocations of the attachment on a's
-// lease do not give exactly that.
-func (c *checker) halfIPs(a *AllocationEntry) []netip.Addr {
+// halfIPs are the addresses of a's attachment in a's pool, in the order of the pool's range
+// sets, as its owner index listed them: one per range set, but for the sets of a family the
+// interface's other half (other) gives, which the attachment did not take (a dual-stack pool
+// giving an interface one family, issue 34). nil when the allocations of the attachment on
+// a's lease do not give exactly that.
+func (c *checker) halfIPs(a *AllocationEntry, other *OwnerEntry) []netip.Addr {
 	p, defined := c.pools[a.Pool]
 	if !defined || !p.Usable() {
 		return nil
@@ -80,8 +82,27 @@ func (c *checker) halfIPs(a *AllocationEntry) []netip.Addr {
 		ips[set] = b.IP
 		n++
 	}
-	if n != len(ips) || slices.ContainsFunc(ips, func(ip netip.Addr) bool { return !ip.IsValid() }) {
+	elsewhere := func(set int) bool {
+		return slices.ContainsFunc(other.Value.IPs, func(ip netip.Addr) bool { return p.Value.Ranges[set].Family() == familyOf(ip) })
+	}
+	out := make([]netip.Addr, 0, n)
+	for set, ip := range ips {
+		switch {
+		case ip.IsValid() && !elsewhere(set):
+			out = append(out, ip)
+		case ip.IsValid(), !elsewhere(set):
+			return nil // a family twice, or one no half gives
+		}
+	}
+	if len(out) == 0 {
 		return nil
 	}
-	return ips
+	return out
+}
+
+func familyOf(ip netip.Addr) int {
+	if ip.Is4() {
+		return 4
+	}
+	return 6
 }
