@@ -320,6 +320,27 @@ func (g *Gate) FirstOfHistory() int64 {
 	return g.first
 }
 
+// HistoryStart is a revision at or below the one etcd's history started from: where the last
+// restore left it (the backup's revision, bumped or not; 0 for an empty etcd). Every key
+// written since has a higher ModRevision, whoever wrote it and whatever the agents had heard.
+// It is a member's revision less its raft index: a restore starts a new raft log, every
+// write since is one entry of it that raises the revision by one at most, and the member
+// reads its committed index after its revision (Status), so revision - index <= restored
+// revision - the log's first index. A history that had no restore gives a lower bound still.
+// It errs low by the entries that wrote nothing (lease grants, elections). The answer passes
+// the gate; the error is the last endpoint's that did not answer.
+func (g *Gate) HistoryStart(ctx context.Context) (int64, error) {
+	err := fmt.Errorf("etcd has no endpoint")
+	for _, ep := range g.raw.Endpoints() {
+		var resp *clientv3.StatusResponse
+		if resp, err = g.raw.Status(ctx, ep); err == nil {
+			g.Heard(resp.Header)
+			return max(resp.Header.Revision-int64(resp.RaftIndex), 0), nil
+		}
+	}
+	return 0, fmt.Errorf("read etcd's status: %w", err)
+}
+
 // Heard notes the header of an answer that is not linearizable: a keep-alive's.
 func (g *Gate) Heard(h *pb.ResponseHeader) { g.seen(h, g.floor(), false) }
 
