@@ -207,7 +207,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	a.cwatch = conflicts.New(actx, a.cli, a.pods, &a.locks, a.pools, conflicts.Config{Cluster: cfg.Cluster,
 		OpTimeout: cfg.OpTimeout, Log: a.log, HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
 		Mine: a.blockLeases.mine, KeepClaim: a.sticky.KeepClaimLocked, Open: a.metrics.conflictsOpen,
-		Resolved: a.metrics.conflictsResolved})
+		Resolved: a.metrics.conflictsResolved, HistoryStart: a.gate.HistoryStart})
 	a.imports = a.newImporter()
 	a.release = a.newReleaser()
 	a.recovery, a.notices = a.newRecovery()

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -688,6 +689,7 @@ func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing
 			t.Fatal(err)
 		}
 		x := resultAddrs(first)[0]
+		historyGoesOn(t, ctx, cli, 100)
 		backup := filepath.Join(t.TempDir(), "backup.db")
 		if err := member.Snapshot(ctx, backup); err != nil {
 			t.Fatal(err)
@@ -866,6 +868,119 @@ func backupThenAdd(t *testing.T, ctx context.Context, a *Agent, member *etcdtest
 		t.Fatal(err)
 	}
 	return backup, resultAddrs(res)[0]
+}
+
+// TestAHoldWrittenBeforeTheAgentHeardTheRestoreIsWaitedFor: as
+// TestAHoldWrittenSinceARestoreIsWaitedFor, but the other node's pod re-claims the address
+// before this agent hears a single answer of etcd's new history (its node cut off from etcd
+// while etcd was restored): the hold's ModRevision is below the first revision the agent hears
+// of that history, yet it was written since the restore, and must be waited for.
+func TestAHoldWrittenBeforeTheAgentHeardTheRestoreIsWaitedFor(t *testing.T) {
+	eachRestoreWay(t, "10.87.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		proxy := etcdtest.StartProxy(t, member.ClientURL)
+		var logs syncbuf.Buffer
+		a1 := startAgentAt(t, proxy.URL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) {
+			c.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		})
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("n1's log:\n%s", logs.String())
+			}
+		})
+		if _, err := a1.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil { // the pool, in the backup
+			t.Fatal(err)
+		}
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		res, err := a1.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(res)[0]
+		ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
+		// More history after the backup: n1 hears the plain restore's answers below it.
+		for i := range 3 {
+			if _, err := a1.Add(ctx, addReq(pool, fmt.Sprintf("c%d", 3+i), "eth0", fmt.Sprintf("u%d", 3+i))); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// n1 hears nothing of etcd from before the restore until after u2's re-claim of x.
+		proxy.Cut()
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		var podLease, blockLease clientv3.LeaseID
+		var written int64
+		etcdtest.Eventually(t, "u2 of node n2 re-claiming "+x.String(), func() error {
+			pl, err := cli.Grant(ctx, 600)
+			if err != nil {
+				return err
+			}
+			bl, err := cli.Grant(ctx, 600)
+			if err != nil {
+				return err
+			}
+			al := keyspace.Allocation{Owner: "u2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c2", IfName: "eth0", Network: pool.Name}
+			resp, err := cli.Txn(ctx).Then(clientv3.OpPut(ipKey, keyspace.Encode(al), clientv3.WithLease(pl.ID)),
+				clientv3.OpPut(heldKey, keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u2"}), clientv3.WithLease(bl.ID))).Commit()
+			if err != nil {
+				return err
+			}
+			podLease, blockLease, written = pl.ID, bl.ID, resp.Header.Revision
+			return nil
+		})
+		proxy.Mend()
+		etcdtest.EventuallyTrue(t, "n1 finding etcd gone back", func() bool {
+			return a1.gate.Epoch() > 0 && counterValue(a1.metrics.wentBack) > 0
+		})
+		if first := a1.gate.FirstOfHistory(); first < written {
+			t.Fatalf("n1 heard revision %d of the new history, before u2's hold at %d: not the case this test is for", first, written)
+		}
+		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
+			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
+			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
+		})
+		// n2 cut off: u2's allocation expires with its pod lease, its hold stays.
+		if _, err := cli.Revoke(ctx, podLease); err != nil {
+			t.Fatal(err)
+		}
+		var took bool
+		etcdtest.EventuallyTrue(t, "n1 waiting for u2's hold of "+x.String()+", or taking the address", func() bool {
+			waits, resolved := conflictLogs(t, logs.String(), x, heldKey)
+			took = resolved
+			return waits || resolved
+		})
+		if took {
+			t.Fatalf("u1 took %s back while u2's hold, written after the restore (at %d), stood", x, written)
+		}
+		if _, err := cli.Revoke(ctx, blockLease); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
+			lease, _ := a1.pods.Lease("u1")
+			resp, err := cli.Get(ctx, ipKey)
+			if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
+				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
+			}
+			return nil
+		})
+	})
+}
+
+// historyGoesOn writes n revisions of a key no agent reads: etcd's history goes on between a
+// hold and the backup. The agent dates a restore from etcd's HistoryStart, which errs low by
+// the raft entries since the restore that wrote nothing (an election, lease grants): a hold
+// among the backup's last few revisions is waited for (leases/conflicts).
+func historyGoesOn(t *testing.T, ctx context.Context, cli *clientv3.Client, n int) {
+	t.Helper()
+	for i := range n {
+		if _, err := cli.Put(ctx, "history-goes-on", strconv.Itoa(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // conflictLogs reads an agent's JSON log lines: whether its conflict watch waits for held,

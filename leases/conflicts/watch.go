@@ -58,13 +58,17 @@ type Watch struct {
 	following map[podbook.ConflictRef]context.CancelFunc
 	// backHeld are the addresses this node's pods held when the agent last found etcd gone
 	// back in time (of notice backGen), until the repair after it is done; backSince the
-	// lowest revision the agent knows of etcd's history since (0: none); restoredHolds the
-	// held keys of other owners a restore brought back that the re-claim found on such
-	// addresses, by ModRevision.
+	// lowest revision the agent knows of etcd's history since (0: none); backStart, if
+	// started, the lowest HistoryStart read since (the last after notice startGen);
+	// restoredHolds the held keys of other owners a restore brought back that the re-claim
+	// found on such addresses, by ModRevision.
 	rmu           sync.Mutex
 	backHeld      map[podbook.ConflictRef]bool
 	backGen       uint64
 	backSince     int64
+	backStart     int64
+	startGen      uint64
+	started       bool
 	restoredHolds map[podbook.ConflictRef]int64
 }
 
@@ -83,6 +87,9 @@ type Config struct {
 	// KeepClaim checks the sticky claim of owner's attachment on ifName in pool, and puts
 	// back what is not as written, under the owner lock own (sticky.Claims.KeepClaimLocked).
 	KeepClaim func(ctx context.Context, own *ownerlock.Owned, owner, ifName, pool string) error
+	// HistoryStart is a revision at or below the one etcd's history started from
+	// (etcdgate.Gate.HistoryStart).
+	HistoryStart func(ctx context.Context) (int64, error)
 	// Open is set to the number of addresses followed; Resolved counts the resolutions.
 	Open     prometheus.Gauge
 	Resolved prometheus.Counter
@@ -230,21 +237,68 @@ func (cw *Watch) Stop(owner string) {
 // NoteRestoredHolds records, for a re-claim of owner's attachment at after etcd went back in
 // time, the held keys of other owners (holds, by address) that the restore brought back on
 // addresses the pod held when the agent found etcd gone back: their ModRevisions are of
-// etcd's history before the pod had these addresses (restoredHold). A hold is one the restore
-// brought back only if its ModRevision is at most the lowest revision the agent heard of the
-// new history (WentBack's since), so written before that answer: a hold written after it (by
-// another node's re-claim or ADD over an address this pod lost with the restore, whose pod
-// may run with it on a node cut off since) is waited for. With no such revision (an audit's
-// finding, a test's notice) every hold is.
+// etcd's history before the pod had these addresses (restoredHold). A hold written since the
+// restore (by another node's re-claim, ADD or DEL over an address this pod lost with it, whose
+// pod may run with it on a node cut off since) must be waited for, or two pods have the
+// address: a hold is the restore's only if its ModRevision is at most both the lowest
+// revision the agent heard of each new history (WentBack's since; 0, an audit's finding: no
+// hold is) and etcd's HistoryStart read after each notice. The first alone leaves a window:
+// another agent may write before this one hears the new history. The second has none: every
+// key written since a restore is above it, whoever wrote it, whatever the writer had heard.
+// A notice while it is read (another restore) leaves every hold waited for.
 func (cw *Watch) NoteRestoredHolds(owner string, at podbook.Attachment, holds map[netip.Addr]int64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
+	candidate := func(ref podbook.ConflictRef, rev int64) bool {
+		return cw.backHeld[ref] && !slices.Contains(at.Conflicts, ref.Addr) && rev <= cw.backSince && cw.backSince > 0
+	}
+	some := false
+	for ip, rev := range holds {
+		some = some || candidate(podbook.ConflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}, rev)
+	}
+	if !some {
+		return
+	}
+	if !cw.started || cw.startGen != cw.backGen {
+		cw.rmu.Unlock()
+		cw.readHistoryStart()
+		cw.rmu.Lock()
+		if !cw.started || cw.startGen != cw.backGen {
+			return
+		}
+	}
 	for ip, rev := range holds {
 		ref := podbook.ConflictRef{Owner: owner, IfName: at.IfName, Pool: at.Pool, Addr: ip}
-		if cw.backHeld[ref] && !slices.Contains(at.Conflicts, ip) && rev <= cw.backSince && cw.backSince > 0 {
+		if candidate(ref, rev) && rev <= cw.backStart {
 			cw.restoredHolds[ref] = rev
 		}
 	}
+}
+
+// readHistoryStart reads etcd's HistoryStart after the last notice and keeps the lowest read
+// since the notices (backStart); a failed read keeps nothing, and no hold then counts as one
+// a restore brought back.
+func (cw *Watch) readHistoryStart() {
+	cw.rmu.Lock()
+	gen := cw.backGen
+	cw.rmu.Unlock()
+	ctx, cancel := cw.opCtx(cw.ctx)
+	defer cancel()
+	start, err := cw.cfg.HistoryStart(ctx)
+	if err != nil {
+		cw.log.Warn("reading where etcd's history started failed; every held key a re-claim finds is waited for", "err", err)
+		return
+	}
+	cw.log.Info("etcd's history since its restore starts above this revision", "revision", start, "notice", gen)
+	cw.rmu.Lock()
+	defer cw.rmu.Unlock()
+	if cw.backHeld == nil {
+		return // repaired meanwhile
+	}
+	if !cw.started || start < cw.backStart {
+		cw.backStart = start
+	}
+	cw.startGen, cw.started = max(cw.startGen, gen), true
 }
 
 // restoredHold tells whether held, another owner's held key of ref's address, is one a
@@ -267,15 +321,22 @@ func (cw *Watch) restoredHold(ref podbook.ConflictRef, held *mvccpb.KeyValue) bo
 // that notice's generation (gen, read under rmu). A notice before the repair of an earlier
 // one is done (another sign of the same restore, found by the audit a moment later) adds to
 // what the pods held at the first: a pod whose lease the restore took in between held its
-// addresses then; and of the revisions known of the new history, the lowest stands.
+// addresses then; and of the revisions known of the new history, the lowest stands. It reads
+// etcd's HistoryStart in the background, while etcd is in the history it found, not one a
+// later restore brought.
 func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, since int64, gen func() uint64) {
 	cw.rmu.Lock()
-	defer cw.rmu.Unlock()
 	if cw.backHeld == nil || cw.backSince == 0 || since != 0 && since < cw.backSince {
 		cw.backSince = since
 	}
 	cw.heldAlsoLocked(held)
 	cw.backGen = gen()
+	cw.rmu.Unlock()
+	cw.mu.Lock()
+	defer cw.mu.Unlock()
+	if cw.ctx.Err() == nil {
+		cw.wg.Go(cw.readHistoryStart)
+	}
 }
 
 // HeldAlso adds held to what the pods held when the agent last found etcd gone back: what
@@ -301,6 +362,6 @@ func (cw *Watch) Repaired(gen uint64) {
 	cw.rmu.Lock()
 	defer cw.rmu.Unlock()
 	if gen >= cw.backGen {
-		cw.backHeld, cw.backSince = nil, 0
+		cw.backHeld, cw.backSince, cw.backStart, cw.startGen, cw.started = nil, 0, 0, 0, false
 	}
 }
