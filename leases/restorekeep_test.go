@@ -778,17 +778,8 @@ func TestARestoredEarlierHolderDoesNotKeepTheAddressFromTheRunningPod(t *testing
 func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
 	eachRestoreWay(t, "10.86.0.0/28", func(t *testing.T, b restoreBed) {
 		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
-		var logs syncbuf.Buffer
-		a1 := startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) {
-			c.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		})
-		t.Cleanup(func() {
-			if t.Failed() {
-				t.Logf("n1's log:\n%s", logs.String())
-			}
-		})
+		a1, logs := startLoggedAgent(t, member.ClientURL, cluster)
 		backup, x := backupThenAdd(t, ctx, a1, member, pool)
-		ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
 		// u1's re-claim waits until the other pod's keys are written.
 		own := a1.locks.Lock("u1")
 		locked := true
@@ -803,52 +794,93 @@ func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
 		etcdtest.EventuallyTrue(t, "n1 finding etcd gone back", func() bool {
 			return a1.gate.Epoch() > 0 && counterValue(a1.metrics.wentBack) > 0
 		})
-		// u2 of node n2 re-claims x: its allocation on its pod lease, its held key on n2's
-		// block lease.
-		podLease, err := cli.Grant(ctx, 600)
+		h, err := reclaimOnN2(ctx, cli, cluster, pool, x)
 		if err != nil {
-			t.Fatal(err)
-		}
-		blockLease, err := cli.Grant(ctx, 600)
-		if err != nil {
-			t.Fatal(err)
-		}
-		al := keyspace.Allocation{Owner: "u2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c2", IfName: "eth0", Network: pool.Name}
-		if _, err := cli.Txn(ctx).Then(clientv3.OpPut(ipKey, keyspace.Encode(al), clientv3.WithLease(podLease.ID)),
-			clientv3.OpPut(heldKey, keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u2"}), clientv3.WithLease(blockLease.ID))).Commit(); err != nil {
 			t.Fatal(err)
 		}
 		own.Unlock()
 		locked = false
-		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
-			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
-			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
-		})
-		// n2 cut off: u2's allocation expires with its pod lease, its hold stays.
-		if _, err := cli.Revoke(ctx, podLease.ID); err != nil {
-			t.Fatal(err)
+		h.waitedFor(t, b, a1, logs)
+	})
+}
+
+// startLoggedAgent starts node n1's agent at endpoint, its log kept (JSON, debug) and shown
+// if the test fails.
+func startLoggedAgent(t *testing.T, endpoint, cluster string) (*Agent, *syncbuf.Buffer) {
+	t.Helper()
+	logs := &syncbuf.Buffer{}
+	a := startAgentAt(t, endpoint, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) {
+		c.Logger = slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	})
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("n1's log:\n%s", logs.String())
 		}
-		var took bool
-		etcdtest.EventuallyTrue(t, "n1 waiting for u2's hold of "+x.String()+", or taking the address", func() bool {
-			waits, resolved := conflictLogs(t, logs.String(), x, heldKey)
-			took = resolved
-			return waits || resolved
-		})
-		if took {
-			t.Fatalf("u1 took %s back while u2's hold, written after the restore, stood", x)
+	})
+	return a, logs
+}
+
+// n2Hold is pod u2 of node n2 holding an address x: its allocation on podLease, its held key
+// on n2's blockLease, written at rev.
+type n2Hold struct {
+	x                    netip.Addr
+	podLease, blockLease clientv3.LeaseID
+	rev                  int64
+}
+
+// reclaimOnN2 has u2 of node n2 re-claim x of pool, as n2's agent does.
+func reclaimOnN2(ctx context.Context, cli *clientv3.Client, cluster string, pool allocator.PoolSpec, x netip.Addr) (n2Hold, error) {
+	podLease, err := cli.Grant(ctx, 600)
+	if err != nil {
+		return n2Hold{}, err
+	}
+	blockLease, err := cli.Grant(ctx, 600)
+	if err != nil {
+		return n2Hold{}, err
+	}
+	al := keyspace.Allocation{Owner: "u2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c2", IfName: "eth0", Network: pool.Name}
+	resp, err := cli.Txn(ctx).Then(clientv3.OpPut(keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.Encode(al), clientv3.WithLease(podLease.ID)),
+		clientv3.OpPut(keyspace.HeldKey(pool.Name, pool.Blocks, x), keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u2"}),
+			clientv3.WithLease(blockLease.ID))).Commit()
+	if err != nil {
+		return n2Hold{}, err
+	}
+	return n2Hold{x: x, podLease: podLease.ID, blockLease: blockLease.ID, rev: resp.Header.Revision}, nil
+}
+
+// waitedFor checks that a1, which re-claims u1 with h's address taken, waits for h's hold:
+// u1 lists the conflict; with n2 cut off, u2's allocation expires with its pod lease and its
+// hold stays, which a1 must wait for; once the hold ends, the address is u1's again.
+func (h n2Hold) waitedFor(t *testing.T, b restoreBed, a1 *Agent, logs *syncbuf.Buffer) {
+	t.Helper()
+	cli, ctx, pool, x := b.cli, b.ctx, b.pool, h.x
+	ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
+	etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
+		at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
+		return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
+	})
+	if _, err := cli.Revoke(ctx, h.podLease); err != nil {
+		t.Fatal(err)
+	}
+	var took bool
+	etcdtest.EventuallyTrue(t, "n1 waiting for u2's hold of "+x.String()+", or taking the address", func() bool {
+		waits, resolved := conflictLogs(t, logs.String(), x, heldKey)
+		took = resolved
+		return waits || resolved
+	})
+	if took {
+		t.Fatalf("u1 took %s back while u2's hold, written after the restore (at %d), stood", x, h.rev)
+	}
+	if _, err := cli.Revoke(ctx, h.blockLease); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
+		lease, _ := a1.pods.Lease("u1")
+		resp, err := cli.Get(ctx, ipKey)
+		if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
+			return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
 		}
-		// u2's hold ends: x is u1's again.
-		if _, err := cli.Revoke(ctx, blockLease.ID); err != nil {
-			t.Fatal(err)
-		}
-		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
-			lease, _ := a1.pods.Lease("u1")
-			resp, err := cli.Get(ctx, ipKey)
-			if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
-				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
-			}
-			return nil
-		})
+		return nil
 	})
 }
 
@@ -879,28 +911,8 @@ func TestAHoldWrittenBeforeTheAgentHeardTheRestoreIsWaitedFor(t *testing.T) {
 	eachRestoreWay(t, "10.87.0.0/28", func(t *testing.T, b restoreBed) {
 		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
 		proxy := etcdtest.StartProxy(t, member.ClientURL)
-		var logs syncbuf.Buffer
-		a1 := startAgentAt(t, proxy.URL, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast, func(c *Config) {
-			c.Logger = slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-		})
-		t.Cleanup(func() {
-			if t.Failed() {
-				t.Logf("n1's log:\n%s", logs.String())
-			}
-		})
-		if _, err := a1.Add(ctx, addReq(pool, "c0", "eth0", "u0")); err != nil { // the pool, in the backup
-			t.Fatal(err)
-		}
-		backup := filepath.Join(t.TempDir(), "backup.db")
-		if err := member.Snapshot(ctx, backup); err != nil {
-			t.Fatal(err)
-		}
-		res, err := a1.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		x := resultAddrs(res)[0]
-		ipKey, heldKey := keyspace.IPKey(pool.Name, pool.Blocks, x), keyspace.HeldKey(pool.Name, pool.Blocks, x)
+		a1, logs := startLoggedAgent(t, proxy.URL, cluster)
+		backup, x := backupThenAdd(t, ctx, a1, member, pool)
 		// More history after the backup: n1 hears the plain restore's answers below it.
 		for i := range 3 {
 			if _, err := a1.Add(ctx, addReq(pool, fmt.Sprintf("c%d", 3+i), "eth0", fmt.Sprintf("u%d", 3+i))); err != nil {
@@ -912,61 +924,19 @@ func TestAHoldWrittenBeforeTheAgentHeardTheRestoreIsWaitedFor(t *testing.T) {
 		if err := member.Restore(backup, b.bump); err != nil {
 			t.Fatal(err)
 		}
-		var podLease, blockLease clientv3.LeaseID
-		var written int64
-		etcdtest.Eventually(t, "u2 of node n2 re-claiming "+x.String(), func() error {
-			pl, err := cli.Grant(ctx, 600)
-			if err != nil {
-				return err
-			}
-			bl, err := cli.Grant(ctx, 600)
-			if err != nil {
-				return err
-			}
-			al := keyspace.Allocation{Owner: "u2", Cluster: cluster, Node: "n2", NodeUID: "uid-n2", ContainerID: "c2", IfName: "eth0", Network: pool.Name}
-			resp, err := cli.Txn(ctx).Then(clientv3.OpPut(ipKey, keyspace.Encode(al), clientv3.WithLease(pl.ID)),
-				clientv3.OpPut(heldKey, keyspace.Encode(keyspace.HeldRecord{Cluster: cluster, Node: "n2", Owner: "u2"}), clientv3.WithLease(bl.ID))).Commit()
-			if err != nil {
-				return err
-			}
-			podLease, blockLease, written = pl.ID, bl.ID, resp.Header.Revision
-			return nil
+		var h n2Hold
+		etcdtest.Eventually(t, "u2 of node n2 re-claiming "+x.String(), func() (err error) {
+			h, err = reclaimOnN2(ctx, cli, cluster, pool, x)
+			return err
 		})
 		proxy.Mend()
 		etcdtest.EventuallyTrue(t, "n1 finding etcd gone back", func() bool {
 			return a1.gate.Epoch() > 0 && counterValue(a1.metrics.wentBack) > 0
 		})
-		if first := a1.gate.FirstOfHistory(); first < written {
-			t.Fatalf("n1 heard revision %d of the new history, before u2's hold at %d: not the case this test is for", first, written)
+		if first := a1.gate.FirstOfHistory(); first < h.rev {
+			t.Fatalf("n1 heard revision %d of the new history, before u2's hold at %d: not the case this test is for", first, h.rev)
 		}
-		etcdtest.Eventually(t, "u1's conflict over "+x.String(), func() error {
-			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
-			return etcdtest.Saw(slices.Contains(at.Conflicts, x), "u1 lists conflicts %v", at.Conflicts)
-		})
-		// n2 cut off: u2's allocation expires with its pod lease, its hold stays.
-		if _, err := cli.Revoke(ctx, podLease); err != nil {
-			t.Fatal(err)
-		}
-		var took bool
-		etcdtest.EventuallyTrue(t, "n1 waiting for u2's hold of "+x.String()+", or taking the address", func() bool {
-			waits, resolved := conflictLogs(t, logs.String(), x, heldKey)
-			took = resolved
-			return waits || resolved
-		})
-		if took {
-			t.Fatalf("u1 took %s back while u2's hold, written after the restore (at %d), stood", x, written)
-		}
-		if _, err := cli.Revoke(ctx, blockLease); err != nil {
-			t.Fatal(err)
-		}
-		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
-			lease, _ := a1.pods.Lease("u1")
-			resp, err := cli.Get(ctx, ipKey)
-			if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
-				return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
-			}
-			return nil
-		})
+		h.waitedFor(t, b, a1, logs)
 	})
 }
 
