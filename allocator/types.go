@@ -61,6 +61,10 @@ type Request struct {
 	// ClaimHold is how long a claim outlives its holder's release (ipam "stickyHold"); zero
 	// uses the agent's default.
 	ClaimHold time.Duration `json:"claimHold,omitempty"`
+	// Migratable lets the claim's addresses be held, during a live migration, by a second pod
+	// of the claim on another node (ipam "migratable", the network's "allowPersistentIPs";
+	// docs/proposals/live-migration.md). Without a claim it means nothing.
+	Migratable bool `json:"migratable,omitempty"`
 	// Pools are the pools the pod asks for, in order (CNI_ARGS LEASEHOLD_POOL, args.cni.pool):
 	// among those its namespace may use (package selection). Empty: the selection rules, or
 	// the network configuration's pool, decide. Only an ADD reads them.

@@ -53,12 +53,19 @@ type rawNetConf struct {
 	CNIVersion string          `json:"cniVersion"`
 	Name       string          `json:"name"`
 	IPAM       json.RawMessage `json:"ipam"`
-	Args       *struct {
+	// AllowPersistentIPs is the network's top-level knob that kubevirt/ipam-extensions and
+	// OVN-Kubernetes read: a claim of this network is migratable (docs/proposals/live-migration.md).
+	AllowPersistentIPs bool `json:"allowPersistentIPs"`
+	Args               *struct {
 		CNI *struct {
 			IPs []string `json:"ips"`
 			// Claim is decoded by ParseConfig: of a wrong type, it must not stop
 			// ParseReleaseConfig's own decoding (a DEL needs no claim).
 			Claim json.RawMessage `json:"claim"`
+			// ClaimRef is the multi-network spec's ipam-claim-reference (an IPAMClaim's name,
+			// in the pod's namespace), which an element's cni-args carries here; decoded as
+			// Claim.
+			ClaimRef json.RawMessage `json:"ipam-claim-reference"`
 			// Pool is decoded by ParseConfig, as Claim: the pools the pod asks for, a
 			// string (one pool, or a comma-separated list) or a list of strings.
 			Pool json.RawMessage `json:"pool"`
@@ -77,8 +84,9 @@ type rawNetConf struct {
 // before anything is sent to the agent:
 //
 //   - the top level may carry any fields (they belong to other plugins); leasehold
-//     reads cniVersion, name, ipam, args.cni.ips, args.cni.claim, runtimeConfig.ips,
-//     prevResult and cni.dev/valid-attachments;
+//     reads cniVersion, name, allowPersistentIPs, ipam, args.cni.ips, args.cni.claim,
+//     args.cni["ipam-claim-reference"], runtimeConfig.ips, prevResult and
+//     cni.dev/valid-attachments;
 //   - the ipam object is leasehold's: an unknown field or a value of the wrong type is
 //     an error naming the field;
 //   - the pool (ranges, exclude, blocks, name) is canonicalized with allocator's
@@ -91,10 +99,15 @@ type rawNetConf struct {
 //   - the sticky claim (Request.Claim, Request.ClaimHold) is resolved only for an
 //     invocation that names an attachment (ADD, DEL, CHECK; GC and STATUS have no
 //     claim): CNI_ARGS LEASEHOLD_CLAIM or args.cni.claim names it explicitly, with or
-//     without ipam.sticky (both may be given only if equal); otherwise ipam.sticky names
+//     without ipam.sticky (both may be given only if equal); then
+//     args.cni["ipam-claim-reference"] names it <K8S_POD_NAMESPACE>.<reference> (an
+//     IPAMClaim is namespaced; K8S_POD_NAMESPACE is then required, and an explicit claim
+//     naming another is refused); otherwise ipam.sticky names
 //     it <namespace>.<name> from CNI_ARGS K8S_POD_NAMESPACE and K8S_POD_NAME, both then
 //     required. The name must pass allocator.ValidateName. ipam.stickyHold becomes
 //     ClaimHold and needs a claim: without one it would be ignored, so it is refused.
+//     ipam.migratable or the top-level allowPersistentIPs makes the claim migratable
+//     (Request.Migratable); without a claim the agent ignores it (and logs that once).
 //     These errors wrap allocator.ErrInvalidConfig (an invalid name also ErrInvalidName),
 //     so that ParseReleaseConfig falls back and a DEL still runs, without a claim.
 //
@@ -139,9 +152,9 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 		return nil, err
 	}
 	var argsIPs, runtimeIPs []string
-	var argsClaim, argsPool json.RawMessage
+	var argsClaim, argsRef, argsPool json.RawMessage
 	if nc.Args != nil && nc.Args.CNI != nil {
-		argsIPs, argsClaim, argsPool = nc.Args.CNI.IPs, nc.Args.CNI.Claim, nc.Args.CNI.Pool
+		argsIPs, argsClaim, argsRef, argsPool = nc.Args.CNI.IPs, nc.Args.CNI.Claim, nc.Args.CNI.ClaimRef, nc.Args.CNI.Pool
 	}
 	if nc.RuntimeConfig != nil {
 		runtimeIPs = nc.RuntimeConfig.IPs
@@ -159,7 +172,7 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 	var hold time.Duration
 	var asked []string
 	if containerID != "" || ifName != "" {
-		if claim, hold, err = resolveClaim(ipam, args, argsClaim); err != nil {
+		if claim, hold, err = resolveClaim(ipam, args, argsClaim, argsRef); err != nil {
 			return nil, err
 		}
 		if asked, err = askedPools(args, argsPool); err != nil {
@@ -182,6 +195,7 @@ func ParseConfig(stdin []byte, cniArgs, containerID, ifName, netns string) (*Con
 			RequestedIPs: ips,
 			Claim:        claim,
 			ClaimHold:    hold,
+			Migratable:   ipam.Migratable || nc.AllowPersistentIPs,
 			Pools:        asked,
 		},
 		ValidAttachments: nc.ValidAttachments,
@@ -273,14 +287,20 @@ func askedPools(args CNIArgs, rawArgsPool json.RawMessage) ([]string, error) {
 const claimHint = `name the claim explicitly with CNI_ARGS LEASEHOLD_CLAIM=<name> or "args": {"cni": {"claim": "<name>"}}`
 
 // resolveClaim returns the attachment's sticky claim and its hold (see ParseConfig):
-// explicit (CNI_ARGS LEASEHOLD_CLAIM, args.cni.claim) before ipam.sticky's pod name.
-// rawArgsClaim is args.cni.claim as written (nil when absent). Errors wrap
-// allocator.ErrInvalidConfig.
-func resolveClaim(ipam *IPAMConfig, args CNIArgs, rawArgsClaim json.RawMessage) (string, time.Duration, error) {
-	var argsClaim string
+// explicit (CNI_ARGS LEASEHOLD_CLAIM, args.cni.claim), then args.cni's
+// ipam-claim-reference in the pod's namespace, before ipam.sticky's pod name.
+// rawArgsClaim and rawRef are args.cni.claim and args.cni["ipam-claim-reference"] as
+// written (nil when absent). Errors wrap allocator.ErrInvalidConfig.
+func resolveClaim(ipam *IPAMConfig, args CNIArgs, rawArgsClaim, rawRef json.RawMessage) (string, time.Duration, error) {
+	var argsClaim, ref string
 	if rawArgsClaim != nil {
 		if err := json.Unmarshal(rawArgsClaim, &argsClaim); err != nil { // null leaves it empty
 			return "", 0, jsonError("args.cni.claim", err)
+		}
+	}
+	if rawRef != nil {
+		if err := json.Unmarshal(rawRef, &ref); err != nil {
+			return "", 0, jsonError(`args.cni["ipam-claim-reference"]`, err)
 		}
 	}
 	if args.claimErr != nil {
@@ -293,7 +313,20 @@ func resolveClaim(ipam *IPAMConfig, args CNIArgs, rawArgsClaim json.RawMessage) 
 			"give the claim once, or the same name in both", allocator.ErrInvalidConfig, claim, argsClaim)
 	case claim == "" && argsClaim != "":
 		claim, source = argsClaim, "args.cni.claim"
-	case claim == "" && ipam.Sticky:
+	}
+	if ref != "" {
+		if args.Pod.Namespace == "" {
+			return "", 0, fmt.Errorf("%w: args.cni[\"ipam-claim-reference\"] %q names an IPAMClaim of the pod's namespace, but CNI_ARGS "+
+				"has no K8S_POD_NAMESPACE; have the runtime pass it, or %s", allocator.ErrInvalidConfig, ref, claimHint)
+		}
+		named := args.Pod.Namespace + "." + ref
+		if claim != "" && claim != named {
+			return "", 0, fmt.Errorf("%w: %s %q and args.cni[\"ipam-claim-reference\"] (claim %q) name different claims; "+
+				"give the claim once, or the same name in both", allocator.ErrInvalidConfig, source, claim, named)
+		}
+		claim, source = named, `args.cni["ipam-claim-reference"] in the pod's namespace (K8S_POD_NAMESPACE.<reference>)`
+	}
+	if claim == "" && ipam.Sticky {
 		var missing []string
 		if args.Pod.Namespace == "" {
 			missing = append(missing, "K8S_POD_NAMESPACE")

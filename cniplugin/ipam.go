@@ -33,7 +33,8 @@ import (
 //	  "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
 //	  "dns": {"nameservers": ["10.10.0.10"], "search": ["svc.cluster.local"]},
 //	  "sticky": true,
-//	  "stickyHold": "10m"
+//	  "stickyHold": "10m",
+//	  "migratable": true
 //	}
 //
 // The top-level subnet/rangeStart/rangeEnd/gateway is host-local's legacy single-range
@@ -48,7 +49,10 @@ import (
 // K8S_POD_NAMESPACE and K8S_POD_NAME (docs/proposals/sticky.md); a claim named by the
 // runtime (CNI_ARGS LEASEHOLD_CLAIM, args.cni.claim) takes precedence and needs no
 // "sticky". "stickyHold" is how long a released claim keeps its addresses, a positive
-// duration; absent, the agent's default. It needs a claim (see ParseConfig).
+// duration; absent, the agent's default. It needs a claim (see ParseConfig). "migratable"
+// lets a live migration's target, on another node, hold the claim's addresses while its
+// source runs (docs/proposals/live-migration.md); the network's top-level
+// "allowPersistentIPs": true does the same.
 type IPAMConfig struct {
 	// Type is the plugin type ("leasehold"); not checked.
 	Type string
@@ -73,6 +77,8 @@ type IPAMConfig struct {
 	Sticky bool
 	// StickyHold is ipam.stickyHold, zero when absent (the agent's default).
 	StickyHold time.Duration
+	// Migratable is ipam.migratable.
+	Migratable bool
 }
 
 // rawIPAM is the ipam object; every field is ours, so unknown ones are refused.
@@ -92,6 +98,7 @@ type rawIPAM struct {
 	DNS        types.DNS    `json:"dns"`
 	Sticky     bool         `json:"sticky"`
 	StickyHold string       `json:"stickyHold"`
+	Migratable bool         `json:"migratable"`
 }
 
 // rawBlocks is ipam.blocks: a block prefix length per family, 0 when not given.
@@ -120,7 +127,8 @@ func parseIPAM(data json.RawMessage) (*IPAMConfig, error) {
 	if err := dec.Decode(&raw); err != nil {
 		return nil, jsonError("ipam", err)
 	}
-	out := &IPAMConfig{Type: raw.Type, Socket: raw.Socket, Pool: raw.Pool, DNS: raw.DNS, Timeout: DefaultTimeout, Sticky: raw.Sticky}
+	out := &IPAMConfig{Type: raw.Type, Socket: raw.Socket, Pool: raw.Pool, DNS: raw.DNS, Timeout: DefaultTimeout, Sticky: raw.Sticky,
+		Migratable: raw.Migratable}
 	if out.Socket == "" {
 		out.Socket = DefaultSocket
 	} else if !filepath.IsAbs(out.Socket) {
@@ -278,7 +286,7 @@ func jsonError(where string, err error) error {
 	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
 		name = strings.Trim(name, `"`)
 		hint := "leasehold's ipam accepts type, socket, timeout, pool, ranges, subnet, rangeStart, rangeEnd, gateway, " +
-			"exclude, blocks, routes, dns, sticky and stickyHold (a range: subnet, rangeStart, rangeEnd, gateway; " +
+			"exclude, blocks, routes, dns, sticky, stickyHold and migratable (a range: subnet, rangeStart, rangeEnd, gateway; " +
 			"blocks: ipv4, ipv6; a route: dst, gw, mtu, advmss, priority, table, scope; dns: nameservers, domain, search, options); " +
 			"fix the spelling or remove it"
 		if why, ok := hostLocalOnly[name]; ok {

@@ -107,7 +107,7 @@ func TestParseConfigSticky(t *testing.T) {
 		// A misspelled field is refused, and the hint lists the new ones.
 		{name: "misspelled sticky", ipam: `,"stikcy":true`, args: podArgs,
 			wantErr: `unknown field "stikcy": leasehold's ipam accepts type, socket, timeout, pool, ranges, subnet, rangeStart, ` +
-				`rangeEnd, gateway, exclude, blocks, routes, dns, sticky and stickyHold`},
+				`rangeEnd, gateway, exclude, blocks, routes, dns, sticky, stickyHold and migratable`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -135,6 +135,70 @@ func TestParseConfigSticky(t *testing.T) {
 			}
 			if cfg.IPAM.StickyHold != tt.wantHold {
 				t.Errorf("IPAM.StickyHold %s, want %s", cfg.IPAM.StickyHold, tt.wantHold)
+			}
+		})
+	}
+}
+
+// TestParseConfigClaimReference: a live migration's claim (docs/proposals/live-migration.md):
+// ipam-claim-reference from args.cni (the one path Multus gives it, through cni-args) in the
+// pod's namespace, in its place in the order of the claim's sources, and what makes a claim
+// migratable.
+func TestParseConfigClaimReference(t *testing.T) {
+	ref := func(r string) string { return `,"args":{"cni":{"ipam-claim-reference":"` + r + `"}}` }
+	tests := []struct {
+		name      string
+		ipam, top string
+		args      string
+		wantClaim string
+		wantMig   bool
+		wantErr   string
+	}{
+		// KubeVirt's reference <vm>.<network> becomes a claim of the pod's namespace.
+		{name: "reference", top: ref("vm-a.tenantred"), args: podArgs, wantClaim: "ns.vm-a.tenantred"},
+		// The network's allowPersistentIPs, or ipam.migratable, makes it migratable.
+		{name: "allowPersistentIPs", top: `,"allowPersistentIPs":true` + ref("vm-a.tenantred"), args: podArgs,
+			wantClaim: "ns.vm-a.tenantred", wantMig: true},
+		{name: "ipam migratable", ipam: `,"migratable":true`, top: ref("vm-a.tenantred"), args: podArgs,
+			wantClaim: "ns.vm-a.tenantred", wantMig: true},
+		{name: "migratable false", ipam: `,"migratable":false`, top: `,"allowPersistentIPs":false` + ref("vm-a"), args: podArgs,
+			wantClaim: "ns.vm-a"},
+		// Without a claim the knob is passed on, and ignored by the agent (which logs it once):
+		// stock Multus drops the reference, and a network's pods must still start.
+		{name: "allowPersistentIPs without a claim", top: `,"allowPersistentIPs":true`, args: podArgs, wantMig: true},
+		// The reference comes after the explicit claim: both naming the same claim agree.
+		{name: "explicit agrees", top: ref("vm-a"), args: podArgs + ";LEASEHOLD_CLAIM=ns.vm-a", wantClaim: "ns.vm-a"},
+		{name: "args.cni.claim agrees", top: `,"args":{"cni":{"claim":"ns.vm-a","ipam-claim-reference":"vm-a"}}`, args: podArgs,
+			wantClaim: "ns.vm-a"},
+		// and naming another is refused, naming both.
+		{name: "explicit disagrees", top: ref("vm-a"), args: podArgs + ";LEASEHOLD_CLAIM=other",
+			wantErr: `CNI_ARGS LEASEHOLD_CLAIM "other" and args.cni["ipam-claim-reference"] (claim "ns.vm-a") name different claims`},
+		// The reference comes before ipam.sticky's pod name (a launcher pod's name is new per
+		// migration).
+		{name: "before sticky", ipam: `,"sticky":true`, top: ref("vm-a"), args: podArgs, wantClaim: "ns.vm-a"},
+		// An IPAMClaim is namespaced: without the pod's namespace the claim cannot be named.
+		{name: "no namespace", top: ref("vm-a"), args: "K8S_POD_NAME=p",
+			wantErr: `args.cni["ipam-claim-reference"] "vm-a" names an IPAMClaim of the pod's namespace, but CNI_ARGS has no K8S_POD_NAMESPACE`},
+		{name: "invalid reference", top: ref("a/b"), args: podArgs, wantErr: `args.cni["ipam-claim-reference"] in the pod's namespace`},
+		{name: "reference of the wrong type", top: `,"args":{"cni":{"ipam-claim-reference":3}}`, args: podArgs,
+			wantErr: "got a JSON number, want a string"},
+		// Not accepted in the ipam section: a network's configuration is shared by its pods.
+		{name: "reference in ipam", ipam: `,"ipam-claim-reference":"vm-a"`, args: podArgs, wantErr: `unknown field "ipam-claim-reference"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := ParseConfig(stickyConf(tt.ipam, tt.top), tt.args, "c0ffee", "eth0", "")
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) || !errors.Is(err, allocator.ErrInvalidConfig) {
+					t.Fatalf("ParseConfig: %v, want ErrInvalidConfig containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("ParseConfig: %v", err)
+			}
+			if cfg.Request.Claim != tt.wantClaim || cfg.Request.Migratable != tt.wantMig {
+				t.Errorf("claim %q migratable %v, want %q %v", cfg.Request.Claim, cfg.Request.Migratable, tt.wantClaim, tt.wantMig)
 			}
 		})
 	}
