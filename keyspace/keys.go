@@ -295,13 +295,14 @@ func ValidateNames(pairs ...string) error {
 // (pool definitions, allocations, quarantine, held and wanted keys, block claims, host
 // addresses, pool conflicts: one address
 // has one owner across clusters, so every cluster must see them) and the cluster's own
-// owners, nodes and conflicts. An etcd role per cluster granting readwrite on exactly
+// owners, nodes, conflicts, sticky claims and live migrations. An etcd role per cluster granting readwrite on exactly
 // these, and read on ReadPrefixes, keeps a cluster's credentials away from other clusters'
 // owners (deploy/etcd).
 func RolePrefixes(cluster string) []string {
 	return []string{
 		poolsDir, ipsDir, quarantineDir, hostIPsDir, poolConflicts, blocksDir, heldDir, wantedDir,
 		OwnersPrefix(cluster), NodesPrefix(cluster), ConflictsPrefix(cluster), ClaimsPrefix(cluster),
+		LiveMigrationsPrefix(cluster),
 	}
 }
 

@@ -20,6 +20,7 @@
 #   readwrite  /leasehold/v1/nodes/<CLUSTER>/        this cluster's agents and pod records
 #   readwrite  /leasehold/v1/conflicts/<CLUSTER>/    this cluster's conflict records
 #   readwrite  /leasehold/v1/claims/<CLUSTER>/       this cluster's sticky claims
+#   readwrite  /leasehold/v1/livemigrations/<CLUSTER>/  this cluster's live migrations' targets
 #   read       /leasehold/v1/selection/<CLUSTER>/    this cluster's selection rules (admins write them)
 #
 # Why the first eight are shared: pools are shared across clusters by design. An address is
@@ -106,7 +107,7 @@ for c in "${clusters[@]}"; do
   exists role "$name" || ctl role add "$name"
   # Keep in step with keyspace.RolePrefixes and keyspace.ReadPrefixes
   # (integration/deploy_scripts_test.go compares them).
-  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ wanted/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/"; do
+  for p in pools/ ips/ quarantine/ hostips/ poolconflicts/ blocks/ held/ wanted/ "owners/$c/" "nodes/$c/" "conflicts/$c/" "claims/$c/" "livemigrations/$c/"; do
     ctl role grant-permission --prefix=true "$name" readwrite "$PREFIX$p"
   done
   # The agents follow the selection rules; leaseholdctl, with an admin's credentials, writes them.
