@@ -25,6 +25,9 @@ import (
 // are held by another node identity until they expire).
 func (a *Agent) Add(ctx context.Context, req allocator.Request) (_ allocator.Result, err error) {
 	defer a.metrics.observe("add", time.Now(), &err)
+	if req.Migratable && req.Claim == "" {
+		a.sticky.Unclaimed(req.Network)
+	}
 	return a.attach.Add(ctx, req)
 }
 

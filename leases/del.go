@@ -5,6 +5,8 @@ import (
 	"net/netip"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/release"
@@ -50,5 +52,10 @@ func (a *Agent) newReleaser() *release.Releaser {
 			return a.recovery.OthersSince(ctx, owner, key, ip, from, to, before)
 		},
 		ReleaseSticky: a.sticky.Release, StickyReleased: a.sticky.Released, ClaimReleaseTTL: a.sticky.ReleaseTTL,
+		Departed: func(ctx context.Context, pool string, blocks allocator.Blocks, claim, owner, ownerKey string, ownerRev int64,
+			lease clientv3.LeaseID, ips []netip.Addr, network string) (bool, int64, int64, error) {
+			d, err := a.sticky.Departed(ctx, pool, blocks, claim, owner, ownerKey, ownerRev, lease, ips, network)
+			return d.Done, d.Revision, d.Left, err
+		},
 		Result: result}
 }

@@ -70,3 +70,9 @@ func (s *addSticky) Bound(at *podbook.Attachment) bool {
 }
 
 func (s *addSticky) Drop() { s.sc.Drop(s.read) }
+
+func (s *addSticky) Target() bool { return s.read != nil && s.read.Migration != nil }
+
+func (s *addSticky) Migrate(ctx context.Context, c *txn.Claim, now time.Time) (bool, int64, error) {
+	return s.sc.Migrate(ctx, s.read, s.owner, s.req, c, now)
+}

@@ -215,6 +215,9 @@ func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState
 		PodKey:   keyspace.PodKey(x.cfg.Cluster, x.cfg.Node, owner), NewPod: !known,
 		Alloc: x.Allocation(req, owner, lease, now), Index: x.OwnerRecord(req, addrs, lease, now),
 		Pod: x.PodRecord(req, owner, lease, now)}
+	if st.sticky != nil && st.sticky.Target() {
+		return x.target(ctx, octx, p, st, c, now)
+	}
 	if st.sticky != nil {
 		if err := st.sticky.Claim(octx, c, now); err != nil {
 			p.View.Settle(reserved, 0)

@@ -118,6 +118,12 @@ type Sticky interface {
 	Bound(at *podbook.Attachment) (handover bool)
 	// Drop gives up the claim lease the ADD granted but did not bind the claim to.
 	Drop()
+	// Target tells whether the claim read makes the ADD a live migration's target.
+	Target() bool
+	// Migrate sends the target's transaction, of what the ADD's claim c would write (the
+	// start of the migration, or a repeated ADD's read of its owner index); applied false:
+	// the claim changed since it was read (it is stale). rev is the owner index's revision.
+	Migrate(ctx context.Context, c *txn.Claim, now time.Time) (applied bool, rev int64, err error)
 }
 
 // Attachments makes the ADDs of one agent.

@@ -108,7 +108,7 @@ func (t *Book) HeldAddrs(lostSince time.Time) map[ConflictRef]bool {
 		}
 		for _, at := range ps.Attachments {
 			for _, ip := range at.IPs {
-				if !at.Released && !slices.Contains(at.Conflicts, ip) {
+				if !at.Released && !at.Target && !slices.Contains(at.Conflicts, ip) {
 					out[ConflictRef{owner, at.IfName, at.Pool, ip}] = true
 				}
 			}

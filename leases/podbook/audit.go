@@ -104,8 +104,8 @@ func (ps *PodState) auditPod(cluster, node string, layouts map[string]allocator.
 	for _, at := range ps.Attachments {
 		add(keyspace.OwnerKey(cluster, ps.Owner, at.IfName, at.Pool), AuditOwnerIndex, at.ContainerID)
 		blocks, ok := layouts[at.Pool]
-		if !ok {
-			continue
+		if !ok || at.Target {
+			continue // a migration's target: its addresses' keys are its source's
 		}
 		for _, ip := range at.IPs {
 			if !slices.Contains(at.Conflicts, ip) {
@@ -154,7 +154,7 @@ func (v Audit) Sticky(layouts map[string]allocator.Blocks) []ClaimHolder {
 			continue
 		}
 		for _, at := range ps.Attachments {
-			if _, ok := layouts[at.Pool]; at.Claim == "" || !ok {
+			if _, ok := layouts[at.Pool]; at.Claim == "" || !ok || at.Target {
 				continue
 			}
 			at.IPs, at.Conflicts = slices.Clone(at.IPs), slices.Clone(at.Conflicts)

@@ -338,7 +338,7 @@ func (t *Book) HoldsClaim(pool, name string) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, ps := range t.m {
-		if slices.ContainsFunc(ps.Attachments, func(at Attachment) bool { return at.Pool == pool && at.Claim == name }) {
+		if slices.ContainsFunc(ps.Attachments, func(at Attachment) bool { return at.Pool == pool && at.Claim == name && !at.Target }) {
 			return true
 		}
 	}

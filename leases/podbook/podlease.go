@@ -68,6 +68,10 @@ type Attachment struct {
 	Claim      string           `json:"claim,omitempty"`
 	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
 	ClaimHold  time.Duration    `json:"claimHold,omitempty"`
+	// Target: the attachment is a live migration's target (leases/sticky, migration.go). Its
+	// addresses' keys are the claim's holder's, on the holder's leases, until the migration
+	// completes: neither the audit nor the sticky claims' keep puts them back for it.
+	Target bool `json:"target,omitempty"`
 	// Released: the runtime's DEL of the attachment was answered while etcd could not be
 	// reached. The DEL is final: the attachment is never re-claimed, and the agent releases
 	// its keys once etcd answers (leases.Agent.releasePending).

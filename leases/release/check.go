@@ -73,12 +73,34 @@ func (r *Releaser) checkIn(ctx context.Context, req allocator.Request, owner str
 	for _, addr := range rec.IPs {
 		ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, addr)))
 	}
+	if rec.Claim != "" {
+		ops = append(ops, clientv3.OpGet(keyspace.LiveMigrationKey(r.Cfg.Cluster, p.Spec.Name, rec.Claim)))
+	}
 	tresp, err := r.Cli.Txn(octx).Then(ops...).Commit()
 	if err != nil {
 		return allocator.Result{}, r.unavailable("read the attachment's addresses", err)
 	}
+	// A live migration's target (its claim's migration key names it) holds the addresses
+	// through that key: their keys are its source's until the migration completes.
+	var source string
+	if rec.Claim != "" {
+		if kvs := tresp.Responses[len(rec.IPs)].GetResponseRange().Kvs; len(kvs) > 0 {
+			m, err := keyspace.Decode[keyspace.LiveMigrationRecord](string(kvs[0].Key), kvs[0].Value)
+			if err == nil && m.Target.Owner == owner && m.Target.ContainerID == req.ContainerID {
+				source = m.Source.Owner
+			}
+		}
+	}
 	for i, addr := range rec.IPs {
 		kvs := tresp.Responses[i].GetResponseRange().Kvs
+		if source != "" {
+			if len(kvs) == 0 {
+				continue // its source expired: the target's agent moves the keys to it
+			}
+			if al, err := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value); err == nil && al.Owner == source {
+				continue
+			}
+		}
 		if len(kvs) == 0 {
 			return allocator.Result{}, fmt.Errorf("%w: owner index %s names %s, but %s does not exist",
 				allocator.ErrConflict, ownerKey, addr, keyspace.IPKey(p.Spec.Name, p.Spec.Blocks, addr))

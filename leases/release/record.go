@@ -47,6 +47,7 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 	if rec.Claim != "" {
 		claimLease, _ = keyspace.ParseLeaseHex(rec.ClaimLease)
 		rel.ClaimLease = claimLease
+		rel.MigrationKey = keyspace.LiveMigrationKey(r.Cfg.Cluster, pool, rec.Claim)
 	}
 	for attempt := 0; attempt < 3; attempt++ {
 		octx, cancel := r.opCtx(ctx)
@@ -95,6 +96,19 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 		if err != nil {
 			return -1, r.unavailable("release "+rel.OwnerKey, err)
 		}
+		if out.Migrating {
+			done, rev, left, err := r.Departed(ctx, pool, blocks, rec.Claim, owner, rel.OwnerKey, rel.OwnerRev, rel.Lease, rec.IPs, rec.Network)
+			if err != nil {
+				return -1, err
+			}
+			if !done {
+				continue // the migration ended without this DEL: release as without one
+			}
+			// The claim's keys stay (T3) or moved to the target (T2): none was released.
+			r.dropClaimed(own, rel, claimLease)
+			r.Log.Debug("released a migrating claim's attachment", "owner", owner, "pool", pool, "revision", rev)
+			return left, nil
+		}
 		switch {
 		case out.Applied:
 			if _, _, ifName, _, err := keyspace.ParseOwnerKey(rel.OwnerKey); err == nil {
@@ -129,6 +143,19 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 		rel.Addrs = out.OnLease
 	}
 	return -1, fmt.Errorf("%w: release %s: its keys kept changing; retry", allocator.ErrUnavailable, kv.Key)
+}
+
+// dropClaimed forgets the attachment rel released and revokes its claim lease, which carries
+// nothing now.
+func (r *Releaser) dropClaimed(own *ownerlock.Owned, rel *txn.Release, claimLease clientv3.LeaseID) {
+	if _, _, ifName, _, err := keyspace.ParseOwnerKey(rel.OwnerKey); err == nil {
+		r.Pods.Change(own).DropAttachment(ifName, rel.Pool)
+	}
+	if claimLease != 0 {
+		if err := r.Keeper.Revoke(claimLease); err != nil {
+			r.Log.Warn("revoking a released claim's lease failed; it expires by itself", "lease", keyspace.LeaseHex(claimLease), "err", err)
+		}
+	}
 }
 
 // withoutQuarantine records that rel's addresses go back without quarantine: etcd is out of

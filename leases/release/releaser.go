@@ -63,6 +63,11 @@ type Releaser struct {
 	ReleaseSticky   func(ctx context.Context, pool, owner string, at podbook.Attachment) (string, keyspace.ClaimRecord, clientv3.LeaseID, error)
 	StickyReleased  func(key, pool, claim string, rec keyspace.ClaimRecord, q keyspace.QuarantineRecord, ttl time.Duration)
 	ClaimReleaseTTL func(at podbook.Attachment) time.Duration
+	// Departed is the DEL of a sticky attachment whose claim is being migrated
+	// (sticky.Claims.Departed): T2 for its holder, T3 for its target. Not done: the
+	// migration ended without it, and the release goes on as without one.
+	Departed func(ctx context.Context, pool string, blocks allocator.Blocks, claim, owner, ownerKey string, ownerRev int64,
+		lease clientv3.LeaseID, ips []netip.Addr, network string) (done bool, rev, left int64, err error)
 	// Result is a CHECK's answer: the attachment's addresses as the pool configures them.
 	Result func(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, error)
 }

@@ -15,9 +15,11 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -47,6 +49,9 @@ type Claims struct {
 	locks  *ownerlock.Locks
 
 	kept stickyKept
+	// unclaimed are the networks whose migratable configuration came without a claim, logged
+	// once each (Unclaimed).
+	unclaimed sync.Map
 }
 
 // Config is what the sticky claims use of the agent's Config, and what they are handed of
@@ -133,6 +138,8 @@ type Add struct {
 	Lease     clientv3.LeaseID     // the claim lease this ADD writes on, granted at first use
 	Used      bool                 // the lease carries the claim now (set by the ADD)
 	Stale     bool                 // a claim transaction found it changed: read it again (set by the ADD)
+	// Migration: the ADD is a live migration's target (migration.go); nil: it is not.
+	Migration *Migration
 }
 
 // claimHold is the hold of req's claim: the configuration's, else the agent's default.
@@ -144,6 +151,11 @@ func (sc *Claims) claimHold(req allocator.Request) (time.Duration, error) {
 	if hold < sc.cfg.LeaseTTL {
 		return 0, fmt.Errorf("%w: stickyHold %s is shorter than the agent's lease TTL %s: a dead node's claims must outlive its pods' leases; "+
 			"give a longer stickyHold", allocator.ErrInvalidConfig, hold, sc.cfg.LeaseTTL)
+	}
+	if req.Migratable && hold < 2*sc.cfg.LeaseTTL {
+		return 0, fmt.Errorf("%w: stickyHold %s of migratable claim %q is shorter than twice the agent's lease TTL %s: a live migration's "+
+			"target must take the claim over after its source's node died, before the claim's hold runs out; give a stickyHold of at least %s",
+			allocator.ErrInvalidConfig, hold, req.Claim, sc.cfg.LeaseTTL, 2*sc.cfg.LeaseTTL)
 	}
 	return hold, nil
 }
@@ -167,16 +179,16 @@ func (sc *Claims) Read(ctx context.Context, spec allocator.PoolSpec, req *alloca
 		return nil, err
 	}
 	key := keyspace.ClaimKey(sc.cfg.Cluster, spec.Name, req.Claim)
-	held := ""
+	var held *heldBy
 	for {
 		s, holder, err := sc.readClaim(ctx, spec, req, owner, orig, key)
-		if err != nil && held != "" && ctx.Err() != nil {
+		if err != nil && held != nil && ctx.Err() != nil {
 			holder, err = held, nil
 		}
 		if err != nil {
 			return nil, err
 		}
-		if holder == "" {
+		if holder == nil {
 			s.Hold = hold
 			if prev != nil {
 				s.Lease = prev.Lease // granted by an earlier attempt, still unused
@@ -187,8 +199,12 @@ func (sc *Claims) Read(ctx context.Context, spec allocator.PoolSpec, req *alloca
 		deadline, ok := ctx.Deadline()
 		if !ok || time.Until(deadline) < 2*stickyWaitStep || ctx.Err() != nil {
 			sc.cfg.Refused.Inc()
+			if holder.migrating {
+				return nil, fmt.Errorf("%w: claim %q of pool %q: held by %s; a third attachment gets the addresses only once one of them "+
+					"is deleted or its lease expires", allocator.ErrUnavailable, req.Claim, spec.Name, holder.who)
+			}
 			return nil, fmt.Errorf("%w: claim %q of pool %q: its addresses are still held by %s; an attachment naming the claim gets them "+
-				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, req.Claim, spec.Name, holder)
+				"only once that pod is deleted or its lease expires; retry then", allocator.ErrUnavailable, req.Claim, spec.Name, holder.who)
 		}
 		select {
 		case <-ctx.Done():
@@ -198,30 +214,31 @@ func (sc *Claims) Read(ctx context.Context, spec allocator.PoolSpec, req *alloca
 	}
 }
 
-// readClaim reads the claim record and its addresses' allocation and quarantine keys. It
-// returns a non-empty holder when another owner holds an address (or one rests in quarantine
-// for something else than this claim), else the claim as this ADD will take it; the request's
-// addresses become the claim's.
+// readClaim reads the claim record, its addresses' allocation and quarantine keys and its
+// live migration key. It returns who holds the addresses when another owner holds one (or one
+// rests in quarantine for something else than this claim), or a migration names another
+// target; else the claim as this ADD will take it, or migrate it (Add.Migration); the
+// request's addresses become the claim's.
 func (sc *Claims) readClaim(ctx context.Context, spec allocator.PoolSpec, req *allocator.Request, owner string, orig []netip.Addr,
-	key string) (*Add, string, error) {
+	key string) (*Add, *heldBy, error) {
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
 	resp, err := sc.cli.Get(octx, key)
 	if err != nil {
-		return nil, "", sc.unavailable("read claim "+key, err)
+		return nil, nil, sc.unavailable("read claim "+key, err)
 	}
 	s := &Add{Name: req.Claim, Key: key, Resting: make(map[netip.Addr]int64)}
 	if len(resp.Kvs) == 0 {
-		return s, "", nil
+		return s, nil, nil
 	}
 	rec, err := keyspace.Decode[keyspace.ClaimRecord](key, resp.Kvs[0].Value)
 	if err != nil {
-		return nil, "", err
+		return nil, nil, err
 	}
 	s.Rev = resp.Kvs[0].ModRevision
 	s.Handover = rec.Holder == nil || rec.Holder.Owner != owner
 	if len(orig) > 0 && !slices.Equal(orig, rec.IPs) {
-		return nil, "", fmt.Errorf("%w: claim %q holds %v, but the runtime asks for %v; ask for none or for the claim's",
+		return nil, nil, fmt.Errorf("%w: claim %q holds %v, but the runtime asks for %v; ask for none or for the claim's",
 			allocator.ErrInvalidConfig, req.Claim, rec.IPs, orig)
 	}
 	var ops []clientv3.Op
@@ -229,28 +246,51 @@ func (sc *Claims) readClaim(ctx context.Context, spec allocator.PoolSpec, req *a
 		ops = append(ops, clientv3.OpGet(keyspace.IPKey(spec.Name, spec.Blocks, ip)),
 			clientv3.OpGet(keyspace.QuarantineKey(spec.Name, spec.Blocks, ip)))
 	}
+	ops = append(ops, clientv3.OpGet(keyspace.LiveMigrationKey(sc.cfg.Cluster, spec.Name, req.Claim)))
 	resps, _, err := poolview.ReadChunked(octx, sc.cli, ops)
 	if err != nil {
-		return nil, "", sc.unavailable("read the addresses of claim "+key, err)
+		return nil, nil, sc.unavailable("read the addresses of claim "+key, err)
 	}
+	var foreign *heldBy
+	allocs := make([]*mvccpb.KeyValue, len(rec.IPs))
 	for i, ip := range rec.IPs {
 		if kvs := resps[2*i].GetResponseRange().Kvs; len(kvs) > 0 {
+			allocs[i] = kvs[0]
 			al, _ := keyspace.Decode[keyspace.Allocation](string(kvs[0].Key), kvs[0].Value)
-			if al.Owner != owner {
-				return nil, fmt.Sprintf("owner %s (pod %s/%s, node %s, container %s, lease %s)",
-					al.Owner, al.Pod.Namespace, al.Pod.Name, al.Node, al.ContainerID, al.LeaseID), nil
+			if al.Owner != owner && foreign == nil {
+				foreign = &heldBy{who: fmt.Sprintf("owner %s (pod %s/%s, node %s, container %s, lease %s)",
+					al.Owner, al.Pod.Namespace, al.Pod.Name, al.Node, al.ContainerID, al.LeaseID)}
 			}
 		}
 		if kvs := resps[2*i+1].GetResponseRange().Kvs; len(kvs) > 0 {
 			q, _ := keyspace.Decode[keyspace.QuarantineRecord](string(kvs[0].Key), kvs[0].Value)
-			if q.Claim != req.Claim {
-				return nil, fmt.Sprintf("a release by %s resting until %s", q.ReleasedBy, q.Until.Format(time.RFC3339)), nil
+			if q.Claim != req.Claim && foreign == nil {
+				foreign = &heldBy{who: fmt.Sprintf("a release by %s resting until %s", q.ReleasedBy, q.Until.Format(time.RFC3339))}
 			}
 			s.Resting[ip] = kvs[0].ModRevision
 		}
 	}
+	var mig *mvccpb.KeyValue
+	if kvs := resps[len(resps)-1].GetResponseRange().Kvs; len(kvs) > 0 {
+		mig = kvs[0]
+	}
+	if mig != nil || foreign != nil {
+		r := *req
+		r.Pool = spec
+		m, third, err := sc.migrationOf(key, rec, owner, &r, allocs, mig)
+		switch {
+		case err != nil:
+			return nil, nil, err
+		case third != nil:
+			return nil, third, nil
+		case m != nil && (m.Started || foreign != nil):
+			s.Migration = m
+		case foreign != nil:
+			return nil, foreign, nil
+		}
+	}
 	req.RequestedIPs = rec.IPs
-	return s, "", nil
+	return s, nil, nil
 }
 
 // Claim adds s, the claim owner's ADD of req read, to the ADD's claim transaction c: the
@@ -272,7 +312,7 @@ func (sc *Claims) Claim(ctx context.Context, s *Add, owner string, req allocator
 	c.ClaimQ = keyspace.Encode(keyspace.QuarantineRecord{Claim: s.Name})
 	c.ClaimRec = keyspace.ClaimRecord{IPs: c.Addrs, HoldSeconds: int64(s.Hold / time.Second), Since: now,
 		Holder: &keyspace.ClaimHolder{Owner: owner, Pod: req.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
-			ContainerID: req.ContainerID, IfName: req.IfName, LeaseID: keyspace.LeaseHex(c.Lease)}}
+			ContainerID: req.ContainerID, IfName: req.IfName, LeaseID: keyspace.LeaseHex(c.Lease)}, Migratable: req.Migratable}
 	c.Index.Claim, c.Index.ClaimLease, c.Index.ClaimHoldSeconds = s.Name, keyspace.LeaseHex(s.Lease), int64(s.Hold/time.Second)
 	return nil
 }

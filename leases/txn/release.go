@@ -55,6 +55,10 @@ type Release struct {
 	ClaimRec   keyspace.ClaimRecord
 	HoldLease  clientv3.LeaseID
 	ClaimQ     keyspace.QuarantineRecord
+	// MigrationKey is the claim's live migration key, compared absent: a claim being
+	// migrated is not released (its holder's DEL completes the migration, its target's ends
+	// it; leases/sticky, migration.go), and the else branch says so (Migrating).
+	MigrationKey string
 }
 
 // ops is the release's compares, writes and else-branch reads.
@@ -104,6 +108,10 @@ func (r *Release) ops() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 	then = append(then, last(keyspace.OnLease(r.PodKey, r.Lease)), last(keyspace.OnLease(r.PodKey, 0)))
 	then = append(then, clientv3.OpGet(r.OwnerPrefix, clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	els = append(els, clientv3.OpGet(r.OwnerKey))
+	if r.MigrationKey != "" {
+		cmps = append(cmps, keyspace.Absent(r.MigrationKey))
+		els = append(els, clientv3.OpGet(r.MigrationKey, clientv3.WithKeysOnly()))
+	}
 	return cmps, then, els
 }
 
@@ -134,6 +142,9 @@ type ReleaseOutcome struct {
 	// ClaimKept: the sticky claim went onto the hold lease (it was still on the attachment's
 	// claim lease).
 	ClaimKept bool
+	// Migrating: the claim's live migration key exists (Release.MigrationKey); nothing was
+	// released.
+	Migrating bool
 }
 
 // outcome decodes resp, the response to r's transaction.
@@ -151,6 +162,10 @@ func (r *Release) outcome(resp *clientv3.TxnResponse) ReleaseOutcome {
 	index := resp.Responses[len(r.Addrs)].GetResponseRange().Kvs
 	if len(index) == 0 || index[0].ModRevision != r.OwnerRev {
 		out.IndexChanged = true
+		return out
+	}
+	if r.MigrationKey != "" && len(resp.Responses[len(r.Addrs)+1].GetResponseRange().Kvs) > 0 {
+		out.Migrating = true
 		return out
 	}
 	for i, addr := range r.Addrs {
