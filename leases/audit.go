@@ -2,6 +2,7 @@ package leases
 
 import (
 	"context"
+	"errors"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/leases/audit"
@@ -18,7 +19,7 @@ func (a *Agent) newAuditor() *audit.Auditor {
 		Client: a.cli, Keeper: a.keeper, Log: a.log, Pods: a.pods, Locks: &a.locks,
 		NodeLease: a.self.Lease, BlockLeaseLost: a.blockLeaseLost,
 		AuditClaims: func(ctx context.Context, layouts map[string]allocator.Blocks) error {
-			return a.sticky.Audit(ctx, layouts)
+			return errors.Join(a.sticky.Audit(ctx, layouts), a.sticky.KeepTargets(ctx, layouts))
 		},
 		Wake: func() { a.recovery.Wake() },
 		WentBack: func(why string, heldBefore map[podbook.ConflictRef]bool) {

@@ -366,3 +366,71 @@ func TestAMigratableClaimsHoldMustCoverTwoPodTTLs(t *testing.T) {
 		t.Errorf("the same hold, not migratable: %v", err)
 	}
 }
+
+// TestATargetTakesTheClaimWhenItsSourcesNodeDies: T4. The source's agent stops and its pod
+// lease expires (revoked here, as etcd does a TTL later) while the target's agent is away
+// (restarting, its journal marking the attachment a target): meanwhile a third pod naming the
+// claim, and one asking for the address without it, get nothing. Back, the target's agent
+// moves every key of the claim onto its own leases before the claim's hold runs out; a pod
+// naming the claim without migratable, or asking for the address, still gets nothing.
+func TestATargetTakesTheClaimWhenItsSourcesNodeDies(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.88.0.0/24", 26)
+	state := t.TempDir()
+	// The target's pod lease outlives its agent's restart by far.
+	bcfg := func(c *Config) { c.StateDir, c.LeaseTTL = state, 30*time.Second }
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", bcfg, auditFast)
+	c := startAgent(t, cluster, "n3", "uid3")
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	b.Close()
+	a.Close()
+	if _, err := cli.Revoke(ctx, started.ownerLeases["u1"]); err != nil {
+		t.Fatal(err)
+	}
+	third := func(when string, req allocator.Request) {
+		t.Helper()
+		short, cancel := context.WithTimeout(ctx, 3*time.Second)
+		res, err := c.Add(short, req)
+		cancel()
+		if !errors.Is(err, allocator.ErrUnavailable) {
+			t.Errorf("%s: a third pod's ADD: %v %v, want ErrUnavailable", when, resultAddrs(res), err)
+		}
+		other := addReq(pool, "c4", "eth0", "u4")
+		other.RequestedIPs = ips
+		if res, err := c.Add(ctx, other); err == nil {
+			t.Errorf("%s: another pod got the claim's address %v", when, resultAddrs(res))
+		}
+	}
+	third("the source expired", vmReq(pool, "c3", "u3"))
+	if m := readLiveMig(t, cli, cluster, pool, ips); m.migRev != started.migRev || m.claimRev != started.claimRev {
+		t.Fatalf("the migration changed while its target's agent was away: %+v", m)
+	}
+	b = startAgent(t, cluster, "n2", "uid2", bcfg, auditFast)
+	etcdtest.EventuallyTrue(t, "the target promoted", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+		return m.migLease == 0 && len(m.ipOwners) > 0 && m.ipOwners[0] == "u2"
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	if _, ok := m.ownerLeases["u1"]; ok {
+		t.Errorf("the source's owner index outlived its lease")
+	}
+	m.heldBy("u2")
+	plain := vmReq(pool, "c3", "u3")
+	plain.Migratable = false
+	third("the target promoted", plain)
+	// The target holds the claim as any holder: its audit finds its keys right (nothing put
+	// back), and its DEL releases the claim with a hold.
+	before := metricValue(t, b, "leasehold_pod_keys_lost_total")
+	audits := metricValue(t, b, "leasehold_key_audits_total")
+	etcdtest.EventuallyTrue(t, "two more audits", func() bool { return metricValue(t, b, "leasehold_key_audits_total") >= audits+2 })
+	if lost := metricValue(t, b, "leasehold_pod_keys_lost_total"); lost != before {
+		t.Errorf("the promoted target's audits found %v keys lost", lost-before)
+	}
+	if err := b.Del(ctx, vmReq(pool, "c2", "u2")); err != nil {
+		t.Fatal(err)
+	}
+	if rec, ok := readClaimRecord(t, cli, m.claimKey); !ok || rec.Holder != nil {
+		t.Errorf("claim after the promoted target's DEL: %+v %v, want released", rec, ok)
+	}
+}

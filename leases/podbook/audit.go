@@ -142,6 +142,27 @@ type ClaimHolder struct {
 	At    Attachment // a copy
 }
 
+// Targets lists the attachments of running pods (those Pods lists) that are live
+// migrations' targets: the migrations the target's agent watches.
+func (v Audit) Targets() []ClaimHolder {
+	t := v.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []ClaimHolder
+	for _, ps := range t.m {
+		if _, held := ps.lease.held(); !held {
+			continue
+		}
+		for _, at := range ps.Attachments {
+			if at.Target && !at.Released {
+				at.IPs = slices.Clone(at.IPs)
+				out = append(out, ClaimHolder{Owner: ps.Owner, At: at})
+			}
+		}
+	}
+	return out
+}
+
 // Sticky lists the attachments of running pods (those Pods lists) that hold a sticky claim
 // in the pools of layouts: the claims the audit checks.
 func (v Audit) Sticky(layouts map[string]allocator.Blocks) []ClaimHolder {

@@ -185,6 +185,27 @@ func (c Change) SetConflicts(ifName, pool string, taken []netip.Addr) {
 	t.jw.save(snap)
 }
 
+// Promoted records that owner's attachment ifName in pool, a live migration's target, holds
+// its claim alone now (Attachment.Target cleared): its addresses' keys are its own.
+func (c Change) Promoted(ifName, pool string) {
+	t, owner := c.t, c.o.Owner()
+	t.mu.Lock()
+	ps, ok := t.m[owner]
+	if !ok {
+		t.mu.Unlock()
+		return
+	}
+	i := slices.IndexFunc(ps.Attachments, func(at Attachment) bool { return at.IfName == ifName && at.Pool == pool })
+	if i < 0 || !ps.Attachments[i].Target {
+		t.mu.Unlock()
+		return
+	}
+	ps.Attachments[i].Target = false
+	snap := ps.clone()
+	t.mu.Unlock()
+	t.jw.save(snap)
+}
+
 // SetClaim records container's attachment ifName in pool of owner as holding claim on lease
 // (none: claim ""), with its owner index written at ownerRev.
 func (c Change) SetClaim(ifName, pool, container, claim string, lease clientv3.LeaseID, ownerRev int64) {
