@@ -333,6 +333,10 @@ func TestARepeatedTargetAddAndARestartKeepTheMigration(t *testing.T) {
 		}
 	}
 	check(b, "running")
+	// The source's ADD repeated is answered its addresses as before.
+	if res, err := a.Add(ctx, vmReq(pool, "c1", "u1")); err != nil || !slices.Equal(resultAddrs(res), ips) {
+		t.Fatalf("the source's repeated ADD during the migration: %v %v, want %v", res, err, ips)
+	}
 	b.Close()
 	b = startAgent(t, cluster, "n2", "uid2", withState, auditFast)
 	check(b, "restarted")

@@ -70,6 +70,9 @@ func (sc *Claims) migrationOf(key string, rec keyspace.ClaimRecord, owner string
 		if m.Target.Owner == owner {
 			return &Migration{Key: mkey, Started: true, Rev: mig.ModRevision, Rec: m, Claim: rec}, nil, nil
 		}
+		if rec.Holder != nil && rec.Holder.Owner == owner {
+			return nil, nil, nil // the source's own ADD, repeated: its attachment as today
+		}
 		src := "its holder (gone)"
 		if rec.Holder != nil {
 			src = holderOf(*rec.Holder) + ")"
