@@ -438,3 +438,30 @@ func TestATargetTakesTheClaimWhenItsSourcesNodeDies(t *testing.T) {
 		t.Errorf("claim after the promoted target's DEL: %+v %v, want released", rec, ok)
 	}
 }
+
+// TestATargetsNodeDyingLeavesTheSourceHoldingTheClaim: T5. The target's agent stops and its
+// pod lease expires (revoked here): its migration key, owner index and pod record go with it,
+// the source's keys are untouched, the next target on a third node starts at once, and the
+// source's DEL then completes the migration to that one.
+func TestATargetsNodeDyingLeavesTheSourceHoldingTheClaim(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.89.0.0/24", 26)
+	a, b, c := startAgent(t, cluster, "n1", "uid1"), startAgent(t, cluster, "n2", "uid2"), startAgent(t, cluster, "n3", "uid3")
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	b.Close()
+	if _, err := cli.Revoke(ctx, started.ownerLeases["u2"]); err != nil {
+		t.Fatal(err)
+	}
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	m.heldBy("u1")
+	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
+		t.Errorf("the target's death changed the source's keys: %+v, started %+v", m, started)
+	}
+	if res, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
+		t.Fatalf("the next target after the first one's death: %v %v", res, err)
+	}
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, cli, cluster, pool, ips, "u1", "u3").heldBy("u3")
+}
