@@ -167,27 +167,25 @@ func (c Change) ForgetAttachment(ifName, pool, container string) bool {
 // SetConflicts records which addresses of owner's attachment ifName in pool another owner
 // holds (Attachment.Conflicts).
 func (c Change) SetConflicts(ifName, pool string, taken []netip.Addr) {
-	t, owner := c.t, c.o.Owner()
-	t.mu.Lock()
-	ps, ok := t.m[owner]
-	if !ok {
-		t.mu.Unlock()
-		return
-	}
-	i := slices.IndexFunc(ps.Attachments, func(at Attachment) bool { return at.IfName == ifName && at.Pool == pool })
-	if i < 0 {
-		t.mu.Unlock()
-		return
-	}
-	ps.Attachments[i].Conflicts = slices.Clone(taken)
-	snap := ps.clone()
-	t.mu.Unlock()
-	t.jw.save(snap)
+	c.attachment(ifName, pool, func(at *Attachment) bool {
+		at.Conflicts = slices.Clone(taken)
+		return true
+	})
 }
 
 // Promoted records that owner's attachment ifName in pool, a live migration's target, holds
 // its claim alone now (Attachment.Target cleared): its addresses' keys are its own.
 func (c Change) Promoted(ifName, pool string) {
+	c.attachment(ifName, pool, func(at *Attachment) bool {
+		was := at.Target
+		at.Target = false
+		return was
+	})
+}
+
+// attachment changes owner's attachment ifName in pool, if the book has it, by change, and
+// journals the pod if change reports a change.
+func (c Change) attachment(ifName, pool string, change func(*Attachment) bool) {
 	t, owner := c.t, c.o.Owner()
 	t.mu.Lock()
 	ps, ok := t.m[owner]
@@ -196,11 +194,10 @@ func (c Change) Promoted(ifName, pool string) {
 		return
 	}
 	i := slices.IndexFunc(ps.Attachments, func(at Attachment) bool { return at.IfName == ifName && at.Pool == pool })
-	if i < 0 || !ps.Attachments[i].Target {
+	if i < 0 || !change(&ps.Attachments[i]) {
 		t.mu.Unlock()
 		return
 	}
-	ps.Attachments[i].Target = false
 	snap := ps.clone()
 	t.mu.Unlock()
 	t.jw.save(snap)

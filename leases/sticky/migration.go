@@ -172,7 +172,7 @@ func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocat
 	return true, resp.Header.Revision, nil
 }
 
-// grant grants s's claim lease at its first use, renewed by the keeper (as Claim does).
+// grant grants s's claim lease at its first use (Claim, Migrate), renewed by the keeper.
 func (sc *Claims) grant(ctx context.Context, s *Add) error {
 	if s.Lease != 0 {
 		return nil

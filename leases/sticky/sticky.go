@@ -298,15 +298,8 @@ func (sc *Claims) readClaim(ctx context.Context, spec allocator.PoolSpec, req *a
 // claim, on the claim lease (granted here at first use and renewed by the keeper). Its error
 // wraps allocator.ErrUnavailable when the grant was not answered.
 func (sc *Claims) Claim(ctx context.Context, s *Add, owner string, req allocator.Request, c *txn.Claim, now time.Time) error {
-	if s.Lease == 0 {
-		resp, err := sc.cli.Grant(ctx, int64((s.Hold+time.Second-1)/time.Second))
-		if err != nil {
-			return sc.unavailable("grant the claim lease", err)
-		}
-		if err := sc.keeper.Resume(resp.ID); err != nil {
-			return err
-		}
-		s.Lease = resp.ID
+	if err := sc.grant(ctx, s); err != nil {
+		return err
 	}
 	c.ClaimKey, c.ClaimRev, c.ClaimLease, c.Resting = s.Key, s.Rev, s.Lease, s.Resting
 	c.ClaimQ = keyspace.Encode(keyspace.QuarantineRecord{Claim: s.Name})
