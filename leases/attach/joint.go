@@ -219,6 +219,14 @@ func (x *Attachments) tryJoint(ctx context.Context, ps []*poolview.Pool, st *add
 			OwnerKey: keyspace.OwnerKey(x.cfg.Cluster, owner, req.IfName, p.Spec.Name),
 			Alloc:    x.Allocation(req, owner, lease, now), Index: x.OwnerRecord(req, addrs, lease, now)}
 		if s := sts[i].sticky; s != nil {
+			if s.Target() {
+				// One transaction per migration, in one pool: an interface with addresses from
+				// two pools is never a live migration's target.
+				settle()
+				return allocator.Result{}, -1, 0, false, fmt.Errorf("%w: claim %q is held by a live pod on another node; "+
+					"an interface whose addresses come from two pools cannot be a live migration's target; give it one pool "+
+					"with both families", allocator.ErrInvalidConfig, req.Claim)
+			}
 			if err := s.Claim(octx, claims[i], now); err != nil {
 				settle()
 				return allocator.Result{}, -1, 0, false, err
