@@ -17,10 +17,17 @@ import (
 // claim changed since it was read, and the next attempt reads it again.
 func (x *Attachments) target(ctx, octx context.Context, p *poolview.Pool, st *addState, c *txn.Claim, now time.Time) (
 	allocator.Result, bool, error) {
-	applied, rev, err := st.sticky.Migrate(octx, c, now)
-	if err != nil || !applied {
+	// Sent through the claim loop: an unanswered start may have applied, so the spare lease
+	// it went on is the pod's, and the next attempt reads the claim again (its migration key
+	// then names this attachment).
+	out, again, err := st.claims.Commit(ctx, c, func() (txn.ClaimOutcome, error) {
+		applied, rev, err := st.sticky.Migrate(octx, c, now)
+		return txn.ClaimOutcome{Applied: applied, Revision: rev}, err
+	})
+	if err != nil || again || !out.Applied {
 		return allocator.Result{}, false, err
 	}
+	rev := out.Revision
 	req := st.req
 	at := podbook.Attachment{IfName: req.IfName, Pool: p.Spec.Name, Network: req.Network, ContainerID: req.ContainerID,
 		IPs: c.Addrs, Created: now, OwnerRev: rev, Target: true}

@@ -106,7 +106,8 @@ func (sc *Claims) migrationOf(key string, rec keyspace.ClaimRecord, owner string
 // addresses are answered at once. A migration this attachment is the target of already (a
 // repeated ADD, the agent's restart) reads its owner index and answers it. applied false:
 // something changed since the read, which is read again (s.Stale). rev is the owner index's
-// ModRevision. Its errors wrap allocator.ErrUnavailable.
+// ModRevision. Its errors wrap allocator.ErrUnavailable, but for the start's own, which is
+// etcd's (the claim loop sorts it: refused, or unanswered).
 func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocator.Request, c *txn.Claim, now time.Time) (
 	applied bool, rev int64, err error) {
 	m := s.Migration
@@ -161,7 +162,10 @@ func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocat
 	}
 	resp, err := sc.cli.Txn(ctx).If(cmps...).Then(then...).Commit()
 	if err != nil {
-		return false, 0, sc.unavailable("start the live migration of claim "+s.Name, err)
+		// Read again before the next attempt; unanswered, it may have applied, on the claim
+		// lease granted, which is kept (the migration key would name it).
+		s.Stale = s.Stale || !txn.Refused(err)
+		return false, 0, err
 	}
 	if !resp.Succeeded {
 		s.Stale = true
