@@ -232,6 +232,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 	// started during the settle time (a node replaced, a state directory lost) settles too.
 	restoredRev := a.notices.ReadRestored(ctx)
 	a.resumeBlocks(ctx)
+	a.wg.Go(func() { a.followAdopted(actx) })
 	a.sticky.ResumeClaims(ctx)
 	a.recovery.Start()
 	a.wg.Go(func() { a.audit.GoneLoop(actx) })

@@ -30,10 +30,13 @@ type blockLeases struct {
 	mu      sync.Mutex
 	current clientv3.LeaseID
 	held    map[clientv3.LeaseID]bool
+	// adopted are the leases adopted and not yet handed to followAdopted, which wake tells.
+	adopted []clientv3.LeaseID
+	wake    chan struct{}
 }
 
 func newBlockLeases(k *keeper.Keeper, ttl time.Duration) *blockLeases {
-	return &blockLeases{keeper: k, ttl: ttl, held: make(map[clientv3.LeaseID]bool)}
+	return &blockLeases{keeper: k, ttl: ttl, held: make(map[clientv3.LeaseID]bool), wake: make(chan struct{}, 1)}
 }
 
 // blockLeaseTTL is the block lease's TTL: one and a half times the pod lease TTL plus the
@@ -97,7 +100,21 @@ func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
 	if b.current == 0 && granted >= b.ttl {
 		b.current = id
 	}
+	b.adopted = append(b.adopted, id)
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
 	return nil
+}
+
+// takeAdopted returns the leases adopted since it was last called.
+func (b *blockLeases) takeAdopted() []clientv3.LeaseID {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := b.adopted
+	b.adopted = nil
+	return out
 }
 
 // mine reports whether id is one of this node's block leases.
@@ -142,36 +159,64 @@ func (b *blockLeases) revokeAll() error {
 // pod expire with their lease, which is all an empty block needs. Errors are logged: the
 // next ADD of a pool serves it anyway.
 func (a *Agent) resumeBlocks(ctx context.Context) {
-	serve := func(name string) *poolview.Pool {
-		p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: name})
-		if err != nil {
-			a.log.Warn("serving a pool of this node's blocks failed; its claims are adopted at its next request", "pool", name, "err", err)
-			return nil
-		}
-		return p
-	}
 	served := make(map[string]bool)
 	for _, name := range a.pods.Pools() {
-		if p := serve(name); p != nil {
+		if p := a.serveBlocksOf(ctx, name); p != nil {
 			served[name] = true
 			p.Await(ctx)
 		}
 	}
+	a.blockLeases.takeAdopted() // all of them are followed here
 	for _, id := range a.blockLeases.all() {
-		octx, cancel := a.opCtx(ctx)
-		ttl, err := a.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
-		cancel()
-		if err != nil {
-			a.log.Warn("listing a block lease's claims failed", "lease", keyspace.LeaseHex(id), "err", err)
-			continue
-		}
-		for _, k := range ttl.Keys {
-			if name, _, err := keyspace.ParseBlockKey(string(k)); err == nil && !served[name] {
-				if p := serve(name); p != nil {
-					served[name] = true
-					p.Await(ctx)
-				}
+		a.serveClaimsOn(ctx, id, served)
+	}
+}
+
+// serveBlocksOf serves pool name, whose listing follows this node's claims in it; nil if it
+// failed (logged).
+func (a *Agent) serveBlocksOf(ctx context.Context, name string) *poolview.Pool {
+	p, err := a.pools.Ensure(ctx, allocator.PoolSpec{Name: name})
+	if err != nil {
+		a.log.Warn("serving a pool of this node's blocks failed; its claims are adopted at its next request", "pool", name, "err", err)
+		return nil
+	}
+	return p
+}
+
+// serveClaimsOn serves every pool not in served with a claim on block lease id.
+func (a *Agent) serveClaimsOn(ctx context.Context, id clientv3.LeaseID, served map[string]bool) {
+	octx, cancel := a.opCtx(ctx)
+	ttl, err := a.cli.TimeToLive(octx, id, clientv3.WithAttachedKeys())
+	cancel()
+	if err != nil {
+		a.log.Warn("listing a block lease's claims failed", "lease", keyspace.LeaseHex(id), "err", err)
+		return
+	}
+	for _, k := range ttl.Keys {
+		if name, _, err := keyspace.ParseBlockKey(string(k)); err == nil && !served[name] {
+			if p := a.serveBlocksOf(ctx, name); p != nil {
+				served[name] = true
+				p.Await(ctx)
 			}
+		}
+	}
+}
+
+// followAdopted serves, until ctx ends, every pool with a claim on a block lease adopted
+// after the start (resumeBlocks): a pool's listing adopts the lease of this node's claims in
+// it (after etcd went back to a backup, say), and the claims on that lease in pools this
+// agent does not serve would otherwise be renewed with it unseen, never given back.
+func (a *Agent) followAdopted(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-a.blockLeases.wake:
+		}
+		for _, id := range a.blockLeases.takeAdopted() {
+			served := make(map[string]bool)
+			a.pools.ForEachView(func(v *poolview.View) { served[v.Pool()] = true })
+			a.serveClaimsOn(ctx, id, served)
 		}
 	}
 }
