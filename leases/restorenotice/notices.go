@@ -52,6 +52,8 @@ type Config struct {
 	Hold   *restorehold.Hold
 	Keeper *keeper.Keeper
 	Pools  *poolview.Pools
+	// Relist lists again the selection rules and pools' access the ADDs choose by.
+	Relist func()
 	// HeldAddrs are the addresses the pods held at a time (podbook.Book.HeldAddrs);
 	// NoteBackHeld keeps them, and since, the lowest revision known of etcd's new history
 	// (0: none), as of the notice generation gen gives, read under its own lock so that two
@@ -147,6 +149,9 @@ func (w *Notices) wentBackFrom(why string, from time.Time, since int64) time.Tim
 		"listing every pool again and registering the node again; ADDs wait until the pods hold their addresses again",
 		"why", why, "no_new_blocks_until", settled.UTC().Format(time.RFC3339), "keeps_known_addresses_until", until.UTC().Format(time.RFC3339))
 	kept := w.cfg.Pools.RestartAll(until)
+	if w.cfg.Relist != nil {
+		w.cfg.Relist()
+	}
 	w.background(func() { w.saveSettle(kept) })
 	if node := w.cfg.NodeLease(); node != 0 {
 		w.cfg.Keeper.Forget(node) // the re-claim loop registers a node whose lease it no longer holds

@@ -55,6 +55,9 @@ type Follower struct {
 	// snap is what ADDs choose by, built from rules and pools at the first Choice after a
 	// change (nil: none since), so that an ADD neither copies every pool nor reads every rule.
 	snap *snapshot
+	// gen counts Relist's calls; watches end the running watches (Relist).
+	gen     int
+	watches map[string]context.CancelFunc
 }
 
 // snapshot is the rules and pools at one moment, never changed once built: Choice hands its
@@ -75,7 +78,19 @@ type gathered struct {
 func New(cli *clientv3.Client, cfg Config) *Follower {
 	return &Follower{cli: cli, cfg: cfg, listed: make(chan struct{}), rulesListed: make(chan struct{}),
 		poolsListed: make(chan struct{}), rules: map[string]keyspace.Rule{}, pools: map[string]selection.Pool{},
-		bad: map[string]string{}}
+		bad: map[string]string{}, watches: map[string]context.CancelFunc{}}
+}
+
+// Relist lists the rules and the pools again: etcd went back to a backup, and a watch from
+// a revision of the history it left may never say so (a plain restore takes the revision back
+// below it: the watch waits on, and what changed since the backup stays as it was).
+func (f *Follower) Relist() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.gen++
+	for _, cancel := range f.watches {
+		cancel()
+	}
 }
 
 // Choice is what an ADD of network chooses by: its rules (any is false when it has none)
@@ -163,6 +178,9 @@ func (f *Follower) follow(ctx context.Context, what, prefix string, listed chan 
 	apply func(key string, value []byte) string) {
 	backoff := retryFirst
 	for ctx.Err() == nil {
+		f.mu.Lock()
+		gen := f.gen // a Relist from now on lists again
+		f.mu.Unlock()
 		resp, err := f.cli.Get(ctx, prefix, clientv3.WithPrefix())
 		if err != nil {
 			f.cfg.Log.Warn("listing failed; ADDs choose by what was last read", "what", what, "err", err, "retry_in", backoff)
@@ -188,6 +206,12 @@ func (f *Follower) follow(ctx context.Context, what, prefix string, listed chan 
 			close(listed)
 		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		f.mu.Lock()
+		f.watches[prefix] = cancel
+		if f.gen != gen {
+			cancel() // listed before a Relist: list again
+		}
+		f.mu.Unlock()
 		for wresp := range f.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1)) {
 			if err := wresp.Err(); err != nil {
 				if ctx.Err() == nil {
