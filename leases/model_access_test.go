@@ -25,6 +25,10 @@ import (
 //     every other step hold, and DEL all at the end leaves nothing behind, closed or not;
 //   - rules naming the pool the ADD would use anyway change nothing an ADD gets.
 //
+// The same steps change the dual-stack network's (model_dual_test.go): its rule leaves its
+// small IPv4 pool out or names it again, or that pool or its IPv6 pool is closed until the
+// pool reopens; the step waits until every agent chooses by what was written.
+//
 // Access and rules are keys in etcd, so a restore takes them back to the backup's (the
 // model's backups record them).
 
@@ -53,6 +57,15 @@ func (m *model) closedToNew() bool {
 // changeAccess changes the pool's access or the rules, chosen by the step number so that the
 // history's random draws stay those of a model without this step.
 func (m *model) changeAccess(ctx context.Context, i int) {
+	if m.changeDual(ctx, i) { // model_dual_test.go
+		m.inc("access")
+		m.mu.Lock()
+		if m.dual.v4aOff || m.dual.v6Off {
+			m.reopenAt = i + modelClosedSteps
+		}
+		m.mu.Unlock()
+		m.awaitRulesSeen(i)
+	}
 	m.mu.Lock()
 	was := m.access
 	m.mu.Unlock()
@@ -100,8 +113,14 @@ func (m *model) changeAccess(ctx context.Context, i int) {
 func (m *model) reopen(ctx context.Context, i int) {
 	m.mu.Lock()
 	was := m.access
-	due := (was.closed || was.locked) && i >= m.reopenAt
+	due := i >= m.reopenAt
+	dual := due && (m.dual.v4aOff || m.dual.v6Off)
+	due = due && (was.closed || was.locked)
 	m.mu.Unlock()
+	if dual {
+		m.reopenDual(ctx, i)
+		m.awaitRulesSeen(i)
+	}
 	if !due {
 		return
 	}

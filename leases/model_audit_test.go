@@ -89,12 +89,17 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 	}
 	m.mu.Lock()
 	own := slices.DeleteFunc(slices.Clone(m.held[k]), func(a netip.Addr) bool { return slices.Contains(m.conflict[k], a) })
+	keys := []string{keyspace.PodKey(m.cluster, n.name, k.owner)}
+	for _, part := range m.partsOf(k, m.held[k]) {
+		keys = append(keys, part.ownerKey) // one per pool of a net2 attachment
+	}
 	m.mu.Unlock()
 	var allocs []string
 	for _, a := range own {
-		allocs = append(allocs, keyspace.IPKey(m.pool.Name, m.pool.Blocks, a))
+		p := m.poolOf(a)
+		allocs = append(allocs, keyspace.IPKey(p.Name, p.Blocks, a))
 	}
-	keys := append([]string{keyspace.PodKey(m.cluster, n.name, k.owner), m.ownerKey(k)}, allocs...)
+	keys = append(keys, allocs...)
 	how := []string{tamperDeleted, tamperDeleted, tamperOwnValue, tamperOtherOwner}[m.rng.IntN(4)]
 	if how == tamperOtherOwner && (len(allocs) == 0 || m.ordinalOf(k.owner) != "") {
 		// Another owner's value is an allocation's; a claim's address stays its holder's
@@ -147,7 +152,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		}
 		busy[owner] = true
 		m.home[owner] = ni
-		adds = append(adds, attKey{owner: owner, ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]})
+		adds = append(adds, attKey{owner: owner, ifName: modelIfNames[m.rng.IntN(len(modelIfNames))]})
 	}
 	again := m.rng.IntN(3) == 0 // and the pod's own ADD, repeated
 	m.expectAdds(m.neverHeldFree(ctx), len(adds))

@@ -256,31 +256,34 @@ func (m *model) settle(i int) {
 	wg.Wait()
 	m.check()
 	m.endClaims(ctx, i)
-	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	resp, err := m.cli.Txn(ctx).Then(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) },
+		clientv3.WithKeysOnly())...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
-	for _, kv := range resp.Kvs {
-		m.t.Errorf("every attachment was deleted, and allocation %s is left", kv.Key)
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			m.t.Errorf("every attachment was deleted, and allocation %s is left", kv.Key)
+		}
 	}
 	// Nothing is held back for a pod that runs no more (a release deletes its held and wanted
 	// keys; the agent frees those of pods deleted while their lease was lost).
 	heldDeadline := time.Now().Add(modelViewSettle)
 	for {
-		held, err := m.cli.Get(ctx, keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix())
+		resp, err := m.cli.Txn(ctx).Then(append(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.HeldPrefix(p.Name) }),
+			m.poolOps(func(p allocator.PoolSpec) string { return keyspace.WantedPrefix(p.Name, p.Blocks, netip.Addr{}) })...)...).Commit()
 		if err != nil {
 			m.t.Fatal(err)
 		}
-		wanted, err := m.cli.Get(ctx, keyspace.WantedPrefix(m.pool.Name, m.pool.Blocks, netip.Addr{}), clientv3.WithPrefix())
-		if err != nil {
-			m.t.Fatal(err)
+		var left []*mvccpb.KeyValue
+		for _, r := range resp.Responses {
+			left = append(left, r.GetResponseRange().Kvs...)
 		}
-		held.Kvs = append(held.Kvs, wanted.Kvs...)
-		if len(held.Kvs) == 0 {
+		if len(left) == 0 {
 			break
 		}
 		if time.Now().After(heldDeadline) {
-			for _, kv := range held.Kvs {
+			for _, kv := range left {
 				m.t.Errorf("every attachment was deleted %s ago, and held or wanted key %s is left on lease %s: %s", modelViewSettle,
 					kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
 			}
@@ -327,23 +330,25 @@ func (m *model) settle(i int) {
 // (orphans).
 func (m *model) claimsLeft(ctx context.Context) (left []string, orphans map[clientv3.LeaseID][]string) {
 	orphans = map[clientv3.LeaseID][]string{}
-	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Txn(ctx).Then(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
-	for _, kv := range resp.Kvs {
-		rec, _ := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
-		claim := fmt.Sprintf("%s by %s", kv.Key, rec.Node)
-		orphan := false
-		for _, n := range m.nodes {
-			if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(m.pool.Name) == nil {
-				orphan = true
+	for pi, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			rec, _ := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
+			claim := fmt.Sprintf("%s by %s", kv.Key, rec.Node)
+			orphan := false
+			for _, n := range m.nodes {
+				if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(m.pools[pi].Name) == nil {
+					orphan = true
+				}
 			}
-		}
-		if orphan {
-			orphans[keyspace.LeaseOf(kv)] = append(orphans[keyspace.LeaseOf(kv)], claim)
-		} else {
-			left = append(left, claim)
+			if orphan {
+				orphans[keyspace.LeaseOf(kv)] = append(orphans[keyspace.LeaseOf(kv)], claim)
+			} else {
+				left = append(left, claim)
+			}
 		}
 	}
 	return left, orphans
@@ -367,17 +372,25 @@ func (m *model) revive(i int) {
 // keysOfNode lists the keys that name node identity (name, uid): allocations, owner indexes,
 // pod records and block claims.
 func (m *model) keysOfNode(ctx context.Context, name, uid string) []string {
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.PodsPrefix(m.cluster, name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
-	).Commit()
+	np := len(m.pools)
+	ops := []clientv3.Op{clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.PodsPrefix(m.cluster, name), clientv3.WithPrefix())}
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) })...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...)
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	var out []string
-	for i, r := range resp.Responses {
+	for ri, r := range resp.Responses {
+		// The kinds in keysOf's order: allocations, owner indexes, pod records, block claims.
+		i := []int{1, 2}[min(ri, 1)]
+		switch {
+		case ri >= 2 && ri < 2+np:
+			i = 0
+		case ri >= 2+np:
+			i = 3
+		}
 		for _, kv := range r.GetResponseRange().Kvs {
 			var of string
 			switch i {
@@ -404,8 +417,8 @@ func (m *model) keysOfNode(ctx context.Context, name, uid string) []string {
 
 // checkKeyBlocks checks that an allocation or quarantine key lies in the block its key names,
 // and that this block is the pool's block of the address.
-func (m *model) checkKeyBlocks(key string, block netip.Prefix, ip netip.Addr, want string) {
-	if b := m.pool.Blocks.Of(ip); block != b {
+func (m *model) checkKeyBlocks(p allocator.PoolSpec, key string, block netip.Prefix, ip netip.Addr, want string) {
+	if b := p.Blocks.Of(ip); block != b {
 		m.t.Errorf("key %s names block %s, the pool's block of %s is %s", key, block, ip, b)
 	}
 	if key != want {
@@ -413,10 +426,10 @@ func (m *model) checkKeyBlocks(key string, block netip.Prefix, ip netip.Addr, wa
 	}
 }
 
-// checkClaims checks the pool's block claims as read at a quiet point: each lies on a live
+// checkClaims checks pool p's block claims as read at a quiet point: each lies on a live
 // lease, names a live node of the model with its current identity, and spells a block of the
 // pool's size.
-func (m *model) checkClaims(ctx context.Context, kvs []*mvccpb.KeyValue) {
+func (m *model) checkClaims(ctx context.Context, p allocator.PoolSpec, kvs []*mvccpb.KeyValue) {
 	alive := map[clientv3.LeaseID]bool{}
 	for _, kv := range kvs {
 		pool, block, err := keyspace.ParseBlockKey(string(kv.Key))
@@ -424,8 +437,8 @@ func (m *model) checkClaims(ctx context.Context, kvs []*mvccpb.KeyValue) {
 			m.t.Errorf("block claim key: %v", err)
 			continue
 		}
-		if pool != m.pool.Name || !block.IsValid() || m.pool.Blocks.Of(block.Addr()) != block {
-			m.t.Errorf("block claim %s is not a block of pool %s (%s)", kv.Key, m.pool.Name, m.pool.Blocks)
+		if pool != p.Name || !block.IsValid() || p.Blocks.Of(block.Addr()) != block {
+			m.t.Errorf("block claim %s is not a block of pool %s (%s)", kv.Key, p.Name, p.Blocks)
 		}
 		rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
 		if err != nil {
@@ -483,7 +496,10 @@ func (m *model) isLiveNode(name, uid string) bool {
 func (m *model) checkViews() {
 	deadline := time.Now().Add(modelViewSettle)
 	for {
-		problems := m.viewProblems()
+		var problems []string
+		for _, p := range m.pools {
+			problems = append(problems, m.viewProblems(p.Name)...)
+		}
 		if len(problems) == 0 {
 			return
 		}
@@ -496,10 +512,10 @@ func (m *model) checkViews() {
 	}
 }
 
-func (m *model) viewProblems() []string {
+func (m *model) viewProblems(pool string) []string {
 	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
-	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(pool), clientv3.WithPrefix())
 	if err != nil {
 		m.t.Fatal(err)
 	}
@@ -521,7 +537,7 @@ func (m *model) viewProblems() []string {
 		if n.agent == nil {
 			continue
 		}
-		v := n.agent.pools.ViewOf(m.pool.Name)
+		v := n.agent.pools.ViewOf(pool)
 		if v == nil {
 			continue
 		}
@@ -570,12 +586,14 @@ func (m *model) blocksDump() string {
 	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
 	var b strings.Builder
-	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Txn(ctx).Then(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...).Commit()
 	if err != nil {
 		return err.Error()
 	}
-	for _, kv := range resp.Kvs {
-		fmt.Fprintf(&b, "\n  %s on %s: %s", kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			fmt.Fprintf(&b, "\n  %s on %s: %s", kv.Key, keyspace.LeaseHex(keyspace.LeaseOf(kv)), kv.Value)
+		}
 	}
 	for _, n := range m.nodes {
 		if n.agent == nil {
@@ -583,11 +601,13 @@ func (m *model) blocksDump() string {
 			continue
 		}
 		var held []string
-		if v := n.agent.pools.ViewOf(m.pool.Name); v != nil {
-			for blk, s := range v.Inspect().Blocks {
-				// What keeps the block this node's in the view (idleBlocks), and what it passes over.
-				held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.Lease),
-					s.Leaving, s.EmptySince.Format(time.TimeOnly), s.Restored, s.Why))
+		for _, p := range m.pools {
+			if v := n.agent.pools.ViewOf(p.Name); v != nil {
+				for blk, s := range v.Inspect().Blocks {
+					// What keeps the block this node's in the view (idleBlocks), and what it passes over.
+					held = append(held, fmt.Sprintf("%s@%s leaving=%v emptySince=%s restored=%v %v", blk, keyspace.LeaseHex(s.Lease),
+						s.Leaving, s.EmptySince.Format(time.TimeOnly), s.Restored, s.Why))
+				}
 			}
 		}
 		sort.Strings(held)

@@ -12,6 +12,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
@@ -68,18 +69,26 @@ type etcdState struct {
 }
 
 func (m *model) readState(ctx context.Context) etcdState {
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.ConflictsPrefix(m.cluster), clientv3.WithPrefix()),
-	).Commit()
+	np := len(m.pools)
+	ops := []clientv3.Op{clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.ConflictsPrefix(m.cluster), clientv3.WithPrefix())}
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) })...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.HeldPrefix(p.Name) })...)
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	st := etcdState{allocs: map[netip.Addr]stored[keyspace.Allocation]{}, owners: map[string]stored[keyspace.OwnerRecord]{},
 		held: map[netip.Addr]stored[keyspace.HeldRecord]{}, conflicts: map[string]stored[keyspace.ConflictRecord]{}}
-	for i, r := range resp.Responses {
+	for ri, r := range resp.Responses {
+		// The kinds: 0 allocations, 1 owner indexes, 2 held keys, 3 conflict records.
+		i := []int{1, 3}[min(ri, 1)]
+		switch {
+		case ri >= 2 && ri < 2+np:
+			i = 0
+		case ri >= 2+np:
+			i = 2
+		}
 		for _, kv := range r.GetResponseRange().Kvs {
 			key, lease := string(kv.Key), keyspace.LeaseOf(kv)
 			switch i {
@@ -113,12 +122,10 @@ func (m *model) readState(ctx context.Context) etcdState {
 	return st
 }
 
+// ownerKey is the owner index of k in the model's pool: a sticky incarnation's
+// (model_sticky_test.go). Others may be in other pools: ownerKeyAt, partsOf.
 func (m *model) ownerKey(k attKey) string {
 	return keyspace.OwnerKey(m.cluster, k.owner, k.ifName, m.pool.Name)
-}
-
-func (m *model) conflictKey(k attKey) string {
-	return keyspace.ConflictKey(m.cluster, k.owner, k.ifName, m.pool.Name)
 }
 
 // takenIPs lists the addresses a conflict record names as taken, in order.
@@ -205,7 +212,8 @@ func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 				}
 				m.t.Errorf("step %d: ADD of %v returned %s, which the running pod %v is to get back (the owner that took it let it go)", i, k, a, other)
 			case n.away > 0 && n.holdsBack:
-				if set, _ := m.spec.SetOf(a); m.neverHeld == nil || m.neverHeld[set] >= m.stepAdds {
+				p := m.poolOf(a)
+				if set, _ := p.SetOf(a); m.neverHeld == nil || m.neverHeld[p.Name][set] >= m.stepAdds {
 					m.t.Errorf("step %d: ADD of %v returned %s, held back for %v on cut-off node %s, while the pool had %v addresses "+
 						"no expired holder had (per range set) for the step's %d ADDs", i, k, a, other, n.name, m.neverHeld, m.stepAdds)
 				}
@@ -224,19 +232,18 @@ func (m *model) admitLocked(i int, k attKey, got []netip.Addr, except attKey) {
 	}
 }
 
-// neverHeldFree counts, per range set, the addresses etcd shows free that no expired holder
+// neverHeldFree counts, per pool and range set, the addresses etcd shows free that no expired holder
 // had: no allocation, quarantine or held key, not in m.expired, and not kept by an agent after
 // etcd went back in time (keptAfterRestore). It returns nil, reading
 // nothing, while no cut-off node holds addresses back.
-func (m *model) neverHeldFree(ctx context.Context) []int {
+func (m *model) neverHeldFree(ctx context.Context) map[string][]int {
 	if !slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.holdsBack }) {
 		return nil
 	}
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-		clientv3.OpGet(keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
+	ops := m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) }, clientv3.WithKeysOnly())
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.QuarantinePrefix(p.Name) }, clientv3.WithKeysOnly())...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.HeldPrefix(p.Name) }, clientv3.WithKeysOnly())...)
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
@@ -244,7 +251,7 @@ func (m *model) neverHeldFree(ctx context.Context) []int {
 	parse := []func(string) (string, netip.Prefix, netip.Addr, error){keyspace.ParseIPKey, keyspace.ParseQuarantineKey, keyspace.ParseHeldKey}
 	for i, r := range resp.Responses {
 		for _, kv := range r.GetResponseRange().Kvs {
-			if _, _, ip, err := parse[i](string(kv.Key)); err == nil {
+			if _, _, ip, err := parse[i/len(m.pools)](string(kv.Key)); err == nil {
 				used[ip] = true
 			}
 		}
@@ -257,13 +264,17 @@ func (m *model) neverHeldFree(ctx context.Context) []int {
 	for a := range m.keptAfterRestore() {
 		used[a] = true
 	}
-	free := make([]int, len(m.spec.Ranges))
-	for s := range free {
-		free[s] = int(m.spec.SetSize(s).Int64())
+	free := map[string][]int{}
+	for _, p := range m.pools {
+		free[p.Name] = make([]int, len(p.Ranges))
+		for s := range free[p.Name] {
+			free[p.Name][s] = int(p.SetSize(s).Int64())
+		}
 	}
 	for a := range used {
-		if s, ok := m.spec.SetOf(a); ok && m.spec.Allocatable(a) == nil {
-			free[s]--
+		p, _ := m.poolHolding(a) // a block kept after a restore may reach past the ranges
+		if s, ok := p.SetOf(a); ok && p.Allocatable(a) == nil {
+			free[p.Name][s]--
 		}
 	}
 	return free
@@ -281,7 +292,7 @@ func (m *model) keptAfterRestore() map[netip.Addr]bool {
 			continue
 		}
 		n.agent.pools.ForEachView(func(v *poolview.View) {
-			if v.Pool() != m.pool.Name {
+			if !slices.ContainsFunc(m.pools, func(p allocator.PoolSpec) bool { return p.Name == v.Pool() }) {
 				return
 			}
 			addrs, blocks := v.SettleKnowledge()
@@ -350,14 +361,16 @@ func (m *model) noteHeldOf(ctx context.Context, node string) {
 // blockLeasesOf lists the leases of the pool's block claims of node identity (name, uid) and
 // of the held keys of node name.
 func (m *model) blockLeasesOf(ctx context.Context, name, uid string) []clientv3.LeaseID {
-	resp, err := m.cli.Get(ctx, keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Txn(ctx).Then(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	seen := map[clientv3.LeaseID]bool{}
-	for _, kv := range resp.Kvs {
-		if rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value); err == nil && rec.Node == name && rec.NodeUID == uid {
-			seen[keyspace.LeaseOf(kv)] = true
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			if rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value); err == nil && rec.Node == name && rec.NodeUID == uid {
+				seen[keyspace.LeaseOf(kv)] = true
+			}
 		}
 	}
 	for _, h := range m.readState(ctx).held {
@@ -610,51 +623,63 @@ func (m *model) reclaimProblems(n *modelNode, want reclaimWant) (lost map[attKey
 	defer cancel()
 	st := m.readState(ctx)
 	lost = map[attKey][]netip.Addr{}
-	for k, ips := range want.ips {
+	for k, all := range want.ips {
 		lease, held := n.agent.pods.Lease(k.owner)
-		ix, indexed := st.owners[m.ownerKey(k)]
-		switch {
-		case !held:
+		if !held {
 			out = append(out, fmt.Sprintf("%v: the agent holds no lease of its pod", k))
 			continue
-		case !indexed:
-			out = append(out, fmt.Sprintf("%v: no owner index", k))
-			continue
-		case ix.lease != lease || ix.rec.ContainerID != want.ctr[k] || !slices.Equal(ix.rec.IPs, ips):
-			out = append(out, fmt.Sprintf("%v: owner index on %s names %s %v, want on %s %s %v", k, keyspace.LeaseHex(ix.lease),
-				ix.rec.ContainerID, ix.rec.IPs, keyspace.LeaseHex(lease), want.ctr[k], ips))
-			continue
 		}
-		for _, a := range ips {
-			al, ok := st.allocs[a]
-			mine := ok && al.rec.Owner == k.owner && al.lease == lease
-			w, contested := want.contested[k][a]
-			switch {
-			case slices.Contains(want.taken[k], a):
-				if taker, away := want.takerAway[a]; away && !ok {
-					if h, held := st.held[a]; !held || h.rec.Owner != taker.owner {
-						out = append(out, fmt.Sprintf("%v: %s, which %v on a cut-off node took, is not held back for it (%+v)", k, a, taker, h.rec))
-					}
-				} else if !ok || al.rec.Owner == k.owner {
-					out = append(out, fmt.Sprintf("%v: %s, which another owner took, is not that owner's (%+v)", k, a, al.rec))
-				}
-				lost[k] = append(lost[k], a)
-			case contested && ok && al.rec.Owner == w.owner && al.rec.IfName == w.ifName:
-				lost[k] = append(lost[k], a)
-			case !mine:
-				out = append(out, fmt.Sprintf("%v: %s is not allocated on its lease %s (%+v)", k, a, keyspace.LeaseHex(lease), al.rec))
-			}
-		}
-		rec, recorded := st.conflicts[m.conflictKey(k)]
-		switch {
-		case len(lost[k]) == 0 && recorded:
-			out = append(out, fmt.Sprintf("%v: a conflict record %v, and nothing was taken", k, takenIPs(rec.rec)))
-		case len(lost[k]) > 0 && !slices.Equal(takenIPs(rec.rec), sortedAddrs(lost[k])):
-			out = append(out, fmt.Sprintf("%v: the conflict record names %v taken, the model %v", k, takenIPs(rec.rec), sortedAddrs(lost[k])))
+		// Each pool's part of the attachment: its owner index, addresses and conflict record.
+		for _, part := range m.partsOf(k, all) {
+			out = append(out, m.reclaimPartProblems(st, k, part, lease, want, lost)...)
 		}
 	}
 	sort.Strings(out)
 	return lost, out
+}
+
+// reclaimPartProblems is reclaimProblems for part of attachment k, whose pod is on lease; it
+// adds to lost[k] the addresses of part k lost.
+func (m *model) reclaimPartProblems(st etcdState, k attKey, part modelPart, lease clientv3.LeaseID, want reclaimWant,
+	lost map[attKey][]netip.Addr) (out []string) {
+	ips := part.ips
+	ix, indexed := st.owners[part.ownerKey]
+	switch {
+	case !indexed:
+		return []string{fmt.Sprintf("%v: no owner index in pool %s", k, part.pool)}
+	case ix.lease != lease || ix.rec.ContainerID != want.ctr[k] || !slices.Equal(ix.rec.IPs, ips):
+		return []string{fmt.Sprintf("%v: owner index on %s names %s %v, want on %s %s %v", k, keyspace.LeaseHex(ix.lease),
+			ix.rec.ContainerID, ix.rec.IPs, keyspace.LeaseHex(lease), want.ctr[k], ips)}
+	}
+	for _, a := range ips {
+		al, ok := st.allocs[a]
+		mine := ok && al.rec.Owner == k.owner && al.lease == lease
+		w, contested := want.contested[k][a]
+		switch {
+		case slices.Contains(want.taken[k], a):
+			if taker, away := want.takerAway[a]; away && !ok {
+				if h, held := st.held[a]; !held || h.rec.Owner != taker.owner {
+					out = append(out, fmt.Sprintf("%v: %s, which %v on a cut-off node took, is not held back for it (%+v)", k, a, taker, h.rec))
+				}
+			} else if !ok || al.rec.Owner == k.owner {
+				out = append(out, fmt.Sprintf("%v: %s, which another owner took, is not that owner's (%+v)", k, a, al.rec))
+			}
+			lost[k] = append(lost[k], a)
+		case contested && ok && al.rec.Owner == w.owner && al.rec.IfName == w.ifName:
+			lost[k] = append(lost[k], a)
+		case !mine:
+			out = append(out, fmt.Sprintf("%v: %s is not allocated on its lease %s (%+v)", k, a, keyspace.LeaseHex(lease), al.rec))
+		}
+	}
+	rec, recorded := st.conflicts[part.conflict]
+	mine := m.inPart(part, lost[k])
+	switch {
+	case len(mine) == 0 && recorded:
+		out = append(out, fmt.Sprintf("%v: a conflict record %v in pool %s, and nothing was taken", k, takenIPs(rec.rec), part.pool))
+	case len(mine) > 0 && !slices.Equal(takenIPs(rec.rec), sortedAddrs(mine)):
+		out = append(out, fmt.Sprintf("%v: the conflict record names %v taken, the model %v", k, takenIPs(rec.rec), sortedAddrs(mine)))
+	}
+	return out
 }
 
 // gotBackLocked gives a back to k, which had it in conflict; m.mu is held. The owner that
@@ -715,7 +740,7 @@ func (m *model) resolve(i int) {
 		st := m.readState(ctx)
 		due = slices.DeleteFunc(due, func(b back) bool {
 			al, ok := st.allocs[b.a]
-			ix, indexed := st.owners[m.ownerKey(b.k)]
+			ix, indexed := st.owners[m.ownerKeyAt(b.k, b.a)]
 			if !ok || !indexed || al.rec.Owner != b.k.owner || al.rec.IfName != b.k.ifName || al.lease != ix.lease {
 				return false
 			}
@@ -750,22 +775,26 @@ func (m *model) resolve(i int) {
 func (m *model) checkHolds(st etcdState) {
 	records, indexes := map[string]bool{}, map[string]bool{}
 	for k, held := range m.held {
-		indexes[m.ownerKey(k)] = true
 		n := m.nodes[m.home[k.owner]]
-		taken := m.conflict[k]
-		ix, indexed := st.owners[m.ownerKey(k)]
-		if c, ok := st.conflicts[m.conflictKey(k)]; ok {
-			records[m.conflictKey(k)] = true
-			if got := takenIPs(c.rec); n.away > 0 || !slices.Equal(got, sortedAddrs(taken)) {
-				m.t.Errorf("the conflict record of %v names %v taken; the model: %v (node %s away: %v)", k, got, sortedAddrs(taken), n.name, n.away > 0)
+		for _, part := range m.partsOf(k, held) {
+			indexes[part.ownerKey] = true
+			taken := m.inPart(part, m.conflict[k])
+			if c, ok := st.conflicts[part.conflict]; ok {
+				records[part.conflict] = true
+				if got := takenIPs(c.rec); n.away > 0 || !slices.Equal(got, sortedAddrs(taken)) {
+					m.t.Errorf("the conflict record of %v in pool %s names %v taken; the model: %v (node %s away: %v)", k, part.pool, got,
+						sortedAddrs(taken), n.name, n.away > 0)
+				}
+			} else if len(taken) > 0 && n.away == 0 {
+				m.t.Errorf("%v lost %v to other owners, and has no conflict record in pool %s", k, taken, part.pool)
 			}
-		} else if len(taken) > 0 && n.away == 0 {
-			m.t.Errorf("%v lost %v to other owners, and has no conflict record", k, taken)
+			if ix, indexed := st.owners[part.ownerKey]; n.away > 0 && indexed {
+				m.t.Errorf("%v is on cut-off node %s, and its owner index is in etcd: %+v", k, n.name, ix.rec)
+			}
 		}
-		if n.away > 0 && indexed {
-			m.t.Errorf("%v is on cut-off node %s, and its owner index is in etcd: %+v", k, n.name, ix.rec)
-		}
+		taken := m.conflict[k]
 		for _, a := range held {
+			ix, indexed := st.owners[m.ownerKeyAt(k, a)]
 			al, allocated := st.allocs[a]
 			h, holdKey := st.held[a]
 			if slices.Contains(taken, a) {

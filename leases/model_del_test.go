@@ -179,11 +179,13 @@ func (m *model) checkGone(ctx context.Context, i int, n *modelNode, k attKey, he
 			time.Sleep(modelGoneRecheck)
 		}
 		st := m.readState(ctx)
-		if ix, ok := st.owners[m.ownerKey(k)]; ok {
-			m.t.Errorf("step %d: %v was deleted (%s), and its owner index is there: %+v", i, k, why, ix.rec)
-		}
-		if c, ok := st.conflicts[m.conflictKey(k)]; ok {
-			m.t.Errorf("step %d: %v was deleted (%s), and its conflict record is there: %+v", i, k, why, c.rec)
+		for _, pool := range m.poolNamesOf(k) {
+			if ix, ok := st.owners[keyspace.OwnerKey(m.cluster, k.owner, k.ifName, pool)]; ok {
+				m.t.Errorf("step %d: %v was deleted (%s), and its owner index in pool %s is there: %+v", i, k, why, pool, ix.rec)
+			}
+			if c, ok := st.conflicts[keyspace.ConflictKey(m.cluster, k.owner, k.ifName, pool)]; ok {
+				m.t.Errorf("step %d: %v was deleted (%s), and its conflict record in pool %s is there: %+v", i, k, why, pool, c.rec)
+			}
 		}
 		for _, a := range held {
 			if al, ok := st.allocs[a]; ok && al.rec.Owner == k.owner && al.rec.IfName == k.ifName {
@@ -191,7 +193,7 @@ func (m *model) checkGone(ctx context.Context, i int, n *modelNode, k attKey, he
 			}
 		}
 		if ps, ok := n.agent.pods.Snapshot(k.owner); ok && slices.ContainsFunc(ps.Attachments, func(at attachment) bool {
-			return at.IfName == k.ifName && at.Pool == m.pool.Name
+			return at.IfName == k.ifName && slices.Contains(m.poolNamesOf(k), at.Pool)
 		}) {
 			m.t.Errorf("step %d: %v was deleted (%s), and agent %s still knows it: %+v", i, k, why, n.name, ps.Attachments)
 		}

@@ -73,14 +73,16 @@ const (
 type modelBackup struct {
 	path string
 	step int
-	// access is the pool's access and rules at the backup (model_access_test.go).
+	// access is the pool's access and rules at the backup (model_access_test.go), dual the
+	// dual-stack network's (model_dual_test.go).
 	access modelAccess
+	dual   modelDual
 }
 
 // backup saves etcd as `etcdctl snapshot save` does, at the quiet point at the start of step i.
 func (m *model) backup(ctx context.Context, i int) {
 	m.mu.Lock()
-	b := modelBackup{path: filepath.Join(m.backupDir, fmt.Sprintf("step%d.db", i)), step: i, access: m.access}
+	b := modelBackup{path: filepath.Join(m.backupDir, fmt.Sprintf("step%d.db", i)), step: i, access: m.access, dual: m.dual}
 	m.mu.Unlock()
 	if err := m.etcd.Snapshot(ctx, b.path); err != nil {
 		m.t.Fatalf("step %d: %v", i, err)
@@ -136,7 +138,7 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 	}
 	m.awaitEtcd(i)
 	m.mu.Lock()
-	m.access = b.access // the pool record and the rules are keys: they went back too
+	m.access, m.dual = b.access, b.dual // the pool records and the rules are keys: they went back too
 	m.mu.Unlock()
 	m.log("%d etcd RESTORED from the backup of step %d, %s (revision bump %d), in %s", i, b.step, how, bump, time.Since(start).Round(time.Millisecond))
 	m.count["restore"]++
@@ -151,7 +153,7 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 			continue
 		}
 		used[owner] = true
-		k := attKey{owner: owner, ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
+		k := attKey{owner: owner, ifName: modelIfNames[m.rng.IntN(len(modelIfNames))]}
 		plan = append(plan, modelOp{node: m.homeOf(owner), k: k})
 	}
 	m.expectAdds(m.neverHeldFree(ctx), len(plan))
@@ -164,6 +166,7 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 	m.repairing = false
 	m.awaitRepair(i, start, before)
 	m.expireUnrenewed(i)
+	m.awaitRulesSeen(i)
 	return true
 }
 
@@ -238,11 +241,11 @@ func (m *model) expireAgain(i int) {
 func (m *model) expireUnrenewed(i int) {
 	ctx, cancel := context.WithTimeout(context.Background(), modelEtcdBack)
 	defer cancel()
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.HeldPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.WantedPrefix(m.pool.Name, m.pool.Blocks, netip.Addr{}), clientv3.WithPrefix()),
-	).Commit()
+	// Per pool, its block claims, held keys and wanted keys.
+	ops := m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.HeldPrefix(p.Name) })...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.WantedPrefix(p.Name, p.Blocks, netip.Addr{}) })...)
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatalf("step %d: %v", i, err)
 	}
@@ -259,21 +262,22 @@ func (m *model) expireUnrenewed(i int) {
 			keep[id] = keep[id] || n.holdsBack
 		}
 	}
-	for r, rr := range resp.Responses {
+	for ri, rr := range resp.Responses {
+		pool := m.pools[ri%len(m.pools)].Name
 		for _, kv := range rr.GetResponseRange().Kvs {
 			lease := keyspace.LeaseOf(kv)
 			if lease == 0 {
 				continue
 			}
 			leases[lease] = true
-			switch r {
+			switch ri / len(m.pools) {
 			case 0:
 				rec, err := keyspace.Decode[keyspace.BlockRecord](string(kv.Key), kv.Value)
 				if err != nil || m.holdsBackFor(rec.Node, rec.NodeUID) {
 					keep[lease] = true
 				}
 				for _, n := range m.nodes {
-					if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(m.pool.Name) != nil {
+					if n.agent != nil && n.name == rec.Node && n.uid == rec.NodeUID && n.agent.pools.ViewOf(pool) != nil {
 						keep[lease] = true
 					}
 				}
@@ -400,47 +404,56 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 	ours := map[string]bool{}     // owner index and conflict record keys of the model's attachments
 	owns := map[netip.Addr]bool{} // allocations of them
 	pods := map[string]bool{}     // their pod records
-	for k, ips := range m.held {
+	for k, all := range m.held {
 		n := m.nodes[m.home[k.owner]]
-		ours[m.ownerKey(k)], ours[m.conflictKey(k)] = true, true
 		pods[keyspace.PodKey(m.cluster, n.name, k.owner)] = true
+		parts := m.partsOf(k, all)
+		for _, part := range parts {
+			ours[part.ownerKey], ours[part.conflict] = true, true
+		}
 		lease, held := n.agent.pods.Lease(k.owner)
-		ix, indexed := st.owners[m.ownerKey(k)]
-		switch {
-		case !held:
+		if !held {
 			out = append(out, fmt.Sprintf("%v: %s holds no lease of its pod", k, n.name))
-			continue
-		case !indexed:
-			out = append(out, fmt.Sprintf("%v: no owner index", k))
-			continue
-		case ix.lease != lease || ix.rec.ContainerID != m.ctr[k] || !slices.Equal(ix.rec.IPs, ips):
-			out = append(out, fmt.Sprintf("%v: owner index on %s names %s %v, want on %s %s %v", k, keyspace.LeaseHex(ix.lease),
-				ix.rec.ContainerID, ix.rec.IPs, keyspace.LeaseHex(lease), m.ctr[k], ips))
 			continue
 		}
 		if on, ok := podRecs[keyspace.PodKey(m.cluster, n.name, k.owner)]; !ok || on != lease {
 			out = append(out, fmt.Sprintf("%v: pod record on lease %s (present %v), want on %s", k, keyspace.LeaseHex(on), ok, keyspace.LeaseHex(lease)))
 		}
-		for _, a := range ips {
-			al, ok := st.allocs[a]
-			other := attKey{owner: al.rec.Owner, ifName: al.rec.IfName}
+		for _, part := range parts {
+			ips := part.ips
+			ix, indexed := st.owners[part.ownerKey]
 			switch {
-			case ok && other == k && al.lease == lease:
-				owns[a] = true
-			case ok && other != k && slices.Contains(before[other], a) && slices.Contains(m.held[other], a):
-				taken[k] = append(taken[k], a)
-			case ok:
-				out = append(out, fmt.Sprintf("%v: %s is allocated to %v on lease %s", k, a, other, keyspace.LeaseHex(al.lease)))
-			default:
-				out = append(out, fmt.Sprintf("%v: %s is not allocated", k, a))
+			case !indexed:
+				out = append(out, fmt.Sprintf("%v: no owner index in pool %s", k, part.pool))
+				continue
+			case ix.lease != lease || ix.rec.ContainerID != m.ctr[k] || !slices.Equal(ix.rec.IPs, ips):
+				out = append(out, fmt.Sprintf("%v: owner index on %s names %s %v, want on %s %s %v", k, keyspace.LeaseHex(ix.lease),
+					ix.rec.ContainerID, ix.rec.IPs, keyspace.LeaseHex(lease), m.ctr[k], ips))
+				continue
 			}
-		}
-		rec, recorded := st.conflicts[m.conflictKey(k)]
-		switch {
-		case len(taken[k]) == 0 && recorded:
-			out = append(out, fmt.Sprintf("%v: a conflict record %v, and it holds every address", k, takenIPs(rec.rec)))
-		case len(taken[k]) > 0 && !slices.Equal(takenIPs(rec.rec), sortedAddrs(taken[k])):
-			out = append(out, fmt.Sprintf("%v: the conflict record names %v taken, etcd shows %v", k, takenIPs(rec.rec), sortedAddrs(taken[k])))
+			var lost []netip.Addr
+			for _, a := range ips {
+				al, ok := st.allocs[a]
+				other := attKey{owner: al.rec.Owner, ifName: al.rec.IfName}
+				switch {
+				case ok && other == k && al.lease == lease:
+					owns[a] = true
+				case ok && other != k && slices.Contains(before[other], a) && slices.Contains(m.held[other], a):
+					lost = append(lost, a)
+				case ok:
+					out = append(out, fmt.Sprintf("%v: %s is allocated to %v on lease %s", k, a, other, keyspace.LeaseHex(al.lease)))
+				default:
+					out = append(out, fmt.Sprintf("%v: %s is not allocated", k, a))
+				}
+			}
+			taken[k] = append(taken[k], lost...)
+			rec, recorded := st.conflicts[part.conflict]
+			switch {
+			case len(lost) == 0 && recorded:
+				out = append(out, fmt.Sprintf("%v: a conflict record %v in pool %s, and it holds every address", k, takenIPs(rec.rec), part.pool))
+			case len(lost) > 0 && !slices.Equal(takenIPs(rec.rec), sortedAddrs(lost)):
+				out = append(out, fmt.Sprintf("%v: the conflict record names %v taken, etcd shows %v", k, takenIPs(rec.rec), sortedAddrs(lost)))
+			}
 		}
 	}
 	out = append(out, m.claimRepairProblemsLocked(sticky.Responses[0].GetResponseRange().Kvs,
@@ -493,12 +506,14 @@ func (m *model) refusedForRepair(a *Agent, err error, start time.Time) bool {
 	if strings.Contains(err.Error(), "leaves free the addresses it knew taken") {
 		// The keep time after the settle time: with no other free address, the node hands out
 		// none held back for an expired pod (poolview/blocks.go, choose).
-		p, err := a.pools.Ensure(context.Background(), allocator.PoolSpec{Name: m.pool.Name})
-		if err != nil {
-			return false
-		}
-		if keep := p.View.Inspect().KeepUntil; keep.After(until) {
-			until = keep
+		for _, spec := range m.pools {
+			p, err := a.pools.Ensure(context.Background(), allocator.PoolSpec{Name: spec.Name})
+			if err != nil {
+				return false
+			}
+			if keep := p.View.Inspect().KeepUntil; keep.After(until) {
+				until = keep
+			}
 		}
 	}
 	return start.Before(until)

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -43,9 +44,15 @@ const modelCISeed = 1005
 // sometimes races the re-claim of its pod's lost lease (model_del_test.go). An admin sometimes
 // deletes or overwrites a key of a running pod with etcdctl (model_audit_test.go), and etcd
 // sometimes goes back to a backup of an earlier step, restored the two ways etcd documents,
-// while the agents run (model_restore_test.go). A history ends by bringing every
+// while the agents run (model_restore_test.go). Each pod's interface net2 is on a dual-stack
+// network whose rule gives IPv4 and IPv6 from two pools, an attachment in each, both or
+// neither, through all of the above (model_dual_test.go). A history ends by bringing every
 // cut-off node back, deleting every attachment and letting the claims' holds run out (settle).
 //
+//   - every check is address by address, in the pool that holds the address: an attachment
+//     of net2 has an owner index and conflict record per pool; an ADD of net2 answers an
+//     IPv4 and an IPv6 address, each listed by its pool's owner index, or, refused, leaves no
+//     key of the interface in any pool (details in model_dual_test.go);
 //   - at most one owner per address: every allocation key is named by exactly one owner index
 //     on the same lease, and no two owner indexes name one address of a pool but a running
 //     pod's, which lists an address another owner took while the pod's node was away (a
@@ -151,6 +158,11 @@ func TestModelRandomHistories(t *testing.T) {
 		tot["leasehold_pod_keys_lost_total"], m.count["backup"], m.count["restore"], m.count["restore plain"], m.count["restore bumped"],
 		tot["leasehold_etcd_went_back_total"], m.count["conflict after a restore"], m.count["unrenewed block lease after a restore"],
 		m.count["claim lost with a restore"], tot["leasehold_reclaims_total"], m.count["access"], m.count["add refused: pool closed"])
+	t.Logf("seed %d: interfaces with IPv4 and IPv6 from two pools: %d new ones served (%d with IPv4 from the next pool, the small one full), "+
+		"%d refused", seed, m.count["dual add"], m.count["dual fallback"], m.count["dual refused"])
+	if m.count["dual add"] == 0 {
+		t.Errorf("seed %d: no interface got its IPv4 and IPv6 from two pools in %d steps: the history did not exercise them", seed, steps)
+	}
 	if m.count["access"] == 0 {
 		t.Errorf("seed %d: the pool's access and rules never changed in %d steps: the history did not exercise closed pools", seed, steps)
 	}
@@ -224,7 +236,7 @@ type model struct {
 	// (contended: it may have held them between two steps).
 	awayTaken map[attKey][]netip.Addr
 	contended map[attKey]map[netip.Addr]bool
-	neverHeld []int
+	neverHeld map[string][]int // by pool
 	stepAdds  int
 
 	// Issue 32 (model_audit_test.go, model_restore_test.go): the model's etcd member, the
@@ -246,6 +258,11 @@ type model struct {
 	// opens again at (model_access_test.go).
 	access   modelAccess
 	reopenAt int
+
+	// The dual-stack network and its pools (model_dual_test.go); pools are every pool of the
+	// model, canonical, m.spec first.
+	dual  modelDual
+	pools []allocator.PoolSpec
 }
 
 func newModel(t *testing.T, seed uint64) *model {
@@ -265,6 +282,8 @@ func newModel(t *testing.T, seed uint64) *model {
 	if err := m.spec.Canonicalize(); err != nil {
 		t.Fatal(err)
 	}
+	m.pools = []allocator.PoolSpec{m.spec}
+	m.startDual()
 	for i := range 3 {
 		n := &modelNode{name: fmt.Sprintf("n%d", i), uid: fmt.Sprintf("uid%d", i), state: t.TempDir()}
 		n.agent = m.start(n)
@@ -294,9 +313,10 @@ func (m *model) tail(n int) string {
 }
 
 func (m *model) req(k attKey, container string) allocator.Request {
-	r := allocator.Request{Network: m.pool.Name, Pool: m.pool, ContainerID: container, IfName: k.ifName,
+	net := m.netOf(k)
+	r := allocator.Request{Network: net.Name, Pool: net, ContainerID: container, IfName: k.ifName,
 		Pod: allocator.PodRef{UID: k.owner, Namespace: "ns", Name: k.owner}}
-	if ord := m.ordinalOf(k.owner); ord != "" {
+	if ord := m.ordinalOf(k.owner); ord != "" && !isDual(k) {
 		r.Pod.Name, r.Claim = ord, modelClaim(ord)
 	}
 	return r
@@ -317,7 +337,7 @@ type modelOp struct {
 // expectAdds records, for admitLocked, the room the pool had (neverHeldFree) before the
 // step's adds new ADDs. Every kind of step that runs ADDs calls it: a value left from an
 // earlier step would judge them against another pool.
-func (m *model) expectAdds(free []int, adds int) {
+func (m *model) expectAdds(free map[string][]int, adds int) {
 	m.mu.Lock()
 	m.neverHeld, m.stepAdds = free, adds
 	m.mu.Unlock()
@@ -383,7 +403,7 @@ func (m *model) step(i int) {
 			plan = append(plan, m.planSticky(used)...)
 			continue
 		}
-		k := attKey{owner: fmt.Sprintf("pod%02d", m.rng.IntN(24)), ifName: []string{"eth0", "net1"}[m.rng.IntN(2)]}
+		k := attKey{owner: fmt.Sprintf("pod%02d", m.rng.IntN(24)), ifName: modelIfNames[m.rng.IntN(len(modelIfNames))]}
 		if used[k.owner] || m.awayOwner(k.owner) {
 			continue
 		}
@@ -428,13 +448,20 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 		res, err := node.agent.Add(ctx, m.req(k, container))
 		m.log("%d %s ADD %v %s -> %v %v", i, node.name, k, container, addrs(res), err)
 		m.inc("add")
+		if isDual(k) {
+			m.checkDualAdd(ctx, i, k, have, addrs(res), err) // both or neither (model_dual_test.go)
+		}
 		if err != nil {
 			switch {
 			case m.refusedForRepair(node.agent, err, start):
 				// etcd went back in time: the node answers once its pods hold their
 				// addresses again, and claims no block meanwhile (model_restore_test.go).
-			case !have && m.refusedClosed(err):
+			case !have && !isDual(k) && m.refusedClosed(err):
 				return // the pool is closed to new addresses (model_access_test.go)
+			case !have && isDual(k) && (m.refusedDualClosed(err) || m.repairing && errors.Is(err, allocator.ErrInvalidConfig)):
+				// Its IPv6 pool is closed; or etcd went back to a backup whose rule and
+				// pools the agent has not read yet (model_dual_test.go).
+				return
 			case have:
 				m.t.Errorf("step %d: repeated ADD of %v failed: %v", i, k, err)
 			case !errors.Is(err, allocator.ErrPoolExhausted):
@@ -445,7 +472,7 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			return
 		}
 		got := addrs(res)
-		if !have && m.closedToNew() {
+		if !have && !isDual(k) && m.closedToNew() {
 			m.t.Errorf("step %d: ADD of new %v got %v from pool %s, closed to new addresses", i, k, got, m.pool.Name)
 		}
 		if have && fmt.Sprint(got) != fmt.Sprint(held) {
@@ -493,8 +520,8 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			m.release(k, held, sent)
 		}
 	default: // CHECK
-		_, err := node.agent.Check(ctx, m.req(k, container))
-		m.log("%d %s CHECK %v -> %v", i, node.name, k, err)
+		res, err := node.agent.Check(ctx, m.req(k, container))
+		m.log("%d %s CHECK %v -> %v %v", i, node.name, k, addrs(res), err)
 		m.mu.Lock()
 		taken := m.conflict[k]
 		settling := slices.ContainsFunc(taken, func(a netip.Addr) bool { h, ok := m.holderLocked(a); return !ok || busy[h.owner] })
@@ -506,6 +533,8 @@ func (m *model) do(ctx context.Context, i int, node *modelNode, k attKey, op, ro
 			m.t.Errorf("step %d: CHECK of %v, whose %v another owner holds: %v, want a conflict", i, k, taken, err)
 		case len(taken) == 0 && err != nil:
 			m.t.Errorf("step %d: CHECK of held %v: %v", i, k, err)
+		case len(taken) == 0 && !slices.Equal(addrs(res), held):
+			m.t.Errorf("step %d: CHECK of held %v answered %v, want %v", i, k, addrs(res), held)
 		}
 	}
 }
@@ -599,7 +628,7 @@ func (m *model) lose(ctx context.Context, i int) {
 func (m *model) gc(ctx context.Context, i int) {
 	live := m.live()
 	ni := live[m.rng.IntN(len(live))]
-	var valid []allocator.Attachment
+	valid := map[bool][]allocator.Attachment{} // by isDual
 	var dropped []attKey
 	m.mu.Lock()
 	keys := make([]attKey, 0, len(m.ctr))
@@ -613,7 +642,7 @@ func (m *model) gc(ctx context.Context, i int) {
 			continue
 		}
 		if m.rng.IntN(2) == 0 {
-			valid = append(valid, allocator.Attachment{ContainerID: c, IfName: k.ifName})
+			valid[isDual(k)] = append(valid[isDual(k)], allocator.Attachment{ContainerID: c, IfName: k.ifName})
 		} else {
 			dropped = append(dropped, k)
 		}
@@ -624,12 +653,17 @@ func (m *model) gc(ctx context.Context, i int) {
 	}
 	m.mu.Unlock()
 	sent := time.Now()
-	err := m.nodes[ni].agent.GC(ctx, allocator.GCRequest{Network: m.pool.Name, Pool: m.pool, ValidAttachments: valid})
-	m.log("%d %s GC valid=%d dropped=%v -> %v", i, m.nodes[ni].name, len(valid), dropped, err)
-	m.count["gc"]++
-	if err != nil {
-		m.t.Errorf("step %d: GC: %v", i, err)
+	// Each network's GC: the other's attachments are not its to collect.
+	for _, net := range []allocator.PoolSpec{m.pool, m.dual.net} {
+		dual := net.Name == m.dual.net.Name
+		err := m.nodes[ni].agent.GC(ctx, allocator.GCRequest{Network: net.Name, Pool: net, ValidAttachments: valid[dual]})
+		m.log("%d %s GC of %s valid=%d dropped=%v -> %v", i, m.nodes[ni].name, net.Name, len(valid[dual]),
+			slices.DeleteFunc(slices.Clone(dropped), func(k attKey) bool { return isDual(k) != dual }), err)
+		if err != nil {
+			m.t.Errorf("step %d: GC of %s: %v", i, net.Name, err)
+		}
 	}
+	m.count["gc"]++
 	for _, k := range dropped {
 		m.release(k, held[k], sent)
 	}
@@ -639,14 +673,16 @@ func (m *model) gc(ctx context.Context, i int) {
 func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
 	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
-	resp, err := m.cli.Get(ctx, keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix())
+	resp, err := m.cli.Txn(ctx).Then(m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) })...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
 	out := map[string]int64{}
-	for _, kv := range resp.Kvs {
-		if a, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err == nil && !busy[a.Owner] {
-			out[string(kv.Key)] = kv.ModRevision
+	for _, r := range resp.Responses {
+		for _, kv := range r.GetResponseRange().Kvs {
+			if a, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err == nil && !busy[a.Owner] {
+				out[string(kv.Key)] = kv.ModRevision
+			}
 		}
 	}
 	return out
@@ -656,40 +692,44 @@ func (m *model) keysOfOthers(busy map[string]bool) map[string]int64 {
 func (m *model) check() {
 	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
 	defer cancel()
-	resp, err := m.cli.Txn(ctx).Then(
-		clientv3.OpGet(keyspace.IPsPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.QuarantinePrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.BlocksPrefix(m.pool.Name), clientv3.WithPrefix()),
-		clientv3.OpGet(keyspace.ClaimsPrefix(m.cluster), clientv3.WithPrefix()),
-	).Commit()
+	// The owner indexes and claims, then per pool its allocations, quarantine keys and block
+	// claims.
+	ops := []clientv3.Op{clientv3.OpGet(keyspace.OwnersPrefix(m.cluster), clientv3.WithPrefix()),
+		clientv3.OpGet(keyspace.ClaimsPrefix(m.cluster), clientv3.WithPrefix())}
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) })...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.QuarantinePrefix(p.Name) })...)
+	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...)
+	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
 	}
+	np := len(m.pools)
+	kvsOf := func(what, pool int) []*mvccpb.KeyValue { return resp.Responses[2+what*np+pool].GetResponseRange().Kvs }
 	allocLease := map[netip.Addr]int64{}
-	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		_, block, ip, err := keyspace.ParseIPKey(string(kv.Key))
-		if err != nil {
-			m.t.Errorf("allocation key: %v", err)
-			continue
+	for pi, p := range m.pools {
+		for _, kv := range kvsOf(0, pi) {
+			_, block, ip, err := keyspace.ParseIPKey(string(kv.Key))
+			if err != nil {
+				m.t.Errorf("allocation key: %v", err)
+				continue
+			}
+			if _, dup := allocLease[ip]; dup {
+				m.t.Errorf("%s has two allocation keys", ip)
+			}
+			allocLease[ip] = kv.Lease
+			m.checkKeyBlocks(p, string(kv.Key), block, ip, keyspace.IPKey(p.Name, p.Blocks, ip))
 		}
-		if _, dup := allocLease[ip]; dup {
-			m.t.Errorf("%s has two allocation keys", ip)
+		for _, kv := range kvsOf(1, pi) {
+			_, block, ip, err := keyspace.ParseQuarantineKey(string(kv.Key))
+			if err != nil {
+				m.t.Errorf("quarantine key: %v", err)
+				continue
+			}
+			m.checkKeyBlocks(p, string(kv.Key), block, ip, keyspace.QuarantineKey(p.Name, p.Blocks, ip))
 		}
-		allocLease[ip] = kv.Lease
-		m.checkKeyBlocks(string(kv.Key), block, ip, keyspace.IPKey(m.pool.Name, m.pool.Blocks, ip))
+		m.checkClaims(ctx, p, kvsOf(2, pi))
 	}
-	for _, kv := range resp.Responses[2].GetResponseRange().Kvs {
-		_, block, ip, err := keyspace.ParseQuarantineKey(string(kv.Key))
-		if err != nil {
-			m.t.Errorf("quarantine key: %v", err)
-			continue
-		}
-		m.checkKeyBlocks(string(kv.Key), block, ip, keyspace.QuarantineKey(m.pool.Name, m.pool.Blocks, ip))
-	}
-	m.checkClaims(ctx, resp.Responses[3].GetResponseRange().Kvs)
-	m.checkSticky(resp.Responses[4].GetResponseRange().Kvs, resp.Responses[0].GetResponseRange().Kvs,
-		resp.Responses[1].GetResponseRange().Kvs, resp.Responses[2].GetResponseRange().Kvs)
+	m.checkSticky(resp.Responses[1].GetResponseRange().Kvs, kvsOf(0, 0), resp.Responses[0].GetResponseRange().Kvs, kvsOf(1, 0))
 	m.checkViews()
 	st := m.readState(ctx)
 	m.mu.Lock()
@@ -698,10 +738,12 @@ func (m *model) check() {
 	// index: checked with the conflicts (checkHolds).
 	lost := map[string][]netip.Addr{}
 	for k, taken := range m.conflict {
-		lost[m.ownerKey(k)] = taken
+		for _, a := range taken {
+			lost[m.ownerKeyAt(k, a)] = append(lost[m.ownerKeyAt(k, a)], a)
+		}
 	}
 	namedBy := map[netip.Addr]string{}
-	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
 		rec, err := keyspace.Decode[keyspace.OwnerRecord](string(kv.Key), kv.Value)
 		if err != nil {
 			m.t.Error(err)
@@ -731,7 +773,7 @@ func (m *model) check() {
 			continue // its keys expired: checkHolds
 		}
 		for _, ip := range held {
-			if !slices.Contains(m.conflict[k], ip) && namedBy[ip] != m.ownerKey(k) {
+			if !slices.Contains(m.conflict[k], ip) && namedBy[ip] != m.ownerKeyAt(k, ip) {
 				m.t.Errorf("model: %v holds %s, etcd: %q", k, ip, namedBy[ip])
 			}
 		}
