@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -341,6 +342,16 @@ func cniCode(err error) uint {
 		return e.Code
 	}
 	return 0
+}
+
+// resultAddrs returns the addresses of an ADD's result, in its order.
+func resultAddrs(res *types100.Result) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range res.IPs {
+		a, _ := netip.AddrFromSlice(ip.Address.IP)
+		out = append(out, a.Unmap())
+	}
+	return out
 }
 
 // snapshot returns every key under prefix with its value and lease.

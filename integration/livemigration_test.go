@@ -71,12 +71,7 @@ func (v vmNet) add(p *vmPod, timeout string) ([]netip.Addr, error) {
 	if err != nil {
 		return nil, err
 	}
-	var out []netip.Addr
-	for _, ip := range res.IPs {
-		a, _ := netip.AddrFromSlice(ip.Address.IP)
-		out = append(out, a.Unmap())
-	}
-	return out, nil
+	return resultAddrs(res), nil
 }
 
 // mustAdd is add with the claim's addresses expected (want nil: any, as the first holder's).

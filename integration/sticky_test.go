@@ -29,12 +29,7 @@ func TestStickyAddressFollowsAStatefulSetPod(t *testing.T) {
 		if err != nil {
 			return nil, err
 		}
-		var out []netip.Addr
-		for _, ip := range res.IPs {
-			a, _ := netip.AddrFromSlice(ip.Address.IP)
-			out = append(out, a.Unmap())
-		}
-		return out, nil
+		return resultAddrs(res), nil
 	}
 	// Timeouts: ample for an ADD on a busy machine; the refused one waits for the live holder
 	// until shortly before its own, then names it; the last waits for a dead node's lease.
