@@ -86,8 +86,8 @@ func TestStickyClaimFollowsThePodAcrossNodes(t *testing.T) {
 	// Another pod asking for the address without the claim does not get it.
 	other := addReq(pool, "c3", "eth0", "pod-uid-3")
 	other.RequestedIPs = []netip.Addr{resultAddrs(first)[0]}
-	if _, err := a.Add(ctx, other); !errors.Is(err, allocator.ErrAddressInUse) {
-		t.Fatalf("ADD of another pod for a claimed address: %v, want ErrAddressInUse", err)
+	if _, err := a.Add(ctx, other); !errors.Is(err, allocator.ErrAddressInUse) || !strings.Contains(err.Error(), `claim "default.web-2"`) {
+		t.Fatalf("ADD of another pod for a claimed address: %v, want ErrAddressInUse naming the claim", err)
 	}
 
 	second, err := b.Add(ctx, stickyReq(pool, "c2", "pod-uid-2", "default.web-2"))

@@ -177,6 +177,12 @@ func (x *Attachments) learn(ctx context.Context, p *poolview.Pool, st *addState,
 		if f.Quarantine != nil {
 			rec, _ := keyspace.Decode[keyspace.QuarantineRecord](string(f.Quarantine.Key), f.Quarantine.Value)
 			p.View.MarkQuarantined(f.Addr, rec.Until)
+			if wanted && rec.Claim != "" {
+				// A claim's address rests under it while its holder runs, and for the hold after.
+				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q is sticky claim %q's: only an ADD naming that "+
+					"claim takes it before the claim's hold runs out (leaseholdctl claim show %s)",
+					allocator.ErrAddressInUse, f.Addr, p.Spec.Name, rec.Claim, rec.Claim)
+			}
 			if wanted {
 				return allocator.Result{}, false, fmt.Errorf("%w: %s in pool %q rests in quarantine until %s after its release by %s",
 					allocator.ErrAddressInUse, f.Addr, p.Spec.Name, rec.Until.Format(time.RFC3339), rec.ReleasedBy)
