@@ -354,6 +354,77 @@ func TestADeletedAllocationInTheNodesBlockIsPutBackAtOnce(t *testing.T) {
 	}
 }
 
+// TestAnAllocationOverwrittenBeforeItsBlockIsClaimedIsNoticed: a running pod's address in a
+// block no node claims (its node was cut off longer than the reuse delay, and its block
+// claims went with the block lease) is overwritten with another owner's value; then the node
+// claims the block again and follows it, from after the overwrite. The audit leaves out the
+// allocations a view follows (the view reports their changes), but no watch saw this one:
+// the audit compares it, and the pod has a conflict. Found by the model (seed 559924571):
+// the overwrite was never noticed.
+func TestAnAllocationOverwrittenBeforeItsBlockIsClaimedIsNoticed(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.2.0/24", 28)
+	// No periodic audit during the test: each runs when the test asks for it (auditNow).
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) {
+		c.LeaseTTL, c.AuditInterval, c.ReuseDelay = time.Minute, time.Minute, time.Hour
+		c.LivenessInterval, c.GCGrace = -1, -1
+	})
+	auditNow := func() {
+		t.Helper()
+		n := counterValue(a.metrics.audits)
+		a.audit.MarkDue()
+		a.recovery.Wake()
+		etcdtest.EventuallyTrue(t, "an audit done", func() bool { return counterValue(a.metrics.audits) > n })
+	}
+	etcdtest.EventuallyTrue(t, "the audit at start done", func() bool { return counterValue(a.metrics.audits) >= 1 })
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	lease := heldFor(t, cli, a, "u1", k, ip)
+	v := a.pools.ViewOf(pool.Name)
+	block := pool.Blocks.Of(ip)
+	// The block's claim goes with its lease; the audit lets the block go, and checks the
+	// pod's allocation, which no view follows now, by its ModRevision.
+	if _, err := cli.Revoke(ctx, v.Claims().Held()[block]); err != nil {
+		t.Fatal(err)
+	}
+	auditNow()
+	if v.FollowsAddr(ip) || len(blockClaims(t, cli, pool.Name)) > 0 {
+		t.Fatalf("the view still follows %s (%v) after its claim went: %v", block, v.FollowsAddr(ip), blockClaims(t, cli, pool.Name))
+	}
+	if p, ok := a.pods.Audit().One("u1", cluster, "n1", map[string]allocator.Blocks{pool.Name: pool.Blocks}); !ok || !p.Verified() {
+		t.Fatalf("the audit did not check the pod's keys: %+v %v", p, ok)
+	}
+	other, err := cli.Grant(ctx, 3600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	foreign := keyspace.Allocation{Owner: "intruder", Cluster: cluster + "-other", Node: "elsewhere", NodeUID: "uid-x", ContainerID: "cx", IfName: "eth0"}
+	if _, err := cli.Put(ctx, k.alloc, keyspace.Encode(foreign), clientv3.WithLease(other.ID)); err != nil {
+		t.Fatal(err)
+	}
+	// What the recovery does with a block of its running pods no node claims after a restore
+	// (reclaimBlocks), and an ADD when its blocks are full.
+	if claimed, err := v.Claims().Claim(ctx, block); err != nil || !claimed {
+		t.Fatalf("claim %s: %v %v", block, claimed, err)
+	}
+	auditNow()
+	if held, ok := a.pods.Lease("u1"); ok && held == lease {
+		t.Fatalf("after an audit the pod is still on lease %s, its address %s held by another owner", keyspace.LeaseHex(lease), ip)
+	}
+	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
+	etcdtest.EventuallyTrue(t, "a conflict recorded for the running pod", func() bool {
+		resp, err := cli.Get(ctx, conflict)
+		return err == nil && len(resp.Kvs) > 0
+	})
+	if owner := allocOwner(t, cli, pool, ip); owner != "intruder" {
+		t.Errorf("the address is held by %q, want the other owner left alone", owner)
+	}
+}
+
 // TestABlockLeaseRevokedWhileRenewedIsLetGoAtTheAudit: the node's block lease, which its
 // keeper renews, is revoked from outside (an admin; or, in the model, a lease a restore
 // brought back that the agent took up again and that went again at once): its claims go with

@@ -25,8 +25,9 @@ type OwnKeys struct {
 	owns             func(pool string, a netip.Addr) bool
 	overflow         func()
 	gone             chan goneAddr
-	// relisted is set when a view listed its pool (its watches start anew): what happened
-	// before may not have been reported, so the next audit compares every allocation too.
+	// relisted is set when a view listed its pool (its watches start anew) or started
+	// following a block it claimed: what happened before may not have been reported, so the
+	// next audit compares every allocation too.
 	relisted atomic.Bool
 }
 
@@ -48,7 +49,7 @@ func (k *OwnKeys) Deleted(pool string, a netip.Addr) {
 	}
 }
 
-// Listed notes that a view listed its pool.
+// Listed notes that a view listed its pool, or a block it claimed.
 func (k *OwnKeys) Listed() {
 	if k != nil {
 		k.relisted.Store(true)

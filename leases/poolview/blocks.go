@@ -180,7 +180,11 @@ func (bc *BlockClaims) readClaims(ctx context.Context) error {
 	return nil
 }
 
-// addSpan starts following a block this node just claimed, from its listing l on.
+// addSpan starts following a block this node just claimed, from its listing l on. Its
+// watches start after l: a change to this node's pods' keys in the block before it (an
+// address this node's pods held while nobody claimed the block, as after a cut-off longer
+// than the reuse delay) reached no watch, so the audit is told as after a listing
+// (Hooks.Listed), and compares every allocation at its next pass.
 func (bc *BlockClaims) addSpan(s *span, l listed) {
 	lk := bc.lock()
 	bc.spans[s.block] = s
@@ -198,6 +202,7 @@ func (bc *BlockClaims) addSpan(s *span, l listed) {
 	lk.heldListed(l.held.GetKvs())
 	g := bc.sync.gen
 	lk.unlock()
+	bc.hooks.listed() // once the view follows the block: the audit may leave its keys out from now on
 	if g != nil {
 		bc.sync.watchSpan(g, span{block: s.block, rev: s.rev})
 	}

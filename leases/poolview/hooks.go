@@ -8,10 +8,11 @@ import (
 )
 
 // Hooks are what the agent hands each view at start: its restore hold (Settling,
-// Generation), its ear for this node's pods' keys (Put, Deleted, Listed: changes to the
-// allocations of this node's pods the agent did not make), and what an earlier process of the
-// agent kept for the settle time (Settled). Any may be nil (tests, benchmarks). Put, Deleted
-// and Listed are called under the view's lock: they must not block.
+// Generation), its ear for this node's pods' keys (Put, Deleted: changes to the allocations
+// of this node's pods the agent did not make; Listed: keys read with no report of how they
+// changed before, by a listing of the pool or a block claim), and what an earlier process of
+// the agent kept for the settle time (Settled). Any may be nil (tests, benchmarks). Put and
+// Deleted are called under the view's lock: none of them may block.
 type Hooks struct {
 	// Settling returns, during the settle time after etcd went back in time, why a new
 	// block or a borrowed address is refused; nil after it.
