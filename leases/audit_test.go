@@ -87,6 +87,33 @@ func heldFor(t *testing.T, cli *clientv3.Client, a *Agent, owner string, k podKe
 	return lease
 }
 
+// runningPod adds pod u1 (container c1, eth0) in pool on a, and waits until its keys are on
+// the lease the agent holds for it: its address, keys and lease.
+func runningPod(t *testing.T, ctx context.Context, cli *clientv3.Client, a *Agent, cluster string, pool allocator.PoolSpec) (netip.Addr, podKeys, clientv3.LeaseID) {
+	t.Helper()
+	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := addrs(res)[0]
+	k := keysOf(cluster, "n1", "u1", pool, ip)
+	return ip, k, heldFor(t, cli, a, "u1", k, ip)
+}
+
+// intruderKeeps waits for the conflict record of pod u1 (eth0) in pool, and checks that the
+// owner "intruder" an admin put over its address ip still holds it.
+func intruderKeeps(t *testing.T, ctx context.Context, cli *clientv3.Client, cluster string, pool allocator.PoolSpec, ip netip.Addr) {
+	t.Helper()
+	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
+	etcdtest.EventuallyTrue(t, "a conflict recorded for the running pod", func() bool {
+		resp, err := cli.Get(ctx, conflict)
+		return err == nil && len(resp.Kvs) > 0
+	})
+	if owner := allocOwner(t, cli, pool, ip); owner != "intruder" {
+		t.Fatalf("the address is held by %q, want the other owner left alone", owner)
+	}
+}
+
 // TestAKeyOfARunningPodDeletedByHandIsPutBack: each kind of key of a running pod (allocation,
 // owner index, pod record), deleted as an admin would with etcdctl del, is put back on the
 // pod's lease with the pod's own address; a key overwritten with the pod's own value without
@@ -95,13 +122,7 @@ func TestAKeyOfARunningPodDeletedByHandIsPutBack(t *testing.T) {
 	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool := v4Pool(etcdtest.Uniq("p"), "10.71.0.0/24", 28)
 	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
-	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ip := addrs(res)[0]
-	k := keysOf(cluster, "n1", "u1", pool, ip)
-	lease := heldFor(t, cli, a, "u1", k, ip)
+	ip, k, lease := runningPod(t, ctx, cli, a, cluster, pool)
 	lostBefore := counterValue(a.metrics.podKeysLost)
 
 	for _, c := range []struct {
@@ -174,14 +195,7 @@ func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
 	if _, err := cli.Put(ctx, k.alloc, keyspace.Encode(foreign)); err != nil {
 		t.Fatal(err)
 	}
-	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
-	etcdtest.EventuallyTrue(t, "a conflict recorded for the running pod", func() bool {
-		resp, err := cli.Get(ctx, conflict)
-		return err == nil && len(resp.Kvs) > 0
-	})
-	if owner := allocOwner(t, cli, pool, ip); owner != "intruder" {
-		t.Fatalf("the address is held by %q, want the other owner left alone", owner)
-	}
+	intruderKeeps(t, ctx, cli, cluster, pool, ip)
 	if _, err := cli.Delete(ctx, k.alloc); err != nil {
 		t.Fatal(err)
 	}
@@ -377,13 +391,7 @@ func TestAnAllocationOverwrittenBeforeItsBlockIsClaimedIsNoticed(t *testing.T) {
 		etcdtest.EventuallyTrue(t, "an audit done", func() bool { return counterValue(a.metrics.audits) > n })
 	}
 	etcdtest.EventuallyTrue(t, "the audit at start done", func() bool { return counterValue(a.metrics.audits) >= 1 })
-	res, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ip := addrs(res)[0]
-	k := keysOf(cluster, "n1", "u1", pool, ip)
-	lease := heldFor(t, cli, a, "u1", k, ip)
+	ip, k, lease := runningPod(t, ctx, cli, a, cluster, pool)
 	v := a.pools.ViewOf(pool.Name)
 	block := pool.Blocks.Of(ip)
 	// The block's claim goes with its lease; the audit lets the block go, and checks the
@@ -415,13 +423,42 @@ func TestAnAllocationOverwrittenBeforeItsBlockIsClaimedIsNoticed(t *testing.T) {
 	if held, ok := a.pods.Lease("u1"); ok && held == lease {
 		t.Fatalf("after an audit the pod is still on lease %s, its address %s held by another owner", keyspace.LeaseHex(lease), ip)
 	}
-	conflict := keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name)
-	etcdtest.EventuallyTrue(t, "a conflict recorded for the running pod", func() bool {
-		resp, err := cli.Get(ctx, conflict)
-		return err == nil && len(resp.Kvs) > 0
+	intruderKeeps(t, ctx, cli, cluster, pool, ip)
+}
+
+// TestARepeatedAddOfAPodBeingReclaimedGetsNoNewAddresses: a running pod whose lease is lost
+// (here revoked; in the model, its keys lost to a restore) and not re-claimed yet, whose
+// runtime repeats its ADD: the ADD asks to try again, never claims as for a new pod (new
+// addresses while the sandbox uses the old ones); once re-claimed, the ADD returns the pod's
+// address. Found by the model (seed 559924571, step 100): the hold after a restore opens a
+// TTL after the notice, and an ADD of a pod still waiting for its re-claim got new addresses.
+func TestARepeatedAddOfAPodBeingReclaimedGetsNoNewAddresses(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.74.3.0/24", 28)
+	// Nothing notices the revoke by itself during the test: no audit, no renewal.
+	a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), func(c *Config) {
+		c.LeaseTTL, c.AuditInterval = time.Minute, time.Minute
+		c.LivenessInterval, c.GCGrace = -1, -1
 	})
-	if owner := allocOwner(t, cli, pool, ip); owner != "intruder" {
-		t.Errorf("the address is held by %q, want the other owner left alone", owner)
+	ip, k, lease := runningPod(t, ctx, cli, a, cluster, pool)
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	// What the keeper does when a renewal finds the lease gone, but the recovery's wake.
+	a.keeper.Forget(lease)
+	a.pods.Lose(lease)
+	req := addReq(pool, "c1", "eth0", "u1")
+	res, err := a.Add(ctx, req)
+	if err == nil && !slices.Equal(addrs(res), []netip.Addr{ip}) {
+		t.Fatalf("the repeated ADD of the pod being re-claimed got %v, not its address %s", addrs(res), ip)
+	}
+	if err != nil && !errors.Is(err, allocator.ErrUnavailable) {
+		t.Fatalf("the repeated ADD of the pod being re-claimed: %v, want a retry", err)
+	}
+	a.recovery.Wake()
+	heldFor(t, cli, a, "u1", k, ip)
+	if res, err := a.Add(ctx, req); err != nil || !slices.Equal(addrs(res), []netip.Addr{ip}) {
+		t.Errorf("the ADD after the re-claim: %v %v, want [%s]", addrs(res), err, ip)
 	}
 }
 

@@ -112,7 +112,11 @@ func (x *Attachments) addIn(ctx context.Context, req allocator.Request) (_ alloc
 
 // begin starts ADD req: it validates req, waits for etcd to answer and for a restore's
 // repair, and takes the owner lock. It returns the ADD's state and end, which gives back
-// what the ADD did not use (its spare lease, its sticky claim's lease) and the lock.
+// what the ADD did not use (its spare lease, its sticky claim's lease) and the lock. A pod
+// whose lease was lost (or whose keys were, to a restore or by hand) is answered code 11
+// until its re-claim is done: without its lease the ADD would claim as for a new pod, and
+// give a repeated ADD new addresses while its sandbox uses the old ones (invariant 4). The
+// hold after a restore opens a TTL after the notice, re-claims or not.
 func (x *Attachments) begin(ctx context.Context, req allocator.Request) (_ *addState, end func(), _ error) {
 	owner, err := x.cfg.Validate(&req)
 	if err != nil {
@@ -126,6 +130,12 @@ func (x *Attachments) begin(ctx context.Context, req allocator.Request) (_ *addS
 		return nil, nil, err // etcd went back in time: this node's pods first
 	}
 	own := x.locks.Lock(owner)
+	if _, lost := x.pods.LostPod(owner); lost {
+		own.Unlock()
+		x.cfg.Wake()
+		return nil, nil, fmt.Errorf("%w: the lease of owner %s was lost, or its keys in etcd; its addresses are being "+
+			"re-claimed: retry", allocator.ErrUnavailable, owner)
+	}
 	st := &addState{req: req, owner: owner, own: own, lost: make(map[netip.Addr]bool)}
 	st.claims = x.loops.For(own, req, x.addPolicy(st))
 	if req.Claim != "" {
