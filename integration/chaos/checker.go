@@ -21,6 +21,11 @@ const (
 	fullSlack = 2
 	// mergeGap joins two away stretches of one node separated by less than this.
 	mergeGap = 500 * time.Millisecond
+	// migrationBound bounds a live migration's two pods' overlap, from the target's ADD
+	// answered to the first DEL sent or node death of the pair: the runtime ends each
+	// migration within vmCopyMax (it stands for the agent's live migration bound, an hour by
+	// default, which a run never reaches).
+	migrationBound = vmCopyMax + 10*time.Second
 )
 
 // restoreGrace bounds the repair after etcd came back from a restore (or the node did, if it
@@ -45,7 +50,7 @@ func Check(h *History) *Report {
 	r := &Report{Seed: h.Seed, Params: h.Params, Start: h.Start, FaultsEnd: h.FaultsEnd, End: h.End,
 		FaultsByKind: map[string]int{}, LogStats: h.LogStats}
 	c.counts(r)
-	r.Overlaps = c.overlaps()
+	r.Overlaps, r.Migrations = c.overlaps()
 	r.Conflicts = c.conflicts()
 	r.Reuses = c.reuses()
 	for _, l := range h.Logs {
@@ -246,7 +251,19 @@ type Overlap struct {
 	Hint string `json:"hint,omitempty"`
 }
 
-func (c *checker) overlaps() []Overlap {
+// Migration is a live migration's two pods holding the claim's address at once: counted as
+// one owner (migrationPair).
+type Migration struct {
+	Claim string     `json:"claim"`
+	IP    netip.Addr `json:"ip"`
+	// Source is the pod live first, Target the other.
+	Source, Target string
+	From, To       time.Time
+}
+
+// overlaps finds the pods whose live intervals overlap on an address, but for a live
+// migration's pair (migrationPair), returned apart.
+func (c *checker) overlaps() ([]Overlap, []Migration) {
 	byAddr := map[netip.Addr][]*Pod{}
 	for _, p := range c.h.Pods {
 		if !p.Live() {
@@ -264,6 +281,7 @@ func (c *checker) overlaps() []Overlap {
 		return far
 	}
 	var out []Overlap
+	var migrations []Migration
 	for ip, ps := range byAddr {
 		for i := range ps {
 			for j := i + 1; j < len(ps); j++ {
@@ -279,12 +297,17 @@ func (c *checker) overlaps() []Overlap {
 				if to.Equal(far) {
 					to = time.Time{}
 				}
-				o := Overlap{IP: ip, A: a.UID, B: b.UID, From: from, To: to,
-					Recorded: c.recorded(a.UID, b.UID, ip) || c.recorded(b.UID, a.UID, ip)}
 				first, second := a, b
 				if b.AddAnswered.Before(a.AddAnswered) {
 					first, second = b, a
 				}
+				pair, notPair := c.migrationPair(first, second, ip, from, to, ps, end)
+				if pair {
+					migrations = append(migrations, Migration{Claim: a.Claim, IP: ip, Source: first.UID, Target: second.UID, From: from, To: to})
+					continue
+				}
+				o := Overlap{IP: ip, A: a.UID, B: b.UID, From: from, To: to,
+					Recorded: c.recorded(a.UID, b.UID, ip) || c.recorded(b.UID, a.UID, ip)}
 				if !o.Recorded {
 					// The agent that handed the address out logged that its holder had
 					// expired: the overlap is on record even if that holder came back
@@ -326,13 +349,58 @@ func (c *checker) overlaps() []Overlap {
 						o.Hint = fmt.Sprintf("%s had lost %s to %s (conflict recorded at %s) and still ran when %s got it: "+
 							"the conflict was not resolved when that holder released it; %s", first.UID, ip, l.Taken[0].Holder, c.at(l.Time), second.UID, o.Hint)
 					}
+					if notPair != "" {
+						o.Hint += "; no live migration: " + notPair
+					}
 				}
 				out = append(out, o)
 			}
 		}
 	}
 	slices.SortFunc(out, func(x, y Overlap) int { return x.From.Compare(y.From) })
-	return out
+	slices.SortFunc(migrations, func(x, y Migration) int { return x.From.Compare(y.From) })
+	return out, migrations
+}
+
+// migrationPair judges an overlap of first and second on ip, from from to to, as a live
+// migration's (ARCHITECTURE.md, invariant 1: while its claim's migration key lives, one
+// attachment on another node uses the holder's addresses too, no other): two pods of one
+// migratable claim, on different node slots, no third pod of the claim holding ip meanwhile
+// (ps are ip's pods, end their hold's end), and the pair ended (a DEL sent, a node death)
+// within migrationBound (or, still on at the end of the history, had not run longer). Else
+// why not, for a pod of a claim ("" for the others).
+func (c *checker) migrationPair(first, second *Pod, ip netip.Addr, from, to time.Time, ps []*Pod, end func(*Pod) time.Time) (bool, string) {
+	switch {
+	case first.Claim == "" && second.Claim == "":
+		return false, ""
+	case first.Claim != second.Claim:
+		return false, fmt.Sprintf("%s and %s name different claims (%q, %q)", first.UID, second.UID, first.Claim, second.Claim)
+	case first.Slot == second.Slot:
+		return false, fmt.Sprintf("both pods of claim %s on node n%d", first.Claim, first.Slot)
+	case to.IsZero() && c.h.End.Sub(from) > migrationBound:
+		return false, fmt.Sprintf("the pair of claim %s never ended, in %s to the end", first.Claim,
+			c.h.End.Sub(from).Round(100*time.Millisecond))
+	case !to.IsZero() && to.Sub(from) > migrationBound:
+		return false, fmt.Sprintf("the pair of claim %s lasted %s, longer than the bound %s", first.Claim,
+			to.Sub(from).Round(100*time.Millisecond), migrationBound)
+	}
+	until := to
+	if until.IsZero() {
+		until = end(first) // both hold on: as far as the end does
+	}
+	for _, p := range ps {
+		if p != first && p != second && p.Claim == first.Claim && p.AddAnswered.Before(until) && from.Before(end(p)) {
+			return false, fmt.Sprintf("a third pod of claim %s, %s (n%d), held %s meanwhile", first.Claim, p.UID, p.Slot, ip)
+		}
+	}
+	return true, ""
+}
+
+// claimMate reports whether owner is p's partner in a live migration: another pod of p's
+// claim on another node slot, whose key etcd holds for both while the migration lasts.
+func (c *checker) claimMate(p *Pod, owner string) bool {
+	o := c.pods[owner]
+	return o != nil && p.Claim != "" && o.Claim == p.Claim && o.Slot != p.Slot
 }
 
 // unknownLogged finds the line in which owner's agent said that etcd's history (compacted)
@@ -416,6 +484,8 @@ func (c *checker) conflicts() []ConflictVerdict {
 			default:
 				if ok, justified, why := c.restoredHolder(p, t.Holder, t.IP, l.Time); ok {
 					v.Justified, v.Reason = justified, why
+				} else if ok, why := c.claimTakeover(p, t.Holder, t.IP, l.Time); ok {
+					v.Justified, v.Reason = true, why
 				} else {
 					v.Justified, v.Reason = c.reuseJustified(p, t.Holder, t.IP, l.Time)
 				}
@@ -424,6 +494,47 @@ func (c *checker) conflicts() []ConflictVerdict {
 		}
 	}
 	return out
+}
+
+// claimTakeover judges a conflict of p, which lost its claim's address ip to holder, the
+// claim's other pod on another node (claimMate), recorded at t: justified when p's pod lease
+// could expire before holder got ip: p's node away without a break for longer than the TTL
+// after holder's first ADD was sent and before t, or p's agent logging p's lease lost before
+// holder got ip, without a re-claim of p between. The claim's addresses go to its other pod
+// at that expiry, not after the reuse delay: the promotion of a live migration's target
+// (T4), or a hand-over to an ADD naming the claim. p's re-claim then finds them taken, the
+// window that remains (docs/proposals/live-migration.md, T4).
+func (c *checker) claimTakeover(p *Pod, holder string, ip netip.Addr, t time.Time) (bool, string) {
+	hp := c.pods[holder]
+	if hp == nil || !c.claimMate(p, holder) || len(hp.Attempts) == 0 {
+		return false, ""
+	}
+	sent := hp.Attempts[0].Sent
+	mates := fmt.Sprintf("%s and %s are claim %s's pods on two nodes", p.UID, hp.UID, p.Claim)
+	for _, a := range c.away[p.Slot] {
+		end := c.awayEnd(a)
+		if end.After(sent) && a.Start.Before(t) && end.Sub(a.Start) > c.h.Params.TTL {
+			return true, fmt.Sprintf("%s: node n%d was away %s (%s, %s..%s), longer than the TTL %s, after %s's ADD was sent at %s: "+
+				"%s's lease could expire and the claim's addresses go to %s", mates, p.Slot, end.Sub(a.Start).Round(100*time.Millisecond),
+				a.Cause, c.at(a.Start), c.at(end), c.h.Params.TTL, hp.UID, c.at(sent), p.UID, hp.UID)
+		}
+	}
+	got, how := c.gotAddress(hp, ip, t.Add(time.Second))
+	var lost time.Time
+	for _, l := range c.h.Logs {
+		switch {
+		case l.Owner != p.UID:
+		case l.Kind == "leaselost" && !l.Time.After(got.Add(time.Second)): // logged a little after the expiry
+			lost = l.Time
+		case l.Kind == "reclaimed" && l.Time.Before(got):
+			lost = time.Time{}
+		}
+	}
+	if !lost.IsZero() {
+		return true, fmt.Sprintf("%s: %s's agent logged its lease lost at %s, not re-claimed before %s got %s at %s (%s): "+
+			"the claim's addresses go to its other pod at the holder's expiry", mates, p.UID, c.at(lost), hp.UID, ip, c.at(got), how)
+	}
+	return false, ""
 }
 
 // reuseJustified judges the taking of prev's address ip by holder, at the time holder got
@@ -917,7 +1028,7 @@ func (c *checker) missing() []Missing {
 				continue
 			}
 			for _, ip := range p.Addrs {
-				if holder[ip] == p.UID || c.conflictOn(p.UID, ip, s.T1.Add(grace)) {
+				if holder[ip] == p.UID || c.claimMate(p, holder[ip]) || c.conflictOn(p.UID, ip, s.T1.Add(grace)) {
 					continue
 				}
 				key := p.UID + "/" + ip.String()
@@ -1016,6 +1127,8 @@ type Lost struct {
 	Slot   int        `json:"slot"`
 	IP     netip.Addr `json:"ip"`
 	HeldBy string     `json:"heldBy"`
+	// Why is said of a live migration's target: its migration completed, the key is not its.
+	Why string `json:"why,omitempty"`
 }
 
 type finalResult struct {
@@ -1070,7 +1183,15 @@ func (c *checker) final(f *Final) finalResult {
 			if ok && a.Owner == p.UID {
 				continue
 			}
+			src := c.pods[p.Target]
+			if ok && src != nil && a.Owner == src.UID && src.LiveAtEnd() && c.claimMate(p, src.UID) {
+				continue // a live migration's target: the key is its live source's until the migration ends
+			}
 			l := Lost{Pod: p.UID, Slot: p.Slot, IP: ip, HeldBy: a.Owner}
+			if src != nil && !src.LiveAtEnd() {
+				l.Why = fmt.Sprintf("the live migration from %s ended (%s's DEL answered %s, its node died %s) with the target live: "+
+					"the target must hold the claim's keys", src.UID, src.UID, c.at(src.DelAnswered), c.at(src.DiedAt))
+			}
 			if ok && c.recorded(p.UID, a.Owner, ip) {
 				if hp := c.pods[a.Owner]; hp != nil && hp.LiveAtEnd() {
 					fr.Standing = append(fr.Standing, l)

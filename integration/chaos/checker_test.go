@@ -3,6 +3,7 @@ package chaos
 import (
 	"encoding/json"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -458,5 +459,156 @@ func TestCheckExplainsAReuseInAKeepTime(t *testing.T) {
 				wantFailure(t, h, "reuses of held-back addresses while the pool had room")
 			}
 		})
+	}
+}
+
+// vm adds a VM's pod of claim "chaos.vm-0" (a live migration's target of target, if not
+// empty), as pod does.
+func (h *History) vm(uid string, slot int, ip string, add, del float64, target string) *Pod {
+	p := h.pod(uid, slot, ip, add, del)
+	p.Claim, p.Target = "chaos.vm-0", target
+	return p
+}
+
+// migration is a VM's live migration: a runs on node 0 from 1 s, its target b's ADD on node 1
+// answers at 20 s with a's address; at 30 s the source's DEL completes it (or, fail, the
+// target's fails it). Meanwhile etcd holds the address for a, the source.
+func migration(fail bool) *History {
+	h := history()
+	if fail {
+		h.vm("a", 0, "10.0.0.2", 1, 0, "")
+		h.vm("b", 1, "10.0.0.2", 20, 30, "a")
+	} else {
+		h.vm("a", 0, "10.0.0.2", 1, 30, "")
+		h.vm("b", 1, "10.0.0.2", 20, 0, "a")
+	}
+	h.sample(10, "10.0.0.2=a")
+	h.sample(25, "10.0.0.2=a")
+	if fail {
+		h.sample(35, "10.0.0.2=a")
+		h.final("10.0.0.2=a")
+	} else {
+		h.sample(35, "10.0.0.2=b")
+		h.final("10.0.0.2=b")
+	}
+	return h
+}
+
+func TestCheckCountsAMigrationPairAsOneOwner(t *testing.T) {
+	for _, fail := range []bool{false, true} {
+		r := wantPass(t, migration(fail))
+		if len(r.Overlaps) != 0 || len(r.Migrations) != 1 || r.Migrations[0].Source != "a" || r.Migrations[0].Target != "b" {
+			t.Errorf("failed %v: want one migration a -> b and no overlap, got %+v, %+v", fail, r.Migrations, r.Overlaps)
+		}
+	}
+}
+
+func TestCheckRejectsAThirdPodOfAMigratingClaim(t *testing.T) {
+	h := migration(false)
+	h.vm("c", 2, "10.0.0.2", 25, 28, "a") // a third pod of the claim, on a third node, during the migration
+	wantFailure(t, h, "unexplained overlaps")
+	if u := Check(h).Unexplained(); len(u) == 0 || !strings.Contains(u[0].Hint, "third pod") {
+		t.Errorf("want the overlap named as a third pod's, got %+v", u)
+	}
+}
+
+func TestCheckRejectsAMigrationPairOnOneNode(t *testing.T) {
+	h := migration(false)
+	h.Pods[1].Slot = 0
+	wantFailure(t, h, "unexplained overlaps")
+}
+
+func TestCheckRejectsAMigrationPastTheBound(t *testing.T) {
+	h := migration(false)
+	del := 20 + (migrationBound + 2*time.Second).Seconds()
+	h.Pods[0].DelSent, h.Pods[0].DelAnswered = sec(del-0.1), sec(del)
+	h.Pods[0].Attempts[1].Sent, h.Pods[0].Attempts[1].Answered = sec(del-0.1), sec(del)
+	h.Samples = h.Samples[:2]
+	wantFailure(t, h, "unexplained overlaps")
+}
+
+// TestCheckJudgesAMigrationsKeysAtTheEnd: a migration still on at the end leaves the key its
+// source's, for both pods; a completed one must leave it the target's.
+func TestCheckJudgesAMigrationsKeysAtTheEnd(t *testing.T) {
+	h := migration(false)
+	h.End = sec(25)
+	h.Pods[0].DelSent, h.Pods[0].DelAnswered, h.Pods[0].Attempts = time.Time{}, time.Time{}, h.Pods[0].Attempts[:1]
+	h.Samples = h.Samples[:2]
+	h.final("10.0.0.2=a")
+	if r := wantPass(t, h); len(r.Migrations) != 1 {
+		t.Errorf("want the migration on at the end counted, got %+v", r.Migrations)
+	}
+
+	h = migration(false)
+	h.final("10.0.0.2=a") // completed, but the key is still the source's
+	wantFailure(t, h, "lost keys")
+	if r := Check(h); len(r.Lost) != 1 || !strings.Contains(r.Lost[0].Why, "must hold") {
+		t.Errorf("want b's key lost, said of its migration: %+v", r.Lost)
+	}
+}
+
+// TestCheckJudgesAConflictOfAClaimsTwoPods: the source's node is cut off for 8 s during the
+// migration (more than the TTL: its lease expires and the target is promoted); its re-claim
+// finds the address the target's and records a conflict: the window that remains. Cut off
+// for less than the TTL, the conflict is not justified.
+func TestCheckJudgesAConflictOfAClaimsTwoPods(t *testing.T) {
+	for _, tc := range []struct {
+		away      float64
+		justified bool
+	}{{8, true}, {3, false}} {
+		h := history()
+		h.vm("a", 0, "10.0.0.2", 1, 40, "")
+		h.vm("b", 1, "10.0.0.2", 20, 0, "a")
+		h.away(0, 22, 22+tc.away, "link-mid")
+		h.conflict(23+tc.away, "a", "10.0.0.2", "b")
+		h.final("10.0.0.2=b")
+		r := Check(h)
+		if len(r.Conflicts) != 1 || r.Conflicts[0].Justified != tc.justified {
+			t.Errorf("away %vs: want the conflict justified %v, got %+v", tc.away, tc.justified, r.Conflicts)
+		}
+	}
+}
+
+// TestParseAgentLogReadsAStickyClaimsConflict: the sticky claim's CONFLICT names the holder
+// and its addresses in "held", not "taken".
+func TestParseAgentLogReadsAStickyClaimsConflict(t *testing.T) {
+	path := t.TempDir() + "/n0.log"
+	line := `{"time":"2026-11-28T04:49:37.27036492Z","level":"ERROR","msg":"CONFLICT: the sticky claim of a running pod names another holder, ` +
+		`which holds its addresses; it is left to that holder","owner":"uid-vm0-000-n0","claim":"chaos.vm-0","pool":"chaos",` +
+		`"holder":"uid-vm0-004-n1/eth0 (node node-1, container ctr-x)","held":["10.77.0.199 held by uid-vm0-004-n1 (node node-1, container ctr-x)"]}`
+	if err := os.WriteFile(path, []byte(line+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	evs, _, err := ParseAgentLog(path, 0, "node-0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(evs) != 1 || evs[0].Kind != "conflict" || evs[0].Owner != "uid-vm0-000-n0" ||
+		!slices.Equal(evs[0].Taken, []Taken{{IP: addr("10.77.0.199"), Holder: "uid-vm0-004-n1"}}) {
+		t.Errorf("parsed %+v", evs)
+	}
+}
+
+// TestCheckJudgesAConflictOfAClaimsTwoPodsByTheLeaseLost: the source's node is not away, but
+// its agent logged its pod lease lost before the target got the address (a hand-over at the
+// holder's expiry): justified. Logged after, or re-claimed before, it is not.
+func TestCheckJudgesAConflictOfAClaimsTwoPodsByTheLeaseLost(t *testing.T) {
+	for _, tc := range []struct {
+		lost, reclaimed float64
+		justified       bool
+	}{{19, 0, true}, {19, 19.5, false}, {22, 0, false}} {
+		h := history()
+		h.vm("a", 0, "10.0.0.2", 1, 40, "")
+		h.vm("b", 1, "10.0.0.2", 20, 0, "a")
+		h.Logs = append(h.Logs, LogEvent{Time: sec(tc.lost), Slot: 0, Kind: "leaselost", Owner: "a"})
+		if tc.reclaimed > 0 {
+			h.Logs = append(h.Logs, LogEvent{Time: sec(tc.reclaimed), Slot: 0, Kind: "reclaimed", Owner: "a"})
+		}
+		h.conflict(25, "a", "10.0.0.2", "b")
+		h.final("10.0.0.2=b")
+		r := Check(h)
+		if len(r.Conflicts) != 1 || r.Conflicts[0].Justified != tc.justified {
+			t.Errorf("lost %v, re-claimed %v: want the conflict justified %v, got %+v", tc.lost, tc.reclaimed, tc.justified, r.Conflicts)
+		}
 	}
 }

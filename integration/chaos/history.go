@@ -71,6 +71,11 @@ type Pod struct {
 	// DiedAt is when its node was killed for good while the pod was not yet deleted.
 	DiedAt    time.Time `json:"diedAt,omitzero"`
 	KeepAtEnd bool      `json:"keepAtEnd,omitempty"`
+	// Claim is the migratable claim a VM's pod names (args.cni's ipam-claim-reference in the
+	// pod's namespace: <namespace>.<reference>); empty for the other pods. Target is, for a
+	// pod the runtime started as a live migration's target, its source's UID.
+	Claim  string `json:"claim,omitempty"`
+	Target string `json:"target,omitempty"`
 	// Attempts are every ADD and DEL sent, successful or not.
 	Attempts []Attempt `json:"attempts,omitempty"`
 }
@@ -234,7 +239,8 @@ type LogEvent struct {
 	// Kind is conflict (msg "CONFLICT..."), resolved ("conflict resolved..."), reuse
 	// ("reusing an address whose holder expired..."), wentback ("etcd went back in time..."),
 	// keyslost ("keys of a running pod were deleted or changed..."), reclaimed ("pod
-	// re-claimed after its lease was lost": its keys are in etcd again) or unknown ("...
+	// re-claimed after its lease was lost": its keys are in etcd again), leaselost ("pod lease
+	// lost", "the lease a claim applied on had stopped being renewed") or unknown ("...
 	// etcd's history no longer tells whether another pod had its address meanwhile").
 	Kind   string     `json:"kind"`
 	Owner  string     `json:"owner,omitempty"`

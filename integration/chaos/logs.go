@@ -45,6 +45,8 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 			Pool   string          `json:"pool"`
 			IP     string          `json:"ip"`
 			Taken  json.RawMessage `json:"taken"`
+			// Held is a sticky claim's conflict's: "<ip> held by <owner> (node ..., container ...)".
+			Held []string `json:"held"`
 		}
 		if json.Unmarshal(line, &l) != nil {
 			stats["UNPARSED "+firstWords(string(line), 8)]++
@@ -66,6 +68,12 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 				ip, _ := netip.ParseAddr(t.IP)
 				ev.Taken = append(ev.Taken, Taken{IP: ip, Holder: t.Holder})
 			}
+			for _, h := range l.Held {
+				if f := strings.Fields(h); len(f) >= 4 && f[1] == "held" && f[2] == "by" {
+					ip, _ := netip.ParseAddr(f[0])
+					ev.Taken = append(ev.Taken, Taken{IP: ip, Holder: f[3]})
+				}
+			}
 		case strings.HasPrefix(l.Msg, "conflict resolved"):
 			ev.Kind = "resolved"
 			ev.IP, _ = netip.ParseAddr(l.IP)
@@ -81,6 +89,8 @@ func ParseAgentLog(path string, slot int, node string) ([]LogEvent, map[string]i
 			ev.Kind = "keyslost"
 		case strings.HasPrefix(l.Msg, "pod re-claimed after its lease was lost"):
 			ev.Kind = "reclaimed"
+		case strings.HasPrefix(l.Msg, "pod lease lost"), strings.HasPrefix(l.Msg, "the lease a claim applied on had stopped being renewed"):
+			ev.Kind = "leaselost"
 		default:
 			continue
 		}

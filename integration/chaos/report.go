@@ -26,7 +26,9 @@ type Report struct {
 	FaultsByKind  map[string]int
 	FaultsSkipped int
 
-	Overlaps      []Overlap
+	Overlaps []Overlap
+	// Migrations are the live migrations' pairs, each counted as one owner of its address.
+	Migrations    []Migration
 	Conflicts     []ConflictVerdict
 	Resolved      int
 	Reuses        []ReuseVerdict
@@ -179,6 +181,11 @@ func (r *Report) String() string {
 	}
 	w("(a) overlaps: %d unexplained, %d with a recorded conflict (%d of them recorded as unknowable: etcd's history compacted)",
 		len(un), len(r.Overlaps)-len(un), unknown)
+	claims := map[string]int{}
+	for _, m := range r.Migrations {
+		claims[m.Claim]++
+	}
+	w("    live migrations (two pods of one claim on two nodes, one owner): %d %s", len(r.Migrations), countsLine(claims))
 	overlaps := slices.Clone(r.Overlaps) // the unexplained first, as the conflicts below
 	slices.SortStableFunc(overlaps, func(a, b Overlap) int { return cmpBool(a.Recorded, b.Recorded) })
 	for i, o := range overlaps {
@@ -269,6 +276,9 @@ func (r *Report) String() string {
 			held = l.HeldBy
 		}
 		w("      %s of %s (n%d) is held by %s", l.IP, l.Pod, l.Slot, held)
+		if l.Why != "" {
+			w("        %s", l.Why)
+		}
 	}
 	if len(r.Pending) > 0 {
 		w("    dead nodes' keys still within TTL+reuse delay+%s: %d", deadSlack, len(r.Pending))

@@ -98,7 +98,8 @@ func (c *checker) mayBeInBackup(p *Pod, w restoreWindow) bool {
 //     p's key; ADDs refused for the settle time of an earlier restore claimed nothing): p had taken the address from
 //     holder, and the restore undid that. The conflict is then as justified as that taking
 //     was (reuseJustified, holder as the pod that lost it): both pods have run with the
-//     address since p got it;
+//     address since p got it; justified when both are one claim's pods on two nodes (p a
+//     live migration's target, whose migration key the backup lacks);
 //   - or p's first ADD that may have claimed was sent after the backup began (its key is not in the restored etcd),
 //     holder was never answered the address (no successful ADD of it has ip), and an ADD of
 //     holder was in flight when etcd came back and failed: it chose ip as free in the
@@ -135,6 +136,13 @@ func (c *checker) restoredHolder(p *Pod, holder string, ip netip.Addr, t time.Ti
 		}
 		pGot, _ := c.gotAddress(p, ip, t)
 		j, why := c.reuseJustified(hp, p.UID, ip, pGot.Add(time.Second))
+		if c.claimMate(p, holder) {
+			// Not taken: shared, as claim p.Claim's other pod on another node (a live
+			// migration's target); its migration key, written after the backup, is not in
+			// the restored etcd, so its re-claim finds the address its source's.
+			j, why = true, fmt.Sprintf("%s got %s at %s as claim %s's other pod on node n%d, beside %s (a live migration's target): "+
+				"the backup has no migration key naming it", p.UID, ip, c.at(pGot), p.Claim, p.Slot, hp.UID)
+		}
 		return true, j, fmt.Sprintf("the restore #%d (backup %s, etcd back %s) gave %s back to %s, which had it before the backup; "+
 			"%s had taken it: %s", w.f.ID, c.at(w.backupFrom), c.at(w.back), ip, hp.UID, p.UID, why)
 	}
@@ -280,7 +288,7 @@ func (c *checker) restoreVerdicts() []RestoreVerdict {
 			v.Running++
 			holds := func(s Sample) (netip.Addr, bool) {
 				for _, ip := range p.Addrs {
-					if !slices.ContainsFunc(s.Allocs, func(a Alloc) bool { return a.IP == ip && a.Owner == p.UID }) {
+					if !slices.ContainsFunc(s.Allocs, func(a Alloc) bool { return a.IP == ip && (a.Owner == p.UID || c.claimMate(p, a.Owner)) }) {
 						return ip, false
 					}
 				}
