@@ -101,14 +101,15 @@ soak:
 
 # The fault-injection run (integration/chaos; root): 3 etcd members and LEASEHOLD_CHAOS_NODES
 # agents (default 5, at least 5), each in its own network namespace on one bridge, a simulated
-# runtime creating and deleting pods through the real plugin, and seeded faults (links cut
+# runtime creating and deleting pods through the real plugin (and 2-4 VMs it live-migrates
+# between the nodes: their pods name a migratable claim), and seeded faults (links cut
 # shorter than, between and beyond TTL and reuse delay, kill -9, SIGSTOP, node deaths, an etcd
 # member killed or its leader cut off, compactions, issue 27's races, the whole etcd cluster
 # restored from a backup (bin/etcdutl, plain or --bump-revision --mark-compacted), a running
 # pod's key deleted or overwritten with etcdctl) for LEASEHOLD_CHAOS_DURATION (default 10m here,
-# 2m in make test); then a checker judges the recorded history: overlaps, conflicts and their
-# justification, leaks, lost keys, resurrections, keys missing, the repair after a restore or
-# an edited key, doctor.
+# 2m in make test); then a checker judges the recorded history: overlaps (a migration's two
+# pods count as one owner), conflicts and their justification, leaks, lost keys,
+# resurrections, keys missing, the repair after a restore or an edited key, doctor.
 # A new seed each time unless LEASEHOLD_CHAOS_SEED replays one (make test runs seed 1 for 2m);
 # LEASEHOLD_CHAOS_SEEDS=N runs N seeds in a row; a failing run prints its seed, the command
 # replaying it and the directory with its logs and history.json. Results: docs/chaos.md.

@@ -19,6 +19,12 @@
 // directories at the same URLs), and an admin's etcdctl del of a running pod's allocation,
 // owner index or pod record, or a put of its own value over it without its lease.
 //
+// Two to four of the pods at a time are VMs' (vms.go, issue 35): each VM's pods name its
+// migratable claim (args.cni's ipam-claim-reference, with allowPersistentIPs or ipam
+// migratable), and the runtime migrates it now and then: a target pod's ADD on another node
+// while the source runs, then the source's DEL 1-20 s later, or, one in four, the target's
+// (a failed migration). The faults fall on their pods as on any.
+//
 // Everything is recorded in a History: each pod's attempts and answers, the faults with
 // their real start and end, the stretches each node was away, a range read of the
 // allocations about every second, the final state read at one revision once the faults
@@ -27,7 +33,8 @@
 // judges it without I/O (checker_test.go feeds it histories written by hand):
 //
 //   - overlaps: two pods whose live intervals overlap hold one address only when an agent
-//     recorded the conflict;
+//     recorded the conflict, or as a live migration's pair: two pods of one claim on two
+//     nodes, no third pod of the claim with them, ended within migrationBound (one owner);
 //   - each conflict is justified: when the other pod got the address, the conflicted pod's
 //     node had been away without a break for longer than TTL + reuse delay, or the pool had
 //     no other room by the history's own account;

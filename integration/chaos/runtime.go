@@ -43,6 +43,8 @@ type runtime struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	exec   invoke.Exec
+	// vms are the VMs the runtime runs and migrates between the nodes (vms.go).
+	vms []*vm
 }
 
 // podPlan is one pod of a node's schedule, drawn from the seed.
@@ -75,8 +77,13 @@ type podCtl struct {
 	name   string
 	ctx    context.Context
 	cancel context.CancelFunc
-	// delNow asks a live pod to be deleted now (a fault's request).
+	// delNow asks a live pod to be deleted now (a fault's request, or its VM's).
 	delNow chan *delReq
+	// end is when a live pod is kept or deleted as its plan says: the runtime's end, or, for a
+	// VM's pod, its VM's (vms.go). liveCh is closed when its ADD succeeded, done when it is
+	// over (deleted, kept at the end, dead or never live).
+	end          <-chan struct{}
+	liveCh, done chan struct{}
 	// live and deleting are guarded by the kubelet's mu.
 	live, deleting bool
 }
@@ -148,14 +155,21 @@ func (e *env) newRuntime() *runtime {
 			pods: map[string]*podCtl{}, available: true, node: n.name, uid: n.uid}
 		rt.kubelets = append(rt.kubelets, k)
 	}
+	rt.vms = rt.newVMs(e.cfg.Seed)
 	return rt
 }
 
-// netconf is the network configuration of slot's node: one IPv4 pool shared by all nodes.
-func (rt *runtime) netconf(slot int) []byte {
-	conf := map[string]any{"cniVersion": "1.0.0", "name": rt.e.pool, "type": "leasehold",
-		"ipam": map[string]any{"type": "leasehold", "socket": rt.e.nodes[slot].socket,
-			"ranges": []any{[]any{map[string]any{"subnet": rt.e.subnet}}}, "timeout": "20s"}}
+// netconf is the network configuration of slot's node: one IPv4 pool shared by all nodes. A
+// VM's pod (claim not empty) names its claim as Multus' cni-args would, in args.cni's
+// ipam-claim-reference, and makes it migratable by the network's allowPersistentIPs or by
+// ipam migratable (vmConf).
+func (rt *runtime) netconf(slot int, claim string) []byte {
+	ipam := map[string]any{"type": "leasehold", "socket": rt.e.nodes[slot].socket,
+		"ranges": []any{[]any{map[string]any{"subnet": rt.e.subnet}}}, "timeout": "20s"}
+	conf := map[string]any{"cniVersion": "1.0.0", "name": rt.e.pool, "type": "leasehold", "ipam": ipam}
+	if claim != "" {
+		vmConf(conf, ipam, claim)
+	}
 	b, err := json.Marshal(conf)
 	if err != nil {
 		panic(err)
@@ -163,11 +177,15 @@ func (rt *runtime) netconf(slot int) []byte {
 	return b
 }
 
-// start runs every kubelet's creation loop from start.
+// start runs every kubelet's creation loop and every VM from start.
 func (rt *runtime) start(start time.Time) {
 	for _, k := range rt.kubelets {
 		rt.wg.Add(1)
 		go k.loop(start)
+	}
+	for _, v := range rt.vms {
+		rt.wg.Add(1)
+		go v.loop(start)
 	}
 }
 
@@ -210,7 +228,7 @@ func (k *kubelet) loop(start time.Time) {
 			k.mu.Unlock()
 			continue
 		}
-		pc := k.newPod(i, plan)
+		pc := k.newPod(fmt.Sprintf("n%d-%04d", k.slot, i), plan, k.rt.end, "", "")
 		k.pods[pc.rec.UID] = pc
 		k.mu.Unlock()
 		k.rt.wg.Add(1)
@@ -218,13 +236,14 @@ func (k *kubelet) loop(start time.Time) {
 	}
 }
 
-// newPod makes a pod's controller and its netns path. The caller holds k.mu.
-func (k *kubelet) newPod(i int, plan podPlan) *podCtl {
-	uid := fmt.Sprintf("uid-n%d-%04d", k.slot, i)
-	pc := &podCtl{plan: plan, rng: rand.New(rand.NewPCG(plan.Seed, 7)), name: fmt.Sprintf("pod-n%d-%04d", k.slot, i),
-		delNow: make(chan *delReq, 1)}
-	pc.rec = &Pod{UID: uid, Container: fmt.Sprintf("ctr-n%d-%04d-%08x", k.slot, i, uint32(plan.Seed)), Slot: k.slot,
-		Node: k.node, NodeUID: k.uid, KeepAtEnd: plan.Keep}
+// newPod makes a pod's controller and its netns path: uid-<id>, pod-<id>, ctr-<id>-<seed>; end
+// is when it is kept or deleted as its plan says; claim and target are a VM's pod's (Pod).
+// The caller holds k.mu.
+func (k *kubelet) newPod(id string, plan podPlan, end <-chan struct{}, claim, target string) *podCtl {
+	pc := &podCtl{plan: plan, rng: rand.New(rand.NewPCG(plan.Seed, 7)), name: "pod-" + id,
+		delNow: make(chan *delReq, 1), end: end, liveCh: make(chan struct{}), done: make(chan struct{})}
+	pc.rec = &Pod{UID: "uid-" + id, Container: fmt.Sprintf("ctr-%s-%08x", id, uint32(plan.Seed)), Slot: k.slot,
+		Node: k.node, NodeUID: k.uid, KeepAtEnd: plan.Keep, Claim: claim, Target: target}
 	pc.netns = filepath.Join(k.rt.e.dir, "netns", pc.rec.Container)
 	pc.ctx, pc.cancel = context.WithCancel(k.rt.ctx)
 	pc.rec.Created = time.Now()
@@ -232,10 +251,12 @@ func (k *kubelet) newPod(i int, plan podPlan) *podCtl {
 	return pc
 }
 
-// run is one pod's life: ADD (retried), live until its lifetime ends or the run ends or a
-// fault asks, DEL (retried until answered). A node death cancels it at any point.
+// run is one pod's life: ADD (retried), live until its lifetime ends (none for a VM's pod) or
+// its end comes or a fault or its VM asks, DEL (retried until answered). A node death cancels
+// it at any point.
 func (k *kubelet) run(pc *podCtl) {
 	defer k.rt.wg.Done()
+	defer close(pc.done)
 	defer pc.cancel()
 	defer k.forget(pc)
 	if err := os.WriteFile(pc.netns, nil, 0o644); err != nil {
@@ -266,11 +287,16 @@ func (k *kubelet) run(pc *podCtl) {
 		k.mu.Lock()
 		pc.live = true
 		k.mu.Unlock()
+		close(pc.liveCh)
 		life := time.NewTimer(pc.plan.Lifetime)
+		lifeEnd := life.C
+		if pc.plan.Lifetime == 0 {
+			lifeEnd = nil // a VM's pod lives until its VM deletes it
+		}
 		select {
-		case <-life.C:
+		case <-lifeEnd:
 		case req = <-pc.delNow:
-		case <-k.rt.end:
+		case <-pc.end:
 			if pc.plan.Keep {
 				life.Stop()
 				return
@@ -351,7 +377,7 @@ func (k *kubelet) call(pc *podCtl, op string) (Attempt, []netip.Addr) {
 		PluginArgsStr: fmt.Sprintf("K8S_POD_UID=%s;K8S_POD_NAMESPACE=chaos;K8S_POD_NAME=%s", pc.rec.UID, pc.name),
 		Path:          k.rt.e.cfg.Bin}
 	plugin := filepath.Join(k.rt.e.cfg.Bin, "leasehold")
-	conf := k.rt.netconf(k.slot)
+	conf := k.rt.netconf(k.slot, pc.rec.Claim)
 	a := Attempt{Op: op, Sent: time.Now()}
 	var addrs []netip.Addr
 	var err error
