@@ -1024,7 +1024,7 @@ func (c *checker) missing() []Missing {
 				continue
 			}
 			if c.awayNear(p.Slot, s.T0.Add(-grace), s.T1) || c.etcdFaultNear(s.T0.Add(-grace), s.T1) ||
-				c.inRestore(p.Slot, s.T0, s.T1) || c.keyEdited(p.UID, s.T0, s.T1) {
+				c.inRestore(p.Slot, s.T0, s.T1) || c.keyEdited(p.UID, s.T0, s.T1) || c.mateAwayNear(p, s.T0.Add(-grace), s.T1) {
 				continue
 			}
 			for _, ip := range p.Addrs {
@@ -1048,6 +1048,28 @@ func (c *checker) missing() []Missing {
 		out = append(out, *found[k])
 	}
 	return out
+}
+
+// mateAwayNear reports whether a pod of p's claim on another node (claimMate), holding
+// then, had its node away or dead at some time in [from, to]: a live migration's source
+// whose lease expires takes the claim's allocation keys with it, and its target's agent
+// promotes it (T4) at its next audit; till then the key is nobody's.
+func (c *checker) mateAwayNear(p *Pod, from, to time.Time) bool {
+	if p.Claim == "" {
+		return false
+	}
+	for _, o := range c.h.Pods {
+		if o == p || !o.Live() || !c.claimMate(p, o.UID) || !o.AddAnswered.Before(to) {
+			continue
+		}
+		if end := o.HoldEnd(); !end.IsZero() && end.Before(from) {
+			continue
+		}
+		if c.awayNear(o.Slot, from, to) || !o.DiedAt.IsZero() && o.DiedAt.Before(to) && o.DiedAt.After(from) {
+			return true
+		}
+	}
+	return false
 }
 
 // awayNear reports whether slot was away at some time in [from, to].

@@ -612,3 +612,15 @@ func TestCheckJudgesAConflictOfAClaimsTwoPodsByTheLeaseLost(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckExcusesATargetsKeyMissingWhileItsSourceIsAway: the source's node is cut off
+// longer than the TTL during the migration; its allocation key expires with its lease and is
+// nobody's until the target's agent promotes the target (T4). Without the cut-off, the key
+// missing fails the run.
+func TestCheckExcusesATargetsKeyMissingWhileItsSourceIsAway(t *testing.T) {
+	h := migration(false)
+	h.sample(27) // nobody holds 10.0.0.2
+	wantFailure(t, h, "keys missing")
+	h.away(0, 21, 29.5, "link-mid")
+	wantPass(t, h)
+}
