@@ -43,7 +43,8 @@ type ClaimAddress struct {
 }
 
 // ListClaims returns the sticky claims of cluster (of every cluster when cluster is ""),
-// sorted by cluster, pool and name. Claim keys with a malformed name are left out (doctor
+// sorted by cluster, pool and name, each with its live migration key, if any (read at the
+// same revision). Claim keys with a malformed name are left out (doctor
 // reports them); a value that does not decode is kept with Unreadable set.
 func ListClaims(ctx context.Context, cli *clientv3.Client, cluster string) ([]ClaimEntry, error) {
 	if cluster != "" {
@@ -51,29 +52,36 @@ func ListClaims(ctx context.Context, cli *clientv3.Client, cluster string) ([]Cl
 			return nil, err
 		}
 	}
-	st, err := ReadKeys(ctx, cli, keyspace.ClaimsPrefix(cluster))
+	st, err := ReadKeys(ctx, cli, keyspace.ClaimsPrefix(cluster), keyspace.LiveMigrationsPrefix(cluster))
 	if err != nil {
 		return nil, err
 	}
 	return st.Claims, nil
 }
 
-// GetClaim reads the claim name of pool in cluster. Errors wrap ErrNotFound (no such claim),
-// allocator.ErrInvalidName, or the etcd error.
+// GetClaim reads the claim name of pool in cluster, and its live migration key, if any, at the
+// same revision. Errors wrap ErrNotFound (no such claim), allocator.ErrInvalidName, or the
+// etcd error.
 func GetClaim(ctx context.Context, cli *clientv3.Client, cluster, pool, name string) (ClaimEntry, error) {
 	if err := keyspace.ValidateNames("cluster", cluster, "pool", pool, "claim", name); err != nil {
 		return ClaimEntry{}, err
 	}
-	key := keyspace.ClaimKey(cluster, pool, name)
-	resp, err := cli.Get(ctx, key) // exactly the key: claim "web" is a prefix of claim "web-2"
+	key, mkey := keyspace.ClaimKey(cluster, pool, name), keyspace.LiveMigrationKey(cluster, pool, name)
+	// Exactly the keys: claim "web" is a prefix of claim "web-2".
+	resp, err := cli.Txn(ctx).Then(clientv3.OpGet(key), clientv3.OpGet(mkey)).Commit()
 	if err != nil {
 		return ClaimEntry{}, fmt.Errorf("read %s: %w", key, err)
 	}
-	if len(resp.Kvs) == 0 {
+	kvs := resp.Responses[0].GetResponseRange().Kvs
+	if len(kvs) == 0 {
 		return ClaimEntry{}, fmt.Errorf("%w: pool %s of cluster %s has no claim %s (no key %s); leaseholdctl claim list lists the claims",
 			ErrNotFound, pool, cluster, name, key)
 	}
-	return ClaimEntry{Record: record[keyspace.ClaimRecord](resp.Kvs[0]), Cluster: cluster, Pool: pool, Name: name}, nil
+	c := ClaimEntry{Record: record[keyspace.ClaimRecord](kvs[0]), Cluster: cluster, Pool: pool, Name: name}
+	if mkvs := resp.Responses[1].GetResponseRange().Kvs; len(mkvs) > 0 {
+		c.Migration = &LiveMigrationEntry{Record: record[keyspace.LiveMigrationRecord](mkvs[0]), Cluster: cluster, Pool: pool, Claim: name}
+	}
+	return c, nil
 }
 
 // ClaimAddresses reads, in one transaction, the allocation and quarantine keys of each of c's
@@ -170,6 +178,9 @@ type ClaimReleaseOptions struct {
 	// fresh lease of their own, before they return to the pool: 0 is DefaultClaimQuarantine;
 	// negative puts none (their quarantine keys are deleted and the addresses are free at once).
 	Quarantine time.Duration
+	// Force releases a claim being migrated (its live migration key exists) all the same,
+	// deleting the migration key in the same transaction, compared unchanged.
+	Force bool
 }
 
 // ClaimRelease is what ReleaseClaim did.
@@ -189,6 +200,8 @@ type ClaimRelease struct {
 	// HolderKeeps is set when the claim named a holder: it says that the holder keeps its
 	// addresses (they are on its own pod lease) and only the stickiness goes.
 	HolderKeeps string
+	// MigrationDeleted is the live migration key deleted with the claim (Force), if any.
+	MigrationDeleted *LiveMigrationEntry
 }
 
 // ReleaseClaim deletes the sticky claim name of pool in cluster, compared unchanged since it
@@ -206,8 +219,13 @@ type ClaimRelease struct {
 // names it. An unreadable record is deleted alone: its addresses are unknown, and quarantine keys
 // resting under it expire with their lease.
 //
-// Errors wrap ErrNotFound (no such claim), ErrConcurrentChange, allocator.ErrInvalidName, or
-// the etcd error.
+// A claim being migrated (its live migration key exists) is refused with a
+// *MigrationInProgressError naming the target, unless opt.Force: then the migration key is
+// deleted in the same transaction, compared unchanged. The target keeps using the addresses
+// until its pod goes, as the holder does; no agent hands them over to it any more.
+//
+// Errors wrap ErrNotFound (no such claim), ErrMigrationInProgress, ErrConcurrentChange,
+// allocator.ErrInvalidName, or the etcd error.
 func ReleaseClaim(ctx context.Context, cli *clientv3.Client, cluster, pool, name string, opt ClaimReleaseOptions) (ClaimRelease, error) {
 	if err := keyspace.ValidateNames("cluster", cluster, "pool", pool, "claim", name); err != nil {
 		return ClaimRelease{}, err
@@ -230,7 +248,10 @@ func releaseClaimOnce(ctx context.Context, cli *clientv3.Client, cluster, pool, 
 	if err != nil {
 		return ClaimRelease{}, false, err
 	}
-	out := ClaimRelease{Claim: c}
+	if c.Migration != nil && !opt.Force {
+		return ClaimRelease{}, false, &MigrationInProgressError{Claim: c, Migration: *c.Migration}
+	}
+	out := ClaimRelease{Claim: c, MigrationDeleted: c.Migration}
 	if c.Unreadable == "" && len(c.Value.IPs) > 0 {
 		l, err := readLayout(ctx, cli, pool)
 		if err != nil {
@@ -247,6 +268,13 @@ func releaseClaimOnce(ctx context.Context, cli *clientv3.Client, cluster, pool, 
 	}
 	cmps := []clientv3.Cmp{keyspace.Unchanged(c.Key, c.ModRevision)}
 	ops := []clientv3.Op{clientv3.OpDelete(c.Key)}
+	mkey := keyspace.LiveMigrationKey(cluster, pool, name)
+	if m := c.Migration; m != nil {
+		cmps, ops = append(cmps, keyspace.Unchanged(m.Key, m.ModRevision)), append(ops, clientv3.OpDelete(m.Key))
+	} else {
+		// Read absent with the claim: a migration started since is refused, not deleted unseen.
+		cmps = append(cmps, keyspace.Absent(mkey))
+	}
 	if h := c.Value.Holder; c.Unreadable == "" && h != nil {
 		// The holder's owner index names the claim too: without it there, its agent knows the
 		// claim released, and does not put it back as one deleted by mistake.

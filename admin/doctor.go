@@ -50,6 +50,15 @@ const (
 	// address without allocation is owner-index-without-allocation.
 	KindPodAddrMissing = "running-pod-address-missing" // a held key without allocation or owner index, of a pod whose pod record or owner index is on a live lease
 
+	// Live migrations (issue 35; docs/proposals/live-migration.md). Malformed, unreadable and
+	// leaseless migration keys are bad-key, unreadable and no-lease findings.
+	KindLiveMigration           = "live-migration"              // info: a claim's addresses used by its holder and one migration target on another node
+	KindLiveMigrationTooOld     = "live-migration-too-old"      // warning: a live migration running longer than the bound (--live-migration-bound)
+	KindLiveMigrationSameNode   = "live-migration-same-node"    // a migration target on its claim holder's node
+	KindLiveMigrationNotAllowed = "live-migration-not-allowed"  // a migration of a claim that is not migratable
+	KindLiveMigrationOrphan     = "live-migration-orphan"       // warning: a migration key without claim record or live holder
+	KindClaimForeignOwner       = "claim-address-foreign-owner" // an address of a held or migrating claim allocated to neither holder nor target
+
 	// Selection rules (issue 34; docs/proposals/pool-selection.md). Malformed rule keys are
 	// bad-key findings; an unreadable rule is an unreadable warning (agents pass it over).
 	KindOutsideSelection = "pod-outside-selection" // info: an attachment in a pool its pod's rules, or the pool's lock, no longer give; it keeps it

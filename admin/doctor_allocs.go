@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"time"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
@@ -34,7 +35,13 @@ type checker struct {
 	leasedOwners map[string]*OwnerEntry
 	// heldAt are the readable held keys by address, built when first needed (heldFor).
 	heldAt map[poolAddr][]*HeldEntry
-	out    []Finding
+	// ownerKeys are the owner index keys the state read.
+	ownerKeys map[string]bool
+	// now and bound are the time the migrations' ages are taken at and the age above which
+	// one is too old (CheckOptions).
+	now   time.Time
+	bound time.Duration
+	out   []Finding
 }
 
 // ownerAddr is one address of one pool as named by one owner.
@@ -54,7 +61,19 @@ type poolAddr struct {
 // key. Errors and warnings are problems (Finding.Problem); info findings describe a state that
 // passes by itself or a step to take. A check relating two key families runs only where st
 // read both (State.Covers), so a narrow ReadKeys reports nothing absent that it did not read.
-func Check(st *State) []Finding { return check(st).out }
+func Check(st *State) []Finding { return check(st, CheckOptions{}).out }
+
+// CheckOptions tune CheckWith.
+type CheckOptions struct {
+	// LiveMigrationBound is the age above which a live migration is reported as too old
+	// (live-migration-too-old); 0 is DefaultLiveMigrationBound.
+	LiveMigrationBound time.Duration
+	// Now is the time ages are taken at; zero is time.Now().
+	Now time.Time
+}
+
+// CheckWith is Check with options: leaseholdctl doctor --live-migration-bound.
+func CheckWith(st *State, opt CheckOptions) []Finding { return check(st, opt).out }
 
 // HeldFindings runs Check over st and returns, by held key, the finding that tells of the
 // address of each held key without allocation (State.Expired): owner-index-without-allocation
@@ -62,16 +81,26 @@ func Check(st *State) []Finding { return check(st).out }
 // (Finding.KeysLost); address-expired, information, when no key of the pod is left. Held keys
 // without lease or unreadable are left out (Check reports them as such). leaseholdctl alloc
 // show and pool show tell an address the way doctor does with it.
-func HeldFindings(st *State) map[string]Finding { return check(st).byHeld }
+func HeldFindings(st *State) map[string]Finding { return check(st, CheckOptions{}).byHeld }
 
 // KeysLost reports whether f tells of addresses a running pod uses that etcd no longer holds
 // for it: the pod's agent puts them back (AgentPutsBack), they are not expired.
 func (f Finding) KeysLost() bool { return f.Kind == KindOwnerNoAlloc || f.Kind == KindPodAddrMissing }
 
-func check(st *State) *checker {
+func check(st *State, opt CheckOptions) *checker {
+	if opt.LiveMigrationBound <= 0 {
+		opt.LiveMigrationBound = DefaultLiveMigrationBound
+	}
+	if opt.Now.IsZero() {
+		opt.Now = time.Now()
+	}
 	c := &checker{st: st, pools: map[string]PoolEntry{}, allocs: map[string]*AllocationEntry{}, byAddr: map[poolAddr]*AllocationEntry{},
 		pods: map[string]*PodEntry{}, conflicts: map[string]*ConflictEntry{}, podSeen: map[string]bool{},
-		ownerMissing: map[ownerAddr]int{}, heldTold: map[string]int{}, byHeld: map[string]Finding{}}
+		ownerMissing: map[ownerAddr]int{}, heldTold: map[string]int{}, byHeld: map[string]Finding{}, ownerKeys: map[string]bool{},
+		now: opt.Now, bound: opt.LiveMigrationBound}
+	for _, o := range st.Owners {
+		c.ownerKeys[o.Key] = true
+	}
 	for _, p := range st.Pools {
 		c.pools[p.Name] = p
 	}
@@ -106,6 +135,7 @@ func check(st *State) *checker {
 	c.unclaimedBlocks()
 	c.heldKeys()
 	c.claims()
+	c.liveMigrations()
 	c.selectionRules()
 	for k, i := range c.heldTold {
 		c.byHeld[k] = c.out[i]

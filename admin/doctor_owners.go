@@ -25,6 +25,9 @@ func (c *checker) owner(o *OwnerEntry) {
 		key := c.ipKey(o.Pool, ip)
 		a := c.allocAt(o.Pool, ip)
 		switch {
+		case c.migrationUses(o, ip, a):
+			// A live migration's target: the claim's holder owns the address's key, or none
+			// does until the target's promotion (live-migration-orphan).
 		case a == nil && o.Lease != 0 && c.st.Covers(key):
 			c.ownerNoAlloc(o, ip, key)
 		case a != nil && !sameAttachment(a, o):

@@ -123,6 +123,9 @@ type HeldEntry struct {
 type ClaimEntry struct {
 	Record[keyspace.ClaimRecord]
 	Cluster, Pool, Name string
+	// Migration is the claim's live migration key, when one exists and was read with the
+	// claim (ListClaims, GetClaim, a State read of both families): its second holder.
+	Migration *LiveMigrationEntry
 }
 
 // ConflictEntry is a conflict record conflicts/<cluster>/<owner>/<ifname>/<pool>.
@@ -161,6 +164,8 @@ type State struct {
 	Blocks      []BlockEntry
 	Held        []HeldEntry
 	Claims      []ClaimEntry
+	// LiveMigrations are the live migration keys (issue 35), each also linked from its claim.
+	LiveMigrations []LiveMigrationEntry
 	// Rules are the selection rules (selection/), readable or not.
 	Rules   []RuleEntry
 	BadKeys []BadKey
@@ -206,6 +211,7 @@ func ReadKeys(ctx context.Context, cli *clientv3.Client, prefixes ...string) (*S
 	slices.SortFunc(st.Allocations, func(a, b AllocationEntry) int {
 		return cmp.Or(strings.Compare(a.Pool, b.Pool), a.IP.Compare(b.IP))
 	})
+	st.linkMigrations()
 	return st, nil
 }
 
@@ -294,6 +300,17 @@ func (st *State) add(kv *mvccpb.KeyValue) {
 			return
 		}
 		st.Claims = append(st.Claims, ClaimEntry{Record: record[keyspace.ClaimRecord](kv), Cluster: c, Pool: p, Name: n})
+	case "livemigrations":
+		c, p, n, err := keyspace.ParseLiveMigrationKey(key)
+		if err == nil {
+			err = keyspace.ValidateNames("cluster", c, "pool", p, "claim", n)
+		}
+		if err != nil {
+			bad(err.Error())
+			return
+		}
+		st.LiveMigrations = append(st.LiveMigrations, LiveMigrationEntry{Record: record[keyspace.LiveMigrationRecord](kv),
+			Cluster: c, Pool: p, Claim: n})
 	case "conflicts":
 		if len(parts) != 4 {
 			bad("want " + keyspace.ConflictsPrefix("") + "<cluster>/<owner>/<ifname>/<pool>")
