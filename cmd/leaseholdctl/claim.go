@@ -29,8 +29,61 @@ type stickyJSON struct {
 	LeaseID string `json:"leaseID"`
 	admin.LeaseTTL
 	// Addresses says what each address is now (claim show only).
-	Addresses  []stickyAddrJSON `json:"addresses,omitempty"`
-	Unreadable string           `json:"unreadable,omitempty"`
+	Addresses []stickyAddrJSON `json:"addresses,omitempty"`
+	// Migration is the claim's live migration in progress, null when none.
+	Migration  *migrationJSON `json:"migration"`
+	Unreadable string         `json:"unreadable,omitempty"`
+}
+
+// migrationJSON is a claim's live migration (issue 35) as claim list and claim show print it:
+// its target pod on another node uses the claim's addresses too, until the source's DEL
+// (completed) or the target's (failed). AgeSeconds is how long it has run; OverBound is set
+// when that is above --live-migration-bound (doctor's live-migration-too-old).
+type migrationJSON struct {
+	Key        string                       `json:"key"`
+	Target     keyspace.ClaimHolder         `json:"target"`
+	Source     keyspace.LiveMigrationSource `json:"source"`
+	Since      time.Time                    `json:"since"`
+	AgeSeconds int64                        `json:"ageSeconds"`
+	// BoundSeconds is --live-migration-bound.
+	BoundSeconds int64 `json:"boundSeconds"`
+	OverBound    bool  `json:"overBound"`
+	// LeaseID is the key's lease: the target's pod lease.
+	LeaseID    string `json:"leaseID"`
+	Unreadable string `json:"unreadable,omitempty"`
+}
+
+func migrationRow(e *env, m *admin.LiveMigrationEntry, now time.Time) *migrationJSON {
+	if m == nil {
+		return nil
+	}
+	age := m.Age(now)
+	return &migrationJSON{Key: m.Key, Target: m.Value.Target, Source: m.Value.Source, Since: m.Value.Since, AgeSeconds: int64(age.Seconds()),
+		BoundSeconds: int64(e.liveMigrationBound.Seconds()), OverBound: age > e.liveMigrationBound, LeaseID: keyspace.LeaseHex(m.Lease),
+		Unreadable: m.Unreadable}
+}
+
+// migrationText is "to <pod> on <node> since <time> (<age>, bound <b>)", or "-" without one.
+func migrationText(m *migrationJSON, now time.Time, long bool) string {
+	switch {
+	case m == nil:
+		return "-"
+	case m.Unreadable != "":
+		return "unreadable (" + m.Unreadable + "); leaseholdctl doctor reports it"
+	}
+	pod := "owner " + dash(m.Target.Owner)
+	if m.Target.Pod.Name != "" {
+		pod = podText(m.Target.Pod)
+	}
+	over := ""
+	if m.OverBound {
+		over = ", over the bound"
+	}
+	bound := (time.Duration(m.BoundSeconds) * time.Second).String()
+	if !long {
+		return fmt.Sprintf("to %s on %s, %s%s", pod, dash(m.Target.Node), ago(now.Sub(m.Since)), over)
+	}
+	return fmt.Sprintf("migrating to %s on %s since %s (bound %s%s)", pod, dash(m.Target.Node), timeText(m.Since, now), bound, over)
 }
 
 // stickyAddrJSON is one address of a claim as claim show prints it. State is allocated,
@@ -49,13 +102,14 @@ type stickyAddrJSON struct {
 	Claim string     `json:"claim,omitempty"`
 }
 
-func claimRow(ctx context.Context, e *env, c admin.ClaimEntry) (stickyJSON, error) {
+func claimRow(ctx context.Context, e *env, c admin.ClaimEntry, now time.Time) (stickyJSON, error) {
 	ttl, err := admin.TimeToLive(ctx, e.cli, c.Lease)
 	if err != nil {
 		return stickyJSON{}, err
 	}
 	j := stickyJSON{Key: c.Key, Cluster: c.Cluster, Pool: c.Pool, Claim: c.Name, IPs: c.Value.IPs, Holder: c.Value.Holder,
-		HoldSeconds: c.Value.HoldSeconds, Since: c.Value.Since, LeaseID: keyspace.LeaseHex(c.Lease), LeaseTTL: ttl, Unreadable: c.Unreadable}
+		HoldSeconds: c.Value.HoldSeconds, Since: c.Value.Since, LeaseID: keyspace.LeaseHex(c.Lease), LeaseTTL: ttl,
+		Migration: migrationRow(e, c.Migration, now), Unreadable: c.Unreadable}
 	if j.IPs == nil {
 		j.IPs = []netip.Addr{}
 	}
@@ -124,14 +178,26 @@ func noClaim(e *env, name string) error {
 	return fmt.Errorf("%w: no claim %s in %s (leaseholdctl claim list lists the claims)", admin.ErrNotFound, name, where)
 }
 
+// boundArg checks --live-migration-bound.
+func boundArg(e *env) error {
+	if e.liveMigrationBound <= 0 {
+		return usagef("--live-migration-bound %s: want more than 0s", e.liveMigrationBound)
+	}
+	return nil
+}
+
 func claimList(ctx context.Context, e *env) error {
+	if err := boundArg(e); err != nil {
+		return err
+	}
 	claims, err := findClaims(ctx, e, "")
 	if err != nil {
 		return err
 	}
+	now := time.Now()
 	rows := []stickyJSON{}
 	for _, c := range claims {
-		j, err := claimRow(ctx, e, c)
+		j, err := claimRow(ctx, e, c, now)
 		if err != nil {
 			return err
 		}
@@ -140,14 +206,14 @@ func claimList(ctx context.Context, e *env) error {
 	if e.output == "json" {
 		return writeJSON(e.stdout, rows)
 	}
-	now := time.Now()
-	t := newTable(e.stdout, "CLUSTER", "POOL", "CLAIM", "IPS", "HOLDER", "HOLD", "TTL LEFT")
+	t := newTable(e.stdout, "CLUSTER", "POOL", "CLAIM", "IPS", "HOLDER", "HOLD", "TTL LEFT", "MIGRATION")
 	for _, c := range rows {
 		if c.Unreadable != "" {
-			t.row(c.Cluster, c.Pool, c.Claim, "?", "(unreadable: "+c.Unreadable+")", "?", ttlText(c.TTL, c.GrantedTTL))
+			t.row(c.Cluster, c.Pool, c.Claim, "?", "(unreadable: "+c.Unreadable+")", "?", ttlText(c.TTL, c.GrantedTTL), migrationText(c.Migration, now, false))
 			continue
 		}
-		t.row(c.Cluster, c.Pool, c.Claim, addrsText(c.IPs), holderText(c, now), holdText(c.HoldSeconds), ttlText(c.TTL, c.GrantedTTL))
+		t.row(c.Cluster, c.Pool, c.Claim, addrsText(c.IPs), holderText(c, now), holdText(c.HoldSeconds), ttlText(c.TTL, c.GrantedTTL),
+			migrationText(c.Migration, now, false))
 	}
 	return t.flush()
 }
@@ -189,6 +255,9 @@ func claimShow(ctx context.Context, e *env) error {
 	if err != nil {
 		return err
 	}
+	if err := boundArg(e); err != nil {
+		return err
+	}
 	claims, err := findClaims(ctx, e, name)
 	if err != nil {
 		return err
@@ -196,9 +265,10 @@ func claimShow(ctx context.Context, e *env) error {
 	if len(claims) == 0 {
 		return noClaim(e, name)
 	}
+	now := time.Now()
 	out := []stickyJSON{}
 	for _, c := range claims {
-		j, err := claimRow(ctx, e, c)
+		j, err := claimRow(ctx, e, c, now)
 		if err != nil {
 			return err
 		}
@@ -214,7 +284,6 @@ func claimShow(ctx context.Context, e *env) error {
 	if e.output == "json" {
 		return writeJSON(e.stdout, out)
 	}
-	now := time.Now()
 	for i, c := range out {
 		if i > 0 {
 			fmt.Fprintln(e.stdout)
@@ -253,6 +322,14 @@ func showClaim(e *env, c stickyJSON, now time.Time) {
 		}
 		t.row("since:", timeText(c.Since, now))
 		t.row("hold:", holdText(c.HoldSeconds)+" (how long the claim outlives its holder's release)")
+		if m := c.Migration; m != nil {
+			t.row("migration:", migrationText(m, now, true))
+			if m.Unreadable == "" {
+				t.row("target:", fmt.Sprintf("owner %s, container %s, interface %s, pod lease %s (the migration key's: %s)",
+					dash(m.Target.Owner), dash(m.Target.ContainerID), dash(m.Target.IfName), dash(m.Target.LeaseID), m.LeaseID))
+			}
+			t.row("migration key:", m.Key)
+		}
 		for _, a := range c.Addresses {
 			t.row("address:", addrStateText(a))
 		}
@@ -304,7 +381,9 @@ type stickyReleaseJSON struct {
 	Freed           []netip.Addr          `json:"freed"`
 	QuarantineUntil *time.Time            `json:"quarantineUntil,omitempty"`
 	QuarantineLease string                `json:"quarantineLease,omitempty"`
-	Unreadable      string                `json:"unreadable,omitempty"`
+	// MigrationDeleted is the live migration key --force deleted with the claim, if any.
+	MigrationDeleted *migrationJSON `json:"migrationDeleted,omitempty"`
+	Unreadable       string         `json:"unreadable,omitempty"`
 }
 
 func claimRelease(ctx context.Context, e *env) error {
@@ -345,14 +424,14 @@ func claimRelease(ctx context.Context, e *env) error {
 	if q == 0 {
 		q = -1 // --quarantine 0s: none
 	}
-	res, err := admin.ReleaseClaim(ctx, e.cli, cluster, e.pool, name, admin.ClaimReleaseOptions{Quarantine: q})
+	res, err := admin.ReleaseClaim(ctx, e.cli, cluster, e.pool, name, admin.ClaimReleaseOptions{Quarantine: q, Force: e.force})
 	if err != nil {
 		return err
 	}
 	c := res.Claim
 	out := stickyReleaseJSON{Key: c.Key, Cluster: c.Cluster, Pool: c.Pool, Claim: c.Name, IPs: c.Value.IPs, Holder: c.Value.Holder,
 		Held: c.Value.Holder != nil, HolderKeeps: res.HolderKeeps, Addresses: []stickyAddrJSON{}, Quarantined: res.Quarantined,
-		Freed: res.Freed, Unreadable: c.Unreadable}
+		Freed: res.Freed, MigrationDeleted: migrationRow(e, res.MigrationDeleted, time.Now()), Unreadable: c.Unreadable}
 	if out.IPs == nil {
 		out.IPs = []netip.Addr{}
 	}
@@ -390,6 +469,10 @@ func claimRelease(ctx context.Context, e *env) error {
 	}
 	if res.HolderKeeps != "" {
 		fmt.Fprintln(e.stdout, res.HolderKeeps)
+	}
+	if m := out.MigrationDeleted; m != nil {
+		fmt.Fprintf(e.stdout, "deleted the live migration key %s (--force): %s; the target keeps using the addresses until its pod "+
+			"goes, and no agent hands them over to it any more\n", m.Key, migrationText(m, time.Now(), true))
 	}
 	return nil
 }

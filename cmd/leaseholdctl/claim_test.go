@@ -34,13 +34,9 @@ func restingUnder(claim string) string {
 	return keyspace.Encode(keyspace.QuarantineRecord{ReleasedBy: "n1", Until: time.Now().UTC().Add(11 * time.Minute), Claim: claim})
 }
 
-func TestClaimCommands(t *testing.T) {
+// leasesAndPuts grants leases of 120s on cli and puts keys on them, failing t on an error.
+func leasesAndPuts(t *testing.T, cli *clientv3.Client) (func() clientv3.LeaseID, func(key, value string, l clientv3.LeaseID)) {
 	ctx := etcdtest.Ctx(t)
-	cli := etcdtest.ClientAt(t, endpoint)
-	cluster, cluster2, pool := etcdtest.Uniq("c"), etcdtest.Uniq("c"), etcdtest.Uniq("net")
-	if r := ctl("pool", "create", pool, "--range", "10.88.0.0/24", "--range", "fd88::/120"); r.code != 0 {
-		t.Fatalf("pool create: %+v", r)
-	}
 	lease := func() clientv3.LeaseID {
 		g, err := cli.Grant(ctx, 120)
 		if err != nil {
@@ -48,13 +44,23 @@ func TestClaimCommands(t *testing.T) {
 		}
 		return g.ID
 	}
-	claimL, restL, podL := lease(), lease(), lease()
 	put := func(key, value string, l clientv3.LeaseID) {
 		t.Helper()
 		if _, err := cli.Put(ctx, key, value, clientv3.WithLease(l)); err != nil {
 			t.Fatal(err)
 		}
 	}
+	return lease, put
+}
+
+func TestClaimCommands(t *testing.T) {
+	cli := etcdtest.ClientAt(t, endpoint)
+	cluster, cluster2, pool := etcdtest.Uniq("c"), etcdtest.Uniq("c"), etcdtest.Uniq("net")
+	if r := ctl("pool", "create", pool, "--range", "10.88.0.0/24", "--range", "fd88::/120"); r.code != 0 {
+		t.Fatalf("pool create: %+v", r)
+	}
+	lease, put := leasesAndPuts(t, cli)
+	claimL, restL, podL := lease(), lease(), lease()
 	q := func(ip string) string { return keyspace.QuarantineKey(pool, allocator.DefaultBlocks, mustIP(ip)) }
 	// ns.web-0: released, both addresses resting under it; the same name in cluster2 too.
 	put(keyspace.ClaimKey(cluster, pool, "ns.web-0"), stickyRecord("", "10.88.0.5", "fd88::5"), claimL)
@@ -211,4 +217,98 @@ func TestClaimCommands(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestClaimLiveMigration: a claim being migrated shows its target in claim list (MIGRATION)
+// and claim show, over the bound or not as --live-migration-bound says; claim release refuses
+// it naming the target, and --force deletes the migration key with the claim; doctor tells it.
+func TestClaimLiveMigration(t *testing.T) {
+	cli := etcdtest.ClientAt(t, endpoint)
+	cluster, pool := etcdtest.Uniq("c"), etcdtest.Uniq("net")
+	if r := ctl("pool", "create", pool, "--range", "10.89.0.0/24"); r.code != 0 {
+		t.Fatalf("pool create: %+v", r)
+	}
+	lease, put := leasesAndPuts(t, cli)
+	claimL, srcL, tgtL := lease(), lease(), lease()
+	var rec keyspace.ClaimRecord
+	if err := json.Unmarshal([]byte(stickyRecord("virt-launcher-vm-a", "10.89.0.7")), &rec); err != nil {
+		t.Fatal(err)
+	}
+	rec.Migratable = true
+	ck, mk := keyspace.ClaimKey(cluster, pool, "ns.vm-a"), keyspace.LiveMigrationKey(cluster, pool, "ns.vm-a")
+	put(ck, keyspace.Encode(rec), claimL)
+	put(keyspace.IPKey(pool, allocator.DefaultBlocks, mustIP("10.89.0.7")),
+		keyspace.Encode(keyspace.Allocation{Owner: "u-virt-launcher-vm-a", Cluster: cluster, Node: "n1", IfName: "eth0"}), srcL)
+	put(keyspace.OwnerKey(cluster, "u-virt-launcher-vm-a", "eth0", pool), keyspace.Encode(keyspace.OwnerRecord{IPs: rec.IPs,
+		ContainerID: "ctr-virt-launcher-vm-a", Node: "n1", NodeUID: "uid-n1", Claim: "ns.vm-a"}), srcL)
+	mig := keyspace.LiveMigrationRecord{Target: keyspace.ClaimHolder{Owner: "u-b", Pod: allocator.PodRef{UID: "u-b", Namespace: "ns",
+		Name: "virt-launcher-vm-b"}, Node: "n2", NodeUID: "uid-n2", ContainerID: "ctr-b", IfName: "eth0", LeaseID: keyspace.LeaseHex(tgtL)},
+		Source: keyspace.LiveMigrationSource{Owner: "u-virt-launcher-vm-a", Node: "n1"}, Since: time.Now().UTC().Add(-2 * time.Hour)}
+	put(mk, keyspace.Encode(mig), tgtL)
+
+	r := ctl("claim", "list", "--cluster", cluster)
+	for _, s := range []string{"MIGRATION", "to ns/virt-launcher-vm-b on n2, 2h", "over the bound"} {
+		if !strings.Contains(r.stdout, s) {
+			t.Errorf("claim list does not say %q:\n%s", s, r.stdout)
+		}
+	}
+	if r := ctl("claim", "list", "--cluster", cluster, "--live-migration-bound", "3h"); r.code != 0 || strings.Contains(r.stdout, "over the bound") {
+		t.Errorf("claim list --live-migration-bound 3h: exit %d, a migration of 2h over it:\n%s", r.code, r.stdout)
+	}
+	r = ctl("claim", "show", "ns.vm-a", "--cluster", cluster)
+	for _, s := range []string{"migration:", "migrating to ns/virt-launcher-vm-b on n2 since", "bound 1h0m0s, over the bound", "target:",
+		"ctr-b", "migration key:", mk} {
+		if !strings.Contains(r.stdout, s) {
+			t.Errorf("claim show does not say %q:\n%s", s, r.stdout)
+		}
+	}
+	var shown []stickyJSON
+	jsonOf(t, ctl("claim", "show", "ns.vm-a", "--cluster", cluster, "-o", "json"), &shown)
+	if len(shown) != 1 || shown[0].Migration == nil || shown[0].Migration.Target.Owner != "u-b" || !shown[0].Migration.OverBound ||
+		shown[0].Migration.BoundSeconds != 3600 || shown[0].Migration.LeaseID != keyspace.LeaseHex(tgtL) {
+		t.Errorf("claim show -o json: %+v", shown)
+	}
+	if r := ctl("claim", "list", "--live-migration-bound", "0s"); r.code != exitUsage {
+		t.Errorf("claim list --live-migration-bound 0s: exit %d, want usage", r.code)
+	}
+
+	var doc doctorJSON
+	r = ctl("doctor", "--cluster", cluster, "-o", "json")
+	jsonOf(t, r, &doc)
+	kinds := map[string]bool{}
+	for _, f := range doc.Findings {
+		if f.Cluster == cluster {
+			kinds[f.Kind] = true
+		}
+	}
+	if !kinds[admin.KindLiveMigrationTooOld] {
+		t.Errorf("doctor: no %s in %+v", admin.KindLiveMigrationTooOld, doc.Findings)
+	}
+	jsonOf(t, ctl("doctor", "--cluster", cluster, "--live-migration-bound", "3h", "-o", "json"), &doc)
+	kinds = map[string]bool{}
+	for _, f := range doc.Findings {
+		if f.Cluster == cluster {
+			kinds[f.Kind] = true
+		}
+	}
+	if !kinds[admin.KindLiveMigration] || kinds[admin.KindLiveMigrationTooOld] {
+		t.Errorf("doctor --live-migration-bound 3h: want %s, not %s: %+v", admin.KindLiveMigration, admin.KindLiveMigrationTooOld, doc.Findings)
+	}
+
+	r = ctl("claim", "release", "ns.vm-a", "--pool", pool, "--cluster", cluster)
+	if r.code != 1 || !strings.Contains(r.stderr, "ns/virt-launcher-vm-b on node n2") || !strings.Contains(r.stderr, "--force") {
+		t.Errorf("claim release of a migrating claim: exit %d, want 1 naming the target and --force: %s", r.code, r.stderr)
+	}
+	if len(keys(t, cli, ck)) != 1 || len(keys(t, cli, mk)) != 1 {
+		t.Fatalf("a refused release deleted keys")
+	}
+	var out stickyReleaseJSON
+	r = ctl("claim", "release", "ns.vm-a", "--pool", pool, "--cluster", cluster, "--force", "-o", "json")
+	jsonOf(t, r, &out)
+	if r.code != 0 || out.MigrationDeleted == nil || out.MigrationDeleted.Key != mk || !out.Held {
+		t.Errorf("claim release --force: exit %d %+v", r.code, out)
+	}
+	if len(keys(t, cli, ck)) != 0 || len(keys(t, cli, mk)) != 0 {
+		t.Errorf("claim release --force left the claim or its migration key")
+	}
 }

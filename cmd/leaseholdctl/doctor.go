@@ -18,11 +18,14 @@ type doctorJSON struct {
 }
 
 func doctor(ctx context.Context, e *env) error {
+	if err := boundArg(e); err != nil {
+		return err
+	}
 	st, err := admin.ReadState(ctx, e.cli)
 	if err != nil {
 		return err
 	}
-	all := admin.Check(st)
+	all := admin.CheckWith(st, admin.CheckOptions{LiveMigrationBound: e.liveMigrationBound})
 	found := []admin.Finding{}
 	for _, f := range all {
 		if e.cluster == "" || f.Cluster == "" || f.Cluster == e.cluster {

@@ -106,19 +106,23 @@ allocations:
                                   same lease, and their held keys, owner-compared; a lease an agent still
                                   renews needs --force
 sticky claims (issue 19: an attachment naming a claim gets the addresses its previous holder had):
-  claim list [--cluster C] [--pool P]
+  claim list [--cluster C] [--pool P] [--live-migration-bound 1h]
                                   claims: cluster, pool, claim, addresses, holder (pod and node) or when it was
-                                  released, hold time, claim lease TTL left
-  claim show NAME [--pool P] [--cluster C]
+                                  released, hold time, claim lease TTL left, live migration (target pod and
+                                  node, age, whether over the bound)
+  claim show NAME [--pool P] [--cluster C] [--live-migration-bound 1h]
                                   every claim NAME (of every pool and cluster unless given): its key, holder
                                   (owner, pod, node, container, interface, pod lease) or release time, hold,
-                                  lease TTL left, and each address: allocated (to whom), resting in quarantine
-                                  under the claim, in other quarantine, or free
-  claim release NAME --pool P [--cluster C] [--quarantine 30s]
+                                  lease TTL left, a live migration (target pod, node, since, age, bound), and
+                                  each address: allocated (to whom), resting in quarantine under the claim, in
+                                  other quarantine, or free
+  claim release NAME --pool P [--cluster C] [--quarantine 30s] [--force]
                                   delete the claim (compared unchanged) and, in the same transaction, move the
                                   addresses resting under it to ordinary quarantine on a fresh lease (0s: free
                                   at once). A held claim's pod keeps its addresses; only the stickiness goes.
-                                  --cluster is needed when several clusters have a claim NAME in pool P
+                                  --cluster is needed when several clusters have a claim NAME in pool P. A
+                                  claim being live-migrated is refused (exit 1, naming the target) unless
+                                  --force, which deletes its live migration key too, compared unchanged
 nodes and problems:
   node list                       agents: identity, version, whether it serves blocks, started, lease TTL left,
                                   last renewal, pods
@@ -129,8 +133,10 @@ nodes and problems:
                                   several clusters name NODE
   conflicts                       addresses a pod lost to another owner while its lease was lost
   pool conflicts [--pool P]       nodes whose configuration defines a pool differently from etcd
-  doctor                          check every invariant; print each problem with the command that fixes it
-                                  (errors and warnings fail it; info findings are printed only)
+  doctor [--live-migration-bound 1h]
+                                  check every invariant; print each problem with the command that fixes it
+                                  (errors and warnings fail it; info findings are printed only); a live
+                                  migration older than the bound is a warning
   version                         print leaseholdctl's version
 
 SPEC, one range:  SUBNET[,start=ADDR][,end=ADDR][,gw=ADDR][,set=N]
@@ -172,6 +178,7 @@ type globals struct {
 	subnet                                       string
 	force, blocks                                bool
 	quarantine                                   time.Duration
+	liveMigrationBound                           time.Duration
 	// Selection rules.
 	network                                         string
 	pools, names, labels, ask, families, namespaces csvFlag
@@ -208,14 +215,14 @@ var commands = []command{
 	{words: []string{"alloc", "list"}, flags: []string{"pool", "cluster", "node", "owner", "namespace"}, run: allocList},
 	{words: []string{"alloc", "show"}, args: []string{"IP"}, flags: []string{"pool"}, run: allocShow},
 	{words: []string{"alloc", "release"}, args: []string{"IP"}, flags: []string{"pool", "force", "quarantine"}, run: allocRelease},
-	{words: []string{"claim", "list"}, flags: []string{"cluster", "pool"}, run: claimList},
-	{words: []string{"claim", "show"}, args: []string{"NAME"}, flags: []string{"pool", "cluster"}, run: claimShow},
-	{words: []string{"claim", "release"}, args: []string{"NAME"}, flags: []string{"pool", "cluster", "quarantine"}, run: claimRelease},
+	{words: []string{"claim", "list"}, flags: []string{"cluster", "pool", "live-migration-bound"}, run: claimList},
+	{words: []string{"claim", "show"}, args: []string{"NAME"}, flags: []string{"pool", "cluster", "live-migration-bound"}, run: claimShow},
+	{words: []string{"claim", "release"}, args: []string{"NAME"}, flags: []string{"pool", "cluster", "quarantine", "force"}, run: claimRelease},
 	{words: []string{"node", "list"}, flags: []string{"cluster"}, run: nodeList},
 	{words: []string{"node", "forget"}, args: []string{"NODE"}, flags: []string{"cluster"}, run: nodeForget},
 	{words: []string{"conflicts"}, flags: []string{"cluster"}, run: conflictList},
 	{words: []string{"pool", "conflicts"}, flags: []string{"pool"}, run: poolConflictList},
-	{words: []string{"doctor"}, flags: []string{"cluster"}, run: doctor},
+	{words: []string{"doctor"}, flags: []string{"cluster", "live-migration-bound"}, run: doctor},
 	{words: []string{"pool", "close"}, args: []string{"NAME"}, run: poolClose},
 	{words: []string{"pool", "open"}, args: []string{"NAME"}, run: poolOpen},
 	{words: []string{"pool", "lock"}, args: []string{"NAME"}, flags: []string{"namespaces"}, run: poolLock},
@@ -263,7 +270,8 @@ func newFlagSet(g *globals, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&g.subnet, "subnet", "", "pool remove-range: the range to remove, SUBNET[,start=A]")
 	fs.IntVar(&g.blockV4, "block-v4", 0, "pool create/migrate: IPv4 block prefix length, /16 to /30 (default /26)")
 	fs.IntVar(&g.blockV6, "block-v6", 0, "pool create/migrate: IPv6 block prefix length, /112 to /126 (default /122)")
-	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check")
+	fs.BoolVar(&g.force, "force", false, "alloc release: release even though the lease is alive; pool migrate: skip the agent version check; claim release: release a claim being migrated, deleting its live migration key too")
+	fs.DurationVar(&g.liveMigrationBound, "live-migration-bound", admin.DefaultLiveMigrationBound, "doctor, claim list/show: the age above which a live migration has hung (doctor: live-migration-too-old)")
 	fs.BoolVar(&g.blocks, "blocks", false, "pool show: draw the pool's blocks as a map, one cell per block")
 	fs.DurationVar(&g.quarantine, "quarantine", 30*time.Second, "alloc release, claim release: how long released addresses rest (0s: none)")
 	fs.StringVar(&g.network, "network", "", "selection: the CNI network name the rule is for")
