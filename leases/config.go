@@ -77,6 +77,10 @@ type Config struct {
 	// (blockLeaseTTL). Default
 	// DefaultReuseDelay; negative holds nothing back.
 	ReuseDelay time.Duration
+	// LiveMigrationBound is the age above which a live migration this node takes part in has
+	// hung (issue 35): KubeVirt finishes one in minutes. Default DefaultLiveMigrationBound, as
+	// leaseholdctl doctor's and the LeaseholdLiveMigrationTooOld alert's; negative is invalid.
+	LiveMigrationBound time.Duration
 	// AuditInterval is how often the agent checks every key it keeps in etcd (its node record,
 	// block claims, and its running pods' pod records, owner indexes and allocations) against
 	// what it wrote, and re-claims a pod whose key was deleted or changed (audit.go); default
@@ -100,6 +104,8 @@ const (
 	DefaultBlockIdle        = 5 * time.Minute
 	DefaultClaimHold        = 10 * time.Minute
 	DefaultReuseDelay       = 15 * time.Minute
+	// DefaultLiveMigrationBound equals admin.DefaultLiveMigrationBound.
+	DefaultLiveMigrationBound = time.Hour
 )
 
 // Bounds the agent sets itself. Every other wait is Config.OpTimeout.
@@ -151,6 +157,12 @@ func (c *Config) validate() error {
 	}
 	if c.ReuseDelay == 0 {
 		c.ReuseDelay = DefaultReuseDelay
+	}
+	if c.LiveMigrationBound == 0 {
+		c.LiveMigrationBound = DefaultLiveMigrationBound
+	}
+	if c.LiveMigrationBound < 0 {
+		return fmt.Errorf("%w: live migration bound %s is negative", allocator.ErrInvalidConfig, c.LiveMigrationBound)
 	}
 	if c.ReuseDelay < 0 {
 		c.ReuseDelay = 0

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -47,6 +48,111 @@ type metrics struct {
 	// Selection (Agent.Add): ADDs passed from a full pool to the next of their list, by both
 	// pools; ADDs refused as exhausted, by the pool their list ended at.
 	fallbacks, exhaustedRefusals *prometheus.CounterVec
+	// live counts live migrations (issue 35) this node takes part in.
+	live *liveMigrationMetrics
+}
+
+// liveMigrationMetrics counts the live migrations (issue 35, docs/proposals/live-migration.md)
+// this agent sees, from either side: the source's agent counts a completion by its DEL and a
+// target's death; the target's agent a start, a failure by its DEL, a completion by its
+// promotion after the source's death, and a third pod refused. Its gauges read the migrations
+// in progress from the func given to Watch, at each scrape.
+type liveMigrationMetrics struct {
+	started, refused  prometheus.Counter
+	completed, failed *prometheus.CounterVec
+	inProgress        atomic.Pointer[func() []time.Time]
+}
+
+// How a live migration ended: the values of Completed's and Failed's how.
+const (
+	// LiveMigrationSourceDeleted: the source's DEL completed it (T2, counted by the source's agent).
+	LiveMigrationSourceDeleted = "source_deleted"
+	// LiveMigrationSourceExpired: the source's lease expired and the target took the claim's
+	// keys over (T4, counted by the target's agent).
+	LiveMigrationSourceExpired = "source_expired"
+	// LiveMigrationTargetDeleted: the target's DEL failed it (T3, counted by the target's agent).
+	LiveMigrationTargetDeleted = "target_deleted"
+	// LiveMigrationTargetExpired: the target's lease expired (T5, seen by the source's audit).
+	LiveMigrationTargetExpired = "target_expired"
+)
+
+func newLiveMigrationMetrics() *liveMigrationMetrics {
+	l := &liveMigrationMetrics{
+		started: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_live_migrations_started_total",
+			Help: "Live migrations this node's pods started as their target: a second pod of a migratable claim given its addresses while the holder on another node ran.",
+		}),
+		completed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_live_migrations_completed_total",
+			Help: "Live migrations that left their target the claim's sole holder, by how: source_deleted (the source's DEL, counted on the source's node), source_expired (the source's lease expired and the target took the keys over, counted on the target's node).",
+		}, []string{"how"}),
+		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "leasehold_live_migrations_failed_total",
+			Help: "Live migrations that left their source the claim's sole holder, by how: target_deleted (the target's DEL, counted on the target's node), target_expired (the target's lease expired, seen on the source's node).",
+		}, []string{"how"}),
+		refused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "leasehold_live_migrations_refused_total",
+			Help: "ADDs naming a claim held by two pods during a live migration, refused: a third pod gets the addresses only once one of the two is gone.",
+		}),
+	}
+	for _, how := range []string{LiveMigrationSourceDeleted, LiveMigrationSourceExpired} {
+		l.completed.WithLabelValues(how)
+	}
+	for _, how := range []string{LiveMigrationTargetDeleted, LiveMigrationTargetExpired} {
+		l.failed.WithLabelValues(how)
+	}
+	return l
+}
+
+// Started counts a live migration this node's pod started as its target (T1).
+func (l *liveMigrationMetrics) Started() { l.started.Inc() }
+
+// Completed counts a live migration that left its target the sole holder; how is
+// LiveMigrationSourceDeleted or LiveMigrationSourceExpired.
+func (l *liveMigrationMetrics) Completed(how string) { l.completed.WithLabelValues(how).Inc() }
+
+// Failed counts a live migration that left its source the sole holder; how is
+// LiveMigrationTargetDeleted or LiveMigrationTargetExpired.
+func (l *liveMigrationMetrics) Failed(how string) { l.failed.WithLabelValues(how).Inc() }
+
+// Refused counts an ADD refused because two pods held its claim during a live migration (T6).
+func (l *liveMigrationMetrics) Refused() { l.refused.Inc() }
+
+// Watch sets where the gauges read the live migrations in progress this node takes part in,
+// as source or target: the start time of each. Until it is called they read none.
+func (l *liveMigrationMetrics) Watch(inProgress func() []time.Time) { l.inProgress.Store(&inProgress) }
+
+// now is the start time of each live migration in progress this node takes part in.
+func (l *liveMigrationMetrics) now() []time.Time {
+	if f := l.inProgress.Load(); f != nil {
+		return (*f)()
+	}
+	return nil
+}
+
+// collectors are the live migration metrics to register.
+func (l *liveMigrationMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{l.started, l.completed, l.failed, l.refused,
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_live_migrations_in_progress",
+			Help: "Live migrations in progress this node's pods take part in, as source or target (a migration between two nodes is counted on both).",
+		}, func() float64 { return float64(len(l.now())) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_live_migration_oldest_seconds",
+			Help: "Seconds the oldest live migration in progress this node's pods take part in has run; 0 when none. Above --live-migration-bound (default 1h) it has hung: alert on the max over the nodes.",
+		}, func() float64 {
+			var oldest time.Time
+			for _, t := range l.now() {
+				if oldest.IsZero() || t.Before(oldest) {
+					oldest = t
+				}
+			}
+			if oldest.IsZero() {
+				return 0
+			}
+			return max(time.Since(oldest).Seconds(), 0)
+		}),
+	}
 }
 
 func newMetrics(a *Agent) *metrics {
@@ -154,6 +260,7 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_pool_exhausted_refusals_total",
 			Help: "ADDs refused as exhausted (CNI code 102) by the last pool they tried: it was full, and so was every pool before it in their list. Given from the pool's first ADD on, at 0.",
 		}, []string{"pool"}),
+		live: newLiveMigrationMetrics(),
 	}
 	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
 	// nothing, and an alert on increase() sees the first one.
@@ -215,6 +322,7 @@ func newMetrics(a *Agent) *metrics {
 		}),
 		&poolCollector{a: a},
 	)
+	m.reg.MustRegister(m.live.collectors()...)
 	return m
 }
 

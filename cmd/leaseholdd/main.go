@@ -39,6 +39,7 @@ type options struct {
 	embeddedDir, embeddedURL, embeddedPeer string
 	leaseTTL, quarantine, gcGrace          time.Duration
 	blockIdle, claimHold, reuseDelay       time.Duration
+	liveMigrationBound                     time.Duration
 	stateDir                               string
 	livenessInterval, livenessGrace        time.Duration
 	publishHosts                           bool
@@ -103,6 +104,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.leaseTTL, "lease-ttl", leases.DefaultLeaseTTL, "TTL of pod and node leases")
 	fs.DurationVar(&o.quarantine, "quarantine", leases.DefaultQuarantine, "how long a released address rests before reuse (0s disables)")
 	fs.DurationVar(&o.claimHold, "claim-hold", leases.DefaultClaimHold, "how long a sticky claim outlives its holder's release when the network configuration gives no stickyHold (at least --lease-ttl)")
+	fs.DurationVar(&o.liveMigrationBound, "live-migration-bound", leases.DefaultLiveMigrationBound, "the age above which a live migration this node takes part in has hung (as leaseholdctl doctor's and the LeaseholdLiveMigrationTooOld alert's)")
 	fs.DurationVar(&o.reuseDelay, "reuse-delay", leases.DefaultReuseDelay, "how long the addresses and blocks of a node cut off from etcd or dead are left to it after its pods' leases expire, while the pool has other room (0s: none)")
 	fs.DurationVar(&o.blockIdle, "block-idle", leases.DefaultBlockIdle, "how long a block this node claimed must stay empty before it is given back to the pool (0s: never)")
 	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC (0s: none)")
@@ -203,7 +205,7 @@ func serve(o *options, log *slog.Logger) error {
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	agent, err := leases.Start(sctx, cli, leases.Config{
 		Cluster: o.cluster, Node: o.node, NodeUID: uid, NodeLabels: o.nodeLabels, LeaseTTL: o.leaseTTL, Quarantine: disabledIfZero(o.quarantine), BlockIdle: disabledIfZero(o.blockIdle), ClaimHold: o.claimHold,
-		ReuseDelay:  disabledIfZero(o.reuseDelay),
+		ReuseDelay: disabledIfZero(o.reuseDelay), LiveMigrationBound: o.liveMigrationBound,
 		SpareLeases: o.spare, GCGrace: disabledIfZero(o.gcGrace), Version: version, Logger: log,
 		PublishHostAddrs: o.publishHosts, HostNetns: o.hostNetns, HostResync: o.hostResync,
 		StateDir: o.stateDir, LivenessInterval: disabledIfZero(o.livenessInterval), LivenessGrace: o.livenessGrace,
