@@ -163,7 +163,12 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
 		RestoreGen: a.hold.Pending, AuditDue: a.audit.MarkDue, LeaseAlive: a.audit.LeaseAlive,
-		Refused: a.metrics.claimsRefused, KeysLost: a.metrics.podKeysLost})
+		Refused: a.metrics.claimsRefused, KeysLost: a.metrics.podKeysLost, Live: a.metrics.live,
+		HeldLease: func(ctx context.Context) (clientv3.LeaseID, error) {
+			id, _, err := a.attach.HeldFor(ctx, "")
+			return id, err
+		}})
+	a.metrics.live.Watch(a.sticky.MigrationsSince)
 	a.sticky.ResumeReleases()
 	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,
 		Put: a.audit.Keys().Put, Deleted: a.audit.Keys().Deleted, Listed: a.audit.Keys().Listed}

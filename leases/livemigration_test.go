@@ -420,6 +420,9 @@ func TestATargetTakesTheClaimWhenItsSourcesNodeDies(t *testing.T) {
 		t.Errorf("the source's owner index outlived its lease")
 	}
 	m.heldBy("u2")
+	if got := liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceExpired); got != 1 {
+		t.Errorf("completed{source_expired} on the target's node: %v, want 1", got)
+	}
 	plain := vmReq(pool, "c3", "u3")
 	plain.Migratable = false
 	third("the target promoted", plain)

@@ -13,6 +13,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/poolview"
+	"github.com/leasehold/leasehold/leases/sticky"
 	"github.com/leasehold/leasehold/leases/txn"
 )
 
@@ -66,15 +67,17 @@ type liveMigrationMetrics struct {
 // How a live migration ended: the values of Completed's and Failed's how.
 const (
 	// LiveMigrationSourceDeleted: the source's DEL completed it (T2, counted by the source's agent).
-	LiveMigrationSourceDeleted = "source_deleted"
+	LiveMigrationSourceDeleted = sticky.SourceDeleted
 	// LiveMigrationSourceExpired: the source's lease expired and the target took the claim's
 	// keys over (T4, counted by the target's agent).
-	LiveMigrationSourceExpired = "source_expired"
+	LiveMigrationSourceExpired = sticky.SourceExpired
 	// LiveMigrationTargetDeleted: the target's DEL failed it (T3, counted by the target's agent).
-	LiveMigrationTargetDeleted = "target_deleted"
+	LiveMigrationTargetDeleted = sticky.TargetDeleted
 	// LiveMigrationTargetExpired: the target's lease expired (T5, seen by the source's audit).
-	LiveMigrationTargetExpired = "target_expired"
+	LiveMigrationTargetExpired = sticky.TargetExpired
 )
+
+var _ sticky.LiveMetrics = (*liveMigrationMetrics)(nil)
 
 func newLiveMigrationMetrics() *liveMigrationMetrics {
 	l := &liveMigrationMetrics{

@@ -127,6 +127,7 @@ func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocat
 				allocator.ErrUnavailable, s.Name, idx.ContainerID, req.ContainerID)
 		}
 		s.Lease, _ = keyspace.ParseLeaseHex(idx.ClaimLease)
+		sc.started(m.Key, m.Rec)
 		return true, resp.Kvs[0].ModRevision, nil
 	}
 	if err := sc.grant(ctx, s); err != nil {
@@ -169,6 +170,8 @@ func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocat
 		s.Stale = true
 		return false, 0, nil
 	}
+	sc.cfg.Live.Started()
+	sc.started(m.Key, mrec)
 	sc.log.Info("live migration started: this pod holds the claim's addresses beside its holder", "claim", s.Name,
 		"owner", owner, "source", m.Source.Owner, "source_node", m.Source.Node, "ips", c.Addrs)
 	return true, resp.Header.Revision, nil
@@ -294,6 +297,8 @@ func (p *departure) failed(ctx context.Context) (Departure, error) {
 		return Departure{}, fmt.Errorf("%w: the live migration of claim %q changed while its target was deleted; retry",
 			allocator.ErrUnavailable, p.claim)
 	}
+	p.sc.cfg.Live.Failed(TargetDeleted)
+	p.sc.seen.drop(p.mkey)
 	p.sc.log.Info("live migration failed: its target was deleted; the holder keeps the claim", "claim", p.claim, "owner", p.owner)
 	return Departure{Done: true, Revision: resp.Header.Revision, Left: resp.Responses[len(resp.Responses)-1].GetResponseRange().Count}, nil
 }
@@ -381,6 +386,8 @@ func (p *departure) completed(ctx context.Context) (_ Departure, again bool, _ e
 	case !resp.Succeeded:
 		return Departure{}, true, nil
 	}
+	sc.cfg.Live.Completed(SourceDeleted)
+	sc.seen.drop(p.mkey)
 	sc.log.Info("live migration completed: its source was deleted; the target holds the claim", "claim", p.claim,
 		"source", p.owner, "target", p.m.Target.Owner, "target_node", p.m.Target.Node)
 	return Departure{Done: true, Revision: resp.Header.Revision, Left: resp.Responses[len(resp.Responses)-1].GetResponseRange().Count}, false, nil

@@ -9,6 +9,7 @@ import (
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 )
 
@@ -18,9 +19,11 @@ import (
 // and pod record, with no release) is completed by promoting the target (T4) long before
 // the claim's record and quarantine keys, on the source's claim lease, run out; one that
 // completed by the source's DEL (T2) leaves the target a holder like any, which the pod book
-// records. One that cannot be checked now is left to the next audit.
+// records; one whose key is missing is written again, or taken over (keepTarget). One that
+// cannot be checked now is left to the next audit. Then the migrations this node takes part
+// in are read, for the metrics (readMigrations).
 func (sc *Claims) KeepTargets(ctx context.Context, layouts map[string]allocator.Blocks) error {
-	var errs []error
+	errs := []error{sc.readMigrations(ctx)}
 	for _, h := range sc.pods.Audit().Targets() {
 		blocks, ok := layouts[h.At.Pool]
 		if !ok {
@@ -31,17 +34,23 @@ func (sc *Claims) KeepTargets(ctx context.Context, layouts map[string]allocator.
 	return errors.Join(errs...)
 }
 
-// keepTarget is KeepTargets for owner's target attachment at, under owner's lock.
+// keepTarget is KeepTargets for owner's target attachment at, under owner's lock. Its
+// migration key found missing is the audit's (docs/proposals/live-migration.md, "Audits"):
+// while the claim names a live holder on another node, the key is written again as T1 wrote
+// it; with the holder's allocations gone, the target takes the claim over as T4 does.
 func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attachment, blocks allocator.Blocks) error {
 	own := sc.locks.Lock(owner)
 	defer own.Unlock()
-	if ps, ok := sc.pods.Snapshot(owner); !ok || !slices.ContainsFunc(ps.Attachments, func(a podbook.Attachment) bool {
+	ps, ok := sc.pods.Snapshot(owner)
+	podLease, held := ps.Held()
+	if !ok || !held || !slices.ContainsFunc(ps.Attachments, func(a podbook.Attachment) bool {
 		return a.IfName == at.IfName && a.Pool == at.Pool && a.Target && a.ContainerID == at.ContainerID
 	}) {
-		return nil // deleted or promoted meanwhile
+		return nil // deleted, promoted or being re-claimed meanwhile
 	}
 	key := keyspace.ClaimKey(sc.cfg.Cluster, at.Pool, at.Claim)
 	mkey := keyspace.LiveMigrationKey(sc.cfg.Cluster, at.Pool, at.Claim)
+	ownerKey := keyspace.OwnerKey(sc.cfg.Cluster, owner, at.IfName, at.Pool)
 	ops := []clientv3.Op{clientv3.OpGet(key), clientv3.OpGet(mkey)}
 	for _, ip := range at.IPs {
 		ops = append(ops, clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()),
@@ -60,33 +69,57 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 			return err
 		}
 	}
-	if len(mkvs) == 0 {
-		if rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
-			sc.pods.Change(own).Promoted(at.IfName, at.Pool) // completed by the source's DEL (T2)
-			return nil
-		}
-		sc.log.Warn("a live migration this node's pod was the target of ended without making it the claim's holder; "+
-			"its addresses are not its own", "claim", at.Claim, "owner", owner, "pool", at.Pool)
+	if len(mkvs) == 0 && rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
+		sc.pods.Change(own).Promoted(at.IfName, at.Pool) // completed by the source's DEL (T2)
+		sc.seen.drop(mkey)
 		return nil
 	}
-	m, err := keyspace.Decode[keyspace.LiveMigrationRecord](mkey, mkvs[0].Value)
-	if err != nil || m.Target.Owner != owner || len(ckvs) == 0 {
+	if len(ckvs) == 0 || rec.Holder == nil || !slices.Equal(rec.IPs, at.IPs) {
+		sc.log.Warn("a live migration this node's pod is the target of has no claim holder any more; its addresses are not its own",
+			"claim", at.Claim, "owner", owner, "pool", at.Pool)
+		return nil
+	}
+	var m keyspace.LiveMigrationRecord
+	mcmp := keyspace.Absent(mkey)
+	if len(mkvs) > 0 {
+		if m, err = keyspace.Decode[keyspace.LiveMigrationRecord](mkey, mkvs[0].Value); err != nil || m.Target.Owner != owner {
+			return err
+		}
+		mcmp = keyspace.Unchanged(mkey, mkvs[0].ModRevision)
+	} else if m, err = sc.targetRecord(ctx, ps, at, podLease, *rec.Holder); err != nil {
 		return err
 	}
-	cmps := []clientv3.Cmp{keyspace.Unchanged(key, ckvs[0].ModRevision), keyspace.Unchanged(mkey, mkvs[0].ModRevision)}
+	la, _ := keyspace.ParseLeaseHex(rec.Holder.LeaseID)
+	cmps := []clientv3.Cmp{keyspace.Unchanged(key, ckvs[0].ModRevision), mcmp}
+	allocated, onSource := 0, 0
 	for i, ip := range at.IPs {
-		if len(resp.Responses[2+2*i].GetResponseRange().Kvs) > 0 {
-			return nil // the source still holds it: the migration goes on
+		ipKey := keyspace.IPKey(at.Pool, blocks, ip)
+		if kvs := resp.Responses[2+2*i].GetResponseRange().Kvs; len(kvs) > 0 {
+			allocated++
+			if la != 0 && keyspace.HeldOn(kvs[0], la) {
+				onSource++
+			}
+			cmps = append(cmps, keyspace.OnLease(ipKey, la))
+		} else {
+			cmps = append(cmps, keyspace.Absent(ipKey))
 		}
 		var qrev int64
 		if q := resp.Responses[3+2*i].GetResponseRange().Kvs; len(q) > 0 {
 			qrev = q[0].ModRevision
 		}
-		cmps = append(cmps, keyspace.Absent(keyspace.IPKey(at.Pool, blocks, ip)),
-			keyspace.Unchanged(keyspace.QuarantineKey(at.Pool, blocks, ip), qrev))
+		cmps = append(cmps, keyspace.Unchanged(keyspace.QuarantineKey(at.Pool, blocks, ip), qrev))
 	}
-	if !slices.Equal(rec.IPs, at.IPs) {
-		return nil
+	switch {
+	case allocated > 0 && len(mkvs) > 0:
+		sc.started(mkey, m)
+		return nil // the source still holds them: the migration goes on
+	case allocated > 0:
+		if onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable {
+			sc.log.Warn("the live migration key of this node's pod is gone and the claim's addresses are not all its holder's on another "+
+				"node; it is not written again", "claim", at.Claim, "owner", owner, "holder", rec.Holder.Owner, "holder_node", rec.Holder.Node)
+			return nil
+		}
+		return sc.remigrate(octx, cmps, own, ownerKey, podLease, mkey, m)
 	}
 	puts, err := moves(sc.cfg.Cluster, at.Pool, at.Claim, blocks, m, rec, at.Network, sc.wall())
 	if err != nil {
@@ -101,7 +134,51 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		return nil
 	}
 	sc.pods.Change(own).Promoted(at.IfName, at.Pool)
+	sc.seen.drop(mkey)
+	sc.cfg.Live.Completed(SourceExpired)
 	sc.log.Warn("live migration completed by its source's expiry (its node is gone): this node's pod holds the claim now",
-		"claim", at.Claim, "owner", owner, "source", m.Source.Owner, "source_node", m.Source.Node, "ips", at.IPs)
+		"claim", at.Claim, "owner", owner, "source", rec.Holder.Owner, "source_node", rec.Holder.Node, "ips", at.IPs)
+	return nil
+}
+
+// targetRecord is the live migration record T1 wrote for owner's target attachment at, on
+// podLease, from source: written again when found missing. Its start is the attachment's.
+func (sc *Claims) targetRecord(ctx context.Context, ps podbook.PodState, at podbook.Attachment, podLease clientv3.LeaseID,
+	source keyspace.ClaimHolder) (keyspace.LiveMigrationRecord, error) {
+	m := keyspace.LiveMigrationRecord{
+		Target: keyspace.ClaimHolder{Owner: ps.Owner, Pod: ps.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
+			ContainerID: at.ContainerID, IfName: at.IfName, LeaseID: keyspace.LeaseHex(podLease)},
+		ClaimLease: keyspace.LeaseHex(at.ClaimLease),
+		Source:     keyspace.LiveMigrationSource{Owner: source.Owner, Node: source.Node, LeaseID: source.LeaseID},
+		Since:      at.Created.UTC(),
+	}
+	bl, err := sc.cfg.HeldLease(ctx)
+	if err != nil {
+		return m, err
+	}
+	if bl != 0 {
+		m.BlockLease = keyspace.LeaseHex(bl)
+	}
+	return m, nil
+}
+
+// remigrate writes the live migration key m of own's target attachment again, on its pod
+// lease, compared as cmps (the claim, the key absent, each address on the holder's pod lease
+// and its quarantine key as read) and the owner index on that lease: T1 again.
+func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *ownerlock.Owned, ownerKey string, podLease clientv3.LeaseID,
+	mkey string, m keyspace.LiveMigrationRecord) error {
+	cmps = append(cmps, keyspace.OnLease(ownerKey, podLease))
+	resp, err := sc.cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(mkey, keyspace.Encode(m), clientv3.WithLease(podLease))).Commit()
+	if err != nil {
+		return sc.unavailable("write again the live migration key "+mkey, err)
+	}
+	if !resp.Succeeded {
+		sc.cfg.AuditDue()
+		return nil
+	}
+	sc.started(mkey, m)
+	sc.cfg.KeysLost.Inc()
+	sc.log.Error("the live migration key of this node's pod was missing in etcd; written again: the pod still uses its holder's addresses",
+		"key", mkey, "owner", own.Owner(), "source", m.Source.Owner, "source_node", m.Source.Node)
 	return nil
 }

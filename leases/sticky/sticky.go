@@ -52,6 +52,8 @@ type Claims struct {
 	// unclaimed are the networks whose migratable configuration came without a claim, logged
 	// once each (Unclaimed).
 	unclaimed sync.Map
+	// seen are the live migrations this node's pods take part in (livecount.go).
+	seen liveSeen
 }
 
 // Config is what the sticky claims use of the agent's Config, and what they are handed of
@@ -78,6 +80,11 @@ type Config struct {
 	// Refused counts the ADDs refused because another owner holds a claim's addresses;
 	// KeysLost the keys found missing or changed in etcd and put back.
 	Refused, KeysLost prometheus.Counter
+	// Live counts the live migrations this node's pods take part in (livecount.go).
+	Live LiveMetrics
+	// HeldLease is the lease this node's held keys go on (the block lease; 0: none are
+	// written), named by a live migration key the target's agent writes again.
+	HeldLease func(ctx context.Context) (clientv3.LeaseID, error)
 }
 
 // Book is what the sticky claims ask of the pod book (podbook.Book): of its audit view
@@ -200,6 +207,7 @@ func (sc *Claims) Read(ctx context.Context, spec allocator.PoolSpec, req *alloca
 		if !ok || time.Until(deadline) < 2*stickyWaitStep || ctx.Err() != nil {
 			sc.cfg.Refused.Inc()
 			if holder.migrating {
+				sc.cfg.Live.Refused()
 				return nil, fmt.Errorf("%w: claim %q of pool %q: held by %s; a third attachment gets the addresses only once one of them "+
 					"is deleted or its lease expires", allocator.ErrUnavailable, req.Claim, spec.Name, holder.who)
 			}

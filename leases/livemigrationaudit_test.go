@@ -1,0 +1,194 @@
+package leases
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/leasehold/leasehold/allocator"
+	"github.com/leasehold/leasehold/internal/etcdtest"
+	"github.com/leasehold/leasehold/keyspace"
+)
+
+// The live migrations' metrics and the audits' duties (docs/proposals/live-migration.md,
+// "Audits" and "Where it shows").
+
+// liveCount is the value of a live migration counter of a, with how for the labelled ones.
+func liveCount(t *testing.T, a *Agent, name, how string) float64 {
+	t.Helper()
+	mfs, err := a.Metrics().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if len(m.GetLabel()) == 0 && how == "" || len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == how {
+				return m.GetCounter().GetValue() + m.GetGauge().GetValue()
+			}
+		}
+	}
+	t.Fatalf("no metric %s{how=%q}", name, how)
+	return 0
+}
+
+// TestLiveMigrationsAreCountedOnBothNodes: each transition is counted by the agent the
+// proposal names: a start (T1) and a failure by the target's DEL (T3) on the target's node, a
+// third pod refused (T6) on its node (in the sticky refusals too), a target's death (T5) by
+// the source's audit, a completion by the source's DEL (T2) on the source's node; both nodes'
+// gauges show the migration in progress and its age, and none once it ended.
+func TestLiveMigrationsAreCountedOnBothNodes(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.91.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1", auditFast)
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	c := startAgent(t, cluster, "n3", "uid3", auditFast)
+	const (
+		started    = "leasehold_live_migrations_started_total"
+		completed  = "leasehold_live_migrations_completed_total"
+		failed     = "leasehold_live_migrations_failed_total"
+		refused    = "leasehold_live_migrations_refused_total"
+		inProgress = "leasehold_live_migrations_in_progress"
+		oldest     = "leasehold_live_migration_oldest_seconds"
+	)
+	want := func(x *Agent, node, name, how string, v float64) {
+		t.Helper()
+		etcdtest.EventuallyTrue(t, node+" "+name+" "+how, func() bool { return liveCount(t, x, name, how) == v })
+	}
+	ips, _ := startMigration(t, cli, cluster, a, b, pool)
+	want(b, "n2", started, "", 1)
+	want(b, "n2", inProgress, "", 1)
+	want(a, "n1", inProgress, "", 1) // the source's audit read it
+	if got := liveCount(t, a, started, ""); got != 0 {
+		t.Errorf("the source's node counted %v starts, want 0 (the target's counts it)", got)
+	}
+	if age := liveCount(t, b, oldest, ""); age <= 0 || age > 600 {
+		t.Errorf("%s on the target's node: %v, want the migration's age", oldest, age)
+	}
+	// T6: refused on the third pod's node, in both counters.
+	short, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, err := c.Add(short, vmReq(pool, "c9", "u9"))
+	cancel()
+	if !errors.Is(err, allocator.ErrUnavailable) {
+		t.Fatalf("a third pod's ADD: %v", err)
+	}
+	want(c, "n3", refused, "", 1)
+	want(c, "n3", "leasehold_claim_handovers_refused_total", "", 1)
+	// T3: the target's DEL.
+	if err := b.Del(ctx, vmReq(pool, "c2", "u2")); err != nil {
+		t.Fatal(err)
+	}
+	want(b, "n2", failed, LiveMigrationTargetDeleted, 1)
+	want(b, "n2", inProgress, "", 0)
+	want(a, "n1", inProgress, "", 0)
+	audits := metricValue(t, a, "leasehold_key_audits_total")
+	etcdtest.EventuallyTrue(t, "two more audits on n1", func() bool { return metricValue(t, a, "leasehold_key_audits_total") >= audits+2 })
+	if got := liveCount(t, a, failed, LiveMigrationTargetExpired); got != 0 {
+		t.Errorf("the source's node counted the target's DEL as its death: %v", got)
+	}
+	// T5: a next target, on n3, dies (its pod and node leases expire: revoked here) once the
+	// source's audit saw it.
+	if _, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil {
+		t.Fatal(err)
+	}
+	want(a, "n1", inProgress, "", 1)
+	lc := readLiveMig(t, cli, cluster, pool, ips, "u3").ownerLeases["u3"]
+	c.Close()
+	nodeRec, err := cli.Get(ctx, keyspace.NodeKey(cluster, "n3"))
+	if err != nil || len(nodeRec.Kvs) == 0 {
+		t.Fatalf("n3's node record: %v %v", nodeRec, err)
+	}
+	for _, l := range []clientv3.LeaseID{lc, clientv3.LeaseID(nodeRec.Kvs[0].Lease)} {
+		if _, err := cli.Revoke(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want(a, "n1", failed, LiveMigrationTargetExpired, 1)
+	want(a, "n1", inProgress, "", 0)
+	if got := liveCount(t, a, failed, LiveMigrationTargetDeleted); got != 0 {
+		t.Errorf("the source's node counted a target's DEL: %v", got)
+	}
+	// T2: a third target, on n2, and the source's DEL.
+	if _, err := b.Add(ctx, vmReq(pool, "c4", "u4")); err != nil {
+		t.Fatal(err)
+	}
+	want(b, "n2", started, "", 2)
+	want(a, "n1", inProgress, "", 1)
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	want(a, "n1", completed, LiveMigrationSourceDeleted, 1)
+	want(a, "n1", inProgress, "", 0)
+	want(b, "n2", inProgress, "", 0)
+	if got := liveCount(t, a, failed, LiveMigrationTargetExpired); got != 1 {
+		t.Errorf("the completed migration counted as a target's death too: %v", got)
+	}
+}
+
+// TestATargetsAuditWritesItsMissingMigrationKeyAgain: the target's migration key deleted by
+// hand while its source runs is written again by the target's audit, on its pod lease, naming
+// it and its source; the source's keys keep their revisions, and the source's DEL then
+// completes the migration to the target.
+func TestATargetsAuditWritesItsMissingMigrationKeyAgain(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.92.0.0/24", 26)
+	hold := func(c *Config) { c.ReuseDelay = holdDelay }
+	a := startAgent(t, cluster, "n1", "uid1", hold)
+	b := startAgent(t, cluster, "n2", "uid2", hold, auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	if _, err := cli.Delete(ctx, started.migKey); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the migration key written again", func() bool {
+		return readLiveMig(t, cli, cluster, pool, ips).migLease != 0
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	if m.migLease != started.migLease || m.mig.Target != started.mig.Target || m.mig.Source != started.mig.Source ||
+		m.mig.ClaimLease != started.mig.ClaimLease || m.mig.BlockLease != started.mig.BlockLease || m.mig.BlockLease == "" {
+		t.Errorf("migration key written again on %x as %+v, want on %x as %+v", int64(m.migLease), m.mig, int64(started.migLease), started.mig)
+	}
+	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
+		t.Errorf("writing the key again changed the source's keys: %+v, started %+v", m, started)
+	}
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+}
+
+// TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone: the migration key gone
+// (deleted by hand) and then the source's pod lease (its node died): the target's audit takes
+// the claim over as a hand-over, every key onto its own leases, rather than leaving the
+// claim's addresses to run out with the hold while its pod uses them.
+func TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.93.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	state := t.TempDir()
+	bcfg := func(c *Config) { c.StateDir, c.LeaseTTL = state, 30*time.Second }
+	b := startAgent(t, cluster, "n2", "uid2", bcfg, auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	b.Close() // away while both go
+	a.Close()
+	if _, err := cli.Delete(ctx, started.migKey); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, started.ownerLeases["u1"]); err != nil {
+		t.Fatal(err)
+	}
+	b = startAgent(t, cluster, "n2", "uid2", bcfg, auditFast)
+	etcdtest.EventuallyTrue(t, "the target took the claim", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips)
+		return len(m.ipOwners) > 0 && m.ipOwners[0] == "u2"
+	})
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+	if got := liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceExpired); got != 1 {
+		t.Errorf("completed{source_expired} on the target's node: %v, want 1", got)
+	}
+}
