@@ -192,3 +192,63 @@ func TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone(t *testin
 		t.Errorf("completed{source_expired} on the target's node: %v, want 1", got)
 	}
 }
+
+// TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain: the target's pod lease revoked
+// (its keys gone with it) while the source runs: the target's re-claim writes its migration
+// key and owner index again on its new lease, records no conflict against its own source,
+// leaves the source's keys as they were, and the source's DEL then completes the migration.
+func TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.94.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	lb := started.ownerLeases["u2"]
+	if _, err := cli.Revoke(ctx, lb); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+		return m.migLease != 0 && m.migLease != lb && m.ownerLeases["u2"] == m.migLease
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	if m.mig.Target.Owner != "u2" || m.mig.Target.LeaseID != keyspace.LeaseHex(m.migLease) || m.mig.Source != started.mig.Source {
+		t.Errorf("migration key after the re-claim: %+v on %x", m.mig, int64(m.migLease))
+	}
+	if resp, err := cli.Get(ctx, keyspace.ConflictKey(cluster, "u2", "eth0", pool.Name)); err != nil || len(resp.Kvs) != 0 {
+		t.Errorf("the re-claimed target recorded a conflict against its source: %v %v", resp, err)
+	}
+	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
+		t.Errorf("the target's re-claim changed the source's keys: %+v, started %+v", m, started)
+	}
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+}
+
+// TestATargetReclaimedAfterItsSourceWentTakesTheClaim: the source's node dies and the
+// target's pod lease is lost too: the target's re-claim takes the claim over, every key on
+// its own leases, rather than re-claiming the addresses as any pod's with the claim left
+// naming the dead source.
+func TestATargetReclaimedAfterItsSourceWentTakesTheClaim(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.95.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	a.Close()
+	for _, l := range []clientv3.LeaseID{started.ownerLeases["u1"], started.ownerLeases["u2"]} {
+		if _, err := cli.Revoke(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+		return m.ownerLeases["u2"] != 0 && len(m.ipOwners) > 0 && m.ipOwners[0] == "u2"
+	})
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+	if resp, err := cli.Get(ctx, keyspace.ConflictKey(cluster, "u2", "eth0", pool.Name)); err != nil || len(resp.Kvs) != 0 {
+		t.Errorf("the re-claimed target recorded a conflict: %v %v", resp, err)
+	}
+}

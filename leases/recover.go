@@ -9,6 +9,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/parallel"
 	"github.com/leasehold/leasehold/keyspace"
 	"github.com/leasehold/leasehold/leases/etcdgate"
@@ -187,7 +188,12 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		DropPodIfEmpty: a.release.DropPodIfEmpty, ReportTakenAtDel: a.release.ReportTakenAtDel,
 		HeldFor: a.attach.HeldFor, Allocation: a.attach.Allocation,
 		Loops:        a.loops,
-		KeepClaimsOf: a.sticky.KeepClaimsOf, Fail: a.fail, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
+		KeepClaimsOf: a.sticky.KeepClaimsOf, Fail: a.fail,
+		ReclaimTarget: func(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
+			blocks allocator.Blocks) (int64, bool, bool, error) {
+			t, ok, err := a.sticky.ReclaimTarget(ctx, ps, at, lease, blocks)
+			return t.Rev, t.Promoted, ok, err
+		}, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
 		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, Relist: a.rules.Relist, HeldAddrs: a.pods.HeldAddrs,

@@ -73,7 +73,7 @@ func (r *Reclaimer) reclaim(ctx context.Context, owner string) error {
 		if at.Released {
 			continue // its release is pending (releasePending): never re-claimed
 		}
-		rev, taken, err := r.reclaimAttachment(octx, own, snap, at, lease)
+		rev, taken, err := r.reclaimAttachment(octx, own, snap, &snap.Attachments[i], lease)
 		if err != nil {
 			if !wrote && !errors.Is(err, allocator.ErrUnavailable) {
 				r.cfg.Keeper.Return(lease) // etcd answered and nothing is on it
@@ -116,11 +116,27 @@ func (r *Reclaimer) reclaim(ctx context.Context, owner string) error {
 // ModRevision, so that its DEL needs no read first, and the addresses another owner took
 // meanwhile: they are left to that owner, recorded in the attachment's conflict record, and
 // taken back when that owner lets them go (Config.WatchConflicts).
-func (r *Reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
+//
+// A live migration's target (at.Target) takes its migration up again instead
+// (Config.ReclaimTarget), or the claim if its source is gone meanwhile (at.Target is then
+// cleared): the claim's addresses are its source's, not taken from it.
+func (r *Reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned, ps podbook.PodState, pat *podbook.Attachment, lease clientv3.LeaseID) (int64, []netip.Addr, error) {
+	at := *pat
 	req := allocator.Request{Pod: ps.Pod, ContainerID: at.ContainerID, IfName: at.IfName, Network: at.Network}
 	p, err := r.cfg.Pools.Ensure(ctx, allocator.PoolSpec{Name: at.Pool})
 	if err != nil {
 		return 0, nil, err
+	}
+	if at.Target {
+		rev, promoted, ok, err := r.cfg.ReclaimTarget(ctx, ps, at, lease, p.Spec.Blocks)
+		if err != nil {
+			return 0, nil, err
+		}
+		if ok {
+			pat.Target = !promoted
+			return rev, []netip.Addr{}, nil
+		}
+		pat.Target = false // re-claimed as any pod: the addresses its source holds are conflicts
 	}
 	heldLease, held, err := r.cfg.HeldFor(ctx, ps.Owner)
 	if err != nil {

@@ -98,6 +98,11 @@ type Config struct {
 	Loops *claimloop.Claims
 	// KeepClaimsOf puts a re-claimed pod's sticky claims back (the sticky claims').
 	KeepClaimsOf func(context.Context, *ownerlock.Owned) error
+	// ReclaimTarget re-claims a live migration's target on lease (the sticky claims'
+	// ReclaimTarget): rev is its owner index's ModRevision, promoted that it holds the claim
+	// alone now; ok false: re-claimed as any attachment.
+	ReclaimTarget func(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
+		blocks allocator.Blocks) (rev int64, promoted, ok bool, err error)
 	// Fail stops the agent: another host took its node identity.
 	Fail func(error)
 	// ConflictsFound counts the addresses found taken by another owner (Agent.Conflicts);

@@ -271,7 +271,7 @@ func (sc *Claims) KeepClaimsOf(ctx context.Context, own *ownerlock.Owned) error 
 	}
 	var errs []error
 	for _, at := range ps.Attachments {
-		if at.Claim != "" && !at.Released {
+		if at.Claim != "" && !at.Released && !at.Target { // a target's claim is its source's
 			errs = append(errs, sc.KeepClaimLocked(ctx, own, owner, at.IfName, at.Pool))
 		}
 	}
