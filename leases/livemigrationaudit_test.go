@@ -252,3 +252,38 @@ func TestATargetReclaimedAfterItsSourceWentTakesTheClaim(t *testing.T) {
 		t.Errorf("the re-claimed target recorded a conflict: %v %v", resp, err)
 	}
 }
+
+// TestAMigrationKeyARestoreBroughtBackForADeletedTargetIsDeleted: the target's DEL ended the
+// migration (T3); a restore of a backup from before it brings the migration key back, on a
+// lease nobody renews. The target's agent, told etcd went back, deletes it, so a next target
+// starts at once rather than being refused as a third pod until that lease runs out.
+func TestAMigrationKeyARestoreBroughtBackForADeletedTargetIsDeleted(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.96.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", withHold(t.TempDir()), auditFast)
+	c := startAgent(t, cluster, "n3", "uid3")
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	before, err := cli.Get(ctx, started.migKey)
+	if err != nil || len(before.Kvs) == 0 {
+		t.Fatalf("migration key: %v %v", before, err)
+	}
+	if err := b.Del(ctx, vmReq(pool, "c2", "u2")); err != nil {
+		t.Fatal(err)
+	}
+	g, err := cli.Grant(ctx, 600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, started.migKey, string(before.Kvs[0].Value), clientv3.WithLease(g.ID)); err != nil {
+		t.Fatal(err)
+	}
+	b.notices.WentBack("a test's restore") // not told to the package's other agents (restorenotice/restored.go)
+	etcdtest.EventuallyTrue(t, "the restored migration key deleted", func() bool {
+		return readLiveMig(t, cli, cluster, pool, ips).migLease == 0
+	})
+	readLiveMig(t, cli, cluster, pool, ips, "u1").heldBy("u1")
+	if res, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
+		t.Fatalf("a next target after the stale key went: %v %v", resultAddrs(res), err)
+	}
+}

@@ -220,6 +220,9 @@ func (sc *Claims) Audit(ctx context.Context, layouts map[string]allocator.Blocks
 		if err := sc.releaseStaleClaims(ctx); err != nil {
 			return err
 		}
+		if err := sc.deleteStaleMigrations(ctx); err != nil {
+			return err
+		}
 		if err := sc.restoreReleasedClaims(ctx); err != nil {
 			return err
 		}

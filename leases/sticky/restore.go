@@ -109,6 +109,49 @@ func (sc *Claims) releaseStaleClaims(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// deleteStaleMigrations deletes, after etcd went back in time, the live migration keys naming
+// as target an attachment of this node identity that it no longer has: the backup brought
+// them back as they were before the target's DEL (T3), on a lease nobody renews. Until it
+// expired, such a key would refuse every other pod naming the claim (T6) and offer the
+// claim's keys to a pod that is gone when its source is deleted (T2). Each goes compared
+// unchanged since read, under its target's owner lock.
+func (sc *Claims) deleteStaleMigrations(ctx context.Context) error {
+	octx, cancel := sc.opCtx(ctx)
+	resp, err := sc.cli.Get(octx, keyspace.LiveMigrationsPrefix(sc.cfg.Cluster), clientv3.WithPrefix())
+	cancel()
+	if err != nil {
+		return sc.unavailable("list the live migrations", err)
+	}
+	var errs []error
+	for _, kv := range resp.Kvs {
+		_, pool, claim, err := keyspace.ParseLiveMigrationKey(string(kv.Key))
+		if err != nil {
+			continue
+		}
+		m, err := keyspace.Decode[keyspace.LiveMigrationRecord](string(kv.Key), kv.Value)
+		if err != nil || m.Target.NodeUID != sc.cfg.NodeUID {
+			continue
+		}
+		t := m.Target
+		own := sc.locks.Lock(t.Owner)
+		if !sc.pods.Lists(t.Owner, t.IfName, pool, t.ContainerID) {
+			octx, cancel := sc.opCtx(ctx)
+			dresp, err := sc.cli.Txn(octx).If(keyspace.Unchanged(string(kv.Key), kv.ModRevision)).Then(clientv3.OpDelete(string(kv.Key))).Commit()
+			cancel()
+			switch {
+			case err != nil:
+				errs = append(errs, sc.unavailable("delete the stale live migration key "+string(kv.Key), err))
+			case dresp.Succeeded:
+				sc.seen.drop(string(kv.Key))
+				sc.log.Warn("a live migration key etcd's restored backup brought back named a target of this node deleted since; deleted",
+					"claim", claim, "pool", pool, "target", t.Owner, "source", m.Source.Owner)
+			}
+		}
+		own.Unlock()
+	}
+	return errors.Join(errs...)
+}
+
 // releaseStaleClaim releases claim name of pool, read at kv as rec (releaseStaleClaims).
 func (sc *Claims) releaseStaleClaim(ctx context.Context, pool, name string, kv *mvccpb.KeyValue, rec keyspace.ClaimRecord) error {
 	blocks, _, err := sc.cfg.Layout(ctx, pool)
