@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"slices"
 	"testing"
 	"time"
@@ -36,6 +37,21 @@ func liveCount(t *testing.T, a *Agent, name, how string) float64 {
 	}
 	t.Fatalf("no metric %s{how=%q}", name, how)
 	return 0
+}
+
+// completesAfter checks that what taking the migration up again did (m, read after it) left
+// the source's keys as they were when it started, and that the source's DEL (on a) then
+// completes it to the target u2.
+func completesAfter(t *testing.T, what string, a *Agent, cli *clientv3.Client, cluster string, pool allocator.PoolSpec,
+	ips []netip.Addr, m, started liveMig) {
+	t.Helper()
+	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
+		t.Errorf("%s changed the source's keys: %+v, started %+v", what, m, started)
+	}
+	if err := a.Del(ctxT(t), vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
 }
 
 // TestLiveMigrationsAreCountedOnBothNodes: each transition is counted by the agent the
@@ -153,13 +169,7 @@ func TestATargetsAuditWritesItsMissingMigrationKeyAgain(t *testing.T) {
 		m.mig.ClaimLease != started.mig.ClaimLease || m.mig.BlockLease != started.mig.BlockLease || m.mig.BlockLease == "" {
 		t.Errorf("migration key written again on %x as %+v, want on %x as %+v", int64(m.migLease), m.mig, int64(started.migLease), started.mig)
 	}
-	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
-		t.Errorf("writing the key again changed the source's keys: %+v, started %+v", m, started)
-	}
-	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
-		t.Fatal(err)
-	}
-	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+	completesAfter(t, "writing the key again", a, cli, cluster, pool, ips, m, started)
 }
 
 // TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone: the migration key gone
@@ -218,13 +228,7 @@ func TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain(t *testing.T) {
 	if resp, err := cli.Get(ctx, keyspace.ConflictKey(cluster, "u2", "eth0", pool.Name)); err != nil || len(resp.Kvs) != 0 {
 		t.Errorf("the re-claimed target recorded a conflict against its source: %v %v", resp, err)
 	}
-	if m.claimRev != started.claimRev || !slices.Equal(m.ipRevs, started.ipRevs) {
-		t.Errorf("the target's re-claim changed the source's keys: %+v, started %+v", m, started)
-	}
-	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
-		t.Fatal(err)
-	}
-	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+	completesAfter(t, "the target's re-claim", a, cli, cluster, pool, ips, m, started)
 }
 
 // TestATargetReclaimedAfterItsSourceWentTakesTheClaim: the source's node dies and the

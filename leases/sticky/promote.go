@@ -48,69 +48,41 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 	}) {
 		return nil // deleted, promoted or being re-claimed meanwhile
 	}
-	key := keyspace.ClaimKey(sc.cfg.Cluster, at.Pool, at.Claim)
-	mkey := keyspace.LiveMigrationKey(sc.cfg.Cluster, at.Pool, at.Claim)
 	ownerKey := keyspace.OwnerKey(sc.cfg.Cluster, owner, at.IfName, at.Pool)
-	ops := []clientv3.Op{clientv3.OpGet(key), clientv3.OpGet(mkey)}
-	for _, ip := range at.IPs {
-		ops = append(ops, clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()),
-			clientv3.OpGet(keyspace.QuarantineKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()))
-	}
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
-	resp, err := sc.cli.Txn(octx).Then(ops...).Commit()
+	r, err := sc.readTarget(octx, at, blocks)
 	if err != nil {
-		return sc.unavailable("read the live migration of claim "+at.Claim, err)
+		return err
 	}
-	ckvs, mkvs := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
-	var rec keyspace.ClaimRecord
-	if len(ckvs) > 0 {
-		if rec, err = keyspace.Decode[keyspace.ClaimRecord](key, ckvs[0].Value); err != nil {
-			return err
-		}
+	if r.recErr != nil {
+		return r.recErr
 	}
-	if len(mkvs) == 0 && rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
+	key, mkey, rec := r.key, r.mkey, r.rec
+	if r.mkv == nil && rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
 		sc.pods.Change(own).Promoted(at.IfName, at.Pool) // completed by the source's DEL (T2)
 		sc.seen.drop(mkey)
 		return nil
 	}
-	if len(ckvs) == 0 || rec.Holder == nil || !slices.Equal(rec.IPs, at.IPs) {
+	if r.ckv == nil || rec.Holder == nil || !slices.Equal(rec.IPs, at.IPs) {
 		sc.log.Warn("a live migration this node's pod is the target of has no claim holder any more; its addresses are not its own",
 			"claim", at.Claim, "owner", owner, "pool", at.Pool)
 		return nil
 	}
 	var m keyspace.LiveMigrationRecord
 	mcmp := keyspace.Absent(mkey)
-	if len(mkvs) > 0 {
-		if m, err = keyspace.Decode[keyspace.LiveMigrationRecord](mkey, mkvs[0].Value); err != nil || m.Target.Owner != owner {
+	if r.mkv != nil {
+		if m, err = keyspace.Decode[keyspace.LiveMigrationRecord](mkey, r.mkv.Value); err != nil || m.Target.Owner != owner {
 			return err
 		}
-		mcmp = keyspace.Unchanged(mkey, mkvs[0].ModRevision)
+		mcmp = keyspace.Unchanged(mkey, r.mkv.ModRevision)
 	} else if m, err = sc.targetRecord(ctx, ps, at, podLease, *rec.Holder); err != nil {
 		return err
 	}
-	la, _ := keyspace.ParseLeaseHex(rec.Holder.LeaseID)
-	cmps := []clientv3.Cmp{keyspace.Unchanged(key, ckvs[0].ModRevision), mcmp}
-	allocated, onSource := 0, 0
-	for i, ip := range at.IPs {
-		ipKey := keyspace.IPKey(at.Pool, blocks, ip)
-		if kvs := resp.Responses[2+2*i].GetResponseRange().Kvs; len(kvs) > 0 {
-			allocated++
-			if la != 0 && keyspace.HeldOn(kvs[0], la) {
-				onSource++
-			}
-			cmps = append(cmps, keyspace.OnLease(ipKey, la))
-		} else {
-			cmps = append(cmps, keyspace.Absent(ipKey))
-		}
-		var qrev int64
-		if q := resp.Responses[3+2*i].GetResponseRange().Kvs; len(q) > 0 {
-			qrev = q[0].ModRevision
-		}
-		cmps = append(cmps, keyspace.Unchanged(keyspace.QuarantineKey(at.Pool, blocks, ip), qrev))
-	}
+	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, r.ckv.ModRevision), mcmp}, acmps...)
 	switch {
-	case allocated > 0 && len(mkvs) > 0:
+	case allocated > 0 && r.mkv != nil:
 		sc.started(mkey, m)
 		return nil // the source still holds them: the migration goes on
 	case allocated > 0:

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -33,21 +34,15 @@ type Retargeted struct {
 // allocator.ErrUnavailable.
 func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
 	blocks allocator.Blocks) (_ Retargeted, ok bool, _ error) {
-	key := keyspace.ClaimKey(sc.cfg.Cluster, at.Pool, at.Claim)
-	mkey := keyspace.LiveMigrationKey(sc.cfg.Cluster, at.Pool, at.Claim)
 	ownerKey := keyspace.OwnerKey(sc.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
-	ops := []clientv3.Op{clientv3.OpGet(key), clientv3.OpGet(mkey), clientv3.OpGet(ownerKey)}
-	for _, ip := range at.IPs {
-		ops = append(ops, clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()),
-			clientv3.OpGet(keyspace.QuarantineKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()))
-	}
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
-	resp, err := sc.cli.Txn(octx).Then(ops...).Commit()
+	r, err := sc.readTarget(octx, at, blocks, clientv3.OpGet(ownerKey))
 	if err != nil {
-		return Retargeted{}, false, sc.unavailable("read the live migration of claim "+at.Claim, err)
+		return Retargeted{}, false, err
 	}
-	ckv, mkv, okv := firstKV(resp, 0), firstKV(resp, 1), firstKV(resp, 2)
+	key, mkey, rec := r.key, r.mkey, r.rec
+	ckv, mkv, okv := r.ckv, r.mkv, r.extra(0)
 	if okv != nil {
 		if keyspace.HeldOn(okv, lease) && (mkv != nil && keyspace.HeldOn(mkv, lease) || ckv != nil && keyspace.HeldOn(ckv, at.ClaimLease)) {
 			// Done by an earlier attempt whose answer was lost: written again, or taken over.
@@ -56,37 +51,15 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 		return Retargeted{}, false, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s", allocator.ErrUnavailable,
 			ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(okv)))
 	}
-	if ckv == nil || mkv != nil {
-		return Retargeted{}, false, nil // released, or another target's
-	}
-	rec, err := keyspace.Decode[keyspace.ClaimRecord](key, ckv.Value)
-	if err != nil || rec.Holder == nil || rec.Holder.Owner == ps.Owner || !slices.Equal(rec.IPs, at.IPs) {
-		return Retargeted{}, false, nil
+	if ckv == nil || mkv != nil || r.recErr != nil || rec.Holder == nil || rec.Holder.Owner == ps.Owner || !slices.Equal(rec.IPs, at.IPs) {
+		return Retargeted{}, false, nil // released, another target's, or not a claim this target can take up
 	}
 	m, err := sc.targetRecord(ctx, ps, at, lease, *rec.Holder)
 	if err != nil {
 		return Retargeted{}, false, err
 	}
-	la, _ := keyspace.ParseLeaseHex(rec.Holder.LeaseID)
-	cmps := []clientv3.Cmp{keyspace.Unchanged(key, ckv.ModRevision), keyspace.Absent(mkey), keyspace.Absent(ownerKey)}
-	allocated, onSource := 0, 0
-	for i, ip := range at.IPs {
-		ipKey := keyspace.IPKey(at.Pool, blocks, ip)
-		if kv := firstKV(resp, 3+2*i); kv != nil {
-			allocated++
-			if la != 0 && keyspace.HeldOn(kv, la) {
-				onSource++
-			}
-			cmps = append(cmps, keyspace.OnLease(ipKey, la))
-		} else {
-			cmps = append(cmps, keyspace.Absent(ipKey))
-		}
-		var qrev int64
-		if q := firstKV(resp, 4+2*i); q != nil {
-			qrev = q.ModRevision
-		}
-		cmps = append(cmps, keyspace.Unchanged(keyspace.QuarantineKey(at.Pool, blocks, ip), qrev))
-	}
+	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, ckv.ModRevision), keyspace.Absent(mkey), keyspace.Absent(ownerKey)}, acmps...)
 	onLease := clientv3.WithLease(lease)
 	idx := podbook.OwnerIndexOf(at, sc.cfg.Node, sc.cfg.NodeUID, lease)
 	puts := []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(idx), onLease)}
@@ -121,4 +94,67 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 			"claim", at.Claim, "owner", ps.Owner, "source", rec.Holder.Owner, "lease", keyspace.LeaseHex(lease))
 	}
 	return Retargeted{Rev: tresp.Header.Revision, Promoted: promoted}, true, nil
+}
+
+// targetRead is what a target's agent read of its claim (keepTarget, ReclaimTarget), in one
+// transaction: the record (recErr: unreadable), the migration key, each address's
+// allocation and quarantine key (keys only), then the extra reads asked for.
+type targetRead struct {
+	key, mkey string
+	ckv, mkv  *mvccpb.KeyValue
+	rec       keyspace.ClaimRecord
+	recErr    error
+	resp      *clientv3.TxnResponse
+	addrs     int
+}
+
+// readTarget reads at's claim (targetRead). Its errors wrap allocator.ErrUnavailable.
+func (sc *Claims) readTarget(ctx context.Context, at podbook.Attachment, blocks allocator.Blocks, extra ...clientv3.Op) (targetRead, error) {
+	r := targetRead{key: keyspace.ClaimKey(sc.cfg.Cluster, at.Pool, at.Claim), mkey: keyspace.LiveMigrationKey(sc.cfg.Cluster, at.Pool, at.Claim),
+		addrs: len(at.IPs)}
+	ops := []clientv3.Op{clientv3.OpGet(r.key), clientv3.OpGet(r.mkey)}
+	for _, ip := range at.IPs {
+		ops = append(ops, clientv3.OpGet(keyspace.IPKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()),
+			clientv3.OpGet(keyspace.QuarantineKey(at.Pool, blocks, ip), clientv3.WithKeysOnly()))
+	}
+	resp, err := sc.cli.Txn(ctx).Then(append(ops, extra...)...).Commit()
+	if err != nil {
+		return r, sc.unavailable("read the live migration of claim "+at.Claim, err)
+	}
+	r.resp, r.ckv, r.mkv = resp, firstKV(resp, 0), firstKV(resp, 1)
+	if r.ckv != nil {
+		r.rec, r.recErr = keyspace.Decode[keyspace.ClaimRecord](r.key, r.ckv.Value)
+	}
+	return r, nil
+}
+
+// extra is the first key-value of the i-th extra read.
+func (r targetRead) extra(i int) *mvccpb.KeyValue { return firstKV(r.resp, 2+2*r.addrs+i) }
+
+// addrCmps compares each of at's addresses as read: allocated on the pod lease of the
+// record's holder, or absent; its quarantine key unchanged. allocated counts the addresses
+// read allocated, onSource those on the holder's pod lease.
+func (r targetRead) addrCmps(at podbook.Attachment, blocks allocator.Blocks) (cmps []clientv3.Cmp, allocated, onSource int) {
+	var la clientv3.LeaseID
+	if r.rec.Holder != nil {
+		la, _ = keyspace.ParseLeaseHex(r.rec.Holder.LeaseID)
+	}
+	for i, ip := range at.IPs {
+		ipKey := keyspace.IPKey(at.Pool, blocks, ip)
+		if kv := firstKV(r.resp, 2+2*i); kv != nil {
+			allocated++
+			if la != 0 && keyspace.HeldOn(kv, la) {
+				onSource++
+			}
+			cmps = append(cmps, keyspace.OnLease(ipKey, la))
+		} else {
+			cmps = append(cmps, keyspace.Absent(ipKey))
+		}
+		var qrev int64
+		if q := firstKV(r.resp, 3+2*i); q != nil {
+			qrev = q.ModRevision
+		}
+		cmps = append(cmps, keyspace.Unchanged(keyspace.QuarantineKey(at.Pool, blocks, ip), qrev))
+	}
+	return cmps, allocated, onSource
 }
