@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
@@ -200,6 +202,77 @@ func TestAnAddressOverwrittenByAnotherOwnerIsAConflict(t *testing.T) {
 		t.Fatal(err)
 	}
 	heldFor(t, cli, a, "u1", k, ip)
+}
+
+// TestAReleaseFreesTheHeldKeyOfAnAddressAnotherOwnerTook: an admin puts another owner's
+// allocation over a running pod's, a conflict; the pod is deleted (DEL, or GC), then the other
+// owner lets the address go. The pod's held key of that address goes with the pod: nothing
+// else would free it (the other owner's release or expiry leaves it, and settleHeld runs only
+// when the recovery is woken), and on the node's block lease it would hold the address back
+// for as long as the node runs. Found by the model (LEASEHOLD_MODEL_SEED=833926263).
+func TestAReleaseFreesTheHeldKeyOfAnAddressAnotherOwnerTook(t *testing.T) {
+	for _, how := range []string{"DEL", "GC"} {
+		t.Run(how, func(t *testing.T) {
+			cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+			pool := v4Pool(etcdtest.Uniq("p"), "10.72.1.0/24", 28)
+			a := startAgent(t, cluster, "n1", "uid-n1", withHold(t.TempDir()), auditFast)
+			req := addReq(pool, "c1", "eth0", "u1")
+			res, err := a.Add(ctx, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ip := addrs(res)[0]
+			k := keysOf(cluster, "n1", "u1", pool, ip)
+			heldFor(t, cli, a, "u1", k, ip)
+			heldKey := keyspace.HeldKey(pool.Name, pool.Blocks, ip)
+			etcdtest.Eventually(t, "u1's held key of "+ip.String(), etcdtest.Keys(t, cli, heldKey, 1))
+			other, err := cli.Grant(ctx, 600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			foreign := keyspace.Allocation{Owner: "intruder", Cluster: cluster + "-other", Node: "elsewhere", NodeUID: "uid-x",
+				ContainerID: "cx", IfName: "eth0"}
+			if _, err := cli.Put(ctx, k.alloc, keyspace.Encode(foreign), clientv3.WithLease(other.ID)); err != nil {
+				t.Fatal(err)
+			}
+			etcdtest.Eventually(t, "u1's conflict over "+ip.String(), func() error {
+				at, _, _ := a.pods.Attachment("u1", "eth0", pool.Name)
+				return etcdtest.Saw(slices.Contains(at.Conflicts, ip), "u1 lists conflicts %v", at.Conflicts)
+			})
+			if how == "DEL" {
+				err = a.Del(ctx, req)
+			} else {
+				err = a.GC(ctx, allocator.GCRequest{Network: pool.Name, Pool: pool})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n := len(etcdtest.Dump(t, cli, keyspace.OwnerPrefix(cluster, "u1"))); n != 0 {
+				t.Fatalf("%s left %d owner indexes of u1", how, n)
+			}
+			if open := gaugeValue(a.metrics.conflictsOpen); open != 0 {
+				t.Errorf("after the %s, the conflict watch still follows %v addresses", how, open)
+			}
+			if _, err := cli.Revoke(ctx, other.ID); err != nil { // the other owner lets the address go
+				t.Fatal(err)
+			}
+			if left := etcdtest.Dump(t, cli, heldKey); len(left) != 0 {
+				t.Errorf("u1 was deleted (%s) and the other owner let %s go; held key left: %v", how, ip, left)
+			}
+			if o := allocOwner(t, cli, pool, ip); o != "" {
+				t.Errorf("%s is held by %q", ip, o)
+			}
+		})
+	}
+}
+
+// gaugeValue is the value g is set to.
+func gaugeValue(g prometheus.Gauge) float64 {
+	var m dto.Metric
+	if err := g.Write(&m); err != nil {
+		panic(err)
+	}
+	return m.GetGauge().GetValue()
 }
 
 // TestAPodsOwnAllocationWithoutItsLeaseIsNoConflictAtItsReclaim: the pod's own allocation

@@ -93,8 +93,9 @@ func (r *Releaser) addedWithinGrace(owner string) func(keyspace.OwnerRecord) boo
 }
 
 // releaseWhere releases each attachment of owner made by this node identity for which
-// pick says so, then revokes the owner's lease if nothing is left. It keeps going when one
-// release fails and joins the errors.
+// pick says so, then revokes the owner's lease if nothing is left, and stops following the
+// conflicts of the attachments released, as DEL does. It keeps going when one release fails
+// and joins the errors.
 func (r *Releaser) releaseWhere(ctx context.Context, own *ownerlock.Owned, pick func(ifName, pool string, rec keyspace.OwnerRecord) bool) error {
 	owner := own.Owner()
 	octx, cancel := r.opCtx(ctx)
@@ -125,6 +126,7 @@ func (r *Releaser) releaseWhere(ctx context.Context, own *ownerlock.Owned, pick 
 		// Counted anew: an attachment this walk did not release may have changed meanwhile.
 		errs = append(errs, r.DropPodIfEmpty(ctx, own, -1))
 	}
+	r.StopWatch(owner)
 	return errors.Join(errs...)
 }
 

@@ -22,9 +22,10 @@ import (
 var errStale = errors.New("owner index changed since the agent last saw it")
 
 // releaseRecord deletes an attachment read at kv, keeping any address that is no longer on
-// the attachment's lease (written by hand or by a later owner), and quarantines the rest. It
-// returns the owner's attachments left, counted in the same transaction (after its deletes),
-// or -1 when it released nothing. kv and rec come from the agent's memory when remembered is
+// the attachment's lease (written by hand or by a later owner), but for its held key if that
+// is still the attachment's (txn.Release.Taken), and quarantines the rest. It returns the
+// owner's attachments left, counted in the same transaction (after its deletes), or -1 when
+// it released nothing. kv and rec come from the agent's memory when remembered is
 // set; an owner index that changed since is then errStale, not "released by someone else".
 func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerlock.Owned, kv *mvccpb.KeyValue, rec keyspace.OwnerRecord, remembered bool) (int64, error) {
 	owner := own.Owner()
@@ -34,7 +35,7 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 	}
 	rel := &txn.Release{Pool: pool, Blocks: blocks, OwnerKey: string(kv.Key), OwnerRev: kv.ModRevision, Lease: keyspace.LeaseOf(kv),
 		Addrs: rec.IPs, OwnerPrefix: keyspace.OwnerPrefix(r.Cfg.Cluster, owner),
-		PodKey: keyspace.PodKey(r.Cfg.Cluster, r.Cfg.Node, owner)}
+		PodKey: keyspace.PodKey(r.Cfg.Cluster, r.Cfg.Node, owner), Held: keyspace.HeldRecord{Cluster: r.Cfg.Cluster, Node: r.Cfg.Node, Owner: owner}}
 	if _, _, ifName, _, err := keyspace.ParseOwnerKey(rel.OwnerKey); err == nil {
 		rel.ConflictKey = keyspace.ConflictKey(r.Cfg.Cluster, owner, ifName, pool)
 		for _, ip := range rec.IPs {
@@ -138,6 +139,7 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 			if !slices.Contains(out.OnLease, addr) {
 				r.Log.Warn("address of the attachment is not on its lease; leaving it alone",
 					"owner", owner, "pool", pool, "ip", addr, "lease", keyspace.LeaseHex(rel.Lease))
+				rel.Taken = append(rel.Taken, addr) // but for its held key, if still the pod's
 			}
 		}
 		rel.Addrs = out.OnLease

@@ -16,6 +16,7 @@ import (
 //	If(   owner index unchanged since the agent wrote or read it,
 //	      per address: allocation on the attachment's lease)
 //	Then( delete the owner index and conflict record, every allocation and its held key,
+//	      per address another owner holds: Txn(If(held key is the attachment's) Then(delete it)),
 //	      [quarantine] put each address's quarantine key, on the shared quarantine lease,
 //	      Txn(If(no other owner index of the owner, pod record on the lease) Then(delete pod record)),
 //	      Txn(If(no other owner index of the owner, pod record on no lease) Then(delete pod record)),
@@ -37,6 +38,13 @@ type Release struct {
 	OwnerRev int64
 	Lease    clientv3.LeaseID // the attachment's lease: each allocation is compared on it
 	Addrs    []netip.Addr     // the attachment's addresses
+	// Taken are addresses of the attachment that another owner holds (a conflict, or an
+	// allocation an admin put over the pod's): their allocation is left alone, and their held
+	// key goes if it is still the attachment's own (Held, as its claim wrote it). Nothing else
+	// would free it once the pod is gone: the other owner's release or expiry leaves it, and
+	// the block lease it is on is renewed for as long as the node runs.
+	Taken []netip.Addr
+	Held  keyspace.HeldRecord
 	// OwnerPrefix holds the owner's owner indexes; PodKey is its pod record on this node;
 	// ConflictKey is the attachment's conflict record, if a re-claim left one: it goes with it,
 	// and so do Wanted, the wanted keys of each of its addresses (keyspace.WantedKey).
@@ -76,6 +84,12 @@ func (r *Release) ops() (cmps []clientv3.Cmp, then, els []clientv3.Op) {
 		cmps = append(cmps, keyspace.OnLease(key, r.Lease))
 		then = append(then, clientv3.OpDelete(key), clientv3.OpDelete(keyspace.HeldKey(r.Pool, r.Blocks, addr)))
 		els = append(els, clientv3.OpGet(key, clientv3.WithKeysOnly()))
+	}
+	held := keyspace.Encode(r.Held)
+	for _, addr := range r.Taken {
+		key := keyspace.HeldKey(r.Pool, r.Blocks, addr)
+		then = append(then, clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Value(key), "=", held)},
+			[]clientv3.Op{clientv3.OpDelete(key)}, nil))
 	}
 	var plain []clientv3.Op
 	if r.QLease != 0 {
