@@ -804,6 +804,76 @@ func TestAHoldWrittenSinceARestoreIsWaitedFor(t *testing.T) {
 	})
 }
 
+// TestAConflictFollowedBeforeARestoreIsResolvedAfterIt: an admin puts another owner's
+// allocation over a running pod's address, a conflict, which the agent (restarted since)
+// follows from a revision etcd's history then reached; etcd is restored from a backup taken
+// while the conflict stood. Once the other owner lets the address go, it is the running pod's
+// again. Found by the model (LEASEHOLD_MODEL_SEED=133033670): after a plain restore the
+// history starts again below the revision the watch waited from, and it never heard the
+// other owner's release.
+func TestAConflictFollowedBeforeARestoreIsResolvedAfterIt(t *testing.T) {
+	eachRestoreWay(t, "10.88.0.0/28", func(t *testing.T, b restoreBed) {
+		member, cli, cluster, ctx, pool := b.member, b.cli, b.cluster, b.ctx, b.pool
+		dir := t.TempDir()
+		var logs *syncbuf.Buffer
+		start := func() *Agent {
+			logs = &syncbuf.Buffer{}
+			return startAgentAt(t, member.ClientURL, cluster, "n1", "uid-n1", withHold(dir), auditFast, func(c *Config) {
+				c.Logger = slog.New(slog.NewJSONHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+			})
+		}
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("n1's log:\n%s", logs.String())
+			}
+		})
+		a1 := start()
+		res, err := a1.Add(ctx, addReq(pool, "c1", "eth0", "u1"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := resultAddrs(res)[0]
+		ipKey := keyspace.IPKey(pool.Name, pool.Blocks, x)
+		other, err := cli.Grant(ctx, 3600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		foreign := keyspace.Allocation{Owner: "intruder", Cluster: cluster + "-other", Node: "elsewhere", NodeUID: "uid-x",
+			ContainerID: "cx", IfName: "eth0"}
+		if _, err := cli.Put(ctx, ipKey, keyspace.Encode(foreign), clientv3.WithLease(other.ID)); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "u1's conflict over "+x.String()+" in the journal", func() error { return journalsConflict(dir, "u1", x) })
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := member.Snapshot(ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		historyGoesOn(t, ctx, cli, 100)
+		// Restarted, the agent follows the conflict from the revision etcd is at now.
+		crash(a1)
+		a1 = start()
+		etcdtest.EventuallyTrue(t, "n1 waiting for the other owner's key of "+x.String(), func() bool {
+			waits, _ := conflictLogs(t, logs.String(), x, ipKey)
+			return waits
+		})
+		if err := member.Restore(backup, b.bump); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.EventuallyTrue(t, "n1 finding etcd gone back", func() bool {
+			return a1.gate.Epoch() > 0 && counterValue(a1.metrics.wentBack) > 0
+		})
+		etcdtest.Eventually(t, "u1's conflict over "+x.String()+" after the restore", func() error {
+			at, _, _ := a1.pods.Attachment("u1", "eth0", pool.Name)
+			return etcdtest.Saw(slices.Contains(at.Conflicts, x) && allocOwner(t, cli, pool, x) == "intruder",
+				"u1 lists conflicts %v; %s held by %q", at.Conflicts, x, allocOwner(t, cli, pool, x))
+		})
+		if _, err := cli.Revoke(ctx, other.ID); err != nil { // the other owner lets the address go
+			t.Fatal(err)
+		}
+		etcdtest.Eventually(t, "u1 holding "+x.String()+" again", onItsLease(ctx, cli, a1, "u1", ipKey))
+	})
+}
+
 // startLoggedAgent starts node n1's agent at endpoint, its log kept (JSON, debug) and shown
 // if the test fails.
 func startLoggedAgent(t *testing.T, endpoint, cluster string) (*Agent, *syncbuf.Buffer) {
@@ -874,14 +944,20 @@ func (h n2Hold) waitedFor(t *testing.T, b restoreBed, a1 *Agent, logs *syncbuf.B
 	if _, err := cli.Revoke(ctx, h.blockLease); err != nil {
 		t.Fatal(err)
 	}
-	etcdtest.Eventually(t, "u1 holding "+x.String()+" again", func() error {
-		lease, _ := a1.pods.Lease("u1")
+	etcdtest.Eventually(t, "u1 holding "+x.String()+" again", onItsLease(ctx, cli, a1, "u1", ipKey))
+}
+
+// onItsLease is a condition for etcdtest.Eventually: that the allocation key ipKey is on the
+// lease a holds for owner.
+func onItsLease(ctx context.Context, cli *clientv3.Client, a *Agent, owner, ipKey string) func() error {
+	return func() error {
+		lease, _ := a.pods.Lease(owner)
 		resp, err := cli.Get(ctx, ipKey)
 		if err != nil || len(resp.Kvs) == 0 || keyspace.LeaseOf(resp.Kvs[0]) != lease {
-			return fmt.Errorf("%s: allocation %v (%v), want on u1's lease %s", x, resp, err, keyspace.LeaseHex(lease))
+			return fmt.Errorf("%s: allocation %v (%v), want on %s's lease %s", ipKey, resp, err, owner, keyspace.LeaseHex(lease))
 		}
 		return nil
-	})
+	}
 }
 
 // backupThenAdd has a give u0 an address of pool (the pool in the backup), backs member up,

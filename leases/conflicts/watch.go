@@ -155,15 +155,19 @@ func (cw *Watch) Follow() {
 		}
 	}
 	for ref := range want {
-		if _, ok := cw.following[ref]; ok {
-			continue
+		if _, ok := cw.following[ref]; !ok {
+			cw.followLocked(ref)
 		}
-		ctx, stop := context.WithCancel(cw.ctx)
-		cw.following[ref] = stop
-		cw.wg.Add(1)
-		go cw.followConflict(ctx, ref)
 	}
 	cw.cfg.Open.Set(float64(len(cw.following)))
+}
+
+// followLocked starts a goroutine following ref; cw.mu is held.
+func (cw *Watch) followLocked(ref podbook.ConflictRef) {
+	ctx, stop := context.WithCancel(cw.ctx)
+	cw.following[ref] = stop
+	cw.wg.Add(1)
+	go cw.followConflict(ctx, ref)
 }
 
 // followConflict tries to resolve ref, and while the address is held by another owner waits
@@ -323,7 +327,10 @@ func (cw *Watch) restoredHold(ref podbook.ConflictRef, held *mvccpb.KeyValue) bo
 // what the pods held at the first: a pod whose lease the restore took in between held its
 // addresses then; and of the revisions known of the new history, the lowest stands. It reads
 // etcd's HistoryStart in the background, while etcd is in the history it found, not one a
-// later restore brought.
+// later restore brought. And it follows every conflicted address anew: a watch waits for
+// its key's deletion from the revision it read it at, which a plain restore put back below,
+// and would miss the other owner letting the address go for as long as etcd took to write
+// that many revisions again.
 func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, since int64, gen func() uint64) {
 	cw.rmu.Lock()
 	if cw.backHeld == nil || cw.backSince == 0 || since != 0 && since < cw.backSince {
@@ -336,6 +343,10 @@ func (cw *Watch) WentBack(held map[podbook.ConflictRef]bool, since int64, gen fu
 	defer cw.mu.Unlock()
 	if cw.ctx.Err() == nil {
 		cw.wg.Go(cw.readHistoryStart)
+		for ref, stop := range cw.following {
+			stop() // its goroutine, cancelled, leaves the new one's entry alone
+			cw.followLocked(ref)
+		}
 	}
 }
 
