@@ -70,7 +70,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 	var cands []attKey
 	m.mu.Lock()
 	for k := range m.held {
-		if n := m.nodes[m.home[k.owner]]; n.agent != nil && n.away == 0 {
+		if n := m.nodes[m.home[k.owner]]; n.agent != nil && n.away == 0 && !m.migratingOwnerLocked(k.owner) {
 			cands = append(cands, k)
 		}
 	}

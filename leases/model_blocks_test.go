@@ -144,6 +144,7 @@ func (m *model) die(ctx context.Context, i int) bool {
 	for _, id := range append(leases, m.blockLeasesOf(ctx, n.name, n.uid)...) {
 		m.revoke(ctx, i, id)
 	}
+	m.dieMigrations(ctx, i, ni)
 	m.mu.Lock()
 	var gone []string
 	for k, held := range m.held {
@@ -213,6 +214,7 @@ func (m *model) drain(ctx context.Context, i int) {
 	}()
 	sort.Slice(keys, func(a, b int) bool { return keys[a].owner+keys[a].ifName < keys[b].owner+keys[b].ifName })
 	m.log("%d %s DRAIN %v", i, n.name, keys)
+	m.failAll(ctx, i, ni) // its migrations' targets first: a source's DEL would complete one
 	m.count["drain"]++
 	var wg sync.WaitGroup
 	for _, k := range keys {
@@ -238,6 +240,7 @@ func (m *model) settle(i int) {
 	m.check()
 	m.restoresAtEnd(ctx, i)
 	m.check()
+	m.failAll(ctx, i, -1)
 	m.mu.Lock()
 	var keys []attKey
 	busy := map[string]bool{}

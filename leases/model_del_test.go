@@ -36,7 +36,7 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
 	keys := m.attachmentsOn(ni)
-	if len(keys) == 0 {
+	if len(keys) == 0 || m.migrationOn(ni) {
 		return false
 	}
 	k := keys[m.rng.IntN(len(keys))]
@@ -76,7 +76,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
 	keys := slices.DeleteFunc(m.attachmentsOn(ni), func(k attKey) bool { return m.ordinalOf(k.owner) != "" })
-	if len(keys) == 0 {
+	if len(keys) == 0 || m.migrationOn(ni) {
 		return false
 	}
 	k := keys[m.rng.IntN(len(keys))]

@@ -81,6 +81,9 @@ type modelBackup struct {
 
 // backup saves etcd as `etcdctl snapshot save` does, at the quiet point at the start of step i.
 func (m *model) backup(ctx context.Context, i int) {
+	if m.migrationOn(-1) {
+		return // a live migration is not restored (model_migration_test.go)
+	}
 	m.mu.Lock()
 	b := modelBackup{path: filepath.Join(m.backupDir, fmt.Sprintf("step%d.db", i)), step: i, access: m.access, dual: m.dual}
 	m.mu.Unlock()
@@ -119,7 +122,7 @@ func (m *model) restoresAtEnd(ctx context.Context, i int) {
 
 // restoreIf is restore when ok, with a history's share of restores left aside.
 func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
-	if len(m.backups) == 0 || len(m.intruders) > 0 || !ok ||
+	if len(m.backups) == 0 || len(m.intruders) > 0 || !ok || m.migrationOn(-1) ||
 		slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.away > 0 }) {
 		return false
 	}

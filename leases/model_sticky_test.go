@@ -18,7 +18,8 @@ import (
 )
 
 // The sticky part of TestModelRandomHistories (issue 19): a few owners are StatefulSet
-// ordinals (sts-0 ... sts-3) whose attachments name the claim "ns.<ordinal>". Each
+// ordinals (sts-0, sts-1, and the VMs vm-0, vm-1 of model_migration_test.go) whose
+// attachments name the claim "ns.<ordinal>". Each
 // incarnation of an ordinal is a new pod UID; when one is deleted, drained, garbage-collected
 // or dies with its node, the next incarnation, on any node, must get the claim's addresses,
 // and an incarnation created while another one lives must be refused, naming it.
@@ -82,7 +83,7 @@ func (m *model) incarnationLocked(ordinal, except string) (attKey, bool) {
 // live one's DEL; without one, the ADD of a new incarnation on a random live node. It plans
 // nothing when the ordinal is busy this step.
 func (m *model) planSticky(used map[string]bool) []modelOp {
-	ord := fmt.Sprintf("sts-%d", m.rng.IntN(modelOrdinals))
+	ord := modelOrdinalName(m.rng.IntN(modelOrdinals))
 	if used[ord] {
 		return nil
 	}
@@ -94,7 +95,15 @@ func (m *model) planSticky(used map[string]bool) []modelOp {
 		}
 		used[cur.owner] = true
 		node := m.homeOf(cur.owner)
-		switch r := m.rng.IntN(10); {
+		r := m.rng.IntN(10)
+		if modelVM(ord) {
+			// A VM's incarnation created while one lives is planVM's (model_migration_test.go).
+			if ops := m.planVM(ord, cur, used); ops != nil {
+				return ops
+			}
+			r = m.rng.IntN(6)
+		}
+		switch {
 		case r < 2:
 			return []modelOp{{node: node, k: cur, op: 0}} // repeated ADD
 		case r < 4:

@@ -37,7 +37,10 @@ const modelCISeed = 1005
 // comes back replaced. A few owners are StatefulSet pods whose attachments name a sticky claim
 // (model_sticky_test.go): each deletion, drain, GC or node death of one is followed by a new
 // incarnation (a new pod UID, on any node) that must get the claim's addresses, and an
-// incarnation created while another lives must be refused. A node is sometimes cut off
+// incarnation created while another lives must be refused; two of them are VMs, whose claims
+// are migratable: a new incarnation on another node while one lives is a live migration's
+// target, which the source's DEL completes and the target's DEL fails (model_migration_test.go).
+// A node is sometimes cut off
 // (model_cutoff_test.go): its agent killed, its pod leases expired, its pods' addresses held
 // back for the reuse delay, sometimes longer; it comes back with the same identity and
 // re-claims its pods. An agent is sometimes killed right after a DEL's answer, and a DEL
@@ -71,6 +74,11 @@ const modelCISeed = 1005
 //     index lists and names the claim, unless its node is dead or cut off; a claim-marked
 //     quarantine key and an allocation of one address imply the claim's holder owns it; no
 //     ADD without the claim gets its addresses (details in model_sticky_test.go);
+//   - live migrations: a migration pair is one owner: at most one migration key per claim, on
+//     its target's pod lease, on another node than the holder's, under a migratable record;
+//     the allocation keys are the holder's, the owner indexes listing the addresses the
+//     holder's and the target's; a third incarnation, or one on the holder's node, is refused
+//     naming the holder (details in model_migration_test.go);
 //   - the reuse order: an ADD returns an address held back for a cut-off node's pod only when
 //     the pool had fewer free addresses no expired holder had than the step ran ADDs;
 //   - held keys are sound: a running pod's addresses have held keys of its owner and node on
@@ -163,6 +171,13 @@ func TestModelRandomHistories(t *testing.T) {
 	if m.count["dual add"] == 0 {
 		t.Errorf("seed %d: no interface got its IPv4 and IPv6 from two pools in %d steps: the history did not exercise them", seed, steps)
 	}
+	t.Logf("seed %d: live migrations: %d started, %d completed, %d failed, %d promoted after the source's node died, %d ended by the "+
+		"target's node dying; refused: %d third incarnations, %d on the holder's node", seed, m.count["migration started"],
+		m.count["migration completed"], m.count["migration failed"], m.count["migration promoted"], m.count["migration target died"],
+		m.count["migration refused: "+migThird], m.count["migration refused: "+migSame])
+	if m.count["migration started"] == 0 {
+		t.Errorf("seed %d: no live migration started in %d steps: the history did not exercise migrations", seed, steps)
+	}
 	if m.count["access"] == 0 {
 		t.Errorf("seed %d: the pool's access and rules never changed in %d steps: the history did not exercise closed pools", seed, steps)
 	}
@@ -254,6 +269,10 @@ type model struct {
 	// incarnation, and so keep it or remember its release (model_sticky_test.go).
 	claimTakers map[string]map[string]bool
 
+	// Each VM ordinal's live migration target (model_migration_test.go), kept apart from
+	// held: its holder's addresses, which the pair holds as one owner.
+	targets map[string]modelTarget
+
 	// The pool's access and the selection rules, as last written, and the step the pool
 	// opens again at (model_access_test.go).
 	access   modelAccess
@@ -272,7 +291,7 @@ func newModel(t *testing.T, seed uint64) *model {
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
 		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
 		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}, revoked: map[clientv3.LeaseID]bool{},
-		claimTakers: map[string]map[string]bool{}}
+		claimTakers: map[string]map[string]bool{}, targets: map[string]modelTarget{}}
 	// etcd of the model's own, which it backs up and restores (model_restore_test.go).
 	m.etcd = etcdtest.StartMember(t)
 	m.cli = etcdtest.ClientAt(t, m.etcd.ClientURL)
@@ -317,7 +336,7 @@ func (m *model) req(k attKey, container string) allocator.Request {
 	r := allocator.Request{Network: net.Name, Pool: net, ContainerID: container, IfName: k.ifName,
 		Pod: allocator.PodRef{UID: k.owner, Namespace: "ns", Name: k.owner}}
 	if ord := m.ordinalOf(k.owner); ord != "" && !isDual(k) {
-		r.Pod.Name, r.Claim = ord, modelClaim(ord)
+		r.Pod.Name, r.Claim, r.Migratable = ord, modelClaim(ord), modelVM(ord)
 	}
 	return r
 }
@@ -332,6 +351,8 @@ type modelOp struct {
 	sticky string
 	// afterDel: the sticky ADD runs at once with the DEL of the ordinal's live incarnation.
 	afterDel bool
+	// mig: a live migration's operation on VM ordinal sticky (model_migration_test.go).
+	mig string
 }
 
 // expectAdds records, for admitLocked, the room the pool had (neverHeldFree) before the
@@ -416,13 +437,17 @@ func (m *model) step(i int) {
 	}
 	adds := 0
 	for _, p := range plan {
-		if p.sticky != "" || p.op < 5 {
+		if p.mig == "" && (p.sticky != "" || p.op < 5) {
 			adds++
 		}
 	}
 	m.expectAdds(free, adds)
 	var wg sync.WaitGroup
 	for _, p := range plan {
+		if p.mig != "" {
+			wg.Go(func() { m.migrate(ctx, i, p) })
+			continue
+		}
 		if p.sticky != "" {
 			wg.Go(func() { m.stickyAdd(ctx, i, p.node, p.k, p.sticky, p.afterDel) })
 			continue
@@ -551,6 +576,9 @@ func (m *model) inc(what string) {
 func (m *model) release(k attKey, held []netip.Addr, sent time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.completeLocked(k) { // a live migration's source: its target holds them now
+		held = nil
+	}
 	for _, a := range held {
 		if !slices.Contains(m.conflict[k], a) { // another owner's
 			m.freed[a] = sent
@@ -605,8 +633,8 @@ func (m *model) lose(ctx context.Context, i int) {
 	for j := range owners {
 		owner := owners[(start+j)%len(owners)]
 		ni := m.home[owner]
-		if m.nodes[ni].agent == nil {
-			continue // a dead node's pods are gone
+		if m.nodes[ni].agent == nil || m.migratingOwner(owner) {
+			continue // a dead node's pods are gone; a migration's are left alone
 		}
 		lease, ok := m.nodes[ni].agent.pods.Lease(owner)
 		if !ok {
@@ -645,6 +673,11 @@ func (m *model) gc(ctx context.Context, i int) {
 			valid[isDual(k)] = append(valid[isDual(k)], allocator.Attachment{ContainerID: c, IfName: k.ifName})
 		} else {
 			dropped = append(dropped, k)
+		}
+	}
+	for _, tgt := range m.targets {
+		if m.home[tgt.k.owner] == ni { // a migration's target stays (its DEL is migrate's)
+			valid[false] = append(valid[false], allocator.Attachment{ContainerID: tgt.ctr, IfName: tgt.k.ifName})
 		}
 	}
 	held := map[attKey][]netip.Addr{}
@@ -699,6 +732,7 @@ func (m *model) check() {
 	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.IPsPrefix(p.Name) })...)
 	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.QuarantinePrefix(p.Name) })...)
 	ops = append(ops, m.poolOps(func(p allocator.PoolSpec) string { return keyspace.BlocksPrefix(p.Name) })...)
+	ops = append(ops, clientv3.OpGet(keyspace.LiveMigrationsPrefix(m.cluster), clientv3.WithPrefix()))
 	resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		m.t.Fatal(err)
@@ -730,6 +764,9 @@ func (m *model) check() {
 		m.checkClaims(ctx, p, kvsOf(2, pi))
 	}
 	m.checkSticky(resp.Responses[1].GetResponseRange().Kvs, kvsOf(0, 0), resp.Responses[0].GetResponseRange().Kvs, kvsOf(1, 0))
+	migs := resp.Responses[len(ops)-1].GetResponseRange().Kvs
+	m.checkMigrations(resp.Responses[1].GetResponseRange().Kvs, kvsOf(0, 0), resp.Responses[0].GetResponseRange().Kvs, migs)
+	targets := m.targetOwnerKeys(migs)
 	m.checkViews()
 	st := m.readState(ctx)
 	m.mu.Lock()
@@ -748,6 +785,9 @@ func (m *model) check() {
 		if err != nil {
 			m.t.Error(err)
 			continue
+		}
+		if _, ok := targets[string(kv.Key)]; ok {
+			continue // a live migration's target: its holder's addresses (checkMigrations)
 		}
 		for _, ip := range rec.IPs {
 			if slices.Contains(lost[string(kv.Key)], ip) {
