@@ -206,7 +206,9 @@ func (sc *Claims) Audit(ctx context.Context, layouts map[string]allocator.Blocks
 				}
 				i++
 			}
-			if revs, ok := sc.claimRight(c.ref.owner, c.at, kvs); ok && sc.keeper.Holds(c.at.ClaimLease) {
+			ps, _ := sc.pods.Snapshot(c.ref.owner)
+			podLease, _ := ps.Held()
+			if revs, ok := sc.claimRight(c.ref.owner, c.at, kvs, podLease); ok && sc.keeper.Holds(c.at.ClaimLease) {
 				sc.kept.found(c, revs)
 				continue
 			}
@@ -231,14 +233,17 @@ func (sc *Claims) Audit(ctx context.Context, layouts map[string]allocator.Blocks
 	return nil
 }
 
-// holderIs tells whether h names owner's attachment at on this node identity.
-func (sc *Claims) holderIs(h *keyspace.ClaimHolder, owner string, at podbook.Attachment) bool {
-	return h != nil && h.Owner == owner && h.IfName == at.IfName && h.ContainerID == at.ContainerID && h.NodeUID == sc.cfg.NodeUID
+// holderIs tells whether h names owner's attachment at on this node identity, on its pod
+// lease podLease: a live migration starts from the record's lease (migrationOf), so one left
+// from before a re-claim would refuse it.
+func (sc *Claims) holderIs(h *keyspace.ClaimHolder, owner string, at podbook.Attachment, podLease clientv3.LeaseID) bool {
+	return h != nil && h.Owner == owner && h.IfName == at.IfName && h.ContainerID == at.ContainerID && h.NodeUID == sc.cfg.NodeUID &&
+		h.LeaseID == keyspace.LeaseHex(podLease)
 }
 
 // claimRight tells whether kvs, read for owner's attachment at at the keys stickyKeys lists,
 // are as the agent writes them on at's claim lease, and returns their ModRevisions.
-func (sc *Claims) claimRight(owner string, at podbook.Attachment, kvs []*mvccpb.KeyValue) ([]int64, bool) {
+func (sc *Claims) claimRight(owner string, at podbook.Attachment, kvs []*mvccpb.KeyValue, podLease clientv3.LeaseID) ([]int64, bool) {
 	revs := make([]int64, len(kvs))
 	for i, kv := range kvs {
 		if kv == nil || at.ClaimLease == 0 || keyspace.LeaseOf(kv) != at.ClaimLease {
@@ -246,7 +251,7 @@ func (sc *Claims) claimRight(owner string, at podbook.Attachment, kvs []*mvccpb.
 		}
 		if i == 0 {
 			rec, err := keyspace.Decode[keyspace.ClaimRecord](string(kv.Key), kv.Value)
-			if err != nil || !sc.holderIs(rec.Holder, owner, at) || !slices.Equal(rec.IPs, at.IPs) {
+			if err != nil || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) {
 				return nil, false
 			}
 		} else if q, err := keyspace.Decode[keyspace.QuarantineRecord](string(kv.Key), kv.Value); err != nil || q.Claim != at.Claim {

@@ -158,7 +158,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 	}
 	on := clientv3.WithLease(lease)
 	// The record.
-	if !recRead || !sc.holderIs(rec.Holder, owner, at) || !slices.Equal(rec.IPs, at.IPs) || keyspace.LeaseOf(recKV) != lease {
+	if !recRead || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) || keyspace.LeaseOf(recKV) != lease {
 		switch {
 		case !recRead:
 			problems = append(problems, key+": missing")
@@ -178,7 +178,8 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 		}
 		nrec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: since,
 			Holder: &keyspace.ClaimHolder{Owner: owner, Pod: ps.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
-				ContainerID: at.ContainerID, IfName: at.IfName, LeaseID: keyspace.LeaseHex(podLease)}}
+				ContainerID: at.ContainerID, IfName: at.IfName, LeaseID: keyspace.LeaseHex(podLease)},
+			Migratable: recRead && rec.Migratable} // the claim's, whoever it named: a VM's stays migratable
 		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(nrec), on))
 		writes = append(writes, written{key, recKV})
 	}
@@ -247,7 +248,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 	}
 	if len(puts) == 0 {
 		keys, _ := stickyKeys(sc.cfg.Cluster, at, blocks)
-		sc.recordClaimRight(ctx, owner, at, keys)
+		sc.recordClaimRight(ctx, owner, at, keys, podLease)
 		return true, nil
 	}
 	tresp, err := sc.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
@@ -280,7 +281,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 
 // recordClaimRight reads owner's claim keys once more and records their ModRevisions if
 // they are right (a repair wrote only some of them).
-func (sc *Claims) recordClaimRight(ctx context.Context, owner string, at podbook.Attachment, keys []string) {
+func (sc *Claims) recordClaimRight(ctx context.Context, owner string, at podbook.Attachment, keys []string, podLease clientv3.LeaseID) {
 	ops := make([]clientv3.Op, len(keys))
 	for i, k := range keys {
 		ops[i] = clientv3.OpGet(k)
@@ -295,7 +296,7 @@ func (sc *Claims) recordClaimRight(ctx context.Context, owner string, at podbook
 	for i := range keys {
 		kvs[i] = firstKV(resp, i)
 	}
-	if revs, ok := sc.claimRight(owner, at, kvs); ok {
+	if revs, ok := sc.claimRight(owner, at, kvs, podLease); ok {
 		sc.kept.found(stickyCheck{ref: stickyRef{owner, at.IfName, at.Pool}, at: at, keys: keys}, revs)
 	}
 }
