@@ -58,6 +58,10 @@ func modelOrdinalName(i int) string {
 
 const modelVMs = 2
 
+// modelMigrationWait bounds a migration target's ADD, answered at once: far above what it
+// takes on a busy machine, far below Patience.
+const modelMigrationWait = 15 * time.Second
+
 // modelTarget is a live migration's target as the model has it: its attachment, container
 // and the claim's addresses it was given.
 type modelTarget struct {
@@ -157,7 +161,11 @@ func (m *model) migrate(ctx context.Context, i int, p modelOp) {
 		if p.mig == migAgain {
 			container = tgt.ctr
 		}
-		res, err := p.node.agent.Add(ctx, m.req(p.k, container))
+		// A target is answered at once: an ADD that waits (for the holder, as a sticky ADD
+		// does) runs out of modelMigrationWait and fails the history.
+		sctx, cancel := context.WithTimeout(ctx, modelMigrationWait)
+		res, err := p.node.agent.Add(sctx, m.req(p.k, container))
+		cancel()
 		got := addrs(res)
 		m.log("%d %s MIGRATION %s of %s: ADD %v %s (holder %v on %s, target before %v) -> %v %v", i, p.node.name, p.mig, modelClaim(ord),
 			p.k, container, holder, m.nodes[m.home[holder.owner]].name, tgt.k, got, err)
