@@ -122,10 +122,12 @@ func (m *model) restoresAtEnd(ctx context.Context, i int) {
 
 // restoreIf is restore when ok, with a history's share of restores left aside.
 func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
-	if len(m.backups) == 0 || len(m.intruders) > 0 || !ok || m.migrationOn(-1) ||
+	if len(m.backups) == 0 || len(m.intruders) > 0 || !ok ||
 		slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.away > 0 }) {
 		return false
 	}
+	// A live migration is not restored (model_migration_test.go): its target is deleted first.
+	m.failAll(ctx, i, -1)
 	b := m.backups[m.rng.IntN(len(m.backups))]
 	var bump uint64
 	how := "plain"
