@@ -58,9 +58,10 @@ func modelOrdinalName(i int) string {
 
 const modelVMs = 2
 
-// modelMigrationWait bounds a migration target's ADD, answered at once: far above what it
-// takes on a busy machine, far below Patience.
-const modelMigrationWait = 15 * time.Second
+// modelMigrationWait bounds a migration target's ADD, answered at once: above what it takes
+// on a busy machine (a sticky hand-over is answered within modelStickyWait), and short, as a
+// start refused waits for all of it (the known bug counted in migrate).
+const modelMigrationWait = 2 * modelStickyWait
 
 // modelTarget is a live migration's target as the model has it: its attachment, container
 // and the claim's addresses it was given.
