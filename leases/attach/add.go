@@ -193,7 +193,11 @@ func (x *Attachments) tryAdd(ctx context.Context, p *poolview.Pool, st *addState
 	epoch := x.gate.Epoch() // what the view and the snapshots know is of this history
 
 	lease, known := x.pods.Lease(owner)
-	if at, _, ok := x.pods.Attachment(owner, req.IfName, p.Spec.Name); ok && known && at.ContainerID == req.ContainerID && st.sticky == nil {
+	// A sticky claim's holder repeating its ADD is answered so too: its claim transaction
+	// would find its own addresses taken (by itself) until it gave up, when etcd lost its
+	// owner index. A live migration's target claims through target.
+	if at, _, ok := x.pods.Attachment(owner, req.IfName, p.Spec.Name); ok && known && at.ContainerID == req.ContainerID &&
+		(st.sticky == nil || !st.sticky.Target()) {
 		return x.repeated(ctx, p, st, lease)
 	}
 	if !known {
