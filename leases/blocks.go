@@ -3,6 +3,7 @@ package leases
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"time"
 
@@ -106,6 +107,23 @@ func (b *blockLeases) adopt(ctx context.Context, id clientv3.LeaseID) error {
 	default:
 	}
 	return nil
+}
+
+// followAgain hands every block lease held to followAdopted again: etcd went back to a
+// backup, which may hold claims on them in pools this agent has not served since (a claim
+// given back after the backup was taken comes back on a lease the agent still renews).
+func (b *blockLeases) followAgain() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for id := range b.held {
+		if !slices.Contains(b.adopted, id) {
+			b.adopted = append(b.adopted, id)
+		}
+	}
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
 }
 
 // takeAdopted returns the leases adopted since it was last called.

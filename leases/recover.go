@@ -196,7 +196,7 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		}, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,
-		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, Relist: a.rules.Relist, HeldAddrs: a.pods.HeldAddrs,
+		Client: a.cli, Log: a.log, Hold: a.hold, Keeper: a.keeper, Pools: a.pools, Relist: func() { a.rules.Relist(); a.blockLeases.followAgain() }, HeldAddrs: a.pods.HeldAddrs,
 		NoteBackHeld: a.cwatch.WentBack, FirstOfHistory: a.gate.FirstOfHistory,
 		NodeLease: a.self.Lease, CheckNow: r.CheckNow, Wake: r.Wake, Suspect: a.audit.Suspect,
 		WentBackCount: a.metrics.wentBack})
