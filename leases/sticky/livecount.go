@@ -2,6 +2,7 @@ package sticky
 
 import (
 	"context"
+	"maps"
 	"sync"
 	"time"
 
@@ -65,12 +66,13 @@ func (s *liveSeen) drop(key string) {
 	delete(s.m, key)
 }
 
-// swap makes now what is known and returns what was.
+// swap makes now what is known and returns what was. It keeps a copy of now: the caller
+// goes on reading now while the agent's transitions change what is known.
 func (s *liveSeen) swap(now map[string]seenMigration) map[string]seenMigration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	was := s.m
-	s.m = now
+	s.m = maps.Clone(now)
 	return was
 }
 
