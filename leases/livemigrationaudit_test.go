@@ -13,6 +13,7 @@ import (
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/podbook"
 )
 
 // The live migrations' metrics and the audits' duties (docs/proposals/live-migration.md,
@@ -289,5 +290,98 @@ func TestAMigrationKeyARestoreBroughtBackForADeletedTargetIsDeleted(t *testing.T
 	readLiveMig(t, cli, cluster, pool, ips, "u1").heldBy("u1")
 	if res, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
 		t.Fatalf("a next target after the stale key went: %v %v", resultAddrs(res), err)
+	}
+}
+
+// targetAt is owner's attachment on eth0 in a's pod book.
+func targetAt(t *testing.T, a *Agent, owner string) podbook.Attachment {
+	t.Helper()
+	ps, ok := a.pods.Snapshot(owner)
+	if !ok || len(ps.Attachments) != 1 {
+		t.Fatalf("%s in the pod book: %+v (present %v)", owner, ps, ok)
+	}
+	return ps.Attachments[0]
+}
+
+// TestATargetReclaimedWithoutItsClaimLeaseNamesOneEtcdHas: a restore of a backup from before
+// the migration's start takes the target's pod and claim leases (revoked here): the target's
+// re-claim writes its migration key again naming a claim lease granted anew, not the lost
+// one, so that the source's DEL (T2) moves the claim onto it rather than release it from
+// under the running target (issue 35, chaos seed 4).
+func TestATargetReclaimedWithoutItsClaimLeaseNamesOneEtcdHas(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.89.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	lc, err := keyspace.ParseLeaseHex(started.mig.ClaimLease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb := started.ownerLeases["u2"]
+	for _, l := range []clientv3.LeaseID{lc, lb} {
+		if _, err := cli.Revoke(ctx, l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+		return m.migLease != 0 && m.migLease != lb && m.ownerLeases["u2"] == m.migLease
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	nc, err := keyspace.ParseLeaseHex(m.mig.ClaimLease)
+	if err != nil || nc == lc || m.ownerClaimLeases["u2"] != m.mig.ClaimLease {
+		t.Fatalf("migration key names claim lease %s (lost one %s, owner index's %s): %v", m.mig.ClaimLease,
+			keyspace.LeaseHex(lc), m.ownerClaimLeases["u2"], err)
+	}
+	if ttl, err := cli.TimeToLive(ctx, nc); err != nil || ttl.TTL <= 0 {
+		t.Fatalf("the claim lease the migration key names: %v %v, want one etcd has", ttl, err)
+	}
+	if at := targetAt(t, b, "u2"); at.ClaimLease != nc || !at.Target {
+		t.Errorf("the target in the pod book: claim lease %s, target %v; want %s, a target", keyspace.LeaseHex(at.ClaimLease), at.Target,
+			keyspace.LeaseHex(nc))
+	}
+	completesAfter(t, "the target's re-claim", a, cli, cluster, pool, ips, m, started)
+	if got := liveCount(t, a, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); got != 1 {
+		t.Errorf("completed{source_deleted} on the source's node: %v, want 1 (T2)", got)
+	}
+}
+
+// TestATargetWhoseSourceReleasedTheClaimTakesIt: the target's claim lease lost (revoked
+// here, as a restore takes it), the source's DEL cannot move the claim onto it and releases
+// the claim as without a migration: no holder, its addresses resting under it. The target's
+// audit takes it as a hand-over, every key onto its own leases (a new claim lease), rather
+// than leave the running VM's addresses to any pod once the hold runs out (issue 35).
+func TestATargetWhoseSourceReleasedTheClaimTakesIt(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.88.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	lc, err := keyspace.ParseLeaseHex(started.mig.ClaimLease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, lc); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the target took the claim", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips)
+		return m.claim.Holder != nil && m.claim.Holder.Owner == "u2"
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+	m.heldBy("u2")
+	if m.claimLease == lc {
+		t.Errorf("the claim taken on the lost lease %s", keyspace.LeaseHex(lc))
+	}
+	if at := targetAt(t, b, "u2"); at.Target || at.ClaimLease != m.claimLease {
+		t.Errorf("the target in the pod book: target %v, claim lease %s; want promoted, on %s", at.Target,
+			keyspace.LeaseHex(at.ClaimLease), keyspace.LeaseHex(m.claimLease))
+	}
+	if got := liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); got != 1 {
+		t.Errorf("completed{source_deleted} on the target's node: %v, want 1", got)
 	}
 }

@@ -190,9 +190,9 @@ func (a *Agent) newRecovery() (*reclaim.Reclaimer, *restorenotice.Notices) {
 		Loops:        a.loops,
 		KeepClaimsOf: a.sticky.KeepClaimsOf, Fail: a.fail,
 		ReclaimTarget: func(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
-			blocks allocator.Blocks) (int64, bool, bool, error) {
+			blocks allocator.Blocks) (int64, clientv3.LeaseID, bool, bool, error) {
 			t, ok, err := a.sticky.ReclaimTarget(ctx, ps, at, lease, blocks)
-			return t.Rev, t.Promoted, ok, err
+			return t.Rev, t.ClaimLease, t.Promoted, ok, err
 		}, ConflictsFound: a.conflicts.Add, Reclaims: a.metrics.reclaims})
 	n := restorenotice.New(a.ctx, restorenotice.Config{Cluster: cfg.Cluster, Node: cfg.Node, LeaseTTL: cfg.LeaseTTL,
 		OpTimeout: cfg.OpTimeout, RetryFirst: retryFirst, RetryMax: retryMax, StateDir: cfg.StateDir,

@@ -128,12 +128,12 @@ func (r *Reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 		return 0, nil, err
 	}
 	if at.Target {
-		rev, promoted, ok, err := r.cfg.ReclaimTarget(ctx, ps, at, lease, p.Spec.Blocks)
+		rev, claimLease, promoted, ok, err := r.cfg.ReclaimTarget(ctx, ps, at, lease, p.Spec.Blocks)
 		if err != nil {
 			return 0, nil, err
 		}
 		if ok {
-			pat.Target = !promoted
+			pat.Target, pat.ClaimLease = !promoted, claimLease
 			return rev, []netip.Addr{}, nil
 		}
 		pat.Target = false // re-claimed as any pod: the addresses its source holds are conflicts

@@ -100,9 +100,10 @@ type Config struct {
 	KeepClaimsOf func(context.Context, *ownerlock.Owned) error
 	// ReclaimTarget re-claims a live migration's target on lease (the sticky claims'
 	// ReclaimTarget): rev is its owner index's ModRevision, promoted that it holds the claim
-	// alone now; ok false: re-claimed as any attachment.
+	// alone now, claimLease the claim lease its keys name; ok false: re-claimed as any
+	// attachment.
 	ReclaimTarget func(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
-		blocks allocator.Blocks) (rev int64, promoted, ok bool, err error)
+		blocks allocator.Blocks) (rev int64, claimLease clientv3.LeaseID, promoted, ok bool, err error)
 	// Fail stops the agent: another host took its node identity.
 	Fail func(error)
 	// ConflictsFound counts the addresses found taken by another owner (Agent.Conflicts);

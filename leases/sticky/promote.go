@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/keyspace"
+	"github.com/leasehold/leasehold/leases/keeper"
 	"github.com/leasehold/leasehold/leases/ownerlock"
 	"github.com/leasehold/leasehold/leases/podbook"
 )
@@ -37,7 +39,11 @@ func (sc *Claims) KeepTargets(ctx context.Context, layouts map[string]allocator.
 // keepTarget is KeepTargets for owner's target attachment at, under owner's lock. Its
 // migration key found missing is the audit's (docs/proposals/live-migration.md, "Audits"):
 // while the claim names a live holder on another node, the key is written again as T1 wrote
-// it; with the holder's allocations gone, the target takes the claim over as T4 does.
+// it; with the holder's allocations gone, the target takes the claim over as T4 does. A claim
+// left with no holder, its addresses resting under it and none allocated (the source's DEL
+// released it, unable to move it onto the target's leases), is taken by the target too, as a
+// hand-over: the running pod of the claim uses those addresses. Whatever it writes is on a
+// claim lease etcd has (targetRecord).
 func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attachment, blocks allocator.Blocks) error {
 	own := sc.locks.Lock(owner)
 	defer own.Unlock()
@@ -64,7 +70,7 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		sc.seen.drop(mkey)
 		return nil
 	}
-	if r.ckv == nil || rec.Holder == nil || !slices.Equal(rec.IPs, at.IPs) {
+	if r.ckv == nil || !slices.Equal(rec.IPs, at.IPs) || rec.Holder == nil && !r.resting() {
 		sc.log.Warn("a live migration this node's pod is the target of has no claim holder any more; its addresses are not its own",
 			"claim", at.Claim, "owner", owner, "pool", at.Pool)
 		return nil
@@ -76,77 +82,174 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 			return err
 		}
 		mcmp = keyspace.Unchanged(mkey, r.mkv.ModRevision)
-	} else if m, err = sc.targetRecord(ctx, ps, at, podLease, *rec.Holder); err != nil {
-		return err
 	}
 	acmps, allocated, onSource := r.addrCmps(at, blocks)
-	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, r.ckv.ModRevision), mcmp}, acmps...)
 	switch {
-	case allocated > 0 && r.mkv != nil:
+	case allocated > 0 && r.mkv != nil && rec.Holder != nil:
 		sc.started(mkey, m)
 		return nil // the source still holds them: the migration goes on
-	case allocated > 0:
-		if onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable {
-			sc.log.Warn("the live migration key of this node's pod is gone and the claim's addresses are not all its holder's on another "+
-				"node; it is not written again", "claim", at.Claim, "owner", owner, "holder", rec.Holder.Owner, "holder_node", rec.Holder.Node)
-			return nil
+	case allocated > 0 && (rec.Holder == nil || onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable):
+		sc.log.Warn("the live migration key of this node's pod is gone and the claim's addresses are not all its holder's on another "+
+			"node; it is not written again", "claim", at.Claim, "owner", owner, "holder", holderName(rec.Holder))
+		return nil
+	}
+	claimLease := at.ClaimLease
+	if r.mkv == nil || rec.Holder == nil {
+		var source keyspace.ClaimHolder
+		if rec.Holder != nil {
+			source = *rec.Holder
 		}
-		return sc.remigrate(octx, cmps, own, ownerKey, podLease, mkey, m)
+		if m, claimLease, err = sc.targetRecord(ctx, ps, at, podLease, source, sc.targetHold(at, rec)); err != nil {
+			return err
+		}
+	}
+	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, r.ckv.ModRevision), mcmp}, acmps...)
+	var index []clientv3.Op
+	if claimLease != at.ClaimLease {
+		// The owner index names the claim lease the keys move onto.
+		nat := at
+		nat.ClaimLease = claimLease
+		cmps = append(cmps, keyspace.OnLease(ownerKey, podLease))
+		index = []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(podbook.OwnerIndexOf(nat, sc.cfg.Node, sc.cfg.NodeUID, podLease)),
+			clientv3.WithLease(podLease))}
+	}
+	if allocated > 0 {
+		return sc.remigrate(octx, cmps, own, at, ownerKey, podLease, claimLease, mkey, m, index)
+	}
+	if rec.Holder == nil {
+		rec.Migratable = true // a release drops the mark; the target's start (T1) needed it
 	}
 	puts, err := moves(sc.cfg.Cluster, at.Pool, at.Claim, blocks, m, rec, at.Network, sc.wall())
 	if err != nil {
+		sc.dropLease(at, claimLease)
 		return err
 	}
-	tresp, err := sc.cli.Txn(octx).If(cmps...).Then(append(puts, clientv3.OpDelete(mkey))...).Commit()
+	tresp, err := sc.cli.Txn(octx).If(cmps...).Then(append(append(puts, clientv3.OpDelete(mkey)), index...)...).Commit()
 	if err != nil {
 		return sc.unavailable("promote the live migration's target of claim "+at.Claim, err)
 	}
 	if !tresp.Succeeded {
+		sc.dropLease(at, claimLease)
 		sc.cfg.AuditDue() // changed since read: the next audit reads it again
 		return nil
 	}
-	sc.pods.Change(own).Promoted(at.IfName, at.Pool)
+	change := sc.pods.Change(own)
+	change.Promoted(at.IfName, at.Pool)
+	if claimLease != at.ClaimLease {
+		change.SetClaim(at.IfName, at.Pool, at.ContainerID, at.Claim, claimLease, tresp.Header.Revision)
+	}
 	sc.seen.drop(mkey)
+	if rec.Holder == nil {
+		// The source's DEL released the claim rather than complete the migration (T2 could
+		// not move it onto the target's leases): its addresses rest under the claim, used by
+		// this running pod of the claim, which takes it as a hand-over does.
+		sc.cfg.Live.Completed(SourceDeleted)
+		sc.log.Warn("live migration completed by its target: its source released the claim, which this node's pod holds now",
+			"claim", at.Claim, "owner", owner, "ips", at.IPs)
+		return nil
+	}
 	sc.cfg.Live.Completed(SourceExpired)
 	sc.log.Warn("live migration completed by its source's expiry (its node is gone): this node's pod holds the claim now",
 		"claim", at.Claim, "owner", owner, "source", rec.Holder.Owner, "source_node", rec.Holder.Node, "ips", at.IPs)
 	return nil
 }
 
+// holderName names a claim's holder for a log: its owner and node, or none.
+func holderName(h *keyspace.ClaimHolder) string {
+	if h == nil {
+		return "none"
+	}
+	return h.Owner + " on node " + h.Node
+}
+
 // targetRecord is the live migration record T1 wrote for owner's target attachment at, on
 // podLease, from source: written again when found missing. Its start is the attachment's.
+// Its claim lease is at's while etcd has it, else one granted now (claimLease, not at's): a
+// record naming a lease a restore took away would have the source's DEL (T2) fail to move
+// the claim onto it, and release the claim from under the running target.
 func (sc *Claims) targetRecord(ctx context.Context, ps podbook.PodState, at podbook.Attachment, podLease clientv3.LeaseID,
-	source keyspace.ClaimHolder) (keyspace.LiveMigrationRecord, error) {
+	source keyspace.ClaimHolder, hold time.Duration) (_ keyspace.LiveMigrationRecord, claimLease clientv3.LeaseID, _ error) {
+	claimLease, err := sc.targetLease(ctx, at, hold)
+	if err != nil {
+		return keyspace.LiveMigrationRecord{}, 0, err
+	}
 	m := keyspace.LiveMigrationRecord{
 		Target: keyspace.ClaimHolder{Owner: ps.Owner, Pod: ps.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
 			ContainerID: at.ContainerID, IfName: at.IfName, LeaseID: keyspace.LeaseHex(podLease)},
-		ClaimLease: keyspace.LeaseHex(at.ClaimLease),
+		ClaimLease: keyspace.LeaseHex(claimLease),
 		Source:     keyspace.LiveMigrationSource{Owner: source.Owner, Node: source.Node, LeaseID: source.LeaseID},
 		Since:      at.Created.UTC(),
 	}
 	bl, err := sc.cfg.HeldLease(ctx)
-	if err != nil {
-		return m, err
-	}
-	if bl != 0 {
+	if err == nil && bl != 0 {
 		m.BlockLease = keyspace.LeaseHex(bl)
 	}
-	return m, nil
+	if err != nil {
+		sc.dropLease(at, claimLease)
+	}
+	return m, claimLease, err
 }
 
-// remigrate writes the live migration key m of own's target attachment again, on its pod
-// lease, compared as cmps (the claim, the key absent, each address on the holder's pod lease
-// and its quarantine key as read) and the owner index on that lease: T1 again.
-func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *ownerlock.Owned, ownerKey string, podLease clientv3.LeaseID,
-	mkey string, m keyspace.LiveMigrationRecord) error {
+// targetLease is the claim lease of target attachment at: its own while etcd has it (renewed
+// from now on), else one granted now for hold, renewed by the keeper.
+func (sc *Claims) targetLease(ctx context.Context, at podbook.Attachment, hold time.Duration) (clientv3.LeaseID, error) {
+	if at.ClaimLease != 0 {
+		err := sc.keeper.Adopt(ctx, at.ClaimLease)
+		if err == nil {
+			return at.ClaimLease, nil
+		}
+		if !errors.Is(err, keeper.ErrLeaseLost) {
+			return 0, sc.unavailable("read the claim lease "+keyspace.LeaseHex(at.ClaimLease), err)
+		}
+		sc.keeper.Forget(at.ClaimLease) // gone (a restore, its expiry): renewing it is of no use
+	}
+	s := Add{Hold: hold}
+	if err := sc.grant(ctx, &s); err != nil {
+		return 0, err
+	}
+	return s.Lease, nil
+}
+
+// dropLease revokes claimLease if targetLease granted it for at and nothing was written on it.
+func (sc *Claims) dropLease(at podbook.Attachment, claimLease clientv3.LeaseID) {
+	if claimLease != 0 && claimLease != at.ClaimLease {
+		if err := sc.keeper.Revoke(claimLease); err != nil {
+			sc.log.Warn("revoking an unused claim lease failed; it expires by itself", "lease", keyspace.LeaseHex(claimLease), "err", err)
+		}
+	}
+}
+
+// targetHold is the hold of at's claim read as rec: its record's, else the attachment's,
+// else the agent's default.
+func (sc *Claims) targetHold(at podbook.Attachment, rec keyspace.ClaimRecord) time.Duration {
+	switch {
+	case rec.HoldSeconds > 0:
+		return time.Duration(rec.HoldSeconds) * time.Second
+	case at.ClaimHold > 0:
+		return at.ClaimHold
+	}
+	return sc.cfg.ClaimHold
+}
+
+// remigrate writes the live migration key m of own's target attachment at again, on its
+// pod lease, compared as cmps (the claim, the key absent, each address on the holder's pod
+// lease and its quarantine key as read) and the owner index on that lease: T1 again. A claim
+// lease granted anew (claimLease, not at's) comes with index, the owner index naming it.
+func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *ownerlock.Owned, at podbook.Attachment, ownerKey string,
+	podLease, claimLease clientv3.LeaseID, mkey string, m keyspace.LiveMigrationRecord, index []clientv3.Op) error {
 	cmps = append(cmps, keyspace.OnLease(ownerKey, podLease))
-	resp, err := sc.cli.Txn(ctx).If(cmps...).Then(clientv3.OpPut(mkey, keyspace.Encode(m), clientv3.WithLease(podLease))).Commit()
+	ops := append([]clientv3.Op{clientv3.OpPut(mkey, keyspace.Encode(m), clientv3.WithLease(podLease))}, index...)
+	resp, err := sc.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {
 		return sc.unavailable("write again the live migration key "+mkey, err)
 	}
 	if !resp.Succeeded {
+		sc.dropLease(at, claimLease)
 		sc.cfg.AuditDue()
 		return nil
+	}
+	if claimLease != at.ClaimLease {
+		sc.pods.Change(own).SetClaim(at.IfName, at.Pool, at.ContainerID, at.Claim, claimLease, resp.Header.Revision)
 	}
 	sc.started(mkey, m)
 	sc.cfg.KeysLost.Inc()

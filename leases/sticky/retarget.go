@@ -20,11 +20,13 @@ import (
 // index are written again on the new lease (T1 again), or, the source gone meanwhile, the
 // claim is taken over as T4 does.
 
-// Retargeted is what ReclaimTarget did: the owner index's ModRevision, and whether the
-// attachment holds the claim alone now (no longer a target).
+// Retargeted is what ReclaimTarget did: the owner index's ModRevision, whether the
+// attachment holds the claim alone now (no longer a target), and the claim lease its keys
+// name (at's, or one granted anew when etcd no longer has at's).
 type Retargeted struct {
-	Rev      int64
-	Promoted bool
+	Rev        int64
+	Promoted   bool
+	ClaimLease clientv3.LeaseID
 }
 
 // ReclaimTarget re-claims owner's target attachment at of pod ps on lease, in a pool of
@@ -35,6 +37,7 @@ type Retargeted struct {
 func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
 	blocks allocator.Blocks) (_ Retargeted, ok bool, _ error) {
 	ownerKey := keyspace.OwnerKey(sc.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
+	given := at // at's claim lease may be replaced by one granted anew
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
 	r, err := sc.readTarget(octx, at, blocks, clientv3.OpGet(ownerKey))
@@ -44,9 +47,13 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 	key, mkey, rec := r.key, r.mkey, r.rec
 	ckv, mkv, okv := r.ckv, r.mkv, r.extra(0)
 	if okv != nil {
-		if keyspace.HeldOn(okv, lease) && (mkv != nil && keyspace.HeldOn(mkv, lease) || ckv != nil && keyspace.HeldOn(ckv, at.ClaimLease)) {
+		claimLease := at.ClaimLease // the one the index names: granted anew by that attempt, maybe
+		if idx, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, okv.Value); err == nil && idx.ClaimLease != "" {
+			claimLease, _ = keyspace.ParseLeaseHex(idx.ClaimLease)
+		}
+		if keyspace.HeldOn(okv, lease) && (mkv != nil && keyspace.HeldOn(mkv, lease) || ckv != nil && keyspace.HeldOn(ckv, claimLease)) {
 			// Done by an earlier attempt whose answer was lost: written again, or taken over.
-			return Retargeted{Rev: okv.ModRevision, Promoted: mkv == nil}, true, nil
+			return Retargeted{Rev: okv.ModRevision, Promoted: mkv == nil, ClaimLease: claimLease}, true, nil
 		}
 		return Retargeted{}, false, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s", allocator.ErrUnavailable,
 			ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(okv)))
@@ -54,33 +61,37 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 	if ckv == nil || mkv != nil || r.recErr != nil || rec.Holder == nil || rec.Holder.Owner == ps.Owner || !slices.Equal(rec.IPs, at.IPs) {
 		return Retargeted{}, false, nil // released, another target's, or not a claim this target can take up
 	}
-	m, err := sc.targetRecord(ctx, ps, at, lease, *rec.Holder)
+	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	promoted := allocated == 0
+	if !promoted && (onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable) {
+		return Retargeted{}, false, nil
+	}
+	m, claimLease, err := sc.targetRecord(ctx, ps, at, lease, *rec.Holder, sc.targetHold(at, rec))
 	if err != nil {
 		return Retargeted{}, false, err
 	}
-	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	at.ClaimLease = claimLease // the owner index names the lease the keys are on, or move onto
 	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, ckv.ModRevision), keyspace.Absent(mkey), keyspace.Absent(ownerKey)}, acmps...)
 	onLease := clientv3.WithLease(lease)
 	idx := podbook.OwnerIndexOf(at, sc.cfg.Node, sc.cfg.NodeUID, lease)
 	puts := []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(idx), onLease)}
-	promoted := allocated == 0
-	switch {
-	case promoted:
+	if promoted {
 		moved, err := moves(sc.cfg.Cluster, at.Pool, at.Claim, blocks, m, rec, at.Network, sc.wall())
 		if err != nil {
+			sc.dropLease(given, claimLease)
 			return Retargeted{}, false, err
 		}
 		puts = append(puts, moved...)
-	case onSource == len(at.IPs) && rec.Holder.Node != sc.cfg.Node && rec.Migratable:
+	} else {
 		puts = append(puts, clientv3.OpPut(mkey, keyspace.Encode(m), onLease))
-	default:
-		return Retargeted{}, false, nil
 	}
 	tresp, err := sc.cli.Txn(octx).If(cmps...).Then(puts...).Commit()
 	if err != nil {
+		// Unanswered, it may have applied on claimLease: the next attempt reads the index.
 		return Retargeted{}, false, sc.unavailable("re-claim the live migration's target of claim "+at.Claim, err)
 	}
 	if !tresp.Succeeded {
+		sc.dropLease(given, claimLease)
 		return Retargeted{}, false, fmt.Errorf("%w: re-claim %s: the live migration of claim %q changed while read", allocator.ErrUnavailable,
 			ownerKey, at.Claim)
 	}
@@ -93,7 +104,7 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 		sc.log.Warn("a live migration's target re-claimed after its lease was lost: its migration key is written again",
 			"claim", at.Claim, "owner", ps.Owner, "source", rec.Holder.Owner, "lease", keyspace.LeaseHex(lease))
 	}
-	return Retargeted{Rev: tresp.Header.Revision, Promoted: promoted}, true, nil
+	return Retargeted{Rev: tresp.Header.Revision, Promoted: promoted, ClaimLease: claimLease}, true, nil
 }
 
 // targetRead is what a target's agent read of its claim (keepTarget, ReclaimTarget), in one
@@ -126,6 +137,17 @@ func (sc *Claims) readTarget(ctx context.Context, at podbook.Attachment, blocks 
 		r.rec, r.recErr = keyspace.Decode[keyspace.ClaimRecord](r.key, r.ckv.Value)
 	}
 	return r, nil
+}
+
+// resting tells whether every address read has its quarantine key: released, it rests under
+// its claim.
+func (r targetRead) resting() bool {
+	for i := range r.addrs {
+		if firstKV(r.resp, 3+2*i) == nil {
+			return false
+		}
+	}
+	return true
 }
 
 // extra is the first key-value of the i-th extra read.
