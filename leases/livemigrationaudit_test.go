@@ -204,16 +204,24 @@ func TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone(t *testin
 	}
 }
 
+// migratingPair starts a cluster of two agents, n1 holding a migratable claim in a new pool
+// of subnet and n2 (auditing fast) its live migration's target, as most tests here begin.
+func migratingPair(t *testing.T, subnet string) (cluster string, cli *clientv3.Client, ctx context.Context, pool allocator.PoolSpec,
+	a, b *Agent, ips []netip.Addr, started liveMig) {
+	cluster, cli, ctx = etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool = v4Pool(etcdtest.Uniq("p"), subnet, 26)
+	a = startAgent(t, cluster, "n1", "uid1")
+	b = startAgent(t, cluster, "n2", "uid2", auditFast)
+	ips, started = startMigration(t, cli, cluster, a, b, pool)
+	return cluster, cli, ctx, pool, a, b, ips, started
+}
+
 // TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain: the target's pod lease revoked
 // (its keys gone with it) while the source runs: the target's re-claim writes its migration
 // key and owner index again on its new lease, records no conflict against its own source,
 // leaves the source's keys as they were, and the source's DEL then completes the migration.
 func TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
-	pool := v4Pool(etcdtest.Uniq("p"), "10.94.0.0/24", 26)
-	a := startAgent(t, cluster, "n1", "uid1")
-	b := startAgent(t, cluster, "n2", "uid2", auditFast)
-	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	cluster, cli, ctx, pool, a, _, ips, started := migratingPair(t, "10.94.0.0/24")
 	lb := started.ownerLeases["u2"]
 	if _, err := cli.Revoke(ctx, lb); err != nil {
 		t.Fatal(err)
@@ -237,11 +245,7 @@ func TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain(t *testing.T) {
 // its own leases, rather than re-claiming the addresses as any pod's with the claim left
 // naming the dead source.
 func TestATargetReclaimedAfterItsSourceWentTakesTheClaim(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
-	pool := v4Pool(etcdtest.Uniq("p"), "10.95.0.0/24", 26)
-	a := startAgent(t, cluster, "n1", "uid1")
-	b := startAgent(t, cluster, "n2", "uid2", auditFast)
-	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	cluster, cli, ctx, pool, a, _, ips, started := migratingPair(t, "10.95.0.0/24")
 	a.Close()
 	for _, l := range []clientv3.LeaseID{started.ownerLeases["u1"], started.ownerLeases["u2"]} {
 		if _, err := cli.Revoke(ctx, l); err != nil {
@@ -309,11 +313,7 @@ func targetAt(t *testing.T, a *Agent, owner string) podbook.Attachment {
 // one, so that the source's DEL (T2) moves the claim onto it rather than release it from
 // under the running target (issue 35, chaos seed 4).
 func TestATargetReclaimedWithoutItsClaimLeaseNamesOneEtcdHas(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
-	pool := v4Pool(etcdtest.Uniq("p"), "10.89.0.0/24", 26)
-	a := startAgent(t, cluster, "n1", "uid1")
-	b := startAgent(t, cluster, "n2", "uid2", auditFast)
-	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	cluster, cli, ctx, pool, a, b, ips, started := migratingPair(t, "10.89.0.0/24")
 	lc, err := keyspace.ParseLeaseHex(started.mig.ClaimLease)
 	if err != nil {
 		t.Fatal(err)
@@ -353,11 +353,7 @@ func TestATargetReclaimedWithoutItsClaimLeaseNamesOneEtcdHas(t *testing.T) {
 // audit takes it as a hand-over, every key onto its own leases (a new claim lease), rather
 // than leave the running VM's addresses to any pod once the hold runs out (issue 35).
 func TestATargetWhoseSourceReleasedTheClaimTakesIt(t *testing.T) {
-	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
-	pool := v4Pool(etcdtest.Uniq("p"), "10.88.0.0/24", 26)
-	a := startAgent(t, cluster, "n1", "uid1")
-	b := startAgent(t, cluster, "n2", "uid2", auditFast)
-	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	cluster, cli, ctx, pool, a, b, ips, started := migratingPair(t, "10.88.0.0/24")
 	lc, err := keyspace.ParseLeaseHex(started.mig.ClaimLease)
 	if err != nil {
 		t.Fatal(err)
