@@ -291,10 +291,9 @@ func startVMMigration(v vmNet, a, b *agentProc) (source, target *vmPod, ips []ne
 // without allowPersistentIPs, and a migratable one on A's own node, wait and fail as a sticky
 // claim's ADD does (code 11, naming the holder); the target's ADD on node B while A's pod
 // runs gets the same addresses; a third pod of the claim, on node C, is refused naming both
-// holders; the source's DEL leaves B the sole holder, the keys on B's leases, and doctor finds
-// nothing wrong; its repeated ADD answers the same addresses. Doctor runs only once the
-// migration ended: on this branch it reports a migration's target as an owner index naming
-// another holder's addresses (doctor's live-migration findings are built apart).
+// holders; doctor, during the migration, names it and finds nothing wrong; the source's DEL
+// leaves B the sole holder, the keys on B's leases, and doctor finds nothing wrong; its
+// repeated ADD answers the same addresses.
 func TestALiveMigrationOnRealAgents(t *testing.T) {
 	f := newFixture(t, withAgents(3), withNetns())
 	v := vmNet{t, f}
@@ -313,6 +312,10 @@ func TestALiveMigrationOnRealAgents(t *testing.T) {
 	v.refused(v.pod(c, true), "a third pod during the migration",
 		source.name+" on node "+a.Node, "migrating to pod "+vmNamespace+"/"+target.name+" on node "+b.Node)
 	v.migrating(source, target, ips)
+	code, out := doctor(t, f.Endpoint)
+	if code != 0 || !strings.Contains(out, "[live-migration]") || !strings.Contains(out, target.name) {
+		t.Errorf("leaseholdctl doctor during the migration: exit %d, want 0 and a live-migration finding naming %s:\n%s", code, target.name, out)
+	}
 
 	v.del(source)
 	if err := v.soleHolder(target, ips, source); err != nil {
