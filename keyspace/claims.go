@@ -3,6 +3,7 @@ package keyspace
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -17,25 +18,43 @@ const claimsDir = Prefix + "claims/"
 
 // ClaimKey is /leasehold/v1/claims/<cluster>/<pool>/<claim>: one sticky claim, on its claim
 // lease (renewed by the holder's agent; while nobody holds it, it runs out after the hold).
-func ClaimKey(cluster, pool, claim string) string { return ClaimsPrefix(cluster) + pool + "/" + claim }
+func ClaimKey(cluster, pool, claim string) string { return claimKeyIn(claimsDir, cluster, pool, claim) }
 
 // ClaimsPrefix is the prefix of cluster's claims; with cluster "" of every cluster's.
-func ClaimsPrefix(cluster string) string {
-	if cluster == "" {
-		return claimsDir
-	}
-	return claimsDir + cluster + "/"
+func ClaimsPrefix(cluster string) string { return clusterPrefixIn(claimsDir, cluster) }
+
+// ParseClaimKey splits a claim key into its cluster, pool and claim name. Empty names pass:
+// its callers validate them.
+func ParseClaimKey(key string) (cluster, pool, claim string, err error) {
+	return parseClaimKeyIn(claimsDir, key, false)
 }
 
-// ParseClaimKey splits a claim key into its cluster, pool and claim name.
-func ParseClaimKey(key string) (cluster, pool, claim string, err error) {
-	rest, ok := strings.CutPrefix(key, claimsDir)
+// The families keyed by claim, <dir><cluster>/<pool>/<claim>: the claims and the live
+// migrations (LiveMigrationKey).
+
+// claimKeyIn is the key of claim of pool in cluster under dir.
+func claimKeyIn(dir, cluster, pool, claim string) string {
+	return clusterPrefixIn(dir, cluster) + pool + "/" + claim
+}
+
+// clusterPrefixIn is the prefix of cluster's keys under dir; with cluster "" dir itself.
+func clusterPrefixIn(dir, cluster string) string {
+	if cluster == "" {
+		return dir
+	}
+	return dir + cluster + "/"
+}
+
+// parseClaimKeyIn splits a key under dir into its cluster, pool and claim name; with
+// nonEmpty, an empty one is refused as a part missing.
+func parseClaimKeyIn(dir, key string, nonEmpty bool) (cluster, pool, claim string, err error) {
+	rest, ok := strings.CutPrefix(key, dir)
 	if !ok {
-		return "", "", "", fmt.Errorf("key %q is not under %s", key, claimsDir)
+		return "", "", "", fmt.Errorf("key %q is not under %s", key, dir)
 	}
 	parts := strings.Split(rest, "/")
-	if len(parts) != 3 {
-		return "", "", "", fmt.Errorf("key %q: want %s<cluster>/<pool>/<claim>", key, claimsDir)
+	if len(parts) != 3 || nonEmpty && slices.Contains(parts, "") {
+		return "", "", "", fmt.Errorf("key %q: want %s<cluster>/<pool>/<claim>", key, dir)
 	}
 	return parts[0], parts[1], parts[2], nil
 }

@@ -1,10 +1,6 @@
 package keyspace
 
-import (
-	"fmt"
-	"strings"
-	"time"
-)
+import "time"
 
 // Live migrations (issue 35, docs/proposals/live-migration.md): while a VM moves between
 // nodes, the claim's holder (the source) and one target pod on another node both hold the
@@ -17,29 +13,17 @@ const liveMigrationsDir = Prefix + "livemigrations/"
 // LiveMigrationKey is /leasehold/v1/livemigrations/<cluster>/<pool>/<claim>: the one target
 // of a migratable claim, on the target's pod lease, created only if absent.
 func LiveMigrationKey(cluster, pool, claim string) string {
-	return LiveMigrationsPrefix(cluster) + pool + "/" + claim
+	return claimKeyIn(liveMigrationsDir, cluster, pool, claim)
 }
 
 // LiveMigrationsPrefix is the prefix of cluster's live migrations; with cluster "" of every
 // cluster's.
-func LiveMigrationsPrefix(cluster string) string {
-	if cluster == "" {
-		return liveMigrationsDir
-	}
-	return liveMigrationsDir + cluster + "/"
-}
+func LiveMigrationsPrefix(cluster string) string { return clusterPrefixIn(liveMigrationsDir, cluster) }
 
-// ParseLiveMigrationKey splits a live migration key into its cluster, pool and claim name.
+// ParseLiveMigrationKey splits a live migration key into its cluster, pool and claim name,
+// none of them empty.
 func ParseLiveMigrationKey(key string) (cluster, pool, claim string, err error) {
-	rest, ok := strings.CutPrefix(key, liveMigrationsDir)
-	if !ok {
-		return "", "", "", fmt.Errorf("key %q is not under %s", key, liveMigrationsDir)
-	}
-	parts := strings.Split(rest, "/")
-	if len(parts) != 3 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
-		return "", "", "", fmt.Errorf("key %q: want %s<cluster>/<pool>/<claim>", key, liveMigrationsDir)
-	}
-	return parts[0], parts[1], parts[2], nil
+	return parseClaimKeyIn(liveMigrationsDir, key, true)
 }
 
 // LiveMigrationRecord is the value of a live migration key: the target attachment, the
