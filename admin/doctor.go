@@ -58,6 +58,7 @@ const (
 	KindLiveMigrationNotAllowed = "live-migration-not-allowed"  // a migration of a claim that is not migratable
 	KindLiveMigrationOrphan     = "live-migration-orphan"       // warning: a migration key without claim record or live holder
 	KindClaimForeignOwner       = "claim-address-foreign-owner" // an address of a held or migrating claim allocated to neither holder nor target
+	KindLiveMigrationOldAgent   = "live-migration-old-agent"    // warning: a live agent that predates live migrations, in a cluster with migratable claims
 
 	// Selection rules (issue 34; docs/proposals/pool-selection.md). Malformed rule keys are
 	// bad-key findings; an unreadable rule is an unreadable warning (agents pass it over).

@@ -41,7 +41,7 @@ func newBlockWorld(t *testing.T, cli *clientv3.Client) *blockWorld {
 	w := &blockWorld{cli: cli, pod: grant(t, cli), nodeLease: grant(t, cli), blockL: grant(t, cli), q: grant(t, cli),
 		block4: netip.MustParsePrefix("10.77.0.0/26")}
 	now := time.Now().UTC()
-	put(t, cli, keyspace.NodeKey(wCluster, wNode), keyspace.Encode(keyspace.NodeRecord{UID: wUID, Host: "h1", Version: "v", Blocks: true,
+	put(t, cli, keyspace.NodeKey(wCluster, wNode), keyspace.Encode(keyspace.NodeRecord{UID: wUID, Host: "h1", Version: "v", Blocks: true, LiveMigration: true,
 		Started: now, LeaseID: keyspace.LeaseHex(w.nodeLease), BlockLease: keyspace.LeaseHex(w.blockL)}), w.nodeLease)
 	claim := keyspace.Encode(keyspace.BlockRecord{Cluster: wCluster, Node: wNode, NodeUID: wUID, LeaseID: keyspace.LeaseHex(w.blockL), Since: now})
 	w.claim4, w.claim6 = keyspace.BlockKey(wPool, w.block4), keyspace.BlockKey(wPool, netip.MustParsePrefix("fd77::/122"))

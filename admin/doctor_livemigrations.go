@@ -82,6 +82,50 @@ func (c *checker) liveMigrations() {
 	for i := range c.st.Claims {
 		c.foreignOwners(&c.st.Claims[i])
 	}
+	c.oldAgents()
+}
+
+// oldAgents reports each live agent that predates live migrations (its node record has no
+// LiveMigration mark) in a cluster with a migratable claim or a live migration key: such an
+// agent compares no migration key, so its DEL of a migrating claim's holder (the source)
+// would release the addresses the target uses. Unreadable node records are reported as such.
+func (c *checker) oldAgents() {
+	type use struct {
+		claims, migrations int
+		first              string // the first key of either, the finding's second key
+		text               string // what the first says, for the message
+	}
+	uses := map[string]*use{}
+	useOf := func(cluster, key, text string) *use {
+		u := uses[cluster]
+		if u == nil {
+			u = &use{first: key, text: text}
+			uses[cluster] = u
+		}
+		return u
+	}
+	for _, cl := range c.st.Claims {
+		if cl.Unreadable == "" && cl.Value.Migratable {
+			useOf(cl.Cluster, cl.Key, fmt.Sprintf("claim %s of pool %s", cl.Name, cl.Pool)).claims++
+		}
+	}
+	for _, m := range c.st.LiveMigrations {
+		useOf(m.Cluster, m.Key, fmt.Sprintf("the live migration of claim %s of pool %s", m.Claim, m.Pool)).migrations++
+	}
+	for _, n := range c.st.Nodes {
+		u := uses[n.Cluster]
+		if u == nil || n.Unreadable != "" || n.Value.LiveMigration {
+			continue
+		}
+		v := n.Value
+		c.note(SeverityWarning, KindLiveMigrationOldAgent, n.Cluster, fmt.Sprintf("the agent of node %s (version %s, host %s, started %s) "+
+			"predates live migrations (its node record has no liveMigration mark), while cluster %s has %d migratable claim(s) and %d "+
+			"live migration(s) (%s). That agent compares no live migration key: a DEL of a migrating VM's source pod on node %s "+
+			"would release the claim's addresses while the target pod uses them. Upgrade the agent of node %s before marking "+
+			"claims migratable and before migrating VMs to or from it", n.Node, dash(v.Version), dash(v.Host),
+			v.Started.UTC().Format(time.RFC3339), n.Cluster, u.claims, u.migrations, u.text, n.Node, n.Node),
+			"leaseholdctl node list --cluster "+ShellQuote(n.Cluster), n.Key, u.first)
+	}
 }
 
 func (c *checker) liveMigration(m *LiveMigrationEntry) {

@@ -40,7 +40,7 @@ func newMigrationWorld(t *testing.T, cli *clientv3.Client) *migrationWorld {
 	w.setMigratable(t, true)
 	now := time.Now().UTC()
 	nodeL := grant(t, cli)
-	put(t, cli, keyspace.NodeKey(wCluster, wNode2), keyspace.Encode(keyspace.NodeRecord{UID: wUID2, Host: "h2", Version: "v", Blocks: true,
+	put(t, cli, keyspace.NodeKey(wCluster, wNode2), keyspace.Encode(keyspace.NodeRecord{UID: wUID2, Host: "h2", Version: "v", Blocks: true, LiveMigration: true,
 		Started: now, LeaseID: keyspace.LeaseHex(nodeL), BlockLease: keyspace.LeaseHex(w.blockL)}), nodeL)
 	ips := []netip.Addr{netip.MustParseAddr("10.77.0.10"), netip.MustParseAddr("fd77::10")}
 	w.tgtOwner, w.tgtPod = keyspace.OwnerKey(wCluster, "u-tgt", "eth0", wPool), keyspace.PodKey(wCluster, wNode2, "u-tgt")
@@ -309,5 +309,88 @@ func TestAdminClaimsCarryTheirMigration(t *testing.T) {
 		if want := c.Name == "ns.web"; (c.Migration != nil) != want {
 			t.Errorf("ListClaims %s migration %+v, want one: %v", c.Name, c.Migration, want)
 		}
+	}
+}
+
+// TestDoctorLiveMigrationOldAgent: a live agent whose node record has no liveMigration mark
+// (an agent from before live migrations) is a warning naming the node, its version and the
+// upgrade, once its cluster has a migratable claim or a live migration key; without either,
+// or with every agent current, nothing is reported.
+func TestDoctorLiveMigrationOldAgent(t *testing.T) {
+	cli := privateEtcd(t)
+	nodeKey := keyspace.NodeKey(wCluster, wNode)
+	// agentOf writes n1's node record in cluster as an agent of version v0.9 does: without
+	// the liveMigration mark, or, with current, with it, as this version's agent does.
+	agentOf := func(t *testing.T, w *claimWorld, cluster string, current bool) {
+		t.Helper()
+		put(t, cli, keyspace.NodeKey(cluster, wNode), keyspace.Encode(keyspace.NodeRecord{UID: wUID, Host: "h1", Version: "v0.9", Blocks: true,
+			LiveMigration: current, Started: time.Now().UTC(), LeaseID: keyspace.LeaseHex(w.nodeLease), BlockLease: keyspace.LeaseHex(w.blockL)}),
+			w.nodeLease)
+	}
+	migratable := func(t *testing.T, w *claimWorld) {
+		t.Helper()
+		(&migrationWorld{claimWorld: w}).setMigratable(t, true)
+	}
+	tests := []struct {
+		name string
+		seed func(t *testing.T, w *claimWorld)
+		want bool // a live-migration-old-agent finding for n1
+	}{
+		// The claim ns.web is migratable: n1's old agent would release it under a target.
+		{name: "old agent, migratable claim", want: true, seed: func(t *testing.T, w *claimWorld) {
+			migratable(t, w)
+			agentOf(t, w, wCluster, false)
+		}},
+		// A migration key of a claim not (any more) migratable: a migration is what is at
+		// stake. The migration world replaces the claim world's keys.
+		{name: "old agent, live migration key", want: true, seed: func(t *testing.T, w *claimWorld) {
+			mw := newMigrationWorld(t, cli)
+			mw.setMigratable(t, false)
+			agentOf(t, mw.claimWorld, wCluster, false)
+		}},
+		// No claim is migratable and no migration runs: an old agent does what it always did.
+		{name: "old agent, no migratable claim", seed: func(t *testing.T, w *claimWorld) {
+			agentOf(t, w, wCluster, false)
+		}},
+		// Every agent is of this version.
+		{name: "current agent, migratable claim", seed: func(t *testing.T, w *claimWorld) {
+			migratable(t, w)
+			agentOf(t, w, wCluster, true)
+		}},
+		// The old agent is another cluster's, whose claims are none migratable.
+		{name: "old agent of another cluster", seed: func(t *testing.T, w *claimWorld) {
+			migratable(t, w)
+			agentOf(t, w, "c2", false)
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := newClaimWorld(t, cli)
+			tt.seed(t, w)
+			fs := w.check(t)
+			f := findingOf(fs, KindLiveMigrationOldAgent, "")
+			if !tt.want {
+				if f != nil {
+					t.Errorf("reported %+v, want no %s", *f, KindLiveMigrationOldAgent)
+				}
+				return
+			}
+			if f == nil {
+				t.Fatalf("no %s finding in %+v", KindLiveMigrationOldAgent, fs)
+			}
+			if f.Severity != SeverityWarning || f.Cluster != wCluster || f.Keys[0] != nodeKey || f.Fix != "leaseholdctl node list --cluster "+wCluster {
+				t.Errorf("finding %+v: want a warning of cluster %s on %s, fixed by looking at node list", *f, wCluster, nodeKey)
+			}
+			for _, w := range []string{"node n1", "v0.9", "Upgrade the agent of node n1"} {
+				if !strings.Contains(f.Message, w) {
+					t.Errorf("message %q does not say %q", f.Message, w)
+				}
+			}
+			for _, g := range fs {
+				if g.Problem() && g.Kind != KindLiveMigrationOldAgent && g.Kind != KindLiveMigrationNotAllowed {
+					t.Errorf("another problem besides %s: %+v", KindLiveMigrationOldAgent, g)
+				}
+			}
+		})
 	}
 }

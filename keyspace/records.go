@@ -67,9 +67,13 @@ type NodeRecord struct {
 	Version string `json:"version"`
 	// Blocks says the agent serves pools in the block layout (allocator.Blocks); `leaseholdctl
 	// pool migrate` refuses while a live agent without it could still claim in the flat one.
-	Blocks  bool      `json:"blocks,omitempty"`
-	Started time.Time `json:"started"`
-	LeaseID string    `json:"leaseID"`
+	Blocks bool `json:"blocks,omitempty"`
+	// LiveMigration says the agent takes part in live migrations (LiveMigrationKey): its DEL
+	// of a claim's holder compares the claim's migration key. doctor warns of a live agent
+	// without it while its cluster has a migratable claim (live-migration-old-agent).
+	LiveMigration bool      `json:"liveMigration,omitempty"`
+	Started       time.Time `json:"started"`
+	LeaseID       string    `json:"leaseID"`
 	// BlockLease is the lease the agent's block claims and held keys go on (HeldKey): it
 	// outlives the pod leases by the reuse delay. A restart with the same UID adopts it.
 	BlockLease string `json:"blockLease,omitempty"`

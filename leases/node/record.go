@@ -53,7 +53,7 @@ func (r Record) Register(ctx context.Context) (clientv3.LeaseID, error) {
 	}
 	key := keyspace.NodeKey(r.ID.Cluster, r.ID.Node)
 	rec := keyspace.NodeRecord{UID: r.ID.UID, Host: r.ID.Host, PID: os.Getpid(), Version: r.ID.Version, Blocks: true,
-		Started: r.Wall(), LeaseID: keyspace.LeaseHex(id)}
+		LiveMigration: true, Started: r.Wall(), LeaseID: keyspace.LeaseHex(id)}
 	for attempt := 0; ; attempt++ {
 		cur, err := r.KV.Get(octx, key)
 		if err != nil {
