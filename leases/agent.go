@@ -163,7 +163,7 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 			return p.Spec.Blocks, p.Migrating != nil, nil
 		},
 		RestoreGen: a.hold.Pending, AuditDue: a.audit.MarkDue, LeaseAlive: a.audit.LeaseAlive,
-		Refused: a.metrics.claimsRefused, KeysLost: a.metrics.podKeysLost, Live: a.metrics.live,
+		Refused: a.metrics.claimsRefused, KeysLost: a.metrics.podKeysLost, Live: a.metrics.live, LiveMigrationBound: cfg.LiveMigrationBound,
 		HeldLease: func(ctx context.Context) (clientv3.LeaseID, error) {
 			id, _, err := a.attach.HeldFor(ctx, "")
 			return id, err

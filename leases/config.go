@@ -78,8 +78,9 @@ type Config struct {
 	// DefaultReuseDelay; negative holds nothing back.
 	ReuseDelay time.Duration
 	// LiveMigrationBound is the age above which a live migration this node takes part in has
-	// hung (issue 35): KubeVirt finishes one in minutes. Default DefaultLiveMigrationBound, as
-	// leaseholdctl doctor's and the LeaseholdLiveMigrationTooOld alert's; negative is invalid.
+	// hung (issue 35): KubeVirt finishes one in minutes. Each is logged once and counted in
+	// leasehold_live_migrations_too_old (the LeaseholdLiveMigrationTooOld alert's). Default
+	// DefaultLiveMigrationBound, as leaseholdctl doctor's; negative is invalid.
 	LiveMigrationBound time.Duration
 	// AuditInterval is how often the agent checks every key it keeps in etcd (its node record,
 	// block claims, and its running pods' pod records, owner indexes and allocations) against

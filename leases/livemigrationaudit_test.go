@@ -88,6 +88,9 @@ func TestLiveMigrationsAreCountedOnBothNodes(t *testing.T) {
 	if age := liveCount(t, b, oldest, ""); age <= 0 || age > 600 {
 		t.Errorf("%s on the target's node: %v, want the migration's age", oldest, age)
 	}
+	if got := liveCount(t, b, "leasehold_live_migrations_too_old", ""); got != 0 {
+		t.Errorf("a migration of seconds counted too old within the default bound of an hour: %v", got)
+	}
 	// T6: refused on the third pod's node, in both counters.
 	short, cancel := context.WithTimeout(ctx, 3*time.Second)
 	_, err := c.Add(short, vmReq(pool, "c9", "u9"))

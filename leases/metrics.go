@@ -62,6 +62,8 @@ type liveMigrationMetrics struct {
 	started, refused  prometheus.Counter
 	completed, failed *prometheus.CounterVec
 	inProgress        atomic.Pointer[func() []time.Time]
+	// bound is the age above which a migration has hung (Config.LiveMigrationBound).
+	bound time.Duration
 }
 
 // How a live migration ended: the values of Completed's and Failed's how.
@@ -79,8 +81,8 @@ const (
 
 var _ sticky.LiveMetrics = (*liveMigrationMetrics)(nil)
 
-func newLiveMigrationMetrics() *liveMigrationMetrics {
-	l := &liveMigrationMetrics{
+func newLiveMigrationMetrics(bound time.Duration) *liveMigrationMetrics {
+	l := &liveMigrationMetrics{bound: bound,
 		started: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "leasehold_live_migrations_started_total",
 			Help: "Live migrations this node's pods started as their target: a second pod of a migratable claim given its addresses while the holder on another node ran.",
@@ -142,7 +144,7 @@ func (l *liveMigrationMetrics) collectors() []prometheus.Collector {
 		}, func() float64 { return float64(len(l.now())) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "leasehold_live_migration_oldest_seconds",
-			Help: "Seconds the oldest live migration in progress this node's pods take part in has run; 0 when none. Above --live-migration-bound (default 1h) it has hung: alert on the max over the nodes.",
+			Help: "Seconds the oldest live migration in progress this node's pods take part in has run; 0 when none. Above --live-migration-bound (default 1h) it has hung (leasehold_live_migrations_too_old).",
 		}, func() float64 {
 			var oldest time.Time
 			for _, t := range l.now() {
@@ -154,6 +156,18 @@ func (l *liveMigrationMetrics) collectors() []prometheus.Collector {
 				return 0
 			}
 			return max(time.Since(oldest).Seconds(), 0)
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "leasehold_live_migrations_too_old",
+			Help: "Live migrations in progress this node's pods take part in that have run longer than this agent's --live-migration-bound (default 1h): hung; each is logged once. Alert on the max over the nodes above 0.",
+		}, func() float64 {
+			n := 0
+			for _, t := range l.now() {
+				if time.Since(t) > l.bound {
+					n++
+				}
+			}
+			return float64(n)
 		}),
 	}
 }
@@ -263,7 +277,7 @@ func newMetrics(a *Agent) *metrics {
 			Name: "leasehold_pool_exhausted_refusals_total",
 			Help: "ADDs refused as exhausted (CNI code 102) by the last pool they tried: it was full, and so was every pool before it in their list. Given from the pool's first ADD on, at 0.",
 		}, []string{"pool"}),
-		live: newLiveMigrationMetrics(),
+		live: newLiveMigrationMetrics(a.cfg.LiveMigrationBound),
 	}
 	// Results known in advance are exported at 0 from the start: a dashboard shows 0, not
 	// nothing, and an alert on increase() sees the first one.

@@ -104,7 +104,7 @@ func parse(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.leaseTTL, "lease-ttl", leases.DefaultLeaseTTL, "TTL of pod and node leases")
 	fs.DurationVar(&o.quarantine, "quarantine", leases.DefaultQuarantine, "how long a released address rests before reuse (0s disables)")
 	fs.DurationVar(&o.claimHold, "claim-hold", leases.DefaultClaimHold, "how long a sticky claim outlives its holder's release when the network configuration gives no stickyHold (at least --lease-ttl)")
-	fs.DurationVar(&o.liveMigrationBound, "live-migration-bound", leases.DefaultLiveMigrationBound, "the age above which a live migration this node takes part in has hung (as leaseholdctl doctor's and the LeaseholdLiveMigrationTooOld alert's)")
+	fs.DurationVar(&o.liveMigrationBound, "live-migration-bound", leases.DefaultLiveMigrationBound, "the age above which a live migration this node takes part in has hung: logged once and counted in leasehold_live_migrations_too_old, which the LeaseholdLiveMigrationTooOld alert reads (give leaseholdctl doctor the same)")
 	fs.DurationVar(&o.reuseDelay, "reuse-delay", leases.DefaultReuseDelay, "how long the addresses and blocks of a node cut off from etcd or dead are left to it after its pods' leases expire, while the pool has other room (0s: none)")
 	fs.DurationVar(&o.blockIdle, "block-idle", leases.DefaultBlockIdle, "how long a block this node claimed must stay empty before it is given back to the pool (0s: never)")
 	fs.DurationVar(&o.gcGrace, "gc-grace", 10*time.Second, "attachments younger than this survive CNI GC (0s: none)")

@@ -17,7 +17,7 @@ import (
 // completion by its DEL (T2). The source's agent also reads, every audit, the migration keys
 // of the claims it holds: one it saw that vanished without its DEL, whose target's node record
 // is gone too, is a target's death (T5). The same read gives the start of every migration in
-// progress, for the gauges.
+// progress, for the gauges, and logs once each one older than the bound.
 
 // How a live migration ended: the values of LiveMetrics' Completed and Failed.
 const (
@@ -36,10 +36,11 @@ type LiveMetrics interface {
 }
 
 // liveSeen is what the agent last knew of the live migrations its pods take part in, by
-// migration key.
+// migration key, and the start of each it logged as older than the bound (overBound).
 type liveSeen struct {
-	mu sync.Mutex
-	m  map[string]seenMigration
+	mu   sync.Mutex
+	m    map[string]seenMigration
+	told map[string]time.Time
 }
 
 // seenMigration is one live migration: when it started, its target's node, whether this
@@ -74,6 +75,34 @@ func (s *liveSeen) swap(now map[string]seenMigration) map[string]seenMigration {
 	was := s.m
 	s.m = maps.Clone(now)
 	return was
+}
+
+// overBound returns the migrations known, not vanished, that started more than bound before
+// now and were not returned before (a migration is its key and its start), and forgets those
+// returned that are no longer known.
+func (s *liveSeen) overBound(now time.Time, bound time.Duration) map[string]seenMigration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for key, since := range s.told {
+		if m, ok := s.m[key]; !ok || !m.since.Equal(since) {
+			delete(s.told, key)
+		}
+	}
+	out := map[string]seenMigration{}
+	for key, m := range s.m {
+		if !m.vanished.IsZero() || now.Sub(m.since) <= bound {
+			continue
+		}
+		if since, ok := s.told[key]; ok && since.Equal(m.since) {
+			continue
+		}
+		if s.told == nil {
+			s.told = map[string]time.Time{}
+		}
+		s.told[key] = m.since
+		out[key] = m
+	}
+	return out
 }
 
 // MigrationsSince is the start of each live migration in progress this node's pods take part
@@ -154,7 +183,32 @@ func (sc *Claims) readMigrations(ctx context.Context) error {
 			sc.seen.put(key, m)
 		}
 	}
+	sc.logOverBound(time.Now())
 	return nil
+}
+
+// logOverBound logs, once each, the live migrations this node takes part in that have run
+// longer than the bound (--live-migration-bound): KubeVirt has not finished them, and two
+// pods use their claims' addresses. The gauge leasehold_live_migrations_too_old counts them
+// from MigrationsSince.
+func (sc *Claims) logOverBound(now time.Time) {
+	if sc.cfg.LiveMigrationBound <= 0 {
+		return
+	}
+	for key, m := range sc.seen.overBound(now, sc.cfg.LiveMigrationBound) {
+		_, pool, claim, err := keyspace.ParseLiveMigrationKey(key)
+		if err != nil {
+			continue
+		}
+		role := "target"
+		if m.source {
+			role = "source"
+		}
+		sc.log.Warn("a live migration this node takes part in has run longer than --live-migration-bound: KubeVirt has not "+
+			"finished it, and both its pods use the claim's addresses; the source pod's DEL completes it, the target pod's fails it",
+			"claim", claim, "pool", pool, "this_node_is", role, "target_node", m.targetNode, "since", m.since.UTC().Format(time.RFC3339),
+			"age", now.Sub(m.since).Round(time.Second), "bound", sc.cfg.LiveMigrationBound)
+	}
 }
 
 // nodeGone tells whether node's record, of identity uid, is gone from etcd.

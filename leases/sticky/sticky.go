@@ -82,6 +82,9 @@ type Config struct {
 	Refused, KeysLost prometheus.Counter
 	// Live counts the live migrations this node's pods take part in (livecount.go).
 	Live LiveMetrics
+	// LiveMigrationBound is the age above which such a migration has hung: each is logged
+	// once when the audit finds it older (livecount.go). 0 logs none.
+	LiveMigrationBound time.Duration
 	// HeldLease is the lease this node's held keys go on (the block lease; 0: none are
 	// written), named by a live migration key the target's agent writes again.
 	HeldLease func(ctx context.Context) (clientv3.LeaseID, error)
