@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -208,13 +209,14 @@ func TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone(t *testin
 }
 
 // migratingPair starts a cluster of two agents, n1 holding a migratable claim in a new pool
-// of subnet and n2 (auditing fast) its live migration's target, as most tests here begin.
-func migratingPair(t *testing.T, subnet string) (cluster string, cli *clientv3.Client, ctx context.Context, pool allocator.PoolSpec,
-	a, b *Agent, ips []netip.Addr, started liveMig) {
+// of subnet and n2 (auditing fast) its live migration's target, as most tests here begin;
+// mod changes both agents' configuration.
+func migratingPair(t *testing.T, subnet string, mod ...func(*Config)) (cluster string, cli *clientv3.Client, ctx context.Context,
+	pool allocator.PoolSpec, a, b *Agent, ips []netip.Addr, started liveMig) {
 	cluster, cli, ctx = etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
 	pool = v4Pool(etcdtest.Uniq("p"), subnet, 26)
-	a = startAgent(t, cluster, "n1", "uid1")
-	b = startAgent(t, cluster, "n2", "uid2", auditFast)
+	a = startAgent(t, cluster, "n1", "uid1", mod...)
+	b = startAgent(t, cluster, "n2", "uid2", append(mod, auditFast)...)
 	ips, started = startMigration(t, cli, cluster, a, b, pool)
 	return cluster, cli, ctx, pool, a, b, ips, started
 }
@@ -383,4 +385,143 @@ func TestATargetWhoseSourceReleasedTheClaimTakesIt(t *testing.T) {
 	if got := liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); got != 1 {
 		t.Errorf("completed{source_deleted} on the target's node: %v, want 1", got)
 	}
+}
+
+// lostLease parses a lease a migration key names, in hex; 0 for none.
+func lostLease(t *testing.T, hex string) clientv3.LeaseID {
+	t.Helper()
+	if hex == "" {
+		return 0
+	}
+	id, err := keyspace.ParseLeaseHex(hex)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// reletThenCompleted waits until the target's audit (on b) wrote the migration key started
+// again, changed as changed tells, and checks that it names claim and block leases etcd has
+// and b's agent renews, the owner index and the pod book naming the same claim lease, the
+// rest of the key and the source's keys as they were. Then the source's DEL (on a) completes
+// the migration (T2) at its first attempt: counted by the source's node, not taken by the
+// target's audit after a release, every key of the claim on the target's live leases.
+func reletThenCompleted(t *testing.T, cli *clientv3.Client, cluster string, pool allocator.PoolSpec, ips []netip.Addr, a, b *Agent,
+	started liveMig, changed func(keyspace.LiveMigrationRecord) bool) {
+	t.Helper()
+	ctx := ctxT(t)
+	etcdtest.EventuallyTrue(t, "the migration key written again by the target's audit", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips)
+		return m.migLease != 0 && changed(m.mig)
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	if m.migLease != started.migLease || m.mig.Target != started.mig.Target || m.mig.Source != started.mig.Source {
+		t.Errorf("migration key written again on %x as %+v, want on %x as %+v but for its leases", int64(m.migLease), m.mig,
+			int64(started.migLease), started.mig)
+	}
+	lc := lostLease(t, m.mig.ClaimLease)
+	for _, l := range []clientv3.LeaseID{lc, lostLease(t, m.mig.BlockLease)} {
+		if l == 0 {
+			continue
+		}
+		if ttl, err := cli.TimeToLive(ctx, l); err != nil || ttl.TTL <= 0 || !b.keeper.Holds(l) {
+			t.Errorf("lease %s the migration key names: %v %v, renewed by the target's agent %v; want one etcd has, renewed",
+				keyspace.LeaseHex(l), ttl, err, b.keeper.Holds(l))
+		}
+	}
+	if m.ownerClaimLeases["u2"] != m.mig.ClaimLease {
+		t.Errorf("the target's owner index names claim lease %s, its migration key %s", m.ownerClaimLeases["u2"], m.mig.ClaimLease)
+	}
+	if at := targetAt(t, b, "u2"); at.ClaimLease != lc || !at.Target {
+		t.Errorf("the target in the pod book: claim lease %s, target %v; want %s, a target", keyspace.LeaseHex(at.ClaimLease), at.Target,
+			m.mig.ClaimLease)
+	}
+	etcdtest.EventuallyTrue(t, "the migration key counted in the target's node's keys lost", func() bool {
+		return metricValue(t, b, "leasehold_pod_keys_lost_total") >= 1 // once its write is answered
+	})
+	completesAfter(t, "the target's audit", a, cli, cluster, pool, ips, m, started)
+	done := readLiveMig(t, cli, cluster, pool, ips, "u2")
+	if done.claimLease != lc {
+		t.Errorf("the claim moved onto lease %s, want the migration key's %s", keyspace.LeaseHex(done.claimLease), m.mig.ClaimLease)
+	}
+	for i, ip := range ips {
+		if bl := lostLease(t, m.mig.BlockLease); done.heldLeases[i] != bl {
+			t.Errorf("%s: held key on lease %s, want the migration key's block lease %s", ip, keyspace.LeaseHex(done.heldLeases[i]),
+				m.mig.BlockLease)
+		}
+	}
+	if src, tgt := liveCount(t, a, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted),
+		liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); src != 1 || tgt != 0 {
+		t.Errorf("completed{source_deleted}: %v on the source's node, %v on the target's; want 1 and 0 (T2 at its first attempt)", src, tgt)
+	}
+}
+
+// TestATargetsAuditGivesItsMigrationKeyAClaimLeaseEtcdHas: the target's claim lease revoked
+// by hand while its source runs, before any hand-over failed: the target's audit, told by
+// its keeper, writes the migration key again naming a claim lease granted anew, so that the
+// source's DEL moves the claim onto it rather than release it (issue 35).
+func TestATargetsAuditGivesItsMigrationKeyAClaimLeaseEtcdHas(t *testing.T) {
+	shortHold := func(c *Config) { c.ClaimHold = 2 * c.LeaseTTL } // renewed, and found gone, within a third of it
+	cluster, cli, ctx, pool, a, b, ips, started := migratingPair(t, "10.87.0.0/24", shortHold)
+	if _, err := cli.Revoke(ctx, lostLease(t, started.mig.ClaimLease)); err != nil {
+		t.Fatal(err)
+	}
+	reletThenCompleted(t, cli, cluster, pool, ips, a, b, started, func(m keyspace.LiveMigrationRecord) bool {
+		return m.ClaimLease != started.mig.ClaimLease
+	})
+}
+
+// TestATargetsAuditGivesItsMigrationKeyABlockLeaseEtcdHas: the target node's block lease
+// revoked by hand while the migration runs (its block claims go with it, which the target's
+// audit finds): the target's audit writes the migration key again naming the node's new
+// block lease, so that the source's DEL puts the claim's held keys on a lease etcd has.
+func TestATargetsAuditGivesItsMigrationKeyABlockLeaseEtcdHas(t *testing.T) {
+	hold := func(c *Config) { c.ReuseDelay = holdDelay }
+	cluster, cli, ctx, pool, a, b, ips, started := migratingPair(t, "10.86.0.0/24", hold)
+	bl := lostLease(t, started.mig.BlockLease)
+	if bl == 0 {
+		t.Fatalf("the migration key names no block lease: %+v", started.mig)
+	}
+	// A pod of the target's node claims a block on that lease: the audit checks its claim.
+	if _, err := b.Add(ctx, addReq(pool, "c7", "eth0", "u7")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(ctx, bl); err != nil {
+		t.Fatal(err)
+	}
+	reletThenCompleted(t, cli, cluster, pool, ips, a, b, started, func(m keyspace.LiveMigrationRecord) bool {
+		return m.BlockLease != started.mig.BlockLease && m.BlockLease != ""
+	})
+}
+
+// TestATargetsAuditGivesItsMigrationKeyAClaimLeaseEtcdHasAfterARestore: the target's claim
+// lease replaced after a backup (revoked by hand, the key written again naming a new one);
+// the restore brings back the key naming the old lease, which etcd has again but no agent
+// renews, and takes the new one: the target's audit writes the key again naming a lease its
+// agent renews, so that the source's DEL moves the claim onto a lease that lives.
+func TestATargetsAuditGivesItsMigrationKeyAClaimLeaseEtcdHasAfterARestore(t *testing.T) {
+	eachRestoreWay(t, "10.85.0.0/26", func(t *testing.T, rb restoreBed) {
+		shortHold := func(c *Config) { c.ClaimHold = 2 * c.LeaseTTL }
+		a := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n1", "uid1", shortHold)
+		b := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n2", "uid2", shortHold, auditFast)
+		ips, started := startMigration(t, rb.cli, rb.cluster, a, b, rb.pool)
+		backup := filepath.Join(t.TempDir(), "backup.db")
+		if err := rb.member.Snapshot(rb.ctx, backup); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := rb.cli.Revoke(rb.ctx, lostLease(t, started.mig.ClaimLease)); err != nil {
+			t.Fatal(err)
+		}
+		var replaced string
+		etcdtest.EventuallyTrue(t, "the migration key names a new claim lease", func() bool {
+			replaced = readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips).mig.ClaimLease
+			return replaced != "" && replaced != started.mig.ClaimLease
+		})
+		if err := rb.member.Restore(backup, rb.bump); err != nil {
+			t.Fatal(err)
+		}
+		reletThenCompleted(t, rb.cli, rb.cluster, rb.pool, ips, a, b, started, func(m keyspace.LiveMigrationRecord) bool {
+			return m.ClaimLease != started.mig.ClaimLease && m.ClaimLease != replaced
+		})
+	})
 }

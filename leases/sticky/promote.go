@@ -43,7 +43,10 @@ func (sc *Claims) KeepTargets(ctx context.Context, layouts map[string]allocator.
 // left with no holder, its addresses resting under it and none allocated (the source's DEL
 // released it, unable to move it onto the target's leases), is taken by the target too, as a
 // hand-over: the running pod of the claim uses those addresses. Whatever it writes is on a
-// claim lease etcd has (targetRecord).
+// claim lease etcd has (targetRecord). A key naming a claim or block lease this agent does
+// not renew (renews: revoked by hand, taken by a restore) is written again naming its own,
+// compared on its revision, with the owner index naming the claim lease: the source's DEL
+// (T2) then moves the claim onto them at its first attempt, and a promotion (T4) can too.
 func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attachment, blocks allocator.Blocks) error {
 	own := sc.locks.Lock(owner)
 	defer own.Unlock()
@@ -84,28 +87,43 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		mcmp = keyspace.Unchanged(mkey, r.mkv.ModRevision)
 	}
 	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	// asT1: the claim is as T1 found it, every address on its holder's pod lease on another node.
+	asT1 := rec.Holder != nil && onSource == len(at.IPs) && rec.Holder.Node != sc.cfg.Node && rec.Migratable
+	// relet: the key names a claim or block lease this agent does not renew (revoked, a
+	// restore): the source's DEL (T2) or the promotion (T4) would fail to move the claim onto it.
+	relet := r.mkv != nil && rec.Holder != nil && (allocated == 0 || asT1) && !sc.renews(at, m)
 	switch {
-	case allocated > 0 && r.mkv != nil && rec.Holder != nil:
+	case allocated > 0 && r.mkv != nil && rec.Holder != nil && !relet:
 		sc.started(mkey, m)
 		return nil // the source still holds them: the migration goes on
-	case allocated > 0 && (rec.Holder == nil || onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable):
+	case allocated > 0 && !asT1:
 		sc.log.Warn("the live migration key of this node's pod is gone and the claim's addresses are not all its holder's on another "+
 			"node; it is not written again", "claim", at.Claim, "owner", owner, "holder", holderName(rec.Holder))
 		return nil
 	}
-	claimLease := at.ClaimLease
-	if r.mkv == nil || rec.Holder == nil {
+	claimLease, was := at.ClaimLease, m
+	if r.mkv == nil || rec.Holder == nil || relet {
 		var source keyspace.ClaimHolder
 		if rec.Holder != nil {
 			source = *rec.Holder
 		}
-		if m, claimLease, err = sc.targetRecord(ctx, ps, at, podLease, source, sc.targetHold(at, rec)); err != nil {
+		var nm keyspace.LiveMigrationRecord
+		if nm, claimLease, err = sc.targetRecord(ctx, ps, at, podLease, source, sc.targetHold(at, rec)); err != nil {
 			return err
+		}
+		switch {
+		case !relet:
+			m = nm
+		case nm.ClaimLease == m.ClaimLease && nm.BlockLease == m.BlockLease && allocated > 0:
+			sc.started(mkey, m) // its leases taken up again as they were (a restart): nothing to write
+			return nil
+		default:
+			m.ClaimLease, m.BlockLease = nm.ClaimLease, nm.BlockLease
 		}
 	}
 	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, r.ckv.ModRevision), mcmp}, acmps...)
 	var index []clientv3.Op
-	if claimLease != at.ClaimLease {
+	if claimLease != at.ClaimLease || relet {
 		// The owner index names the claim lease the keys move onto.
 		nat := at
 		nat.ClaimLease = claimLease
@@ -114,7 +132,11 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 			clientv3.WithLease(podLease))}
 	}
 	if allocated > 0 {
-		return sc.remigrate(octx, cmps, own, at, ownerKey, podLease, claimLease, mkey, m, index)
+		var lost *keyspace.LiveMigrationRecord
+		if relet {
+			lost = &was
+		}
+		return sc.remigrate(octx, cmps, own, at, ownerKey, podLease, claimLease, mkey, m, index, lost)
 	}
 	if rec.Holder == nil {
 		rec.Migratable = true // a release drops the mark; the target's start (T1) needed it
@@ -232,11 +254,13 @@ func (sc *Claims) targetHold(at podbook.Attachment, rec keyspace.ClaimRecord) ti
 }
 
 // remigrate writes the live migration key m of own's target attachment at again, on its
-// pod lease, compared as cmps (the claim, the key absent, each address on the holder's pod
-// lease and its quarantine key as read) and the owner index on that lease: T1 again. A claim
-// lease granted anew (claimLease, not at's) comes with index, the owner index naming it.
+// pod lease, compared as cmps (the claim, the key absent or, was not nil, unchanged as was,
+// each address on the holder's pod lease and its quarantine key as read) and the owner index
+// on that lease: T1 again. A claim lease granted anew (claimLease, not at's) comes with index,
+// the owner index naming it. was is the key found naming leases this agent does not renew.
 func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *ownerlock.Owned, at podbook.Attachment, ownerKey string,
-	podLease, claimLease clientv3.LeaseID, mkey string, m keyspace.LiveMigrationRecord, index []clientv3.Op) error {
+	podLease, claimLease clientv3.LeaseID, mkey string, m keyspace.LiveMigrationRecord, index []clientv3.Op,
+	was *keyspace.LiveMigrationRecord) error {
 	cmps = append(cmps, keyspace.OnLease(ownerKey, podLease))
 	ops := append([]clientv3.Op{clientv3.OpPut(mkey, keyspace.Encode(m), clientv3.WithLease(podLease))}, index...)
 	resp, err := sc.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
@@ -253,7 +277,29 @@ func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *owner
 	}
 	sc.started(mkey, m)
 	sc.cfg.KeysLost.Inc()
+	if was != nil {
+		sc.log.Error("the live migration key of this node's pod named a claim or block lease this agent does not renew (gone from etcd); "+
+			"written again naming its own, so that the source's DEL moves the claim onto them", "key", mkey, "owner", own.Owner(),
+			"claim_lease", was.ClaimLease, "new_claim_lease", m.ClaimLease, "block_lease", was.BlockLease, "new_block_lease", m.BlockLease)
+		return nil
+	}
 	sc.log.Error("the live migration key of this node's pod was missing in etcd; written again: the pod still uses its holder's addresses",
 		"key", mkey, "owner", own.Owner(), "source", m.Source.Owner, "source_node", m.Source.Node)
 	return nil
+}
+
+// renews tells whether the claim and block leases migration key m names are ones this agent
+// renews for its target attachment at: at's claim lease, which the keeper holds, and a block
+// lease the keeper holds. The keeper forgets a lease etcd no longer has at its next renewal
+// (and the audit a block lease whose claims went): asking nothing of etcd, the check costs a
+// migration that is fine nothing.
+func (sc *Claims) renews(at podbook.Attachment, m keyspace.LiveMigrationRecord) bool {
+	if at.ClaimLease == 0 || m.ClaimLease != keyspace.LeaseHex(at.ClaimLease) || !sc.keeper.Holds(at.ClaimLease) {
+		return false
+	}
+	if m.BlockLease == "" {
+		return true
+	}
+	bl, err := keyspace.ParseLeaseHex(m.BlockLease)
+	return err == nil && sc.keeper.Holds(bl)
 }
