@@ -342,7 +342,7 @@ func dropClaimFromIndex(ctx context.Context, cli *clientv3.Client, cluster, pool
 	if err != nil || rec.Claim != name || rec.NodeUID != h.NodeUID || rec.ContainerID != h.ContainerID {
 		return clientv3.Cmp{}, nil, nil
 	}
-	rec.Claim, rec.ClaimLease, rec.ClaimHoldSeconds = "", "", 0
+	rec.Claim, rec.ClaimLease, rec.ClaimHoldSeconds, rec.ClaimMigratable = "", "", 0, false
 	op := clientv3.OpPut(key, keyspace.Encode(rec), clientv3.WithLease(clientv3.LeaseID(kv.Lease)))
 	return keyspace.Unchanged(key, kv.ModRevision), &op, nil
 }

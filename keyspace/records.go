@@ -42,6 +42,10 @@ type OwnerRecord struct {
 	ClaimLease string `json:"claimLease,omitempty"`
 	// ClaimHoldSeconds is how long the claim outlives the attachment's release.
 	ClaimHoldSeconds int64 `json:"claimHoldSeconds,omitempty"`
+	// ClaimMigratable: the claim allows a live migration (ClaimRecord.Migratable), kept here
+	// so that an agent that puts the claim back after etcd went back in time, or releases it,
+	// keeps the mark the claim record had.
+	ClaimMigratable bool `json:"claimMigratable,omitempty"`
 }
 
 // PodRecord is the value of /leasehold/v1/nodes/<cluster>/<node>/pods/<owner>: the pod

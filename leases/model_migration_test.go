@@ -163,11 +163,9 @@ func (m *model) migrate(ctx context.Context, i int, p modelOp) {
 			container = tgt.ctr
 		}
 		// A target is answered at once: an ADD that waits (for the holder, as a sticky ADD
-		// does) runs out of modelMigrationWait and fails the history.
-		rec, recOK := m.readClaimRec(ctx, ord)
-		m.mu.Lock()
-		restored := m.count["restore"] > 0
-		m.mu.Unlock()
+		// does) runs out of modelMigrationWait and fails the history. Also after a restore
+		// took the claim record, or brought it back released: its holder's agent puts it back
+		// migratable.
 		sctx, cancel := context.WithTimeout(ctx, modelMigrationWait)
 		res, err := p.node.agent.Add(sctx, m.req(p.k, container))
 		cancel()
@@ -176,13 +174,6 @@ func (m *model) migrate(ctx context.Context, i int, p modelOp) {
 			p.k, container, holder, m.nodes[m.home[holder.owner]].name, tgt.k, got, err)
 		m.inc("add")
 		switch {
-		case err != nil && p.mig == migStart && recOK && !rec.Migratable && restored:
-			// A known agent bug (issue 35, open): a claim released, or created, after the
-			// backup a restore went back to comes back without migratable (neither a released
-			// record nor the pod book keep it), and the holder's agent puts the record back so.
-			m.log("  KNOWN BUG: claim %s lost migratable with a restore: the start is refused", modelClaim(ord))
-			m.inc("migration refused: record not migratable after a restore")
-			return
 		case err != nil:
 			m.t.Errorf("step %d: ADD of %v (%s) naming migratable claim %s, held by %v on another node: %v", i, p.k, p.mig, modelClaim(ord), holder, err)
 			return
@@ -197,6 +188,9 @@ func (m *model) migrate(ctx context.Context, i int, p modelOp) {
 		m.admitLocked(i, p.k, got, holder) // the pair is one owner; nobody else has them
 		m.targets[ord] = modelTarget{k: p.k, ctr: container, ips: got}
 		m.count["migration started"]++
+		if m.count["restore"] > 0 {
+			m.count["migration started after a restore"]++
+		}
 		return
 	}
 	// A third incarnation, or one on the holder's node: refused naming the holder (and the

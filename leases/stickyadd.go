@@ -65,7 +65,7 @@ func (s *addSticky) Found(out txn.ClaimOutcome) bool {
 
 func (s *addSticky) Bound(at *podbook.Attachment) bool {
 	k := s.read
-	at.Claim, at.ClaimLease, at.ClaimHold, k.Used = k.Name, k.Lease, k.Hold, true
+	at.Claim, at.ClaimLease, at.ClaimHold, at.ClaimMigratable, k.Used = k.Name, k.Lease, k.Hold, s.req.Migratable, true
 	return k.Handover
 }
 

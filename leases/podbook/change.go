@@ -174,12 +174,25 @@ func (c Change) SetConflicts(ifName, pool string, taken []netip.Addr) {
 }
 
 // Promoted records that owner's attachment ifName in pool, a live migration's target, holds
-// its claim alone now (Attachment.Target cleared): its addresses' keys are its own.
+// its claim alone now (Attachment.Target cleared): its addresses' keys are its own. The
+// claim is migratable: a target's is by construction.
 func (c Change) Promoted(ifName, pool string) {
 	c.attachment(ifName, pool, func(at *Attachment) bool {
-		was := at.Target
-		at.Target = false
+		was := at.Target || !at.ClaimMigratable
+		at.Target, at.ClaimMigratable = false, true
 		return was
+	})
+}
+
+// ClaimMigratable records that the claim owner's attachment ifName in pool holds is
+// migratable (Attachment.ClaimMigratable): its record says so.
+func (c Change) ClaimMigratable(ifName, pool string) {
+	c.attachment(ifName, pool, func(at *Attachment) bool {
+		if at.ClaimMigratable || at.Claim == "" {
+			return false
+		}
+		at.ClaimMigratable = true
+		return true
 	})
 }
 
@@ -223,7 +236,7 @@ func (c Change) SetClaim(ifName, pool, container, claim string, lease clientv3.L
 	at := &ps.Attachments[i]
 	at.ClaimLease, at.OwnerRev = lease, ownerRev
 	if claim == "" {
-		at.Claim, at.ClaimHold = "", 0
+		at.Claim, at.ClaimHold, at.ClaimMigratable = "", 0, false
 	}
 	snap := ps.clone()
 	t.mu.Unlock()

@@ -11,7 +11,8 @@ import (
 // AttachmentOf is the attachment an owner index describes, as held by container at rev.
 func AttachmentOf(rec keyspace.OwnerRecord, ifName, pool, container string, rev int64) Attachment {
 	at := Attachment{IfName: ifName, Pool: pool, Network: rec.Network, ContainerID: container, IPs: rec.IPs,
-		Created: rec.Created, OwnerRev: rev, Claim: rec.Claim, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
+		Created: rec.Created, OwnerRev: rev, Claim: rec.Claim, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second,
+		ClaimMigratable: rec.ClaimMigratable}
 	if rec.Claim != "" {
 		at.ClaimLease, _ = keyspace.ParseLeaseHex(rec.ClaimLease)
 	}
@@ -24,7 +25,7 @@ func AttachmentOf(rec keyspace.OwnerRecord, ifName, pool, container string, rev 
 func OwnerIndexOf(at Attachment, node, nodeUID string, lease clientv3.LeaseID) keyspace.OwnerRecord {
 	rec := keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Network: at.Network, Node: node,
 		NodeUID: nodeUID, LeaseID: keyspace.LeaseHex(lease), Created: at.Created,
-		Claim: at.Claim, ClaimHoldSeconds: int64(at.ClaimHold / time.Second)}
+		Claim: at.Claim, ClaimHoldSeconds: int64(at.ClaimHold / time.Second), ClaimMigratable: at.ClaimMigratable}
 	if at.ClaimLease != 0 {
 		rec.ClaimLease = keyspace.LeaseHex(at.ClaimLease)
 	}

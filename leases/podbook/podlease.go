@@ -68,6 +68,9 @@ type Attachment struct {
 	Claim      string           `json:"claim,omitempty"`
 	ClaimLease clientv3.LeaseID `json:"claimLease,omitempty"`
 	ClaimHold  time.Duration    `json:"claimHold,omitempty"`
+	// ClaimMigratable: the claim allows a live migration (its record's migratable, from the
+	// request that took it). A claim record put back or released from the attachment keeps it.
+	ClaimMigratable bool `json:"claimMigratable,omitempty"`
 	// Target: the attachment is a live migration's target (leases/sticky, migration.go). Its
 	// addresses' keys are the claim's holder's, on the holder's leases, until the migration
 	// completes: neither the audit nor the sticky claims' keep puts them back for it.

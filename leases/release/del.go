@@ -101,7 +101,7 @@ func (r *Releaser) ReleaseAttachment(ctx context.Context, req allocator.Request,
 		// (re-claimed, released by an admin) fails it, and DEL reads what is there instead.
 		kv := &mvccpb.KeyValue{Key: []byte(ownerKey), ModRevision: at.OwnerRev, Lease: int64(lease)}
 		rec := keyspace.OwnerRecord{IPs: at.IPs, ContainerID: at.ContainerID, Claim: at.Claim,
-			ClaimHoldSeconds: int64(at.ClaimHold / time.Second)}
+			ClaimHoldSeconds: int64(at.ClaimHold / time.Second), ClaimMigratable: at.ClaimMigratable}
 		if at.ClaimLease != 0 {
 			rec.ClaimLease = keyspace.LeaseHex(at.ClaimLease)
 		}

@@ -56,7 +56,8 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 		rel.QLease, rel.HoldLease = 0, 0
 		if rec.Claim != "" && !outOfSpace && len(rel.Addrs) > 0 {
 			// The claim and its addresses' quarantine keys outlive the release by the hold.
-			at := podbook.Attachment{Claim: rec.Claim, IPs: rel.Addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second}
+			at := podbook.Attachment{Claim: rec.Claim, IPs: rel.Addrs, ClaimHold: time.Duration(rec.ClaimHoldSeconds) * time.Second,
+				ClaimMigratable: rec.ClaimMigratable}
 			key, crec, lease, err := r.ReleaseSticky(octx, pool, owner, at)
 			if err != nil {
 				cancel()

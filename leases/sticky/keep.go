@@ -251,7 +251,8 @@ func (sc *Claims) claimRight(owner string, at podbook.Attachment, kvs []*mvccpb.
 		}
 		if i == 0 {
 			rec, err := keyspace.Decode[keyspace.ClaimRecord](string(kv.Key), kv.Value)
-			if err != nil || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) {
+			if err != nil || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) ||
+				rec.Migratable != at.ClaimMigratable {
 				return nil, false
 			}
 		} else if q, err := keyspace.Decode[keyspace.QuarantineRecord](string(kv.Key), kv.Value); err != nil || q.Claim != at.Claim {

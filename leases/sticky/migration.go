@@ -144,7 +144,7 @@ func (sc *Claims) Migrate(ctx context.Context, s *Add, owner string, req allocat
 		mrec.BlockLease = keyspace.LeaseHex(c.HeldLease)
 	}
 	idx := c.Index
-	idx.Claim, idx.ClaimLease, idx.ClaimHoldSeconds = s.Name, keyspace.LeaseHex(s.Lease), int64(s.Hold/time.Second)
+	idx.Claim, idx.ClaimLease, idx.ClaimHoldSeconds, idx.ClaimMigratable = s.Name, keyspace.LeaseHex(s.Lease), int64(s.Hold/time.Second), true
 	onLb := clientv3.WithLease(c.Lease)
 	cmps := []clientv3.Cmp{keyspace.Unchanged(s.Key, s.Rev), keyspace.Absent(m.Key), keyspace.Absent(c.OwnerKey)}
 	then := []clientv3.Op{clientv3.OpPut(m.Key, keyspace.Encode(mrec), onLb), clientv3.OpPut(c.OwnerKey, keyspace.Encode(idx), onLb)}

@@ -126,7 +126,7 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 	if claimLease != at.ClaimLease || relet {
 		// The owner index names the claim lease the keys move onto.
 		nat := at
-		nat.ClaimLease = claimLease
+		nat.ClaimLease, nat.ClaimMigratable = claimLease, true // a target's claim is migratable
 		cmps = append(cmps, keyspace.OnLease(ownerKey, podLease))
 		index = []clientv3.Op{clientv3.OpPut(ownerKey, keyspace.Encode(podbook.OwnerIndexOf(nat, sc.cfg.Node, sc.cfg.NodeUID, podLease)),
 			clientv3.WithLease(podLease))}
@@ -139,7 +139,10 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		return sc.remigrate(octx, cmps, own, at, ownerKey, podLease, claimLease, mkey, m, index, lost)
 	}
 	if rec.Holder == nil {
-		rec.Migratable = true // a release drops the mark; the target's start (T1) needed it
+		// Taken as a hand-over, which writes the mark of the new holder's request: the
+		// target's was migratable (T1 needed it). The release kept the source's mark, but a
+		// source whose pod book predates the mark released the claim without it.
+		rec.Migratable = true
 	}
 	puts, err := moves(sc.cfg.Cluster, at.Pool, at.Claim, blocks, m, rec, at.Network, sc.wall())
 	if err != nil {

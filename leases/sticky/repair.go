@@ -140,6 +140,17 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 		return true, nil
 	}
 	sc.kept.conflictGone(key)
+	// The claim's migratable mark: the record's, whoever it named (a VM's stays migratable),
+	// or the attachment's (a record a restore took or brought back released lost it). The
+	// attachment learns the record's: a live migration may start from it (T1), and its
+	// source's audit then reads the migrations (readMigrations).
+	migratable := recRead && rec.Migratable || at.ClaimMigratable
+	learn := func() {
+		if migratable && !at.ClaimMigratable {
+			sc.pods.Change(own).ClaimMigratable(at.IfName, at.Pool)
+			at.ClaimMigratable = true
+		}
+	}
 	if lease == 0 {
 		hold := at.ClaimHold
 		if hold <= 0 {
@@ -158,12 +169,15 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 	}
 	on := clientv3.WithLease(lease)
 	// The record.
-	if !recRead || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) || keyspace.LeaseOf(recKV) != lease {
+	if !recRead || !sc.holderIs(rec.Holder, owner, at, podLease) || !slices.Equal(rec.IPs, at.IPs) || keyspace.LeaseOf(recKV) != lease ||
+		rec.Migratable != migratable {
 		switch {
 		case !recRead:
 			problems = append(problems, key+": missing")
 		case !mine:
 			problems = append(problems, fmt.Sprintf("%s: names holder %s, which holds none of its addresses", key, holder))
+		case rec.Migratable != migratable:
+			problems = append(problems, key+": not migratable, as the claim its holder took is")
 		default:
 			problems = append(problems, fmt.Sprintf("%s: lists %v on lease %s, want %v on %s", key, rec.IPs,
 				keyspace.LeaseHex(keyspace.LeaseOf(recKV)), at.IPs, keyspace.LeaseHex(lease)))
@@ -179,7 +193,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 		nrec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: since,
 			Holder: &keyspace.ClaimHolder{Owner: owner, Pod: ps.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
 				ContainerID: at.ContainerID, IfName: at.IfName, LeaseID: keyspace.LeaseHex(podLease)},
-			Migratable: recRead && rec.Migratable} // the claim's, whoever it named: a VM's stays migratable
+			Migratable: migratable}
 		puts = append(puts, clientv3.OpPut(key, keyspace.Encode(nrec), on))
 		writes = append(writes, written{key, recKV})
 	}
@@ -236,7 +250,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 	indexed := oi.ClaimLease != keyspace.LeaseHex(lease)
 	if indexed {
 		problems = append(problems, fmt.Sprintf("%s: names claim lease %s, want %s", ownerKey, oi.ClaimLease, keyspace.LeaseHex(lease)))
-		oi.ClaimLease = keyspace.LeaseHex(lease)
+		oi.ClaimLease, oi.ClaimMigratable = keyspace.LeaseHex(lease), migratable
 		puts = append(puts, clientv3.OpPut(ownerKey, keyspace.Encode(oi), clientv3.WithLease(podLease)))
 	}
 	drop := func() {
@@ -247,6 +261,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 		}
 	}
 	if len(puts) == 0 {
+		learn()
 		keys, _ := stickyKeys(sc.cfg.Cluster, at, blocks)
 		sc.recordClaimRight(ctx, owner, at, keys, podLease)
 		return true, nil
@@ -273,6 +288,7 @@ func (sc *Claims) keepClaimOnce(ctx context.Context, own *ownerlock.Owned, ps po
 	if lease != at.ClaimLease || indexed {
 		sc.pods.Change(own).SetClaim(at.IfName, at.Pool, at.ContainerID, at.Claim, lease, rev)
 	}
+	learn()
 	sc.cfg.KeysLost.Add(float64(len(problems)))
 	sc.log.Error("the sticky claim of a running pod was missing or changed in etcd; put back", "owner", owner, "claim", at.Claim,
 		"pool", at.Pool, "lease", keyspace.LeaseHex(lease), "keys", problems)

@@ -169,7 +169,7 @@ func (sc *Claims) releaseStaleClaim(ctx context.Context, pool, name string, kv *
 	if err != nil {
 		return sc.unavailable("read the addresses of claim "+string(kv.Key), err)
 	}
-	at := podbook.Attachment{Claim: name, IPs: rec.IPs, ClaimHold: time.Duration(rec.HoldSeconds) * time.Second}
+	at := podbook.Attachment{Claim: name, IPs: rec.IPs, ClaimHold: time.Duration(rec.HoldSeconds) * time.Second, ClaimMigratable: rec.Migratable}
 	key, crec, holdLease, err := sc.Release(octx, pool, owner, at)
 	if err != nil {
 		return err

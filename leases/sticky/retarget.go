@@ -70,7 +70,9 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 	if err != nil {
 		return Retargeted{}, false, err
 	}
-	at.ClaimLease = claimLease // the owner index names the lease the keys are on, or move onto
+	// The owner index names the lease the keys are on, or move onto, and the claim migratable:
+	// a target's is by construction.
+	at.ClaimLease, at.ClaimMigratable = claimLease, true
 	cmps := append([]clientv3.Cmp{keyspace.Unchanged(key, ckv.ModRevision), keyspace.Absent(mkey), keyspace.Absent(ownerKey)}, acmps...)
 	onLease := clientv3.WithLease(lease)
 	idx := podbook.OwnerIndexOf(at, sc.cfg.Node, sc.cfg.NodeUID, lease)

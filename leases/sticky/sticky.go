@@ -318,6 +318,7 @@ func (sc *Claims) Claim(ctx context.Context, s *Add, owner string, req allocator
 		Holder: &keyspace.ClaimHolder{Owner: owner, Pod: req.Pod, Node: sc.cfg.Node, NodeUID: sc.cfg.NodeUID,
 			ContainerID: req.ContainerID, IfName: req.IfName, LeaseID: keyspace.LeaseHex(c.Lease)}, Migratable: req.Migratable}
 	c.Index.Claim, c.Index.ClaimLease, c.Index.ClaimHoldSeconds = s.Name, keyspace.LeaseHex(s.Lease), int64(s.Hold/time.Second)
+	c.Index.ClaimMigratable = req.Migratable
 	return nil
 }
 
@@ -332,8 +333,9 @@ func (sc *Claims) Drop(s *Add) {
 }
 
 // Release prepares the release of a sticky attachment: the claim record without a
-// holder and the claim's quarantine keys go onto a fresh lease of hold plus quarantine that
-// nobody renews. It returns the claim key, the released record and that lease.
+// holder, keeping the claim's migratable mark, and the claim's quarantine keys go onto a
+// fresh lease of hold plus quarantine that nobody renews. It returns the claim key, the
+// released record and that lease.
 func (sc *Claims) Release(ctx context.Context, pool, owner string, at podbook.Attachment) (string, keyspace.ClaimRecord, clientv3.LeaseID, error) {
 	hold := at.ClaimHold
 	if hold <= 0 {
@@ -347,7 +349,7 @@ func (sc *Claims) Release(ctx context.Context, pool, owner string, at podbook.At
 		return "", keyspace.ClaimRecord{}, 0, sc.unavailable("grant the lease of a released claim", err)
 	}
 	now := sc.wall()
-	rec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: now, Released: now}
+	rec := keyspace.ClaimRecord{IPs: at.IPs, HoldSeconds: int64(hold / time.Second), Since: now, Released: now, Migratable: at.ClaimMigratable}
 	return keyspace.ClaimKey(sc.cfg.Cluster, pool, at.Claim), rec, resp.ID, nil
 }
 
