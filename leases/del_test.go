@@ -168,14 +168,20 @@ func TestStaleDelAfterTheAddressWentToAnotherOwner(t *testing.T) {
 	}
 }
 
-// countingKV wraps a client's real KV API and counts its Get calls.
+// countingKV wraps a client's real KV API and counts its Get calls, and in under those of
+// the key prefix, if set.
 type countingKV struct {
 	clientv3.KV
-	gets atomic.Int64
+	gets   atomic.Int64
+	prefix string
+	under  atomic.Int64
 }
 
 func (c *countingKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
 	c.gets.Add(1)
+	if c.prefix != "" && key == c.prefix {
+		c.under.Add(1)
+	}
 	return c.KV.Get(ctx, key, opts...)
 }
 

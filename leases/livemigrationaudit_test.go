@@ -3,6 +3,8 @@ package leases
 import (
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -524,4 +526,55 @@ func TestATargetsAuditGivesItsMigrationKeyAClaimLeaseEtcdHasAfterARestore(t *tes
 			return m.ClaimLease != started.mig.ClaimLease && m.ClaimLease != replaced
 		})
 	})
+}
+
+// TestANodeWithoutAMigratableClaimDoesNotReadTheLiveMigrations: the audit reads the cluster's
+// live migrations only on a node one of whose pods holds a migratable claim (or is a target,
+// or knows of a migration): a node of plain pods and sticky claims sends no read of the
+// prefix, however many audits run; one holding a VM's claim reads it (the source's count of a
+// target's death, T5, rests on it, TestLiveMigrationsAreCountedOnBothNodes), and stops again
+// once the VM's pod is deleted.
+func TestANodeWithoutAMigratableClaimDoesNotReadTheLiveMigrations(t *testing.T) {
+	cluster, ctx := etcdtest.Uniq("c"), ctxT(t)
+	cli := etcdtest.Client(t)
+	kv := &countingKV{KV: cli.KV, prefix: keyspace.LiveMigrationsPrefix(cluster)}
+	cli.KV = kv
+	cfg := Config{Cluster: cluster, Node: "n1", NodeUID: "uid1", LeaseTTL: 10 * time.Second, Quarantine: -1, SpareLeases: 2,
+		Logger: slog.New(slog.DiscardHandler)}
+	auditFast(&cfg)
+	a, err := Start(ctx, cli, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(a.Close)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.90.0.0/24", 26)
+	if _, err := a.Add(ctx, addReq(pool, "c1", "eth0", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Add(ctx, stickyReq(pool, "c2", "u2", "default.web-0")); err != nil {
+		t.Fatal(err)
+	}
+	// audits waits until n more audits than now have run to their end.
+	audits := func(n float64) {
+		t.Helper()
+		from := counterValue(a.metrics.audits)
+		etcdtest.EventuallyTrue(t, fmt.Sprintf("%v audits", n), func() bool { return counterValue(a.metrics.audits) >= from+n })
+	}
+	audits(4)
+	if n := kv.under.Load(); n != 0 {
+		t.Errorf("a node of plain pods and a sticky claim read the live migrations %d times in its audits, want none", n)
+	}
+	if _, err := a.Add(ctx, vmReq(pool, "c3", "u3")); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the live migrations read by the audit of a node holding a VM's claim", func() bool { return kv.under.Load() > 0 })
+	if err := a.Del(ctx, vmReq(pool, "c3", "u3")); err != nil {
+		t.Fatal(err)
+	}
+	audits(2) // any audit that began before the DEL has ended
+	read := kv.under.Load()
+	audits(4)
+	if n := kv.under.Load() - read; n != 0 {
+		t.Errorf("the live migrations read %d times by audits after the VM's pod was deleted, want none", n)
+	}
 }

@@ -344,3 +344,17 @@ func (t *Book) HoldsClaim(pool, name string) bool {
 	}
 	return false
 }
+
+// MayMigrate tells whether an attachment of this node's pods is a live migration's target or
+// holds a migratable claim: only then can a live migration name this node's pods, as its
+// target or its source (whose claim T1 found migratable).
+func (t *Book) MayMigrate() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, ps := range t.m {
+		if slices.ContainsFunc(ps.Attachments, func(at Attachment) bool { return at.Target || at.Claim != "" && at.ClaimMigratable }) {
+			return true
+		}
+	}
+	return false
+}

@@ -61,6 +61,13 @@ func (s *liveSeen) put(key string, m seenMigration) {
 	s.m[key] = m
 }
 
+// none tells whether no live migration is known.
+func (s *liveSeen) none() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.m) == 0
+}
+
 func (s *liveSeen) drop(key string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -134,7 +141,18 @@ func (sc *Claims) started(key string, m keyspace.LiveMigrationRecord) {
 // died, and the failure is counted here. While it lives, the vanished migration is looked at
 // again by the next audits, until the node record goes too (the pod lease expired first) or
 // two lease TTLs have passed (it was the target's DEL).
+//
+// A node none of whose pods is a target or holds a migratable claim (Attachment.
+// ClaimMigratable), and that knows of no migration, skips the read: no migration can name it
+// (T1 starts only from a migratable record, which its holder's attachment marks: on its ADD,
+// or once the claim's keep read it), and at thousands of nodes each reading the whole prefix
+// every audit is a steady load on etcd for nothing. A migration still looked at after it
+// vanished keeps the read going until it is settled.
 func (sc *Claims) readMigrations(ctx context.Context) error {
+	if sc.seen.none() && !sc.pods.MayMigrate() {
+		sc.logOverBound(time.Now()) // forgets what it logged of migrations gone
+		return nil
+	}
 	octx, cancel := sc.opCtx(ctx)
 	resp, err := sc.cli.Get(octx, keyspace.LiveMigrationsPrefix(sc.cfg.Cluster), clientv3.WithPrefix())
 	cancel()

@@ -97,6 +97,7 @@ type Book interface {
 	Snapshot(owner string) (podbook.PodState, bool)
 	Change(o *ownerlock.Owned) podbook.Change
 	HoldsClaim(pool, name string) bool
+	MayMigrate() bool
 	Lists(owner, ifName, pool, container string) bool
 	ClaimLeases() []clientv3.LeaseID
 }
