@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/leasehold/leasehold/allocator"
 	"github.com/leasehold/leasehold/internal/etcdtest"
@@ -24,8 +25,11 @@ import (
 // the claim), and sends a third incarnation's ADD on a third node or an ADD on the holder's
 // node, both refused naming the holder (a third pod naming the target too). A node's death
 // takes its target (T5) or promotes its source's target (T4); a drain, GC and the settle
-// delete targets as they do every pod. Cut-offs, lease losses, crashes, hand edits and
-// restores leave the nodes of a migration in progress alone: see planVM's callers.
+// delete targets as they do every pod. A lost pod lease of a source or target is awaited
+// (awaitMigrations): the migration goes on, or, the source's keys gone when the target's
+// agent looked, the target was promoted and the model deletes the displaced source.
+// Cut-offs, crashes, hand edits and restores leave the nodes of a migration in progress
+// alone: see planVM's callers.
 //
 // The model keeps a target apart from m.held (which holds one attachment per address, the
 // holder's), in m.targets; a completion or promotion moves it there. checkMigrations checks,
@@ -513,4 +517,141 @@ func (m *model) conflictedLocked(a netip.Addr) bool {
 // awayNodeLocked tells whether the node named name is cut off; m.mu is held.
 func (m *model) awayNodeLocked(name string) bool {
 	return slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.name == name && n.away > 0 })
+}
+
+// awaitMigrations waits, after a fault that took keys of a migration's source or target (a
+// lost pod lease, a key deleted by hand, a crash, a restore), until each of the model's
+// migrations whose pods run on connected nodes is in one of the two states the agents
+// document (docs/proposals/live-migration.md, "What is built differently"):
+//
+//   - it goes on: the migration key names the model's target, on the pod lease the target's
+//     agent holds, beside the target's owner index; the claim names the model's holder, and
+//     each address is allocated to it on the pod lease its agent holds (a target's lost keys
+//     are written again, T1 again; a source's lost lease is re-claimed);
+//   - it completed by promotion: the source's allocations were gone when the target's
+//     agent looked (T4 cannot tell a lost lease from a dead node), so the claim names the
+//     target and no migration key is left. The source's re-claim then finds its addresses
+//     taken: the window that remains (ARCHITECTURE.md), which the model ends as the runtime
+//     does once the VM runs on the target: it deletes the source (endDisplaced).
+//
+// why says which fault; it returns the ordinals promoted.
+func (m *model) awaitMigrations(i int, why string) (promoted []string) {
+	deadline := time.Now().Add(modelReclaimWait)
+	for {
+		problems, done := m.migrationProblems()
+		if len(problems) == 0 {
+			for _, ord := range done {
+				m.mu.Lock()
+				tgt := m.targets[ord]
+				src, _ := m.incarnationLocked(ord, "")
+				m.promoteLocked(ord, tgt)
+				m.conflict[src] = slices.Clone(m.held[src]) // its re-claim finds them the target's
+				m.displaced[ord] = src
+				m.history = append(m.history, fmt.Sprintf("  after %s, target %v of claim %s was promoted: source %v is displaced", why, tgt.k,
+					modelClaim(ord), src))
+				m.count["migration promoted after a fault"]++
+				m.mu.Unlock()
+			}
+			return done
+		}
+		if time.Now().After(deadline) {
+			m.t.Errorf("step %d: after %s, %s later the live migrations are neither as they were nor completed:\n  %s", i, why,
+				modelReclaimWait, strings.Join(problems, "\n  "))
+			return nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// migrationProblems says what of the model's live migrations etcd and the agents do not show
+// in either state awaitMigrations accepts; promoted lists those completed by promotion.
+func (m *model) migrationProblems() (out, promoted []string) {
+	ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Patience)
+	defer cancel()
+	tg := m.targetsOn(-1)
+	for _, ord := range sortedKeys(tg) {
+		tgt := tg[ord]
+		m.mu.Lock()
+		holder, live := m.incarnationLocked(ord, "")
+		want := slices.Clone(m.claimIPs[ord])
+		m.mu.Unlock()
+		tn, hn := m.nodes[m.home[tgt.k.owner]], m.nodes[m.home[holder.owner]]
+		if !live || tn.agent == nil || hn.agent == nil {
+			continue // a pod of a cut-off node: its node's return is awaited
+		}
+		ops := []clientv3.Op{clientv3.OpGet(keyspace.LiveMigrationKey(m.cluster, m.pool.Name, modelClaim(ord))),
+			clientv3.OpGet(m.ownerKey(tgt.k)), clientv3.OpGet(keyspace.ClaimKey(m.cluster, m.pool.Name, modelClaim(ord)))}
+		for _, a := range want {
+			p := m.poolOf(a)
+			ops = append(ops, clientv3.OpGet(keyspace.IPKey(p.Name, p.Blocks, a)))
+		}
+		resp, err := m.cli.Txn(ctx).Then(ops...).Commit()
+		if err != nil {
+			m.t.Fatal(err)
+		}
+		first := func(r int) *mvccpb.KeyValue {
+			if kvs := resp.Responses[r].GetResponseRange().Kvs; len(kvs) > 0 {
+				return kvs[0]
+			}
+			return nil
+		}
+		mkv, okv, ckv := first(0), first(1), first(2)
+		var rec keyspace.ClaimRecord
+		if ckv != nil {
+			rec, _ = keyspace.Decode[keyspace.ClaimRecord](string(ckv.Key), ckv.Value)
+		}
+		tlease, theld := tn.agent.pods.Lease(tgt.k.owner)
+		hlease, hheld := hn.agent.pods.Lease(holder.owner)
+		// Each address allocated to owner on lease.
+		allocatedTo := func(owner string, lease clientv3.LeaseID) bool {
+			for r := range want {
+				kv := first(3 + r)
+				if kv == nil || keyspace.LeaseOf(kv) != lease {
+					return false
+				}
+				if al, err := keyspace.Decode[keyspace.Allocation](string(kv.Key), kv.Value); err != nil || al.Owner != owner {
+					return false
+				}
+			}
+			return true
+		}
+		if mkv == nil && rec.Holder != nil && rec.Holder.Owner == tgt.k.owner && theld && allocatedTo(tgt.k.owner, tlease) {
+			promoted = append(promoted, ord)
+			continue
+		}
+		switch {
+		case !theld:
+			out = append(out, fmt.Sprintf("claim %s: %s holds no lease of target %v", modelClaim(ord), tn.name, tgt.k))
+		case mkv == nil || keyspace.LeaseOf(mkv) != tlease:
+			out = append(out, fmt.Sprintf("claim %s: no migration key on target %v's lease %s (record holder %s)", modelClaim(ord), tgt.k,
+				keyspace.LeaseHex(tlease), holderName(rec)))
+		case okv == nil || keyspace.LeaseOf(okv) != tlease:
+			out = append(out, fmt.Sprintf("claim %s: target %v's owner index is not on its lease %s", modelClaim(ord), tgt.k, keyspace.LeaseHex(tlease)))
+		case rec.Holder == nil || rec.Holder.Owner != holder.owner:
+			out = append(out, fmt.Sprintf("claim %s names holder %s, the model's is %v", modelClaim(ord), holderName(rec), holder))
+		case !hheld || !allocatedTo(holder.owner, hlease):
+			out = append(out, fmt.Sprintf("claim %s: its addresses %v are not all allocated to its holder %v on its lease %s (held %v)",
+				modelClaim(ord), want, holder, keyspace.LeaseHex(hlease), hheld))
+		}
+	}
+	return out, promoted
+}
+
+// endDisplaced deletes the sources awaitMigrations found displaced by their target's
+// promotion, once their node is connected: the runtime's end of a migration whose VM runs on
+// the target. The DEL releases nothing the target holds (do checks every other owner's keys).
+func (m *model) endDisplaced(ctx context.Context, i int) {
+	m.mu.Lock()
+	var due []attKey
+	for _, ord := range sortedKeys(m.displaced) {
+		if src := m.displaced[ord]; !m.awayLocked(src) {
+			due = append(due, src)
+			delete(m.displaced, ord)
+		}
+	}
+	m.mu.Unlock()
+	for _, src := range due {
+		m.log("%d the displaced source %v of a migration its target completed is deleted", i, src)
+		m.do(ctx, i, m.nodes[m.home[src.owner]], src, 5, 1, map[string]bool{src.owner: true})
+	}
 }

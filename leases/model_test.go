@@ -171,9 +171,11 @@ func TestModelRandomHistories(t *testing.T) {
 	if m.count["dual add"] == 0 {
 		t.Errorf("seed %d: no interface got its IPv4 and IPv6 from two pools in %d steps: the history did not exercise them", seed, steps)
 	}
-	t.Logf("seed %d: live migrations: %d started, %d completed, %d failed, %d promoted after the source's node died, %d ended by the "+
-		"target's node dying; refused: %d third incarnations, %d on the holder's node; %d started after a restore", seed, m.count["migration started"],
-		m.count["migration completed"], m.count["migration failed"], m.count["migration promoted"], m.count["migration target died"],
+	t.Logf("seed %d: live migrations: %d started, %d completed, %d failed, %d promoted after the source's node died, %d after a fault "+
+		"took the source's keys, %d ended by the target's node dying; refused: %d third incarnations, %d on the holder's node; %d started "+
+		"after a restore", seed, m.count["migration started"],
+		m.count["migration completed"], m.count["migration failed"], m.count["migration promoted"],
+		m.count["migration promoted after a fault"], m.count["migration target died"],
 		m.count["migration refused: "+migThird], m.count["migration refused: "+migSame], m.count["migration started after a restore"])
 	if m.count["migration started"] == 0 {
 		t.Errorf("seed %d: no live migration started in %d steps: the history did not exercise migrations", seed, steps)
@@ -270,8 +272,10 @@ type model struct {
 	claimTakers map[string]map[string]bool
 
 	// Each VM ordinal's live migration target (model_migration_test.go), kept apart from
-	// held: its holder's addresses, which the pair holds as one owner.
-	targets map[string]modelTarget
+	// held: its holder's addresses, which the pair holds as one owner; and the sources a
+	// fault displaced, their target promoted, until the model deletes them.
+	targets   map[string]modelTarget
+	displaced map[string]attKey
 
 	// The pool's access and the selection rules, as last written, and the step the pool
 	// opens again at (model_access_test.go).
@@ -291,7 +295,7 @@ func newModel(t *testing.T, seed uint64) *model {
 		stats: map[string]float64{}, stsOf: map[string]string{}, stsGen: map[string]int{}, claimIPs: map[string][]netip.Addr{},
 		conflict: map[attKey][]netip.Addr{}, expired: map[netip.Addr]bool{}, awayTaken: map[attKey][]netip.Addr{},
 		contended: map[attKey]map[netip.Addr]bool{}, intruders: map[netip.Addr]modelIntruder{}, revoked: map[clientv3.LeaseID]bool{},
-		claimTakers: map[string]map[string]bool{}, targets: map[string]modelTarget{}}
+		claimTakers: map[string]map[string]bool{}, targets: map[string]modelTarget{}, displaced: map[string]attKey{}}
 	// etcd of the model's own, which it backs up and restores (model_restore_test.go).
 	m.etcd = etcdtest.StartMember(t)
 	m.cli = etcdtest.ClientAt(t, m.etcd.ClientURL)
@@ -622,7 +626,9 @@ func (m *model) restart(i int) {
 }
 
 // lose revokes one held pod lease behind its agent's back, as etcd does when the agent is
-// away longer than the TTL; the agent must re-claim the pod's addresses.
+// away longer than the TTL; the agent must re-claim the pod's addresses. A live migration's
+// source or target is one of the pods (awaitMigrations: the migration goes on, or its target
+// was promoted meanwhile).
 func (m *model) lose(ctx context.Context, i int) {
 	owners := make([]string, 0, len(m.home))
 	for owner := range m.home {
@@ -633,8 +639,8 @@ func (m *model) lose(ctx context.Context, i int) {
 	for j := range owners {
 		owner := owners[(start+j)%len(owners)]
 		ni := m.home[owner]
-		if m.nodes[ni].agent == nil || m.migratingOwner(owner) {
-			continue // a dead node's pods are gone; a migration's are left alone
+		if m.nodes[ni].agent == nil {
+			continue // a dead node's pods are gone
 		}
 		lease, ok := m.nodes[ni].agent.pods.Lease(owner)
 		if !ok {
@@ -647,7 +653,9 @@ func (m *model) lose(ctx context.Context, i int) {
 		// The model's expectation stays: the agent re-claims (no ADD runs meanwhile, and
 		// other nodes hold the addresses back), unless a running pod waiting for one of them
 		// (a conflict) takes it back first.
+		m.awaitMigrations(i, "the lease of "+owner+" was lost")
 		m.awaitReclaims(i, ni)
+		m.endDisplaced(ctx, i)
 		return
 	}
 }
