@@ -179,6 +179,29 @@ func TestATargetsAuditWritesItsMissingMigrationKeyAgain(t *testing.T) {
 	completesAfter(t, "writing the key again", a, cli, cluster, pool, ips, m, started)
 }
 
+// TestATargetsAuditPutsItsMigrationKeyBackOnItsPodLease: the target's migration key put
+// again by hand with its own value but on no lease (etcdctl put) would outlive the target's
+// pod: its audit puts it back on the target's pod lease, and the source's DEL then completes
+// the migration to the target.
+func TestATargetsAuditPutsItsMigrationKeyBackOnItsPodLease(t *testing.T) {
+	cluster, cli, ctx, pool, a, _, ips, started := migratingPair(t, "10.99.0.0/24")
+	resp, err := cli.Get(ctx, started.migKey)
+	if err != nil || len(resp.Kvs) == 0 {
+		t.Fatalf("read %s: %v %v", started.migKey, resp, err)
+	}
+	if _, err := cli.Put(ctx, started.migKey, string(resp.Kvs[0].Value)); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the migration key back on the target's pod lease", func() bool {
+		return readLiveMig(t, cli, cluster, pool, ips).migLease == started.migLease
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	if m.mig != started.mig {
+		t.Errorf("migration key put back as %+v, want %+v", m.mig, started.mig)
+	}
+	completesAfter(t, "putting the key back", a, cli, cluster, pool, ips, m, started)
+}
+
 // TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone: the migration key gone
 // (deleted by hand) and then the source's pod lease (its node died): the target's audit takes
 // the claim over as a hand-over, every key onto its own leases, rather than leaving the

@@ -46,7 +46,9 @@ func (sc *Claims) KeepTargets(ctx context.Context, layouts map[string]allocator.
 // claim lease etcd has (targetRecord). A key naming a claim or block lease this agent does
 // not renew (renews: revoked by hand, taken by a restore) is written again naming its own,
 // compared on its revision, with the owner index naming the claim lease: the source's DEL
-// (T2) then moves the claim onto them at its first attempt, and a promotion (T4) can too.
+// (T2) then moves the claim onto them at its first attempt, and a promotion (T4) can too. A
+// key naming the target on another lease than its pod's (an etcdctl put of its value) is put
+// back on the pod lease, as one missing is: else it would outlive the target.
 func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attachment, blocks allocator.Blocks) error {
 	own := sc.locks.Lock(owner)
 	defer own.Unlock()
@@ -93,7 +95,7 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 	// restore): the source's DEL (T2) or the promotion (T4) would fail to move the claim onto it.
 	relet := r.mkv != nil && rec.Holder != nil && (allocated == 0 || asT1) && !sc.renews(at, m)
 	switch {
-	case allocated > 0 && r.mkv != nil && rec.Holder != nil && !relet:
+	case allocated > 0 && r.mkv != nil && rec.Holder != nil && !relet && keyspace.HeldOn(r.mkv, podLease):
 		sc.started(mkey, m)
 		return nil // the source still holds them: the migration goes on
 	case allocated > 0 && !asT1:
@@ -257,10 +259,10 @@ func (sc *Claims) targetHold(at podbook.Attachment, rec keyspace.ClaimRecord) ti
 }
 
 // remigrate writes the live migration key m of own's target attachment at again, on its
-// pod lease, compared as cmps (the claim, the key absent or, was not nil, unchanged as was,
-// each address on the holder's pod lease and its quarantine key as read) and the owner index
-// on that lease: T1 again. A claim lease granted anew (claimLease, not at's) comes with index,
-// the owner index naming it. was is the key found naming leases this agent does not renew.
+// pod lease, compared as cmps (the claim, the key absent or unchanged as read, each address
+// on the holder's pod lease and its quarantine key as read) and the owner index on that
+// lease: T1 again. A claim lease granted anew (claimLease, not at's) comes with index, the
+// owner index naming it. was is the key found naming leases this agent does not renew.
 func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *ownerlock.Owned, at podbook.Attachment, ownerKey string,
 	podLease, claimLease clientv3.LeaseID, mkey string, m keyspace.LiveMigrationRecord, index []clientv3.Op,
 	was *keyspace.LiveMigrationRecord) error {
@@ -286,7 +288,7 @@ func (sc *Claims) remigrate(ctx context.Context, cmps []clientv3.Cmp, own *owner
 			"claim_lease", was.ClaimLease, "new_claim_lease", m.ClaimLease, "block_lease", was.BlockLease, "new_block_lease", m.BlockLease)
 		return nil
 	}
-	sc.log.Error("the live migration key of this node's pod was missing in etcd; written again: the pod still uses its holder's addresses",
+	sc.log.Error("the live migration key of this node's pod was missing in etcd, or on another lease; written again: the pod still uses its holder's addresses",
 		"key", mkey, "owner", own.Owner(), "source", m.Source.Owner, "source_node", m.Source.Node)
 	return nil
 }
