@@ -62,16 +62,24 @@ func (m *model) intrudedLocked(a netip.Addr) bool {
 // tamper changes one key of a running pod on a connected node as an admin does with etcdctl:
 // deletes its pod record, an owner index or an allocation, or puts over one the pod's own
 // value without its lease, or, over an allocation of a pod that names no sticky claim,
-// another owner's. ADDs of new pods on the node run meanwhile, and sometimes the pod's own
+// another owner's. The pod may be a live migration's source, or its target, whose keys are
+// its pod record, owner index and migration key (awaitMigrations). ADDs of new pods on the node run meanwhile, and sometimes the pod's own
 // ADD again (a runtime's retry). The step waits until the agent
 // holds the pod on a new lease with every key back, the address another owner holds in
 // conflict. It reports false when no pod runs on a connected node.
 func (m *model) tamper(ctx context.Context, i int) bool {
 	var cands []attKey
+	targets := map[attKey]string{} // live migrations' targets, with their ordinals
 	m.mu.Lock()
 	for k := range m.held {
-		if n := m.nodes[m.home[k.owner]]; n.agent != nil && n.away == 0 && !m.migratingOwnerLocked(k.owner) {
+		if n := m.nodes[m.home[k.owner]]; n.agent != nil && n.away == 0 {
 			cands = append(cands, k)
+		}
+	}
+	for ord, tgt := range m.targets {
+		if n := m.nodes[m.home[tgt.k.owner]]; n.agent != nil && n.away == 0 {
+			cands = append(cands, tgt.k)
+			targets[tgt.k] = ord
 		}
 	}
 	m.mu.Unlock()
@@ -94,6 +102,14 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		keys = append(keys, part.ownerKey) // one per pool of a net2 attachment
 	}
 	m.mu.Unlock()
+	ord, target := targets[k]
+	migKey := ""
+	if target {
+		// A live migration's target keeps its pod record, owner index and migration key; its
+		// addresses' keys are its source's (model_migration_test.go).
+		migKey = keyspace.LiveMigrationKey(m.cluster, m.pool.Name, modelClaim(ord))
+		keys = append(keys, m.ownerKey(k), migKey)
+	}
 	var allocs []string
 	for _, a := range own {
 		p := m.poolOf(a)
@@ -154,7 +170,7 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		m.home[owner] = ni
 		adds = append(adds, attKey{owner: owner, ifName: modelIfNames[m.rng.IntN(len(modelIfNames))]})
 	}
-	again := m.rng.IntN(3) == 0 // and the pod's own ADD, repeated
+	again := m.rng.IntN(3) == 0 && !target // and the pod's own ADD, repeated
 	m.expectAdds(m.neverHeldFree(ctx), len(adds))
 	var wg sync.WaitGroup
 	for _, nk := range adds {
@@ -164,9 +180,10 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		wg.Go(func() { m.addAgain(ctx, i, n, k) })
 	}
 	wg.Wait()
-	// The repair: the pod on a new lease (keysLost revokes the old one), its pod record on it.
+	// The repair: the pod on a new lease (keysLost revokes the old one), its pod record on it;
+	// a target's migration key is put back on its pod lease (awaitMigrations).
 	deadline := time.Now().Add(modelReclaimWait)
-	for {
+	for key != migKey {
 		lease, held := n.agent.pods.Lease(k.owner)
 		if held && lease != old {
 			rec, err := m.cli.Get(ctx, keyspace.PodKey(m.cluster, n.name, k.owner))
@@ -186,7 +203,9 @@ func (m *model) tamper(ctx context.Context, i int) bool {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	m.awaitMigrations(i, fmt.Sprintf("%s of %v was %s", key, k, how))
 	m.awaitReclaims(i, ni)
+	m.endDisplaced(ctx, i)
 	return true
 }
 

@@ -25,10 +25,11 @@ import (
 // the claim), and sends a third incarnation's ADD on a third node or an ADD on the holder's
 // node, both refused naming the holder (a third pod naming the target too). A node's death
 // takes its target (T5) or promotes its source's target (T4); a drain, GC and the settle
-// delete targets as they do every pod. A lost pod lease of a source or target is awaited
-// (awaitMigrations): the migration goes on, or, the source's keys gone when the target's
-// agent looked, the target was promoted and the model deletes the displaced source.
-// Cut-offs, crashes, hand edits and restores leave the nodes of a migration in progress
+// delete targets as they do every pod. A lost pod lease of a source or target, and a key of
+// either deleted or put again by hand (a target's are its pod record, owner index and
+// migration key), are awaited (awaitMigrations): the migration goes on, or, the source's keys
+// gone when the target's agent looked, the target was promoted and the model deletes the
+// displaced source. Cut-offs, crashes and restores leave the nodes of a migration in progress
 // alone: see planVM's callers.
 //
 // The model keeps a target apart from m.held (which holds one attachment per address, the
@@ -536,7 +537,12 @@ func (m *model) awayNodeLocked(name string) bool {
 //
 // why says which fault; it returns the ordinals promoted.
 func (m *model) awaitMigrations(i int, why string) (promoted []string) {
-	deadline := time.Now().Add(modelReclaimWait)
+	return m.awaitMigrationsFor(i, why, modelReclaimWait)
+}
+
+// awaitMigrationsFor is awaitMigrations, waiting up to wait.
+func (m *model) awaitMigrationsFor(i int, why string, wait time.Duration) (promoted []string) {
+	deadline := time.Now().Add(wait)
 	for {
 		problems, done := m.migrationProblems()
 		if len(problems) == 0 {
@@ -556,7 +562,7 @@ func (m *model) awaitMigrations(i int, why string) (promoted []string) {
 		}
 		if time.Now().After(deadline) {
 			m.t.Errorf("step %d: after %s, %s later the live migrations are neither as they were nor completed:\n  %s", i, why,
-				modelReclaimWait, strings.Join(problems, "\n  "))
+				wait, strings.Join(problems, "\n  "))
 			return nil
 		}
 		time.Sleep(50 * time.Millisecond)
