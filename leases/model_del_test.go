@@ -36,7 +36,7 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
 	keys := m.attachmentsOn(ni)
-	if len(keys) == 0 || m.migrationOn(ni) {
+	if len(keys) == 0 {
 		return false
 	}
 	k := keys[m.rng.IntN(len(keys))]
@@ -54,11 +54,15 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 		m.t.Errorf("step %d: DEL %v: %v", i, k, err)
 	}
 	n.agent = m.start(n)
+	// A live migration's source or target on the node: its expired keys are taken up again,
+	// or the target was promoted (awaitMigrations).
+	m.awaitMigrations(i, fmt.Sprintf("%s crashed (its pod leases expire: %v)", n.name, expire))
 	seen := m.awaitReclaims(i, ni)
 	if got, want := n.agent.Conflicts(), int64(seen.sure); !expire && got != 0 || expire && got != want {
 		m.t.Errorf("step %d: %s restarted (pod leases expired: %v) and counted %d conflicts; the model has %d in conflict", i, n.name, expire, got, seen.sure)
 	}
 	m.checkGone(ctx, i, n, k, held, "its agent crashed right after the answer")
+	m.endDisplaced(ctx, i)
 	return true
 }
 
@@ -76,7 +80,7 @@ func (m *model) delDuringReclaim(ctx context.Context, i int) bool {
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
 	keys := slices.DeleteFunc(m.attachmentsOn(ni), func(k attKey) bool { return m.ordinalOf(k.owner) != "" })
-	if len(keys) == 0 || m.migrationOn(ni) {
+	if len(keys) == 0 {
 		return false
 	}
 	k := keys[m.rng.IntN(len(keys))]

@@ -29,8 +29,9 @@ import (
 // either deleted or put again by hand (a target's are its pod record, owner index and
 // migration key), are awaited (awaitMigrations): the migration goes on, or, the source's keys
 // gone when the target's agent looked, the target was promoted and the model deletes the
-// displaced source. Cut-offs, crashes and restores leave the nodes of a migration in progress
-// alone: see planVM's callers.
+// displaced source. So is a node's crash right after a DEL (its pod leases expiring or not),
+// and a DEL racing a re-claim on its node. Cut-offs and restores leave the nodes of a
+// migration in progress alone: see planVM's callers.
 //
 // The model keeps a target apart from m.held (which holds one attachment per address, the
 // holder's), in m.targets; a completion or promotion moves it there. checkMigrations checks,
