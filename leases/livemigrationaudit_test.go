@@ -202,6 +202,37 @@ func TestATargetsAuditPutsItsMigrationKeyBackOnItsPodLease(t *testing.T) {
 	completesAfter(t, "putting the key back", a, cli, cluster, pool, ips, m, started)
 }
 
+// TestATargetCompletedBeforeItsOwnMigrationIsRecordedTheHolder: a migration completed by
+// its source's DEL (T2) and, before the target's audit recorded that, a new migration from
+// the target (now the holder) to a third node started: the target's audit records it the
+// holder all the same, so that its keys are kept as a holder's and a re-claim of its pod does
+// not take it for a target (of its own target).
+func TestATargetCompletedBeforeItsOwnMigrationIsRecordedTheHolder(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.98.0.0/24", 26)
+	a := startAgent(t, cluster, "n1", "uid1")
+	b := startAgent(t, cluster, "n2", "uid2", func(c *Config) { c.AuditInterval = c.LeaseTTL }) // its audit, run below
+	c := startAgent(t, cluster, "n3", "uid3")
+	ips, _ := startMigration(t, cli, cluster, a, b, pool)
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, cli, cluster, pool, ips, "u2").heldBy("u2")
+	if _, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil {
+		t.Fatalf("the ADD of a migration's target from the new holder: %v", err)
+	}
+	if err := b.sticky.KeepTargets(ctx, map[string]allocator.Blocks{pool.Name: pool.Blocks}); err != nil {
+		t.Fatal(err)
+	}
+	ps, ok := b.pods.Snapshot("u2")
+	if !ok || len(ps.Attachments) != 1 || ps.Attachments[0].Target {
+		t.Errorf("the holder u2 in its node's pod book: %v %+v, want one attachment, not a target", ok, ps.Attachments)
+	}
+	if m := readLiveMig(t, cli, cluster, pool, ips, "u2", "u3"); m.mig.Target.Owner != "u3" || m.mig.Source.Owner != "u2" {
+		t.Errorf("migration key %+v, want from u2 to u3", m.mig)
+	}
+}
+
 // TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone: the migration key gone
 // (deleted by hand) and then the source's pod lease (its node died): the target's audit takes
 // the claim over as a hand-over, every key onto its own leases, rather than leaving the

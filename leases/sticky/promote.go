@@ -70,9 +70,14 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		return r.recErr
 	}
 	key, mkey, rec := r.key, r.mkey, r.rec
-	if r.mkv == nil && rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
-		sc.pods.Change(own).Promoted(at.IfName, at.Pool) // completed by the source's DEL (T2)
-		sc.seen.drop(mkey)
+	if rec.Holder != nil && rec.Holder.Owner == owner && rec.Holder.ContainerID == at.ContainerID {
+		// Completed by the source's DEL (T2). A migration key naming another target is this
+		// pod's own migration as a source, started before this audit: the pod is the holder
+		// all the same, whose keys the audit keeps.
+		sc.pods.Change(own).Promoted(at.IfName, at.Pool)
+		if r.mkv == nil {
+			sc.seen.drop(mkey)
+		}
 		return nil
 	}
 	if r.ckv == nil || !slices.Equal(rec.IPs, at.IPs) || rec.Holder == nil && !r.resting() {
