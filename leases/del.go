@@ -53,9 +53,9 @@ func (a *Agent) newReleaser() *release.Releaser {
 		},
 		ReleaseSticky: a.sticky.Release, StickyReleased: a.sticky.Released, ClaimReleaseTTL: a.sticky.ReleaseTTL,
 		Departed: func(ctx context.Context, pool string, blocks allocator.Blocks, claim, owner, ownerKey string, ownerRev int64,
-			lease clientv3.LeaseID, ips []netip.Addr, network string) (bool, int64, int64, error) {
+			lease clientv3.LeaseID, ips []netip.Addr, network string) (bool, bool, int64, int64, error) {
 			d, err := a.sticky.Departed(ctx, pool, blocks, claim, owner, ownerKey, ownerRev, lease, ips, network)
-			return d.Done, d.Revision, d.Left, err
+			return d.Done, d.Bystander, d.Revision, d.Left, err
 		},
 		Result: result}
 }

@@ -233,6 +233,49 @@ func TestATargetCompletedBeforeItsOwnMigrationIsRecordedTheHolder(t *testing.T) 
 	}
 }
 
+// TestASourceItsTargetDisplacedIsDeletedDuringTheNextMigration: the source's node away
+// longer than the TTL (its pod lease expired), its target is promoted (T4) and starts a
+// migration of its own to a third node; the source, back, re-claims its pod in conflict. Its
+// DEL, neither the claim's holder's nor the migration's target's, releases it and nothing of
+// the claim, and leaves the migration as it was.
+func TestASourceItsTargetDisplacedIsDeletedDuringTheNextMigration(t *testing.T) {
+	cluster, cli, ctx := etcdtest.Uniq("c"), etcdtest.Client(t), ctxT(t)
+	pool := v4Pool(etcdtest.Uniq("p"), "10.97.0.0/24", 26)
+	state := t.TempDir()
+	acfg := func(c *Config) { c.StateDir = state }
+	a := startAgent(t, cluster, "n1", "uid1", acfg)
+	b := startAgent(t, cluster, "n2", "uid2", auditFast)
+	c := startAgent(t, cluster, "n3", "uid3")
+	ips, started := startMigration(t, cli, cluster, a, b, pool)
+	crash(a)
+	if _, err := cli.Revoke(ctx, started.ownerLeases["u1"]); err != nil {
+		t.Fatal(err)
+	}
+	etcdtest.EventuallyTrue(t, "the target promoted", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips)
+		return m.claim.Holder != nil && m.claim.Holder.Owner == "u2" && m.migLease == 0
+	})
+	if _, err := c.Add(ctx, vmReq(pool, "c3", "u3")); err != nil {
+		t.Fatalf("the ADD of the new holder's migration target: %v", err)
+	}
+	before := readLiveMig(t, cli, cluster, pool, ips, "u2", "u3")
+	a = startAgent(t, cluster, "n1", "uid1", acfg)
+	etcdtest.EventuallyTrue(t, "the source re-claimed in conflict", func() bool {
+		resp, err := cli.Get(ctx, keyspace.ConflictKey(cluster, "u1", "eth0", pool.Name))
+		return err == nil && len(resp.Kvs) > 0
+	})
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatalf("the displaced source's DEL: %v", err)
+	}
+	after := readLiveMig(t, cli, cluster, pool, ips, "u2", "u3")
+	if after.migRev != before.migRev || after.claimRev != before.claimRev || !slices.Equal(after.ipRevs, before.ipRevs) {
+		t.Errorf("the displaced source's DEL changed the migration: %+v, before %+v", after, before)
+	}
+	if resp, err := cli.Get(ctx, keyspace.OwnerKey(cluster, "u1", "eth0", pool.Name)); err != nil || len(resp.Kvs) > 0 {
+		t.Errorf("the displaced source's owner index after its DEL: %v %v", resp, err)
+	}
+}
+
 // TestATargetWithoutItsMigrationKeyTakesTheClaimWhenItsSourceIsGone: the migration key gone
 // (deleted by hand) and then the source's pod lease (its node died): the target's audit takes
 // the claim over as a hand-over, every key onto its own leases, rather than leaving the

@@ -99,9 +99,12 @@ func (r *Releaser) releaseRecord(ctx context.Context, pool string, own *ownerloc
 			return -1, r.unavailable("release "+rel.OwnerKey, err)
 		}
 		if out.Migrating {
-			done, rev, left, err := r.Departed(ctx, pool, blocks, rec.Claim, owner, rel.OwnerKey, rel.OwnerRev, rel.Lease, rec.IPs, rec.Network)
+			done, bystander, rev, left, err := r.Departed(ctx, pool, blocks, rec.Claim, owner, rel.OwnerKey, rel.OwnerRev, rel.Lease, rec.IPs, rec.Network)
 			if err != nil {
 				return -1, err
+			}
+			if bystander {
+				rel.MigrationKey = "" // neither its holder nor its target: the migration is not its to end
 			}
 			if !done {
 				continue // the migration ended without this DEL: release as without one

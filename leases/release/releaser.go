@@ -65,9 +65,10 @@ type Releaser struct {
 	ClaimReleaseTTL func(at podbook.Attachment) time.Duration
 	// Departed is the DEL of a sticky attachment whose claim is being migrated
 	// (sticky.Claims.Departed): T2 for its holder, T3 for its target. Not done: the
-	// migration ended without it, and the release goes on as without one.
+	// migration ended without it, and the release goes on as without one; bystander: the
+	// attachment is neither, and its release goes on without comparing the migration key.
 	Departed func(ctx context.Context, pool string, blocks allocator.Blocks, claim, owner, ownerKey string, ownerRev int64,
-		lease clientv3.LeaseID, ips []netip.Addr, network string) (done bool, rev, left int64, err error)
+		lease clientv3.LeaseID, ips []netip.Addr, network string) (done, bystander bool, rev, left int64, err error)
 	// Result is a CHECK's answer: the attachment's addresses as the pool configures them.
 	Result func(spec *allocator.PoolSpec, addrs []netip.Addr) (allocator.Result, error)
 }

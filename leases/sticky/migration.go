@@ -199,10 +199,14 @@ func (sc *Claims) grant(ctx context.Context, s *Add) error {
 type Departure struct {
 	// Done: the attachment's keys are gone (at Revision), Left owner indexes of its owner
 	// remain. Not done: the migration key went with a target that could not take the keys
-	// (its leases gone), and the DEL releases as without a migration.
-	Done     bool
-	Revision int64
-	Left     int64
+	// (its leases gone), and the DEL releases as without a migration. Bystander (not done):
+	// the attachment is neither the migration's target nor the claim's holder (a pod of the
+	// claim whose addresses its holder took, in conflict), so its release, which moves none
+	// of the claim's keys, goes on without comparing the migration key absent.
+	Done      bool
+	Bystander bool
+	Revision  int64
+	Left      int64
 }
 
 // Departed is the DEL of attachment ownerKey (read at ownerRev, on lease, holding ips of
@@ -352,7 +356,7 @@ func moves(cluster, pool, claim string, blocks allocator.Blocks, m keyspace.Live
 func (p *departure) completed(ctx context.Context) (_ Departure, again bool, _ error) {
 	sc := p.sc
 	if p.crec.Holder == nil || p.crec.Holder.Owner != p.owner {
-		return Departure{}, false, nil // not the holder: release as without a migration
+		return Departure{Bystander: true}, false, nil // not the holder: release as without a migration
 	}
 	octx, cancel := sc.opCtx(ctx)
 	defer cancel()
