@@ -26,6 +26,8 @@ import (
 // reuse delay: their block lease expires too, and with it every hold. Back, the node
 // re-claims every pod: what nobody took is its pods' again, the rest is a conflict, resolved
 // once the owner that took it lets it go. That a DEL answered is final is model_del_test.go's.
+// A live migration's source cut off loses its addresses to its target, which its agent
+// promotes; a target cut off takes its migration up again once back (model_migration_test.go).
 //
 //   - the reuse order: an ADD returns an address held back for a cut-off node's pod only when
 //     the pool (that range set) had fewer never-held free addresses before the step than the
@@ -392,9 +394,6 @@ func (m *model) cutOff(ctx context.Context, i int) bool {
 		return false
 	}
 	ni := live[m.rng.IntN(len(live))]
-	if m.migrationOn(ni) {
-		return false // a live migration's node is left alone (model_migration_test.go)
-	}
 	n := m.nodes[ni]
 	n.away = i + 3 + m.rng.IntN(10)
 	kind := "shorter"
@@ -411,6 +410,7 @@ func (m *model) cutOff(ctx context.Context, i int) bool {
 	m.log("%d %s CUT OFF until step %d, %s than the reuse delay: its pod and node leases expire, its block leases %v hold back %v",
 		i, n.name, n.away, kind, leaseNames(n.blockLeases), m.attachmentsOn(ni))
 	m.count["cut-off"]++
+	m.cutOffMigrations(ctx, i, ni)
 	return true
 }
 
@@ -468,7 +468,10 @@ func (m *model) returns(ctx context.Context, i int, all bool) {
 			m.t.Errorf("step %d: %s came back and counted %d conflicts; the model has %d to %d (addresses other owners had meanwhile)",
 				i, n.name, got, seen.sure, seen.maybe)
 		}
+		// A live migration's target on it takes its migration up again (model_migration_test.go).
+		m.awaitMigrations(i, n.name+" came back")
 	}
+	m.endDisplaced(ctx, i)
 }
 
 // awaitReclaims waits until node ni's agent holds every pod the model gives the node: the

@@ -35,7 +35,7 @@ func (m *model) crashAfterDel(ctx context.Context, i int) bool {
 	live := m.live()
 	ni := live[m.rng.IntN(len(live))]
 	n := m.nodes[ni]
-	keys := m.attachmentsOn(ni)
+	keys := slices.DeleteFunc(m.attachmentsOn(ni), func(k attKey) bool { return m.sourceOfAwayTarget(k.owner) })
 	if len(keys) == 0 {
 		return false
 	}

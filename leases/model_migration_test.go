@@ -30,8 +30,12 @@ import (
 // migration key), are awaited (awaitMigrations): the migration goes on, or, the source's keys
 // gone when the target's agent looked, the target was promoted and the model deletes the
 // displaced source. So is a node's crash right after a DEL (its pod leases expiring or not),
-// and a DEL racing a re-claim on its node. Cut-offs and restores leave the nodes of a
-// migration in progress alone: see planVM's callers.
+// and a DEL racing a re-claim on its node. A node cut off is followed by cutOffMigrations:
+// its source's target is promoted, its target takes its migration up again once back. A
+// restore drawn during a migration deletes its target first (restoreIf); backups are taken
+// during them. After a step that completed a migration the model waits for the target to
+// hold the claim: at once by T2, or by its audit's hand-over when T2 was refused
+// (awaitCompletions).
 //
 // The model keeps a target apart from m.held (which holds one attachment per address, the
 // holder's), in m.targets; a completion or promotion moves it there. checkMigrations checks,
@@ -247,7 +251,30 @@ func (m *model) completeLocked(k attKey) bool {
 	m.promoteLocked(ord, tgt)
 	m.history = append(m.history, fmt.Sprintf("  migration of %s completed: %v holds it", modelClaim(ord), tgt.k))
 	m.count["migration completed"]++
+	m.completed = append(m.completed, ord)
 	return true
+}
+
+// awaitCompletions waits, after a step, until each migration a source's DEL completed in it
+// has its target the claim's holder. T2 does that at once; one refused for a lease of the
+// target etcd no longer has (a block lease a restore took, say) releases the claim instead,
+// and the target's audit then takes it as a hand-over (docs/proposals/live-migration.md, "A
+// claim its source's DEL released").
+func (m *model) awaitCompletions(i int) {
+	ctx, cancel := context.WithTimeout(context.Background(), modelStepTimeout)
+	defer cancel()
+	m.mu.Lock()
+	done := m.completed
+	m.completed = nil
+	m.mu.Unlock()
+	for _, ord := range done {
+		m.mu.Lock()
+		k, live := m.incarnationLocked(ord, "")
+		m.mu.Unlock()
+		if live {
+			m.awaitPromotion(ctx, i, ord, modelTarget{k: k}, "was deleted")
+		}
+	}
 }
 
 // promoteLocked makes ordinal's target its holder; m.mu is held.
@@ -259,36 +286,6 @@ func (m *model) promoteLocked(ord string, tgt modelTarget) {
 		m.claimTakers[ord] = map[string]bool{}
 	}
 	m.claimTakers[ord][n.name+"/"+n.uid] = true
-}
-
-// migrationOn tells whether node ni runs a migration's source or target (ni < 0: any node).
-func (m *model) migrationOn(ni int) bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for ord, tgt := range m.targets {
-		h, _ := m.incarnationLocked(ord, "")
-		if ni < 0 || m.home[tgt.k.owner] == ni || m.home[h.owner] == ni {
-			return true
-		}
-	}
-	return false
-}
-
-// migratingOwner tells whether owner is a migration's source or target.
-func (m *model) migratingOwner(owner string) bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.migratingOwnerLocked(owner)
-}
-
-func (m *model) migratingOwnerLocked(owner string) bool {
-	ord := m.stsOf[owner]
-	tgt, ok := m.targets[ord]
-	if ord == "" || !ok {
-		return false
-	}
-	h, _ := m.incarnationLocked(ord, "")
-	return tgt.k.owner == owner || h.owner == owner
 }
 
 // targetsOn lists the targets on node ni, by ordinal (ni < 0: every target).
@@ -327,48 +324,114 @@ func sortedKeys[V any](mp map[string]V) []string {
 // forgotten): its targets are gone with their pod leases (T5); a target of a source on it is
 // promoted by its agent's audit (T4), which the step waits for.
 func (m *model) dieMigrations(ctx context.Context, i, ni int) {
+	due := m.migrationsOn(ni, func(ord string, tgt modelTarget, h attKey) {
+		delete(m.targets, ord)
+		m.history = append(m.history, fmt.Sprintf("  target %v of claim %s dies with its node: %v keeps it", tgt.k, modelClaim(ord), h))
+		m.count["migration target died"]++
+	})
+	m.awaitPromoted(ctx, i, due, "died with its node", func(ord string, tgt modelTarget) {
+		m.promoteLocked(ord, tgt)
+		m.history = append(m.history, fmt.Sprintf("  its source died: target %v of claim %s promoted", tgt.k, modelClaim(ord)))
+		m.count["migration promoted"]++
+	})
+}
+
+// migrationsOn calls onTarget, m.mu held, for each migration whose target runs on node ni,
+// and returns in order the ordinals of those whose source runs there.
+func (m *model) migrationsOn(ni int, onTarget func(ord string, tgt modelTarget, holder attKey)) []string {
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	var due []string
 	for ord, tgt := range m.targets {
 		h, _ := m.incarnationLocked(ord, "")
 		switch {
 		case m.home[tgt.k.owner] == ni:
-			delete(m.targets, ord)
-			m.history = append(m.history, fmt.Sprintf("  target %v of claim %s dies with its node: %v keeps it", tgt.k, modelClaim(ord), h))
-			m.count["migration target died"]++
+			onTarget(ord, tgt, h)
 		case m.home[h.owner] == ni:
 			due = append(due, ord)
 		}
 	}
-	m.mu.Unlock()
 	slices.Sort(due)
+	return due
+}
+
+// awaitPromoted waits until the target of each ordinal of due is promoted, its source gone as
+// why says, and then calls promoted, m.mu held.
+func (m *model) awaitPromoted(ctx context.Context, i int, due []string, why string, promoted func(ord string, tgt modelTarget)) {
 	for _, ord := range due {
 		m.mu.Lock()
 		tgt := m.targets[ord]
 		m.mu.Unlock()
-		deadline := time.Now().Add(etcdtest.Patience)
-		for {
-			rec, ok := m.readClaimRec(ctx, ord)
-			mig, err := m.cli.Get(ctx, keyspace.LiveMigrationKey(m.cluster, m.pool.Name, modelClaim(ord)))
-			if err != nil {
-				m.t.Fatal(err)
-			}
-			if ok && rec.Holder != nil && rec.Holder.Owner == tgt.k.owner && len(mig.Kvs) == 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				m.t.Errorf("step %d: the source of claim %s died with its node, and its target %v is not promoted within %s: record %v holder %s, migration key %v",
-					i, modelClaim(ord), tgt.k, etcdtest.Patience, ok, holderName(rec), len(mig.Kvs) > 0)
-				break
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
+		m.awaitPromotion(ctx, i, ord, tgt, why)
 		m.mu.Lock()
-		m.promoteLocked(ord, tgt)
-		m.history = append(m.history, fmt.Sprintf("  its source died: target %v of claim %s promoted", tgt.k, modelClaim(ord)))
-		m.count["migration promoted"]++
+		promoted(ord, tgt)
 		m.mu.Unlock()
 	}
+}
+
+// awaitPromotion waits until ordinal's target tgt holds its claim alone (T4), its source
+// having gone as why says.
+func (m *model) awaitPromotion(ctx context.Context, i int, ord string, tgt modelTarget, why string) {
+	deadline := time.Now().Add(etcdtest.Patience)
+	for {
+		rec, ok := m.readClaimRec(ctx, ord)
+		mig, err := m.cli.Get(ctx, keyspace.LiveMigrationKey(m.cluster, m.pool.Name, modelClaim(ord)))
+		if err != nil {
+			m.t.Fatal(err)
+		}
+		if ok && rec.Holder != nil && rec.Holder.Owner == tgt.k.owner && len(mig.Kvs) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			m.t.Errorf("step %d: the source of claim %s %s, and its target %v is not promoted within %s: record %v holder %s, migration key %v",
+				i, modelClaim(ord), why, tgt.k, etcdtest.Patience, ok, holderName(rec), len(mig.Kvs) > 0)
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// cutOffMigrations is the model's side of node ni's cut-off (its leases but its block and
+// claim leases expired): a target on it loses its migration key with its pod lease, and takes
+// its migration up again when its node is back (awaitMigrations), the model planning nothing
+// of its VM meanwhile (targetAwayLocked); a source on it loses its allocations, so its target's
+// agent promotes the target (T4 cannot tell a cut-off from a death), and the source, back,
+// finds its addresses taken: displaced, until the model deletes it (endDisplaced).
+func (m *model) cutOffMigrations(ctx context.Context, i, ni int) {
+	due := m.migrationsOn(ni, func(ord string, tgt modelTarget, h attKey) {
+		m.history = append(m.history, fmt.Sprintf("  target %v of claim %s is cut off: %v keeps the claim", tgt.k, modelClaim(ord), h))
+	})
+	m.awaitPromoted(ctx, i, due, "was cut off", func(ord string, tgt modelTarget) {
+		src, _ := m.incarnationLocked(ord, "")
+		m.promoteLocked(ord, tgt)
+		m.conflict[src] = slices.Clone(m.held[src])
+		m.awayTaken[src] = append(m.awayTaken[src], m.held[src]...)
+		m.displaced[ord] = src
+		m.history = append(m.history, fmt.Sprintf("  its source %v is cut off: target %v of claim %s promoted, the source displaced", src,
+			tgt.k, modelClaim(ord)))
+		m.count["migration promoted after a fault"]++
+	})
+}
+
+// targetAwayLocked tells whether ordinal's migration target runs on a cut-off node; m.mu is held.
+func (m *model) targetAwayLocked(ord string) bool {
+	tgt, ok := m.targets[ord]
+	return ok && m.awayLocked(tgt.k)
+}
+
+// sourceOfAwayTarget tells whether owner is the source of a migration whose target's
+// node is cut off: its source's DEL, or its death, would end the migration in a way the
+// model does not follow (the target's re-claim after it), so drains, deaths, GC and crashes
+// leave that pod alone until the target's node is back.
+func (m *model) sourceOfAwayTarget(owner string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ord := m.stsOf[owner]
+	if ord == "" || !m.targetAwayLocked(ord) {
+		return false
+	}
+	h, _ := m.incarnationLocked(ord, "")
+	return h.owner == owner
 }
 
 // targetOwnerKeys are the owner index keys of the migrations' targets as etcd has them (the
@@ -455,7 +518,7 @@ func (m *model) checkMigrations(claims, allocs, owners, migs []*mvccpb.KeyValue)
 		}
 	}
 	for ord, tgt := range m.targets {
-		if _, ok := targetOf[modelClaim(ord)]; !ok {
+		if _, ok := targetOf[modelClaim(ord)]; !ok && !m.awayLocked(tgt.k) { // a cut-off target's went with its pod lease
 			m.t.Errorf("the model's migration of claim %s to %v has no live migration key", modelClaim(ord), tgt.k)
 		}
 	}
@@ -487,10 +550,11 @@ func (m *model) checkMigrations(claims, allocs, owners, migs []*mvccpb.KeyValue)
 		}
 	}
 	// The model's side: at most two live incarnations of a VM, on two nodes; one of another.
+	// A source its target displaced holds nothing of the claim (its conflicts) until deleted.
 	for ord := range m.claimIPs {
 		var nodes []int
 		for k := range m.held {
-			if m.stsOf[k.owner] == ord {
+			if m.stsOf[k.owner] == ord && m.displaced[ord] != k {
 				nodes = append(nodes, m.home[k.owner])
 			}
 		}
@@ -649,16 +713,25 @@ func (m *model) migrationProblems() (out, promoted []string) {
 // the target. The DEL releases nothing the target holds (do checks every other owner's keys).
 func (m *model) endDisplaced(ctx context.Context, i int) {
 	m.mu.Lock()
-	var due []attKey
+	var due []string
 	for _, ord := range sortedKeys(m.displaced) {
-		if src := m.displaced[ord]; !m.awayLocked(src) {
-			due = append(due, src)
-			delete(m.displaced, ord)
+		src := m.displaced[ord]
+		if _, held := m.held[src]; !held {
+			delete(m.displaced, ord) // deleted meanwhile (the settle)
+		} else if !m.awayLocked(src) {
+			due = append(due, ord)
 		}
 	}
 	m.mu.Unlock()
-	for _, src := range due {
+	for _, ord := range due {
+		m.mu.Lock()
+		src := m.displaced[ord]
+		m.mu.Unlock()
 		m.log("%d the displaced source %v of a migration its target completed is deleted", i, src)
+		// Still displaced while its DEL runs: not the claim's incarnation, so not a completion.
 		m.do(ctx, i, m.nodes[m.home[src.owner]], src, 5, 1, map[string]bool{src.owner: true})
+		m.mu.Lock()
+		delete(m.displaced, ord)
+		m.mu.Unlock()
 	}
 }

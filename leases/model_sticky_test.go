@@ -71,7 +71,9 @@ func (m *model) incarnation(ordinal string) (attKey, bool) {
 
 func (m *model) incarnationLocked(ordinal, except string) (attKey, bool) {
 	for k := range m.held {
-		if k.owner != except && m.stsOf[k.owner] == ordinal {
+		// A migration's source displaced by its target's promotion is not the claim's
+		// incarnation, until the model deletes it (model_migration_test.go, endDisplaced).
+		if k.owner != except && m.stsOf[k.owner] == ordinal && m.displaced[ordinal] != k {
 			return k, true
 		}
 	}
@@ -92,6 +94,12 @@ func (m *model) planSticky(used map[string]bool) []modelOp {
 	if cur, live := m.incarnation(ord); live {
 		if m.awayOwner(cur.owner) {
 			return nil // its node is cut off: nothing reaches the pod, and no replacement is made
+		}
+		m.mu.Lock()
+		away := m.targetAwayLocked(ord)
+		m.mu.Unlock()
+		if away {
+			return nil // its migration's target is cut off: the VM waits for it (model_migration_test.go)
 		}
 		used[cur.owner] = true
 		node := m.homeOf(cur.owner)

@@ -130,6 +130,7 @@ func TestModelRandomHistories(t *testing.T) {
 	}()
 	for i := range steps {
 		m.step(i)
+		m.awaitCompletions(i)
 		m.resolve(i)
 		m.noteContended()
 		m.check()
@@ -276,6 +277,7 @@ type model struct {
 	// fault displaced, their target promoted, until the model deletes them.
 	targets   map[string]modelTarget
 	displaced map[string]attKey
+	completed []string // the ordinals whose migration a source's DEL completed in this step
 
 	// The pool's access and the selection rules, as last written, and the step the pool
 	// opens again at (model_access_test.go).
@@ -677,7 +679,7 @@ func (m *model) gc(ctx context.Context, i int) {
 		if m.home[k.owner] != ni {
 			continue
 		}
-		if m.rng.IntN(2) == 0 {
+		if m.rng.IntN(2) == 0 || m.stsOf[k.owner] != "" && m.targetAwayLocked(m.stsOf[k.owner]) {
 			valid[isDual(k)] = append(valid[isDual(k)], allocator.Attachment{ContainerID: c, IfName: k.ifName})
 		} else {
 			dropped = append(dropped, k)
