@@ -167,7 +167,8 @@ func Start(ctx context.Context, cli *clientv3.Client, cfg Config) (*Agent, error
 		HeldLease: func(ctx context.Context) (clientv3.LeaseID, error) {
 			id, _, err := a.attach.HeldFor(ctx, "")
 			return id, err
-		}})
+		},
+		HeldLeaseGone: func(ctx context.Context, id clientv3.LeaseID) bool { return a.attach.HeldLeaseGone(ctx, id) }})
 	a.metrics.live.Watch(a.sticky.MigrationsSince)
 	a.sticky.ResumeReleases()
 	hooks := poolview.Hooks{Settling: a.hold.Settling, Generation: a.hold.Generation,

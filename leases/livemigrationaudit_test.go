@@ -486,6 +486,57 @@ func TestATargetWhoseSourceReleasedTheClaimTakesIt(t *testing.T) {
 	}
 }
 
+// TestATargetWhoseSourceReleasedTheClaimTakesItOnALiveBlockLease: the target node's block
+// lease, the one its migration key names, revoked by hand with no block claim of the node on
+// it (nothing the audit checks finds it gone, and the keeper renews it next a third of its
+// TTL away), then the source's DEL at once: T2 refused (lease not found), the claim released.
+// The target's audit takes it as a hand-over within an audit or two, its held keys on a block
+// lease etcd has and its agent renews, rather than fail on the lost one until the keeper
+// finds it gone (issue 35).
+func TestATargetWhoseSourceReleasedTheClaimTakesItOnALiveBlockLease(t *testing.T) {
+	hold := func(c *Config) { c.ReuseDelay = holdDelay } // a block lease renewed every 155 s
+	cluster, cli, ctx, pool, a, b, ips, started := migratingPair(t, "10.84.0.0/24", hold)
+	bl := lostLease(t, started.mig.BlockLease)
+	if bl == 0 {
+		t.Fatalf("the migration key names no block lease: %+v", started.mig)
+	}
+	if _, err := cli.Revoke(ctx, bl); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Del(ctx, vmReq(pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	if got := liveCount(t, a, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); got != 0 {
+		t.Fatalf("completed{source_deleted} on the source's node: %v, want 0 (T2 refused: its block lease is gone)", got)
+	}
+	etcdtest.EventuallyTrue(t, "the target took the claim", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips)
+		return m.claim.Holder != nil && m.claim.Holder.Owner == "u2"
+	})
+	m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+	m.heldBy("u2")
+	for i, ip := range ips {
+		l := m.heldLeases[i]
+		if l == bl || l == 0 {
+			t.Errorf("%s: held key on lease %s, want on the target node's live block lease", ip, keyspace.LeaseHex(l))
+			continue
+		}
+		if ttl, err := cli.TimeToLive(ctx, l); err != nil || ttl.TTL <= 0 || !b.keeper.Holds(l) {
+			t.Errorf("%s: held key on lease %s: %v %v, renewed by the target's agent %v; want one etcd has, renewed", ip,
+				keyspace.LeaseHex(l), ttl, err, b.keeper.Holds(l))
+		}
+	}
+	for _, l := range []clientv3.LeaseID{m.claimLease, m.ownerLeases["u2"]} {
+		if ttl, err := cli.TimeToLive(ctx, l); err != nil || ttl.TTL <= 0 || !b.keeper.Holds(l) {
+			t.Errorf("lease %s of the claim's keys: %v %v, renewed by the target's agent %v; want one etcd has, renewed",
+				keyspace.LeaseHex(l), ttl, err, b.keeper.Holds(l))
+		}
+	}
+	if got := liveCount(t, b, "leasehold_live_migrations_completed_total", LiveMigrationSourceDeleted); got != 1 {
+		t.Errorf("completed{source_deleted} on the target's node: %v, want 1", got)
+	}
+}
+
 // lostLease parses a lease a migration key names, in hex; 0 for none.
 func lostLease(t *testing.T, hex string) clientv3.LeaseID {
 	t.Helper()

@@ -212,7 +212,7 @@ func (sc *Claims) targetRecord(ctx context.Context, ps podbook.PodState, at podb
 		Source:     keyspace.LiveMigrationSource{Owner: source.Owner, Node: source.Node, LeaseID: source.LeaseID},
 		Since:      at.Created.UTC(),
 	}
-	bl, err := sc.cfg.HeldLease(ctx)
+	bl, err := sc.heldLease(ctx)
 	if err == nil && bl != 0 {
 		m.BlockLease = keyspace.LeaseHex(bl)
 	}
@@ -220,6 +220,20 @@ func (sc *Claims) targetRecord(ctx context.Context, ps podbook.PodState, at podb
 		sc.dropLease(at, claimLease)
 	}
 	return m, claimLease, err
+}
+
+// heldLease is the node's block lease, the one held keys go on, asked of etcd: one lost
+// unseen (revoked by hand, taken by a restore; with no block claim on it the audit does not
+// find it gone, and the keeper renews it next a third of its TTL away) is dropped, with its
+// claims, and the next one taken. Else a key written again would name it (T2 refused, the
+// claim released) and a claim taken (a hand-over, T4) be refused on it until the keeper
+// finds it gone. Only what writes a target's keys asks (targetRecord), not a fine migration.
+func (sc *Claims) heldLease(ctx context.Context) (clientv3.LeaseID, error) {
+	bl, err := sc.cfg.HeldLease(ctx)
+	if err == nil && bl != 0 && sc.cfg.HeldLeaseGone(ctx, bl) {
+		bl, err = sc.cfg.HeldLease(ctx)
+	}
+	return bl, err
 }
 
 // targetLease is the claim lease of target attachment at: its own while etcd has it (renewed

@@ -86,8 +86,11 @@ type Config struct {
 	// once when the audit finds it older (livecount.go). 0 logs none.
 	LiveMigrationBound time.Duration
 	// HeldLease is the lease this node's held keys go on (the block lease; 0: none are
-	// written), named by a live migration key the target's agent writes again.
-	HeldLease func(ctx context.Context) (clientv3.LeaseID, error)
+	// written), named by a live migration key the target's agent writes again. HeldLeaseGone
+	// asks etcd whether block lease id is gone, and if so drops it with its claims (the next
+	// HeldLease is another), as a claim refused on it does.
+	HeldLease     func(ctx context.Context) (clientv3.LeaseID, error)
+	HeldLeaseGone func(ctx context.Context, id clientv3.LeaseID) bool
 }
 
 // Book is what the sticky claims ask of the pod book (podbook.Book): of its audit view
