@@ -113,7 +113,10 @@ func (sc *Claims) releaseStaleClaims(ctx context.Context) error {
 // as target an attachment of this node identity that it no longer has: the backup brought
 // them back as they were before the target's DEL (T3), on a lease nobody renews. Until it
 // expired, such a key would refuse every other pod naming the claim (T6) and offer the
-// claim's keys to a pod that is gone when its source is deleted (T2). Each goes compared
+// claim's keys to a pod that is gone when its source is deleted (T2). So does a key naming as
+// target an attachment that holds the claim now (the migration completed since the backup),
+// on its pod lease, which lives: it would stand for good, and the target of the attachment's
+// own migration, re-claimed, would wait for it to go (ReclaimTarget). Each goes compared
 // unchanged since read, under its target's owner lock.
 func (sc *Claims) deleteStaleMigrations(ctx context.Context) error {
 	octx, cancel := sc.opCtx(ctx)
@@ -134,7 +137,7 @@ func (sc *Claims) deleteStaleMigrations(ctx context.Context) error {
 		}
 		t := m.Target
 		own := sc.locks.Lock(t.Owner)
-		if !sc.pods.Lists(t.Owner, t.IfName, pool, t.ContainerID) {
+		if !sc.pods.Lists(t.Owner, t.IfName, pool, t.ContainerID) || sc.holdsNow(t.Owner, t.IfName, pool, t.ContainerID) {
 			octx, cancel := sc.opCtx(ctx)
 			dresp, err := sc.cli.Txn(octx).If(keyspace.Unchanged(string(kv.Key), kv.ModRevision)).Then(clientv3.OpDelete(string(kv.Key))).Commit()
 			cancel()
@@ -150,6 +153,15 @@ func (sc *Claims) deleteStaleMigrations(ctx context.Context) error {
 		own.Unlock()
 	}
 	return errors.Join(errs...)
+}
+
+// holdsNow tells whether owner's attachment (ifName, pool, container) is in the pod book
+// and not a live migration's target: the claim's holder, the migration completed.
+func (sc *Claims) holdsNow(owner, ifName, pool, container string) bool {
+	ps, ok := sc.pods.Snapshot(owner)
+	return ok && slices.ContainsFunc(ps.Attachments, func(a podbook.Attachment) bool {
+		return a.IfName == ifName && a.Pool == pool && a.ContainerID == container && !a.Target && !a.Released
+	})
 }
 
 // releaseStaleClaim releases claim name of pool, read at kv as rec (releaseStaleClaims).

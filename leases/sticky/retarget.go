@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -30,10 +31,12 @@ type Retargeted struct {
 }
 
 // ReclaimTarget re-claims owner's target attachment at of pod ps on lease, in a pool of
-// layout blocks, under owner's lock. ok false: the claim is in no state a target can take up
-// again (released, another target's, its addresses on no holder's lease or another node's
-// holder gone only in part), and the attachment is re-claimed as any. Its errors wrap
-// allocator.ErrUnavailable.
+// layout blocks, under owner's lock. A claim not yet as its source's agent keeps it
+// (unsettled: after etcd went back in time) is waited for, a few lease TTLs (awaitSource).
+// ok false: the claim is in no state a target can take up again (unreadable, naming this
+// pod, other addresses, its holder on this node or not migratable, its addresses on another
+// node's holder only in part, or unsettled past the wait), and the attachment is re-claimed
+// as any. Its errors wrap allocator.ErrUnavailable.
 func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at podbook.Attachment, lease clientv3.LeaseID,
 	blocks allocator.Blocks) (_ Retargeted, ok bool, _ error) {
 	ownerKey := keyspace.OwnerKey(sc.cfg.Cluster, ps.Owner, at.IfName, at.Pool)
@@ -46,7 +49,9 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 	}
 	key, mkey, rec := r.key, r.mkey, r.rec
 	ckv, mkv, okv := r.ckv, r.mkv, r.extra(0)
+	wait := ownerKey + " " + at.ContainerID
 	if okv != nil {
+		sc.waits.Delete(wait)       // an earlier attempt wrote it: not waiting
 		claimLease := at.ClaimLease // the one the index names: granted anew by that attempt, maybe
 		if idx, err := keyspace.Decode[keyspace.OwnerRecord](ownerKey, okv.Value); err == nil && idx.ClaimLease != "" {
 			claimLease, _ = keyspace.ParseLeaseHex(idx.ClaimLease)
@@ -58,10 +63,17 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 		return Retargeted{}, false, fmt.Errorf("%w: re-claim %s: the owner index is still on lease %s", allocator.ErrUnavailable,
 			ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(okv)))
 	}
-	if ckv == nil || mkv != nil || r.recErr != nil || rec.Holder == nil || rec.Holder.Owner == ps.Owner || !slices.Equal(rec.IPs, at.IPs) {
-		return Retargeted{}, false, nil // released, another target's, or not a claim this target can take up
-	}
 	acmps, allocated, onSource := r.addrCmps(at, blocks)
+	if why := r.unsettled(allocated, onSource); why != "" {
+		if err := sc.awaitSource(wait, at, why); err != nil {
+			return Retargeted{}, false, err
+		}
+		return Retargeted{}, false, nil // waited long enough: re-claimed as any
+	}
+	sc.waits.Delete(wait)
+	if r.recErr != nil || rec.Holder == nil || rec.Holder.Owner == ps.Owner || !slices.Equal(rec.IPs, at.IPs) {
+		return Retargeted{}, false, nil // not a claim this target can take up
+	}
 	promoted := allocated == 0
 	if !promoted && (onSource < len(at.IPs) || rec.Holder.Node == sc.cfg.Node || !rec.Migratable) {
 		return Retargeted{}, false, nil
@@ -108,6 +120,62 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 	}
 	return Retargeted{Rev: tresp.Header.Revision, Promoted: promoted, ClaimLease: claimLease}, true, nil
 }
+
+// unsettled tells, for a target being re-claimed, why its claim is not as its source's agent
+// keeps it, or "": the record missing or naming no holder, a migration key naming another
+// target, or an address allocated but not on the pod lease the record's holder names. After
+// etcd went back in time (a restore of a backup older than the claim, or than the holder's
+// lease, or taken during an earlier migration of the VM) that is the claim before its
+// source's agent put it back: its re-claim writes the addresses, then the record; a record
+// naming a pod deleted since is released (releaseStaleClaims), then taken back by the
+// source's repair; a key naming the source as the target it was is deleted
+// (deleteStaleMigrations). Re-claimed as any pod's meanwhile, the target would record a
+// conflict against its own source, and the two could each take back one of the claim's
+// addresses.
+func (r targetRead) unsettled(allocated, onSource int) string {
+	switch {
+	case r.ckv == nil:
+		return "the claim record is missing"
+	case r.recErr == nil && r.rec.Holder == nil:
+		return "the claim record names no holder"
+	case r.mkv != nil:
+		return "a live migration key names another target"
+	case allocated > 0 && onSource < allocated:
+		return "an address of the claim is allocated on another lease than its holder's pod lease"
+	}
+	return ""
+}
+
+// awaitSource is ReclaimTarget's wait for the source's agent to put back the claim of target
+// attachment at (wait names it: its owner index key and container), found unsettled (why):
+// an error, wrapping allocator.ErrUnavailable, until targetWait has passed since the first
+// such re-claim, so that the recovery loop re-claims the pod again; then nil, and the
+// target is re-claimed as any pod (its source gone for good with etcd's history, say). The
+// target takes none of the claim's addresses meanwhile: they are its source's to put back.
+func (sc *Claims) awaitSource(wait string, at podbook.Attachment, why string) error {
+	now := time.Now()
+	first, waiting := sc.waits.LoadOrStore(wait, now)
+	since := first.(time.Time)
+	if now.Sub(since) >= targetWait*sc.cfg.LeaseTTL {
+		sc.waits.Delete(wait)
+		sc.log.Error("a live migration's target re-claimed after etcd went back in time waited for its source's agent to put the claim "+
+			"back, in vain; it is re-claimed as any pod: an address its source holds is a conflict", "claim", at.Claim, "target", wait,
+			"why", why, "waited", now.Sub(since).Round(time.Millisecond))
+		return nil
+	}
+	if !waiting {
+		sc.log.Warn("a live migration's target re-claimed after etcd went back in time waits for its source's agent to put the claim back",
+			"claim", at.Claim, "target", wait, "why", why, "for_at_most", targetWait*sc.cfg.LeaseTTL)
+	}
+	return fmt.Errorf("%w: re-claim %s: the live migration's target waits for its source's agent to put claim %q back: %s",
+		allocator.ErrUnavailable, wait, at.Claim, why)
+}
+
+// targetWait bounds, in pod lease TTLs, how long a target's re-claim waits for its source's
+// agent (awaitSource): that agent notices etcd going back in time and re-claims its pods
+// within about a TTL, and what the backup brought back of pods deleted since expires within
+// one.
+const targetWait = 3
 
 // targetRead is what a target's agent read of its claim (keepTarget, ReclaimTarget), in one
 // transaction: the record (recErr: unreadable), the migration key, each address's

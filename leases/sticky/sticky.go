@@ -54,6 +54,9 @@ type Claims struct {
 	unclaimed sync.Map
 	// seen are the live migrations this node's pods take part in (livecount.go).
 	seen liveSeen
+	// waits are the targets whose re-claim waits for their source's agent, by owner index
+	// key and container, since the first attempt (awaitSource).
+	waits sync.Map
 }
 
 // Config is what the sticky claims use of the agent's Config, and what they are handed of
