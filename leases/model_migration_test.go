@@ -31,10 +31,11 @@ import (
 // gone when the target's agent looked, the target was promoted and the model deletes the
 // displaced source. So is a node's crash right after a DEL (its pod leases expiring or not),
 // and a DEL racing a re-claim on its node. A node cut off is followed by cutOffMigrations:
-// its source's target is promoted, its target takes its migration up again once back. A
-// restore drawn during a migration deletes its target first (restoreIf); backups are taken
-// during them. After a step that completed a migration the model waits for the target to
-// hold the claim: at once by T2, or by its audit's hand-over when T2 was refused
+// its source's target is promoted, its target takes its migration up again once back.
+// Backups and restores fall during migrations too: after a restore each migration goes on,
+// its target re-claimed (targetRepairProblemsLocked), or its target was promoted, its source
+// displaced (restoreIf). After a step that completed a migration the model waits for the
+// target to hold the claim: at once by T2, or by its audit's hand-over when T2 was refused
 // (awaitCompletions).
 //
 // The model keeps a target apart from m.held (which holds one attachment per address, the

@@ -123,10 +123,6 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 		slices.ContainsFunc(m.nodes, func(n *modelNode) bool { return n.away > 0 }) {
 		return false
 	}
-	// A live migration is not restored: its target is deleted first, as a target re-claimed
-	// during the repair can lose its migration (docs/proposals/live-migration.md, "What is not
-	// done"). A backup taken during one brings back one that ended since.
-	m.failAll(ctx, i, -1)
 	b := m.backups[m.rng.IntN(len(m.backups))]
 	var bump uint64
 	how := "plain"
@@ -168,7 +164,16 @@ func (m *model) restoreIf(ctx context.Context, i int, ok bool) bool {
 	}
 	wg.Wait()
 	m.repairing = false
+	// Each live migration goes on, or its target was promoted: its source's keys were gone
+	// when the target's agent looked (its re-claim dropping what the restore brought back on
+	// a lease it left, say). The source finds the addresses its target's: conflicts, as of
+	// an attachment that held them before the restore.
+	targets := m.targetsOn(-1)
+	for _, ord := range m.awaitMigrationsFor(i, "etcd was restored", modelRepairWait) {
+		before[targets[ord].k] = targets[ord].ips
+	}
 	m.awaitRepair(i, start, before)
+	m.endDisplaced(ctx, i)
 	m.expireUnrenewed(i)
 	m.awaitRulesSeen(i)
 	return true
@@ -460,6 +465,7 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 			}
 		}
 	}
+	out = append(out, m.targetRepairProblemsLocked(st, podRecs, pods, ours)...)
 	out = append(out, m.claimRepairProblemsLocked(sticky.Responses[0].GetResponseRange().Kvs,
 		sticky.Responses[1].GetResponseRange().Kvs, st.owners)...)
 	// What the restore brought back of attachments the model does not have.
@@ -487,6 +493,36 @@ func (m *model) repairProblems(before map[attKey][]netip.Addr, ghosts map[netip.
 	}
 	sort.Strings(out)
 	return taken, out
+}
+
+// targetRepairProblemsLocked is repairProblems for the targets of live migrations, m.mu
+// held: each re-claimed by its node's agent, its pod record and owner index on the lease the
+// agent holds (its migration key, written with the owner index, checkMigrations checks). It
+// adds their pod record and owner index keys to pods and ours.
+func (m *model) targetRepairProblemsLocked(st etcdState, podRecs map[string]clientv3.LeaseID, pods, ours map[string]bool) (out []string) {
+	for _, ord := range sortedKeys(m.targets) {
+		tgt := m.targets[ord]
+		n := m.nodes[m.home[tgt.k.owner]]
+		podKey, ownerKey := keyspace.PodKey(m.cluster, n.name, tgt.k.owner), keyspace.OwnerKey(m.cluster, tgt.k.owner, tgt.k.ifName, m.pool.Name)
+		pods[podKey], ours[ownerKey] = true, true
+		if n.agent == nil {
+			continue
+		}
+		lease, held := n.agent.pods.Lease(tgt.k.owner)
+		if !held {
+			out = append(out, fmt.Sprintf("target %v of claim %s: %s holds no lease of its pod", tgt.k, modelClaim(ord), n.name))
+			continue
+		}
+		if on, ok := podRecs[podKey]; !ok || on != lease {
+			out = append(out, fmt.Sprintf("target %v: pod record on lease %s (present %v), want on %s", tgt.k, keyspace.LeaseHex(on), ok,
+				keyspace.LeaseHex(lease)))
+		}
+		if ix, ok := st.owners[ownerKey]; !ok || ix.lease != lease || ix.rec.ContainerID != tgt.ctr || !slices.Equal(ix.rec.IPs, tgt.ips) {
+			out = append(out, fmt.Sprintf("target %v: owner index on %s names %s %v (present %v), want on %s %s %v", tgt.k,
+				keyspace.LeaseHex(ix.lease), ix.rec.ContainerID, ix.rec.IPs, ok, keyspace.LeaseHex(lease), tgt.ctr, tgt.ips))
+		}
+	}
+	return out
 }
 
 // holdOpen tells whether a's ADDs go on: no repair after etcd went back in time is pending.
