@@ -141,3 +141,61 @@ func (rb restoreBed) migrating(t *testing.T, ips []netip.Addr, source keyspace.L
 			target.Owner, target.Node)
 	}
 }
+
+// TestATargetReclaimedAfterARestoreDoesNotTakeTheClaimFromItsSource: etcd restored from a
+// backup taken during an earlier migration of the VM (u1 to u2, completed since by u1's DEL)
+// while the next one runs (u2 to u3), with u1's and u2's agents down: the record names u1
+// again, whose allocations are gone (its lease expired, as a dead node's does), and no
+// migration key is left (u2's agent deletes the one naming u2 as target). To u3's re-claim
+// the claim then looks like its source expired (T4), but the holder is not its source: u3
+// waits for u2's agent instead of taking u2's addresses (chaos seed 4 found it). Once u2's
+// agent is back, u2 holds every address again, u3's migration key is back, and u2's DEL
+// completes the migration.
+func TestATargetReclaimedAfterARestoreDoesNotTakeTheClaimFromItsSource(t *testing.T) {
+	eachRestoreWay(t, "10.89.0.128/26", func(t *testing.T, rb restoreBed) {
+		state := t.TempDir()
+		bcfg := func(c *Config) { c.StateDir = state }
+		logs, clog := keptLog(t, "n3")
+		a := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n1", "uid1", auditFast)
+		b := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n2", "uid2", auditFast, bcfg)
+		c := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n3", "uid3", auditFast, clog)
+		ips, _ := startMigration(t, rb.cli, rb.cluster, a, b, rb.pool)
+		backup := rb.backup(t)
+		if err := a.Del(rb.ctx, vmReq(rb.pool, "c1", "u1")); err != nil {
+			t.Fatal(err)
+		}
+		readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u2").heldBy("u2")
+		if res, err := c.Add(rb.ctx, vmReq(rb.pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
+			t.Fatalf("the next migration's target ADD: %v %v, want %v", res, err, ips)
+		}
+		a.Close()
+		b.Close()
+		if err := rb.member.Restore(backup, rb.bump); err != nil {
+			t.Fatal(err)
+		}
+		old := readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u1")
+		if old.claim.Holder == nil || old.claim.Holder.Owner != "u1" || old.ipLeases[0] == 0 || old.migLease == 0 {
+			t.Fatalf("after the restore: record %+v, allocation on %x, migration key on %x; want u1's, as backed up",
+				old.claim.Holder, int64(old.ipLeases[0]), int64(old.migLease))
+		}
+		if _, err := rb.cli.Revoke(rb.ctx, old.ipLeases[0]); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := rb.cli.Delete(rb.ctx, old.migKey); err != nil {
+			t.Fatal(err)
+		}
+		etcdtest.EventuallyTrue(t, "u3's re-claim waits for its source's agent, or takes the claim", func() bool {
+			m := readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips)
+			return strings.Contains(logs.String(), "not this target's source u2") || m.claim.Holder != nil && m.claim.Holder.Owner == "u3"
+		})
+		if m := readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips); m.claim.Holder == nil || m.claim.Holder.Owner != "u1" {
+			t.Fatalf("while u2's agent is down, the record names %s; want u1's, left to u2's agent", holderName(m.claim))
+		}
+		b = startAgentAt(t, rb.member.ClientURL, rb.cluster, "n2", "uid2", auditFast, bcfg)
+		rb.migrating(t, ips, keyspace.LiveMigrationSource{Owner: "u2", Node: "n2"}, keyspace.ClaimHolder{Owner: "u3", Node: "n3"})
+		if err := b.Del(rb.ctx, vmReq(rb.pool, "c2", "u2")); err != nil {
+			t.Fatal(err)
+		}
+		readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u3").heldBy("u3")
+	})
+}

@@ -66,6 +66,9 @@ func (s *addSticky) Found(out txn.ClaimOutcome) bool {
 func (s *addSticky) Bound(at *podbook.Attachment) bool {
 	k := s.read
 	at.Claim, at.ClaimLease, at.ClaimHold, at.ClaimMigratable, k.Used = k.Name, k.Lease, k.Hold, s.req.Migratable, true
+	if k.Migration != nil {
+		at.Source = k.Migration.Source.Owner
+	}
 	return k.Handover
 }
 

@@ -178,8 +178,8 @@ func (c Change) SetConflicts(ifName, pool string, taken []netip.Addr) {
 // claim is migratable: a target's is by construction.
 func (c Change) Promoted(ifName, pool string) {
 	c.attachment(ifName, pool, func(at *Attachment) bool {
-		was := at.Target || !at.ClaimMigratable
-		at.Target, at.ClaimMigratable = false, true
+		was := at.Target || !at.ClaimMigratable || at.Source != ""
+		at.Target, at.ClaimMigratable, at.Source = false, true, ""
 		return was
 	})
 }

@@ -75,6 +75,11 @@ type Attachment struct {
 	// addresses' keys are the claim's holder's, on the holder's leases, until the migration
 	// completes: neither the audit nor the sticky claims' keep puts them back for it.
 	Target bool `json:"target,omitempty"`
+	// Source is a target's source: the owner the claim record named as holder when its
+	// migration started. A record naming another holder (a restore brought back an older
+	// one) is not the target's to take over (sticky.Claims.ReclaimTarget). "" for a journal
+	// from before it: not compared.
+	Source string `json:"source,omitempty"`
 	// Released: the runtime's DEL of the attachment was answered while etcd could not be
 	// reached. The DEL is final: the attachment is never re-claimed, and the agent releases
 	// its keys once etcd answers (leases.Agent.releasePending).

@@ -134,9 +134,12 @@ func (r *Reclaimer) reclaimAttachment(ctx context.Context, own *ownerlock.Owned,
 		}
 		if ok {
 			pat.Target, pat.ClaimLease = !promoted, claimLease
+			if promoted {
+				pat.Source = ""
+			}
 			return rev, []netip.Addr{}, nil
 		}
-		pat.Target = false // re-claimed as any pod: the addresses its source holds are conflicts
+		pat.Target, pat.Source = false, "" // re-claimed as any pod: the addresses its source holds are conflicts
 	}
 	heldLease, held, err := r.cfg.HeldFor(ctx, ps.Owner)
 	if err != nil {

@@ -80,6 +80,14 @@ func (sc *Claims) keepTarget(ctx context.Context, owner string, at podbook.Attac
 		}
 		return nil
 	}
+	if at.Source != "" && rec.Holder != nil && rec.Holder.Owner != at.Source {
+		// A holder older than the source, brought back by a restore: the source's agent
+		// puts the claim back (its repair); promoted now, the target would take its source's
+		// addresses.
+		sc.log.Warn("the claim of a live migration this node's pod is the target of names a holder other than its source; "+
+			"left for the source's agent to put back", "claim", at.Claim, "owner", owner, "source", at.Source, "holder", holderName(rec.Holder))
+		return nil
+	}
 	if r.ckv == nil || !slices.Equal(rec.IPs, at.IPs) || rec.Holder == nil && !r.resting() {
 		sc.log.Warn("a live migration this node's pod is the target of has no claim holder any more; its addresses are not its own",
 			"claim", at.Claim, "owner", owner, "pool", at.Pool)

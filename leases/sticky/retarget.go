@@ -64,7 +64,7 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 			ownerKey, keyspace.LeaseHex(keyspace.LeaseOf(okv)))
 	}
 	acmps, allocated, onSource := r.addrCmps(at, blocks)
-	if why := r.unsettled(allocated, onSource); why != "" {
+	if why := r.unsettled(allocated, onSource, at.Source, ps.Owner); why != "" {
 		if err := sc.awaitSource(wait, at, why); err != nil {
 			return Retargeted{}, false, err
 		}
@@ -123,7 +123,9 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 
 // unsettled tells, for a target being re-claimed, why its claim is not as its source's agent
 // keeps it, or "": the record missing or naming no holder, a migration key naming another
-// target, or an address allocated but not on the pod lease the record's holder names. After
+// target, a holder other than the target's source (podbook.Attachment.Source: a hand-over
+// never happens while a target lives), or an address allocated but not on the pod lease the
+// record's holder names. After
 // etcd went back in time (a restore of a backup older than the claim, or than the holder's
 // lease, or taken during an earlier migration of the VM) that is the claim before its
 // source's agent put it back: its re-claim writes the addresses, then the record; a record
@@ -132,8 +134,10 @@ func (sc *Claims) ReclaimTarget(ctx context.Context, ps podbook.PodState, at pod
 // (deleteStaleMigrations). Re-claimed as any pod's meanwhile, the target would record a
 // conflict against its own source, and the two could each take back one of the claim's
 // addresses.
-func (r targetRead) unsettled(allocated, onSource int) string {
+func (r targetRead) unsettled(allocated, onSource int, source, owner string) string {
 	switch {
+	case source != "" && r.recErr == nil && r.rec.Holder != nil && r.rec.Holder.Owner != source && r.rec.Holder.Owner != owner:
+		return "the claim record names holder " + r.rec.Holder.Owner + ", not this target's source " + source
 	case r.ckv == nil:
 		return "the claim record is missing"
 	case r.recErr == nil && r.rec.Holder == nil:
