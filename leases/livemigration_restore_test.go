@@ -70,15 +70,7 @@ func TestATargetReclaimedAfterARestoreWaitsForItsSourceToHoldTheClaimAgain(t *te
 		a := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n1", "uid1", auditFast)
 		b := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n2", "uid2", auditFast)
 		c := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n3", "uid3", auditFast, clog)
-		ips, _ := startMigration(t, rb.cli, rb.cluster, a, b, rb.pool)
-		backup := rb.backup(t)
-		if err := a.Del(rb.ctx, vmReq(rb.pool, "c1", "u1")); err != nil {
-			t.Fatal(err)
-		}
-		readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u2").heldBy("u2")
-		if res, err := c.Add(rb.ctx, vmReq(rb.pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
-			t.Fatalf("the next migration's target ADD: %v %v, want %v", res, err, ips)
-		}
+		ips, backup := rb.backedUpBeforeTheNextMigration(t, a, b, c)
 		if err := rb.member.Restore(backup, rb.bump); err != nil {
 			t.Fatal(err)
 		}
@@ -159,15 +151,7 @@ func TestATargetReclaimedAfterARestoreDoesNotTakeTheClaimFromItsSource(t *testin
 		a := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n1", "uid1", auditFast)
 		b := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n2", "uid2", auditFast, bcfg)
 		c := startAgentAt(t, rb.member.ClientURL, rb.cluster, "n3", "uid3", auditFast, clog)
-		ips, _ := startMigration(t, rb.cli, rb.cluster, a, b, rb.pool)
-		backup := rb.backup(t)
-		if err := a.Del(rb.ctx, vmReq(rb.pool, "c1", "u1")); err != nil {
-			t.Fatal(err)
-		}
-		readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u2").heldBy("u2")
-		if res, err := c.Add(rb.ctx, vmReq(rb.pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
-			t.Fatalf("the next migration's target ADD: %v %v, want %v", res, err, ips)
-		}
+		ips, backup := rb.backedUpBeforeTheNextMigration(t, a, b, c)
 		a.Close()
 		b.Close()
 		if err := rb.member.Restore(backup, rb.bump); err != nil {
@@ -198,4 +182,21 @@ func TestATargetReclaimedAfterARestoreDoesNotTakeTheClaimFromItsSource(t *testin
 		}
 		readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u3").heldBy("u3")
 	})
+}
+
+// backedUpBeforeTheNextMigration migrates the VM from u1 (on a) to u2 (on b), backs etcd up
+// during that migration, completes it (u1's DEL), and starts the next one, to u3 on c: the
+// claim's addresses and the backup.
+func (rb restoreBed) backedUpBeforeTheNextMigration(t *testing.T, a, b, c *Agent) ([]netip.Addr, string) {
+	t.Helper()
+	ips, _ := startMigration(t, rb.cli, rb.cluster, a, b, rb.pool)
+	backup := rb.backup(t)
+	if err := a.Del(rb.ctx, vmReq(rb.pool, "c1", "u1")); err != nil {
+		t.Fatal(err)
+	}
+	readLiveMig(t, rb.cli, rb.cluster, rb.pool, ips, "u2").heldBy("u2")
+	if res, err := c.Add(rb.ctx, vmReq(rb.pool, "c3", "u3")); err != nil || !slices.Equal(resultAddrs(res), ips) {
+		t.Fatalf("the next migration's target ADD: %v %v, want %v", res, err, ips)
+	}
+	return ips, backup
 }
