@@ -500,7 +500,8 @@ func (c *checker) conflicts() []ConflictVerdict {
 // claim's other pod on another node (claimMate), recorded at t: justified when p's pod lease
 // could expire before holder got ip: p's node away without a break for longer than the TTL
 // after holder's first ADD was sent and before t, or p's agent logging p's lease lost before
-// holder got ip, without a re-claim of p between. The claim's addresses go to its other pod
+// holder got ip (or, holder p's migration target, before the conflict), without a re-claim of p
+// between. The claim's addresses go to its other pod
 // at that expiry, not after the reuse delay: the promotion of a live migration's target
 // (T4), or a hand-over to an ADD naming the claim. p's re-claim then finds them taken, the
 // window that remains (docs/proposals/live-migration.md, T4).
@@ -520,19 +521,26 @@ func (c *checker) claimTakeover(p *Pod, holder string, ip netip.Addr, t time.Tim
 		}
 	}
 	got, how := c.gotAddress(hp, ip, t.Add(time.Second))
+	// holder, p's live migration's target, got ip at its ADD beside p; it takes the keys
+	// when it finds p's gone (T4), at any time until the conflict.
+	by, took := got, "got"
+	if hp.Target == p.UID {
+		by, took = t, "took the keys of"
+	}
 	var lost time.Time
 	for _, l := range c.h.Logs {
 		switch {
 		case l.Owner != p.UID:
-		case l.Kind == "leaselost" && !l.Time.After(got.Add(time.Second)): // logged a little after the expiry
+		case l.Kind == "leaselost" && !l.Time.After(by.Add(time.Second)): // logged a little after the expiry
 			lost = l.Time
-		case l.Kind == "reclaimed" && l.Time.Before(got):
+		case l.Kind == "reclaimed" && l.Time.Before(by):
 			lost = time.Time{}
 		}
 	}
 	if !lost.IsZero() {
-		return true, fmt.Sprintf("%s: %s's agent logged its lease lost at %s, not re-claimed before %s got %s at %s (%s): "+
-			"the claim's addresses go to its other pod at the holder's expiry", mates, p.UID, c.at(lost), hp.UID, ip, c.at(got), how)
+		return true, fmt.Sprintf("%s: %s's agent logged its lease lost at %s, not re-claimed before %s %s %s by %s (got it at %s, %s): "+
+			"the claim's addresses go to its other pod at the holder's expiry", mates, p.UID, c.at(lost), hp.UID, took, ip, c.at(by),
+			c.at(got), how)
 	}
 	return false, ""
 }

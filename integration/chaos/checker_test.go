@@ -590,13 +590,15 @@ func TestParseAgentLogReadsAStickyClaimsConflict(t *testing.T) {
 }
 
 // TestCheckJudgesAConflictOfAClaimsTwoPodsByTheLeaseLost: the source's node is not away, but
-// its agent logged its pod lease lost before the target got the address (a hand-over at the
-// holder's expiry): justified. Logged after, or re-claimed before, it is not.
+// its agent logged its pod lease lost before its live migration's target took the keys (T4,
+// by the conflict; the target got the address at its ADD): justified. Logged after the
+// conflict (past the second the log may lag the expiry), or re-claimed between the loss and
+// the conflict, it is not.
 func TestCheckJudgesAConflictOfAClaimsTwoPodsByTheLeaseLost(t *testing.T) {
 	for _, tc := range []struct {
 		lost, reclaimed float64
 		justified       bool
-	}{{19, 0, true}, {19, 19.5, false}, {22, 0, false}} {
+	}{{19, 0, true}, {19, 19.5, false}, {22, 0, true}, {22, 23, false}, {27, 0, false}} {
 		h := history()
 		h.vm("a", 0, "10.0.0.2", 1, 40, "")
 		h.vm("b", 1, "10.0.0.2", 20, 0, "a")
