@@ -326,15 +326,7 @@ func migratingPair(t *testing.T, subnet string, mod ...func(*Config)) (cluster s
 // leaves the source's keys as they were, and the source's DEL then completes the migration.
 func TestATargetWhosePodLeaseIsLostTakesItsMigrationUpAgain(t *testing.T) {
 	cluster, cli, ctx, pool, a, _, ips, started := migratingPair(t, "10.94.0.0/24")
-	lb := started.ownerLeases["u2"]
-	if _, err := cli.Revoke(ctx, lb); err != nil {
-		t.Fatal(err)
-	}
-	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
-		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
-		return m.migLease != 0 && m.migLease != lb && m.ownerLeases["u2"] == m.migLease
-	})
-	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	m := reclaimedAfterRevoking(t, cli, cluster, pool, ips, started.ownerLeases["u2"])
 	if m.mig.Target.Owner != "u2" || m.mig.Target.LeaseID != keyspace.LeaseHex(m.migLease) || m.mig.Source != started.mig.Source {
 		t.Errorf("migration key after the re-claim: %+v on %x", m.mig, int64(m.migLease))
 	}
@@ -422,17 +414,7 @@ func TestATargetReclaimedWithoutItsClaimLeaseNamesOneEtcdHas(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lb := started.ownerLeases["u2"]
-	for _, l := range []clientv3.LeaseID{lc, lb} {
-		if _, err := cli.Revoke(ctx, l); err != nil {
-			t.Fatal(err)
-		}
-	}
-	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
-		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
-		return m.migLease != 0 && m.migLease != lb && m.ownerLeases["u2"] == m.migLease
-	})
-	m := readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
+	m := reclaimedAfterRevoking(t, cli, cluster, pool, ips, started.ownerLeases["u2"], lc)
 	nc, err := keyspace.ParseLeaseHex(m.mig.ClaimLease)
 	if err != nil || nc == lc || m.ownerClaimLeases["u2"] != m.mig.ClaimLease {
 		t.Fatalf("migration key names claim lease %s (lost one %s, owner index's %s): %v", m.mig.ClaimLease,
@@ -725,4 +707,22 @@ func TestANodeWithoutAMigratableClaimDoesNotReadTheLiveMigrations(t *testing.T) 
 	if n := kv.under.Load() - read; n != 0 {
 		t.Errorf("the live migrations read %d times by audits after the VM's pod was deleted, want none", n)
 	}
+}
+
+// reclaimedAfterRevoking revokes the target u2's pod lease lb and the other leases named,
+// waits until u2's agent re-claimed it (its migration key and owner index on one new pod
+// lease), and returns the claim's keys as u1 and u2 then have them.
+func reclaimedAfterRevoking(t *testing.T, cli *clientv3.Client, cluster string, pool allocator.PoolSpec, ips []netip.Addr,
+	lb clientv3.LeaseID, also ...clientv3.LeaseID) liveMig {
+	t.Helper()
+	for _, l := range append([]clientv3.LeaseID{lb}, also...) {
+		if _, err := cli.Revoke(ctxT(t), l); err != nil {
+			t.Fatal(err)
+		}
+	}
+	etcdtest.EventuallyTrue(t, "the target re-claimed", func() bool {
+		m := readLiveMig(t, cli, cluster, pool, ips, "u2")
+		return m.migLease != 0 && m.migLease != lb && m.ownerLeases["u2"] == m.migLease
+	})
+	return readLiveMig(t, cli, cluster, pool, ips, "u1", "u2")
 }
